@@ -1,0 +1,177 @@
+//! Collective algorithms, named `<collective>_<algorithm>` as in Gloo.
+//!
+//! Each algorithm is a state machine over an [`Exec`]: `advance` posts whatever sends and
+//! receives its dependencies allow, reduces what has arrived, and reports whether anything
+//! moved; [`drive`] runs several machines (channels, trees) until all are done, sleeping in
+//! the executor only when none can move. Machines never touch memory directly: they name
+//! regions of the call's buffers and the executor checks every access.
+
+pub mod model;
+mod p2p;
+mod ring;
+mod tree;
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::str::FromStr;
+
+pub(crate) use p2p::{all_reduce_direct, all_reduce_direct_stage, all_to_all_pairwise, barrier_dissemination, sendrecv};
+pub(crate) use ring::{
+    all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage, reduce_ring, reduce_scatter_ring,
+    reduce_scatter_ring_stage,
+};
+pub(crate) use tree::{all_reduce_tree, broadcast_tree, reduce_tree, tree_stage};
+
+use crate::comm::exec::{Buf, Exec, Reg, Tok};
+use crate::error::{Error, Result};
+
+/// Algorithm choice for a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algo {
+    /// Pipelined ring (chain for rooted collectives).
+    Ring,
+    /// Pipelined (double) binary tree.
+    Tree,
+    /// One step: every rank sends its whole buffer to every peer (small messages).
+    Direct,
+}
+
+impl Algo {
+    /// Name as printed and parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::Tree => "tree",
+            Algo::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "ring" => Ok(Algo::Ring),
+            "tree" => Ok(Algo::Tree),
+            "direct" | "oneshot" | "one-shot" => Ok(Algo::Direct),
+            other => Err(Error::arg(format!(
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree or direct"
+            ))),
+        }
+    }
+}
+
+/// Pipeline shape of one call, chosen by the cost model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    /// Bytes per slice (the unit sent in one message).
+    pub slice: usize,
+    /// Slices in flight per connection.
+    pub depth: usize,
+    /// Independent channels (connection sets) the data is split over.
+    pub channels: usize,
+}
+
+/// A state machine that moves one algorithm forward.
+pub(crate) trait Machine {
+    /// Post, reduce and take completions as far as possible; true if anything moved.
+    fn advance(&mut self, ex: &mut Exec) -> Result<bool>;
+    /// True when every request of the machine has completed.
+    fn done(&self) -> bool;
+}
+
+/// Run `ms` to completion.
+pub(crate) fn drive(ex: &mut Exec, ms: &mut [&mut dyn Machine]) -> Result<()> {
+    loop {
+        let mut moved = false;
+        for m in ms.iter_mut() {
+            if !m.done() {
+                moved |= m.advance(ex)?;
+            }
+        }
+        if ms.iter().all(|m| m.done()) {
+            return ex.finish();
+        }
+        if !moved {
+            ex.wait_any()?;
+        }
+    }
+}
+
+/// Element range `[start, start+len)` of part `i` when `count` elements are cut in `parts`
+/// nearly equal parts (the first `count % parts` get one more).
+pub(crate) fn part(count: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = count / parts;
+    let rem = count % parts;
+    let start = i * base + i.min(rem);
+    (start, base + usize::from(i < rem))
+}
+
+/// Elements of slice `k` of a `len`-element chunk cut in slices of `s` elements.
+pub(crate) fn slice_of(len: usize, s: usize, k: usize) -> (usize, usize) {
+    let a = (k * s).min(len);
+    let b = ((k + 1) * s).min(len);
+    (a, b - a)
+}
+
+/// Fixed staging slots handed out and returned (no allocation while running).
+pub(crate) struct Slots {
+    base: usize,
+    size: usize,
+    free: Vec<usize>,
+}
+
+impl Slots {
+    pub fn new(base: usize, size: usize, n: usize) -> Self {
+        Slots { base, size, free: (0..n).rev().collect() }
+    }
+    pub fn get(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+    pub fn put(&mut self, s: usize) {
+        self.free.push(s);
+    }
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+    /// The first `len` bytes of slot `s`.
+    pub fn reg(&self, s: usize, len: usize) -> Reg {
+        Reg::new(Buf::Stage, self.base + s * self.size, len)
+    }
+}
+
+/// Requests completed in post order, with a value per request.
+pub(crate) struct InOrder<T> {
+    q: VecDeque<(Tok, T)>,
+}
+
+impl<T: Copy> InOrder<T> {
+    pub fn new(cap: usize) -> Self {
+        InOrder { q: VecDeque::with_capacity(cap) }
+    }
+    pub fn push(&mut self, t: Tok, v: T) {
+        self.q.push_back((t, v));
+    }
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+    /// Pop the oldest request if it has completed.
+    pub fn pop_done(&mut self, ex: &mut Exec) -> Option<T> {
+        let (t, v) = *self.q.front()?;
+        ex.take(t)?;
+        self.q.pop_front();
+        Some(v)
+    }
+}
+
+/// Number of slices of `s` elements needed for `len` elements (at least one, so that every
+/// step exchanges a message and both sides agree on the count).
+pub(crate) fn nslices(len: usize, s: usize) -> usize {
+    len.div_ceil(s.max(1)).max(1)
+}

@@ -1,0 +1,174 @@
+//! α-β cost model: picks the algorithm and pipeline shape of each call.
+//!
+//! Each network gives a per-message latency α (µs) and a bandwidth β (GB/s); local
+//! reduction runs at γ (GB/s). For `n` ranks and `B` bytes:
+//!
+//! | algorithm | steps (α) | bytes on the wire per rank | reduced bytes per rank |
+//! |---|---|---|---|
+//! | all-reduce direct | 1 | (n−1)·B | (n−1)·B |
+//! | all-reduce ring | 2(n−1) | 2(n−1)/n·B | (n−1)/n·B |
+//! | all-reduce double tree | 2⌈log2 n⌉ | ≈ 1.5·B (inner node of one tree) | ≈ B |
+//! | broadcast/reduce chain | n−1 (+ slices) | B | B (reduce) |
+//! | broadcast/reduce tree | ⌈log2 n⌉ (+ slices) | ≤ 2·B | ≤ 2·B (reduce) |
+//!
+//! Pipelined algorithms also pay a fill cost of (steps − 1) slices. The cheapest estimate
+//! wins unless `ROCCL_ALGO` or the call's option forces one.
+
+use super::{Algo, Pipeline};
+
+/// Latency and bandwidth of the links a call uses.
+#[derive(Clone, Copy, Debug)]
+pub struct LinkCost {
+    /// Per-message latency in microseconds (software included).
+    pub alpha_us: f64,
+    /// Bandwidth in GB/s.
+    pub beta_gbs: f64,
+    /// Local reduction speed in GB/s.
+    pub gamma_gbs: f64,
+}
+
+impl Default for LinkCost {
+    fn default() -> Self {
+        LinkCost { alpha_us: 10.0, beta_gbs: 2.5, gamma_gbs: 10.0 }
+    }
+}
+
+/// Which collective a call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollKind {
+    /// All-reduce.
+    AllReduce,
+    /// Broadcast from a root.
+    Broadcast,
+    /// Reduce to a root.
+    Reduce,
+    /// All-gather.
+    AllGather,
+    /// Reduce-scatter.
+    ReduceScatter,
+    /// All-to-all.
+    AllToAll,
+}
+
+/// Knobs that override the model (`ROCCL_SLICE`, `ROCCL_DEPTH`, `ROCCL_NCHANNELS`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tuning {
+    /// Fixed slice size in bytes.
+    pub slice: Option<usize>,
+    /// Fixed pipeline depth.
+    pub depth: Option<usize>,
+    /// Fixed channel count.
+    pub channels: Option<usize>,
+}
+
+fn log2c(n: usize) -> f64 {
+    (usize::BITS - (n.max(1) - 1).leading_zeros()) as f64
+}
+
+/// Pipeline shape for a message of `bytes` whose per-step piece is `piece` bytes.
+pub fn pipeline(piece: usize, bytes: usize, t: &Tuning) -> Pipeline {
+    let slice = t
+        .slice
+        .unwrap_or_else(|| (piece / 4).clamp(32 * 1024, 512 * 1024))
+        .max(64);
+    let channels = t.channels.unwrap_or(if bytes >= (16 << 20) { 2 } else { 1 });
+    Pipeline { slice, depth: t.depth.unwrap_or(4).clamp(1, 16), channels: channels.clamp(1, 4) }
+}
+
+/// Estimated time in µs of `algo` for `kind` on `n` ranks and `bytes` bytes.
+pub fn estimate(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost, pl: &Pipeline) -> f64 {
+    let b = bytes as f64;
+    let nf = n as f64;
+    let wire = |x: f64| x / (c.beta_gbs * 1e3);
+    let red = |x: f64| x / (c.gamma_gbs * 1e3);
+    let fill = |steps: f64| (steps - 1.0).max(0.0) * wire(pl.slice.min(bytes.max(1)) as f64);
+    if n <= 1 {
+        return 0.0;
+    }
+    match (kind, algo) {
+        (CollKind::AllReduce, Algo::Direct) => c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b),
+        (CollKind::AllReduce, Algo::Ring) => {
+            let steps = 2.0 * (nf - 1.0);
+            steps * c.alpha_us + wire(steps / nf * b) + red((nf - 1.0) / nf * b) + fill(steps.min(4.0))
+        }
+        (CollKind::AllReduce, Algo::Tree) => {
+            let steps = 2.0 * log2c(n);
+            steps * c.alpha_us + wire(1.5 * b) + red(b) + fill(steps)
+        }
+        (CollKind::Broadcast | CollKind::Reduce, Algo::Tree) => {
+            let steps = log2c(n);
+            let r = if kind == CollKind::Reduce { red(2.0 * b) } else { 0.0 };
+            steps * c.alpha_us + wire(2.0 * b) + r + fill(steps)
+        }
+        (CollKind::Broadcast | CollKind::Reduce, _) => {
+            let steps = nf - 1.0;
+            let r = if kind == CollKind::Reduce { red(b) } else { 0.0 };
+            steps * c.alpha_us + wire(b) + r + fill(steps)
+        }
+        (CollKind::AllGather | CollKind::ReduceScatter, _) => {
+            (nf - 1.0) * c.alpha_us + wire(b * (nf - 1.0) / nf)
+        }
+        (CollKind::AllToAll, _) => c.alpha_us + wire(b * (nf - 1.0) / nf),
+    }
+}
+
+/// Algorithms that exist for `kind`.
+pub fn candidates(kind: CollKind) -> &'static [Algo] {
+    match kind {
+        CollKind::AllReduce => &[Algo::Direct, Algo::Ring, Algo::Tree],
+        CollKind::Broadcast | CollKind::Reduce => &[Algo::Ring, Algo::Tree],
+        CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring],
+        CollKind::AllToAll => &[Algo::Direct],
+    }
+}
+
+/// Largest message the one-shot all-reduce is considered for (its staging is `n * bytes`).
+pub const DIRECT_MAX: usize = 256 * 1024;
+
+/// Choose algorithm and pipeline. `forced` wins when the collective has it.
+pub fn choose(kind: CollKind, n: usize, bytes: usize, c: &LinkCost, forced: Option<Algo>, t: &Tuning) -> (Algo, Pipeline) {
+    let cands = candidates(kind);
+    let piece = |a: Algo| match (kind, a) {
+        (CollKind::AllReduce, Algo::Ring) => bytes / n.max(1),
+        (CollKind::AllReduce, Algo::Tree) => bytes / 2,
+        _ => bytes,
+    };
+    if let Some(f) = forced.filter(|f| cands.contains(f)) {
+        return (f, pipeline(piece(f), bytes, t));
+    }
+    let mut best = (cands[0], f64::INFINITY);
+    for &a in cands {
+        if a == Algo::Direct && kind == CollKind::AllReduce && bytes > DIRECT_MAX {
+            continue;
+        }
+        let e = estimate(kind, a, n, bytes, c, &pipeline(piece(a), bytes, t));
+        if e < best.1 {
+            best = (a, e);
+        }
+    }
+    (best.0, pipeline(piece(best.0), bytes, t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_all_reduce_is_one_shot_large_is_ring() {
+        let c = LinkCost::default();
+        let t = Tuning::default();
+        assert_eq!(choose(CollKind::AllReduce, 4, 8, &c, None, &t).0, Algo::Direct);
+        assert_eq!(choose(CollKind::AllReduce, 4, 64 << 20, &c, None, &t).0, Algo::Ring);
+        assert_eq!(choose(CollKind::AllReduce, 4, 8, &c, Some(Algo::Tree), &t).0, Algo::Tree);
+        // Forcing an algorithm a collective lacks falls back to the model.
+        assert_eq!(choose(CollKind::AllGather, 4, 8, &c, Some(Algo::Tree), &t).0, Algo::Ring);
+    }
+
+    #[test]
+    fn tree_wins_latency_bound_rooted_calls_on_many_ranks() {
+        let c = LinkCost::default();
+        let t = Tuning::default();
+        assert_eq!(choose(CollKind::Broadcast, 16, 1024, &c, None, &t).0, Algo::Tree);
+        assert_eq!(choose(CollKind::Broadcast, 2, 64 << 20, &c, None, &t).0, Algo::Ring);
+    }
+}

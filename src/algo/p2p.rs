@@ -1,0 +1,128 @@
+//! Algorithms made of direct exchanges: one-shot all-reduce for small messages, pairwise
+//! all-to-all, the dissemination barrier, and point-to-point send/receive.
+
+use crate::comm::exec::{Buf, Exec, Reg};
+use crate::error::{Error, Result};
+use crate::types::{DataType, RedOp};
+
+/// Channel reserved for point-to-point traffic, so user sends never interleave with the
+/// messages of a collective on the same connection.
+pub(crate) const P2P_CHANNEL: usize = crate::comm::links::MAX_CHANNELS - 1;
+
+/// Staging bytes of the one-shot all-reduce: one slot per rank.
+pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
+    n * bytes.next_multiple_of(64)
+}
+
+/// One-shot all-reduce: every rank sends its whole input to every peer, then reduces all
+/// `n` inputs in rank order (so every rank computes bit-identical results). One network
+/// step; `(n-1) * bytes` sent per rank. For small messages.
+pub(crate) fn all_reduce_direct(ex: &mut Exec, dt: DataType, op: RedOp, count: usize) -> Result<()> {
+    let (n, r) = (ex.nranks(), ex.rank());
+    let bytes = count * dt.size();
+    let stride = bytes.next_multiple_of(64);
+    let input = Reg::new(Buf::Src, 0, bytes);
+    let dst = Reg::new(Buf::Dst, 0, bytes);
+    if n == 1 {
+        return ex.copy(dst, input);
+    }
+    let peers: Vec<(usize, usize)> = (1..n).map(|s| ((r + s) % n, 0)).collect();
+    let from: Vec<(usize, usize)> = (1..n).map(|s| ((r + n - s) % n, 0)).collect();
+    ex.ensure(&peers, &from)?;
+    let slot = |p: usize| Reg::new(Buf::Stage, p * stride, bytes);
+    for s in 1..n {
+        let from = (r + n - s) % n;
+        ex.recv(from, 0, slot(from))?;
+        ex.send((r + s) % n, 0, input)?;
+    }
+    ex.finish()?;
+    // In place, our input is about to be overwritten: keep it in our own slot.
+    let own = if ex.in_place() {
+        ex.copy(slot(r), input)?;
+        slot(r)
+    } else {
+        input
+    };
+    let data = |p: usize| if p == r { own } else { slot(p) };
+    ex.reduce(dst, data(0), data(1), dt, op)?;
+    for p in 2..n {
+        ex.reduce(dst, dst, data(p), dt, op)?;
+    }
+    if op == RedOp::Avg {
+        ex.finish_avg(dst, dt, n)?;
+    }
+    Ok(())
+}
+
+/// Pairwise all-to-all: at step `s` send block `r+s` to rank `r+s` and receive block `r-s`
+/// from rank `r-s`; all steps are posted at once so every link works in parallel. In place,
+/// the input is first copied to staging.
+pub(crate) fn all_to_all_pairwise(ex: &mut Exec, block: usize) -> Result<()> {
+    let (n, r) = (ex.nranks(), ex.rank());
+    let src_buf = if ex.in_place() {
+        let all = Reg::new(Buf::Dst, 0, n * block);
+        ex.copy(Reg::new(Buf::Stage, 0, n * block), all)?;
+        Buf::Stage
+    } else {
+        Buf::Src
+    };
+    let blk = |b: Buf, i: usize| Reg::new(b, i * block, block);
+    ex.copy(blk(Buf::Dst, r), blk(src_buf, r))?;
+    if n == 1 {
+        return Ok(());
+    }
+    let to: Vec<(usize, usize)> = (1..n).map(|s| ((r + s) % n, 0)).collect();
+    let from: Vec<(usize, usize)> = (1..n).map(|s| ((r + n - s) % n, 0)).collect();
+    ex.ensure(&to, &from)?;
+    for s in 1..n {
+        let (t, f) = ((r + s) % n, (r + n - s) % n);
+        ex.recv(f, 0, blk(Buf::Dst, f))?;
+        ex.send(t, 0, blk(src_buf, t))?;
+    }
+    ex.finish()
+}
+
+/// Dissemination barrier: `⌈log2 n⌉` rounds of empty messages to `r + 2^k`.
+pub(crate) fn barrier_dissemination(ex: &mut Exec) -> Result<()> {
+    let (n, r) = (ex.nranks(), ex.rank());
+    let empty = Reg::new(Buf::Stage, 0, 0);
+    let mut d = 1;
+    while d < n {
+        let (to, from) = ((r + d) % n, (r + n - d) % n);
+        ex.ensure(&[(to, 0)], &[(from, 0)])?;
+        ex.recv(from, 0, empty)?;
+        ex.send(to, 0, empty)?;
+        ex.finish()?;
+        d *= 2;
+    }
+    Ok(())
+}
+
+/// Send `Src` to `to` and/or receive `Dst` from `from`, concurrently. Sending to oneself
+/// and receiving from oneself in the same call is a local copy.
+pub(crate) fn sendrecv(ex: &mut Exec, to: Option<usize>, send_len: usize, from: Option<usize>, recv_len: usize) -> Result<()> {
+    let r = ex.rank();
+    let sreg = Reg::new(Buf::Src, 0, send_len);
+    let rreg = Reg::new(Buf::Dst, 0, recv_len);
+    if to == Some(r) || from == Some(r) {
+        if to != from {
+            return Err(Error::InvalidUsage(format!(
+                "rank {r} sends to itself but receives from {from:?} (or the reverse): a self-exchange must both send to and receive from {r}"
+            )));
+        }
+        if send_len != recv_len {
+            return Err(Error::arg(format!("self send of {send_len} bytes into a receive of {recv_len} bytes")));
+        }
+        return ex.copy(rreg, sreg);
+    }
+    let sends: Vec<(usize, usize)> = to.map(|p| (p, P2P_CHANNEL)).into_iter().collect();
+    let recvs: Vec<(usize, usize)> = from.map(|p| (p, P2P_CHANNEL)).into_iter().collect();
+    ex.ensure(&sends, &recvs)?;
+    if let Some(p) = from {
+        ex.recv(p, P2P_CHANNEL, rreg)?;
+    }
+    if let Some(p) = to {
+        ex.send(p, P2P_CHANNEL, sreg)?;
+    }
+    ex.finish()
+}

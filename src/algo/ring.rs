@@ -1,0 +1,616 @@
+//! Ring algorithms: all-reduce (reduce-scatter then all-gather), all-gather,
+//! reduce-scatter, and the chain versions of broadcast and reduce.
+//!
+//! Data is cut in `n` chunks (one per rank), each chunk in slices of `Pipeline::slice`
+//! bytes; a "unit" is one slice of one step. Units are received and reduced in order, and
+//! the send of unit `(t, k)` only waits for unit `(t-1, k)`, so up to `depth` slices of
+//! consecutive steps are on the wire at once. Several channels split the buffer and run as
+//! independent rings over separate connections.
+
+use super::{drive, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots};
+use crate::comm::exec::{Buf, Exec, Reg};
+use crate::error::Result;
+use crate::types::{DataType, RedOp};
+
+fn md(a: isize, n: usize) -> usize {
+    a.rem_euclid(n as isize) as usize
+}
+
+/// Shared geometry of one ring channel over elements `[base, base+cnt)`.
+struct Geo {
+    n: usize,
+    r: usize,
+    ch: usize,
+    esz: usize,
+    base: usize,
+    cnt: usize,
+    /// Elements per slice.
+    s: usize,
+    /// Slices per chunk.
+    k: usize,
+}
+
+impl Geo {
+    fn new(ex: &Exec, ch: usize, base: usize, cnt: usize, chunk_max: usize, dt: DataType, pl: &Pipeline) -> Geo {
+        let esz = dt.size();
+        let s = (pl.slice / esz).max(1);
+        Geo { n: ex.nranks(), r: ex.rank(), ch, esz, base, cnt, s, k: nslices(chunk_max, s) }
+    }
+    fn prev(&self) -> usize {
+        (self.r + self.n - 1) % self.n
+    }
+    fn next(&self) -> usize {
+        (self.r + 1) % self.n
+    }
+    /// Region of slice `k` of chunk `c` (chunks cut from this channel's range) in `buf`.
+    fn reg(&self, buf: Buf, c: usize, k: usize) -> Reg {
+        let (cs, cl) = part(self.cnt, self.n, c);
+        let (a, l) = slice_of(cl, self.s, k);
+        Reg::new(buf, (self.base + cs + a) * self.esz, l * self.esz)
+    }
+}
+
+/// Split `count` elements over `channels` rings, keeping each channel's range whole.
+fn channel_ranges(count: usize, pl: &Pipeline) -> impl Iterator<Item = (usize, usize, usize)> {
+    let chans = pl.channels.clamp(1, count.max(1));
+    (0..chans).map(move |c| {
+        let (b, l) = part(count, chans, c);
+        (c, b, l)
+    })
+}
+
+struct RingAllReduce {
+    g: Geo,
+    dt: DataType,
+    op: RedOp,
+    depth: usize,
+    units: usize,
+    next_send: usize,
+    send_done: usize,
+    next_recv: usize,
+    done_recv: usize,
+    sends: InOrder<()>,
+    recvs: InOrder<usize>,
+    slots: Slots,
+}
+
+impl RingAllReduce {
+    /// (send chunk, recv chunk) of step t.
+    fn chunks(&self, t: usize) -> (usize, usize) {
+        let (n, r) = (self.g.n as isize, self.g.r as isize);
+        let t = t as isize;
+        if t < n - 1 {
+            (md(r - t, self.g.n), md(r - t - 1, self.g.n))
+        } else {
+            let t = t - (n - 1);
+            (md(r + 1 - t, self.g.n), md(r - t, self.g.n))
+        }
+    }
+}
+
+impl Machine for RingAllReduce {
+    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let rs_steps = self.g.n - 1;
+        while let Some(slot) = self.recvs.pop_done(ex) {
+            let u = self.done_recv;
+            let (t, k) = (u / self.g.k, u % self.g.k);
+            if t < rs_steps {
+                let (_, rc) = self.chunks(t);
+                let d = self.g.reg(Buf::Dst, rc, k);
+                ex.reduce(d, self.g.reg(Buf::Src, rc, k), self.slots.reg(slot, d.len), self.dt, self.op)?;
+                self.slots.put(slot);
+                if t == rs_steps - 1 && self.op == RedOp::Avg {
+                    ex.finish_avg(d, self.dt, self.g.n)?;
+                }
+            }
+            self.done_recv += 1;
+            moved = true;
+        }
+        while self.sends.pop_done(ex).is_some() {
+            self.send_done += 1;
+            moved = true;
+        }
+        while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
+            let u = self.next_recv;
+            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (_, rc) = self.chunks(t);
+            let d = self.g.reg(Buf::Dst, rc, k);
+            let (reg, slot) = if t < rs_steps {
+                let Some(slot) = self.slots.get() else { break };
+                (self.slots.reg(slot, d.len), slot)
+            } else {
+                // The reduce-scatter step t-(n-1) sends this very region: receive into it
+                // only once that send has completed.
+                if self.send_done <= u - rs_steps * self.g.k {
+                    break;
+                }
+                (d, usize::MAX)
+            };
+            let tok = ex.recv(self.g.prev(), self.g.ch, reg)?;
+            self.recvs.push(tok, slot);
+            self.next_recv += 1;
+            moved = true;
+        }
+        while self.next_send < self.units
+            && self.next_send - self.send_done < self.depth
+            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+        {
+            let u = self.next_send;
+            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (sc, _) = self.chunks(t);
+            let reg = self.g.reg(if t == 0 { Buf::Src } else { Buf::Dst }, sc, k);
+            let tok = ex.send(self.g.next(), self.g.ch, reg)?;
+            self.sends.push(tok, ());
+            self.next_send += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn done(&self) -> bool {
+        self.done_recv == self.units && self.send_done == self.units
+    }
+}
+
+/// Staging bytes the ring all-reduce needs.
+pub(crate) fn all_reduce_ring_stage(pl: &Pipeline) -> usize {
+    pl.channels * pl.depth * pl.slice
+}
+
+/// Ring all-reduce: reduce-scatter then all-gather, `2(n-1)` steps of `bytes/n`.
+pub(crate) fn all_reduce_ring(ex: &mut Exec, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+    let n = ex.nranks();
+    if n == 1 {
+        return ex.copy(Reg::new(Buf::Dst, 0, count * dt.size()), Reg::new(Buf::Src, 0, count * dt.size()));
+    }
+    let mut ms: Vec<RingAllReduce> = Vec::new();
+    for (c, base, cnt) in channel_ranges(count, pl) {
+        let g = Geo::new(ex, c, base, cnt, cnt.div_ceil(n), dt, pl);
+        let units = 2 * (n - 1) * g.k;
+        let slot = g.s * g.esz;
+        ms.push(RingAllReduce {
+            g,
+            dt,
+            op,
+            depth: pl.depth,
+            units,
+            next_send: 0,
+            send_done: 0,
+            next_recv: 0,
+            done_recv: 0,
+            sends: InOrder::new(pl.depth),
+            recvs: InOrder::new(pl.depth),
+            slots: Slots::new(c * pl.depth * pl.slice, slot, pl.depth),
+        });
+    }
+    let peers: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
+    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
+    ex.ensure(&peers, &prevs)?;
+    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
+    drive(ex, &mut refs)
+}
+
+/// Ring all-gather over one channel range: `n-1` steps, each forwarding the slice received
+/// in the previous step straight out of the output buffer.
+struct RingAllGather {
+    g: Geo,
+    depth: usize,
+    units: usize,
+    next_send: usize,
+    send_done: usize,
+    next_recv: usize,
+    done_recv: usize,
+    sends: InOrder<()>,
+    recvs: InOrder<()>,
+    /// Elements per rank (the input count).
+    per: usize,
+}
+
+impl RingAllGather {
+    fn reg(&self, c: usize, k: usize) -> Reg {
+        // Chunk c of the output is rank c's input; the channel covers [base, base+cnt) of it.
+        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        Reg::new(Buf::Dst, (c * self.per + self.g.base + a) * self.g.esz, l * self.g.esz)
+    }
+}
+
+impl Machine for RingAllGather {
+    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let (n, r) = (self.g.n, self.g.r as isize);
+        while self.recvs.pop_done(ex).is_some() {
+            self.done_recv += 1;
+            moved = true;
+        }
+        while self.sends.pop_done(ex).is_some() {
+            self.send_done += 1;
+            moved = true;
+        }
+        while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
+            let (t, k) = (self.next_recv / self.g.k, self.next_recv % self.g.k);
+            let rc = md(r - t as isize - 1, n);
+            let tok = ex.recv(self.g.prev(), self.g.ch, self.reg(rc, k))?;
+            self.recvs.push(tok, ());
+            self.next_recv += 1;
+            moved = true;
+        }
+        while self.next_send < self.units
+            && self.next_send - self.send_done < self.depth
+            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+        {
+            let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
+            let sc = md(r - t as isize, n);
+            let tok = ex.send(self.g.next(), self.g.ch, self.reg(sc, k))?;
+            self.sends.push(tok, ());
+            self.next_send += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn done(&self) -> bool {
+        self.done_recv == self.units && self.send_done == self.units
+    }
+}
+
+/// Ring all-gather of `count` elements per rank into `n * count` elements.
+pub(crate) fn all_gather_ring(ex: &mut Exec, dt: DataType, count: usize, pl: &Pipeline) -> Result<()> {
+    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    let own = Reg::new(Buf::Dst, r * count * esz, count * esz);
+    let input = if ex.in_place() { own } else { Reg::new(Buf::Src, 0, count * esz) };
+    ex.copy(own, input)?;
+    if n == 1 {
+        return Ok(());
+    }
+    let mut ms: Vec<RingAllGather> = channel_ranges(count, pl)
+        .map(|(c, base, cnt)| {
+            // Slices cut the channel's share of each rank's block.
+            let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
+            g.k = nslices(cnt, g.s);
+            let units = (n - 1) * g.k;
+            RingAllGather {
+                g,
+                depth: pl.depth,
+                units,
+                next_send: 0,
+                send_done: 0,
+                next_recv: 0,
+                done_recv: 0,
+                sends: InOrder::new(pl.depth),
+                recvs: InOrder::new(pl.depth),
+                per: count,
+            }
+        })
+        .collect();
+    let nexts: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
+    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
+    ex.ensure(&nexts, &prevs)?;
+    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
+    drive(ex, &mut refs)
+}
+
+/// Ring reduce-scatter over one channel range. Partial sums of step `t` live in one of two
+/// chunk-sized staging halves (`t % 2`), so a partial is never overwritten before the next
+/// step has sent it, and the final step reduces straight into the output.
+struct RingReduceScatter {
+    g: Geo,
+    dt: DataType,
+    op: RedOp,
+    depth: usize,
+    units: usize,
+    next_send: usize,
+    send_done: usize,
+    next_recv: usize,
+    done_recv: usize,
+    sends: InOrder<()>,
+    recvs: InOrder<usize>,
+    slots: Slots,
+    per: usize,
+    /// Stage offset of the two partial halves, each `cnt` elements.
+    pbase: usize,
+    in_place: bool,
+}
+
+impl RingReduceScatter {
+    fn src(&self, c: usize, k: usize) -> Reg {
+        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        Reg::new(Buf::Src, (c * self.per + self.g.base + a) * self.g.esz, l * self.g.esz)
+    }
+    fn partial(&self, t: usize, k: usize) -> Reg {
+        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        Reg::new(Buf::Stage, self.pbase + ((t % 2) * self.g.cnt + a) * self.g.esz, l * self.g.esz)
+    }
+    fn out(&self, k: usize) -> Reg {
+        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        // In place, the output is this rank's block of the input buffer.
+        let off = if self.in_place { self.g.r * self.per } else { 0 };
+        Reg::new(Buf::Dst, (off + self.g.base + a) * self.g.esz, l * self.g.esz)
+    }
+    fn chunks(&self, t: usize) -> (usize, usize) {
+        let (n, r) = (self.g.n, self.g.r as isize);
+        (md(r - t as isize - 1, n), md(r - t as isize - 2, n))
+    }
+}
+
+impl Machine for RingReduceScatter {
+    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let last = self.g.n - 2;
+        while self.done_recv < self.next_recv {
+            let u = self.done_recv;
+            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (_, rc) = self.chunks(t);
+            let dest = if t == last { self.out(k) } else { self.partial(t, k) };
+            if ex.busy_for_write(dest) {
+                break; // the previous use of this partial is still being sent
+            }
+            let Some(slot) = self.recvs.pop_done(ex) else { break };
+            ex.reduce(dest, self.src(rc, k), self.slots.reg(slot, dest.len), self.dt, self.op)?;
+            self.slots.put(slot);
+            if t == last && self.op == RedOp::Avg {
+                ex.finish_avg(dest, self.dt, self.g.n)?;
+            }
+            self.done_recv += 1;
+            moved = true;
+        }
+        while self.sends.pop_done(ex).is_some() {
+            self.send_done += 1;
+            moved = true;
+        }
+        while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
+            let (_, k) = (self.next_recv / self.g.k, self.next_recv % self.g.k);
+            let Some(slot) = self.slots.get() else { break };
+            let len = slice_of(self.g.cnt, self.g.s, k).1 * self.g.esz;
+            let tok = ex.recv(self.g.prev(), self.g.ch, self.slots.reg(slot, len))?;
+            self.recvs.push(tok, slot);
+            self.next_recv += 1;
+            moved = true;
+        }
+        while self.next_send < self.units
+            && self.next_send - self.send_done < self.depth
+            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+        {
+            let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
+            let (sc, _) = self.chunks(t);
+            let reg = if t == 0 { self.src(sc, k) } else { self.partial(t - 1, k) };
+            let tok = ex.send(self.g.next(), self.g.ch, reg)?;
+            self.sends.push(tok, ());
+            self.next_send += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn done(&self) -> bool {
+        self.done_recv == self.units && self.send_done == self.units
+    }
+}
+
+impl RingReduceScatter {
+    #[allow(clippy::too_many_arguments)]
+    fn build(ex: &Exec, c: usize, base: usize, cnt: usize, count: usize, dt: DataType, op: RedOp, pl: &Pipeline, sbase: usize) -> Self {
+        let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
+        g.k = nslices(cnt, g.s);
+        let units = (g.n - 1) * g.k;
+        let slot = g.s * g.esz;
+        let slots_bytes = pl.depth * slot;
+        RingReduceScatter {
+            slots: Slots::new(sbase, slot, pl.depth),
+            pbase: sbase + slots_bytes,
+            g,
+            dt,
+            op,
+            depth: pl.depth,
+            units,
+            next_send: 0,
+            send_done: 0,
+            next_recv: 0,
+            done_recv: 0,
+            sends: InOrder::new(pl.depth),
+            recvs: InOrder::new(pl.depth),
+            per: count,
+            in_place: ex.in_place(),
+        }
+    }
+}
+
+/// Staging bytes of the ring reduce-scatter for `count` elements per rank.
+pub(crate) fn reduce_scatter_ring_stage(count: usize, dt: DataType, pl: &Pipeline) -> usize {
+    let chans = pl.channels.clamp(1, count.max(1));
+    let per = count.div_ceil(chans) * dt.size();
+    chans * (pl.depth * pl.slice.next_multiple_of(dt.size()) + 2 * per)
+}
+
+/// Ring reduce-scatter: `n * count` elements in, `count` out (in place: this rank's block).
+pub(crate) fn reduce_scatter_ring(ex: &mut Exec, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    if n == 1 {
+        let out = Reg::new(Buf::Dst, 0, count * esz);
+        ex.copy(out, Reg::new(Buf::Src, 0, count * esz))?;
+        return Ok(());
+    }
+    let _ = r;
+    let chans = pl.channels.clamp(1, count.max(1));
+    let per = count.div_ceil(chans) * esz;
+    let chan_stage = pl.depth * pl.slice.next_multiple_of(esz) + 2 * per;
+    let mut ms: Vec<RingReduceScatter> = channel_ranges(count, pl)
+        .map(|(c, base, cnt)| RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage))
+        .collect();
+    let nexts: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
+    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
+    ex.ensure(&nexts, &prevs)?;
+    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
+    drive(ex, &mut refs)
+}
+
+/// Chain from the root around the ring: broadcast (root first) or reduce (root last).
+struct Chain {
+    n: usize,
+    ch: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+    is_root: bool,
+    reduce: Option<(DataType, RedOp)>,
+    esz: usize,
+    s: usize,
+    k: usize,
+    count: usize,
+    depth: usize,
+    next_send: usize,
+    send_done: usize,
+    next_recv: usize,
+    done_recv: usize,
+    sends: InOrder<()>,
+    recvs: InOrder<usize>,
+    slots: Slots,
+    /// Stage offset of the reduce partials ring (2*depth slices).
+    pbase: usize,
+}
+
+impl Chain {
+    fn reg(&self, buf: Buf, k: usize) -> Reg {
+        let (a, l) = slice_of(self.count, self.s, k);
+        Reg::new(buf, a * self.esz, l * self.esz)
+    }
+    fn partial(&self, k: usize) -> Reg {
+        let l = slice_of(self.count, self.s, k).1;
+        Reg::new(Buf::Stage, self.pbase + (k % (2 * self.depth)) * self.s * self.esz, l * self.esz)
+    }
+    /// What this rank sends for slice k.
+    fn send_reg(&self, k: usize) -> Reg {
+        match (self.reduce, self.prev) {
+            (None, None) => self.reg(Buf::Src, k),  // broadcast root
+            (None, Some(_)) => self.reg(Buf::Dst, k), // forward what arrived
+            (Some(_), None) => self.reg(Buf::Src, k), // chain head: own input
+            (Some(_), Some(_)) => self.partial(k),
+        }
+    }
+    /// Slices available to send.
+    fn ready(&self) -> usize {
+        if self.prev.is_none() {
+            self.k
+        } else {
+            self.done_recv
+        }
+    }
+}
+
+impl Machine for Chain {
+    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        while self.done_recv < self.next_recv {
+            let k = self.done_recv;
+            if let Some((dt, op)) = self.reduce {
+                let dest = if self.is_root { self.reg(Buf::Dst, k) } else { self.partial(k) };
+                if ex.busy_for_write(dest) {
+                    break;
+                }
+                let Some(slot) = self.recvs.pop_done(ex) else { break };
+                ex.reduce(dest, self.reg(Buf::Src, k), self.slots.reg(slot, dest.len), dt, op)?;
+                self.slots.put(slot);
+                if self.is_root && op == RedOp::Avg {
+                    ex.finish_avg(dest, dt, self.n)?;
+                }
+            } else if self.recvs.pop_done(ex).is_none() {
+                break;
+            }
+            self.done_recv += 1;
+            moved = true;
+        }
+        while self.sends.pop_done(ex).is_some() {
+            self.send_done += 1;
+            moved = true;
+        }
+        if let Some(prev) = self.prev {
+            while self.next_recv < self.k && self.next_recv - self.done_recv < self.depth {
+                let k = self.next_recv;
+                let (reg, slot) = if self.reduce.is_some() {
+                    let Some(slot) = self.slots.get() else { break };
+                    (self.slots.reg(slot, slice_of(self.count, self.s, k).1 * self.esz), slot)
+                } else {
+                    (self.reg(Buf::Dst, k), usize::MAX)
+                };
+                let tok = ex.recv(prev, self.ch, reg)?;
+                self.recvs.push(tok, slot);
+                self.next_recv += 1;
+                moved = true;
+            }
+        }
+        if let Some(next) = self.next {
+            while self.next_send < self.ready() && self.next_send - self.send_done < self.depth {
+                let tok = ex.send(next, self.ch, self.send_reg(self.next_send))?;
+                self.sends.push(tok, ());
+                self.next_send += 1;
+                moved = true;
+            }
+        }
+        Ok(moved)
+    }
+
+    fn done(&self) -> bool {
+        let recv_ok = self.prev.is_none() || self.done_recv == self.k;
+        let send_ok = self.next.is_none() || self.send_done == self.k;
+        recv_ok && send_ok
+    }
+}
+
+/// Staging bytes of a reduce chain.
+pub(crate) fn chain_stage(pl: &Pipeline) -> usize {
+    3 * pl.depth * pl.slice + 64
+}
+
+fn run_chain(ex: &mut Exec, root: usize, count: usize, dt: DataType, reduce: Option<RedOp>, pl: &Pipeline) -> Result<()> {
+    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    // Broadcast: root, root+1, ..., root-1. Reduce: root+1, ..., root-1, root.
+    let pos = if reduce.is_some() { (r + n - root - 1) % n } else { (r + n - root) % n };
+    let prev = (pos > 0).then(|| (r + n - 1) % n);
+    let next = (pos + 1 < n).then(|| (r + 1) % n);
+    let s = (pl.slice / esz).max(1);
+    let depth = pl.depth;
+    let slot = s * esz;
+    let mut m = Chain {
+        n,
+        ch: 0,
+        prev,
+        next,
+        is_root: r == root,
+        reduce: reduce.map(|op| (dt, op)),
+        esz,
+        s,
+        k: nslices(count, s),
+        count,
+        depth,
+        next_send: 0,
+        send_done: 0,
+        next_recv: 0,
+        done_recv: 0,
+        sends: InOrder::new(depth),
+        recvs: InOrder::new(depth),
+        slots: Slots::new(0, slot, depth),
+        pbase: depth * slot,
+    };
+    ex.ensure(&next.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(), &prev.map(|p| (p, 0)).into_iter().collect::<Vec<_>>())?;
+    drive(ex, &mut [&mut m])
+}
+
+/// Pipelined chain broadcast from `root`: `n-1` hops, each slice forwarded as it arrives.
+pub(crate) fn broadcast_ring(ex: &mut Exec, root: usize, dt: DataType, count: usize, pl: &Pipeline) -> Result<()> {
+    if ex.rank() == root {
+        let b = count * dt.size();
+        ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b))?;
+    }
+    if ex.nranks() == 1 {
+        return Ok(());
+    }
+    run_chain(ex, root, count, dt, None, pl)
+}
+
+/// Pipelined chain reduce to `root`: partial sums travel `root+1 → … → root`.
+pub(crate) fn reduce_ring(ex: &mut Exec, root: usize, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+    if ex.nranks() == 1 {
+        let b = count * dt.size();
+        return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
+    }
+    run_chain(ex, root, count, dt, Some(op), pl)
+}

@@ -1,0 +1,443 @@
+//! The executor that algorithms run on: a scoped view of one call's buffers plus the
+//! network requests in flight.
+//!
+//! Algorithms name memory as [`Reg`]ions of three buffers — the call's input (`Src`), its
+//! output (`Dst`) and the communicator's staging area (`Stage`) — never as pointers. The
+//! executor borrows the buffers for the call, resolves regions to addresses, checks bounds,
+//! and refuses any access that would race with a request in flight (a local write or a new
+//! receive over memory the network is still reading or writing). All requests are finished
+//! or their connections closed before the borrow ends, so the network never touches memory
+//! the caller got back. This module and the network backends are the only places that turn
+//! addresses into memory.
+
+use std::marker::PhantomData;
+
+use crate::error::{Error, Result};
+use crate::net::{PollFd, RecvBuf, ReqId};
+use crate::reduce;
+use crate::types::{DataType, RedOp};
+
+use super::links::Links;
+use super::wait::Waiter;
+
+/// Which buffer a region lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Buf {
+    /// The call's input (the output itself for in-place calls).
+    Src,
+    /// The call's output.
+    Dst,
+    /// The communicator's staging buffer.
+    Stage,
+}
+
+/// A byte range of one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Reg {
+    pub buf: Buf,
+    pub off: usize,
+    pub len: usize,
+}
+
+impl Reg {
+    pub fn new(buf: Buf, off: usize, len: usize) -> Reg {
+        Reg { buf, off, len }
+    }
+}
+
+/// Token of a request in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tok(u32);
+
+#[derive(Clone, Copy)]
+struct Op {
+    send: bool,
+    peer: u32,
+    ch: u8,
+    req: ReqId,
+    addr: usize,
+    len: usize,
+    active: bool,
+    done: bool,
+    size: usize,
+}
+
+const MAX_OPS: usize = 128;
+
+/// One call's buffers and requests.
+pub(crate) struct Exec<'a> {
+    src: (usize, usize),
+    dst: (usize, usize),
+    stage: (usize, usize),
+    _borrow: PhantomData<(&'a [u8], &'a mut [u8])>,
+    links: &'a mut Links,
+    waiter: &'a Waiter,
+    ops: Vec<Op>,
+    inflight: usize,
+    fds: Vec<PollFd>,
+}
+
+impl<'a> Exec<'a> {
+    /// Borrow the buffers of one call. `src == None` means in place (`Src` is `Dst`).
+    pub fn new(
+        src: Option<&'a [u8]>,
+        dst: &'a mut [u8],
+        stage: &'a mut [u8],
+        links: &'a mut Links,
+        waiter: &'a Waiter,
+    ) -> Self {
+        let d = (dst.as_mut_ptr() as usize, dst.len());
+        let s = src.map_or(d, |s| (s.as_ptr() as usize, s.len()));
+        Exec {
+            src: s,
+            dst: d,
+            stage: (stage.as_mut_ptr() as usize, stage.len()),
+            _borrow: PhantomData,
+            links,
+            waiter,
+            ops: Vec::with_capacity(MAX_OPS),
+            inflight: 0,
+            fds: Vec::with_capacity(64),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.links.rank
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.links.nranks
+    }
+
+    /// Connect what the algorithm is about to use.
+    pub fn ensure(&mut self, sends: &[(usize, usize)], recvs: &[(usize, usize)]) -> Result<()> {
+        self.links.ensure(sends, recvs, self.waiter)
+    }
+
+    /// Length of a buffer.
+    pub fn len_of(&self, b: Buf) -> usize {
+        match b {
+            Buf::Src => self.src.1,
+            Buf::Dst => self.dst.1,
+            Buf::Stage => self.stage.1,
+        }
+    }
+
+    /// True for in-place calls (Src and Dst are the same memory).
+    pub fn in_place(&self) -> bool {
+        self.src == self.dst
+    }
+
+    fn resolve(&self, r: Reg) -> Result<(usize, usize)> {
+        let (base, len) = match r.buf {
+            Buf::Src => self.src,
+            Buf::Dst => self.dst,
+            Buf::Stage => self.stage,
+        };
+        match r.off.checked_add(r.len) {
+            Some(end) if end <= len => Ok((base + r.off, r.len)),
+            _ => Err(Error::Internal(format!(
+                "region {:?} [{}..{}) is outside its {}-byte buffer",
+                r.buf,
+                r.off,
+                r.off.saturating_add(r.len),
+                len
+            ))),
+        }
+    }
+
+    fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+        a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+    }
+
+    /// Would writing `r` now race with a request in flight?
+    pub fn busy_for_write(&self, r: Reg) -> bool {
+        match self.resolve(r) {
+            Ok(m) => self.ops.iter().any(|o| o.active && !o.done && Self::overlaps(m, (o.addr, o.len))),
+            Err(_) => false,
+        }
+    }
+
+    fn check(&self, m: (usize, usize), write: bool, what: &str) -> Result<()> {
+        for o in &self.ops {
+            if o.active && !o.done && (write || !o.send) && Self::overlaps(m, (o.addr, o.len)) {
+                return Err(Error::Internal(format!(
+                    "algorithm bug: {what} over memory that a {} to/from rank {} still uses",
+                    if o.send { "send" } else { "receive" },
+                    o.peer
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn slot(&mut self) -> Result<usize> {
+        if let Some(i) = self.ops.iter().position(|o| !o.active) {
+            return Ok(i);
+        }
+        if self.ops.len() >= MAX_OPS {
+            return Err(Error::Internal("too many requests in flight".into()));
+        }
+        self.ops.push(Op {
+            send: false,
+            peer: 0,
+            ch: 0,
+            req: ReqId(0),
+            addr: 0,
+            len: 0,
+            active: false,
+            done: false,
+            size: 0,
+        });
+        Ok(self.ops.len() - 1)
+    }
+
+    fn remote(&self, peer: usize, e: Error) -> Error {
+        match e {
+            Error::Remote { .. } | Error::Timeout(_) => e,
+            other => Error::Remote { rank: peer, msg: format!("over {}: {other}", self.links.net_name(peer)) },
+        }
+    }
+
+    /// Post a send of region `r` to `peer` on channel `ch`.
+    pub fn send(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
+        let m = self.resolve(r)?;
+        self.check(m, false, "send")?;
+        let i = self.slot()?;
+        let mut w = self.waiter.start();
+        let req = loop {
+            let comm = self.links.send_comm(peer, ch)?;
+            // SAFETY: `m` lies inside a buffer borrowed for 'a (checked by `resolve`); no
+            // receive in flight writes it (checked above) and local writes to it are refused
+            // until this request completes; `Drop` closes the connections of unfinished
+            // requests before the borrow ends.
+            let posted = unsafe { comm.isend(m.0 as *const u8, m.1, 0, None) };
+            match posted.map_err(|e| self.remote(peer, e))? {
+                Some(req) => break req,
+                None => {
+                    self.poll()?;
+                    w.idle(&[]).map_err(|_| self.stuck())?;
+                }
+            }
+        };
+        self.ops[i] = Op { send: true, peer: peer as u32, ch: ch as u8, req, addr: m.0, len: m.1, active: true, done: false, size: 0 };
+        self.inflight += 1;
+        Ok(Tok(i as u32))
+    }
+
+    /// Post a receive into region `r` from `peer` on channel `ch`.
+    pub fn recv(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
+        let m = self.resolve(r)?;
+        self.check(m, true, "receive")?;
+        let i = self.slot()?;
+        let mut w = self.waiter.start();
+        let req = loop {
+            let comm = self.links.recv_comm(peer, ch)?;
+            let b = RecvBuf { ptr: m.0 as *mut u8, len: m.1, tag: 0 };
+            // SAFETY: as for `send`, and no other request in flight touches `m` (checked).
+            let posted = unsafe { comm.irecv(&[b]) };
+            match posted.map_err(|e| self.remote(peer, e))? {
+                Some(req) => break req,
+                None => {
+                    self.poll()?;
+                    w.idle(&[]).map_err(|_| self.stuck())?;
+                }
+            }
+        };
+        self.ops[i] = Op { send: false, peer: peer as u32, ch: ch as u8, req, addr: m.0, len: m.1, active: true, done: false, size: 0 };
+        self.inflight += 1;
+        Ok(Tok(i as u32))
+    }
+
+    /// Test every request in flight; true if any completed.
+    pub fn poll(&mut self) -> Result<bool> {
+        let mut any = false;
+        for i in 0..self.ops.len() {
+            let o = self.ops[i];
+            if !o.active || o.done {
+                continue;
+            }
+            let peer = o.peer as usize;
+            let ch = o.ch as usize;
+            let done = if o.send {
+                let r = self.links.send_comm(peer, ch)?.test(o.req);
+                r.map_err(|e| self.remote(peer, e))?.inspect(|&n| self.ops[i].size = n).is_some()
+            } else {
+                let mut sz = [0usize; 1];
+                let r = self.links.recv_comm(peer, ch)?.test(o.req, &mut sz);
+                let d = r.map_err(|e| self.remote(peer, e))?;
+                if d {
+                    if sz[0] != o.len {
+                        return Err(Error::Remote {
+                            rank: peer,
+                            msg: format!(
+                                "received {} bytes where {} were expected: the ranks called this operation with different counts or data types",
+                                sz[0], o.len
+                            ),
+                        });
+                    }
+                    self.ops[i].size = sz[0];
+                }
+                d
+            };
+            if done {
+                self.ops[i].done = true;
+                self.inflight -= 1;
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// Has `t` completed? (Does not progress; call `poll`/`wait_any` for that.) Frees the
+    /// token when it reports true.
+    pub fn take(&mut self, t: Tok) -> Option<usize> {
+        let o = &mut self.ops[t.0 as usize];
+        if o.active && o.done {
+            o.active = false;
+            Some(o.size)
+        } else {
+            None
+        }
+    }
+
+    /// Requests in flight (not yet completed).
+    pub fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    fn stuck(&self) -> Error {
+        let mut peers: Vec<String> = self
+            .ops
+            .iter()
+            .filter(|o| o.active && !o.done)
+            .map(|o| format!("{} rank {}", if o.send { "send to" } else { "receive from" }, o.peer))
+            .collect();
+        peers.dedup();
+        Error::Timeout(format!(
+            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on: {}; the peer may have died, hung, or called a different collective",
+            self.links.rank,
+            self.waiter.timeout,
+            if peers.is_empty() { "request slots".to_string() } else { peers.join(", ") }
+        ))
+    }
+
+    /// Progress until at least one request completes (or none is in flight).
+    pub fn wait_any(&mut self) -> Result<()> {
+        let mut w = self.waiter.start();
+        loop {
+            if self.poll()? || self.inflight == 0 {
+                return Ok(());
+            }
+            let mut fds = std::mem::take(&mut self.fds);
+            fds.clear();
+            for o in self.ops.iter().filter(|o| o.active && !o.done) {
+                if o.send {
+                    self.links.send_fds(o.peer as usize, o.ch as usize, &mut fds);
+                } else {
+                    self.links.recv_fds(o.peer as usize, o.ch as usize, &mut fds);
+                }
+            }
+            let r = w.idle(&fds);
+            self.fds = fds;
+            r.map_err(|_| self.stuck())?;
+        }
+    }
+
+    /// Wait for one request.
+    pub fn wait(&mut self, t: Tok) -> Result<usize> {
+        loop {
+            if let Some(n) = self.take(t) {
+                return Ok(n);
+            }
+            self.wait_any()?;
+        }
+    }
+
+    /// Wait for every request in flight, keeping their tokens.
+    pub fn finish_keep(&mut self) -> Result<()> {
+        while self.inflight > 0 {
+            self.wait_any()?;
+        }
+        Ok(())
+    }
+
+    /// Wait for every request in flight and free all tokens.
+    pub fn finish(&mut self) -> Result<()> {
+        self.finish_keep()?;
+        for o in &mut self.ops {
+            o.active = false;
+        }
+        Ok(())
+    }
+
+    fn slices(&self, dst: Reg, src: Reg) -> Result<((usize, usize), (usize, usize))> {
+        let d = self.resolve(dst)?;
+        let s = self.resolve(src)?;
+        if d.1 != s.1 {
+            return Err(Error::Internal(format!("local op on regions of {} and {} bytes", d.1, s.1)));
+        }
+        self.check(d, true, "local write")?;
+        self.check(s, false, "local read")?;
+        Ok((d, s))
+    }
+
+    /// `dst = a op b`, or `dst op= b` when `a` is `dst` itself.
+    pub fn reduce(&mut self, dst: Reg, a: Reg, b: Reg, dt: DataType, op: RedOp) -> Result<()> {
+        let (d, bm) = self.slices(dst, b)?;
+        let (_, am) = self.slices(dst, a)?;
+        if d.1 == 0 {
+            return Ok(());
+        }
+        if Self::overlaps(d, bm) || (Self::overlaps(d, am) && d != am) {
+            return Err(Error::Internal("reduce with overlapping operands".into()));
+        }
+        // SAFETY: all three ranges lie in buffers borrowed for 'a (resolve), no request in
+        // flight writes any of them or reads `d` (check), and `d` overlaps neither input
+        // except when it is exactly `a`, which then is not turned into a second slice.
+        unsafe {
+            let dst_s = std::slice::from_raw_parts_mut(d.0 as *mut u8, d.1);
+            let b_s = std::slice::from_raw_parts(bm.0 as *const u8, bm.1);
+            if d == am {
+                reduce::reduce_into(dst_s, b_s, dt, op)
+            } else {
+                let a_s = std::slice::from_raw_parts(am.0 as *const u8, am.1);
+                reduce::reduce_to(dst_s, a_s, b_s, dt, op)
+            }
+        }
+    }
+
+    /// `dst = src` (no-op when they are the same memory).
+    pub fn copy(&mut self, dst: Reg, src: Reg) -> Result<()> {
+        let (d, s) = self.slices(dst, src)?;
+        if d == s || d.1 == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in borrowed buffers and are free of requests (slices);
+        // `copy` handles overlap.
+        unsafe { std::ptr::copy(s.0 as *const u8, d.0 as *mut u8, d.1) };
+        Ok(())
+    }
+
+    /// Divide `r` by `n` (the end of an average).
+    pub fn finish_avg(&mut self, r: Reg, dt: DataType, n: usize) -> Result<()> {
+        let m = self.resolve(r)?;
+        self.check(m, true, "average")?;
+        if m.1 == 0 {
+            return Ok(());
+        }
+        // SAFETY: in a borrowed buffer and free of requests.
+        let s = unsafe { std::slice::from_raw_parts_mut(m.0 as *mut u8, m.1) };
+        reduce::finish_avg(s, dt, n)
+    }
+}
+
+impl Drop for Exec<'_> {
+    fn drop(&mut self) {
+        if self.inflight > 0 {
+            // An error left requests unfinished: close every connection so the network
+            // never touches the caller's memory after the borrow ends.
+            self.links.close_all();
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Connections to peers, one per (peer, channel, direction), opened lazily on first use.
+//!
+//! Every rank listens on each network at init and publishes the handles through the
+//! bootstrap. When an algorithm needs `rank → peer` on channel `ch`, the sender connects to
+//! the peer's handle and sends a 16-byte hello (`magic, rank, channel, comm id`) as the
+//! connection's first message; the receiver accepts whatever arrives, reads the hello and
+//! files the comm under `(peer, ch)`. All wanted connections of a call are polled together,
+//! so no order of connects and accepts can deadlock.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::net::{Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm};
+
+use super::wait::Waiter;
+
+const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
+/// Most channels (independent connection sets) per peer.
+pub(crate) const MAX_CHANNELS: usize = 8;
+
+/// A network and this rank's endpoint on it.
+pub(crate) struct Endpoint {
+    pub net: Arc<dyn Net>,
+    pub dev: usize,
+    pub listen: Box<dyn ListenComm>,
+}
+
+struct HelloOut {
+    comm: Box<dyn SendComm>,
+    req: ReqId,
+    _buf: Box<[u8; 16]>,
+}
+
+struct HelloIn {
+    comm: Box<dyn RecvComm>,
+    req: ReqId,
+    buf: Box<[u8; 16]>,
+}
+
+/// All of one rank's connections.
+pub(crate) struct Links {
+    pub rank: usize,
+    pub nranks: usize,
+    comm_id: u32,
+    pub endpoints: Vec<Endpoint>,
+    /// Which endpoint (network) each peer is reached through.
+    pub peer_net: Vec<usize>,
+    /// `handles[peer][net]`.
+    pub handles: Vec<Vec<NetHandle>>,
+    send: Vec<[Option<Box<dyn SendComm>>; MAX_CHANNELS]>,
+    recv: Vec<[Option<Box<dyn RecvComm>>; MAX_CHANNELS]>,
+    /// Accepted connections whose hello has not arrived yet.
+    incoming: Vec<HelloIn>,
+    /// Identified connections not yet asked for.
+    spare: Vec<(usize, usize, Box<dyn RecvComm>)>,
+}
+
+impl Links {
+    pub fn new(
+        rank: usize,
+        nranks: usize,
+        comm_id: u32,
+        endpoints: Vec<Endpoint>,
+        peer_net: Vec<usize>,
+        handles: Vec<Vec<NetHandle>>,
+    ) -> Self {
+        Links {
+            rank,
+            nranks,
+            comm_id,
+            endpoints,
+            peer_net,
+            handles,
+            send: (0..nranks).map(|_| Default::default()).collect(),
+            recv: (0..nranks).map(|_| Default::default()).collect(),
+            incoming: Vec::new(),
+            spare: Vec::new(),
+        }
+    }
+
+    /// Name of the network used toward `peer`.
+    pub fn net_name(&self, peer: usize) -> &'static str {
+        self.endpoints[self.peer_net[peer]].net.name()
+    }
+
+    pub fn send_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn SendComm>> {
+        self.send[peer][ch]
+            .as_mut()
+            .ok_or_else(|| Error::Internal(format!("no send connection to rank {peer} channel {ch}")))
+    }
+
+    pub fn recv_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn RecvComm>> {
+        self.recv[peer][ch]
+            .as_mut()
+            .ok_or_else(|| Error::Internal(format!("no receive connection from rank {peer} channel {ch}")))
+    }
+
+    pub fn send_fds(&self, peer: usize, ch: usize, out: &mut Vec<PollFd>) {
+        if let Some(c) = &self.send[peer][ch] {
+            c.poll_fds(out);
+        }
+    }
+
+    pub fn recv_fds(&self, peer: usize, ch: usize, out: &mut Vec<PollFd>) {
+        if let Some(c) = &self.recv[peer][ch] {
+            c.poll_fds(out);
+        }
+    }
+
+    /// Drop every connection (after an error, so nothing touches user memory again).
+    pub fn close_all(&mut self) {
+        for s in &mut self.send {
+            *s = Default::default();
+        }
+        for r in &mut self.recv {
+            *r = Default::default();
+        }
+        self.incoming.clear();
+        self.spare.clear();
+    }
+
+    /// Make sure the connections `sends` (to peer, channel) and `recvs` (from peer, channel)
+    /// exist, opening the missing ones together.
+    pub fn ensure(&mut self, sends: &[(usize, usize)], recvs: &[(usize, usize)], waiter: &Waiter) -> Result<()> {
+        let need_send: Vec<(usize, usize)> =
+            sends.iter().copied().filter(|&(p, c)| p != self.rank && self.send[p][c].is_none()).collect();
+        let need_recv: Vec<(usize, usize)> =
+            recvs.iter().copied().filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none()).collect();
+        if need_send.is_empty() && need_recv.is_empty() {
+            return Ok(());
+        }
+        for &(p, c) in need_send.iter().chain(&need_recv) {
+            if p >= self.nranks || c >= MAX_CHANNELS {
+                return Err(Error::Internal(format!("connection to rank {p} channel {c} out of range")));
+            }
+        }
+        let mut connecting: Vec<(usize, usize, Box<dyn Connecting>)> = Vec::new();
+        for &(p, c) in &need_send {
+            let e = self.peer_net[p];
+            let ep = &self.endpoints[e];
+            let conn = ep.net.connect(ep.dev, &self.handles[p][e]).map_err(|err| Error::Remote {
+                rank: p,
+                msg: format!("connecting over {}: {err}", ep.net.name()),
+            })?;
+            connecting.push((p, c, conn));
+        }
+        let mut hellos: Vec<(usize, usize, HelloOut)> = Vec::new();
+        let mut fds = Vec::new();
+        let mut w = waiter.start();
+        loop {
+            let mut progressed = false;
+            // Outgoing: connect, then send the hello.
+            let mut i = 0;
+            while i < connecting.len() {
+                let (p, c) = (connecting[i].0, connecting[i].1);
+                let polled = connecting[i].2.poll().map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?;
+                if let Some(mut comm) = polled {
+                    let mut buf = Box::new([0u8; 16]);
+                    buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+                    buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
+                    buf[8..12].copy_from_slice(&(c as u32).to_le_bytes());
+                    buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+                    // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
+                    // send completes; the comm is declared first so it drops first.
+                    let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
+                        .map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?
+                        .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
+                    hellos.push((p, c, HelloOut { comm, req, _buf: buf }));
+                    connecting.swap_remove(i);
+                    progressed = true;
+                } else {
+                    i += 1;
+                }
+            }
+            let mut i = 0;
+            while i < hellos.len() {
+                let (p, c) = (hellos[i].0, hellos[i].1);
+                let h = &mut hellos[i].2;
+                if h.comm.test(h.req).map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?.is_some() {
+                    let (_, _, h) = hellos.swap_remove(i);
+                    self.send[p][c] = Some(h.comm);
+                    progressed = true;
+                } else {
+                    i += 1;
+                }
+            }
+            // Incoming: accept anything, read hellos, file them.
+            for e in 0..self.endpoints.len() {
+                while let Some(mut comm) = self.endpoints[e].listen.accept()? {
+                    let mut buf = Box::new([0u8; 16]);
+                    let rb = RecvBuf { ptr: buf.as_mut_ptr(), len: 16, tag: 0 };
+                    // SAFETY: `buf` is boxed and kept in `HelloIn` with the comm (declared
+                    // first, dropped first) until the receive completes.
+                    let req = unsafe { comm.irecv(&[rb]) }?
+                        .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
+                    self.incoming.push(HelloIn { comm, req, buf });
+                    progressed = true;
+                }
+            }
+            let mut i = 0;
+            while i < self.incoming.len() {
+                let mut sizes = [0usize; 1];
+                let h = &mut self.incoming[i];
+                let done = match h.comm.test(h.req, &mut sizes) {
+                    Ok(d) => d,
+                    Err(_) => {
+                        // A connection that died before saying who it is: forget it.
+                        self.incoming.swap_remove(i);
+                        continue;
+                    }
+                };
+                if !done {
+                    i += 1;
+                    continue;
+                }
+                let h = self.incoming.swap_remove(i);
+                let b = &h.buf;
+                let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
+                let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
+                let c = u32::from_le_bytes(b[8..12].try_into().unwrap()) as usize;
+                let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
+                if sizes[0] != 16 || magic != HELLO_MAGIC || id != self.comm_id || p >= self.nranks || c >= MAX_CHANNELS {
+                    continue; // not one of ours
+                }
+                self.spare.push((p, c, h.comm));
+                progressed = true;
+            }
+            let mut i = 0;
+            while i < self.spare.len() {
+                let (p, c) = (self.spare[i].0, self.spare[i].1);
+                if self.recv[p][c].is_none() {
+                    let (_, _, comm) = self.spare.swap_remove(i);
+                    self.recv[p][c] = Some(comm);
+                } else {
+                    i += 1;
+                }
+            }
+            let missing_recv: Vec<(usize, usize)> =
+                need_recv.iter().copied().filter(|&(p, c)| self.recv[p][c].is_none()).collect();
+            if connecting.is_empty() && hellos.is_empty() && missing_recv.is_empty() {
+                return Ok(());
+            }
+            if progressed {
+                w.progressed();
+                continue;
+            }
+            fds.clear();
+            for (_, _, c) in &connecting {
+                c.poll_fds(&mut fds);
+            }
+            for (_, _, h) in &hellos {
+                h.comm.poll_fds(&mut fds);
+            }
+            for e in &self.endpoints {
+                e.listen.poll_fds(&mut fds);
+            }
+            for h in &self.incoming {
+                h.comm.poll_fds(&mut fds);
+            }
+            if w.idle(&fds).is_err() {
+                let mut who: Vec<usize> = connecting.iter().map(|x| x.0).chain(hellos.iter().map(|x| x.0)).collect();
+                who.extend(missing_recv.iter().map(|x| x.0));
+                who.sort_unstable();
+                who.dedup();
+                return Err(Error::Timeout(format!(
+                    "rank {} could not connect with rank(s) {:?} within {:.0?} (ROCCL_TIMEOUT): are they alive and running the same collectives?",
+                    self.rank,
+                    who,
+                    waiter.timeout
+                )));
+            }
+        }
+    }
+}
+
+impl Drop for Links {
+    fn drop(&mut self) {
+        self.close_all();
+    }
+}

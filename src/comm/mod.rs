@@ -1,0 +1,704 @@
+//! The communicator: a group of ranks that run collectives together.
+//!
+//! Calls on one communicator run in the order they were issued, whether blocking (on the
+//! calling thread) or non-blocking (on the communicator's worker thread): each call takes a
+//! ticket when issued and runs when its turn comes. After an error the communicator is
+//! unusable (its connections are closed) and every later call says why.
+
+pub(crate) mod exec;
+pub(crate) mod links;
+pub mod wait;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::algo::model::{self, CollKind, LinkCost, Tuning};
+use crate::algo::{self, Algo, Pipeline};
+use crate::bootstrap::{self, env::Root, UniqueId};
+use crate::error::{Error, Result};
+use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
+use crate::types::{DataType, Element, RedOp};
+
+use exec::Exec;
+use links::{Endpoint, Links};
+pub use wait::Waiter;
+
+/// Communicator settings, normally read from `ROCCL_*` environment variables.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Network (`ROCCL_NET`: auto, tcp).
+    pub net: NetKind,
+    /// Forced algorithm (`ROCCL_ALGO`: ring, tree, direct; unset or auto = cost model).
+    pub algo: Option<Algo>,
+    /// Pipeline overrides (`ROCCL_SLICE` bytes, `ROCCL_DEPTH`, `ROCCL_NCHANNELS`).
+    pub tuning: Tuning,
+    /// Waiting policy and timeout (`ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`).
+    pub waiter: Waiter,
+}
+
+fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
+    match std::env::var(k) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::arg(format!("{k}={v} is not a valid value"))),
+        _ => Ok(None),
+    }
+}
+
+impl Config {
+    /// Settings from the environment.
+    pub fn from_env() -> Result<Config> {
+        let algo = match std::env::var("ROCCL_ALGO") {
+            Ok(v) if !v.trim().is_empty() && !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
+            _ => None,
+        };
+        Ok(Config {
+            net: env_parse("ROCCL_NET")?.unwrap_or(NetKind::Auto),
+            algo,
+            tuning: Tuning {
+                slice: env_parse("ROCCL_SLICE")?,
+                depth: env_parse("ROCCL_DEPTH")?,
+                channels: env_parse("ROCCL_NCHANNELS")?,
+            },
+            waiter: Waiter::from_env(),
+        })
+    }
+}
+
+/// Per-call options.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallOpts {
+    /// Force an algorithm for this call (if the collective has it).
+    pub algo: Option<Algo>,
+}
+
+/// What a call did.
+#[derive(Clone, Copy, Debug)]
+pub struct CallInfo {
+    /// Algorithm used (`None` for point-to-point and barrier).
+    pub algo: Option<Algo>,
+    /// Pipeline shape used.
+    pub pipeline: Option<Pipeline>,
+}
+
+/// One collective operation, for the byte-level API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    /// Every rank gets the reduction of all inputs.
+    AllReduce(RedOp),
+    /// Root's buffer to every rank.
+    Broadcast {
+        /// Source rank.
+        root: usize,
+    },
+    /// Reduction of all inputs at the root.
+    Reduce {
+        /// Operation.
+        op: RedOp,
+        /// Destination rank.
+        root: usize,
+    },
+    /// Concatenation of all inputs, in rank order, on every rank.
+    AllGather,
+    /// Reduction of all inputs, block `r` to rank `r`.
+    ReduceScatter(RedOp),
+    /// Block `j` of rank `i` goes to block `i` of rank `j`.
+    AllToAll,
+    /// Wait until every rank has arrived.
+    Barrier,
+    /// Send the input to `to` and/or receive the output from `from`.
+    SendRecv {
+        /// Destination rank.
+        to: Option<usize>,
+        /// Source rank.
+        from: Option<usize>,
+    },
+}
+
+struct State {
+    links: Links,
+    stage: Vec<u64>,
+    broken: Option<String>,
+    cfg: Config,
+    cost: LinkCost,
+    serving: u64,
+}
+
+struct Shared {
+    rank: usize,
+    nranks: usize,
+    net: &'static str,
+    state: Mutex<State>,
+    turn: Condvar,
+    tickets: AtomicU64,
+    worker: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+type Job = (u64, Box<dyn FnOnce(&mut State) + Send>);
+
+/// A group of ranks that run collectives together.
+pub struct Communicator {
+    shared: Arc<Shared>,
+}
+
+/// A non-blocking operation in flight; its buffer comes back from [`Handle::wait`].
+pub struct Handle<R> {
+    rx: mpsc::Receiver<Result<R>>,
+    got: Option<Result<R>>,
+}
+
+impl<R> Handle<R> {
+    /// True once the operation has finished (successfully or not).
+    pub fn test(&mut self) -> bool {
+        if self.got.is_none() {
+            if let Ok(r) = self.rx.try_recv() {
+                self.got = Some(r);
+            }
+        }
+        self.got.is_some()
+    }
+
+    /// Block until the operation finishes; returns its buffer or its error.
+    pub fn wait(mut self) -> Result<R> {
+        if let Some(r) = self.got.take() {
+            return r;
+        }
+        self.rx
+            .recv()
+            .unwrap_or_else(|_| Err(Error::Internal("communicator worker exited".into())))
+    }
+}
+
+const BLOB_VERSION: u32 = 1;
+
+fn blob(handle: &NetHandle, net: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(16 + HANDLE_MAX + 16);
+    b.extend_from_slice(&BLOB_VERSION.to_le_bytes());
+    b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
+    let mut name = [0u8; 16];
+    name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
+    b.extend_from_slice(&name);
+    b.extend_from_slice(handle.as_bytes());
+    b
+}
+
+fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<NetHandle> {
+    if b.len() != 4 + 8 + 16 + HANDLE_MAX || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
+        )));
+    }
+    let name = std::str::from_utf8(&b[12..28]).unwrap_or("?").trim_end_matches('\0');
+    if name != my_net {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank} uses network '{name}' but this rank uses '{my_net}': set the same ROCCL_NET everywhere"
+        )));
+    }
+    NetHandle::from_bytes(&b[28..])
+}
+
+impl Communicator {
+    /// Join the communicator of `id` as `rank` of `nranks`, with settings from the
+    /// environment. Blocks until every rank has joined or `ROCCL_TIMEOUT` passes (the error
+    /// then names the ranks that never arrived).
+    pub fn init(id: &UniqueId, nranks: usize, rank: usize) -> Result<Communicator> {
+        Self::init_with(id, nranks, rank, Config::from_env()?)
+    }
+
+    /// Join with explicit settings.
+    pub fn init_with(id: &UniqueId, nranks: usize, rank: usize, cfg: Config) -> Result<Communicator> {
+        if nranks == 0 {
+            return Err(Error::arg("nranks must be at least 1"));
+        }
+        if rank >= nranks {
+            return Err(Error::arg(format!("rank {rank} is out of range for {nranks} ranks (ranks are 0..{})", nranks - 1)));
+        }
+        let (root, nonce) = id.root()?;
+        let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
+        let net: Arc<dyn net::Net> = match cfg.net {
+            NetKind::Auto | NetKind::Tcp => Arc::new(net::tcp::TcpNet::with_addr(local)?),
+        };
+        let (handle, listen) = net.listen(0)?;
+        let table = bootstrap::rendezvous(id, rank, nranks, &blob(&handle, net.name()), cfg.waiter.timeout)?;
+        let handles = table
+            .iter()
+            .enumerate()
+            .map(|(r, b)| parse_blob(r, b, net.name()).map(|h| vec![h]))
+            .collect::<Result<Vec<_>>>()?;
+        let props = net.properties(0)?;
+        let cost = LinkCost {
+            // Software overhead of a TCP message on top of the wire: two syscalls and a wakeup.
+            alpha_us: props.latency_us as f64 + 5.0,
+            // TCP is bound by one core's copy speed long before the link on fast NICs.
+            beta_gbs: (props.speed_mbps as f64 / 8000.0).min(3.0),
+            gamma_gbs: 10.0,
+        };
+        let name = net.name();
+        let links = Links::new(
+            rank,
+            nranks,
+            (nonce ^ (nonce >> 32)) as u32,
+            vec![Endpoint { net, dev: 0, listen }],
+            vec![0; nranks],
+            handles,
+        );
+        Ok(Communicator {
+            shared: Arc::new(Shared {
+                rank,
+                nranks,
+                net: name,
+                state: Mutex::new(State { links, stage: Vec::new(), broken: None, cfg, cost, serving: 0 }),
+                turn: Condvar::new(),
+                tickets: AtomicU64::new(0),
+                worker: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Join from the launcher's environment: `ROCCL_UNIQUE_ID`, or `ROCCL_ROOT` /
+    /// torchrun / Slurm / Open MPI variables (see [`bootstrap::env`]). With an address root,
+    /// rank 0 serves the root on it.
+    pub fn from_env() -> Result<Communicator> {
+        let info = bootstrap::env::from_env()?;
+        let cfg = Config::from_env()?;
+        let id = match &info.root {
+            Root::UniqueIdHex(h) => UniqueId::from_hex(h)?,
+            Root::Addr { host, port } => {
+                let addr = resolve(host, *port)?;
+                if info.rank == 0 {
+                    bootstrap::serve_root(addr, cfg.waiter.timeout)?
+                } else {
+                    UniqueId::for_address(addr)
+                }
+            }
+        };
+        Self::init_with(&id, info.nranks, info.rank, cfg)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> usize {
+        self.shared.nranks
+    }
+
+    /// Name of the network in use (`tcp`, ...).
+    pub fn net_name(&self) -> &'static str {
+        self.shared.net
+    }
+
+    /// The error that made this communicator unusable, if any.
+    pub fn async_error(&self) -> Option<String> {
+        self.shared.state.lock().broken.clone()
+    }
+
+    /// Close all connections now; pending and later calls fail.
+    pub fn abort(&self) {
+        let mut st = self.shared.state.lock();
+        st.broken.get_or_insert_with(|| "communicator aborted by the application".into());
+        st.links.close_all();
+    }
+
+    /// Algorithm and pipeline the cost model picks for a collective of `bytes` bytes.
+    pub fn plan(&self, kind: CollKind, bytes: usize, algo: Option<Algo>) -> (Algo, Pipeline) {
+        let st = self.shared.state.lock();
+        model::choose(kind, self.shared.nranks, bytes, &st.cost, algo.or(st.cfg.algo), &st.cfg.tuning)
+    }
+
+    fn with_turn<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        run_turn(&self.shared, t, f)
+    }
+
+    /// Run one collective on byte buffers. `send == None` means in place. See each typed
+    /// method for the buffer sizes each collective expects.
+    pub fn run_raw(&self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+        self.with_turn(|st| st.execute(coll, dt, send, recv, opts))
+    }
+
+    fn typed<T: Element>(&self, coll: Collective, send: Option<&[T]>, recv: &mut [T]) -> Result<()> {
+        let s = send.map(bytemuck::cast_slice::<T, u8>);
+        self.run_raw(coll, T::DTYPE, s, bytemuck::cast_slice_mut(recv), &CallOpts::default()).map(|_| ())
+    }
+
+    /// All-reduce: `recv[i] = op over ranks of send[i]`; both have the same length.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp) -> Result<()> {
+        self.typed(Collective::AllReduce(op), Some(send), recv)
+    }
+
+    /// In-place all-reduce.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: RedOp) -> Result<()> {
+        self.typed(Collective::AllReduce(op), None, buf)
+    }
+
+    /// Broadcast `buf` from `root` to every rank (in place).
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.typed(Collective::Broadcast { root }, None, buf)
+    }
+
+    /// Broadcast `send` of `root` into `recv` of every rank (`send` is read on the root only).
+    pub fn broadcast_from<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.typed(Collective::Broadcast { root }, Some(send), recv)
+    }
+
+    /// Reduce `send` of every rank into `recv` of `root` (`recv` is untouched elsewhere and
+    /// may be empty there).
+    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp, root: usize) -> Result<()> {
+        self.typed(Collective::Reduce { op, root }, Some(send), recv)
+    }
+
+    /// In-place reduce: `buf` is the input everywhere and the output on `root`.
+    pub fn reduce_in_place<T: Element>(&self, buf: &mut [T], op: RedOp, root: usize) -> Result<()> {
+        self.typed(Collective::Reduce { op, root }, None, buf)
+    }
+
+    /// All-gather: `recv` (`nranks * send.len()`) gets every rank's `send` in rank order.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.typed(Collective::AllGather, Some(send), recv)
+    }
+
+    /// In-place all-gather: this rank's input is block `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.typed(Collective::AllGather, None, buf)
+    }
+
+    /// Reduce-scatter: `send` (`nranks * recv.len()`) reduced over ranks; block `rank` to `recv`.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp) -> Result<()> {
+        self.typed(Collective::ReduceScatter(op), Some(send), recv)
+    }
+
+    /// In-place reduce-scatter: the result lands in block `rank` of `buf`.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: RedOp) -> Result<()> {
+        self.typed(Collective::ReduceScatter(op), None, buf)
+    }
+
+    /// All-to-all: block `j` of `send` goes to rank `j`, block `i` of `recv` comes from rank `i`.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.typed(Collective::AllToAll, Some(send), recv)
+    }
+
+    /// In-place all-to-all.
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.typed(Collective::AllToAll, None, buf)
+    }
+
+    /// Send `buf` to `peer` (returns when `peer` has received it or the network holds it).
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.typed(Collective::SendRecv { to: Some(peer), from: None }, Some(buf), &mut [])
+    }
+
+    /// Receive `buf` from `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        let none: &[T] = &[];
+        self.typed(Collective::SendRecv { to: None, from: Some(peer) }, Some(none), buf)
+    }
+
+    /// Send `send` to `to` while receiving `recv` from `from` (no deadlock when peers
+    /// exchange with each other).
+    pub fn sendrecv<T: Element>(&self, send: &[T], to: usize, recv: &mut [T], from: usize) -> Result<()> {
+        self.typed(Collective::SendRecv { to: Some(to), from: Some(from) }, Some(send), recv)
+    }
+
+    /// Block until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        self.run_raw(Collective::Barrier, DataType::U8, None, &mut [], &CallOpts::default()).map(|_| ())
+    }
+
+    fn worker(&self) -> mpsc::Sender<Job> {
+        let mut w = self.shared.worker.lock();
+        if let Some(tx) = w.as_ref() {
+            return tx.clone();
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::clone(&self.shared);
+        std::thread::Builder::new()
+            .name(format!("roccl-r{}", self.shared.rank))
+            .spawn(move || {
+                while let Ok((t, job)) = rx.recv() {
+                    run_turn(&shared, t, job);
+                }
+            })
+            .expect("spawning the communicator worker thread");
+        *w = Some(tx.clone());
+        tx
+    }
+
+    /// Run `coll` in the background on owned buffers; `send == None` means in place. The
+    /// call is ordered with every other call on this communicator by issue time.
+    pub fn start<T: Element>(&self, coll: Collective, send: Option<Vec<T>>, mut recv: Vec<T>) -> Handle<Vec<T>> {
+        let (tx, rx) = mpsc::channel();
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        let job = Box::new(move |st: &mut State| {
+            let s = send.as_deref().map(bytemuck::cast_slice::<T, u8>);
+            let r = st.execute(coll, T::DTYPE, s, bytemuck::cast_slice_mut(&mut recv), &CallOpts::default());
+            let _ = tx.send(r.map(|_| recv));
+        });
+        if let Err(mpsc::SendError((t, job))) = self.worker().send((t, job)) {
+            // The worker is gone (cannot happen while we hold the communicator); run here.
+            run_turn(&self.shared, t, job);
+        }
+        Handle { rx, got: None }
+    }
+
+    /// Non-blocking in-place all-reduce.
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: RedOp) -> Handle<Vec<T>> {
+        self.start(Collective::AllReduce(op), None, buf)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Stop the worker after the jobs already queued.
+        self.shared.worker.lock().take();
+    }
+}
+
+fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
+    let mut st = shared.state.lock();
+    while st.serving != t {
+        shared.turn.wait(&mut st);
+    }
+    let r = f(&mut st);
+    st.serving += 1;
+    shared.turn.notify_all();
+    r
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let mut addrs = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::sys(format!("resolving the root host '{host}'"), e))?;
+    addrs
+        .next()
+        .ok_or_else(|| Error::arg(format!("root host '{host}' has no address")))
+}
+
+fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
+    if len % dt.size() != 0 {
+        return Err(Error::arg(format!(
+            "{what} of {len} bytes is not a whole number of {dt} elements ({} bytes each)",
+            dt.size()
+        )));
+    }
+    Ok(len / dt.size())
+}
+
+impl State {
+    fn stage(&mut self, bytes: usize) -> &mut [u8] {
+        let words = bytes.div_ceil(8) + 8;
+        if self.stage.len() < words {
+            self.stage = vec![0u64; words.next_power_of_two()];
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
+    }
+
+    fn choose(&self, kind: CollKind, bytes: usize, opts: &CallOpts) -> (Algo, Pipeline) {
+        model::choose(kind, self.links.nranks, bytes, &self.cost, opts.algo.or(self.cfg.algo), &self.cfg.tuning)
+    }
+
+    fn execute(&mut self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+        if let Some(b) = &self.broken {
+            return Err(Error::InvalidUsage(format!("communicator is unusable after an earlier error: {b}")));
+        }
+        let r = self.execute_inner(coll, dt, send, recv, opts);
+        if let Err(e) = &r {
+            // Argument errors are caught before any data moves; anything later leaves the
+            // peers mid-protocol, so the communicator cannot continue.
+            if !matches!(e, Error::InvalidArgument(_)) {
+                self.broken = Some(e.to_string());
+                self.links.close_all();
+            }
+        }
+        r
+    }
+
+    fn execute_inner(&mut self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+        let (n, me) = (self.links.nranks, self.links.rank);
+        let check_root = |root: usize| {
+            if root >= n {
+                Err(Error::arg(format!("root {root} is out of range for {n} ranks")))
+            } else {
+                Ok(())
+            }
+        };
+        let same_len = |s: Option<&[u8]>, want: usize, what: &str| match s {
+            Some(s) if s.len() != want => Err(Error::arg(format!(
+                "{what}: send buffer has {} bytes but {want} are expected",
+                s.len()
+            ))),
+            _ => Ok(()),
+        };
+        let esz = dt.size();
+        let info = |a: Algo, p: Pipeline| CallInfo { algo: Some(a), pipeline: Some(p) };
+        match coll {
+            Collective::AllReduce(op) => {
+                let count = elems("all_reduce receive buffer", recv.len(), dt)?;
+                same_len(send, recv.len(), "all_reduce")?;
+                let (a, pl) = self.choose(CollKind::AllReduce, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                let need = match a {
+                    Algo::Direct => algo::all_reduce_direct_stage(n, recv.len()),
+                    Algo::Ring => algo::all_reduce_ring_stage(&pl),
+                    Algo::Tree => 2 * algo::tree_stage(&pl),
+                };
+                self.run_exec(send, recv, need, |ex| match a {
+                    Algo::Direct => algo::all_reduce_direct(ex, dt, op, count),
+                    Algo::Ring => algo::all_reduce_ring(ex, dt, op, count, &pl),
+                    Algo::Tree => algo::all_reduce_tree(ex, dt, op, count, &pl),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::Broadcast { root } => {
+                check_root(root)?;
+                let count = elems("broadcast buffer", recv.len(), dt)?;
+                let send = if me == root { send } else { None };
+                same_len(send, recv.len(), "broadcast")?;
+                let (a, pl) = self.choose(CollKind::Broadcast, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                let need = if a == Algo::Tree { algo::tree_stage(&pl) } else { 64 };
+                self.run_exec(send, recv, need, |ex| match a {
+                    Algo::Tree => algo::broadcast_tree(ex, root, dt, count, &pl),
+                    _ => algo::broadcast_ring(ex, root, dt, count, &pl),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::Reduce { op, root } => {
+                check_root(root)?;
+                let input_len = send.map_or(recv.len(), |s| s.len());
+                let count = elems("reduce input", input_len, dt)?;
+                if me == root && recv.len() != input_len {
+                    return Err(Error::arg(format!(
+                        "reduce: the root's receive buffer has {} bytes but the input has {input_len}",
+                        recv.len()
+                    )));
+                }
+                let (a, pl) = self.choose(CollKind::Reduce, input_len, opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                let need = if a == Algo::Tree { algo::tree_stage(&pl) } else { algo::chain_stage(&pl) };
+                self.run_exec(send, recv, need, |ex| match a {
+                    Algo::Tree => algo::reduce_tree(ex, root, dt, op, count, &pl),
+                    _ => algo::reduce_ring(ex, root, dt, op, count, &pl),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::AllGather => {
+                let total = elems("all_gather receive buffer", recv.len(), dt)?;
+                let count = match send {
+                    Some(s) => {
+                        let c = elems("all_gather send buffer", s.len(), dt)?;
+                        if c * n != total {
+                            return Err(Error::arg(format!(
+                                "all_gather: receive buffer holds {total} elements but {n} ranks × {c} are expected"
+                            )));
+                        }
+                        c
+                    }
+                    None if total % n != 0 => {
+                        return Err(Error::arg(format!(
+                            "in-place all_gather: buffer of {total} elements is not divisible by {n} ranks"
+                        )))
+                    }
+                    None => total / n,
+                };
+                let (a, pl) = self.choose(CollKind::AllGather, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                self.run_exec(send, recv, 64, |ex| algo::all_gather_ring(ex, dt, count, &pl))?;
+                Ok(info(a, pl))
+            }
+            Collective::ReduceScatter(op) => {
+                let count = match send {
+                    Some(s) => {
+                        let c = elems("reduce_scatter receive buffer", recv.len(), dt)?;
+                        let total = elems("reduce_scatter send buffer", s.len(), dt)?;
+                        if c * n != total {
+                            return Err(Error::arg(format!(
+                                "reduce_scatter: send buffer holds {total} elements but {n} ranks × {c} are expected"
+                            )));
+                        }
+                        c
+                    }
+                    None => {
+                        let total = elems("reduce_scatter buffer", recv.len(), dt)?;
+                        if total % n != 0 {
+                            return Err(Error::arg(format!(
+                                "in-place reduce_scatter: buffer of {total} elements is not divisible by {n} ranks"
+                            )));
+                        }
+                        total / n
+                    }
+                };
+                let (a, pl) = self.choose(CollKind::ReduceScatter, count * n * esz, opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
+                self.run_exec(send, recv, need, |ex| algo::reduce_scatter_ring(ex, dt, op, count, &pl))?;
+                Ok(info(a, pl))
+            }
+            Collective::AllToAll => {
+                let total = elems("all_to_all receive buffer", recv.len(), dt)?;
+                same_len(send, recv.len(), "all_to_all")?;
+                if total % n != 0 {
+                    return Err(Error::arg(format!(
+                        "all_to_all: buffer of {total} elements is not divisible by {n} ranks"
+                    )));
+                }
+                let (a, pl) = self.choose(CollKind::AllToAll, recv.len(), opts);
+                if total == 0 {
+                    return Ok(info(a, pl));
+                }
+                let need = if send.is_none() { recv.len() } else { 64 };
+                let block = recv.len() / n;
+                self.run_exec(send, recv, need, |ex| algo::all_to_all_pairwise(ex, block))?;
+                Ok(info(a, pl))
+            }
+            Collective::Barrier => {
+                self.run_exec(None, &mut [], 64, algo::barrier_dissemination)?;
+                Ok(CallInfo { algo: None, pipeline: None })
+            }
+            Collective::SendRecv { to, from } => {
+                for p in [to, from].into_iter().flatten() {
+                    if p >= n {
+                        return Err(Error::arg(format!("peer {p} is out of range for {n} ranks")));
+                    }
+                }
+                let slen = send.map_or(0, |s| s.len());
+                elems("send buffer", slen, dt)?;
+                elems("receive buffer", recv.len(), dt)?;
+                let rlen = recv.len();
+                let src: &[u8] = send.unwrap_or(&[]);
+                self.run_exec(Some(src), recv, 64, |ex| algo::sendrecv(ex, to, slen, from, rlen))?;
+                Ok(CallInfo { algo: None, pipeline: None })
+            }
+        }
+    }
+
+    fn run_exec(&mut self, send: Option<&[u8]>, recv: &mut [u8], stage_bytes: usize, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
+        self.stage(stage_bytes);
+        let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
+        let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter);
+        f(&mut ex)
+    }
+}
+
+/// Time limit helper for tests and tools: `ROCCL_TIMEOUT` as a duration.
+pub fn timeout() -> Duration {
+    bootstrap::timeout_from_env()
+}

@@ -1,0 +1,100 @@
+//! Waiting that fits the machine: spin for a bounded time, then yield, then block in
+//! `poll(2)` on the descriptors of the pending requests.
+//!
+//! Spinning gives the lowest latency when every rank has a core; yielding and then
+//! sleeping keep 4 ranks on 2 cores from starving each other. `ROCCL_SPIN_US` (default 50)
+//! and `ROCCL_YIELD_US` (default 200) bound the first two phases; `ROCCL_TIMEOUT` (seconds,
+//! default 300) bounds the time without any progress before an error names the peers.
+
+use std::time::{Duration, Instant};
+
+use crate::net::PollFd;
+
+/// Waiting policy of a communicator.
+#[derive(Clone, Debug)]
+pub struct Waiter {
+    /// Busy-poll this long after the last progress.
+    pub spin: Duration,
+    /// Then `sched_yield` this long.
+    pub yield_for: Duration,
+    /// Give up after this long without progress.
+    pub timeout: Duration,
+}
+
+impl Waiter {
+    /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`.
+    pub fn from_env() -> Self {
+        let us = |k: &str, d: u64| {
+            std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(d)
+        };
+        let timeout = std::env::var("ROCCL_TIMEOUT")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|t| *t > 0.0)
+            .unwrap_or(300.0);
+        Waiter {
+            spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
+            yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),
+            timeout: Duration::from_secs_f64(timeout),
+        }
+    }
+
+    /// Begin waiting for something.
+    pub fn start(&self) -> WaitState<'_> {
+        WaitState { w: self, last: Instant::now(), spins: 0 }
+    }
+}
+
+/// One wait in progress.
+pub struct WaitState<'a> {
+    w: &'a Waiter,
+    last: Instant,
+    spins: u32,
+}
+
+/// The wait ran past the timeout.
+#[derive(Debug)]
+pub struct TimedOut(pub Duration);
+
+impl WaitState<'_> {
+    /// Something moved: restart the spin phase.
+    pub fn progressed(&mut self) {
+        self.spins = 0;
+        self.last = Instant::now();
+    }
+
+    /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
+    /// caller polls again. Errors once the timeout has passed without progress.
+    pub fn idle(&mut self, fds: &[PollFd]) -> Result<(), TimedOut> {
+        self.spins += 1;
+        // Read the clock only every few spins: it costs more than a poll pass of TCP.
+        if self.spins < 16 {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        self.spins = 8;
+        let idle = self.last.elapsed();
+        if idle < self.w.spin {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        if idle >= self.w.timeout {
+            return Err(TimedOut(idle));
+        }
+        if idle < self.w.spin + self.w.yield_for {
+            std::thread::yield_now();
+            return Ok(());
+        }
+        let left = self.w.timeout - idle;
+        let ms = left.as_millis().clamp(1, 20) as i32;
+        if fds.is_empty() {
+            std::thread::sleep(Duration::from_micros(50));
+            return Ok(());
+        }
+        let mut pfds: Vec<libc::pollfd> =
+            fds.iter().map(|f| libc::pollfd { fd: f.fd, events: f.events, revents: 0 }).collect();
+        // SAFETY: `pfds` is a valid array of pollfd for the duration of the call.
+        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+        Ok(())
+    }
+}

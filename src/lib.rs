@@ -1,0 +1,23 @@
+//! roccl: collective communications for RoCE v2 and Ethernet clusters.
+//!
+//! Layers (see docs/ARCHITECTURE.md):
+//! - [`types`], [`reduce`]: data types and vectorized reduction kernels;
+//! - [`net`]: networks behind one ncclNet-shaped trait (TCP today);
+//! - [`bootstrap`]: unique ids, rendezvous, launcher environments, interface choice;
+//! - `algo`: collective algorithms (ring, double binary tree, ...) over peer links;
+//! - [`Communicator`]: the user-facing object.
+#![deny(missing_docs)]
+
+pub mod algo;
+pub mod bootstrap;
+pub mod comm;
+pub mod error;
+pub mod net;
+pub mod reduce;
+pub mod types;
+
+pub use algo::Algo;
+pub use bootstrap::UniqueId;
+pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle};
+pub use error::{Error, Result};
+pub use types::{DataType, Element, RedOp};

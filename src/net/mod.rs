@@ -1,0 +1,242 @@
+//! Networks behind one trait with `ncclNet_t` semantics.
+//!
+//! A network has devices; each device can `listen` (giving an opaque handle of at most
+//! [`HANDLE_MAX`] bytes to pass to the peer out of band), `connect` to a peer's handle and
+//! `accept` incoming connections — both non-blocking: they are polled until they yield a
+//! comm. A [`SendComm`] posts `isend`s, a [`RecvComm`] posts (possibly grouped, tagged)
+//! `irecv`s; both are completed by `test`. Requests make progress only inside `test`
+//! (and `isend`/`irecv` themselves), so a network needs no helper threads and the caller
+//! decides how to wait (see [`PollFd`]).
+//!
+//! The same trait serves the core and, through a thin adapter, the NCCL/RCCL plugin ABI.
+
+pub mod tcp;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Largest connection handle, as in NCCL (`NCCL_NET_HANDLE_MAXSIZE`).
+pub const HANDLE_MAX: usize = 128;
+/// Most requests a comm accepts in flight (`NCCL_NET_MAX_REQUESTS`).
+pub const MAX_REQUESTS: usize = 32;
+/// Most buffers in one grouped receive.
+pub const MAX_RECVS: usize = 8;
+
+/// Opaque connection handle produced by `listen`, at most [`HANDLE_MAX`] bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NetHandle {
+    bytes: [u8; HANDLE_MAX],
+}
+
+impl NetHandle {
+    /// Build a handle from raw bytes (at most [`HANDLE_MAX`]; the rest is zero).
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        if b.len() > HANDLE_MAX {
+            return Err(Error::arg(format!(
+                "net handle of {} bytes exceeds the {HANDLE_MAX}-byte limit",
+                b.len()
+            )));
+        }
+        let mut bytes = [0u8; HANDLE_MAX];
+        bytes[..b.len()].copy_from_slice(b);
+        Ok(NetHandle { bytes })
+    }
+
+    /// The handle's bytes.
+    pub fn as_bytes(&self) -> &[u8; HANDLE_MAX] {
+        &self.bytes
+    }
+}
+
+impl fmt::Debug for NetHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let used = self.bytes.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
+        write!(f, "NetHandle({used} bytes)")
+    }
+}
+
+/// Which memory a device can send from and receive into (`NCCL_PTR_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtrSupport {
+    /// Host memory.
+    pub host: bool,
+    /// Device (GPU) memory.
+    pub device: bool,
+    /// dma-buf file descriptors.
+    pub dmabuf: bool,
+}
+
+/// Properties of one network device, as `ncclNetProperties_t` reports them.
+#[derive(Clone, Debug)]
+pub struct NetProperties {
+    /// Device name (interface name for TCP).
+    pub name: String,
+    /// PCI path in sysfs, `None` for virtual devices.
+    pub pci_path: Option<String>,
+    /// Unique identifier of the device.
+    pub guid: u64,
+    /// Memory the device can use.
+    pub ptr_support: PtrSupport,
+    /// Link speed in Mbit/s (0 when unknown).
+    pub speed_mbps: u32,
+    /// Port number.
+    pub port: u32,
+    /// Typical one-way latency of a small message, in microseconds.
+    pub latency_us: f32,
+    /// Most comms this device supports.
+    pub max_comms: u32,
+    /// Most buffers in one grouped receive.
+    pub max_recvs: u32,
+}
+
+/// A file descriptor the caller can `poll(2)` to sleep until a comm can make progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollFd {
+    /// The descriptor.
+    pub fd: i32,
+    /// `POLLIN`/`POLLOUT` bits.
+    pub events: i16,
+}
+
+/// Identifies a request posted on a comm; valid until `test` reports it done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReqId(pub u32);
+
+/// A registered memory region (`mhandle` in NCCL). Opaque to the caller.
+#[derive(Debug)]
+pub struct MemHandle {
+    /// Start of the region.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Network-specific key (lkey/rkey for RDMA; unused by TCP).
+    pub key: u64,
+}
+
+/// One buffer of a (grouped) receive.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvBuf {
+    /// Where to write.
+    pub ptr: *mut u8,
+    /// Capacity in bytes; the matching send may be shorter, never longer.
+    pub len: usize,
+    /// Tag that the matching send carries.
+    pub tag: u32,
+}
+
+/// A network: TCP, shared memory, RDMA... (`ncclNet_t`).
+pub trait Net: Send + Sync {
+    /// Short name (`tcp`, ...).
+    fn name(&self) -> &'static str;
+    /// Number of devices.
+    fn devices(&self) -> usize;
+    /// Properties of device `dev`.
+    fn properties(&self, dev: usize) -> Result<NetProperties>;
+    /// Start listening on `dev`. Never blocks.
+    fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)>;
+    /// Start connecting to the peer that produced `handle`. Never blocks; poll the result.
+    fn connect(&self, dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>>;
+}
+
+/// A listening endpoint (`listenComm`).
+pub trait ListenComm: Send {
+    /// Accept the next fully established connection, if any. Never blocks.
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>>;
+    /// Descriptors to poll while waiting for a connection.
+    fn poll_fds(&self, out: &mut Vec<PollFd>);
+}
+
+/// A connection in progress (the state NCCL keeps inside the handle between `connect` calls).
+pub trait Connecting: Send {
+    /// Advance; returns the send comm once established. Never blocks.
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>>;
+    /// Descriptors to poll while waiting.
+    fn poll_fds(&self, out: &mut Vec<PollFd>);
+}
+
+/// The sending side of a connection (`sendComm`).
+pub trait SendComm: Send {
+    /// Register memory for sends (no-op bookkeeping for networks that need none).
+    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        Ok(MemHandle { addr, len, key: 0 })
+    }
+    /// Release a registration.
+    fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
+        Ok(())
+    }
+    /// Post a send of `len` bytes at `data` with `tag`. `Ok(None)` when out of request slots.
+    ///
+    /// # Safety
+    /// `data..data+len` must stay valid for reads, and unmodified, until `test` reports the
+    /// request done or the comm is dropped.
+    unsafe fn isend(
+        &mut self,
+        data: *const u8,
+        len: usize,
+        tag: u32,
+        mr: Option<&MemHandle>,
+    ) -> Result<Option<ReqId>>;
+    /// Progress and report whether `req` is done (`Some(bytes sent)`).
+    fn test(&mut self, req: ReqId) -> Result<Option<usize>>;
+    /// Descriptors to poll while waiting for progress (empty when nothing is pending).
+    fn poll_fds(&self, out: &mut Vec<PollFd>);
+}
+
+/// The receiving side of a connection (`recvComm`).
+pub trait RecvComm: Send {
+    /// Register memory for receives.
+    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        Ok(MemHandle { addr, len, key: 0 })
+    }
+    /// Release a registration.
+    fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
+        Ok(())
+    }
+    /// Post a grouped receive: the next `bufs.len()` messages, each matched to the buffer
+    /// with its tag. `Ok(None)` when out of request slots.
+    ///
+    /// # Safety
+    /// Every buffer must stay valid for writes, and not be accessed otherwise, until `test`
+    /// reports the request done or the comm is dropped.
+    unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>>;
+    /// Progress; when `req` is done, write each buffer's received size into `sizes` and
+    /// return true.
+    fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool>;
+    /// Make received data visible to the device (`iflush`); host memory needs nothing.
+    fn flush(&mut self, _bufs: &[RecvBuf]) -> Result<()> {
+        Ok(())
+    }
+    /// Descriptors to poll while waiting for progress.
+    fn poll_fds(&self, out: &mut Vec<PollFd>);
+}
+
+/// Which network to use (`ROCCL_NET`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetKind {
+    /// Pick the best available per peer.
+    Auto,
+    /// TCP sockets.
+    Tcp,
+}
+
+impl std::str::FromStr for NetKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(NetKind::Auto),
+            "tcp" | "socket" => Ok(NetKind::Tcp),
+            other => Err(Error::arg(format!(
+                "unknown network '{other}' (ROCCL_NET / --net): expected auto or tcp"
+            ))),
+        }
+    }
+}
+
+/// Open the network for `kind`.
+pub fn open(kind: NetKind) -> Result<Arc<dyn Net>> {
+    match kind {
+        NetKind::Auto | NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::new()?)),
+    }
+}

@@ -1,0 +1,924 @@
+//! TCP network: each connection is `nsocks` TCP sockets (`ROCCL_NSOCKS`, default 2).
+//!
+//! Wire format, per message: a 16-byte header on socket 0 — `len: u64 LE`, `tag: u32 LE`,
+//! `magic: u32 LE` — then the payload. Payloads of at least `ROCCL_TCP_SPLIT` bytes
+//! (default 256 KiB) are cut into `nsocks` contiguous parts of equal size (rounded up to
+//! 4 KiB); part `j` travels on socket `j`, so both sides know the layout from the length.
+//! Messages on a socket are in post order. The sender writes the header and the first part
+//! with one `sendmsg`; the receiver reads socket 0 through a 64 KiB buffer, so a small
+//! message costs one `recv`, and reads large parts straight into the destination (no copy).
+//!
+//! A new connection opens its sockets and sends a 16-byte hello on each
+//! (`magic`, `conn id: u64`, `index: u16`, `nsocks: u16`); the listener groups sockets by
+//! connection id and hands out the receive comm once all have arrived.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+use super::{
+    Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
+    RecvBuf, RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
+};
+use crate::error::{Error, Result};
+
+const HANDLE_MAGIC: u32 = 0x5043_5452; // "RTCP"
+const HELLO_MAGIC: u32 = 0x4f4c_4548; // "HELO"
+const MSG_MAGIC: u32 = 0x4753_4d52; // "RMSG"
+const HDR: usize = 16;
+const RXBUF: usize = 64 * 1024;
+/// Payload bytes of socket 0 read straight into the destination rather than via the buffer.
+const RX_DIRECT: usize = 16 * 1024;
+const MAX_SOCKS: usize = 8;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// The TCP network. One device: the interface chosen by `ROCCL_SOCKET_IFNAME`.
+pub struct TcpNet {
+    addr: IpAddr,
+    ifname: String,
+    nsocks: usize,
+    split: usize,
+}
+
+impl TcpNet {
+    /// Open on the interface chosen from the environment.
+    pub fn new() -> Result<Self> {
+        Self::with_addr(crate::bootstrap::ifaces::local_addr(None)?)
+    }
+
+    /// Open on a given local address.
+    pub fn with_addr(addr: IpAddr) -> Result<Self> {
+        let nsocks = env_usize("ROCCL_NSOCKS", 2);
+        if nsocks == 0 || nsocks > MAX_SOCKS {
+            return Err(Error::arg(format!(
+                "ROCCL_NSOCKS={nsocks} is out of range: use 1 to {MAX_SOCKS}"
+            )));
+        }
+        let ifname = crate::bootstrap::ifaces::list()
+            .ok()
+            .and_then(|l| l.into_iter().find(|i| i.addr == addr).map(|i| i.name))
+            .unwrap_or_else(|| addr.to_string());
+        Ok(TcpNet {
+            addr,
+            ifname,
+            nsocks,
+            split: env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096),
+        })
+    }
+
+    /// Local address this network listens on.
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+}
+
+fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize) -> Result<NetHandle> {
+    let mut b = [0u8; 48];
+    b[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
+    b[4] = nsocks as u8;
+    match sa.ip() {
+        IpAddr::V4(v4) => {
+            b[5] = 4;
+            b[8..12].copy_from_slice(&v4.octets());
+        }
+        IpAddr::V6(v6) => {
+            b[5] = 6;
+            b[8..24].copy_from_slice(&v6.octets());
+        }
+    }
+    b[6..8].copy_from_slice(&sa.port().to_le_bytes());
+    b[24..32].copy_from_slice(&(split as u64).to_le_bytes());
+    NetHandle::from_bytes(&b)
+}
+
+fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
+    let b = h.as_bytes();
+    let bad = || Error::arg("not a roccl TCP connection handle (wrong magic or family): was it produced by another network or another roccl version?");
+    if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
+        return Err(bad());
+    }
+    let nsocks = b[4] as usize;
+    let port = u16::from_le_bytes([b[6], b[7]]);
+    let ip: IpAddr = match b[5] {
+        4 => <[u8; 4]>::try_from(&b[8..12]).unwrap().into(),
+        6 => <[u8; 16]>::try_from(&b[8..24]).unwrap().into(),
+        _ => return Err(bad()),
+    };
+    if nsocks == 0 || nsocks > MAX_SOCKS {
+        return Err(bad());
+    }
+    let split = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
+    Ok((SocketAddr::new(ip, port), nsocks, split.max(4096)))
+}
+
+fn tune(s: &Socket) -> Result<()> {
+    s.set_nodelay(true)
+        .map_err(|e| Error::sys("setsockopt(TCP_NODELAY)", e))?;
+    s.set_nonblocking(true)
+        .map_err(|e| Error::sys("fcntl(O_NONBLOCK) on a TCP socket", e))?;
+    Ok(())
+}
+
+impl Net for TcpNet {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn devices(&self) -> usize {
+        1
+    }
+
+    fn properties(&self, dev: usize) -> Result<NetProperties> {
+        if dev != 0 {
+            return Err(Error::arg(format!("TCP has one device; asked for device {dev}")));
+        }
+        let speed = std::fs::read_to_string(format!("/sys/class/net/{}/speed", self.ifname))
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .filter(|s| *s > 0)
+            .unwrap_or(if self.addr.is_loopback() { 100_000 } else { 10_000 });
+        Ok(NetProperties {
+            name: self.ifname.clone(),
+            pci_path: None,
+            guid: 0,
+            ptr_support: PtrSupport { host: true, device: false, dmabuf: false },
+            speed_mbps: speed as u32,
+            port: 0,
+            latency_us: if self.addr.is_loopback() { 5.0 } else { 30.0 },
+            max_comms: 65536,
+            max_recvs: MAX_RECVS as u32,
+        })
+    }
+
+    fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)> {
+        if dev != 0 {
+            return Err(Error::arg(format!("TCP has one device; asked to listen on {dev}")));
+        }
+        let sa = SocketAddr::new(self.addr, 0);
+        let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::sys("socket() for the TCP listener", e))?;
+        s.bind(&sa.into())
+            .map_err(|e| Error::sys(format!("bind({sa}) for the TCP listener"), e))?;
+        s.listen(4096)
+            .map_err(|e| Error::sys(format!("listen() on {sa}"), e))?;
+        s.set_nonblocking(true)
+            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) on the listener", e))?;
+        let local = s
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .ok_or_else(|| Error::Internal("listener has no local address".into()))?;
+        let handle = encode_handle(local, self.nsocks, self.split)?;
+        Ok((
+            handle,
+            Box::new(TcpListen { sock: s, pending: Vec::new(), groups: HashMap::new() }),
+        ))
+    }
+
+    fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+        let (sa, nsocks, split) = decode_handle(handle)?;
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let id = nanos ^ ((std::process::id() as u64) << 40) ^ NEXT.fetch_add(1, Ordering::Relaxed);
+        let mut socks = Vec::with_capacity(nsocks);
+        for i in 0..nsocks {
+            let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
+                .map_err(|e| Error::sys("socket() for a TCP connection", e))?;
+            tune(&s)?;
+            match s.connect(&sa.into()) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+                Err(e) => return Err(Error::sys(format!("connect({sa})"), e)),
+            }
+            let mut hello = [0u8; HDR];
+            hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+            hello[4..12].copy_from_slice(&id.to_le_bytes());
+            hello[12..14].copy_from_slice(&(i as u16).to_le_bytes());
+            hello[14..16].copy_from_slice(&(nsocks as u16).to_le_bytes());
+            socks.push(PendingSock { sock: s, hello, sent: 0, connected: false });
+        }
+        Ok(Box::new(TcpConnecting { peer: sa, socks, split }))
+    }
+}
+
+struct PendingSock {
+    sock: Socket,
+    hello: [u8; HDR],
+    sent: usize,
+    connected: bool,
+}
+
+struct TcpConnecting {
+    peer: SocketAddr,
+    socks: Vec<PendingSock>,
+    split: usize,
+}
+
+fn poll_one(fd: i32, events: i16) -> bool {
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    // SAFETY: `p` is a valid pollfd for the duration of the call; timeout 0 never blocks.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents != 0
+}
+
+impl Connecting for TcpConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+        let mut all = true;
+        for p in &mut self.socks {
+            if !p.connected {
+                if !poll_one(p.sock.as_raw_fd(), libc::POLLOUT) {
+                    all = false;
+                    continue;
+                }
+                if let Some(e) = p.sock.take_error().map_err(|e| Error::sys("getsockopt(SO_ERROR)", e))? {
+                    return Err(Error::sys(
+                        format!("connect to {} (is the peer alive and the address reachable? check ROCCL_SOCKET_IFNAME)", self.peer),
+                        e,
+                    ));
+                }
+                p.connected = true;
+            }
+            while p.sent < HDR {
+                match send_raw(p.sock.as_raw_fd(), &p.hello[p.sent..]) {
+                    Ok(n) => p.sent += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(Error::sys(format!("sending hello to {}", self.peer), e)),
+                }
+            }
+            if p.sent < HDR {
+                all = false;
+            }
+        }
+        if !all {
+            return Ok(None);
+        }
+        let socks: Vec<Socket> = self.socks.drain(..).map(|p| p.sock).collect();
+        Ok(Some(Box::new(TcpSendComm::new(socks, self.split, self.peer))))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        for p in &self.socks {
+            out.push(PollFd { fd: p.sock.as_raw_fd(), events: libc::POLLOUT });
+        }
+    }
+}
+
+struct Incoming {
+    sock: Socket,
+    hello: [u8; HDR],
+    got: usize,
+}
+
+struct TcpListen {
+    sock: Socket,
+    pending: Vec<Incoming>,
+    groups: HashMap<u64, Vec<Option<Socket>>>,
+}
+
+impl ListenComm for TcpListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        loop {
+            match self.sock.accept() {
+                Ok((s, _)) => {
+                    tune(&s)?;
+                    self.pending.push(Incoming { sock: s, hello: [0; HDR], got: 0 });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::sys("accept() on the TCP listener", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let inc = &mut self.pending[i];
+            let mut drop_it = false;
+            while inc.got < HDR {
+                match recv_raw(inc.sock.as_raw_fd(), inc.hello[inc.got..].as_mut_ptr(), HDR - inc.got) {
+                    Ok(0) => {
+                        drop_it = true; // connection closed before hello: ignore it
+                        break;
+                    }
+                    Ok(n) => inc.got += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        drop_it = true;
+                        break;
+                    }
+                }
+            }
+            if drop_it {
+                self.pending.swap_remove(i);
+                continue;
+            }
+            if inc.got < HDR {
+                i += 1;
+                continue;
+            }
+            let inc = self.pending.swap_remove(i);
+            let h = &inc.hello;
+            if u32::from_le_bytes(h[0..4].try_into().unwrap()) != HELLO_MAGIC {
+                continue; // a stranger (port scan, wrong program): drop it
+            }
+            let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
+            let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
+            let n = u16::from_le_bytes([h[14], h[15]]) as usize;
+            if n == 0 || n > MAX_SOCKS || idx >= n {
+                continue;
+            }
+            let g = self.groups.entry(id).or_insert_with(|| (0..n).map(|_| None).collect());
+            if g.len() == n {
+                g[idx] = Some(inc.sock);
+            }
+            if g.iter().all(Option::is_some) {
+                let socks: Vec<Socket> = self
+                    .groups
+                    .remove(&id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                return Ok(Some(Box::new(TcpRecvComm::new(socks))));
+            }
+        }
+        Ok(None)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd { fd: self.sock.as_raw_fd(), events: libc::POLLIN });
+        for p in &self.pending {
+            out.push(PollFd { fd: p.sock.as_raw_fd(), events: libc::POLLIN });
+        }
+    }
+}
+
+fn send_raw(fd: i32, b: &[u8]) -> io::Result<usize> {
+    // SAFETY: `b` is a valid initialized slice for the duration of the call.
+    let r = unsafe { libc::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// `recv` into raw memory. The caller guarantees `ptr..ptr+len` is writable.
+fn recv_raw(fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    // SAFETY: callers pass memory they own for writing (a local buffer, or a posted receive
+    // buffer whose validity the `irecv` contract guarantees until the request completes).
+    let r = unsafe { libc::recv(fd, ptr.cast(), len, 0) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// `sendmsg` of two pieces (header remainder + payload) without SIGPIPE.
+fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
+    let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
+    let mut k = 0;
+    if !a.is_empty() {
+        iov[k] = libc::iovec { iov_base: a.as_ptr() as *mut _, iov_len: a.len() };
+        k += 1;
+    }
+    if b_len > 0 {
+        iov[k] = libc::iovec { iov_base: b_ptr as *mut _, iov_len: b_len };
+        k += 1;
+    }
+    if k == 0 {
+        return Ok(0);
+    }
+    // SAFETY: a zeroed msghdr is a valid empty message; we set only the iovec fields.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = k as _;
+    // SAFETY: every iovec points into memory valid for reads: `a` is a live slice and the
+    // payload is a posted send buffer that the `isend` contract keeps valid.
+    let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// Byte range of part `j` of a `len`-byte payload split over `n` sockets.
+fn part(len: usize, j: usize, n: usize, split: usize) -> (usize, usize) {
+    if n == 1 || len < split {
+        return if j == 0 { (0, len) } else { (0, 0) };
+    }
+    let p = len.div_ceil(n).next_multiple_of(4096);
+    let s = (j * p).min(len);
+    let e = ((j + 1) * p).min(len);
+    (s, e)
+}
+
+fn io_err(what: &str, peer: Option<SocketAddr>, e: io::Error) -> Error {
+    let cause = match e.kind() {
+        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
+            " (the peer process exited or closed the connection)"
+        }
+        _ => "",
+    };
+    match peer {
+        Some(p) => Error::sys(format!("{what} with {p}{cause}"), e),
+        None => Error::sys(format!("{what}{cause}"), e),
+    }
+}
+
+struct SendMsg {
+    addr: usize,
+    len: usize,
+    hdr: [u8; HDR],
+    /// Bytes sent on each socket (socket 0 counts the header).
+    off: [usize; MAX_SOCKS],
+    parts_left: u8,
+    reaped: bool,
+}
+
+struct TcpSendComm {
+    socks: Vec<Socket>,
+    fds: Vec<i32>,
+    split: usize,
+    peer: SocketAddr,
+    msgs: VecDeque<SendMsg>,
+    /// Sequence number of `msgs[0]`.
+    base: u64,
+    /// Per socket: the message it is sending (absolute sequence number).
+    cur: [u64; MAX_SOCKS],
+    failed: Option<String>,
+}
+
+impl TcpSendComm {
+    fn new(socks: Vec<Socket>, split: usize, peer: SocketAddr) -> Self {
+        let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
+        TcpSendComm {
+            socks,
+            fds,
+            split,
+            peer,
+            msgs: VecDeque::with_capacity(MAX_REQUESTS),
+            base: 0,
+            cur: [0; MAX_SOCKS],
+            failed: None,
+        }
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed = Some(e.to_string());
+        e
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        if let Some(f) = &self.failed {
+            return Err(Error::InvalidUsage(format!("TCP send comm failed earlier: {f}")));
+        }
+        let n = self.fds.len();
+        let end = self.base + self.msgs.len() as u64;
+        for j in 0..n {
+            while self.cur[j] < end {
+                let m = &mut self.msgs[(self.cur[j] - self.base) as usize];
+                let (s, e) = part(m.len, j, n, self.split);
+                let hdr = if j == 0 { HDR } else { 0 };
+                let total = hdr + (e - s);
+                if m.off[j] < total {
+                    let o = m.off[j];
+                    let r = if o < hdr {
+                        send2(self.fds[j], &m.hdr[o..], m.addr + s, e - s)
+                    } else {
+                        send2(self.fds[j], &[], m.addr + s + (o - hdr), total - o)
+                    };
+                    match r {
+                        Ok(w) => m.off[j] += w,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            let err = io_err("TCP send", Some(self.peer), e);
+                            return Err(self.fail(err));
+                        }
+                    }
+                }
+                if m.off[j] == total {
+                    m.parts_left -= 1;
+                    self.cur[j] += 1;
+                } else {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SendComm for TcpSendComm {
+    unsafe fn isend(
+        &mut self,
+        data: *const u8,
+        len: usize,
+        tag: u32,
+        _mr: Option<&MemHandle>,
+    ) -> Result<Option<ReqId>> {
+        if let Some(f) = &self.failed {
+            return Err(Error::InvalidUsage(format!("TCP send comm failed earlier: {f}")));
+        }
+        if self.msgs.len() >= MAX_REQUESTS {
+            return Ok(None);
+        }
+        let mut hdr = [0u8; HDR];
+        hdr[0..8].copy_from_slice(&(len as u64).to_le_bytes());
+        hdr[8..12].copy_from_slice(&tag.to_le_bytes());
+        hdr[12..16].copy_from_slice(&MSG_MAGIC.to_le_bytes());
+        let seq = self.base + self.msgs.len() as u64;
+        self.msgs.push_back(SendMsg {
+            addr: data as usize,
+            len,
+            hdr,
+            off: [0; MAX_SOCKS],
+            parts_left: self.fds.len() as u8,
+            reaped: false,
+        });
+        self.progress()?;
+        Ok(Some(ReqId(seq as u32)))
+    }
+
+    fn test(&mut self, req: ReqId) -> Result<Option<usize>> {
+        self.progress()?;
+        let idx = (req.0 as u64).wrapping_sub(self.base as u32 as u64) as u32 as usize;
+        let m = self
+            .msgs
+            .get_mut(idx)
+            .filter(|m| !m.reaped)
+            .ok_or_else(|| Error::InvalidUsage(format!("test on unknown send request {}", req.0)))?;
+        if m.parts_left > 0 {
+            return Ok(None);
+        }
+        m.reaped = true;
+        let len = m.len;
+        while self.msgs.front().is_some_and(|m| m.reaped) {
+            self.msgs.pop_front();
+            self.base += 1;
+        }
+        Ok(Some(len))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        let end = self.base + self.msgs.len() as u64;
+        for (j, fd) in self.fds.iter().enumerate() {
+            if self.cur[j] < end {
+                out.push(PollFd { fd: *fd, events: libc::POLLOUT });
+            }
+        }
+    }
+}
+
+impl Drop for TcpSendComm {
+    fn drop(&mut self) {
+        for s in &self.socks {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct PostedBuf {
+    addr: usize,
+    len: usize,
+    tag: u32,
+}
+
+struct RecvReq {
+    bufs: [PostedBuf; MAX_RECVS],
+    n: u8,
+    assigned: u8,
+    sizes: [usize; MAX_RECVS],
+    left: u8,
+    reaped: bool,
+}
+
+struct Slot {
+    /// Index into `reqs` (by sequence).
+    req: u64,
+    /// Payload length and destination once the header has been read.
+    len: usize,
+    dst: usize,
+    known: bool,
+    off: [usize; MAX_SOCKS],
+    parts_left: u8,
+}
+
+struct TcpRecvComm {
+    socks: Vec<Socket>,
+    fds: Vec<i32>,
+    split: usize,
+    rx: Box<[u8]>,
+    rx_start: usize,
+    rx_end: usize,
+    reqs: VecDeque<RecvReq>,
+    req_base: u64,
+    slots: VecDeque<Slot>,
+    slot_base: u64,
+    cur: [u64; MAX_SOCKS],
+    failed: Option<String>,
+    peer: Option<SocketAddr>,
+}
+
+impl TcpRecvComm {
+    fn new(socks: Vec<Socket>) -> Self {
+        let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
+        let peer = socks.first().and_then(|s| s.peer_addr().ok()).and_then(|a| a.as_socket());
+        // The sender splits with the threshold carried in our listen handle, which came from
+        // this same environment variable, so both sides agree on the part layout.
+        let split = env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096);
+        TcpRecvComm {
+            socks,
+            fds,
+            split,
+            rx: vec![0u8; RXBUF].into_boxed_slice(),
+            rx_start: 0,
+            rx_end: 0,
+            reqs: VecDeque::with_capacity(MAX_REQUESTS),
+            req_base: 0,
+            slots: VecDeque::with_capacity(MAX_REQUESTS * 2),
+            slot_base: 0,
+            cur: [0; MAX_SOCKS],
+            failed: None,
+            peer,
+        }
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed = Some(e.to_string());
+        e
+    }
+
+    fn eof(&self) -> Error {
+        let p = self.peer.map(|p| format!(" from {p}")).unwrap_or_default();
+        Error::sys(
+            format!("TCP receive{p}: connection closed by the peer (its process exited or closed the communicator)"),
+            io::Error::from(io::ErrorKind::UnexpectedEof),
+        )
+    }
+
+    /// Fill the socket-0 buffer; returns bytes read (0 = would block).
+    fn fill_rx(&mut self) -> Result<usize> {
+        if self.rx_start == self.rx_end {
+            self.rx_start = 0;
+            self.rx_end = 0;
+        } else if self.rx_end == RXBUF {
+            self.rx.copy_within(self.rx_start..self.rx_end, 0);
+            self.rx_end -= self.rx_start;
+            self.rx_start = 0;
+        }
+        let free = RXBUF - self.rx_end;
+        let ptr = self.rx[self.rx_end..].as_mut_ptr();
+        match recv_raw(self.fds[0], ptr, free) {
+            Ok(0) => Err(self.eof()),
+            Ok(n) => {
+                self.rx_end += n;
+                Ok(n)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+            Err(e) => Err(io_err("TCP receive", self.peer, e)),
+        }
+    }
+
+    /// Parse a header for slot `si` from the buffer.
+    fn take_header(&mut self, si: usize) -> Result<()> {
+        let h = &self.rx[self.rx_start..self.rx_start + HDR];
+        let len = u64::from_le_bytes(h[0..8].try_into().unwrap()) as usize;
+        let tag = u32::from_le_bytes(h[8..12].try_into().unwrap());
+        let magic = u32::from_le_bytes(h[12..16].try_into().unwrap());
+        self.rx_start += HDR;
+        if magic != MSG_MAGIC {
+            return Err(Error::Internal(
+                "TCP stream out of sync (bad message magic): the peer speaks another protocol version".into(),
+            ));
+        }
+        let n = self.fds.len();
+        let slot = &mut self.slots[si];
+        let r = &mut self.reqs[(slot.req - self.req_base) as usize];
+        let Some(b) = (0..r.n as usize).find(|&b| r.assigned & (1 << b) == 0 && r.bufs[b].tag == tag) else {
+            return Err(Error::InvalidUsage(format!(
+                "received a message with tag {tag} but no posted receive buffer carries that tag"
+            )));
+        };
+        if len > r.bufs[b].len {
+            return Err(Error::InvalidUsage(format!(
+                "received a {len}-byte message but the posted receive holds only {} bytes (mismatched counts between sender and receiver?)",
+                r.bufs[b].len
+            )));
+        }
+        r.assigned |= 1 << b;
+        r.sizes[b] = len;
+        slot.len = len;
+        slot.dst = r.bufs[b].addr;
+        slot.known = true;
+        slot.parts_left = (0..n).filter(|&j| {
+            let (s, e) = part(len, j, n, self.split);
+            e > s || j == 0
+        }).count() as u8;
+        Ok(())
+    }
+
+    fn finish_part(&mut self, si: usize) {
+        let slot = &mut self.slots[si];
+        slot.parts_left -= 1;
+        if slot.parts_left == 0 {
+            let r = &mut self.reqs[(slot.req - self.req_base) as usize];
+            r.left -= 1;
+        }
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        if let Some(f) = &self.failed {
+            return Err(Error::InvalidUsage(format!("TCP receive comm failed earlier: {f}")));
+        }
+        let r = self.progress_inner();
+        r.map_err(|e| self.fail(e))
+    }
+
+    fn progress_inner(&mut self) -> Result<()> {
+        let n = self.fds.len();
+        let end = self.slot_base + self.slots.len() as u64;
+        // Socket 0: headers and part 0, through the buffer for small pieces.
+        'sock0: while self.cur[0] < end {
+            let si = (self.cur[0] - self.slot_base) as usize;
+            if !self.slots[si].known {
+                while self.rx_end - self.rx_start < HDR {
+                    if self.fill_rx()? == 0 {
+                        break 'sock0;
+                    }
+                }
+                self.take_header(si)?;
+            }
+            let (s, e) = part(self.slots[si].len, 0, n, self.split);
+            loop {
+                let slot = &mut self.slots[si];
+                let want = (e - s) - slot.off[0];
+                if want == 0 {
+                    break;
+                }
+                let have = self.rx_end - self.rx_start;
+                let dst = slot.dst + s + slot.off[0];
+                if have > 0 {
+                    let k = have.min(want);
+                    // SAFETY: `dst..dst+k` lies inside a posted receive buffer (checked
+                    // against its capacity in take_header); the irecv contract keeps it valid
+                    // and unaliased; the source is our own buffer, which cannot overlap it.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(self.rx[self.rx_start..].as_ptr(), dst as *mut u8, k);
+                    }
+                    self.rx_start += k;
+                    slot.off[0] += k;
+                } else if want >= RX_DIRECT {
+                    match recv_raw(self.fds[0], dst as *mut u8, want) {
+                        Ok(0) => return Err(self.eof()),
+                        Ok(k) => slot.off[0] += k,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(io_err("TCP receive", self.peer, e)),
+                    }
+                } else if self.fill_rx()? == 0 {
+                    break 'sock0;
+                }
+            }
+            self.finish_part(si);
+            self.cur[0] += 1;
+        }
+        // Sockets 1..n: large parts straight into the destination.
+        for j in 1..n {
+            while self.cur[j] < end {
+                let si = (self.cur[j] - self.slot_base) as usize;
+                let slot = &mut self.slots[si];
+                if !slot.known {
+                    break;
+                }
+                let (s, e) = part(slot.len, j, n, self.split);
+                if e == s {
+                    self.cur[j] += 1;
+                    continue;
+                }
+                let want = (e - s) - slot.off[j];
+                if want > 0 {
+                    let dst = slot.dst + s + slot.off[j];
+                    match recv_raw(self.fds[j], dst as *mut u8, want) {
+                        Ok(0) => return Err(self.eof()),
+                        Ok(k) => slot.off[j] += k,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(io_err("TCP receive", self.peer, e)),
+                    }
+                }
+                if self.slots[si].off[j] == e - s {
+                    self.finish_part(si);
+                    self.cur[j] += 1;
+                } else {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RecvComm for TcpRecvComm {
+    unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
+        if let Some(f) = &self.failed {
+            return Err(Error::InvalidUsage(format!("TCP receive comm failed earlier: {f}")));
+        }
+        if bufs.is_empty() || bufs.len() > MAX_RECVS {
+            return Err(Error::arg(format!(
+                "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
+                bufs.len()
+            )));
+        }
+        if self.reqs.len() >= MAX_REQUESTS {
+            return Ok(None);
+        }
+        let seq = self.req_base + self.reqs.len() as u64;
+        let mut arr = [PostedBuf { addr: 0, len: 0, tag: 0 }; MAX_RECVS];
+        for (a, b) in arr.iter_mut().zip(bufs) {
+            *a = PostedBuf { addr: b.ptr as usize, len: b.len, tag: b.tag };
+        }
+        self.reqs.push_back(RecvReq {
+            bufs: arr,
+            n: bufs.len() as u8,
+            assigned: 0,
+            sizes: [0; MAX_RECVS],
+            left: bufs.len() as u8,
+            reaped: false,
+        });
+        for _ in bufs {
+            self.slots.push_back(Slot {
+                req: seq,
+                len: 0,
+                dst: 0,
+                known: false,
+                off: [0; MAX_SOCKS],
+                parts_left: 0,
+            });
+        }
+        self.progress()?;
+        Ok(Some(ReqId(seq as u32)))
+    }
+
+    fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
+        self.progress()?;
+        let idx = (req.0 as u64).wrapping_sub(self.req_base as u32 as u64) as u32 as usize;
+        let r = self
+            .reqs
+            .get_mut(idx)
+            .filter(|r| !r.reaped)
+            .ok_or_else(|| Error::InvalidUsage(format!("test on unknown receive request {}", req.0)))?;
+        if r.left > 0 {
+            return Ok(false);
+        }
+        for (d, s) in sizes.iter_mut().zip(&r.sizes[..r.n as usize]) {
+            *d = *s;
+        }
+        r.reaped = true;
+        while self.reqs.front().is_some_and(|r| r.reaped) {
+            let r = self.reqs.pop_front().unwrap();
+            self.req_base += 1;
+            for _ in 0..r.n {
+                self.slots.pop_front();
+                self.slot_base += 1;
+            }
+        }
+        for c in &mut self.cur[..self.fds.len()] {
+            *c = (*c).max(self.slot_base);
+        }
+        Ok(true)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        let end = self.slot_base + self.slots.len() as u64;
+        for (j, fd) in self.fds.iter().enumerate() {
+            if self.cur[j] < end {
+                out.push(PollFd { fd: *fd, events: libc::POLLIN });
+            }
+        }
+    }
+}
+
+impl Drop for TcpRecvComm {
+    fn drop(&mut self) {
+        for s in &self.socks {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}

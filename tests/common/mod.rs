@@ -1,0 +1,137 @@
+//! Shared helpers for the integration tests: ranks as threads, an independent reference
+//! for every collective, and value encoding per data type.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use roccl::algo::model::Tuning;
+use roccl::comm::Waiter;
+use roccl::net::NetKind;
+use roccl::{Communicator, Config, DataType, RedOp, UniqueId};
+
+/// Test settings: short spin so 8 threads on 2 cores share them well, a timeout that fails
+/// a hung test quickly, and the given pipeline tuning.
+pub fn config(tuning: Tuning) -> Config {
+    Config {
+        net: NetKind::Tcp,
+        algo: None,
+        tuning,
+        waiter: Waiter {
+            spin: Duration::from_micros(5),
+            yield_for: Duration::from_micros(50),
+            timeout: Duration::from_secs(60),
+        },
+    }
+}
+
+/// Run `f(comm)` on `n` ranks, each a thread with its own communicator.
+pub fn run_ranks<F>(n: usize, cfg: Config, f: F)
+where
+    F: Fn(Communicator) + Send + Sync,
+{
+    let id = UniqueId::new().expect("unique id");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (f, cfg) = (&f, cfg.clone());
+                s.spawn(move || {
+                    let c = Communicator::init_with(&id, n, r, cfg).expect("init");
+                    f(c)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(Box::new(format!("rank {r} failed: {:?}", e.downcast_ref::<String>())));
+            }
+        }
+    });
+}
+
+pub fn signed(dt: DataType) -> bool {
+    matches!(dt, DataType::I8 | DataType::I32 | DataType::I64) || dt.is_float()
+}
+
+/// Input element `i` of `rank`: small integers, exact in every type, so sums and
+/// products of up to 16 ranks are exact.
+pub fn val(dt: DataType, op: RedOp, rank: usize, i: usize) -> f64 {
+    if op == RedOp::Prod {
+        return (1 + (rank + i) % 2) as f64;
+    }
+    let v = ((rank * 7 + i * 3) % 5) as f64;
+    if signed(dt) { v - 1.0 } else { v }
+}
+
+/// Reference reduction over `n` ranks of element `i`, computed in f64.
+pub fn reduce_ref(dt: DataType, op: RedOp, n: usize, i: usize) -> f64 {
+    let vals = (0..n).map(|r| val(dt, op, r, i));
+    match op {
+        RedOp::Sum => vals.sum(),
+        RedOp::Prod => vals.product(),
+        RedOp::Max => vals.fold(f64::MIN, f64::max),
+        RedOp::Min => vals.fold(f64::MAX, f64::min),
+        RedOp::Avg => {
+            let s: f64 = vals.sum();
+            if dt.is_float() { s / n as f64 } else { (s / n as f64).trunc() }
+        }
+    }
+}
+
+pub fn put(dt: DataType, v: f64, b: &mut [u8]) {
+    match dt {
+        DataType::I8 => b[0] = (v as i8) as u8,
+        DataType::U8 => b[0] = v as u8,
+        DataType::I32 => b.copy_from_slice(&(v as i32).to_le_bytes()),
+        DataType::U32 => b.copy_from_slice(&(v as u32).to_le_bytes()),
+        DataType::I64 => b.copy_from_slice(&(v as i64).to_le_bytes()),
+        DataType::U64 => b.copy_from_slice(&(v as u64).to_le_bytes()),
+        DataType::F16 => b.copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+        DataType::Bf16 => b.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+        DataType::F32 => b.copy_from_slice(&(v as f32).to_le_bytes()),
+        DataType::F64 => b.copy_from_slice(&v.to_le_bytes()),
+    }
+}
+
+pub fn get(dt: DataType, b: &[u8]) -> f64 {
+    match dt {
+        DataType::I8 => b[0] as i8 as f64,
+        DataType::U8 => b[0] as f64,
+        DataType::I32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::U32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::I64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::U64 => u64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::F16 => half::f16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::F64 => f64::from_le_bytes(b.try_into().unwrap()),
+    }
+}
+
+/// Buffer of `count` elements with element `i` = `f(i)`.
+pub fn fill(dt: DataType, count: usize, f: impl Fn(usize) -> f64) -> Vec<u8> {
+    let es = dt.size();
+    let mut b = vec![0u8; count * es];
+    for i in 0..count {
+        put(dt, f(i), &mut b[i * es..(i + 1) * es]);
+    }
+    b
+}
+
+pub fn close(dt: DataType, got: f64, want: f64) -> bool {
+    let tol = match dt {
+        DataType::F16 | DataType::Bf16 => 1e-2 * want.abs() + 1e-3,
+        DataType::F32 => 1e-6 * want.abs(),
+        _ => 0.0,
+    };
+    (got - want).abs() <= tol
+}
+
+/// Compare `buf` with `want(i)`; panics with the first mismatch.
+pub fn check(what: &str, dt: DataType, buf: &[u8], want: impl Fn(usize) -> f64) {
+    let es = dt.size();
+    for i in 0..buf.len() / es {
+        let g = get(dt, &buf[i * es..(i + 1) * es]);
+        let w = want(i);
+        assert!(close(dt, g, w), "{what}: element {i}: got {g}, want {w}");
+    }
+}
