@@ -342,8 +342,9 @@ impl Machine for RingReduceScatter {
             let (t, k) = (u / self.g.k, u % self.g.k);
             let (_, rc) = self.chunks(t);
             let dest = if t == last { self.out(k) } else { self.partial(t, k) };
-            if ex.busy_for_write(dest) {
-                break; // the previous use of this partial is still being sent
+            // The partial of step t-2 in the same half is sent by unit u-K: wait for it.
+            if t != last && t >= 2 && self.send_done <= u - self.g.k {
+                break;
             }
             let Some(slot) = self.recvs.pop_done(ex) else { break };
             ex.reduce(dest, self.src(rc, k), self.slots.reg(slot, dest.len), self.dt, self.op)?;
@@ -503,7 +504,8 @@ impl Machine for Chain {
             let k = self.done_recv;
             if let Some((dt, op)) = self.reduce {
                 let dest = if self.is_root { self.reg(Buf::Dst, k) } else { self.partial(k) };
-                if ex.busy_for_write(dest) {
+                // The partial slot's previous slice (k - 2*depth) must have been sent.
+                if !self.is_root && k >= 2 * self.depth && self.send_done <= k - 2 * self.depth {
                     break;
                 }
                 let Some(slot) = self.recvs.pop_done(ex) else { break };

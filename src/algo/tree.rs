@@ -147,7 +147,9 @@ impl Machine for TreeM {
                 let k = self.reduced;
                 let acc = self.acc(k);
                 if nk > 0 {
-                    if ex.busy_for_write(acc) {
+                    // A staged partial slot is reused every 2*depth slices: its previous
+                    // slice must have gone up first.
+                    if self.partial_in_stage && k >= 2 * self.depth && self.usend_done <= k - 2 * self.depth {
                         break;
                     }
                     let s0 = self.arrived[0].remove(0);

@@ -1,1 +1,544 @@
-fn main() {}
+//! roccl-perf: nccl-tests style benchmark with correctness checking.
+//!
+//! `roccl-perf --op all_reduce --ranks 4` spawns 4 local rank processes; launched by
+//! torchrun/srun/mpirun (or with ROCCL_RANK/ROCCL_NRANKS/ROCCL_ROOT) it joins as one rank.
+//! Sizes are total buffer bytes as in nccl-tests. `time_us` is the median over iterations
+//! of the slowest rank's time; busbw uses nccl-tests' factors.
+
+use std::io::Write;
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use clap::Parser;
+use roccl::algo::model::CollKind;
+use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "roccl-perf", about = "Benchmark and check roccl collectives (nccl-tests style)")]
+struct Args {
+    /// all_reduce, all_gather, broadcast, reduce_scatter, reduce, all_to_all, sendrecv, barrier, or all.
+    #[arg(long, default_value = "all_reduce")]
+    op: String,
+    /// Local rank processes to spawn (ignored when launched by torchrun/srun/mpirun).
+    #[arg(long, short = 'n', default_value_t = 1)]
+    ranks: usize,
+    /// Network: auto, tcp.
+    #[arg(long, default_value = "auto")]
+    net: String,
+    /// Algorithm: auto, ring, tree, direct.
+    #[arg(long, default_value = "auto")]
+    algo: String,
+    /// Data type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64.
+    #[arg(long, short = 'd', default_value = "f32")]
+    dtype: String,
+    /// Reduction: sum prod max min avg.
+    #[arg(long, short = 'o', default_value = "sum")]
+    redop: String,
+    /// Root of broadcast and reduce.
+    #[arg(long, short = 'r', default_value_t = 0)]
+    root: usize,
+    /// Smallest size in bytes (K/M/G suffixes).
+    #[arg(long, short = 'b', default_value = "8")]
+    minbytes: String,
+    /// Largest size in bytes.
+    #[arg(long, short = 'e', default_value = "64M")]
+    maxbytes: String,
+    /// Size multiplication factor.
+    #[arg(long, short = 'f', default_value_t = 4)]
+    stepfactor: usize,
+    /// Timed iterations per size.
+    #[arg(long, short = 'i', default_value_t = 20)]
+    iters: usize,
+    /// Untimed iterations per size.
+    #[arg(long, short = 'w', default_value_t = 5)]
+    warmup: usize,
+    /// Run in place.
+    #[arg(long)]
+    inplace: bool,
+    /// Check every result against a reference (on by default; --check=false to skip).
+    #[arg(long, short = 'c', default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    check: bool,
+    /// Write a JSON array of results to FILE.
+    #[arg(long)]
+    json: Option<String>,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().map(|n| n * mul).map_err(|_| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Op {
+    AllReduce,
+    AllGather,
+    Broadcast,
+    ReduceScatter,
+    Reduce,
+    AllToAll,
+    SendRecv,
+    Barrier,
+}
+
+const ALL_OPS: [Op; 8] = [
+    Op::AllReduce,
+    Op::AllGather,
+    Op::Broadcast,
+    Op::ReduceScatter,
+    Op::Reduce,
+    Op::AllToAll,
+    Op::SendRecv,
+    Op::Barrier,
+];
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::Broadcast => "broadcast",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::Reduce => "reduce",
+            Op::AllToAll => "all_to_all",
+            Op::SendRecv => "sendrecv",
+            Op::Barrier => "barrier",
+        }
+    }
+    fn parse(s: &str) -> Result<Vec<Op>, String> {
+        if s == "all" {
+            return Ok(ALL_OPS.to_vec());
+        }
+        s.split(',')
+            .map(|x| {
+                ALL_OPS.iter().copied().find(|o| o.name() == x.trim()).ok_or_else(|| {
+                    format!("unknown op '{x}': expected all_reduce, all_gather, broadcast, reduce_scatter, reduce, all_to_all, sendrecv, barrier or all")
+                })
+            })
+            .collect()
+    }
+    fn reduces(self) -> bool {
+        matches!(self, Op::AllReduce | Op::ReduceScatter | Op::Reduce)
+    }
+    fn rooted(self) -> bool {
+        matches!(self, Op::Broadcast | Op::Reduce)
+    }
+    /// nccl-tests bus bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
+            _ => 1.0,
+        }
+    }
+    fn kind(self) -> Option<CollKind> {
+        Some(match self {
+            Op::AllReduce => CollKind::AllReduce,
+            Op::AllGather => CollKind::AllGather,
+            Op::Broadcast => CollKind::Broadcast,
+            Op::ReduceScatter => CollKind::ReduceScatter,
+            Op::Reduce => CollKind::Reduce,
+            Op::AllToAll => CollKind::AllToAll,
+            _ => return None,
+        })
+    }
+}
+
+/// Input element `i` of `rank` for checking: small integers, exact in every type.
+fn pattern(dt: DataType, op: RedOp, rank: usize, i: usize) -> f64 {
+    if op == RedOp::Prod {
+        return (1 + (rank + i) % 2) as f64;
+    }
+    let v = ((rank * 5 + i * 7) % 4) as f64;
+    let signed = dt.is_float() || matches!(dt, DataType::I8 | DataType::I32 | DataType::I64);
+    if signed { v - 1.0 } else { v }
+}
+
+fn expect_reduced(dt: DataType, op: RedOp, n: usize, i: usize) -> f64 {
+    let it = (0..n).map(|r| pattern(dt, op, r, i));
+    match op {
+        RedOp::Sum => it.sum(),
+        RedOp::Prod => it.product(),
+        RedOp::Max => it.fold(f64::MIN, f64::max),
+        RedOp::Min => it.fold(f64::MAX, f64::min),
+        RedOp::Avg => {
+            let s: f64 = it.sum();
+            if dt.is_float() { s / n as f64 } else { (s / n as f64).trunc() }
+        }
+    }
+}
+
+fn encode(dt: DataType, v: f64, b: &mut [u8]) {
+    match dt {
+        DataType::I8 => b[0] = v as i8 as u8,
+        DataType::U8 => b[0] = v as u8,
+        DataType::I32 => b.copy_from_slice(&(v as i32).to_le_bytes()),
+        DataType::U32 => b.copy_from_slice(&(v as u32).to_le_bytes()),
+        DataType::I64 => b.copy_from_slice(&(v as i64).to_le_bytes()),
+        DataType::U64 => b.copy_from_slice(&(v as u64).to_le_bytes()),
+        DataType::F16 => b.copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+        DataType::Bf16 => b.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+        DataType::F32 => b.copy_from_slice(&(v as f32).to_le_bytes()),
+        DataType::F64 => b.copy_from_slice(&v.to_le_bytes()),
+    }
+}
+
+fn decode(dt: DataType, b: &[u8]) -> f64 {
+    match dt {
+        DataType::I8 => b[0] as i8 as f64,
+        DataType::U8 => b[0] as f64,
+        DataType::I32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::U32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::I64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::U64 => u64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::F16 => half::f16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DataType::F64 => f64::from_le_bytes(b.try_into().unwrap()),
+    }
+}
+
+fn fill(dt: DataType, buf: &mut [u8], f: impl Fn(usize) -> f64) {
+    for (i, e) in buf.chunks_exact_mut(dt.size()).enumerate() {
+        encode(dt, f(i), e);
+    }
+}
+
+fn wrong(dt: DataType, buf: &[u8], f: impl Fn(usize) -> f64) -> u64 {
+    let tol = |w: f64| match dt {
+        DataType::F16 | DataType::Bf16 => 1e-2 * w.abs() + 1e-3,
+        DataType::F32 => 1e-6 * w.abs(),
+        _ => 0.0,
+    };
+    buf.chunks_exact(dt.size())
+        .enumerate()
+        .filter(|(i, e)| {
+            let w = f(*i);
+            (decode(dt, e) - w).abs() > tol(w)
+        })
+        .count() as u64
+}
+
+struct Bench<'a> {
+    c: &'a Communicator,
+    a: &'a Args,
+    dt: DataType,
+    op: RedOp,
+    opts: CallOpts,
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    op: &'static str,
+    bytes: usize,
+    count: usize,
+    dtype: String,
+    redop: String,
+    root: i64,
+    algo: String,
+    net: String,
+    ranks: usize,
+    time_us: f64,
+    algbw_gbs: f64,
+    busbw_gbs: f64,
+    wrong: u64,
+}
+
+impl Bench<'_> {
+    /// Buffers and collective for `op` at total size `bytes`; returns (send, recv, coll, count).
+    fn setup(&self, o: Op, bytes: usize) -> (Vec<u8>, Vec<u8>, Collective, usize) {
+        let (n, es) = (self.c.nranks(), self.dt.size());
+        let root = self.a.root;
+        let me = self.c.rank();
+        match o {
+            Op::AllReduce => {
+                let count = bytes / es;
+                (vec![0; count * es], vec![0; count * es], Collective::AllReduce(self.op), count)
+            }
+            Op::Broadcast => {
+                let count = bytes / es;
+                (vec![0; count * es], vec![0; count * es], Collective::Broadcast { root }, count)
+            }
+            Op::Reduce => {
+                let count = bytes / es;
+                (vec![0; count * es], vec![0; count * es], Collective::Reduce { op: self.op, root }, count)
+            }
+            Op::AllGather => {
+                let count = bytes / es / n;
+                (vec![0; count * es], vec![0; n * count * es], Collective::AllGather, count)
+            }
+            Op::ReduceScatter => {
+                let count = bytes / es / n;
+                (vec![0; n * count * es], vec![0; count * es], Collective::ReduceScatter(self.op), count)
+            }
+            Op::AllToAll => {
+                let count = bytes / es / n;
+                (vec![0; n * count * es], vec![0; n * count * es], Collective::AllToAll, count)
+            }
+            Op::SendRecv => {
+                let count = bytes / es;
+                let to = (me + 1) % n;
+                let from = (me + n - 1) % n;
+                (vec![0; count * es], vec![0; count * es], Collective::SendRecv { to: Some(to), from: Some(from) }, count)
+            }
+            Op::Barrier => (vec![], vec![], Collective::Barrier, 0),
+        }
+    }
+
+    fn call(&self, coll: Collective, send: &[u8], recv: &mut [u8], inplace: bool) -> roccl::Result<roccl::CallInfo> {
+        let inplace = inplace && !matches!(coll, Collective::SendRecv { .. } | Collective::Barrier);
+        if inplace {
+            self.c.run_raw(coll, self.dt, None, recv, &self.opts)
+        } else {
+            self.c.run_raw(coll, self.dt, Some(send), recv, &self.opts)
+        }
+    }
+
+    /// For in-place runs the input must sit where each collective expects it.
+    fn place_input(&self, o: Op, send: &[u8], recv: &mut [u8], count: usize) {
+        let es = self.dt.size();
+        match o {
+            Op::AllGather => {
+                let me = self.c.rank();
+                recv[me * count * es..(me + 1) * count * es].copy_from_slice(send);
+            }
+            Op::SendRecv | Op::Barrier => {}
+            _ => recv[..send.len()].copy_from_slice(send),
+        }
+    }
+
+    fn check(&self, o: Op, bytes: usize) -> roccl::Result<u64> {
+        let (dt, op, n, me, root) = (self.dt, self.op, self.c.nranks(), self.c.rank(), self.a.root);
+        let (mut send, mut recv, coll, count) = self.setup(o, bytes);
+        let inplace = self.a.inplace && o != Op::SendRecv;
+        match o {
+            Op::AllReduce | Op::Reduce | Op::Broadcast | Op::SendRecv => fill(dt, &mut send, |i| pattern(dt, op, me, i)),
+            Op::AllGather => fill(dt, &mut send, |i| pattern(dt, op, me, i)),
+            Op::ReduceScatter | Op::AllToAll => fill(dt, &mut send, |j| pattern(dt, op, me, j)),
+            Op::Barrier => {}
+        }
+        if o == Op::ReduceScatter && inplace {
+            recv = send.clone();
+        } else if inplace {
+            self.place_input(o, &send, &mut recv, count);
+        }
+        self.call(coll, &send, &mut recv, inplace)?;
+        let es = dt.size();
+        let bad = match o {
+            Op::AllReduce => wrong(dt, &recv, |i| expect_reduced(dt, op, n, i)),
+            Op::Reduce if me == root => wrong(dt, &recv, |i| expect_reduced(dt, op, n, i)),
+            Op::Reduce | Op::Barrier => 0,
+            Op::Broadcast => wrong(dt, &recv, |i| pattern(dt, op, root, i)),
+            Op::AllGather => wrong(dt, &recv, |j| pattern(dt, op, j / count, j % count)),
+            Op::ReduceScatter => {
+                let mine = if inplace { &recv[me * count * es..(me + 1) * count * es] } else { &recv[..] };
+                wrong(dt, mine, |i| expect_reduced(dt, op, n, me * count + i))
+            }
+            Op::AllToAll => wrong(dt, &recv, |j| pattern(dt, op, j / count, me * count + j % count)),
+            Op::SendRecv => wrong(dt, &recv, |i| pattern(dt, op, (me + n - 1) % n, i)),
+        };
+        // Sum the wrong counts over ranks.
+        let mut total = [bad];
+        self.c.all_reduce_in_place(&mut total, RedOp::Sum)?;
+        Ok(total[0])
+    }
+
+    fn run(&self, o: Op, bytes: usize) -> roccl::Result<Row> {
+        let n = self.c.nranks();
+        let (send, mut recv, coll, count) = self.setup(o, bytes);
+        let mut info = None;
+        for _ in 0..self.a.warmup {
+            info = Some(self.call(coll, &send, &mut recv, self.a.inplace)?);
+        }
+        let mut times = vec![0f64; self.a.iters.max(1)];
+        for t in times.iter_mut() {
+            let s = Instant::now();
+            let i = self.call(coll, &send, &mut recv, self.a.inplace)?;
+            *t = s.elapsed().as_secs_f64() * 1e6;
+            info = Some(i);
+        }
+        // Slowest rank per iteration, then the median.
+        self.c.all_reduce_in_place(&mut times, RedOp::Max)?;
+        times.sort_by(|a, b| a.total_cmp(b));
+        let med = times[times.len() / 2];
+        let wrong = if self.a.check { self.check(o, bytes)? } else { 0 };
+        let real_bytes = match o {
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => count * n * self.dt.size(),
+            Op::Barrier => 0,
+            _ => count * self.dt.size(),
+        };
+        let algbw = real_bytes as f64 / med / 1e3;
+        let algo = match info.and_then(|i| i.algo) {
+            Some(a) => a.name().to_string(),
+            None => match o.kind() {
+                Some(k) => self.c.plan(k, real_bytes, self.opts.algo).0.name().to_string(),
+                None => "p2p".into(),
+            },
+        };
+        Ok(Row {
+            op: o.name(),
+            bytes: real_bytes,
+            count,
+            dtype: self.dt.name().into(),
+            redop: if o.reduces() { self.op.name().into() } else { "none".into() },
+            root: if o.rooted() { self.a.root as i64 } else { -1 },
+            algo,
+            net: self.c.net_name().into(),
+            ranks: n,
+            time_us: med,
+            algbw_gbs: algbw,
+            busbw_gbs: algbw * o.bus_factor(n),
+            wrong,
+        })
+    }
+}
+
+fn sizes(a: &Args) -> Result<Vec<usize>, String> {
+    let (mut b, e) = (parse_size(&a.minbytes)?, parse_size(&a.maxbytes)?);
+    if a.stepfactor < 2 {
+        return Err("--stepfactor must be at least 2".into());
+    }
+    let mut v = Vec::new();
+    while b <= e {
+        v.push(b);
+        b = b.saturating_mul(a.stepfactor);
+        if b == 0 {
+            break;
+        }
+    }
+    Ok(v)
+}
+
+fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
+    let dt: DataType = a.dtype.parse().map_err(|e: roccl::Error| e.to_string())?;
+    let op: RedOp = a.redop.parse().map_err(|e: roccl::Error| e.to_string())?;
+    let algo = match a.algo.as_str() {
+        "auto" => None,
+        s => Some(s.parse::<Algo>().map_err(|e| e.to_string())?),
+    };
+    if a.root >= c.nranks() {
+        return Err(format!("--root {} is out of range for {} ranks", a.root, c.nranks()));
+    }
+    let ops = Op::parse(&a.op)?;
+    let sizes = sizes(a)?;
+    let b = Bench { c: &c, a, dt, op, opts: CallOpts { algo } };
+    let lead = c.rank() == 0;
+    if lead {
+        println!(
+            "# roccl-perf: {} ranks, net {}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}",
+            c.nranks(),
+            c.net_name(),
+            dt,
+            op,
+            a.iters,
+            a.warmup,
+            if a.inplace { "in place" } else { "out of place" },
+            if a.check { "on" } else { "off" }
+        );
+        println!(
+            "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
+            "op", "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw"
+        );
+        println!(
+            "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
+            "", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "#wrong"
+        );
+    }
+    let mut rows = Vec::new();
+    let mut ok = true;
+    for o in ops {
+        let list: Vec<usize> = if o == Op::Barrier { vec![0] } else { sizes.clone() };
+        for &s in &list {
+            let row = b.run(o, s).map_err(|e| format!("{} at {s} bytes: {e}", o.name()))?;
+            ok &= row.wrong == 0;
+            if lead {
+                println!(
+                    "{:>16} {:>12} {:>12} {:>6} {:>5} {:>5} {:>7} {:>11.2} {:>8.3} {:>8.3} {:>7}",
+                    row.op, row.bytes, row.count, row.dtype, row.redop, row.root, row.algo, row.time_us, row.algbw_gbs, row.busbw_gbs, row.wrong
+                );
+                let _ = std::io::stdout().flush();
+            }
+            rows.push(row);
+        }
+    }
+    if lead {
+        let total: u64 = rows.iter().map(|r| r.wrong).sum();
+        println!("# wrong results: {total}{}", if total == 0 { "" } else { "  <-- FAILED" });
+        if let Some(path) = &a.json {
+            let text = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
+            std::fs::write(path, text).map_err(|e| format!("writing {path}: {e}"))?;
+        }
+    }
+    Ok(ok)
+}
+
+fn launched_by_env() -> bool {
+    ["ROCCL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
+fn main() -> ExitCode {
+    let a = Args::parse();
+    if a.net != "auto" {
+        std::env::set_var("ROCCL_NET", &a.net);
+    }
+    let res = if launched_by_env() {
+        Communicator::from_env().map_err(|e| e.to_string()).and_then(|c| rank_main(c, &a))
+    } else if a.ranks <= 1 {
+        UniqueId::new()
+            .and_then(|id| Communicator::init(&id, 1, 0))
+            .map_err(|e| e.to_string())
+            .and_then(|c| rank_main(c, &a))
+    } else {
+        launch(&a)
+    };
+    match res {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("roccl-perf: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Spawn `--ranks` copies of this program as the ranks of one communicator whose root runs
+/// here; rank 0 prints.
+fn launch(a: &Args) -> Result<bool, String> {
+    let id = UniqueId::new().map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut kids = Vec::new();
+    for r in 0..a.ranks {
+        let child = Command::new(&exe)
+            .args(&args)
+            .env("ROCCL_UNIQUE_ID", id.to_hex())
+            .env("ROCCL_RANK", r.to_string())
+            .env("ROCCL_NRANKS", a.ranks.to_string())
+            .stdout(if r == 0 { std::process::Stdio::inherit() } else { std::process::Stdio::null() })
+            .spawn()
+            .map_err(|e| format!("spawning rank {r}: {e}"))?;
+        kids.push(child);
+    }
+    let mut ok = true;
+    let mut failed = Vec::new();
+    for (r, mut k) in kids.into_iter().enumerate() {
+        match k.wait() {
+            Ok(s) if s.success() => {}
+            Ok(s) if s.code() == Some(1) => ok = false,
+            Ok(s) => failed.push(format!("rank {r} exited with {s}")),
+            Err(e) => failed.push(format!("rank {r}: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed.join("; "));
+    }
+    Ok(ok)
+}
