@@ -53,3 +53,12 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 }
+
+/// "rank 3" or "ranks 1, 2, 5", for messages that name peers.
+pub fn ranks_list(ranks: &[usize]) -> String {
+    match ranks {
+        [] => "no rank".to_string(),
+        [r] => format!("rank {r}"),
+        many => format!("ranks {}", many.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")),
+    }
+}

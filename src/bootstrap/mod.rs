@@ -7,7 +7,8 @@
 //! rank gets an error that lists the ranks that never arrived.
 //!
 //! Wire format (all little endian). Registration: `magic u32 "RBST"`, `nonce u64`,
-//! `rank u32`, `nranks u32`, `blob_len u32`, blob. Reply: `status u8` (0 ok, 1 error);
+//! `rank u32`, `nranks u32`, `blob_len u32`, `timeout_ms u32`, blob. The root gives up
+//! `timeout_ms` (the smallest any rank sent) after the first registration. Reply: `status u8` (0 ok, 1 error);
 //! ok: `n × (len u32, bytes)`; error: `len u32`, UTF-8 message.
 
 pub mod env;
@@ -65,7 +66,7 @@ impl UniqueId {
             .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
         let addr = l.local_addr().map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
         let id = UniqueId::from_parts(addr, nonce());
-        spawn_root(l, id.nonce(), timeout_from_env());
+        spawn_root(l, id.nonce());
         Ok(id)
     }
 
@@ -166,10 +167,10 @@ pub fn timeout_from_env() -> Duration {
 
 /// Serve the root of one communicator on `addr` in a background thread (environment
 /// launch: rank 0 calls this with the agreed address before joining).
-pub fn serve_root(addr: SocketAddr, timeout: Duration) -> Result<UniqueId> {
+pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {
     let l = bind_retry(addr, Duration::from_secs(5))?;
     let id = UniqueId::for_address(addr);
-    spawn_root(l, id.nonce(), timeout);
+    spawn_root(l, id.nonce());
     Ok(id)
 }
 
@@ -204,15 +205,22 @@ struct Joined {
     blob: Vec<u8>,
 }
 
-fn spawn_root(l: TcpListener, nonce: u64, timeout: Duration) {
+fn spawn_root(l: TcpListener, nonce: u64) {
     std::thread::Builder::new()
         .name("roccl-root".into())
-        .spawn(move || run_root(l, nonce, timeout))
+        .spawn(move || run_root(l, nonce))
         .expect("spawning the bootstrap root thread");
 }
 
-fn read_reg(s: &mut TcpStream, nonce: u64) -> std::io::Result<Option<(usize, usize, Vec<u8>)>> {
-    let mut h = [0u8; 24];
+struct Reg {
+    rank: usize,
+    nranks: usize,
+    blob: Vec<u8>,
+    timeout: Duration,
+}
+
+fn read_reg(s: &mut TcpStream, nonce: u64) -> std::io::Result<Option<Reg>> {
+    let mut h = [0u8; 28];
     s.read_exact(&mut h)?;
     let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
     let n = u64::from_le_bytes(h[4..12].try_into().unwrap());
@@ -222,12 +230,13 @@ fn read_reg(s: &mut TcpStream, nonce: u64) -> std::io::Result<Option<(usize, usi
     let rank = u32::from_le_bytes(h[12..16].try_into().unwrap()) as usize;
     let nranks = u32::from_le_bytes(h[16..20].try_into().unwrap()) as usize;
     let len = u32::from_le_bytes(h[20..24].try_into().unwrap()) as usize;
+    let timeout = Duration::from_millis(u32::from_le_bytes(h[24..28].try_into().unwrap()) as u64);
     if len > MAX_BLOB {
         return Ok(None);
     }
     let mut blob = vec![0u8; len];
     s.read_exact(&mut blob)?;
-    Ok(Some((rank, nranks, blob)))
+    Ok(Some(Reg { rank, nranks, blob, timeout }))
 }
 
 fn send_error(s: &mut TcpStream, msg: &str) {
@@ -237,8 +246,13 @@ fn send_error(s: &mut TcpStream, msg: &str) {
     let _ = s.write_all(&out);
 }
 
-fn run_root(l: TcpListener, nonce: u64, timeout: Duration) {
-    let start = Instant::now();
+/// A root nobody registers with gives up after this long.
+const ROOT_IDLE: Duration = Duration::from_secs(3600);
+
+fn run_root(l: TcpListener, nonce: u64) {
+    let mut start = Instant::now();
+    let mut timeout = ROOT_IDLE;
+    let mut first = true;
     let _ = l.set_nonblocking(true);
     let mut joined: BTreeMap<usize, Joined> = BTreeMap::new();
     let mut nranks: Option<usize> = None;
@@ -248,13 +262,17 @@ fn run_root(l: TcpListener, nonce: u64, timeout: Duration) {
                 break;
             }
         }
-        if start.elapsed() > timeout {
+        if first && start.elapsed() > ROOT_IDLE {
+            return;
+        }
+        if !first && start.elapsed() > timeout {
             let n = nranks.unwrap_or(0);
             let missing: Vec<usize> = (0..n).filter(|r| !joined.contains_key(r)).collect();
             let msg = format!(
-                "bootstrap timed out after {:.0?} (ROCCL_TIMEOUT): {} of {n} ranks joined; rank(s) {missing:?} never arrived (did they start, and do they use the same unique id / ROCCL_ROOT?)",
+                "bootstrap timed out after {:.0?} (ROCCL_TIMEOUT): {} of {n} ranks joined; {} never arrived (did they start, and do they use the same unique id / ROCCL_ROOT?)",
                 timeout,
-                joined.len()
+                joined.len(),
+                crate::error::ranks_list(&missing)
             );
             for j in joined.values_mut() {
                 send_error(&mut j.stream, &msg);
@@ -266,7 +284,14 @@ fn run_root(l: TcpListener, nonce: u64, timeout: Duration) {
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
                 let _ = s.set_nodelay(true);
-                let Ok(Some((rank, n, blob))) = read_reg(&mut s, nonce) else { continue };
+                let Ok(Some(Reg { rank, nranks: n, blob, timeout: t })) = read_reg(&mut s, nonce) else { continue };
+                if first {
+                    first = false;
+                    start = Instant::now();
+                    timeout = t;
+                } else {
+                    timeout = timeout.min(t);
+                }
                 let want = *nranks.get_or_insert(n);
                 if n != want {
                     send_error(&mut s, &format!("rank {rank} says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"));
@@ -323,12 +348,13 @@ pub fn rendezvous(id: &UniqueId, rank: usize, nranks: usize, blob: &[u8], timeou
         }
     };
     let _ = s.set_nodelay(true);
-    let mut msg = Vec::with_capacity(24 + blob.len());
+    let mut msg = Vec::with_capacity(28 + blob.len());
     msg.extend_from_slice(&REG_MAGIC.to_le_bytes());
     msg.extend_from_slice(&nonce.to_le_bytes());
     msg.extend_from_slice(&(rank as u32).to_le_bytes());
     msg.extend_from_slice(&(nranks as u32).to_le_bytes());
     msg.extend_from_slice(&(blob.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&(timeout.as_millis().min(u32::MAX as u128) as u32).to_le_bytes());
     msg.extend_from_slice(blob);
     s.write_all(&msg).map_err(|e| Error::sys(format!("sending rank {rank}'s registration to the root at {addr}"), e))?;
     let left = timeout.saturating_sub(start.elapsed()) + Duration::from_secs(5);
@@ -413,9 +439,11 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let id = UniqueId::for_address(addr);
-        spawn_root(l, id.nonce(), Duration::from_millis(500));
-        let e = rendezvous(&id, 1, 4, b"x", Duration::from_secs(5)).unwrap_err().to_string();
-        assert!(e.contains("[0, 2, 3]"), "{e}");
+        spawn_root(l, id.nonce());
+        let t = Instant::now();
+        let e = rendezvous(&id, 1, 4, b"x", Duration::from_millis(500)).unwrap_err().to_string();
+        assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+        assert!(e.contains("ranks 0, 2, 3 never arrived"), "{e}");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! addresses into memory.
 
 use std::marker::PhantomData;
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::net::{PollFd, RecvBuf, ReqId};
@@ -192,9 +193,20 @@ impl<'a> Exec<'a> {
         Ok(self.ops.len() - 1)
     }
 
-    fn remote(&self, peer: usize, e: Error) -> Error {
+    fn remote(&mut self, peer: usize, e: Error) -> Error {
         match e {
             Error::Remote { .. } | Error::Timeout(_) => e,
+            Error::System { .. } => {
+                // The connection broke. If the peer closed it because some other rank
+                // failed, its abort notice names that rank: give it a moment to arrive.
+                if let Some(notice) = self.links.notice_within(Duration::from_millis(300)) {
+                    return notice;
+                }
+                Error::Remote {
+                    rank: peer,
+                    msg: format!("rank {peer} exited or aborted: over {}: {e}", self.links.net_name(peer)),
+                }
+            }
             other => Error::Remote { rank: peer, msg: format!("over {}: {other}", self.links.net_name(peer)) },
         }
     }
@@ -212,11 +224,17 @@ impl<'a> Exec<'a> {
             // until this request completes; `Drop` closes the connections of unfinished
             // requests before the borrow ends.
             let posted = unsafe { comm.isend(m.0 as *const u8, m.1, 0, None) };
-            match posted.map_err(|e| self.remote(peer, e))? {
+            let posted = match posted {
+                Ok(p) => p,
+                Err(e) => return Err(self.remote(peer, e)),
+            };
+            match posted {
                 Some(req) => break req,
                 None => {
                     self.poll()?;
-                    w.idle(&[]).map_err(|_| self.stuck())?;
+                    if w.idle(&[]).is_err() {
+                        return Err(self.stuck());
+                    }
                 }
             }
         };
@@ -236,11 +254,17 @@ impl<'a> Exec<'a> {
             let b = RecvBuf { ptr: m.0 as *mut u8, len: m.1, tag: 0 };
             // SAFETY: as for `send`, and no other request in flight touches `m` (checked).
             let posted = unsafe { comm.irecv(&[b]) };
-            match posted.map_err(|e| self.remote(peer, e))? {
+            let posted = match posted {
+                Ok(p) => p,
+                Err(e) => return Err(self.remote(peer, e)),
+            };
+            match posted {
                 Some(req) => break req,
                 None => {
                     self.poll()?;
-                    w.idle(&[]).map_err(|_| self.stuck())?;
+                    if w.idle(&[]).is_err() {
+                        return Err(self.stuck());
+                    }
                 }
             }
         };
@@ -261,11 +285,18 @@ impl<'a> Exec<'a> {
             let ch = o.ch as usize;
             let done = if o.send {
                 let r = self.links.send_comm(peer, ch)?.test(o.req);
-                r.map_err(|e| self.remote(peer, e))?.inspect(|&n| self.ops[i].size = n).is_some()
+                let r = match r {
+                    Ok(r) => r,
+                    Err(e) => return Err(self.remote(peer, e)),
+                };
+                r.inspect(|&n| self.ops[i].size = n).is_some()
             } else {
                 let mut sz = [0usize; 1];
                 let r = self.links.recv_comm(peer, ch)?.test(o.req, &mut sz);
-                let d = r.map_err(|e| self.remote(peer, e))?;
+                let d = match r {
+                    Ok(d) => d,
+                    Err(e) => return Err(self.remote(peer, e)),
+                };
                 if d {
                     if sz[0] != o.len {
                         return Err(Error::Remote {
@@ -306,7 +337,8 @@ impl<'a> Exec<'a> {
         self.inflight
     }
 
-    fn stuck(&self) -> Error {
+    fn stuck(&mut self) -> Error {
+        self.links.suspect = self.ops.iter().find(|o| o.active && !o.done).map(|o| o.peer as usize);
         let mut peers: Vec<String> = self
             .ops
             .iter()
@@ -338,9 +370,17 @@ impl<'a> Exec<'a> {
                     self.links.recv_fds(o.peer as usize, o.ch as usize, &mut fds);
                 }
             }
+            self.links.listen_fds(&mut fds);
             let r = w.idle(&fds);
             self.fds = fds;
-            r.map_err(|_| self.stuck())?;
+            match r {
+                Err(_) => return Err(self.stuck()),
+                // Woken from sleep: a peer may have sent an abort notice.
+                Ok(true) => {
+                    self.links.accept_pending()?;
+                }
+                Ok(false) => {}
+            }
         }
     }
 

@@ -8,6 +8,7 @@
 //! so no order of connects and accepts can deadlock.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm};
@@ -15,6 +16,8 @@ use crate::net::{Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvCo
 use super::wait::Waiter;
 
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
+/// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
+const ABORT: u32 = 0x8000_0000;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
 
@@ -53,6 +56,8 @@ pub(crate) struct Links {
     incoming: Vec<HelloIn>,
     /// Identified connections not yet asked for.
     spare: Vec<(usize, usize, Box<dyn RecvComm>)>,
+    /// The peer last waited on in vain (blamed when a wait times out).
+    pub suspect: Option<usize>,
 }
 
 impl Links {
@@ -75,6 +80,7 @@ impl Links {
             recv: (0..nranks).map(|_| Default::default()).collect(),
             incoming: Vec::new(),
             spare: Vec::new(),
+            suspect: None,
         }
     }
 
@@ -184,57 +190,7 @@ impl Links {
                     i += 1;
                 }
             }
-            // Incoming: accept anything, read hellos, file them.
-            for e in 0..self.endpoints.len() {
-                while let Some(mut comm) = self.endpoints[e].listen.accept()? {
-                    let mut buf = Box::new([0u8; 16]);
-                    let rb = RecvBuf { ptr: buf.as_mut_ptr(), len: 16, tag: 0 };
-                    // SAFETY: `buf` is boxed and kept in `HelloIn` with the comm (declared
-                    // first, dropped first) until the receive completes.
-                    let req = unsafe { comm.irecv(&[rb]) }?
-                        .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
-                    self.incoming.push(HelloIn { comm, req, buf });
-                    progressed = true;
-                }
-            }
-            let mut i = 0;
-            while i < self.incoming.len() {
-                let mut sizes = [0usize; 1];
-                let h = &mut self.incoming[i];
-                let done = match h.comm.test(h.req, &mut sizes) {
-                    Ok(d) => d,
-                    Err(_) => {
-                        // A connection that died before saying who it is: forget it.
-                        self.incoming.swap_remove(i);
-                        continue;
-                    }
-                };
-                if !done {
-                    i += 1;
-                    continue;
-                }
-                let h = self.incoming.swap_remove(i);
-                let b = &h.buf;
-                let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
-                let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
-                let c = u32::from_le_bytes(b[8..12].try_into().unwrap()) as usize;
-                let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
-                if sizes[0] != 16 || magic != HELLO_MAGIC || id != self.comm_id || p >= self.nranks || c >= MAX_CHANNELS {
-                    continue; // not one of ours
-                }
-                self.spare.push((p, c, h.comm));
-                progressed = true;
-            }
-            let mut i = 0;
-            while i < self.spare.len() {
-                let (p, c) = (self.spare[i].0, self.spare[i].1);
-                if self.recv[p][c].is_none() {
-                    let (_, _, comm) = self.spare.swap_remove(i);
-                    self.recv[p][c] = Some(comm);
-                } else {
-                    i += 1;
-                }
-            }
+            progressed |= self.accept_pending()?;
             let missing_recv: Vec<(usize, usize)> =
                 need_recv.iter().copied().filter(|&(p, c)| self.recv[p][c].is_none()).collect();
             if connecting.is_empty() && hellos.is_empty() && missing_recv.is_empty() {
@@ -251,24 +207,156 @@ impl Links {
             for (_, _, h) in &hellos {
                 h.comm.poll_fds(&mut fds);
             }
-            for e in &self.endpoints {
-                e.listen.poll_fds(&mut fds);
-            }
-            for h in &self.incoming {
-                h.comm.poll_fds(&mut fds);
-            }
+            self.listen_fds(&mut fds);
             if w.idle(&fds).is_err() {
                 let mut who: Vec<usize> = connecting.iter().map(|x| x.0).chain(hellos.iter().map(|x| x.0)).collect();
                 who.extend(missing_recv.iter().map(|x| x.0));
                 who.sort_unstable();
                 who.dedup();
                 return Err(Error::Timeout(format!(
-                    "rank {} could not connect with rank(s) {:?} within {:.0?} (ROCCL_TIMEOUT): are they alive and running the same collectives?",
+                    "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): are they alive and running the same collectives?",
                     self.rank,
-                    who,
+                    crate::error::ranks_list(&who),
                     waiter.timeout
                 )));
             }
+        }
+    }
+}
+
+impl Links {
+    /// Accept new connections, read their hellos and file them. An abort notice from a peer
+    /// becomes an error naming the rank that failed. Returns whether anything moved.
+    pub fn accept_pending(&mut self) -> Result<bool> {
+        let mut progressed = false;
+        for e in 0..self.endpoints.len() {
+            while let Some(mut comm) = self.endpoints[e].listen.accept()? {
+                let mut buf = Box::new([0u8; 16]);
+                let rb = RecvBuf { ptr: buf.as_mut_ptr(), len: 16, tag: 0 };
+                // SAFETY: `buf` is boxed and kept in `HelloIn` with the comm (declared first,
+                // dropped first) until the receive completes.
+                let req = unsafe { comm.irecv(&[rb]) }?
+                    .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
+                self.incoming.push(HelloIn { comm, req, buf });
+                progressed = true;
+            }
+        }
+        let mut i = 0;
+        while i < self.incoming.len() {
+            let mut sizes = [0usize; 1];
+            let h = &mut self.incoming[i];
+            let done = match h.comm.test(h.req, &mut sizes) {
+                Ok(d) => d,
+                Err(_) => {
+                    // A connection that died before saying who it is: forget it.
+                    self.incoming.swap_remove(i);
+                    continue;
+                }
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            let h = self.incoming.swap_remove(i);
+            let b = &h.buf;
+            let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
+            let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
+            let c = u32::from_le_bytes(b[8..12].try_into().unwrap());
+            let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
+            if sizes[0] != 16 || magic != HELLO_MAGIC || id != self.comm_id || p >= self.nranks {
+                continue; // not one of ours
+            }
+            if c & ABORT != 0 {
+                let cause = (c & !ABORT) as usize;
+                return Err(Error::Remote {
+                    rank: cause,
+                    msg: format!(
+                        "rank {cause} failed or became unreachable (reported by rank {p}); this communicator is aborted"
+                    ),
+                });
+            }
+            if (c as usize) < MAX_CHANNELS {
+                self.spare.push((p, c as usize, h.comm));
+                progressed = true;
+            }
+        }
+        let mut i = 0;
+        while i < self.spare.len() {
+            let (p, c) = (self.spare[i].0, self.spare[i].1);
+            if self.recv[p][c].is_none() {
+                let (_, _, comm) = self.spare.swap_remove(i);
+                self.recv[p][c] = Some(comm);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// Descriptors of the listeners (to wake up on connections and abort notices).
+    pub fn listen_fds(&self, out: &mut Vec<PollFd>) {
+        for e in &self.endpoints {
+            e.listen.poll_fds(out);
+        }
+        for h in &self.incoming {
+            h.comm.poll_fds(out);
+        }
+    }
+
+    /// After a peer's connection broke: give its abort notice (if it sent one before
+    /// closing) up to `grace` to arrive, and return it.
+    pub fn notice_within(&mut self, grace: Duration) -> Option<Error> {
+        let end = Instant::now() + grace;
+        loop {
+            match self.accept_pending() {
+                Err(e) => return Some(e),
+                Ok(_) if Instant::now() >= end => return None,
+                Ok(_) => std::thread::sleep(Duration::from_micros(500)),
+            }
+        }
+    }
+
+    /// Best effort: tell every other rank that `cause` failed, so that ranks not connected
+    /// to it learn which rank to blame. Bounded to about `budget` in total.
+    pub fn notify_abort(&mut self, cause: usize, budget: Duration) {
+        let end = Instant::now() + budget;
+        let mut pending = Vec::new();
+        for p in 0..self.nranks {
+            if p == self.rank || p == cause {
+                continue;
+            }
+            let e = self.peer_net[p];
+            let ep = &self.endpoints[e];
+            if let Ok(c) = ep.net.connect(ep.dev, &self.handles[p][e]) {
+                pending.push((c, None::<HelloOut>));
+            }
+        }
+        while !pending.is_empty() && Instant::now() < end {
+            pending.retain_mut(|(conn, sent)| {
+                if let Some(h) = sent {
+                    return !matches!(h.comm.test(h.req), Ok(Some(_)) | Err(_));
+                }
+                match conn.poll() {
+                    Ok(Some(mut comm)) => {
+                        let mut buf = Box::new([0u8; 16]);
+                        buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+                        buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
+                        buf[8..12].copy_from_slice(&(ABORT | cause as u32).to_le_bytes());
+                        buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+                        // SAFETY: `buf` is boxed and kept with the comm (dropped after it).
+                        match unsafe { comm.isend(buf.as_ptr(), 16, 0, None) } {
+                            Ok(Some(req)) => {
+                                *sent = Some(HelloOut { comm, req, _buf: buf });
+                                true
+                            }
+                            _ => false,
+                        }
+                    }
+                    Ok(None) => true,
+                    Err(_) => false,
+                }
+            });
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }

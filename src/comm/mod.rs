@@ -272,7 +272,7 @@ impl Communicator {
             Root::Addr { host, port } => {
                 let addr = resolve(host, *port)?;
                 if info.rank == 0 {
-                    bootstrap::serve_root(addr, cfg.waiter.timeout)?
+                    bootstrap::serve_root(addr)?
                 } else {
                     UniqueId::for_address(addr)
                 }
@@ -515,6 +515,13 @@ impl State {
             // peers mid-protocol, so the communicator cannot continue.
             if !matches!(e, Error::InvalidArgument(_)) {
                 self.broken = Some(e.to_string());
+                let cause = match e {
+                    Error::Remote { rank, .. } => Some(*rank),
+                    _ => self.links.suspect,
+                };
+                if let Some(c) = cause.filter(|c| *c != self.links.rank) {
+                    self.links.notify_abort(c, Duration::from_millis(500));
+                }
                 self.links.close_all();
             }
         }

@@ -64,37 +64,38 @@ impl WaitState<'_> {
     }
 
     /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
-    /// caller polls again. Errors once the timeout has passed without progress.
-    pub fn idle(&mut self, fds: &[PollFd]) -> Result<(), TimedOut> {
+    /// caller polls again; `Ok(true)` when it slept in `poll(2)`. Errors once the timeout
+    /// has passed without progress.
+    pub fn idle(&mut self, fds: &[PollFd]) -> Result<bool, TimedOut> {
         self.spins += 1;
         // Read the clock only every few spins: it costs more than a poll pass of TCP.
         if self.spins < 16 {
             std::hint::spin_loop();
-            return Ok(());
+            return Ok(false);
         }
         self.spins = 8;
         let idle = self.last.elapsed();
         if idle < self.w.spin {
             std::hint::spin_loop();
-            return Ok(());
+            return Ok(false);
         }
         if idle >= self.w.timeout {
             return Err(TimedOut(idle));
         }
         if idle < self.w.spin + self.w.yield_for {
             std::thread::yield_now();
-            return Ok(());
+            return Ok(false);
         }
         let left = self.w.timeout - idle;
         let ms = left.as_millis().clamp(1, 20) as i32;
         if fds.is_empty() {
             std::thread::sleep(Duration::from_micros(50));
-            return Ok(());
+            return Ok(true);
         }
         let mut pfds: Vec<libc::pollfd> =
             fds.iter().map(|f| libc::pollfd { fd: f.fd, events: f.events, revents: 0 }).collect();
         // SAFETY: `pfds` is a valid array of pollfd for the duration of the call.
         unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
-        Ok(())
+        Ok(true)
     }
 }

@@ -1,0 +1,130 @@
+//! Bad input and broken peers: clear errors, never a hang or silent corruption.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use roccl::algo::model::Tuning;
+use roccl::{Communicator, Config, Error, RedOp, UniqueId};
+
+/// Does the message blame `rank` (as "rank N" not followed by another digit)?
+fn names(msg: &str, rank: usize) -> bool {
+    let pat = format!("rank {rank}");
+    msg.match_indices(&pat).any(|(i, _)| !msg[i + pat.len()..].starts_with(|c: char| c.is_ascii_digit()))
+}
+
+fn short(timeout_s: u64) -> Config {
+    let mut c = config(Tuning::default());
+    c.waiter.timeout = Duration::from_secs(timeout_s);
+    c
+}
+
+#[test]
+fn bad_arguments_are_errors_and_leave_the_communicator_usable() {
+    run_ranks(2, short(20), |c| {
+        let mut out = vec![0f32; 4];
+        let e = c.all_reduce(&[1f32; 3], &mut out, RedOp::Sum).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("12 bytes"), "{e}");
+        let e = c.broadcast(&mut out, 7).unwrap_err();
+        assert!(e.to_string().contains("root 7 is out of range"), "{e}");
+        let e = c.all_gather(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
+        assert!(e.to_string().contains("2 ranks × 3"), "{e}");
+        let e = c.reduce_scatter_in_place(&mut [0i32; 3], RedOp::Sum).unwrap_err();
+        assert!(e.to_string().contains("not divisible by 2"), "{e}");
+        let e = c.send(&[1u8], 9).unwrap_err();
+        assert!(e.to_string().contains("peer 9"), "{e}");
+        let e = c.run_raw(roccl::Collective::AllReduce(RedOp::Sum), roccl::DataType::F32, None, &mut [0u8; 6], &Default::default()).unwrap_err();
+        assert!(e.to_string().contains("not a whole number of f32"), "{e}");
+        // Still usable.
+        let mut v = vec![c.rank() as f32 + 1.0; 5];
+        c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+        assert_eq!(v, vec![3.0; 5]);
+    });
+}
+
+#[test]
+fn init_arguments_are_checked() {
+    let id = UniqueId::new().unwrap();
+    let e = Communicator::init_with(&id, 2, 2, short(5)).err().expect("rank 2 of 2 must fail");
+    assert!(e.to_string().contains("rank 2 is out of range"), "{e}");
+    let e = Communicator::init_with(&id, 0, 0, short(5)).err().expect("0 ranks must fail");
+    assert!(e.to_string().contains("at least 1"), "{e}");
+}
+
+#[test]
+fn init_timeout_names_missing_ranks() {
+    let id = UniqueId::new().unwrap();
+    let t = Instant::now();
+    let e = std::thread::scope(|s| {
+        let a = s.spawn(|| Communicator::init_with(&id, 4, 0, short(2)).err());
+        let b = s.spawn(|| Communicator::init_with(&id, 4, 3, short(2)).err());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(t.elapsed() < Duration::from_secs(10));
+    for err in [e.0, e.1] {
+        let msg = err.expect("init must time out").to_string();
+        assert!(msg.contains("ranks 1, 2 never arrived"), "{msg}");
+    }
+}
+
+#[test]
+fn mismatched_counts_are_detected() {
+    run_ranks(2, short(10), |c| {
+        let n = if c.rank() == 0 { 100 } else { 50 };
+        let mut v = vec![1f32; n];
+        let e = c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap_err().to_string();
+        assert!(e.contains("different counts") || e.contains("exited or aborted") || e.contains("holds only"), "{e}");
+        // The communicator is now unusable, and says why.
+        let e2 = c.barrier().unwrap_err().to_string();
+        assert!(e2.contains("unusable after an earlier error"), "{e2}");
+    });
+}
+
+/// A rank that disappears mid-job: every other rank gets an error naming it, quickly.
+#[test]
+fn dead_rank_is_named_by_everyone() {
+    for victim in [0usize, 2] {
+        run_ranks(5, short(30), move |c| {
+            let mut v = vec![1f32; 300_000];
+            c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+            if c.rank() == victim {
+                drop(c);
+                return;
+            }
+            let t = Instant::now();
+            let mut res = Ok(());
+            for _ in 0..20 {
+                res = c.all_reduce_in_place(&mut v, RedOp::Sum);
+                if res.is_err() {
+                    break;
+                }
+            }
+            let e = res.expect_err("the collective must fail").to_string();
+            assert!(names(&e, victim), "rank {}: {e}", c.rank());
+            assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+        });
+    }
+}
+
+/// A rank that stays alive but stops participating (before its first collective, or after
+/// a few): the others time out and all name it, not each other.
+#[test]
+fn hung_rank_is_named_after_the_timeout() {
+    for warm in [false, true] {
+        run_ranks(4, short(2), move |c| {
+            if warm {
+                c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum).unwrap();
+            }
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(6));
+                return;
+            }
+            let t = Instant::now();
+            let e = c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum).unwrap_err().to_string();
+            assert!(names(&e, 1), "warm={warm} rank {}: {e}", c.rank());
+            assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+        });
+    }
+}
