@@ -270,15 +270,17 @@ impl Bench<'_> {
                 (vec![0; count * es], vec![0; count * es], Collective::Reduce { op: self.op, root }, count)
             }
             Op::AllGather => {
-                let count = bytes / es / n;
+                let count = (bytes / es / n).max(1);
                 (vec![0; count * es], vec![0; n * count * es], Collective::AllGather, count)
             }
             Op::ReduceScatter => {
-                let count = bytes / es / n;
-                (vec![0; n * count * es], vec![0; count * es], Collective::ReduceScatter(self.op), count)
+                let count = (bytes / es / n).max(1);
+                // In place, the output is block `rank` of the n-block input buffer.
+                let out = if self.a.inplace { n * count } else { count };
+                (vec![0; n * count * es], vec![0; out * es], Collective::ReduceScatter(self.op), count)
             }
             Op::AllToAll => {
-                let count = bytes / es / n;
+                let count = (bytes / es / n).max(1);
                 (vec![0; n * count * es], vec![0; n * count * es], Collective::AllToAll, count)
             }
             Op::SendRecv => {

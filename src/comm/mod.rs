@@ -226,6 +226,11 @@ impl Communicator {
         };
         let (handle, listen) = net.listen(0)?;
         let table = bootstrap::rendezvous(id, rank, nranks, &blob(&handle, net.name()), cfg.waiter.timeout)?;
+        let my_host = &table[rank][4..12];
+        let local_ranks = table.iter().filter(|b| b.len() >= 12 && &b[4..12] == my_host).count();
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let mut cfg = cfg;
+        cfg.waiter.fit(local_ranks, cores);
         let handles = table
             .iter()
             .enumerate()

@@ -1,0 +1,139 @@
+//! Ranks as real processes: roccl-perf launching local ranks, joining from launcher
+//! environments (torchrun, Slurm-style), and a rank killed mid-run.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PERF: &str = env!("CARGO_BIN_EXE_roccl-perf");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn perf_spawns_ranks_and_checks_every_op() {
+    let json = std::env::temp_dir().join(format!("roccl-perf-{}.json", std::process::id()));
+    let out = Command::new(PERF)
+        .args(["--op", "all", "--ranks", "4", "-b", "8", "-e", "64K", "-f", "16", "--iters", "3", "--warmup", "1", "--json"])
+        .arg(&json)
+        .env("ROCCL_SOCKET_IFNAME", "lo")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout:\n{text}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("# wrong results: 0"), "{text}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // 7 sized ops × 3 sizes + barrier
+    assert_eq!(rows.len(), 7 * 3 + 1, "{rows:?}");
+    for r in &rows {
+        for k in ["op", "bytes", "count", "dtype", "redop", "algo", "net", "ranks", "time_us", "algbw_gbs", "busbw_gbs", "wrong"] {
+            assert!(r.get(k).is_some(), "missing {k} in {r}");
+        }
+        assert_eq!(r["wrong"], 0);
+        assert_eq!(r["ranks"], 4);
+        assert!(r["time_us"].as_f64().unwrap() > 0.0);
+    }
+    let _ = std::fs::remove_file(json);
+}
+
+#[test]
+fn perf_in_place_with_other_types_and_algorithms() {
+    for (dtype, op, algo) in [("bf16", "max", "tree"), ("i64", "avg", "ring"), ("f16", "prod", "direct"), ("u8", "min", "auto")] {
+        let out = Command::new(PERF)
+            .args(["--op", "all_reduce,reduce,broadcast,reduce_scatter", "--ranks", "3", "-b", "1K", "-e", "1M", "-f", "32"])
+            .args(["--iters", "2", "--warmup", "1", "--inplace", "--dtype", dtype, "--redop", op, "--algo", algo, "--root", "2"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{dtype} {op} {algo}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("# wrong results: 0"), "{text}");
+    }
+}
+
+/// The ranks are started the way torchrun starts workers: RANK, WORLD_SIZE, MASTER_ADDR,
+/// MASTER_PORT (roccl's root listens on MASTER_PORT + 1).
+#[test]
+fn joins_from_torchrun_environment() {
+    let port = free_port() - 1;
+    let kids: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(PERF)
+                .args(["--op", "all_reduce", "-b", "4K", "-e", "4K", "--iters", "2", "--warmup", "1"])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("ROCCL_TIMEOUT", "30")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {r} failed");
+        if r == 0 {
+            let t = String::from_utf8_lossy(&out.stdout);
+            assert!(t.contains("3 ranks") && t.contains("# wrong results: 0"), "{t}");
+        }
+    }
+}
+
+/// Kill one rank process in the middle of a run: the others exit with an error that names
+/// it, well within the timeout.
+#[test]
+fn killed_rank_is_named() {
+    let id = roccl::UniqueId::new().unwrap();
+    let mut kids: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(PERF)
+                .args(["--op", "all_reduce", "-b", "1M", "-e", "1M", "-f", "2", "--iters", "100000", "--warmup", "0", "--check=false"])
+                .env("ROCCL_UNIQUE_ID", id.to_hex())
+                .env("ROCCL_RANK", r.to_string())
+                .env("ROCCL_NRANKS", "3")
+                .env("ROCCL_TIMEOUT", "60")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    kids[1].kill().unwrap();
+    let t = Instant::now();
+    for (r, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output().unwrap();
+        if r == 1 {
+            continue;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "rank {r}: {err}");
+        assert!(err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"), "rank {r}: {err}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+}
+
+/// Slurm-style variables with ROCCL_ROOT as the root address.
+#[test]
+fn joins_from_slurm_environment() {
+    let port = free_port();
+    let kids: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(PERF)
+                .args(["--op", "broadcast", "-b", "1K", "-e", "1K", "--iters", "2", "--warmup", "1"])
+                .env("SLURM_PROCID", r.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_JOB_NODELIST", "localhost")
+                .env("ROCCL_ROOT", format!("127.0.0.1:{port}"))
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    let _ = BufReader::new(&b""[..]).lines();
+}
