@@ -169,7 +169,9 @@ pub fn timeout_from_env() -> Duration {
 /// launch: rank 0 calls this with the agreed address before joining).
 pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {
     let l = bind_retry(addr, Duration::from_secs(5))?;
-    let id = UniqueId::for_address(addr);
+    // Port 0 (a single rank with no agreed port) binds any free port: publish that one.
+    let port = l.local_addr().map(|a| a.port()).unwrap_or(addr.port());
+    let id = UniqueId::for_address(SocketAddr::new(addr.ip(), port));
     spawn_root(l, id.nonce());
     Ok(id)
 }
