@@ -40,7 +40,10 @@ pub enum Error {
 impl Error {
     /// Build an [`Error::System`] from an io error and a description.
     pub fn sys(what: impl Into<String>, source: std::io::Error) -> Self {
-        Error::System { what: what.into(), source }
+        Error::System {
+            what: what.into(),
+            source,
+        }
     }
 
     /// Build an [`Error::System`] from `errno` and a description.
@@ -59,6 +62,12 @@ pub fn ranks_list(ranks: &[usize]) -> String {
     match ranks {
         [] => "no rank".to_string(),
         [r] => format!("rank {r}"),
-        many => format!("ranks {}", many.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")),
+        many => format!(
+            "ranks {}",
+            many.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }

@@ -74,7 +74,10 @@ impl DataType {
 
     /// True for floating-point types.
     pub const fn is_float(self) -> bool {
-        matches!(self, DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16)
+        matches!(
+            self,
+            DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16
+        )
     }
 
     /// The data type with NCCL's numeric value `v`.
@@ -165,11 +168,15 @@ impl FromStr for RedOp {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let l = s.to_ascii_lowercase();
-        RedOp::ALL.iter().copied().find(|o| o.name() == l).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "unknown reduction '{s}': expected one of sum prod max min avg"
-            ))
-        })
+        RedOp::ALL
+            .iter()
+            .copied()
+            .find(|o| o.name() == l)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown reduction '{s}': expected one of sum prod max min avg"
+                ))
+            })
     }
 }
 

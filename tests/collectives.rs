@@ -18,7 +18,14 @@ enum Kind {
     AllToAll,
 }
 
-const KINDS: [Kind; 6] = [Kind::AllReduce, Kind::Broadcast, Kind::Reduce, Kind::AllGather, Kind::ReduceScatter, Kind::AllToAll];
+const KINDS: [Kind; 6] = [
+    Kind::AllReduce,
+    Kind::Broadcast,
+    Kind::Reduce,
+    Kind::AllGather,
+    Kind::ReduceScatter,
+    Kind::AllToAll,
+];
 
 fn algos(k: Kind) -> &'static [Algo] {
     match k {
@@ -30,11 +37,23 @@ fn algos(k: Kind) -> &'static [Algo] {
 
 /// Run one collective and check this rank's result. `count` is the per-rank element count
 /// (the block size for all-gather, reduce-scatter and all-to-all).
-fn one(c: &Communicator, k: Kind, dt: DataType, op: RedOp, count: usize, algo: Algo, in_place: bool, root: usize) {
+#[allow(clippy::too_many_arguments)]
+fn one(
+    c: &Communicator,
+    k: Kind,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    algo: Algo,
+    in_place: bool,
+    root: usize,
+) {
     let (n, me) = (c.nranks(), c.rank());
     let es = dt.size();
     let opts = CallOpts { algo: Some(algo) };
-    let what = format!("{k:?} {dt} {op} count={count} algo={algo} in_place={in_place} n={n} rank={me} root={root}");
+    let what = format!(
+        "{k:?} {dt} {op} count={count} algo={algo} in_place={in_place} n={n} rank={me} root={root}"
+    );
     let run = |coll: Collective, send: &[u8], out: &mut Vec<u8>| {
         let r = if in_place {
             out.copy_from_slice(send);
@@ -52,7 +71,13 @@ fn one(c: &Communicator, k: Kind, dt: DataType, op: RedOp, count: usize, algo: A
             check(&what, dt, &out, |i| reduce_ref(dt, op, n, i));
         }
         Kind::Broadcast => {
-            let send = fill(dt, count, |i| if me == root { val(dt, op, root, i) } else { -7.0f64.max(0.0) + 9.0 });
+            let send = fill(dt, count, |i| {
+                if me == root {
+                    val(dt, op, root, i)
+                } else {
+                    -7.0f64.max(0.0) + 9.0
+                }
+            });
             let mut out = vec![0xa5u8; count * es];
             run(Collective::Broadcast { root }, &send, &mut out);
             check(&what, dt, &out, |i| val(dt, op, root, i));
@@ -64,7 +89,10 @@ fn one(c: &Communicator, k: Kind, dt: DataType, op: RedOp, count: usize, algo: A
             if me == root {
                 check(&what, dt, &out, |i| reduce_ref(dt, op, n, i));
             } else if !in_place {
-                assert!(out.iter().all(|b| *b == 0xa5), "{what}: non-root receive buffer was written");
+                assert!(
+                    out.iter().all(|b| *b == 0xa5),
+                    "{what}: non-root receive buffer was written"
+                );
             }
         }
         Kind::AllGather => {
@@ -77,7 +105,9 @@ fn one(c: &Communicator, k: Kind, dt: DataType, op: RedOp, count: usize, algo: A
                 c.run_raw(Collective::AllGather, dt, Some(&mine), &mut out, &opts)
             };
             r.unwrap_or_else(|e| panic!("{what}: {e}"));
-            check(&what, dt, &out, |j| val(dt, op, j / count.max(1), j % count.max(1)));
+            check(&what, dt, &out, |j| {
+                val(dt, op, j / count.max(1), j % count.max(1))
+            });
         }
         Kind::ReduceScatter => {
             let send = fill(dt, n * count, |j| val(dt, op, me, j));
@@ -86,14 +116,26 @@ fn one(c: &Communicator, k: Kind, dt: DataType, op: RedOp, count: usize, algo: A
                 out.copy_from_slice(&send);
                 c.run_raw(Collective::ReduceScatter(op), dt, None, &mut out, &opts)
             } else {
-                c.run_raw(Collective::ReduceScatter(op), dt, Some(&send), &mut out, &opts)
+                c.run_raw(
+                    Collective::ReduceScatter(op),
+                    dt,
+                    Some(&send),
+                    &mut out,
+                    &opts,
+                )
             };
             r.unwrap_or_else(|e| panic!("{what}: {e}"));
-            let mine = if in_place { &out[me * count * es..(me + 1) * count * es] } else { &out[..] };
+            let mine = if in_place {
+                &out[me * count * es..(me + 1) * count * es]
+            } else {
+                &out[..]
+            };
             check(&what, dt, mine, |i| reduce_ref(dt, op, n, me * count + i));
         }
         Kind::AllToAll => {
-            let send = fill(dt, n * count, |j| val(dt, op, me, j) + (j / count.max(1)) as f64);
+            let send = fill(dt, n * count, |j| {
+                val(dt, op, me, j) + (j / count.max(1)) as f64
+            });
             let mut out = vec![0xa5u8; n * count * es];
             run(Collective::AllToAll, &send, &mut out);
             // Block s of the output is block `me` of rank s's input.
@@ -112,7 +154,8 @@ fn small_matrix(n: usize, tuning: Tuning) {
             for &algo in algos(k) {
                 for dt in DataType::ALL {
                     for op in RedOp::ALL {
-                        let reducing = matches!(k, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter);
+                        let reducing =
+                            matches!(k, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter);
                         if !reducing && op != RedOp::Sum {
                             continue;
                         }
@@ -133,28 +176,52 @@ fn small_matrix(n: usize, tuning: Tuning) {
 /// Large odd counts (1M + 3 elements) on a representative subset, with the default
 /// pipeline and several channels.
 fn large(n: usize) {
-    run_ranks(n, config(Tuning { channels: Some(2), ..Default::default() }), |c| {
-        for k in KINDS {
-            let count = if matches!(k, Kind::AllGather | Kind::ReduceScatter | Kind::AllToAll) {
-                (1_000_003 / n) | 1
-            } else {
-                1_000_003
-            };
-            for &algo in algos(k) {
-                if algo == Algo::Direct {
-                    continue;
-                }
-                for (dt, op) in [(DataType::F32, RedOp::Sum), (DataType::Bf16, RedOp::Max), (DataType::I64, RedOp::Avg)] {
-                    one(&c, k, dt, op, count, algo, k == Kind::AllReduce && dt == DataType::Bf16, n / 2);
+    run_ranks(
+        n,
+        config(Tuning {
+            channels: Some(2),
+            ..Default::default()
+        }),
+        |c| {
+            for k in KINDS {
+                let count = if matches!(k, Kind::AllGather | Kind::ReduceScatter | Kind::AllToAll) {
+                    (1_000_003 / n) | 1
+                } else {
+                    1_000_003
+                };
+                for &algo in algos(k) {
+                    if algo == Algo::Direct {
+                        continue;
+                    }
+                    for (dt, op) in [
+                        (DataType::F32, RedOp::Sum),
+                        (DataType::Bf16, RedOp::Max),
+                        (DataType::I64, RedOp::Avg),
+                    ] {
+                        one(
+                            &c,
+                            k,
+                            dt,
+                            op,
+                            count,
+                            algo,
+                            k == Kind::AllReduce && dt == DataType::Bf16,
+                            n / 2,
+                        );
+                    }
                 }
             }
-        }
-    });
+        },
+    );
 }
 
 /// Small slices, shallow pipeline, two channels: many units per call at small counts.
 fn pipelined() -> Tuning {
-    Tuning { slice: Some(256), depth: Some(2), channels: Some(2) }
+    Tuning {
+        slice: Some(256),
+        depth: Some(2),
+        channels: Some(2),
+    }
 }
 
 #[test]

@@ -11,7 +11,8 @@ use roccl::{Communicator, Config, Error, RedOp, UniqueId};
 /// Does the message blame `rank` (as "rank N" not followed by another digit)?
 fn names(msg: &str, rank: usize) -> bool {
     let pat = format!("rank {rank}");
-    msg.match_indices(&pat).any(|(i, _)| !msg[i + pat.len()..].starts_with(|c: char| c.is_ascii_digit()))
+    msg.match_indices(&pat)
+        .any(|(i, _)| !msg[i + pat.len()..].starts_with(|c: char| c.is_ascii_digit()))
 }
 
 fn short(timeout_s: u64) -> Config {
@@ -31,11 +32,21 @@ fn bad_arguments_are_errors_and_leave_the_communicator_usable() {
         assert!(e.to_string().contains("root 7 is out of range"), "{e}");
         let e = c.all_gather(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
         assert!(e.to_string().contains("2 ranks × 3"), "{e}");
-        let e = c.reduce_scatter_in_place(&mut [0i32; 3], RedOp::Sum).unwrap_err();
+        let e = c
+            .reduce_scatter_in_place(&mut [0i32; 3], RedOp::Sum)
+            .unwrap_err();
         assert!(e.to_string().contains("not divisible by 2"), "{e}");
         let e = c.send(&[1u8], 9).unwrap_err();
         assert!(e.to_string().contains("peer 9"), "{e}");
-        let e = c.run_raw(roccl::Collective::AllReduce(RedOp::Sum), roccl::DataType::F32, None, &mut [0u8; 6], &Default::default()).unwrap_err();
+        let e = c
+            .run_raw(
+                roccl::Collective::AllReduce(RedOp::Sum),
+                roccl::DataType::F32,
+                None,
+                &mut [0u8; 6],
+                &Default::default(),
+            )
+            .unwrap_err();
         assert!(e.to_string().contains("not a whole number of f32"), "{e}");
         // Still usable.
         let mut v = vec![c.rank() as f32 + 1.0; 5];
@@ -47,9 +58,13 @@ fn bad_arguments_are_errors_and_leave_the_communicator_usable() {
 #[test]
 fn init_arguments_are_checked() {
     let id = UniqueId::new().unwrap();
-    let e = Communicator::init_with(&id, 2, 2, short(5)).err().expect("rank 2 of 2 must fail");
+    let e = Communicator::init_with(&id, 2, 2, short(5))
+        .err()
+        .expect("rank 2 of 2 must fail");
     assert!(e.to_string().contains("rank 2 is out of range"), "{e}");
-    let e = Communicator::init_with(&id, 0, 0, short(5)).err().expect("0 ranks must fail");
+    let e = Communicator::init_with(&id, 0, 0, short(5))
+        .err()
+        .expect("0 ranks must fail");
     assert!(e.to_string().contains("at least 1"), "{e}");
 }
 
@@ -74,8 +89,16 @@ fn mismatched_counts_are_detected() {
     run_ranks(2, short(10), |c| {
         let n = if c.rank() == 0 { 100 } else { 50 };
         let mut v = vec![1f32; n];
-        let e = c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap_err().to_string();
-        assert!(e.contains("different counts") || e.contains("exited or aborted") || e.contains("holds only"), "{e}");
+        let e = c
+            .all_reduce_in_place(&mut v, RedOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("different counts")
+                || e.contains("exited or aborted")
+                || e.contains("holds only"),
+            "{e}"
+        );
         // The communicator is now unusable, and says why.
         let e2 = c.barrier().unwrap_err().to_string();
         assert!(e2.contains("unusable after an earlier error"), "{e2}");
@@ -103,7 +126,11 @@ fn dead_rank_is_named_by_everyone() {
             }
             let e = res.expect_err("the collective must fail").to_string();
             assert!(names(&e, victim), "rank {}: {e}", c.rank());
-            assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "took {:?}",
+                t.elapsed()
+            );
         });
     }
 }
@@ -115,16 +142,24 @@ fn hung_rank_is_named_after_the_timeout() {
     for warm in [false, true] {
         run_ranks(4, short(2), move |c| {
             if warm {
-                c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum).unwrap();
+                c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum)
+                    .unwrap();
             }
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(6));
                 return;
             }
             let t = Instant::now();
-            let e = c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum).unwrap_err().to_string();
+            let e = c
+                .all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum)
+                .unwrap_err()
+                .to_string();
             assert!(names(&e, 1), "warm={warm} rank {}: {e}", c.rank());
-            assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "took {:?}",
+                t.elapsed()
+            );
         });
     }
 }

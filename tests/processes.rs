@@ -7,26 +7,51 @@ use std::time::{Duration, Instant};
 const PERF: &str = env!("CARGO_BIN_EXE_roccl-perf");
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[test]
 fn perf_spawns_ranks_and_checks_every_op() {
     let json = std::env::temp_dir().join(format!("roccl-perf-{}.json", std::process::id()));
     let out = Command::new(PERF)
-        .args(["--op", "all", "--ranks", "4", "-b", "8", "-e", "64K", "-f", "16", "--iters", "3", "--warmup", "1", "--json"])
+        .args([
+            "--op", "all", "--ranks", "4", "-b", "8", "-e", "64K", "-f", "16", "--iters", "3",
+            "--warmup", "1", "--json",
+        ])
         .arg(&json)
         .env("ROCCL_SOCKET_IFNAME", "lo")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "stdout:\n{text}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("# wrong results: 0"), "{text}");
-    let rows: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // 7 sized ops × 4 sizes (8, 128, 2K, 32K) + barrier
     assert_eq!(rows.len(), 7 * 4 + 1, "{rows:?}");
     for r in &rows {
-        for k in ["op", "bytes", "count", "dtype", "redop", "algo", "net", "ranks", "time_us", "algbw_gbs", "busbw_gbs", "wrong"] {
+        for k in [
+            "op",
+            "bytes",
+            "count",
+            "dtype",
+            "redop",
+            "algo",
+            "net",
+            "ranks",
+            "time_us",
+            "algbw_gbs",
+            "busbw_gbs",
+            "wrong",
+        ] {
             assert!(r.get(k).is_some(), "missing {k} in {r}");
         }
         assert_eq!(r["wrong"], 0);
@@ -38,14 +63,48 @@ fn perf_spawns_ranks_and_checks_every_op() {
 
 #[test]
 fn perf_in_place_with_other_types_and_algorithms() {
-    for (dtype, op, algo) in [("bf16", "max", "tree"), ("i64", "avg", "ring"), ("f16", "prod", "direct"), ("u8", "min", "auto")] {
+    for (dtype, op, algo) in [
+        ("bf16", "max", "tree"),
+        ("i64", "avg", "ring"),
+        ("f16", "prod", "direct"),
+        ("u8", "min", "auto"),
+    ] {
         let out = Command::new(PERF)
-            .args(["--op", "all_reduce,reduce,broadcast,reduce_scatter", "--ranks", "3", "-b", "1K", "-e", "1M", "-f", "32"])
-            .args(["--iters", "2", "--warmup", "1", "--inplace", "--dtype", dtype, "--redop", op, "--algo", algo, "--root", "2"])
+            .args([
+                "--op",
+                "all_reduce,reduce,broadcast,reduce_scatter",
+                "--ranks",
+                "3",
+                "-b",
+                "1K",
+                "-e",
+                "1M",
+                "-f",
+                "32",
+            ])
+            .args([
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+                "--inplace",
+                "--dtype",
+                dtype,
+                "--redop",
+                op,
+                "--algo",
+                algo,
+                "--root",
+                "2",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{dtype} {op} {algo}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{dtype} {op} {algo}:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(text.contains("# wrong results: 0"), "{text}");
     }
 }
@@ -58,7 +117,18 @@ fn joins_from_torchrun_environment() {
     let kids: Vec<_> = (0..3)
         .map(|r| {
             Command::new(PERF)
-                .args(["--op", "all_reduce", "-b", "4K", "-e", "4K", "--iters", "2", "--warmup", "1"])
+                .args([
+                    "--op",
+                    "all_reduce",
+                    "-b",
+                    "4K",
+                    "-e",
+                    "4K",
+                    "--iters",
+                    "2",
+                    "--warmup",
+                    "1",
+                ])
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", "3")
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -74,7 +144,10 @@ fn joins_from_torchrun_environment() {
         assert!(out.status.success(), "rank {r} failed");
         if r == 0 {
             let t = String::from_utf8_lossy(&out.stdout);
-            assert!(t.contains("3 ranks") && t.contains("# wrong results: 0"), "{t}");
+            assert!(
+                t.contains("3 ranks") && t.contains("# wrong results: 0"),
+                "{t}"
+            );
         }
     }
 }
@@ -87,7 +160,21 @@ fn killed_rank_is_named() {
     let mut kids: Vec<_> = (0..3)
         .map(|r| {
             Command::new(PERF)
-                .args(["--op", "all_reduce", "-b", "1M", "-e", "1M", "-f", "2", "--iters", "100000", "--warmup", "0", "--check=false"])
+                .args([
+                    "--op",
+                    "all_reduce",
+                    "-b",
+                    "1M",
+                    "-e",
+                    "1M",
+                    "-f",
+                    "2",
+                    "--iters",
+                    "100000",
+                    "--warmup",
+                    "0",
+                    "--check=false",
+                ])
                 .env("ROCCL_UNIQUE_ID", id.to_hex())
                 .env("ROCCL_RANK", r.to_string())
                 .env("ROCCL_NRANKS", "3")
@@ -108,9 +195,16 @@ fn killed_rank_is_named() {
         }
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "rank {r}: {err}");
-        assert!(err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"), "rank {r}: {err}");
+        assert!(
+            err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"),
+            "rank {r}: {err}"
+        );
     }
-    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
 }
 
 /// Slurm-style variables with ROCCL_ROOT as the root address.
@@ -120,7 +214,18 @@ fn joins_from_slurm_environment() {
     let kids: Vec<_> = (0..2)
         .map(|r| {
             Command::new(PERF)
-                .args(["--op", "broadcast", "-b", "1K", "-e", "1K", "--iters", "2", "--warmup", "1"])
+                .args([
+                    "--op",
+                    "broadcast",
+                    "-b",
+                    "1K",
+                    "-e",
+                    "1K",
+                    "--iters",
+                    "2",
+                    "--warmup",
+                    "1",
+                ])
                 .env("SLURM_PROCID", r.to_string())
                 .env("SLURM_NTASKS", "2")
                 .env("SLURM_JOB_NODELIST", "localhost")
@@ -132,6 +237,10 @@ fn joins_from_slurm_environment() {
         .collect();
     for (r, k) in kids.into_iter().enumerate() {
         let out = k.wait_with_output().unwrap();
-        assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "rank {r}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
 }

@@ -15,10 +15,13 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::str::FromStr;
 
-pub(crate) use p2p::{all_reduce_direct, all_reduce_direct_stage, all_to_all_pairwise, barrier_dissemination, sendrecv};
+pub(crate) use p2p::{
+    all_reduce_direct, all_reduce_direct_stage, all_to_all_pairwise, barrier_dissemination,
+    sendrecv,
+};
 pub(crate) use ring::{
-    all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage, reduce_ring, reduce_scatter_ring,
-    reduce_scatter_ring_stage,
+    all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage,
+    reduce_ring, reduce_scatter_ring, reduce_scatter_ring_stage,
 };
 pub(crate) use tree::{all_reduce_tree, broadcast_tree, reduce_tree, tree_stage};
 
@@ -120,6 +123,9 @@ pub(crate) fn slice_of(len: usize, s: usize, k: usize) -> (usize, usize) {
     (a, b - a)
 }
 
+/// A connection: (peer rank, channel).
+pub(crate) type Link = (usize, usize);
+
 /// Fixed staging slots handed out and returned (no allocation while running).
 pub(crate) struct Slots {
     base: usize,
@@ -129,7 +135,11 @@ pub(crate) struct Slots {
 
 impl Slots {
     pub fn new(base: usize, size: usize, n: usize) -> Self {
-        Slots { base, size, free: (0..n).rev().collect() }
+        Slots {
+            base,
+            size,
+            free: (0..n).rev().collect(),
+        }
     }
     pub fn get(&mut self) -> Option<usize> {
         self.free.pop()
@@ -153,13 +163,12 @@ pub(crate) struct InOrder<T> {
 
 impl<T: Copy> InOrder<T> {
     pub fn new(cap: usize) -> Self {
-        InOrder { q: VecDeque::with_capacity(cap) }
+        InOrder {
+            q: VecDeque::with_capacity(cap),
+        }
     }
     pub fn push(&mut self, t: Tok, v: T) {
         self.q.push_back((t, v));
-    }
-    pub fn len(&self) -> usize {
-        self.q.len()
     }
     /// Pop the oldest request if it has completed.
     pub fn pop_done(&mut self, ex: &mut Exec) -> Option<T> {

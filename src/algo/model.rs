@@ -29,7 +29,11 @@ pub struct LinkCost {
 
 impl Default for LinkCost {
     fn default() -> Self {
-        LinkCost { alpha_us: 10.0, beta_gbs: 2.5, gamma_gbs: 10.0 }
+        LinkCost {
+            alpha_us: 10.0,
+            beta_gbs: 2.5,
+            gamma_gbs: 10.0,
+        }
     }
 }
 
@@ -71,12 +75,25 @@ pub fn pipeline(piece: usize, bytes: usize, t: &Tuning) -> Pipeline {
         .slice
         .unwrap_or_else(|| (piece / 4).clamp(32 * 1024, 512 * 1024))
         .max(64);
-    let channels = t.channels.unwrap_or(if bytes >= (16 << 20) { 2 } else { 1 });
-    Pipeline { slice, depth: t.depth.unwrap_or(4).clamp(1, 16), channels: channels.clamp(1, 4) }
+    let channels = t
+        .channels
+        .unwrap_or(if bytes >= (16 << 20) { 2 } else { 1 });
+    Pipeline {
+        slice,
+        depth: t.depth.unwrap_or(4).clamp(1, 16),
+        channels: channels.clamp(1, 4),
+    }
 }
 
 /// Estimated time in µs of `algo` for `kind` on `n` ranks and `bytes` bytes.
-pub fn estimate(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost, pl: &Pipeline) -> f64 {
+pub fn estimate(
+    kind: CollKind,
+    algo: Algo,
+    n: usize,
+    bytes: usize,
+    c: &LinkCost,
+    pl: &Pipeline,
+) -> f64 {
     let b = bytes as f64;
     let nf = n as f64;
     let wire = |x: f64| x / (c.beta_gbs * 1e3);
@@ -86,10 +103,15 @@ pub fn estimate(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost
         return 0.0;
     }
     match (kind, algo) {
-        (CollKind::AllReduce, Algo::Direct) => c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b),
+        (CollKind::AllReduce, Algo::Direct) => {
+            c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
+        }
         (CollKind::AllReduce, Algo::Ring) => {
             let steps = 2.0 * (nf - 1.0);
-            steps * c.alpha_us + wire(steps / nf * b) + red((nf - 1.0) / nf * b) + fill(steps.min(4.0))
+            steps * c.alpha_us
+                + wire(steps / nf * b)
+                + red((nf - 1.0) / nf * b)
+                + fill(steps.min(4.0))
         }
         (CollKind::AllReduce, Algo::Tree) => {
             let steps = 2.0 * log2c(n);
@@ -97,12 +119,20 @@ pub fn estimate(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost
         }
         (CollKind::Broadcast | CollKind::Reduce, Algo::Tree) => {
             let steps = log2c(n);
-            let r = if kind == CollKind::Reduce { red(2.0 * b) } else { 0.0 };
+            let r = if kind == CollKind::Reduce {
+                red(2.0 * b)
+            } else {
+                0.0
+            };
             steps * c.alpha_us + wire(2.0 * b) + r + fill(steps)
         }
         (CollKind::Broadcast | CollKind::Reduce, _) => {
             let steps = nf - 1.0;
-            let r = if kind == CollKind::Reduce { red(b) } else { 0.0 };
+            let r = if kind == CollKind::Reduce {
+                red(b)
+            } else {
+                0.0
+            };
             steps * c.alpha_us + wire(b) + r + fill(steps)
         }
         (CollKind::AllGather | CollKind::ReduceScatter, _) => {
@@ -126,7 +156,14 @@ pub fn candidates(kind: CollKind) -> &'static [Algo] {
 pub const DIRECT_MAX: usize = 256 * 1024;
 
 /// Choose algorithm and pipeline. `forced` wins when the collective has it.
-pub fn choose(kind: CollKind, n: usize, bytes: usize, c: &LinkCost, forced: Option<Algo>, t: &Tuning) -> (Algo, Pipeline) {
+pub fn choose(
+    kind: CollKind,
+    n: usize,
+    bytes: usize,
+    c: &LinkCost,
+    forced: Option<Algo>,
+    t: &Tuning,
+) -> (Algo, Pipeline) {
     let cands = candidates(kind);
     let piece = |a: Algo| match (kind, a) {
         (CollKind::AllReduce, Algo::Ring) => bytes / n.max(1),
@@ -157,18 +194,36 @@ mod tests {
     fn small_all_reduce_is_one_shot_large_is_ring() {
         let c = LinkCost::default();
         let t = Tuning::default();
-        assert_eq!(choose(CollKind::AllReduce, 4, 8, &c, None, &t).0, Algo::Direct);
-        assert_eq!(choose(CollKind::AllReduce, 4, 64 << 20, &c, None, &t).0, Algo::Ring);
-        assert_eq!(choose(CollKind::AllReduce, 4, 8, &c, Some(Algo::Tree), &t).0, Algo::Tree);
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 8, &c, None, &t).0,
+            Algo::Direct
+        );
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 64 << 20, &c, None, &t).0,
+            Algo::Ring
+        );
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 8, &c, Some(Algo::Tree), &t).0,
+            Algo::Tree
+        );
         // Forcing an algorithm a collective lacks falls back to the model.
-        assert_eq!(choose(CollKind::AllGather, 4, 8, &c, Some(Algo::Tree), &t).0, Algo::Ring);
+        assert_eq!(
+            choose(CollKind::AllGather, 4, 8, &c, Some(Algo::Tree), &t).0,
+            Algo::Ring
+        );
     }
 
     #[test]
     fn tree_wins_latency_bound_rooted_calls_on_many_ranks() {
         let c = LinkCost::default();
         let t = Tuning::default();
-        assert_eq!(choose(CollKind::Broadcast, 16, 1024, &c, None, &t).0, Algo::Tree);
-        assert_eq!(choose(CollKind::Broadcast, 2, 64 << 20, &c, None, &t).0, Algo::Ring);
+        assert_eq!(
+            choose(CollKind::Broadcast, 16, 1024, &c, None, &t).0,
+            Algo::Tree
+        );
+        assert_eq!(
+            choose(CollKind::Broadcast, 2, 64 << 20, &c, None, &t).0,
+            Algo::Ring
+        );
     }
 }

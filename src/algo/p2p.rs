@@ -17,7 +17,12 @@ pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
 /// One-shot all-reduce: every rank sends its whole input to every peer, then reduces all
 /// `n` inputs in rank order (so every rank computes bit-identical results). One network
 /// step; `(n-1) * bytes` sent per rank. For small messages.
-pub(crate) fn all_reduce_direct(ex: &mut Exec, dt: DataType, op: RedOp, count: usize) -> Result<()> {
+pub(crate) fn all_reduce_direct(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     let bytes = count * dt.size();
     let stride = bytes.next_multiple_of(64);
@@ -100,7 +105,13 @@ pub(crate) fn barrier_dissemination(ex: &mut Exec) -> Result<()> {
 
 /// Send `Src` to `to` and/or receive `Dst` from `from`, concurrently. Sending to oneself
 /// and receiving from oneself in the same call is a local copy.
-pub(crate) fn sendrecv(ex: &mut Exec, to: Option<usize>, send_len: usize, from: Option<usize>, recv_len: usize) -> Result<()> {
+pub(crate) fn sendrecv(
+    ex: &mut Exec,
+    to: Option<usize>,
+    send_len: usize,
+    from: Option<usize>,
+    recv_len: usize,
+) -> Result<()> {
     let r = ex.rank();
     let sreg = Reg::new(Buf::Src, 0, send_len);
     let rreg = Reg::new(Buf::Dst, 0, recv_len);
@@ -111,7 +122,9 @@ pub(crate) fn sendrecv(ex: &mut Exec, to: Option<usize>, send_len: usize, from: 
             )));
         }
         if send_len != recv_len {
-            return Err(Error::arg(format!("self send of {send_len} bytes into a receive of {recv_len} bytes")));
+            return Err(Error::arg(format!(
+                "self send of {send_len} bytes into a receive of {recv_len} bytes"
+            )));
         }
         return ex.copy(rreg, sreg);
     }

@@ -31,10 +31,27 @@ struct Geo {
 }
 
 impl Geo {
-    fn new(ex: &Exec, ch: usize, base: usize, cnt: usize, chunk_max: usize, dt: DataType, pl: &Pipeline) -> Geo {
+    fn new(
+        ex: &Exec,
+        ch: usize,
+        base: usize,
+        cnt: usize,
+        chunk_max: usize,
+        dt: DataType,
+        pl: &Pipeline,
+    ) -> Geo {
         let esz = dt.size();
         let s = (pl.slice / esz).max(1);
-        Geo { n: ex.nranks(), r: ex.rank(), ch, esz, base, cnt, s, k: nslices(chunk_max, s) }
+        Geo {
+            n: ex.nranks(),
+            r: ex.rank(),
+            ch,
+            esz,
+            base,
+            cnt,
+            s,
+            k: nslices(chunk_max, s),
+        }
     }
     fn prev(&self) -> usize {
         (self.r + self.n - 1) % self.n
@@ -98,7 +115,13 @@ impl Machine for RingAllReduce {
             if t < rs_steps {
                 let (_, rc) = self.chunks(t);
                 let d = self.g.reg(Buf::Dst, rc, k);
-                ex.reduce(d, self.g.reg(Buf::Src, rc, k), self.slots.reg(slot, d.len), self.dt, self.op)?;
+                ex.reduce(
+                    d,
+                    self.g.reg(Buf::Src, rc, k),
+                    self.slots.reg(slot, d.len),
+                    self.dt,
+                    self.op,
+                )?;
                 self.slots.put(slot);
                 if t == rs_steps - 1 && self.op == RedOp::Avg {
                     ex.finish_avg(d, self.dt, self.g.n)?;
@@ -159,10 +182,19 @@ pub(crate) fn all_reduce_ring_stage(pl: &Pipeline) -> usize {
 }
 
 /// Ring all-reduce: reduce-scatter then all-gather, `2(n-1)` steps of `bytes/n`.
-pub(crate) fn all_reduce_ring(ex: &mut Exec, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn all_reduce_ring(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let n = ex.nranks();
     if n == 1 {
-        return ex.copy(Reg::new(Buf::Dst, 0, count * dt.size()), Reg::new(Buf::Src, 0, count * dt.size()));
+        return ex.copy(
+            Reg::new(Buf::Dst, 0, count * dt.size()),
+            Reg::new(Buf::Src, 0, count * dt.size()),
+        );
     }
     let mut ms: Vec<RingAllReduce> = Vec::new();
     for (c, base, cnt) in channel_ranges(count, pl) {
@@ -211,7 +243,11 @@ impl RingAllGather {
     fn reg(&self, c: usize, k: usize) -> Reg {
         // Chunk c of the output is rank c's input; the channel covers [base, base+cnt) of it.
         let (a, l) = slice_of(self.g.cnt, self.g.s, k);
-        Reg::new(Buf::Dst, (c * self.per + self.g.base + a) * self.g.esz, l * self.g.esz)
+        Reg::new(
+            Buf::Dst,
+            (c * self.per + self.g.base + a) * self.g.esz,
+            l * self.g.esz,
+        )
     }
 }
 
@@ -255,10 +291,19 @@ impl Machine for RingAllGather {
 }
 
 /// Ring all-gather of `count` elements per rank into `n * count` elements.
-pub(crate) fn all_gather_ring(ex: &mut Exec, dt: DataType, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn all_gather_ring(
+    ex: &mut Exec,
+    dt: DataType,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
     let own = Reg::new(Buf::Dst, r * count * esz, count * esz);
-    let input = if ex.in_place() { own } else { Reg::new(Buf::Src, 0, count * esz) };
+    let input = if ex.in_place() {
+        own
+    } else {
+        Reg::new(Buf::Src, 0, count * esz)
+    };
     ex.copy(own, input)?;
     if n == 1 {
         return Ok(());
@@ -315,17 +360,33 @@ struct RingReduceScatter {
 impl RingReduceScatter {
     fn src(&self, c: usize, k: usize) -> Reg {
         let (a, l) = slice_of(self.g.cnt, self.g.s, k);
-        Reg::new(Buf::Src, (c * self.per + self.g.base + a) * self.g.esz, l * self.g.esz)
+        Reg::new(
+            Buf::Src,
+            (c * self.per + self.g.base + a) * self.g.esz,
+            l * self.g.esz,
+        )
     }
     fn partial(&self, t: usize, k: usize) -> Reg {
         let (a, l) = slice_of(self.g.cnt, self.g.s, k);
-        Reg::new(Buf::Stage, self.pbase + ((t % 2) * self.g.cnt + a) * self.g.esz, l * self.g.esz)
+        Reg::new(
+            Buf::Stage,
+            self.pbase + ((t % 2) * self.g.cnt + a) * self.g.esz,
+            l * self.g.esz,
+        )
     }
     fn out(&self, k: usize) -> Reg {
         let (a, l) = slice_of(self.g.cnt, self.g.s, k);
         // In place, the output is this rank's block of the input buffer.
-        let off = if self.in_place { self.g.r * self.per } else { 0 };
-        Reg::new(Buf::Dst, (off + self.g.base + a) * self.g.esz, l * self.g.esz)
+        let off = if self.in_place {
+            self.g.r * self.per
+        } else {
+            0
+        };
+        Reg::new(
+            Buf::Dst,
+            (off + self.g.base + a) * self.g.esz,
+            l * self.g.esz,
+        )
     }
     fn chunks(&self, t: usize) -> (usize, usize) {
         let (n, r) = (self.g.n, self.g.r as isize);
@@ -341,13 +402,25 @@ impl Machine for RingReduceScatter {
             let u = self.done_recv;
             let (t, k) = (u / self.g.k, u % self.g.k);
             let (_, rc) = self.chunks(t);
-            let dest = if t == last { self.out(k) } else { self.partial(t, k) };
+            let dest = if t == last {
+                self.out(k)
+            } else {
+                self.partial(t, k)
+            };
             // The partial of step t-2 in the same half is sent by unit u-K: wait for it.
             if t != last && t >= 2 && self.send_done <= u - self.g.k {
                 break;
             }
-            let Some(slot) = self.recvs.pop_done(ex) else { break };
-            ex.reduce(dest, self.src(rc, k), self.slots.reg(slot, dest.len), self.dt, self.op)?;
+            let Some(slot) = self.recvs.pop_done(ex) else {
+                break;
+            };
+            ex.reduce(
+                dest,
+                self.src(rc, k),
+                self.slots.reg(slot, dest.len),
+                self.dt,
+                self.op,
+            )?;
             self.slots.put(slot);
             if t == last && self.op == RedOp::Avg {
                 ex.finish_avg(dest, self.dt, self.g.n)?;
@@ -374,7 +447,11 @@ impl Machine for RingReduceScatter {
         {
             let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
             let (sc, _) = self.chunks(t);
-            let reg = if t == 0 { self.src(sc, k) } else { self.partial(t - 1, k) };
+            let reg = if t == 0 {
+                self.src(sc, k)
+            } else {
+                self.partial(t - 1, k)
+            };
             let tok = ex.send(self.g.next(), self.g.ch, reg)?;
             self.sends.push(tok, ());
             self.next_send += 1;
@@ -390,7 +467,17 @@ impl Machine for RingReduceScatter {
 
 impl RingReduceScatter {
     #[allow(clippy::too_many_arguments)]
-    fn build(ex: &Exec, c: usize, base: usize, cnt: usize, count: usize, dt: DataType, op: RedOp, pl: &Pipeline, sbase: usize) -> Self {
+    fn build(
+        ex: &Exec,
+        c: usize,
+        base: usize,
+        cnt: usize,
+        count: usize,
+        dt: DataType,
+        op: RedOp,
+        pl: &Pipeline,
+        sbase: usize,
+    ) -> Self {
         let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
         g.k = nslices(cnt, g.s);
         let units = (g.n - 1) * g.k;
@@ -424,7 +511,13 @@ pub(crate) fn reduce_scatter_ring_stage(count: usize, dt: DataType, pl: &Pipelin
 }
 
 /// Ring reduce-scatter: `n * count` elements in, `count` out (in place: this rank's block).
-pub(crate) fn reduce_scatter_ring(ex: &mut Exec, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn reduce_scatter_ring(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
     if n == 1 {
         let out = Reg::new(Buf::Dst, 0, count * esz);
@@ -436,7 +529,9 @@ pub(crate) fn reduce_scatter_ring(ex: &mut Exec, dt: DataType, op: RedOp, count:
     let per = count.div_ceil(chans) * esz;
     let chan_stage = pl.depth * pl.slice.next_multiple_of(esz) + 2 * per;
     let mut ms: Vec<RingReduceScatter> = channel_ranges(count, pl)
-        .map(|(c, base, cnt)| RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage))
+        .map(|(c, base, cnt)| {
+            RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage)
+        })
         .collect();
     let nexts: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
     let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
@@ -476,12 +571,16 @@ impl Chain {
     }
     fn partial(&self, k: usize) -> Reg {
         let l = slice_of(self.count, self.s, k).1;
-        Reg::new(Buf::Stage, self.pbase + (k % (2 * self.depth)) * self.s * self.esz, l * self.esz)
+        Reg::new(
+            Buf::Stage,
+            self.pbase + (k % (2 * self.depth)) * self.s * self.esz,
+            l * self.esz,
+        )
     }
     /// What this rank sends for slice k.
     fn send_reg(&self, k: usize) -> Reg {
         match (self.reduce, self.prev) {
-            (None, None) => self.reg(Buf::Src, k),  // broadcast root
+            (None, None) => self.reg(Buf::Src, k),    // broadcast root
             (None, Some(_)) => self.reg(Buf::Dst, k), // forward what arrived
             (Some(_), None) => self.reg(Buf::Src, k), // chain head: own input
             (Some(_), Some(_)) => self.partial(k),
@@ -503,13 +602,25 @@ impl Machine for Chain {
         while self.done_recv < self.next_recv {
             let k = self.done_recv;
             if let Some((dt, op)) = self.reduce {
-                let dest = if self.is_root { self.reg(Buf::Dst, k) } else { self.partial(k) };
+                let dest = if self.is_root {
+                    self.reg(Buf::Dst, k)
+                } else {
+                    self.partial(k)
+                };
                 // The partial slot's previous slice (k - 2*depth) must have been sent.
                 if !self.is_root && k >= 2 * self.depth && self.send_done <= k - 2 * self.depth {
                     break;
                 }
-                let Some(slot) = self.recvs.pop_done(ex) else { break };
-                ex.reduce(dest, self.reg(Buf::Src, k), self.slots.reg(slot, dest.len), dt, op)?;
+                let Some(slot) = self.recvs.pop_done(ex) else {
+                    break;
+                };
+                ex.reduce(
+                    dest,
+                    self.reg(Buf::Src, k),
+                    self.slots.reg(slot, dest.len),
+                    dt,
+                    op,
+                )?;
                 self.slots.put(slot);
                 if self.is_root && op == RedOp::Avg {
                     ex.finish_avg(dest, dt, self.n)?;
@@ -529,7 +640,11 @@ impl Machine for Chain {
                 let k = self.next_recv;
                 let (reg, slot) = if self.reduce.is_some() {
                     let Some(slot) = self.slots.get() else { break };
-                    (self.slots.reg(slot, slice_of(self.count, self.s, k).1 * self.esz), slot)
+                    (
+                        self.slots
+                            .reg(slot, slice_of(self.count, self.s, k).1 * self.esz),
+                        slot,
+                    )
                 } else {
                     (self.reg(Buf::Dst, k), usize::MAX)
                 };
@@ -562,10 +677,21 @@ pub(crate) fn chain_stage(pl: &Pipeline) -> usize {
     3 * pl.depth * pl.slice + 64
 }
 
-fn run_chain(ex: &mut Exec, root: usize, count: usize, dt: DataType, reduce: Option<RedOp>, pl: &Pipeline) -> Result<()> {
+fn run_chain(
+    ex: &mut Exec,
+    root: usize,
+    count: usize,
+    dt: DataType,
+    reduce: Option<RedOp>,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
     // Broadcast: root, root+1, ..., root-1. Reduce: root+1, ..., root-1, root.
-    let pos = if reduce.is_some() { (r + n - root - 1) % n } else { (r + n - root) % n };
+    let pos = if reduce.is_some() {
+        (r + n - root - 1) % n
+    } else {
+        (r + n - root) % n
+    };
     let prev = (pos > 0).then(|| (r + n - 1) % n);
     let next = (pos + 1 < n).then(|| (r + 1) % n);
     let s = (pl.slice / esz).max(1);
@@ -592,12 +718,21 @@ fn run_chain(ex: &mut Exec, root: usize, count: usize, dt: DataType, reduce: Opt
         slots: Slots::new(0, slot, depth),
         pbase: depth * slot,
     };
-    ex.ensure(&next.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(), &prev.map(|p| (p, 0)).into_iter().collect::<Vec<_>>())?;
+    ex.ensure(
+        &next.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(),
+        &prev.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(),
+    )?;
     drive(ex, &mut [&mut m])
 }
 
 /// Pipelined chain broadcast from `root`: `n-1` hops, each slice forwarded as it arrives.
-pub(crate) fn broadcast_ring(ex: &mut Exec, root: usize, dt: DataType, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn broadcast_ring(
+    ex: &mut Exec,
+    root: usize,
+    dt: DataType,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     if ex.rank() == root {
         let b = count * dt.size();
         ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b))?;
@@ -609,7 +744,14 @@ pub(crate) fn broadcast_ring(ex: &mut Exec, root: usize, dt: DataType, count: us
 }
 
 /// Pipelined chain reduce to `root`: partial sums travel `root+1 → … → root`.
-pub(crate) fn reduce_ring(ex: &mut Exec, root: usize, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn reduce_ring(
+    ex: &mut Exec,
+    root: usize,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     if ex.nranks() == 1 {
         let b = count * dt.size();
         return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));

@@ -9,7 +9,7 @@
 //! one tree and an inner node in the other and the two halves of the data load every link
 //! evenly. Slices are reduced up and broadcast down in a pipeline.
 
-use super::{drive, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots};
+use super::{drive, nslices, part, slice_of, InOrder, Link, Machine, Pipeline, Slots};
 use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::Result;
 use crate::types::{DataType, RedOp};
@@ -43,7 +43,12 @@ pub(crate) fn btree(n: usize, label: usize) -> (Option<usize>, Vec<usize>) {
 }
 
 /// Parent and children of `rank` in a tree whose labels are `to_label(rank)`.
-fn mapped(n: usize, rank: usize, to_label: impl Fn(usize) -> usize, from_label: impl Fn(usize) -> usize) -> (Option<usize>, Vec<usize>) {
+fn mapped(
+    n: usize,
+    rank: usize,
+    to_label: impl Fn(usize) -> usize,
+    from_label: impl Fn(usize) -> usize,
+) -> (Option<usize>, Vec<usize>) {
     let (p, k) = btree(n, to_label(rank));
     (p.map(&from_label), k.into_iter().map(&from_label).collect())
 }
@@ -107,7 +112,11 @@ impl TreeM {
     /// Where slice k's reduction accumulates.
     fn acc(&self, k: usize) -> Reg {
         if self.partial_in_stage {
-            Reg::new(Buf::Stage, self.pbase + (k % (2 * self.depth)) * self.s * self.esz, self.len(k))
+            Reg::new(
+                Buf::Stage,
+                self.pbase + (k % (2 * self.depth)) * self.s * self.esz,
+                self.len(k),
+            )
         } else {
             self.reg(Buf::Dst, k)
         }
@@ -143,17 +152,26 @@ impl Machine for TreeM {
             }
             // Combine slices in order once every child's piece is here: own input first,
             // then children in order, so results do not depend on timing.
-            while self.reduced < self.k && (0..nk).all(|c| self.arrived[c].len() > 0) {
+            while self.reduced < self.k && (0..nk).all(|c| !self.arrived[c].is_empty()) {
                 let k = self.reduced;
                 let acc = self.acc(k);
                 if nk > 0 {
                     // A staged partial slot is reused every 2*depth slices: its previous
                     // slice must have gone up first.
-                    if self.partial_in_stage && k >= 2 * self.depth && self.usend_done <= k - 2 * self.depth {
+                    if self.partial_in_stage
+                        && k >= 2 * self.depth
+                        && self.usend_done <= k - 2 * self.depth
+                    {
                         break;
                     }
                     let s0 = self.arrived[0].remove(0);
-                    ex.reduce(acc, self.reg(Buf::Src, k), self.cslots.reg(s0, acc.len), self.dt, self.op)?;
+                    ex.reduce(
+                        acc,
+                        self.reg(Buf::Src, k),
+                        self.cslots.reg(s0, acc.len),
+                        self.dt,
+                        self.op,
+                    )?;
                     self.cslots.put(s0);
                     if nk > 1 {
                         let s1 = self.arrived[1].remove(0);
@@ -189,7 +207,9 @@ impl Machine for TreeM {
                     self.usend_done += 1;
                     moved = true;
                 }
-                while self.usend_posted < self.reduced && self.usend_posted - self.usend_done < self.depth {
+                while self.usend_posted < self.reduced
+                    && self.usend_posted - self.usend_done < self.depth
+                {
                     let tok = ex.send(p, self.ch, self.up_reg(self.usend_posted))?;
                     self.usends.push(tok, ());
                     self.usend_posted += 1;
@@ -203,7 +223,8 @@ impl Machine for TreeM {
                     self.drecv_done += 1;
                     moved = true;
                 }
-                while self.drecv_posted < self.k && self.drecv_posted - self.drecv_done < self.depth {
+                while self.drecv_posted < self.k && self.drecv_posted - self.drecv_done < self.depth
+                {
                     let r = self.reg(Buf::Dst, self.drecv_posted);
                     if self.up && self.usend_done <= self.drecv_posted {
                         break; // this slice still has to go up (from this very memory)
@@ -220,8 +241,14 @@ impl Machine for TreeM {
                     self.dsend_done[c] += 1;
                     moved = true;
                 }
-                while self.dsend_posted[c] < avail && self.dsend_posted[c] - self.dsend_done[c] < self.depth {
-                    let tok = ex.send(self.kids[c], self.ch, self.reg(Buf::Dst, self.dsend_posted[c]))?;
+                while self.dsend_posted[c] < avail
+                    && self.dsend_posted[c] - self.dsend_done[c] < self.depth
+                {
+                    let tok = ex.send(
+                        self.kids[c],
+                        self.ch,
+                        self.reg(Buf::Dst, self.dsend_posted[c]),
+                    )?;
                     self.dsends[c].push(tok, ());
                     self.dsend_posted[c] += 1;
                     moved = true;
@@ -233,9 +260,11 @@ impl Machine for TreeM {
 
     fn done(&self) -> bool {
         let nk = self.kids.len();
-        let up_ok = !self.up || (self.reduced == self.k && (self.parent.is_none() || self.usend_done == self.k));
+        let up_ok = !self.up
+            || (self.reduced == self.k && (self.parent.is_none() || self.usend_done == self.k));
         let down_ok = !self.down
-            || ((self.parent.is_none() || self.drecv_done == self.k) && (0..nk).all(|c| self.dsend_done[c] == self.k));
+            || ((self.parent.is_none() || self.drecv_done == self.k)
+                && (0..nk).all(|c| self.dsend_done[c] == self.k));
         up_ok && down_ok
     }
 }
@@ -278,7 +307,10 @@ fn tree_machine(
         pbase: sbase + 2 * pl.depth * slot,
         crecv_posted: [0; 2],
         crecvs: [InOrder::new(pl.depth), InOrder::new(pl.depth)],
-        arrived: [Vec::with_capacity(2 * pl.depth), Vec::with_capacity(2 * pl.depth)],
+        arrived: [
+            Vec::with_capacity(2 * pl.depth),
+            Vec::with_capacity(2 * pl.depth),
+        ],
         reduced: 0,
         usend_posted: 0,
         usend_done: 0,
@@ -297,7 +329,7 @@ pub(crate) fn tree_stage(pl: &Pipeline) -> usize {
     4 * pl.depth * pl.slice + 64
 }
 
-fn links_of(ms: &[TreeM]) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+fn links_of(ms: &[TreeM]) -> (Vec<Link>, Vec<Link>) {
     let mut sends = Vec::new();
     let mut recvs = Vec::new();
     for m in ms {
@@ -330,7 +362,13 @@ fn run(ex: &mut Exec, ms: &mut [TreeM]) -> Result<()> {
 
 /// Double binary tree all-reduce: each half of the data is reduced up one tree and
 /// broadcast down it, pipelined, on its own channel.
-pub(crate) fn all_reduce_tree(ex: &mut Exec, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn all_reduce_tree(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     if n == 1 {
         let b = count * dt.size();
@@ -344,7 +382,19 @@ pub(crate) fn all_reduce_tree(ex: &mut Exec, dt: DataType, op: RedOp, count: usi
         .enumerate()
         .map(|(t, shape)| {
             let (base, cnt) = part(count, ntrees, t);
-            tree_machine(t, n, shape, true, true, dt, op, base, cnt, pl, t * tree_stage(pl))
+            tree_machine(
+                t,
+                n,
+                shape,
+                true,
+                true,
+                dt,
+                op,
+                base,
+                cnt,
+                pl,
+                t * tree_stage(pl),
+            )
         })
         .collect();
     run(ex, &mut ms)
@@ -355,7 +405,13 @@ fn rooted(n: usize, rank: usize, root: usize) -> (Option<usize>, Vec<usize>) {
 }
 
 /// Pipelined binary-tree broadcast from `root`.
-pub(crate) fn broadcast_tree(ex: &mut Exec, root: usize, dt: DataType, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn broadcast_tree(
+    ex: &mut Exec,
+    root: usize,
+    dt: DataType,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     let b = count * dt.size();
     if r == root {
@@ -364,18 +420,49 @@ pub(crate) fn broadcast_tree(ex: &mut Exec, root: usize, dt: DataType, count: us
     if n == 1 {
         return Ok(());
     }
-    let mut ms = [tree_machine(0, n, rooted(n, r, root), false, true, dt, RedOp::Sum, 0, count, pl, 0)];
+    let mut ms = [tree_machine(
+        0,
+        n,
+        rooted(n, r, root),
+        false,
+        true,
+        dt,
+        RedOp::Sum,
+        0,
+        count,
+        pl,
+        0,
+    )];
     run(ex, &mut ms)
 }
 
 /// Pipelined binary-tree reduce to `root`.
-pub(crate) fn reduce_tree(ex: &mut Exec, root: usize, dt: DataType, op: RedOp, count: usize, pl: &Pipeline) -> Result<()> {
+pub(crate) fn reduce_tree(
+    ex: &mut Exec,
+    root: usize,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pl: &Pipeline,
+) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     if n == 1 {
         let b = count * dt.size();
         return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
     }
-    let mut ms = [tree_machine(0, n, rooted(n, r, root), true, false, dt, op, 0, count, pl, 0)];
+    let mut ms = [tree_machine(
+        0,
+        n,
+        rooted(n, r, root),
+        true,
+        false,
+        dt,
+        op,
+        0,
+        count,
+        pl,
+        0,
+    )];
     run(ex, &mut ms)
 }
 
@@ -391,10 +478,18 @@ mod tests {
             assert!(kids.len() <= 2);
             for &c in kids {
                 assert!(c < n && c != r);
-                assert_eq!(shapes[c].0, Some(r), "n={n}: child {c} of {r} has parent {:?}", shapes[c].0);
+                assert_eq!(
+                    shapes[c].0,
+                    Some(r),
+                    "n={n}: child {c} of {r} has parent {:?}",
+                    shapes[c].0
+                );
             }
             if let Some(p) = p {
-                assert!(shapes[*p].1.contains(&r), "n={n}: {r} not among children of its parent {p}");
+                assert!(
+                    shapes[*p].1.contains(&r),
+                    "n={n}: {r} not among children of its parent {p}"
+                );
             }
         }
         // Every rank reaches the root.
@@ -428,7 +523,10 @@ mod tests {
             let inner_both = (0..n)
                 .filter(|&r| double_tree(n, r).iter().all(|(_, k)| !k.is_empty()))
                 .count();
-            assert!(inner_both <= 1, "n={n}: {inner_both} ranks are inner nodes of both trees");
+            assert!(
+                inner_both <= 1,
+                "n={n}: {inner_both} ranks are inner nodes of both trees"
+            );
         }
     }
 }

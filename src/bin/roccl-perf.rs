@@ -14,7 +14,10 @@ use roccl::algo::model::CollKind;
 use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
 
 #[derive(Parser, Debug, Clone)]
-#[command(name = "roccl-perf", about = "Benchmark and check roccl collectives (nccl-tests style)")]
+#[command(
+    name = "roccl-perf",
+    about = "Benchmark and check roccl collectives (nccl-tests style)"
+)]
 struct Args {
     /// all_reduce, all_gather, broadcast, reduce_scatter, reduce, all_to_all, sendrecv, barrier, or all.
     #[arg(long, default_value = "all_reduce")]
@@ -71,7 +74,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().map(|n| n * mul).map_err(|_| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
+    num.parse::<usize>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -157,7 +162,11 @@ fn pattern(dt: DataType, op: RedOp, rank: usize, i: usize) -> f64 {
     }
     let v = ((rank * 5 + i * 7) % 4) as f64;
     let signed = dt.is_float() || matches!(dt, DataType::I8 | DataType::I32 | DataType::I64);
-    if signed { v - 1.0 } else { v }
+    if signed {
+        v - 1.0
+    } else {
+        v
+    }
 }
 
 fn expect_reduced(dt: DataType, op: RedOp, n: usize, i: usize) -> f64 {
@@ -169,7 +178,11 @@ fn expect_reduced(dt: DataType, op: RedOp, n: usize, i: usize) -> f64 {
         RedOp::Min => it.fold(f64::MAX, f64::min),
         RedOp::Avg => {
             let s: f64 = it.sum();
-            if dt.is_float() { s / n as f64 } else { (s / n as f64).trunc() }
+            if dt.is_float() {
+                s / n as f64
+            } else {
+                (s / n as f64).trunc()
+            }
         }
     }
 }
@@ -259,41 +272,85 @@ impl Bench<'_> {
         match o {
             Op::AllReduce => {
                 let count = bytes / es;
-                (vec![0; count * es], vec![0; count * es], Collective::AllReduce(self.op), count)
+                (
+                    vec![0; count * es],
+                    vec![0; count * es],
+                    Collective::AllReduce(self.op),
+                    count,
+                )
             }
             Op::Broadcast => {
                 let count = bytes / es;
-                (vec![0; count * es], vec![0; count * es], Collective::Broadcast { root }, count)
+                (
+                    vec![0; count * es],
+                    vec![0; count * es],
+                    Collective::Broadcast { root },
+                    count,
+                )
             }
             Op::Reduce => {
                 let count = bytes / es;
-                (vec![0; count * es], vec![0; count * es], Collective::Reduce { op: self.op, root }, count)
+                (
+                    vec![0; count * es],
+                    vec![0; count * es],
+                    Collective::Reduce { op: self.op, root },
+                    count,
+                )
             }
             Op::AllGather => {
                 let count = (bytes / es / n).max(1);
-                (vec![0; count * es], vec![0; n * count * es], Collective::AllGather, count)
+                (
+                    vec![0; count * es],
+                    vec![0; n * count * es],
+                    Collective::AllGather,
+                    count,
+                )
             }
             Op::ReduceScatter => {
                 let count = (bytes / es / n).max(1);
                 // In place, the output is block `rank` of the n-block input buffer.
                 let out = if self.a.inplace { n * count } else { count };
-                (vec![0; n * count * es], vec![0; out * es], Collective::ReduceScatter(self.op), count)
+                (
+                    vec![0; n * count * es],
+                    vec![0; out * es],
+                    Collective::ReduceScatter(self.op),
+                    count,
+                )
             }
             Op::AllToAll => {
                 let count = (bytes / es / n).max(1);
-                (vec![0; n * count * es], vec![0; n * count * es], Collective::AllToAll, count)
+                (
+                    vec![0; n * count * es],
+                    vec![0; n * count * es],
+                    Collective::AllToAll,
+                    count,
+                )
             }
             Op::SendRecv => {
                 let count = bytes / es;
                 let to = (me + 1) % n;
                 let from = (me + n - 1) % n;
-                (vec![0; count * es], vec![0; count * es], Collective::SendRecv { to: Some(to), from: Some(from) }, count)
+                (
+                    vec![0; count * es],
+                    vec![0; count * es],
+                    Collective::SendRecv {
+                        to: Some(to),
+                        from: Some(from),
+                    },
+                    count,
+                )
             }
             Op::Barrier => (vec![], vec![], Collective::Barrier, 0),
         }
     }
 
-    fn call(&self, coll: Collective, send: &[u8], recv: &mut [u8], inplace: bool) -> roccl::Result<roccl::CallInfo> {
+    fn call(
+        &self,
+        coll: Collective,
+        send: &[u8],
+        recv: &mut [u8],
+        inplace: bool,
+    ) -> roccl::Result<roccl::CallInfo> {
         let inplace = inplace && !matches!(coll, Collective::SendRecv { .. } | Collective::Barrier);
         if inplace {
             self.c.run_raw(coll, self.dt, None, recv, &self.opts)
@@ -316,11 +373,19 @@ impl Bench<'_> {
     }
 
     fn check(&self, o: Op, bytes: usize) -> roccl::Result<u64> {
-        let (dt, op, n, me, root) = (self.dt, self.op, self.c.nranks(), self.c.rank(), self.a.root);
+        let (dt, op, n, me, root) = (
+            self.dt,
+            self.op,
+            self.c.nranks(),
+            self.c.rank(),
+            self.a.root,
+        );
         let (mut send, mut recv, coll, count) = self.setup(o, bytes);
         let inplace = self.a.inplace && o != Op::SendRecv;
         match o {
-            Op::AllReduce | Op::Reduce | Op::Broadcast | Op::SendRecv => fill(dt, &mut send, |i| pattern(dt, op, me, i)),
+            Op::AllReduce | Op::Reduce | Op::Broadcast | Op::SendRecv => {
+                fill(dt, &mut send, |i| pattern(dt, op, me, i))
+            }
             Op::AllGather => fill(dt, &mut send, |i| pattern(dt, op, me, i)),
             Op::ReduceScatter | Op::AllToAll => fill(dt, &mut send, |j| pattern(dt, op, me, j)),
             Op::Barrier => {}
@@ -339,10 +404,16 @@ impl Bench<'_> {
             Op::Broadcast => wrong(dt, &recv, |i| pattern(dt, op, root, i)),
             Op::AllGather => wrong(dt, &recv, |j| pattern(dt, op, j / count, j % count)),
             Op::ReduceScatter => {
-                let mine = if inplace { &recv[me * count * es..(me + 1) * count * es] } else { &recv[..] };
+                let mine = if inplace {
+                    &recv[me * count * es..(me + 1) * count * es]
+                } else {
+                    &recv[..]
+                };
                 wrong(dt, mine, |i| expect_reduced(dt, op, n, me * count + i))
             }
-            Op::AllToAll => wrong(dt, &recv, |j| pattern(dt, op, j / count, me * count + j % count)),
+            Op::AllToAll => wrong(dt, &recv, |j| {
+                pattern(dt, op, j / count, me * count + j % count)
+            }),
             Op::SendRecv => wrong(dt, &recv, |i| pattern(dt, op, (me + n - 1) % n, i)),
         };
         // Sum the wrong counts over ranks.
@@ -369,7 +440,11 @@ impl Bench<'_> {
         self.c.all_reduce_in_place(&mut times, RedOp::Max)?;
         times.sort_by(|a, b| a.total_cmp(b));
         let med = times[times.len() / 2];
-        let wrong = if self.a.check { self.check(o, bytes)? } else { 0 };
+        let wrong = if self.a.check {
+            self.check(o, bytes)?
+        } else {
+            0
+        };
         let real_bytes = match o {
             Op::AllGather | Op::ReduceScatter | Op::AllToAll => count * n * self.dt.size(),
             Op::Barrier => 0,
@@ -379,7 +454,12 @@ impl Bench<'_> {
         let algo = match info.and_then(|i| i.algo) {
             Some(a) => a.name().to_string(),
             None => match o.kind() {
-                Some(k) => self.c.plan(k, real_bytes, self.opts.algo).0.name().to_string(),
+                Some(k) => self
+                    .c
+                    .plan(k, real_bytes, self.opts.algo)
+                    .0
+                    .name()
+                    .to_string(),
                 None => "p2p".into(),
             },
         };
@@ -388,7 +468,11 @@ impl Bench<'_> {
             bytes: real_bytes,
             count,
             dtype: self.dt.name().into(),
-            redop: if o.reduces() { self.op.name().into() } else { "none".into() },
+            redop: if o.reduces() {
+                self.op.name().into()
+            } else {
+                "none".into()
+            },
             root: if o.rooted() { self.a.root as i64 } else { -1 },
             algo,
             net: self.c.net_name().into(),
@@ -425,11 +509,21 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
         s => Some(s.parse::<Algo>().map_err(|e| e.to_string())?),
     };
     if a.root >= c.nranks() {
-        return Err(format!("--root {} is out of range for {} ranks", a.root, c.nranks()));
+        return Err(format!(
+            "--root {} is out of range for {} ranks",
+            a.root,
+            c.nranks()
+        ));
     }
     let ops = Op::parse(&a.op)?;
     let sizes = sizes(a)?;
-    let b = Bench { c: &c, a, dt, op, opts: CallOpts { algo } };
+    let b = Bench {
+        c: &c,
+        a,
+        dt,
+        op,
+        opts: CallOpts { algo },
+    };
     let lead = c.rank() == 0;
     if lead {
         println!(
@@ -440,7 +534,11 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             op,
             a.iters,
             a.warmup,
-            if a.inplace { "in place" } else { "out of place" },
+            if a.inplace {
+                "in place"
+            } else {
+                "out of place"
+            },
             if a.check { "on" } else { "off" }
         );
         println!(
@@ -455,14 +553,30 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     let mut rows = Vec::new();
     let mut ok = true;
     for o in ops {
-        let list: Vec<usize> = if o == Op::Barrier { vec![0] } else { sizes.clone() };
+        let list: Vec<usize> = if o == Op::Barrier {
+            vec![0]
+        } else {
+            sizes.clone()
+        };
         for &s in &list {
-            let row = b.run(o, s).map_err(|e| format!("{} at {s} bytes: {e}", o.name()))?;
+            let row = b
+                .run(o, s)
+                .map_err(|e| format!("{} at {s} bytes: {e}", o.name()))?;
             ok &= row.wrong == 0;
             if lead {
                 println!(
                     "{:>16} {:>12} {:>12} {:>6} {:>5} {:>5} {:>7} {:>11.2} {:>8.3} {:>8.3} {:>7}",
-                    row.op, row.bytes, row.count, row.dtype, row.redop, row.root, row.algo, row.time_us, row.algbw_gbs, row.busbw_gbs, row.wrong
+                    row.op,
+                    row.bytes,
+                    row.count,
+                    row.dtype,
+                    row.redop,
+                    row.root,
+                    row.algo,
+                    row.time_us,
+                    row.algbw_gbs,
+                    row.busbw_gbs,
+                    row.wrong
                 );
                 let _ = std::io::stdout().flush();
             }
@@ -471,7 +585,10 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     }
     if lead {
         let total: u64 = rows.iter().map(|r| r.wrong).sum();
-        println!("# wrong results: {total}{}", if total == 0 { "" } else { "  <-- FAILED" });
+        println!(
+            "# wrong results: {total}{}",
+            if total == 0 { "" } else { "  <-- FAILED" }
+        );
         if let Some(path) = &a.json {
             let text = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
             std::fs::write(path, text).map_err(|e| format!("writing {path}: {e}"))?;
@@ -481,9 +598,15 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
 }
 
 fn launched_by_env() -> bool {
-    ["ROCCL_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some())
+    [
+        "ROCCL_RANK",
+        "RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+    ]
+    .iter()
+    .any(|k| std::env::var_os(k).is_some())
 }
 
 fn main() -> ExitCode {
@@ -492,7 +615,9 @@ fn main() -> ExitCode {
         std::env::set_var("ROCCL_NET", &a.net);
     }
     let res = if launched_by_env() {
-        Communicator::from_env().map_err(|e| e.to_string()).and_then(|c| rank_main(c, &a))
+        Communicator::from_env()
+            .map_err(|e| e.to_string())
+            .and_then(|c| rank_main(c, &a))
     } else if a.ranks <= 1 {
         UniqueId::new()
             .and_then(|id| Communicator::init(&id, 1, 0))
@@ -524,7 +649,11 @@ fn launch(a: &Args) -> Result<bool, String> {
             .env("ROCCL_UNIQUE_ID", id.to_hex())
             .env("ROCCL_RANK", r.to_string())
             .env("ROCCL_NRANKS", a.ranks.to_string())
-            .stdout(if r == 0 { std::process::Stdio::inherit() } else { std::process::Stdio::null() })
+            .stdout(if r == 0 {
+                std::process::Stdio::inherit()
+            } else {
+                std::process::Stdio::null()
+            })
             .spawn()
             .map_err(|e| format!("spawning rank {r}: {e}"))?;
         kids.push(child);

@@ -64,7 +64,9 @@ impl UniqueId {
         let ip = ifaces::local_addr(None)?;
         let l = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
-        let addr = l.local_addr().map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
+        let addr = l
+            .local_addr()
+            .map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
         let id = UniqueId::from_parts(addr, nonce());
         spawn_root(l, id.nonce());
         Ok(id)
@@ -98,7 +100,10 @@ impl UniqueId {
     /// Rebuild an id from its bytes; checks the format.
     pub fn from_bytes(b: &[u8]) -> Result<UniqueId> {
         let bytes: [u8; UNIQUE_ID_BYTES] = b.try_into().map_err(|_| {
-            Error::arg(format!("a unique id is {UNIQUE_ID_BYTES} bytes, got {}", b.len()))
+            Error::arg(format!(
+                "a unique id is {UNIQUE_ID_BYTES} bytes, got {}",
+                b.len()
+            ))
         })?;
         let id = UniqueId { bytes };
         id.root()?;
@@ -117,8 +122,10 @@ impl UniqueId {
         }
         let mut b = [0u8; UNIQUE_ID_BYTES];
         for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
-            let h = std::str::from_utf8(chunk).map_err(|_| Error::arg("unique id hex is not ASCII"))?;
-            b[i] = u8::from_str_radix(h, 16).map_err(|_| Error::arg("unique id hex is malformed"))?;
+            let h =
+                std::str::from_utf8(chunk).map_err(|_| Error::arg("unique id hex is not ASCII"))?;
+            b[i] =
+                u8::from_str_radix(h, 16).map_err(|_| Error::arg("unique id hex is malformed"))?;
         }
         UniqueId::from_bytes(&b)
     }
@@ -145,7 +152,11 @@ impl UniqueId {
         let ip: IpAddr = match b[4] {
             4 => <[u8; 4]>::try_from(&b[8..12]).unwrap().into(),
             6 => <[u8; 16]>::try_from(&b[8..24]).unwrap().into(),
-            f => return Err(Error::arg(format!("unique id has unknown address family {f}"))),
+            f => {
+                return Err(Error::arg(format!(
+                    "unique id has unknown address family {f}"
+                )))
+            }
         };
         Ok((SocketAddr::new(ip, port), self.nonce()))
     }
@@ -179,12 +190,20 @@ pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {
 fn bind_retry(addr: SocketAddr, max: Duration) -> Result<TcpListener> {
     let start = Instant::now();
     loop {
-        let bind_addr = if addr.ip().is_loopback() || ifaces::list().map(|l| l.iter().any(|i| i.addr == addr.ip())).unwrap_or(false) {
+        let bind_addr = if addr.ip().is_loopback()
+            || ifaces::list()
+                .map(|l| l.iter().any(|i| i.addr == addr.ip()))
+                .unwrap_or(false)
+        {
             addr
         } else {
             // The root host name may resolve to an address not on a local interface (NAT,
             // aliases): listen on every address of this family instead.
-            let any: IpAddr = if addr.is_ipv4() { [0u8; 4].into() } else { [0u8; 16].into() };
+            let any: IpAddr = if addr.is_ipv4() {
+                [0u8; 4].into()
+            } else {
+                [0u8; 16].into()
+            };
             SocketAddr::new(any, addr.port())
         };
         match TcpListener::bind(bind_addr) {
@@ -238,7 +257,12 @@ fn read_reg(s: &mut TcpStream, nonce: u64) -> std::io::Result<Option<Reg>> {
     }
     let mut blob = vec![0u8; len];
     s.read_exact(&mut blob)?;
-    Ok(Some(Reg { rank, nranks, blob, timeout }))
+    Ok(Some(Reg {
+        rank,
+        nranks,
+        blob,
+        timeout,
+    }))
 }
 
 fn send_error(s: &mut TcpStream, msg: &str) {
@@ -286,7 +310,15 @@ fn run_root(l: TcpListener, nonce: u64) {
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
                 let _ = s.set_nodelay(true);
-                let Ok(Some(Reg { rank, nranks: n, blob, timeout: t })) = read_reg(&mut s, nonce) else { continue };
+                let Ok(Some(Reg {
+                    rank,
+                    nranks: n,
+                    blob,
+                    timeout: t,
+                })) = read_reg(&mut s, nonce)
+                else {
+                    continue;
+                };
                 if first {
                     first = false;
                     start = Instant::now();
@@ -300,11 +332,19 @@ fn run_root(l: TcpListener, nonce: u64) {
                     continue;
                 }
                 if rank >= n {
-                    send_error(&mut s, &format!("rank {rank} is out of range for {n} ranks"));
+                    send_error(
+                        &mut s,
+                        &format!("rank {rank} is out of range for {n} ranks"),
+                    );
                     continue;
                 }
                 if joined.contains_key(&rank) {
-                    send_error(&mut s, &format!("rank {rank} joined twice: two processes were given the same rank"));
+                    send_error(
+                        &mut s,
+                        &format!(
+                            "rank {rank} joined twice: two processes were given the same rank"
+                        ),
+                    );
                     continue;
                 }
                 joined.insert(rank, Joined { stream: s, blob });
@@ -327,12 +367,20 @@ fn run_root(l: TcpListener, nonce: u64) {
 
 /// Register with the root of `id` as `rank` of `nranks` with `blob`; returns every rank's
 /// blob, indexed by rank. Retries the connection until the root is up or `timeout` passes.
-pub fn rendezvous(id: &UniqueId, rank: usize, nranks: usize, blob: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+pub fn rendezvous(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    blob: &[u8],
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>> {
     if nranks == 0 {
         return Err(Error::arg("nranks must be at least 1"));
     }
     if rank >= nranks {
-        return Err(Error::arg(format!("rank {rank} is out of range: nranks is {nranks}")));
+        return Err(Error::arg(format!(
+            "rank {rank} is out of range: nranks is {nranks}"
+        )));
     }
     let (addr, nonce) = id.root()?;
     let start = Instant::now();
@@ -358,15 +406,28 @@ pub fn rendezvous(id: &UniqueId, rank: usize, nranks: usize, blob: &[u8], timeou
     msg.extend_from_slice(&(blob.len() as u32).to_le_bytes());
     msg.extend_from_slice(&(timeout.as_millis().min(u32::MAX as u128) as u32).to_le_bytes());
     msg.extend_from_slice(blob);
-    s.write_all(&msg).map_err(|e| Error::sys(format!("sending rank {rank}'s registration to the root at {addr}"), e))?;
+    s.write_all(&msg).map_err(|e| {
+        Error::sys(
+            format!("sending rank {rank}'s registration to the root at {addr}"),
+            e,
+        )
+    })?;
     let left = timeout.saturating_sub(start.elapsed()) + Duration::from_secs(5);
     let _ = s.set_read_timeout(Some(left));
     let rd = |s: &mut TcpStream, b: &mut [u8]| {
         s.read_exact(b).map_err(|e| {
-            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-                Error::Timeout(format!("rank {rank} waited {left:.0?} for the bootstrap root at {addr} to answer"))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                Error::Timeout(format!(
+                    "rank {rank} waited {left:.0?} for the bootstrap root at {addr} to answer"
+                ))
             } else {
-                Error::sys(format!("reading the bootstrap reply from {addr} (the root exited?)"), e)
+                Error::sys(
+                    format!("reading the bootstrap reply from {addr} (the root exited?)"),
+                    e,
+                )
             }
         })
     };
@@ -378,7 +439,11 @@ pub fn rendezvous(id: &UniqueId, rank: usize, nranks: usize, blob: &[u8], timeou
         let mut m = vec![0u8; (u32::from_le_bytes(len4) as usize).min(MAX_BLOB)];
         rd(&mut s, &mut m)?;
         let text = String::from_utf8_lossy(&m).into_owned();
-        return Err(if text.contains("timed out") { Error::Timeout(text) } else { Error::InvalidUsage(text) });
+        return Err(if text.contains("timed out") {
+            Error::Timeout(text)
+        } else {
+            Error::InvalidUsage(text)
+        });
     }
     let mut out = Vec::with_capacity(nranks);
     for _ in 0..nranks {
@@ -428,7 +493,11 @@ mod tests {
     fn rendezvous_exchanges_blobs() {
         let id = UniqueId::new().unwrap();
         let hs: Vec<_> = (0..3)
-            .map(|r| std::thread::spawn(move || rendezvous(&id, r, 3, &[r as u8; 5], Duration::from_secs(10))))
+            .map(|r| {
+                std::thread::spawn(move || {
+                    rendezvous(&id, r, 3, &[r as u8; 5], Duration::from_secs(10))
+                })
+            })
             .collect();
         for h in hs {
             let t = h.join().unwrap().unwrap();
@@ -443,8 +512,14 @@ mod tests {
         let id = UniqueId::for_address(addr);
         spawn_root(l, id.nonce());
         let t = Instant::now();
-        let e = rendezvous(&id, 1, 4, b"x", Duration::from_millis(500)).unwrap_err().to_string();
-        assert!(t.elapsed() < Duration::from_secs(3), "took {:?}", t.elapsed());
+        let e = rendezvous(&id, 1, 4, b"x", Duration::from_millis(500))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "took {:?}",
+            t.elapsed()
+        );
         assert!(e.contains("ranks 0, 2, 3 never arrived"), "{e}");
     }
 
@@ -453,7 +528,9 @@ mod tests {
         let id = UniqueId::new().unwrap();
         let a = std::thread::spawn(move || rendezvous(&id, 0, 2, b"", Duration::from_secs(2)));
         std::thread::sleep(Duration::from_millis(100));
-        let e = rendezvous(&id, 1, 3, b"", Duration::from_secs(2)).unwrap_err().to_string();
+        let e = rendezvous(&id, 1, 3, b"", Duration::from_secs(2))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("same nranks"), "{e}");
         drop(a); // rank 0 waits for a rank that never comes; it times out on its own
     }

@@ -115,15 +115,6 @@ impl<'a> Exec<'a> {
         self.links.ensure(sends, recvs, self.waiter)
     }
 
-    /// Length of a buffer.
-    pub fn len_of(&self, b: Buf) -> usize {
-        match b {
-            Buf::Src => self.src.1,
-            Buf::Dst => self.dst.1,
-            Buf::Stage => self.stage.1,
-        }
-    }
-
     /// True for in-place calls (Src and Dst are the same memory).
     pub fn in_place(&self) -> bool {
         self.src == self.dst
@@ -149,14 +140,6 @@ impl<'a> Exec<'a> {
 
     fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
         a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
-    }
-
-    /// Would writing `r` now race with a request in flight?
-    pub fn busy_for_write(&self, r: Reg) -> bool {
-        match self.resolve(r) {
-            Ok(m) => self.ops.iter().any(|o| o.active && !o.done && Self::overlaps(m, (o.addr, o.len))),
-            Err(_) => false,
-        }
     }
 
     fn check(&self, m: (usize, usize), write: bool, what: &str) -> Result<()> {
@@ -204,10 +187,16 @@ impl<'a> Exec<'a> {
                 }
                 Error::Remote {
                     rank: peer,
-                    msg: format!("rank {peer} exited or aborted: over {}: {e}", self.links.net_name(peer)),
+                    msg: format!(
+                        "rank {peer} exited or aborted: over {}: {e}",
+                        self.links.net_name(peer)
+                    ),
                 }
             }
-            other => Error::Remote { rank: peer, msg: format!("over {}: {other}", self.links.net_name(peer)) },
+            other => Error::Remote {
+                rank: peer,
+                msg: format!("over {}: {other}", self.links.net_name(peer)),
+            },
         }
     }
 
@@ -238,7 +227,17 @@ impl<'a> Exec<'a> {
                 }
             }
         };
-        self.ops[i] = Op { send: true, peer: peer as u32, ch: ch as u8, req, addr: m.0, len: m.1, active: true, done: false, size: 0 };
+        self.ops[i] = Op {
+            send: true,
+            peer: peer as u32,
+            ch: ch as u8,
+            req,
+            addr: m.0,
+            len: m.1,
+            active: true,
+            done: false,
+            size: 0,
+        };
         self.inflight += 1;
         Ok(Tok(i as u32))
     }
@@ -251,7 +250,11 @@ impl<'a> Exec<'a> {
         let mut w = self.waiter.start();
         let req = loop {
             let comm = self.links.recv_comm(peer, ch)?;
-            let b = RecvBuf { ptr: m.0 as *mut u8, len: m.1, tag: 0 };
+            let b = RecvBuf {
+                ptr: m.0 as *mut u8,
+                len: m.1,
+                tag: 0,
+            };
             // SAFETY: as for `send`, and no other request in flight touches `m` (checked).
             let posted = unsafe { comm.irecv(&[b]) };
             let posted = match posted {
@@ -268,7 +271,17 @@ impl<'a> Exec<'a> {
                 }
             }
         };
-        self.ops[i] = Op { send: false, peer: peer as u32, ch: ch as u8, req, addr: m.0, len: m.1, active: true, done: false, size: 0 };
+        self.ops[i] = Op {
+            send: false,
+            peer: peer as u32,
+            ch: ch as u8,
+            req,
+            addr: m.0,
+            len: m.1,
+            active: true,
+            done: false,
+            size: 0,
+        };
         self.inflight += 1;
         Ok(Tok(i as u32))
     }
@@ -332,18 +345,23 @@ impl<'a> Exec<'a> {
         }
     }
 
-    /// Requests in flight (not yet completed).
-    pub fn inflight(&self) -> usize {
-        self.inflight
-    }
-
     fn stuck(&mut self) -> Error {
-        self.links.suspect = self.ops.iter().find(|o| o.active && !o.done).map(|o| o.peer as usize);
+        self.links.suspect = self
+            .ops
+            .iter()
+            .find(|o| o.active && !o.done)
+            .map(|o| o.peer as usize);
         let mut peers: Vec<String> = self
             .ops
             .iter()
             .filter(|o| o.active && !o.done)
-            .map(|o| format!("{} rank {}", if o.send { "send to" } else { "receive from" }, o.peer))
+            .map(|o| {
+                format!(
+                    "{} rank {}",
+                    if o.send { "send to" } else { "receive from" },
+                    o.peer
+                )
+            })
             .collect();
         peers.dedup();
         Error::Timeout(format!(
@@ -365,9 +383,11 @@ impl<'a> Exec<'a> {
             fds.clear();
             for o in self.ops.iter().filter(|o| o.active && !o.done) {
                 if o.send {
-                    self.links.send_fds(o.peer as usize, o.ch as usize, &mut fds);
+                    self.links
+                        .send_fds(o.peer as usize, o.ch as usize, &mut fds);
                 } else {
-                    self.links.recv_fds(o.peer as usize, o.ch as usize, &mut fds);
+                    self.links
+                        .recv_fds(o.peer as usize, o.ch as usize, &mut fds);
                 }
             }
             self.links.listen_fds(&mut fds);
@@ -381,16 +401,6 @@ impl<'a> Exec<'a> {
                 }
                 Ok(false) => {}
             }
-        }
-    }
-
-    /// Wait for one request.
-    pub fn wait(&mut self, t: Tok) -> Result<usize> {
-        loop {
-            if let Some(n) = self.take(t) {
-                return Ok(n);
-            }
-            self.wait_any()?;
         }
     }
 
@@ -415,7 +425,10 @@ impl<'a> Exec<'a> {
         let d = self.resolve(dst)?;
         let s = self.resolve(src)?;
         if d.1 != s.1 {
-            return Err(Error::Internal(format!("local op on regions of {} and {} bytes", d.1, s.1)));
+            return Err(Error::Internal(format!(
+                "local op on regions of {} and {} bytes",
+                d.1, s.1
+            )));
         }
         self.check(d, true, "local write")?;
         self.check(s, false, "local read")?;

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::net::{Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm};
+use crate::net::{
+    Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm,
+};
 
 use super::wait::Waiter;
 
@@ -90,15 +92,17 @@ impl Links {
     }
 
     pub fn send_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn SendComm>> {
-        self.send[peer][ch]
-            .as_mut()
-            .ok_or_else(|| Error::Internal(format!("no send connection to rank {peer} channel {ch}")))
+        self.send[peer][ch].as_mut().ok_or_else(|| {
+            Error::Internal(format!("no send connection to rank {peer} channel {ch}"))
+        })
     }
 
     pub fn recv_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn RecvComm>> {
-        self.recv[peer][ch]
-            .as_mut()
-            .ok_or_else(|| Error::Internal(format!("no receive connection from rank {peer} channel {ch}")))
+        self.recv[peer][ch].as_mut().ok_or_else(|| {
+            Error::Internal(format!(
+                "no receive connection from rank {peer} channel {ch}"
+            ))
+        })
     }
 
     pub fn send_fds(&self, peer: usize, ch: usize, out: &mut Vec<PollFd>) {
@@ -127,27 +131,43 @@ impl Links {
 
     /// Make sure the connections `sends` (to peer, channel) and `recvs` (from peer, channel)
     /// exist, opening the missing ones together.
-    pub fn ensure(&mut self, sends: &[(usize, usize)], recvs: &[(usize, usize)], waiter: &Waiter) -> Result<()> {
-        let need_send: Vec<(usize, usize)> =
-            sends.iter().copied().filter(|&(p, c)| p != self.rank && self.send[p][c].is_none()).collect();
-        let need_recv: Vec<(usize, usize)> =
-            recvs.iter().copied().filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none()).collect();
+    pub fn ensure(
+        &mut self,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+        waiter: &Waiter,
+    ) -> Result<()> {
+        let need_send: Vec<(usize, usize)> = sends
+            .iter()
+            .copied()
+            .filter(|&(p, c)| p != self.rank && self.send[p][c].is_none())
+            .collect();
+        let need_recv: Vec<(usize, usize)> = recvs
+            .iter()
+            .copied()
+            .filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none())
+            .collect();
         if need_send.is_empty() && need_recv.is_empty() {
             return Ok(());
         }
         for &(p, c) in need_send.iter().chain(&need_recv) {
             if p >= self.nranks || c >= MAX_CHANNELS {
-                return Err(Error::Internal(format!("connection to rank {p} channel {c} out of range")));
+                return Err(Error::Internal(format!(
+                    "connection to rank {p} channel {c} out of range"
+                )));
             }
         }
         let mut connecting: Vec<(usize, usize, Box<dyn Connecting>)> = Vec::new();
         for &(p, c) in &need_send {
             let e = self.peer_net[p];
             let ep = &self.endpoints[e];
-            let conn = ep.net.connect(ep.dev, &self.handles[p][e]).map_err(|err| Error::Remote {
-                rank: p,
-                msg: format!("connecting over {}: {err}", ep.net.name()),
-            })?;
+            let conn =
+                ep.net
+                    .connect(ep.dev, &self.handles[p][e])
+                    .map_err(|err| Error::Remote {
+                        rank: p,
+                        msg: format!("connecting over {}: {err}", ep.net.name()),
+                    })?;
             connecting.push((p, c, conn));
         }
         let mut hellos: Vec<(usize, usize, HelloOut)> = Vec::new();
@@ -159,7 +179,10 @@ impl Links {
             let mut i = 0;
             while i < connecting.len() {
                 let (p, c) = (connecting[i].0, connecting[i].1);
-                let polled = connecting[i].2.poll().map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?;
+                let polled = connecting[i].2.poll().map_err(|err| Error::Remote {
+                    rank: p,
+                    msg: err.to_string(),
+                })?;
                 if let Some(mut comm) = polled {
                     let mut buf = Box::new([0u8; 16]);
                     buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
@@ -169,9 +192,22 @@ impl Links {
                     // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
                     // send completes; the comm is declared first so it drops first.
                     let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
-                        .map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?
-                        .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
-                    hellos.push((p, c, HelloOut { comm, req, _buf: buf }));
+                        .map_err(|err| Error::Remote {
+                            rank: p,
+                            msg: err.to_string(),
+                        })?
+                        .ok_or_else(|| {
+                            Error::Internal("fresh connection has no free request".into())
+                        })?;
+                    hellos.push((
+                        p,
+                        c,
+                        HelloOut {
+                            comm,
+                            req,
+                            _buf: buf,
+                        },
+                    ));
                     connecting.swap_remove(i);
                     progressed = true;
                 } else {
@@ -182,7 +218,14 @@ impl Links {
             while i < hellos.len() {
                 let (p, c) = (hellos[i].0, hellos[i].1);
                 let h = &mut hellos[i].2;
-                if h.comm.test(h.req).map_err(|err| Error::Remote { rank: p, msg: err.to_string() })?.is_some() {
+                if h.comm
+                    .test(h.req)
+                    .map_err(|err| Error::Remote {
+                        rank: p,
+                        msg: err.to_string(),
+                    })?
+                    .is_some()
+                {
                     let (_, _, h) = hellos.swap_remove(i);
                     self.send[p][c] = Some(h.comm);
                     progressed = true;
@@ -191,8 +234,11 @@ impl Links {
                 }
             }
             progressed |= self.accept_pending()?;
-            let missing_recv: Vec<(usize, usize)> =
-                need_recv.iter().copied().filter(|&(p, c)| self.recv[p][c].is_none()).collect();
+            let missing_recv: Vec<(usize, usize)> = need_recv
+                .iter()
+                .copied()
+                .filter(|&(p, c)| self.recv[p][c].is_none())
+                .collect();
             if connecting.is_empty() && hellos.is_empty() && missing_recv.is_empty() {
                 return Ok(());
             }
@@ -209,7 +255,11 @@ impl Links {
             }
             self.listen_fds(&mut fds);
             if w.idle(&fds).is_err() {
-                let mut who: Vec<usize> = connecting.iter().map(|x| x.0).chain(hellos.iter().map(|x| x.0)).collect();
+                let mut who: Vec<usize> = connecting
+                    .iter()
+                    .map(|x| x.0)
+                    .chain(hellos.iter().map(|x| x.0))
+                    .collect();
                 who.extend(missing_recv.iter().map(|x| x.0));
                 who.sort_unstable();
                 who.dedup();
@@ -232,11 +282,16 @@ impl Links {
         for e in 0..self.endpoints.len() {
             while let Some(mut comm) = self.endpoints[e].listen.accept()? {
                 let mut buf = Box::new([0u8; 16]);
-                let rb = RecvBuf { ptr: buf.as_mut_ptr(), len: 16, tag: 0 };
+                let rb = RecvBuf {
+                    ptr: buf.as_mut_ptr(),
+                    len: 16,
+                    tag: 0,
+                };
                 // SAFETY: `buf` is boxed and kept in `HelloIn` with the comm (declared first,
                 // dropped first) until the receive completes.
-                let req = unsafe { comm.irecv(&[rb]) }?
-                    .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
+                let req = unsafe { comm.irecv(&[rb]) }?.ok_or_else(|| {
+                    Error::Internal("fresh connection has no free request".into())
+                })?;
                 self.incoming.push(HelloIn { comm, req, buf });
                 progressed = true;
             }
@@ -346,7 +401,11 @@ impl Links {
                         // SAFETY: `buf` is boxed and kept with the comm (dropped after it).
                         match unsafe { comm.isend(buf.as_ptr(), 16, 0, None) } {
                             Ok(Some(req)) => {
-                                *sent = Some(HelloOut { comm, req, _buf: buf });
+                                *sent = Some(HelloOut {
+                                    comm,
+                                    req,
+                                    _buf: buf,
+                                });
                                 true
                             }
                             _ => false,

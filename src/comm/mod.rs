@@ -189,12 +189,16 @@ fn blob(handle: &NetHandle, net: &str) -> Vec<u8> {
 }
 
 fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<NetHandle> {
-    if b.len() != 4 + 8 + 16 + HANDLE_MAX || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION {
+    if b.len() != 4 + 8 + 16 + HANDLE_MAX
+        || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION
+    {
         return Err(Error::InvalidUsage(format!(
             "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
         )));
     }
-    let name = std::str::from_utf8(&b[12..28]).unwrap_or("?").trim_end_matches('\0');
+    let name = std::str::from_utf8(&b[12..28])
+        .unwrap_or("?")
+        .trim_end_matches('\0');
     if name != my_net {
         return Err(Error::InvalidUsage(format!(
             "rank {rank} uses network '{name}' but this rank uses '{my_net}': set the same ROCCL_NET everywhere"
@@ -212,12 +216,20 @@ impl Communicator {
     }
 
     /// Join with explicit settings.
-    pub fn init_with(id: &UniqueId, nranks: usize, rank: usize, cfg: Config) -> Result<Communicator> {
+    pub fn init_with(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        cfg: Config,
+    ) -> Result<Communicator> {
         if nranks == 0 {
             return Err(Error::arg("nranks must be at least 1"));
         }
         if rank >= nranks {
-            return Err(Error::arg(format!("rank {rank} is out of range for {nranks} ranks (ranks are 0..{})", nranks - 1)));
+            return Err(Error::arg(format!(
+                "rank {rank} is out of range for {nranks} ranks (ranks are 0..{})",
+                nranks - 1
+            )));
         }
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
@@ -225,9 +237,18 @@ impl Communicator {
             NetKind::Auto | NetKind::Tcp => Arc::new(net::tcp::TcpNet::with_addr(local)?),
         };
         let (handle, listen) = net.listen(0)?;
-        let table = bootstrap::rendezvous(id, rank, nranks, &blob(&handle, net.name()), cfg.waiter.timeout)?;
+        let table = bootstrap::rendezvous(
+            id,
+            rank,
+            nranks,
+            &blob(&handle, net.name()),
+            cfg.waiter.timeout,
+        )?;
         let my_host = &table[rank][4..12];
-        let local_ranks = table.iter().filter(|b| b.len() >= 12 && &b[4..12] == my_host).count();
+        let local_ranks = table
+            .iter()
+            .filter(|b| b.len() >= 12 && &b[4..12] == my_host)
+            .count();
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
@@ -249,7 +270,11 @@ impl Communicator {
             rank,
             nranks,
             (nonce ^ (nonce >> 32)) as u32,
-            vec![Endpoint { net, dev: 0, listen }],
+            vec![Endpoint {
+                net,
+                dev: 0,
+                listen,
+            }],
             vec![0; nranks],
             handles,
         );
@@ -258,7 +283,14 @@ impl Communicator {
                 rank,
                 nranks,
                 net: name,
-                state: Mutex::new(State { links, stage: Vec::new(), broken: None, cfg, cost, serving: 0 }),
+                state: Mutex::new(State {
+                    links,
+                    stage: Vec::new(),
+                    broken: None,
+                    cfg,
+                    cost,
+                    serving: 0,
+                }),
                 turn: Condvar::new(),
                 tickets: AtomicU64::new(0),
                 worker: Mutex::new(None),
@@ -309,14 +341,22 @@ impl Communicator {
     /// Close all connections now; pending and later calls fail.
     pub fn abort(&self) {
         let mut st = self.shared.state.lock();
-        st.broken.get_or_insert_with(|| "communicator aborted by the application".into());
+        st.broken
+            .get_or_insert_with(|| "communicator aborted by the application".into());
         st.links.close_all();
     }
 
     /// Algorithm and pipeline the cost model picks for a collective of `bytes` bytes.
     pub fn plan(&self, kind: CollKind, bytes: usize, algo: Option<Algo>) -> (Algo, Pipeline) {
         let st = self.shared.state.lock();
-        model::choose(kind, self.shared.nranks, bytes, &st.cost, algo.or(st.cfg.algo), &st.cfg.tuning)
+        model::choose(
+            kind,
+            self.shared.nranks,
+            bytes,
+            &st.cost,
+            algo.or(st.cfg.algo),
+            &st.cfg.tuning,
+        )
     }
 
     fn with_turn<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
@@ -326,13 +366,32 @@ impl Communicator {
 
     /// Run one collective on byte buffers. `send == None` means in place. See each typed
     /// method for the buffer sizes each collective expects.
-    pub fn run_raw(&self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+    pub fn run_raw(
+        &self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
         self.with_turn(|st| st.execute(coll, dt, send, recv, opts))
     }
 
-    fn typed<T: Element>(&self, coll: Collective, send: Option<&[T]>, recv: &mut [T]) -> Result<()> {
+    fn typed<T: Element>(
+        &self,
+        coll: Collective,
+        send: Option<&[T]>,
+        recv: &mut [T],
+    ) -> Result<()> {
         let s = send.map(bytemuck::cast_slice::<T, u8>);
-        self.run_raw(coll, T::DTYPE, s, bytemuck::cast_slice_mut(recv), &CallOpts::default()).map(|_| ())
+        self.run_raw(
+            coll,
+            T::DTYPE,
+            s,
+            bytemuck::cast_slice_mut(recv),
+            &CallOpts::default(),
+        )
+        .map(|_| ())
     }
 
     /// All-reduce: `recv[i] = op over ranks of send[i]`; both have the same length.
@@ -351,13 +410,24 @@ impl Communicator {
     }
 
     /// Broadcast `send` of `root` into `recv` of every rank (`send` is read on the root only).
-    pub fn broadcast_from<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+    pub fn broadcast_from<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         self.typed(Collective::Broadcast { root }, Some(send), recv)
     }
 
     /// Reduce `send` of every rank into `recv` of `root` (`recv` is untouched elsewhere and
     /// may be empty there).
-    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: RedOp, root: usize) -> Result<()> {
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: RedOp,
+        root: usize,
+    ) -> Result<()> {
         self.typed(Collective::Reduce { op, root }, Some(send), recv)
     }
 
@@ -398,24 +468,58 @@ impl Communicator {
 
     /// Send `buf` to `peer` (returns when `peer` has received it or the network holds it).
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.typed(Collective::SendRecv { to: Some(peer), from: None }, Some(buf), &mut [])
+        self.typed(
+            Collective::SendRecv {
+                to: Some(peer),
+                from: None,
+            },
+            Some(buf),
+            &mut [],
+        )
     }
 
     /// Receive `buf` from `peer`.
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         let none: &[T] = &[];
-        self.typed(Collective::SendRecv { to: None, from: Some(peer) }, Some(none), buf)
+        self.typed(
+            Collective::SendRecv {
+                to: None,
+                from: Some(peer),
+            },
+            Some(none),
+            buf,
+        )
     }
 
     /// Send `send` to `to` while receiving `recv` from `from` (no deadlock when peers
     /// exchange with each other).
-    pub fn sendrecv<T: Element>(&self, send: &[T], to: usize, recv: &mut [T], from: usize) -> Result<()> {
-        self.typed(Collective::SendRecv { to: Some(to), from: Some(from) }, Some(send), recv)
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        self.typed(
+            Collective::SendRecv {
+                to: Some(to),
+                from: Some(from),
+            },
+            Some(send),
+            recv,
+        )
     }
 
     /// Block until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
-        self.run_raw(Collective::Barrier, DataType::U8, None, &mut [], &CallOpts::default()).map(|_| ())
+        self.run_raw(
+            Collective::Barrier,
+            DataType::U8,
+            None,
+            &mut [],
+            &CallOpts::default(),
+        )
+        .map(|_| ())
     }
 
     fn worker(&self) -> mpsc::Sender<Job> {
@@ -439,12 +543,23 @@ impl Communicator {
 
     /// Run `coll` in the background on owned buffers; `send == None` means in place. The
     /// call is ordered with every other call on this communicator by issue time.
-    pub fn start<T: Element>(&self, coll: Collective, send: Option<Vec<T>>, mut recv: Vec<T>) -> Handle<Vec<T>> {
+    pub fn start<T: Element>(
+        &self,
+        coll: Collective,
+        send: Option<Vec<T>>,
+        mut recv: Vec<T>,
+    ) -> Handle<Vec<T>> {
         let (tx, rx) = mpsc::channel();
         let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
         let job = Box::new(move |st: &mut State| {
             let s = send.as_deref().map(bytemuck::cast_slice::<T, u8>);
-            let r = st.execute(coll, T::DTYPE, s, bytemuck::cast_slice_mut(&mut recv), &CallOpts::default());
+            let r = st.execute(
+                coll,
+                T::DTYPE,
+                s,
+                bytemuck::cast_slice_mut(&mut recv),
+                &CallOpts::default(),
+            );
             let _ = tx.send(r.map(|_| recv));
         });
         if let Err(mpsc::SendError((t, job))) = self.worker().send((t, job)) {
@@ -507,12 +622,28 @@ impl State {
     }
 
     fn choose(&self, kind: CollKind, bytes: usize, opts: &CallOpts) -> (Algo, Pipeline) {
-        model::choose(kind, self.links.nranks, bytes, &self.cost, opts.algo.or(self.cfg.algo), &self.cfg.tuning)
+        model::choose(
+            kind,
+            self.links.nranks,
+            bytes,
+            &self.cost,
+            opts.algo.or(self.cfg.algo),
+            &self.cfg.tuning,
+        )
     }
 
-    fn execute(&mut self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+    fn execute(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
         if let Some(b) = &self.broken {
-            return Err(Error::InvalidUsage(format!("communicator is unusable after an earlier error: {b}")));
+            return Err(Error::InvalidUsage(format!(
+                "communicator is unusable after an earlier error: {b}"
+            )));
         }
         let r = self.execute_inner(coll, dt, send, recv, opts);
         if let Err(e) = &r {
@@ -533,11 +664,20 @@ impl State {
         r
     }
 
-    fn execute_inner(&mut self, coll: Collective, dt: DataType, send: Option<&[u8]>, recv: &mut [u8], opts: &CallOpts) -> Result<CallInfo> {
+    fn execute_inner(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
         let (n, me) = (self.links.nranks, self.links.rank);
         let check_root = |root: usize| {
             if root >= n {
-                Err(Error::arg(format!("root {root} is out of range for {n} ranks")))
+                Err(Error::arg(format!(
+                    "root {root} is out of range for {n} ranks"
+                )))
             } else {
                 Ok(())
             }
@@ -550,7 +690,10 @@ impl State {
             _ => Ok(()),
         };
         let esz = dt.size();
-        let info = |a: Algo, p: Pipeline| CallInfo { algo: Some(a), pipeline: Some(p) };
+        let info = |a: Algo, p: Pipeline| CallInfo {
+            algo: Some(a),
+            pipeline: Some(p),
+        };
         match coll {
             Collective::AllReduce(op) => {
                 let count = elems("all_reduce receive buffer", recv.len(), dt)?;
@@ -580,7 +723,11 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
-                let need = if a == Algo::Tree { algo::tree_stage(&pl) } else { 64 };
+                let need = if a == Algo::Tree {
+                    algo::tree_stage(&pl)
+                } else {
+                    64
+                };
                 self.run_exec(send, recv, need, |ex| match a {
                     Algo::Tree => algo::broadcast_tree(ex, root, dt, count, &pl),
                     _ => algo::broadcast_ring(ex, root, dt, count, &pl),
@@ -601,7 +748,11 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
-                let need = if a == Algo::Tree { algo::tree_stage(&pl) } else { algo::chain_stage(&pl) };
+                let need = if a == Algo::Tree {
+                    algo::tree_stage(&pl)
+                } else {
+                    algo::chain_stage(&pl)
+                };
                 self.run_exec(send, recv, need, |ex| match a {
                     Algo::Tree => algo::reduce_tree(ex, root, dt, op, count, &pl),
                     _ => algo::reduce_ring(ex, root, dt, op, count, &pl),
@@ -631,7 +782,9 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, 64, |ex| algo::all_gather_ring(ex, dt, count, &pl))?;
+                self.run_exec(send, recv, 64, |ex| {
+                    algo::all_gather_ring(ex, dt, count, &pl)
+                })?;
                 Ok(info(a, pl))
             }
             Collective::ReduceScatter(op) => {
@@ -661,7 +814,9 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                self.run_exec(send, recv, need, |ex| algo::reduce_scatter_ring(ex, dt, op, count, &pl))?;
+                self.run_exec(send, recv, need, |ex| {
+                    algo::reduce_scatter_ring(ex, dt, op, count, &pl)
+                })?;
                 Ok(info(a, pl))
             }
             Collective::AllToAll => {
@@ -683,12 +838,17 @@ impl State {
             }
             Collective::Barrier => {
                 self.run_exec(None, &mut [], 64, algo::barrier_dissemination)?;
-                Ok(CallInfo { algo: None, pipeline: None })
+                Ok(CallInfo {
+                    algo: None,
+                    pipeline: None,
+                })
             }
             Collective::SendRecv { to, from } => {
                 for p in [to, from].into_iter().flatten() {
                     if p >= n {
-                        return Err(Error::arg(format!("peer {p} is out of range for {n} ranks")));
+                        return Err(Error::arg(format!(
+                            "peer {p} is out of range for {n} ranks"
+                        )));
                     }
                 }
                 let slen = send.map_or(0, |s| s.len());
@@ -696,13 +856,24 @@ impl State {
                 elems("receive buffer", recv.len(), dt)?;
                 let rlen = recv.len();
                 let src: &[u8] = send.unwrap_or(&[]);
-                self.run_exec(Some(src), recv, 64, |ex| algo::sendrecv(ex, to, slen, from, rlen))?;
-                Ok(CallInfo { algo: None, pipeline: None })
+                self.run_exec(Some(src), recv, 64, |ex| {
+                    algo::sendrecv(ex, to, slen, from, rlen)
+                })?;
+                Ok(CallInfo {
+                    algo: None,
+                    pipeline: None,
+                })
             }
         }
     }
 
-    fn run_exec(&mut self, send: Option<&[u8]>, recv: &mut [u8], stage_bytes: usize, f: impl FnOnce(&mut Exec) -> Result<()>) -> Result<()> {
+    fn run_exec(
+        &mut self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        stage_bytes: usize,
+        f: impl FnOnce(&mut Exec) -> Result<()>,
+    ) -> Result<()> {
         self.stage(stage_bytes);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
         let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter);

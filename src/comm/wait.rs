@@ -27,7 +27,10 @@ impl Waiter {
     /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`.
     pub fn from_env() -> Self {
         let us = |k: &str, d: u64| {
-            std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(d)
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(d)
         };
         let timeout = std::env::var("ROCCL_TIMEOUT")
             .ok()
@@ -38,7 +41,8 @@ impl Waiter {
             spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
             yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),
             timeout: Duration::from_secs_f64(timeout),
-            fixed: std::env::var_os("ROCCL_SPIN_US").is_some() || std::env::var_os("ROCCL_YIELD_US").is_some(),
+            fixed: std::env::var_os("ROCCL_SPIN_US").is_some()
+                || std::env::var_os("ROCCL_YIELD_US").is_some(),
         }
     }
 
@@ -55,7 +59,11 @@ impl Waiter {
 
     /// Begin waiting for something.
     pub fn start(&self) -> WaitState<'_> {
-        WaitState { w: self, last: Instant::now(), spins: 0 }
+        WaitState {
+            w: self,
+            last: Instant::now(),
+            spins: 0,
+        }
     }
 }
 
@@ -106,8 +114,14 @@ impl WaitState<'_> {
             std::thread::sleep(Duration::from_micros(50));
             return Ok(true);
         }
-        let mut pfds: Vec<libc::pollfd> =
-            fds.iter().map(|f| libc::pollfd { fd: f.fd, events: f.events, revents: 0 }).collect();
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|f| libc::pollfd {
+                fd: f.fd,
+                events: f.events,
+                revents: 0,
+            })
+            .collect();
         // SAFETY: `pfds` is a valid array of pollfd for the duration of the call.
         unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         Ok(true)

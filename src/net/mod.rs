@@ -52,7 +52,11 @@ impl NetHandle {
 
 impl fmt::Debug for NetHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let used = self.bytes.iter().rposition(|b| *b != 0).map_or(0, |p| p + 1);
+        let used = self
+            .bytes
+            .iter()
+            .rposition(|b| *b != 0)
+            .map_or(0, |p| p + 1);
         write!(f, "NetHandle({used} bytes)")
     }
 }

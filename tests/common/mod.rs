@@ -43,7 +43,10 @@ where
             .collect();
         for (r, h) in hs.into_iter().enumerate() {
             if let Err(e) = h.join() {
-                std::panic::resume_unwind(Box::new(format!("rank {r} failed: {:?}", e.downcast_ref::<String>())));
+                std::panic::resume_unwind(Box::new(format!(
+                    "rank {r} failed: {:?}",
+                    e.downcast_ref::<String>()
+                )));
             }
         }
     });
@@ -60,7 +63,11 @@ pub fn val(dt: DataType, op: RedOp, rank: usize, i: usize) -> f64 {
         return (1 + (rank + i) % 2) as f64;
     }
     let v = ((rank * 7 + i * 3) % 5) as f64;
-    if signed(dt) { v - 1.0 } else { v }
+    if signed(dt) {
+        v - 1.0
+    } else {
+        v
+    }
 }
 
 /// Reference reduction over `n` ranks of element `i`, computed in f64.
@@ -73,7 +80,11 @@ pub fn reduce_ref(dt: DataType, op: RedOp, n: usize, i: usize) -> f64 {
         RedOp::Min => vals.fold(f64::MAX, f64::min),
         RedOp::Avg => {
             let s: f64 = vals.sum();
-            if dt.is_float() { s / n as f64 } else { (s / n as f64).trunc() }
+            if dt.is_float() {
+                s / n as f64
+            } else {
+                (s / n as f64).trunc()
+            }
         }
     }
 }

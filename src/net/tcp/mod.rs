@@ -21,8 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use socket2::{Domain, Protocol, Socket, Type};
 
 use super::{
-    Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
-    RecvBuf, RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
+    Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport, RecvBuf,
+    RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 
@@ -103,7 +103,9 @@ fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize) -> Result<NetHandl
 
 fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
     let b = h.as_bytes();
-    let bad = || Error::arg("not a roccl TCP connection handle (wrong magic or family): was it produced by another network or another roccl version?");
+    let bad = || {
+        Error::arg("not a roccl TCP connection handle (wrong magic or family): was it produced by another network or another roccl version?")
+    };
     if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
         return Err(bad());
     }
@@ -140,18 +142,28 @@ impl Net for TcpNet {
 
     fn properties(&self, dev: usize) -> Result<NetProperties> {
         if dev != 0 {
-            return Err(Error::arg(format!("TCP has one device; asked for device {dev}")));
+            return Err(Error::arg(format!(
+                "TCP has one device; asked for device {dev}"
+            )));
         }
         let speed = std::fs::read_to_string(format!("/sys/class/net/{}/speed", self.ifname))
             .ok()
             .and_then(|s| s.trim().parse::<i64>().ok())
             .filter(|s| *s > 0)
-            .unwrap_or(if self.addr.is_loopback() { 100_000 } else { 10_000 });
+            .unwrap_or(if self.addr.is_loopback() {
+                100_000
+            } else {
+                10_000
+            });
         Ok(NetProperties {
             name: self.ifname.clone(),
             pci_path: None,
             guid: 0,
-            ptr_support: PtrSupport { host: true, device: false, dmabuf: false },
+            ptr_support: PtrSupport {
+                host: true,
+                device: false,
+                dmabuf: false,
+            },
             speed_mbps: speed as u32,
             port: 0,
             latency_us: if self.addr.is_loopback() { 5.0 } else { 30.0 },
@@ -162,7 +174,9 @@ impl Net for TcpNet {
 
     fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)> {
         if dev != 0 {
-            return Err(Error::arg(format!("TCP has one device; asked to listen on {dev}")));
+            return Err(Error::arg(format!(
+                "TCP has one device; asked to listen on {dev}"
+            )));
         }
         let sa = SocketAddr::new(self.addr, 0);
         let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
@@ -181,7 +195,11 @@ impl Net for TcpNet {
         let handle = encode_handle(local, self.nsocks, self.split)?;
         Ok((
             handle,
-            Box::new(TcpListen { sock: s, pending: Vec::new(), groups: HashMap::new() }),
+            Box::new(TcpListen {
+                sock: s,
+                pending: Vec::new(),
+                groups: HashMap::new(),
+            }),
         ))
     }
 
@@ -208,9 +226,18 @@ impl Net for TcpNet {
             hello[4..12].copy_from_slice(&id.to_le_bytes());
             hello[12..14].copy_from_slice(&(i as u16).to_le_bytes());
             hello[14..16].copy_from_slice(&(nsocks as u16).to_le_bytes());
-            socks.push(PendingSock { sock: s, hello, sent: 0, connected: false });
+            socks.push(PendingSock {
+                sock: s,
+                hello,
+                sent: 0,
+                connected: false,
+            });
         }
-        Ok(Box::new(TcpConnecting { peer: sa, socks, split }))
+        Ok(Box::new(TcpConnecting {
+            peer: sa,
+            socks,
+            split,
+        }))
     }
 }
 
@@ -228,7 +255,11 @@ struct TcpConnecting {
 }
 
 fn poll_one(fd: i32, events: i16) -> bool {
-    let mut p = libc::pollfd { fd, events, revents: 0 };
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
     // SAFETY: `p` is a valid pollfd for the duration of the call; timeout 0 never blocks.
     let r = unsafe { libc::poll(&mut p, 1, 0) };
     r > 0 && p.revents != 0
@@ -243,7 +274,11 @@ impl Connecting for TcpConnecting {
                     all = false;
                     continue;
                 }
-                if let Some(e) = p.sock.take_error().map_err(|e| Error::sys("getsockopt(SO_ERROR)", e))? {
+                if let Some(e) = p
+                    .sock
+                    .take_error()
+                    .map_err(|e| Error::sys("getsockopt(SO_ERROR)", e))?
+                {
                     return Err(Error::sys(
                         format!("connect to {} (is the peer alive and the address reachable? check ROCCL_SOCKET_IFNAME)", self.peer),
                         e,
@@ -266,12 +301,17 @@ impl Connecting for TcpConnecting {
             return Ok(None);
         }
         let socks: Vec<Socket> = self.socks.drain(..).map(|p| p.sock).collect();
-        Ok(Some(Box::new(TcpSendComm::new(socks, self.split, self.peer))))
+        Ok(Some(Box::new(TcpSendComm::new(
+            socks, self.split, self.peer,
+        ))))
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         for p in &self.socks {
-            out.push(PollFd { fd: p.sock.as_raw_fd(), events: libc::POLLOUT });
+            out.push(PollFd {
+                fd: p.sock.as_raw_fd(),
+                events: libc::POLLOUT,
+            });
         }
     }
 }
@@ -294,7 +334,11 @@ impl ListenComm for TcpListen {
             match self.sock.accept() {
                 Ok((s, _)) => {
                     tune(&s)?;
-                    self.pending.push(Incoming { sock: s, hello: [0; HDR], got: 0 });
+                    self.pending.push(Incoming {
+                        sock: s,
+                        hello: [0; HDR],
+                        got: 0,
+                    });
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -306,7 +350,11 @@ impl ListenComm for TcpListen {
             let inc = &mut self.pending[i];
             let mut drop_it = false;
             while inc.got < HDR {
-                match recv_raw(inc.sock.as_raw_fd(), inc.hello[inc.got..].as_mut_ptr(), HDR - inc.got) {
+                match recv_raw(
+                    inc.sock.as_raw_fd(),
+                    inc.hello[inc.got..].as_mut_ptr(),
+                    HDR - inc.got,
+                ) {
                     Ok(0) => {
                         drop_it = true; // connection closed before hello: ignore it
                         break;
@@ -338,7 +386,10 @@ impl ListenComm for TcpListen {
             if n == 0 || n > MAX_SOCKS || idx >= n {
                 continue;
             }
-            let g = self.groups.entry(id).or_insert_with(|| (0..n).map(|_| None).collect());
+            let g = self
+                .groups
+                .entry(id)
+                .or_insert_with(|| (0..n).map(|_| None).collect());
             if g.len() == n {
                 g[idx] = Some(inc.sock);
             }
@@ -357,9 +408,15 @@ impl ListenComm for TcpListen {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        out.push(PollFd { fd: self.sock.as_raw_fd(), events: libc::POLLIN });
+        out.push(PollFd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLIN,
+        });
         for p in &self.pending {
-            out.push(PollFd { fd: p.sock.as_raw_fd(), events: libc::POLLIN });
+            out.push(PollFd {
+                fd: p.sock.as_raw_fd(),
+                events: libc::POLLIN,
+            });
         }
     }
 }
@@ -388,14 +445,23 @@ fn recv_raw(fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
 
 /// `sendmsg` of two pieces (header remainder + payload) without SIGPIPE.
 fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
-    let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
+    let mut iov = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; 2];
     let mut k = 0;
     if !a.is_empty() {
-        iov[k] = libc::iovec { iov_base: a.as_ptr() as *mut _, iov_len: a.len() };
+        iov[k] = libc::iovec {
+            iov_base: a.as_ptr() as *mut _,
+            iov_len: a.len(),
+        };
         k += 1;
     }
     if b_len > 0 {
-        iov[k] = libc::iovec { iov_base: b_ptr as *mut _, iov_len: b_len };
+        iov[k] = libc::iovec {
+            iov_base: b_ptr as *mut _,
+            iov_len: b_len,
+        };
         k += 1;
     }
     if k == 0 {
@@ -484,7 +550,9 @@ impl TcpSendComm {
 
     fn progress(&mut self) -> Result<()> {
         if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!("TCP send comm failed earlier: {f}")));
+            return Err(Error::InvalidUsage(format!(
+                "TCP send comm failed earlier: {f}"
+            )));
         }
         let n = self.fds.len();
         let end = self.base + self.msgs.len() as u64;
@@ -532,7 +600,9 @@ impl SendComm for TcpSendComm {
         _mr: Option<&MemHandle>,
     ) -> Result<Option<ReqId>> {
         if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!("TCP send comm failed earlier: {f}")));
+            return Err(Error::InvalidUsage(format!(
+                "TCP send comm failed earlier: {f}"
+            )));
         }
         if self.msgs.len() >= MAX_REQUESTS {
             return Ok(None);
@@ -561,7 +631,9 @@ impl SendComm for TcpSendComm {
             .msgs
             .get_mut(idx)
             .filter(|m| !m.reaped)
-            .ok_or_else(|| Error::InvalidUsage(format!("test on unknown send request {}", req.0)))?;
+            .ok_or_else(|| {
+                Error::InvalidUsage(format!("test on unknown send request {}", req.0))
+            })?;
         if m.parts_left > 0 {
             return Ok(None);
         }
@@ -578,7 +650,10 @@ impl SendComm for TcpSendComm {
         let end = self.base + self.msgs.len() as u64;
         for (j, fd) in self.fds.iter().enumerate() {
             if self.cur[j] < end {
-                out.push(PollFd { fd: *fd, events: libc::POLLOUT });
+                out.push(PollFd {
+                    fd: *fd,
+                    events: libc::POLLOUT,
+                });
             }
         }
     }
@@ -638,7 +713,10 @@ struct TcpRecvComm {
 impl TcpRecvComm {
     fn new(socks: Vec<Socket>) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
-        let peer = socks.first().and_then(|s| s.peer_addr().ok()).and_then(|a| a.as_socket());
+        let peer = socks
+            .first()
+            .and_then(|s| s.peer_addr().ok())
+            .and_then(|a| a.as_socket());
         // The sender splits with the threshold carried in our listen handle, which came from
         // this same environment variable, so both sides agree on the part layout.
         let split = env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096);
@@ -711,7 +789,9 @@ impl TcpRecvComm {
         let n = self.fds.len();
         let slot = &mut self.slots[si];
         let r = &mut self.reqs[(slot.req - self.req_base) as usize];
-        let Some(b) = (0..r.n as usize).find(|&b| r.assigned & (1 << b) == 0 && r.bufs[b].tag == tag) else {
+        let Some(b) =
+            (0..r.n as usize).find(|&b| r.assigned & (1 << b) == 0 && r.bufs[b].tag == tag)
+        else {
             return Err(Error::InvalidUsage(format!(
                 "received a message with tag {tag} but no posted receive buffer carries that tag"
             )));
@@ -727,10 +807,12 @@ impl TcpRecvComm {
         slot.len = len;
         slot.dst = r.bufs[b].addr;
         slot.known = true;
-        slot.parts_left = (0..n).filter(|&j| {
-            let (s, e) = part(len, j, n, self.split);
-            e > s || j == 0
-        }).count() as u8;
+        slot.parts_left = (0..n)
+            .filter(|&j| {
+                let (s, e) = part(len, j, n, self.split);
+                e > s || j == 0
+            })
+            .count() as u8;
         Ok(())
     }
 
@@ -745,7 +827,9 @@ impl TcpRecvComm {
 
     fn progress(&mut self) -> Result<()> {
         if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!("TCP receive comm failed earlier: {f}")));
+            return Err(Error::InvalidUsage(format!(
+                "TCP receive comm failed earlier: {f}"
+            )));
         }
         let r = self.progress_inner();
         r.map_err(|e| self.fail(e))
@@ -780,7 +864,11 @@ impl TcpRecvComm {
                     // against its capacity in take_header); the irecv contract keeps it valid
                     // and unaliased; the source is our own buffer, which cannot overlap it.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(self.rx[self.rx_start..].as_ptr(), dst as *mut u8, k);
+                        std::ptr::copy_nonoverlapping(
+                            self.rx[self.rx_start..].as_ptr(),
+                            dst as *mut u8,
+                            k,
+                        );
                     }
                     self.rx_start += k;
                     slot.off[0] += k;
@@ -838,7 +926,9 @@ impl TcpRecvComm {
 impl RecvComm for TcpRecvComm {
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!("TCP receive comm failed earlier: {f}")));
+            return Err(Error::InvalidUsage(format!(
+                "TCP receive comm failed earlier: {f}"
+            )));
         }
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
             return Err(Error::arg(format!(
@@ -850,9 +940,17 @@ impl RecvComm for TcpRecvComm {
             return Ok(None);
         }
         let seq = self.req_base + self.reqs.len() as u64;
-        let mut arr = [PostedBuf { addr: 0, len: 0, tag: 0 }; MAX_RECVS];
+        let mut arr = [PostedBuf {
+            addr: 0,
+            len: 0,
+            tag: 0,
+        }; MAX_RECVS];
         for (a, b) in arr.iter_mut().zip(bufs) {
-            *a = PostedBuf { addr: b.ptr as usize, len: b.len, tag: b.tag };
+            *a = PostedBuf {
+                addr: b.ptr as usize,
+                len: b.len,
+                tag: b.tag,
+            };
         }
         self.reqs.push_back(RecvReq {
             bufs: arr,
@@ -883,7 +981,9 @@ impl RecvComm for TcpRecvComm {
             .reqs
             .get_mut(idx)
             .filter(|r| !r.reaped)
-            .ok_or_else(|| Error::InvalidUsage(format!("test on unknown receive request {}", req.0)))?;
+            .ok_or_else(|| {
+                Error::InvalidUsage(format!("test on unknown receive request {}", req.0))
+            })?;
         if r.left > 0 {
             return Ok(false);
         }
@@ -909,7 +1009,10 @@ impl RecvComm for TcpRecvComm {
         let end = self.slot_base + self.slots.len() as u64;
         for (j, fd) in self.fds.iter().enumerate() {
             if self.cur[j] < end {
-                out.push(PollFd { fd: *fd, events: libc::POLLIN });
+                out.push(PollFd {
+                    fd: *fd,
+                    events: libc::POLLIN,
+                });
             }
         }
     }

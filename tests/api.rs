@@ -1,0 +1,109 @@
+//! The typed Rust API: element types, non-blocking calls and their ordering,
+//! point-to-point, barrier.
+
+mod common;
+
+use common::*;
+use half::{bf16, f16};
+use roccl::algo::model::Tuning;
+use roccl::{Collective, RedOp};
+
+#[test]
+fn typed_calls_with_half_types() {
+    run_ranks(3, config(Tuning::default()), |c| {
+        let r = c.rank() as f32;
+        let send: Vec<bf16> = (0..1001)
+            .map(|i| bf16::from_f32(r + (i % 3) as f32))
+            .collect();
+        let mut out = vec![bf16::ZERO; 1001];
+        c.all_reduce(&send, &mut out, RedOp::Sum).unwrap();
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(v.to_f32(), 3.0 + 3.0 * (i % 3) as f32, "element {i}");
+        }
+        let mut h: Vec<f16> = vec![f16::from_f32(r); 17];
+        c.all_reduce_in_place(&mut h, RedOp::Max).unwrap();
+        assert!(h.iter().all(|v| v.to_f32() == 2.0));
+        let mut g = vec![0u64; 3 * 5];
+        c.all_gather(&[c.rank() as u64 * 10; 5], &mut g).unwrap();
+        assert_eq!(
+            g,
+            [0u64, 0, 0, 0, 0, 10, 10, 10, 10, 10, 20, 20, 20, 20, 20]
+        );
+        let mut b = if c.rank() == 1 {
+            vec![7i32; 9]
+        } else {
+            vec![0; 9]
+        };
+        c.broadcast(&mut b, 1).unwrap();
+        assert_eq!(b, vec![7; 9]);
+    });
+}
+
+#[test]
+fn non_blocking_calls_run_in_issue_order() {
+    run_ranks(4, config(Tuning::default()), |c| {
+        let me = c.rank() as i64;
+        let mut hs = Vec::new();
+        for k in 0..5i64 {
+            hs.push(c.all_reduce_async(vec![me + k; 10_000], RedOp::Sum));
+        }
+        let gathered = c.start(Collective::AllGather, Some(vec![me; 3]), vec![0i64; 12]);
+        // A blocking call issued after the non-blocking ones runs after them.
+        let mut x = [1i64];
+        c.all_reduce_in_place(&mut x, RedOp::Sum).unwrap();
+        assert_eq!(x[0], 4);
+        for (k, mut h) in hs.into_iter().enumerate() {
+            let k = k as i64;
+            while !h.test() {
+                std::thread::yield_now();
+            }
+            let v = h.wait().unwrap();
+            assert!(v.iter().all(|&e| e == 6 + 4 * k), "call {k}: {}", v[0]);
+        }
+        assert_eq!(
+            gathered.wait().unwrap(),
+            vec![0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+        );
+    });
+}
+
+#[test]
+fn point_to_point() {
+    run_ranks(4, config(Tuning::default()), |c| {
+        let (n, me) = (c.nranks(), c.rank());
+        // Ring exchange with sendrecv never deadlocks, even for large messages.
+        let send = vec![me as u32; 1 << 20];
+        let mut recv = vec![0u32; 1 << 20];
+        c.sendrecv(&send, (me + 1) % n, &mut recv, (me + n - 1) % n)
+            .unwrap();
+        assert!(recv.iter().all(|&v| v == ((me + n - 1) % n) as u32));
+        // Plain send / recv between two ranks.
+        if me == 0 {
+            c.send(&[1.5f64, 2.5], 3).unwrap();
+        } else if me == 3 {
+            let mut b = [0f64; 2];
+            c.recv(&mut b, 0).unwrap();
+            assert_eq!(b, [1.5, 2.5]);
+        }
+        // Self exchange is a copy.
+        let mut own = [0u8; 4];
+        c.sendrecv(&[9u8; 4], me, &mut own, me).unwrap();
+        assert_eq!(own, [9; 4]);
+        c.barrier().unwrap();
+    });
+}
+
+#[test]
+fn many_barriers_and_a_single_rank() {
+    run_ranks(5, config(Tuning::default()), |c| {
+        for _ in 0..50 {
+            c.barrier().unwrap();
+        }
+    });
+    run_ranks(1, config(Tuning::default()), |c| {
+        let mut v = [3u8; 4];
+        c.all_reduce_in_place(&mut v, RedOp::Prod).unwrap();
+        assert_eq!(v, [3; 4]);
+        c.barrier().unwrap();
+    });
+}
