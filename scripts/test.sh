@@ -10,7 +10,9 @@ echo "== clippy"
 cargo clippy --all-targets --release -- -D warnings
 echo "== tests (ranks as threads and as processes)"
 # Tests that need RDMA hardware or a GPU are skipped with a message; none are counted as passes.
-cargo test --release --all-targets -- --test-threads 2
+cargo test --release --lib --bins --tests -- --test-threads 2
+echo "== benches (each run once, as a smoke test)"
+cargo test --release --benches
 echo "== docs"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 echo "== all checks passed"

@@ -1,8 +1,8 @@
 //! Collective algorithms, named `<collective>_<algorithm>` as in Gloo.
 //!
-//! Each algorithm is a state machine over an [`Exec`]: `advance` posts whatever sends and
+//! Each algorithm is a state machine over an `Exec`: `advance` posts whatever sends and
 //! receives its dependencies allow, reduces what has arrived, and reports whether anything
-//! moved; [`drive`] runs several machines (channels, trees) until all are done, sleeping in
+//! moved; `drive` runs several machines (channels, trees) until all are done, sleeping in
 //! the executor only when none can move. Machines never touch memory directly: they name
 //! regions of the call's buffers and the executor checks every access.
 

@@ -40,7 +40,7 @@ macro_rules! dispatch {
     };
 }
 
-/// dst[i] = dst[i] op src[i]. Avg behaves as Sum here (division happens in [`finish_avg`]).
+/// `dst[i]` = `dst[i]` op `src[i]`. Avg behaves as Sum here (division happens in [`finish_avg`]).
 ///
 /// `dst` and `src` must have the same length, a multiple of `dtype.size()`; otherwise an
 /// [`Error::Internal`] naming the lengths is returned. Buffers need not be aligned.
@@ -50,7 +50,7 @@ pub fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DataType, op: RedOp) -> Re
     Ok(())
 }
 
-/// dst[i] = a[i] op b[i] (fused copy + reduce; used when the output buffer differs from the
+/// `dst[i]` = `a[i]` op `b[i]` (fused copy + reduce; used when the output buffer differs from the
 /// input). Avg behaves as Sum here (division happens in [`finish_avg`]).
 ///
 /// All three buffers must have the same length, a multiple of `dtype.size()`; otherwise an
@@ -61,7 +61,7 @@ pub fn reduce_to(dst: &mut [u8], a: &[u8], b: &[u8], dtype: DataType, op: RedOp)
     Ok(())
 }
 
-/// buf[i] = buf[i] / nranks.
+/// `buf[i]` = `buf[i]` / nranks.
 ///
 /// Integers divide truncating toward zero; `f16`/`bf16` and `f32` divide in `f32`, `f64` in
 /// `f64`. `nranks` must be at least 1 and `buf.len()` a multiple of `dtype.size()`; otherwise
