@@ -78,6 +78,21 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    // The machine's copy speed, the yardstick for the kernels above and for TCP.
+    let mut g = c.benchmark_group("memcpy");
+    g.warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(1));
+    g.sample_size(20);
+    for len in [LEN, 64 << 20] {
+        let src = vec![1u64; len / 8];
+        let mut dst = vec![0u64; len / 8];
+        g.throughput(Throughput::Bytes(len as u64));
+        g.bench_function(BenchmarkId::new("copy", len), |b| {
+            b.iter(|| dst.copy_from_slice(black_box(&src)))
+        });
+    }
+    g.finish();
 }
 
 criterion_group!(benches, bench);

@@ -12,6 +12,7 @@ pub mod algo;
 pub mod bootstrap;
 pub mod comm;
 pub mod error;
+pub mod log;
 pub mod net;
 pub mod reduce;
 pub mod types;

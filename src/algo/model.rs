@@ -25,6 +25,10 @@ pub struct LinkCost {
     pub beta_gbs: f64,
     /// Local reduction speed in GB/s.
     pub gamma_gbs: f64,
+    /// CPU cost in µs of each message a rank sends or receives when its core is shared
+    /// with other ranks (0 when every rank has a core): with more ranks than cores, a
+    /// message costs a context switch, so algorithms with fewer messages win.
+    pub msg_cpu_us: f64,
 }
 
 impl Default for LinkCost {
@@ -33,6 +37,7 @@ impl Default for LinkCost {
             alpha_us: 10.0,
             beta_gbs: 2.5,
             gamma_gbs: 10.0,
+            msg_cpu_us: 0.0,
         }
     }
 }
@@ -102,6 +107,42 @@ pub fn estimate(
     if n <= 1 {
         return 0.0;
     }
+    estimate_wire(kind, algo, n, b, c, wire, red, fill)
+        + c.msg_cpu_us * messages(kind, algo, n, bytes)
+}
+
+/// Messages sent plus received per rank, averaged over the ranks (for the shared-core CPU
+/// term: with more ranks than cores, every message anywhere on the host costs CPU time
+/// that some rank on the critical path waits for).
+fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
+    let nf = n as f64;
+    let trees = if bytes >= super::tree::TWO_TREES_FROM {
+        2.0
+    } else {
+        1.0
+    };
+    let tree_edges = 2.0 * (nf - 1.0) / nf; // one message each way per edge, two ends
+    match (kind, algo) {
+        (CollKind::AllReduce, Algo::Direct) | (CollKind::AllToAll, _) => 2.0 * (nf - 1.0),
+        (CollKind::AllReduce, Algo::Ring) => 4.0 * (nf - 1.0),
+        (CollKind::AllReduce, Algo::Tree) => 2.0 * tree_edges * trees,
+        (CollKind::Broadcast | CollKind::Reduce, _) => tree_edges,
+        (CollKind::AllGather | CollKind::ReduceScatter, _) => 2.0 * (nf - 1.0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn estimate_wire(
+    kind: CollKind,
+    algo: Algo,
+    n: usize,
+    b: f64,
+    c: &LinkCost,
+    wire: impl Fn(f64) -> f64,
+    red: impl Fn(f64) -> f64,
+    fill: impl Fn(f64) -> f64,
+) -> f64 {
+    let nf = n as f64;
     match (kind, algo) {
         (CollKind::AllReduce, Algo::Direct) => {
             c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
@@ -210,6 +251,23 @@ mod tests {
         assert_eq!(
             choose(CollKind::AllGather, 4, 8, &c, Some(Algo::Tree), &t).0,
             Algo::Ring
+        );
+    }
+
+    #[test]
+    fn shared_cores_favour_fewer_messages() {
+        let c = LinkCost {
+            msg_cpu_us: 20.0,
+            ..LinkCost::default()
+        };
+        let t = Tuning::default();
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 8, &c, None, &t).0,
+            Algo::Tree
+        );
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 8, &LinkCost::default(), None, &t).0,
+            Algo::Direct
         );
     }
 

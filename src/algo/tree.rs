@@ -14,6 +14,9 @@ use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::Result;
 use crate::types::{DataType, RedOp};
 
+/// Messages from this size use both trees of the double tree; smaller ones use one.
+pub(crate) const TWO_TREES_FROM: usize = 64 * 1024;
+
 /// Parent and children of `label` in the binary tree over `0..n`.
 pub(crate) fn btree(n: usize, label: usize) -> (Option<usize>, Vec<usize>) {
     if label == 0 {
@@ -375,7 +378,12 @@ pub(crate) fn all_reduce_tree(
         return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
     }
     let trees = double_tree(n, r);
-    let ntrees = if count >= 2 { 2 } else { 1 };
+    // Small messages gain nothing from splitting and pay twice the messages: one tree.
+    let ntrees = if count * dt.size() >= TWO_TREES_FROM {
+        2
+    } else {
+        1
+    };
     let mut ms: Vec<TreeM> = trees
         .into_iter()
         .take(ntrees)
