@@ -100,7 +100,6 @@ pub fn estimate(
     pl: &Pipeline,
 ) -> f64 {
     let b = bytes as f64;
-    let nf = n as f64;
     let wire = |x: f64| x / (c.beta_gbs * 1e3);
     let red = |x: f64| x / (c.gamma_gbs * 1e3);
     let fill = |steps: f64| (steps - 1.0).max(0.0) * wire(pl.slice.min(bytes.max(1)) as f64);

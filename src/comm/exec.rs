@@ -11,7 +11,6 @@
 //! addresses into memory.
 
 use std::marker::PhantomData;
-use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::net::{PollFd, RecvBuf, ReqId};
@@ -51,7 +50,7 @@ impl Reg {
 pub(crate) struct Tok(u32);
 
 #[derive(Clone, Copy)]
-struct Op {
+pub(crate) struct Op {
     send: bool,
     peer: u32,
     ch: u8,
@@ -89,6 +88,9 @@ impl<'a> Exec<'a> {
     ) -> Self {
         let d = (dst.as_mut_ptr() as usize, dst.len());
         let s = src.map_or(d, |s| (s.as_ptr() as usize, s.len()));
+        // Reuse the vectors of the previous call: no allocation per call.
+        let ops = std::mem::take(&mut links.scratch_ops);
+        let fds = std::mem::take(&mut links.scratch_fds);
         Exec {
             src: s,
             dst: d,
@@ -96,9 +98,9 @@ impl<'a> Exec<'a> {
             _borrow: PhantomData,
             links,
             waiter,
-            ops: Vec::with_capacity(MAX_OPS),
+            ops,
             inflight: 0,
-            fds: Vec::with_capacity(64),
+            fds,
         }
     }
 
@@ -181,17 +183,12 @@ impl<'a> Exec<'a> {
             Error::Remote { .. } | Error::Timeout(_) => e,
             Error::System { .. } => {
                 // The connection broke. If the peer closed it because some other rank
-                // failed, its abort notice names that rank: give it a moment to arrive.
-                if let Some(notice) = self.links.notice_within(Duration::from_millis(300)) {
-                    return notice;
-                }
-                Error::Remote {
-                    rank: peer,
-                    msg: format!(
-                        "rank {peer} exited or aborted: over {}: {e}",
-                        self.links.net_name(peer)
-                    ),
-                }
+                // failed, abort notices name that rank: `failure` waits a moment for them.
+                let detail = format!(
+                    "rank {peer} exited or aborted: over {}: {e}",
+                    self.links.net_name(peer)
+                );
+                self.links.failure(Some(peer), false, detail)
             }
             other => Error::Remote {
                 rank: peer,
@@ -346,11 +343,12 @@ impl<'a> Exec<'a> {
     }
 
     fn stuck(&mut self) -> Error {
-        self.links.suspect = self
+        let suspect = self
             .ops
             .iter()
             .find(|o| o.active && !o.done)
             .map(|o| o.peer as usize);
+        self.links.suspect = suspect;
         let mut peers: Vec<String> = self
             .ops
             .iter()
@@ -364,12 +362,13 @@ impl<'a> Exec<'a> {
             })
             .collect();
         peers.dedup();
-        Error::Timeout(format!(
+        let detail = format!(
             "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on: {}; the peer may have died, hung, or called a different collective",
             self.links.rank,
             self.waiter.timeout,
             if peers.is_empty() { "request slots".to_string() } else { peers.join(", ") }
-        ))
+        );
+        self.links.failure(suspect, true, detail)
     }
 
     /// Progress until at least one request completes (or none is in flight).
@@ -398,6 +397,13 @@ impl<'a> Exec<'a> {
                 // Woken from sleep: a peer may have sent an abort notice.
                 Ok(true) => {
                     self.links.accept_pending()?;
+                    if self.links.aborted() {
+                        return Err(self.links.failure(
+                            None,
+                            false,
+                            "another rank aborted the communicator".into(),
+                        ));
+                    }
                 }
                 Ok(false) => {}
             }
@@ -492,5 +498,11 @@ impl Drop for Exec<'_> {
             // never touches the caller's memory after the borrow ends.
             self.links.close_all();
         }
+        let mut ops = std::mem::take(&mut self.ops);
+        ops.clear();
+        self.links.scratch_ops = ops;
+        let mut fds = std::mem::take(&mut self.fds);
+        fds.clear();
+        self.links.scratch_fds = fds;
     }
 }

@@ -60,6 +60,13 @@ pub(crate) struct Links {
     spare: Vec<(usize, usize, Box<dyn RecvComm>)>,
     /// The peer last waited on in vain (blamed when a wait times out).
     pub suspect: Option<usize>,
+    /// Abort notices received: (reporting rank, blamed rank).
+    pub notices: Vec<(usize, usize)>,
+    /// This rank has sent its abort notices.
+    pub notified: bool,
+    /// Vectors the executor reuses from call to call.
+    pub scratch_ops: Vec<super::exec::Op>,
+    pub scratch_fds: Vec<PollFd>,
 }
 
 impl Links {
@@ -83,6 +90,10 @@ impl Links {
             incoming: Vec::new(),
             spare: Vec::new(),
             suspect: None,
+            notices: Vec::new(),
+            notified: false,
+            scratch_ops: Vec::with_capacity(128),
+            scratch_fds: Vec::with_capacity(64),
         }
     }
 
@@ -137,6 +148,16 @@ impl Links {
         recvs: &[(usize, usize)],
         waiter: &Waiter,
     ) -> Result<()> {
+        let ok = |p: usize, c: usize| p == self.rank || (p < self.nranks && c < MAX_CHANNELS);
+        let has_send = sends
+            .iter()
+            .all(|&(p, c)| ok(p, c) && (p == self.rank || self.send[p][c].is_some()));
+        let has_recv = recvs
+            .iter()
+            .all(|&(p, c)| ok(p, c) && (p == self.rank || self.recv[p][c].is_some()));
+        if has_send && has_recv {
+            return Ok(()); // the common case: no allocation
+        }
         let need_send: Vec<(usize, usize)> = sends
             .iter()
             .copied()
@@ -254,6 +275,13 @@ impl Links {
                 h.comm.poll_fds(&mut fds);
             }
             self.listen_fds(&mut fds);
+            if self.aborted() {
+                return Err(self.failure(
+                    None,
+                    false,
+                    "another rank aborted while connections were being opened".into(),
+                ));
+            }
             if w.idle(&fds).is_err() {
                 let mut who: Vec<usize> = connecting
                     .iter()
@@ -263,12 +291,14 @@ impl Links {
                 who.extend(missing_recv.iter().map(|x| x.0));
                 who.sort_unstable();
                 who.dedup();
-                return Err(Error::Timeout(format!(
+                let detail = format!(
                     "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): are they alive and running the same collectives?",
                     self.rank,
                     crate::error::ranks_list(&who),
                     waiter.timeout
-                )));
+                );
+                self.suspect = who.first().copied();
+                return Err(self.failure(self.suspect, true, detail));
             }
         }
     }
@@ -322,13 +352,9 @@ impl Links {
                 continue; // not one of ours
             }
             if c & ABORT != 0 {
-                let cause = (c & !ABORT) as usize;
-                return Err(Error::Remote {
-                    rank: cause,
-                    msg: format!(
-                        "rank {cause} failed or became unreachable (reported by rank {p}); this communicator is aborted"
-                    ),
-                });
+                self.notices.push((p, (c & !ABORT) as usize));
+                progressed = true;
+                continue;
             }
             if (c as usize) < MAX_CHANNELS {
                 self.spare.push((p, c as usize, h.comm));
@@ -358,22 +384,83 @@ impl Links {
         }
     }
 
-    /// After a peer's connection broke: give its abort notice (if it sent one before
-    /// closing) up to `grace` to arrive, and return it.
-    pub fn notice_within(&mut self, grace: Duration) -> Option<Error> {
-        let end = Instant::now() + grace;
+    /// True once another rank has announced that the communicator is aborted.
+    pub fn aborted(&self) -> bool {
+        !self.notices.is_empty()
+    }
+
+    /// Decide which rank failed. `own` is the peer this rank saw fail (a broken connection
+    /// or a wait that timed out), if any. Abort notices from other ranks are collected for up
+    /// to `grace` (50 ms more once one has arrived). Every rank that sent a notice is alive,
+    /// so the culprit is a rank that is blamed but has not reported; the most blamed wins.
+    pub fn blame(&mut self, own: Option<usize>, grace: Duration) -> Option<usize> {
+        let start = Instant::now();
+        let mut first: Option<Instant> = None;
         loop {
-            match self.accept_pending() {
-                Err(e) => return Some(e),
-                Ok(_) if Instant::now() >= end => return None,
-                Ok(_) => std::thread::sleep(Duration::from_micros(500)),
+            let _ = self.accept_pending();
+            if first.is_none() && self.aborted() {
+                first = Some(Instant::now());
             }
+            let now = Instant::now();
+            if now >= start + grace || first.is_some_and(|f| now >= f + Duration::from_millis(50)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        let me = self.rank;
+        let reporters: Vec<usize> = self.notices.iter().map(|n| n.0).collect();
+        let mut votes: Vec<(usize, usize)> = Vec::new();
+        let blamed = self.notices.iter().map(|n| n.1).chain(own);
+        for c in blamed.filter(|c| *c != me && !reporters.contains(c)) {
+            match votes.iter_mut().find(|v| v.0 == c) {
+                Some(v) => v.1 += 1,
+                None => votes.push((c, 1)),
+            }
+        }
+        votes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        votes.first().map(|v| v.0).or(own)
+    }
+
+    /// The error to report when this rank gives up: names the culprit found by
+    /// [`Links::blame`], and who reported it. `timed_out` tells a timeout from a broken
+    /// connection; `detail` says what this rank itself saw.
+    pub fn failure(&mut self, own: Option<usize>, timed_out: bool, detail: String) -> Error {
+        if timed_out {
+            if let Some(s) = own {
+                // Tell the others first: they may be waiting on us and blame us otherwise.
+                self.notify_abort(s, Duration::from_millis(300));
+            }
+        }
+        let culprit = self.blame(
+            own,
+            Duration::from_millis(if timed_out { 500 } else { 300 }),
+        );
+        let reporters: Vec<usize> = self
+            .notices
+            .iter()
+            .filter(|n| Some(n.1) == culprit)
+            .map(|n| n.0)
+            .collect();
+        match culprit {
+            Some(c) if !reporters.is_empty() && Some(c) != own => Error::Remote {
+                rank: c,
+                msg: format!(
+                    "rank {c} failed or stopped responding (reported by {}); this rank saw: {detail}",
+                    crate::error::ranks_list(&reporters)
+                ),
+            },
+            Some(c) if !timed_out => Error::Remote { rank: c, msg: detail },
+            _ => Error::Timeout(detail),
         }
     }
 
     /// Best effort: tell every other rank that `cause` failed, so that ranks not connected
     /// to it learn which rank to blame. Bounded to about `budget` in total.
     pub fn notify_abort(&mut self, cause: usize, budget: Duration) {
+        if self.notified {
+            return;
+        }
+        self.notified = true;
         let end = Instant::now() + budget;
         let mut pending = Vec::new();
         for p in 0..self.nranks {
