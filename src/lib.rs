@@ -15,6 +15,7 @@ pub mod error;
 pub mod log;
 pub mod net;
 pub mod reduce;
+pub mod sys;
 pub mod types;
 
 pub use algo::Algo;

@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::types::{DataType, RedOp};
 
 /// Messages from this size use both trees of the double tree; smaller ones use one.
-pub(crate) const TWO_TREES_FROM: usize = 64 * 1024;
+pub(crate) const TWO_TREES_FROM: usize = 256 * 1024;
 
 /// Parent and children of `label` in the binary tree over `0..n`.
 pub(crate) fn btree(n: usize, label: usize) -> (Option<usize>, Vec<usize>) {

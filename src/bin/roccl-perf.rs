@@ -64,6 +64,9 @@ struct Args {
     /// Write a JSON array of results to FILE.
     #[arg(long)]
     json: Option<String>,
+    /// Bind spawned ranks to CPUs: auto (one CPU each when there are enough), none.
+    #[arg(long, default_value = "auto")]
+    bind: String,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -611,6 +614,17 @@ fn launched_by_env() -> bool {
 
 fn main() -> ExitCode {
     let a = Args::parse();
+    if let Ok(cpu) = std::env::var("ROCCL_PERF_CPU") {
+        // Set by our own launcher: stay on one CPU so that the kernel does not pull
+        // communicating ranks onto the same core when they sleep.
+        if let Err(e) = cpu
+            .parse::<usize>()
+            .map_err(|e| e.to_string())
+            .and_then(|c| roccl::sys::bind_to_cpu(c).map_err(|e| e.to_string()))
+        {
+            eprintln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
+        }
+    }
     if a.net != "auto" {
         std::env::set_var("ROCCL_NET", &a.net);
     }
@@ -642,9 +656,19 @@ fn launch(a: &Args) -> Result<bool, String> {
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let cpus = roccl::sys::allowed_cpus().unwrap_or_default();
+    let bind = match a.bind.as_str() {
+        "auto" => a.ranks <= cpus.len(),
+        "none" => false,
+        other => return Err(format!("--bind {other}: expected auto or none")),
+    };
     let mut kids = Vec::new();
     for r in 0..a.ranks {
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        if bind {
+            cmd.env("ROCCL_PERF_CPU", cpus[r].to_string());
+        }
+        let child = cmd
             .args(&args)
             .env("ROCCL_UNIQUE_ID", id.to_hex())
             .env("ROCCL_RANK", r.to_string())

@@ -268,11 +268,12 @@ impl Communicator {
                 props.latency_us as f64
             } + 5.0,
             // TCP is bound by one core's copy speed long before the link on fast NICs.
+            // Ranks sharing cores also share the CPU that copies the bytes.
             beta_gbs: if all_local {
                 3.0
             } else {
                 (props.speed_mbps as f64 / 8000.0).min(3.0)
-            },
+            } * (cores as f64 / local_ranks as f64).min(1.0),
             gamma_gbs: 10.0,
             // Measured on 2 cores with 4 ranks: each message costs about a context switch.
             msg_cpu_us: if local_ranks > cores {

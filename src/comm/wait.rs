@@ -46,14 +46,21 @@ impl Waiter {
         }
     }
 
-    /// Adapt to the machine: with more ranks on this host than cores, a spinning rank
-    /// steals the core a peer needs to make progress, so skip spinning and yield instead
-    /// (measured on 2 cores, 4 ranks, 8 B all-reduce: spin-then-block ≈ 200-250 µs, yield
-    /// ≈ 110 µs; see docs/PERFORMANCE.md).
+    /// Adapt to the machine. With more ranks on this host than cores, a spinning rank
+    /// steals the core a peer needs, so skip spinning and yield instead (measured on 2 cores,
+    /// 4 ranks, 8 B all-reduce: spin-then-block ≈ 200-250 µs, yield ≈ 70-110 µs). With a
+    /// core per rank, spin up to 1 ms: a rank that sleeps between two pieces of a transfer
+    /// is woken on its peer's core by the kernel, and two ranks sharing one core halve the
+    /// bandwidth (2 ranks, 2 MiB: 1.4 GB/s sleeping vs 4.4 GB/s spinning; docs/PERFORMANCE.md).
     pub fn fit(&mut self, local_ranks: usize, cores: usize) {
-        if !self.fixed && local_ranks > cores {
+        if self.fixed {
+            return;
+        }
+        if local_ranks > cores {
             self.spin = Duration::ZERO;
             self.yield_for = Duration::from_millis(2);
+        } else {
+            self.spin = Duration::from_millis(1);
         }
     }
 

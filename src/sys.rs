@@ -1,0 +1,37 @@
+//! Small operating-system helpers (an FFI edge: each unsafe block says why it is sound).
+
+use crate::error::{Error, Result};
+
+/// The CPUs this process may run on.
+pub fn allowed_cpus() -> Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid cpu_set_t of the size we pass; pid 0 means this thread.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if r != 0 {
+        return Err(Error::last_os("sched_getaffinity"));
+    }
+    // SAFETY: CPU_ISSET reads the set we own, for indices below CPU_SETSIZE.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// Bind the calling thread (and the threads it starts later) to one CPU.
+pub fn bind_to_cpu(cpu: usize) -> Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(Error::arg(format!(
+            "CPU {cpu} is beyond the {} the kernel interface supports",
+            libc::CPU_SETSIZE
+        )));
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes an index we checked.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size we pass; pid 0 means this thread.
+    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if r != 0 {
+        return Err(Error::last_os(format!("sched_setaffinity to CPU {cpu}")));
+    }
+    Ok(())
+}
