@@ -665,8 +665,8 @@ fn launch(a: &Args) -> Result<bool, String> {
     let mut kids = Vec::new();
     for r in 0..a.ranks {
         let mut cmd = Command::new(&exe);
-        if bind {
-            cmd.env("ROCCL_PERF_CPU", cpus[r].to_string());
+        if let Some(cpu) = cpus.get(r).filter(|_| bind) {
+            cmd.env("ROCCL_PERF_CPU", cpu.to_string());
         }
         let child = cmd
             .args(&args)
