@@ -197,6 +197,7 @@ impl Net for TcpNet {
             handle,
             Box::new(TcpListen {
                 sock: s,
+                split: self.split,
                 pending: Vec::new(),
                 groups: HashMap::new(),
             }),
@@ -324,6 +325,8 @@ struct Incoming {
 
 struct TcpListen {
     sock: Socket,
+    /// Split threshold published in our handle; senders cut messages with it.
+    split: usize,
     pending: Vec<Incoming>,
     groups: HashMap<u64, Vec<Option<Socket>>>,
 }
@@ -401,7 +404,7 @@ impl ListenComm for TcpListen {
                     .into_iter()
                     .flatten()
                     .collect();
-                return Ok(Some(Box::new(TcpRecvComm::new(socks))));
+                return Ok(Some(Box::new(TcpRecvComm::new(socks, self.split))));
             }
         }
         Ok(None)
@@ -711,15 +714,12 @@ struct TcpRecvComm {
 }
 
 impl TcpRecvComm {
-    fn new(socks: Vec<Socket>) -> Self {
+    fn new(socks: Vec<Socket>, split: usize) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
         let peer = socks
             .first()
             .and_then(|s| s.peer_addr().ok())
             .and_then(|a| a.as_socket());
-        // The sender splits with the threshold carried in our listen handle, which came from
-        // this same environment variable, so both sides agree on the part layout.
-        let split = env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096);
         TcpRecvComm {
             socks,
             fds,
@@ -1024,5 +1024,232 @@ impl Drop for TcpRecvComm {
         for s in &self.socks {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::Net;
+    use std::net::Ipv4Addr;
+
+    fn pair(net: &TcpNet) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
+        let (h, mut l) = net.listen(0).unwrap();
+        let mut c = net.connect(0, &h).unwrap();
+        let (mut s, mut r) = (None, None);
+        while s.is_none() || r.is_none() {
+            if s.is_none() {
+                s = c.poll().unwrap();
+            }
+            if r.is_none() {
+                r = l.accept().unwrap();
+            }
+        }
+        (s.unwrap(), r.unwrap())
+    }
+
+    fn net(nsocks: usize) -> TcpNet {
+        TcpNet {
+            addr: Ipv4Addr::LOCALHOST.into(),
+            ifname: "lo".into(),
+            nsocks,
+            split: 64 * 1024,
+        }
+    }
+
+    /// Drive sends and receives until all are done.
+    fn settle(
+        s: &mut dyn SendComm,
+        r: &mut dyn RecvComm,
+        sends: &[ReqId],
+        recvs: &[(ReqId, usize)],
+    ) -> Vec<Vec<usize>> {
+        let mut out = vec![Vec::new(); recvs.len()];
+        let mut sdone = vec![false; sends.len()];
+        let mut rdone = vec![false; recvs.len()];
+        while !(sdone.iter().all(|d| *d) && rdone.iter().all(|d| *d)) {
+            for (i, q) in sends.iter().enumerate() {
+                if !sdone[i] {
+                    sdone[i] = s.test(*q).unwrap().is_some();
+                }
+            }
+            for (i, (q, n)) in recvs.iter().enumerate() {
+                if !rdone[i] {
+                    let mut sizes = vec![0; *n];
+                    if r.test(*q, &mut sizes).unwrap() {
+                        rdone[i] = true;
+                        out[i] = sizes;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn messages_of_every_size_over_several_sockets() {
+        for nsocks in [1, 3] {
+            let n = net(nsocks);
+            let (mut s, mut r) = pair(&n);
+            let sizes = [0usize, 1, 7, 4096, 65535, 65536, 300_001, 4 << 20];
+            let data: Vec<Vec<u8>> = sizes
+                .iter()
+                .map(|&l| (0..l).map(|i| (i * 31 + l) as u8).collect())
+                .collect();
+            let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&l| vec![0u8; l + 5]).collect();
+            let mut sends = Vec::new();
+            let mut recvs = Vec::new();
+            for (d, b) in data.iter().zip(bufs.iter_mut()) {
+                let rb = RecvBuf {
+                    ptr: b.as_mut_ptr(),
+                    len: b.len(),
+                    tag: 9,
+                };
+                // SAFETY: `bufs` and `data` outlive `settle`, which completes every request.
+                unsafe {
+                    recvs.push((r.irecv(&[rb]).unwrap().unwrap(), 1));
+                    sends.push(s.isend(d.as_ptr(), d.len(), 9, None).unwrap().unwrap());
+                }
+            }
+            let got = settle(&mut *s, &mut *r, &sends, &recvs);
+            for (i, l) in sizes.iter().enumerate() {
+                assert_eq!(got[i], vec![*l], "nsocks {nsocks}: size reported");
+                assert_eq!(
+                    &bufs[i][..*l],
+                    &data[i][..],
+                    "nsocks {nsocks}: {l}-byte payload"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_receive_matches_tags_in_any_order() {
+        let n = net(2);
+        let (mut s, mut r) = pair(&n);
+        let a = vec![1u8; 100];
+        let b = vec![2u8; 200_000];
+        let c = vec![3u8; 3];
+        let mut ba = vec![0u8; 100];
+        let mut bb = vec![0u8; 200_000];
+        let mut bc = vec![0u8; 10];
+        let group = [
+            RecvBuf {
+                ptr: bc.as_mut_ptr(),
+                len: bc.len(),
+                tag: 30,
+            },
+            RecvBuf {
+                ptr: ba.as_mut_ptr(),
+                len: ba.len(),
+                tag: 10,
+            },
+            RecvBuf {
+                ptr: bb.as_mut_ptr(),
+                len: bb.len(),
+                tag: 20,
+            },
+        ];
+        // SAFETY: all buffers outlive `settle`, which completes every request.
+        let (rq, sq) = unsafe {
+            let rq = r.irecv(&group).unwrap().unwrap();
+            let sq = [
+                s.isend(b.as_ptr(), b.len(), 20, None).unwrap().unwrap(),
+                s.isend(a.as_ptr(), a.len(), 10, None).unwrap().unwrap(),
+                s.isend(c.as_ptr(), c.len(), 30, None).unwrap().unwrap(),
+            ];
+            (rq, sq)
+        };
+        let got = settle(&mut *s, &mut *r, &sq, &[(rq, 3)]);
+        assert_eq!(got[0], vec![3, 100, 200_000]);
+        assert_eq!(ba, a);
+        assert_eq!(bb, b);
+        assert_eq!(&bc[..3], &c[..]);
+    }
+
+    #[test]
+    fn oversized_message_and_unknown_tag_are_errors() {
+        let n = net(1);
+        for (len, tag) in [(64usize, 5u32), (8, 6)] {
+            let (mut s, mut r) = pair(&n);
+            let data = vec![0u8; len];
+            let mut buf = vec![0u8; 16];
+            // SAFETY: buffers outlive the loop below, which ends with the receive failing.
+            unsafe {
+                let q = r
+                    .irecv(&[RecvBuf {
+                        ptr: buf.as_mut_ptr(),
+                        len: 16,
+                        tag: 5,
+                    }])
+                    .unwrap()
+                    .unwrap();
+                let sq = s.isend(data.as_ptr(), len, tag, None).unwrap().unwrap();
+                while s.test(sq).unwrap().is_none() {}
+                let e = loop {
+                    match r.test(q, &mut [0]) {
+                        Ok(false) => continue,
+                        Ok(true) => panic!("a bad message was accepted"),
+                        Err(e) => break e.to_string(),
+                    }
+                };
+                assert!(
+                    e.contains("holds only 16 bytes") || e.contains("tag 6"),
+                    "{e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn request_slots_are_bounded_and_closed_peer_is_reported() {
+        let n = net(1);
+        let (mut s, mut r) = pair(&n);
+        let mut bufs = vec![[0u8; 4]; MAX_REQUESTS + 1];
+        let mut got_none = false;
+        for b in bufs.iter_mut() {
+            // SAFETY: the receive comm is dropped before `bufs`.
+            if unsafe {
+                r.irecv(&[RecvBuf {
+                    ptr: b.as_mut_ptr(),
+                    len: 4,
+                    tag: 0,
+                }])
+            }
+            .unwrap()
+            .is_none()
+            {
+                got_none = true;
+            }
+        }
+        assert!(got_none, "more than MAX_REQUESTS receives were accepted");
+        drop(s);
+        let e = loop {
+            match r.test(ReqId(0), &mut [0]) {
+                Ok(false) => continue,
+                Ok(true) => panic!("nothing was sent"),
+                Err(e) => break e.to_string(),
+            }
+        };
+        assert!(e.contains("closed by the peer"), "{e}");
+        s = pair(&n).0;
+        drop(r);
+        drop(s);
+        drop(bufs);
+    }
+
+    #[test]
+    fn handles_are_checked() {
+        let n = net(2);
+        let bad = NetHandle::from_bytes(&[1, 2, 3]).unwrap();
+        let e = n
+            .connect(0, &bad)
+            .err()
+            .expect("a foreign handle must be refused")
+            .to_string();
+        assert!(e.contains("not a roccl TCP connection handle"), "{e}");
+        assert!(NetHandle::from_bytes(&[0u8; 129]).is_err());
+        assert_eq!(n.properties(0).unwrap().max_recvs, MAX_RECVS as u32);
+        assert!(n.properties(1).is_err());
     }
 }
