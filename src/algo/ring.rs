@@ -191,10 +191,7 @@ pub(crate) fn all_reduce_ring(
 ) -> Result<()> {
     let n = ex.nranks();
     if n == 1 {
-        return ex.copy(
-            Reg::new(Buf::Dst, 0, count * dt.size()),
-            Reg::new(Buf::Src, 0, count * dt.size()),
-        );
+        return ex.copy_input(count * dt.size());
     }
     let mut ms: Vec<RingAllReduce> = Vec::new();
     for (c, base, cnt) in channel_ranges(count, pl) {
@@ -734,8 +731,7 @@ pub(crate) fn broadcast_ring(
     pl: &Pipeline,
 ) -> Result<()> {
     if ex.rank() == root {
-        let b = count * dt.size();
-        ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b))?;
+        ex.copy_input(count * dt.size())?;
     }
     if ex.nranks() == 1 {
         return Ok(());
@@ -753,8 +749,7 @@ pub(crate) fn reduce_ring(
     pl: &Pipeline,
 ) -> Result<()> {
     if ex.nranks() == 1 {
-        let b = count * dt.size();
-        return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
+        return ex.copy_input(count * dt.size());
     }
     run_chain(ex, root, count, dt, Some(op), pl)
 }

@@ -374,8 +374,7 @@ pub(crate) fn all_reduce_tree(
 ) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     if n == 1 {
-        let b = count * dt.size();
-        return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
+        return ex.copy_input(count * dt.size());
     }
     let trees = double_tree(n, r);
     // Small messages gain nothing from splitting and pay twice the messages: one tree.
@@ -421,9 +420,8 @@ pub(crate) fn broadcast_tree(
     pl: &Pipeline,
 ) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
-    let b = count * dt.size();
     if r == root {
-        ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b))?;
+        ex.copy_input(count * dt.size())?;
     }
     if n == 1 {
         return Ok(());
@@ -455,8 +453,7 @@ pub(crate) fn reduce_tree(
 ) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     if n == 1 {
-        let b = count * dt.size();
-        return ex.copy(Reg::new(Buf::Dst, 0, b), Reg::new(Buf::Src, 0, b));
+        return ex.copy_input(count * dt.size());
     }
     let mut ms = [tree_machine(
         0,

@@ -199,77 +199,52 @@ impl<'a> Exec<'a> {
 
     /// Post a send of region `r` to `peer` on channel `ch`.
     pub fn send(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
-        let m = self.resolve(r)?;
-        self.check(m, false, "send")?;
-        let i = self.slot()?;
-        let mut w = self.waiter.start();
-        let req = loop {
-            let comm = self.links.send_comm(peer, ch)?;
-            // SAFETY: `m` lies inside a buffer borrowed for 'a (checked by `resolve`); no
-            // receive in flight writes it (checked above) and local writes to it are refused
-            // until this request completes; `Drop` closes the connections of unfinished
-            // requests before the borrow ends.
-            let posted = unsafe { comm.isend(m.0 as *const u8, m.1, 0, None) };
-            let posted = match posted {
-                Ok(p) => p,
-                Err(e) => return Err(self.remote(peer, e)),
-            };
-            match posted {
-                Some(req) => break req,
-                None => {
-                    self.poll()?;
-                    if w.idle(&[]).is_err() {
-                        return Err(self.stuck());
-                    }
-                }
-            }
-        };
-        self.ops[i] = Op {
-            send: true,
-            peer: peer as u32,
-            ch: ch as u8,
-            req,
-            addr: m.0,
-            len: m.1,
-            active: true,
-            done: false,
-            size: 0,
-        };
-        self.inflight += 1;
-        Ok(Tok(i as u32))
+        self.post(peer, ch, r, true)
     }
 
     /// Post a receive into region `r` from `peer` on channel `ch`.
     pub fn recv(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
+        self.post(peer, ch, r, false)
+    }
+
+    fn post(&mut self, peer: usize, ch: usize, r: Reg, send: bool) -> Result<Tok> {
         let m = self.resolve(r)?;
-        self.check(m, true, "receive")?;
+        self.check(m, !send, if send { "send" } else { "receive" })?;
         let i = self.slot()?;
         let mut w = self.waiter.start();
         let req = loop {
-            let comm = self.links.recv_comm(peer, ch)?;
-            let b = RecvBuf {
-                ptr: m.0 as *mut u8,
-                len: m.1,
-                tag: 0,
-            };
-            // SAFETY: as for `send`, and no other request in flight touches `m` (checked).
-            let posted = unsafe { comm.irecv(&[b]) };
-            let posted = match posted {
-                Ok(p) => p,
-                Err(e) => return Err(self.remote(peer, e)),
+            // SAFETY: `m` lies inside a buffer borrowed for 'a (checked by `resolve`); no
+            // receive in flight writes it, and for a receive no request at all touches it
+            // (checked above); local writes to it are refused until this request completes;
+            // `Drop` closes the connections of unfinished requests before the borrow ends.
+            let posted = unsafe {
+                if send {
+                    self.links
+                        .send_comm(peer, ch)?
+                        .isend(m.0 as *const u8, m.1, 0, None)
+                } else {
+                    let b = RecvBuf {
+                        ptr: m.0 as *mut u8,
+                        len: m.1,
+                        tag: 0,
+                    };
+                    self.links.recv_comm(peer, ch)?.irecv(&[b])
+                }
             };
             match posted {
-                Some(req) => break req,
-                None => {
+                Ok(Some(req)) => break req,
+                Ok(None) => {
+                    // Out of request slots: complete something first.
                     self.poll()?;
                     if w.idle(&[]).is_err() {
                         return Err(self.stuck());
                     }
                 }
+                Err(e) => return Err(self.remote(peer, e)),
             }
         };
         self.ops[i] = Op {
-            send: false,
+            send,
             peer: peer as u32,
             ch: ch as u8,
             req,
@@ -464,6 +439,11 @@ impl<'a> Exec<'a> {
                 reduce::reduce_to(dst_s, a_s, b_s, dt, op)
             }
         }
+    }
+
+    /// Copy the first `bytes` of the input to the output (the whole collective on 1 rank).
+    pub fn copy_input(&mut self, bytes: usize) -> Result<()> {
+        self.copy(Reg::new(Buf::Dst, 0, bytes), Reg::new(Buf::Src, 0, bytes))
     }
 
     /// `dst = src` (no-op when they are the same memory).

@@ -1129,7 +1129,7 @@ mod tests {
         let (mut s, mut r) = pair(&n);
         let a = vec![1u8; 100];
         let b = vec![2u8; 200_000];
-        let c = vec![3u8; 3];
+        let c = [3u8; 3];
         let mut ba = vec![0u8; 100];
         let mut bb = vec![0u8; 200_000];
         let mut bc = vec![0u8; 10];
