@@ -131,7 +131,7 @@ fn float_results_are_deterministic() {
                     ((x >> 40) as f32 / 1e4 - 800.0) * 1.000_123
                 })
                 .collect();
-            for algo in [Algo::Direct, Algo::Ring, Algo::Tree] {
+            for algo in [Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree] {
                 let mut first: Option<Vec<u32>> = None;
                 for _ in 0..3 {
                     let mut out = vec![0f32; input.len()];

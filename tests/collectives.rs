@@ -29,7 +29,7 @@ const KINDS: [Kind; 6] = [
 
 fn algos(k: Kind) -> &'static [Algo] {
     match k {
-        Kind::AllReduce => &[Algo::Direct, Algo::Ring, Algo::Tree],
+        Kind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
         Kind::Broadcast | Kind::Reduce => &[Algo::Ring, Algo::Tree],
         _ => &[Algo::Ring],
     }
@@ -190,7 +190,7 @@ fn large(n: usize) {
                     1_000_003
                 };
                 for &algo in algos(k) {
-                    if algo == Algo::Direct {
+                    if matches!(algo, Algo::Direct | Algo::Doubling) {
                         continue;
                     }
                     for (dt, op) in [

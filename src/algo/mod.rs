@@ -16,8 +16,8 @@ use std::fmt;
 use std::str::FromStr;
 
 pub(crate) use p2p::{
-    all_reduce_direct, all_reduce_direct_stage, all_to_all_pairwise, barrier_dissemination,
-    sendrecv,
+    all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_to_all_pairwise,
+    barrier_dissemination, sendrecv,
 };
 pub(crate) use ring::{
     all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage,
@@ -37,6 +37,8 @@ pub enum Algo {
     Tree,
     /// One step: every rank sends its whole buffer to every peer (small messages).
     Direct,
+    /// Recursive doubling: log2(n) pairwise exchanges of the whole buffer (small messages).
+    Doubling,
 }
 
 impl Algo {
@@ -46,6 +48,7 @@ impl Algo {
             Algo::Ring => "ring",
             Algo::Tree => "tree",
             Algo::Direct => "direct",
+            Algo::Doubling => "doubling",
         }
     }
 }
@@ -63,8 +66,9 @@ impl FromStr for Algo {
             "ring" => Ok(Algo::Ring),
             "tree" => Ok(Algo::Tree),
             "direct" | "oneshot" | "one-shot" => Ok(Algo::Direct),
+            "doubling" | "rd" | "recursive-doubling" => Ok(Algo::Doubling),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree or direct"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct or doubling"
             ))),
         }
     }

@@ -70,6 +70,16 @@ pub struct Tuning {
     pub channels: Option<usize>,
 }
 
+/// Steps of recursive doubling on `n` ranks (two more when n is not a power of two).
+fn doubling_steps(n: usize) -> f64 {
+    let lg = (usize::BITS - 1 - n.max(1).leading_zeros()) as f64;
+    if n.is_power_of_two() {
+        lg
+    } else {
+        lg + 2.0
+    }
+}
+
 fn log2c(n: usize) -> f64 {
     (usize::BITS - (n.max(1) - 1).leading_zeros()) as f64
 }
@@ -123,6 +133,7 @@ fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
     let tree_edges = 2.0 * (nf - 1.0) / nf; // one message each way per edge, two ends
     match (kind, algo) {
         (CollKind::AllReduce, Algo::Direct) | (CollKind::AllToAll, _) => 2.0 * (nf - 1.0),
+        (CollKind::AllReduce, Algo::Doubling) => 2.0 * doubling_steps(n),
         (CollKind::AllReduce, Algo::Ring) => 4.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Tree) => 2.0 * tree_edges * trees,
         (CollKind::Broadcast | CollKind::Reduce, _) => tree_edges,
@@ -143,6 +154,10 @@ fn estimate_wire(
 ) -> f64 {
     let nf = n as f64;
     match (kind, algo) {
+        (CollKind::AllReduce, Algo::Doubling) => {
+            let steps = doubling_steps(n);
+            steps * c.alpha_us + wire(steps * b) + red(steps * b)
+        }
         (CollKind::AllReduce, Algo::Direct) => {
             c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
         }
@@ -185,7 +200,7 @@ fn estimate_wire(
 /// Algorithms that exist for `kind`.
 pub fn candidates(kind: CollKind) -> &'static [Algo] {
     match kind {
-        CollKind::AllReduce => &[Algo::Direct, Algo::Ring, Algo::Tree],
+        CollKind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
         CollKind::Broadcast | CollKind::Reduce => &[Algo::Ring, Algo::Tree],
         CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring],
         CollKind::AllToAll => &[Algo::Direct],
@@ -215,7 +230,10 @@ pub fn choose(
     }
     let mut best = (cands[0], f64::INFINITY);
     for &a in cands {
-        if a == Algo::Direct && kind == CollKind::AllReduce && bytes > DIRECT_MAX {
+        if matches!(a, Algo::Direct | Algo::Doubling)
+            && kind == CollKind::AllReduce
+            && bytes > DIRECT_MAX
+        {
             continue;
         }
         let e = estimate(kind, a, n, bytes, c, &pipeline(piece(a), bytes, t));

@@ -59,6 +59,70 @@ pub(crate) fn all_reduce_direct(
     Ok(())
 }
 
+/// Recursive-doubling all-reduce: with `p` the largest power of two ≤ n, ranks `p..n` first
+/// hand their input to rank `r - p`; then ranks `0..p` exchange whole buffers with
+/// `r ^ 2^k` for k = 0..log2(p) and reduce; finally ranks `r - p` send the result back.
+/// Every rank evaluates the same expression tree (reductions are commutative), so results
+/// are bit-identical. log2(p) (+2) steps, each of the whole buffer. Staging: one buffer.
+pub(crate) fn all_reduce_doubling(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+) -> Result<()> {
+    let (n, r) = (ex.nranks(), ex.rank());
+    let bytes = count * dt.size();
+    ex.copy_input(bytes)?;
+    let dst = Reg::new(Buf::Dst, 0, bytes);
+    let other = Reg::new(Buf::Stage, 0, bytes);
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let mut sends = Vec::with_capacity(8);
+    let mut recvs = Vec::with_capacity(8);
+    if r >= p {
+        sends.push((r - p, 0));
+        recvs.push((r - p, 0));
+    } else {
+        if r + p < n {
+            sends.push((r + p, 0));
+            recvs.push((r + p, 0));
+        }
+        let mut k = 1;
+        while k < p {
+            sends.push((r ^ k, 0));
+            recvs.push((r ^ k, 0));
+            k <<= 1;
+        }
+    }
+    ex.ensure(&sends, &recvs)?;
+    if r >= p {
+        ex.send(r - p, 0, dst)?;
+        ex.finish()?;
+        ex.recv(r - p, 0, dst)?;
+        return ex.finish();
+    }
+    if r + p < n {
+        ex.recv(r + p, 0, other)?;
+        ex.finish()?;
+        ex.reduce(dst, dst, other, dt, op)?;
+    }
+    let mut k = 1;
+    while k < p {
+        ex.recv(r ^ k, 0, other)?;
+        ex.send(r ^ k, 0, dst)?;
+        ex.finish()?;
+        ex.reduce(dst, dst, other, dt, op)?;
+        k <<= 1;
+    }
+    if op == RedOp::Avg {
+        ex.finish_avg(dst, dt, n)?;
+    }
+    if r + p < n {
+        ex.send(r + p, 0, dst)?;
+        ex.finish()?;
+    }
+    Ok(())
+}
+
 /// Pairwise all-to-all: at step `s` send block `r+s` to rank `r+s` and receive block `r-s`
 /// from rank `r-s`; all steps are posted at once so every link works in parallel. In place,
 /// the input is first copied to staging.
