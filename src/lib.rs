@@ -20,6 +20,6 @@ pub mod types;
 
 pub use algo::Algo;
 pub use bootstrap::UniqueId;
-pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle};
+pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle, P2p};
 pub use error::{Error, Result};
 pub use types::{DataType, Element, RedOp};

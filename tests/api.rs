@@ -162,3 +162,98 @@ fn float_results_are_deterministic() {
         },
     );
 }
+
+#[test]
+fn grouped_point_to_point_in_any_pattern() {
+    use roccl::P2p;
+    run_ranks(4, config(Tuning::default()), |c| {
+        let (n, me) = (c.nranks(), c.rank());
+        // Everyone sends a distinct buffer to everyone (self included) in one call.
+        let sends: Vec<Vec<u8>> = (0..n)
+            .map(|p| vec![(me * 10 + p) as u8; 70_000 + p])
+            .collect();
+        let mut recvs: Vec<Vec<u8>> = (0..n).map(|p| vec![0u8; 70_000 + me]).collect::<Vec<_>>();
+        let _ = &mut recvs;
+        let mut ops: Vec<P2p> = Vec::new();
+        // Receives listed first on even ranks, sends first on odd ones: order does not matter.
+        let (mut s_ops, mut r_ops): (Vec<P2p>, Vec<P2p>) = (Vec::new(), Vec::new());
+        for (p, b) in sends.iter().enumerate() {
+            s_ops.push(P2p::Send { peer: p, buf: b });
+        }
+        for (p, b) in recvs.iter_mut().enumerate() {
+            r_ops.push(P2p::Recv { peer: p, buf: b });
+        }
+        if me % 2 == 0 {
+            ops.extend(r_ops);
+            ops.extend(s_ops);
+        } else {
+            ops.extend(s_ops);
+            ops.extend(r_ops);
+        }
+        c.p2p(&mut ops).unwrap();
+        drop(ops);
+        for (p, b) in recvs.iter().enumerate() {
+            assert!(b.iter().all(|&v| v == (p * 10 + me) as u8), "from {p}");
+        }
+        // Bad peer is an argument error; the communicator stays usable.
+        let e = c.p2p(&mut [P2p::Send { peer: 9, buf: &[1] }]).unwrap_err();
+        assert!(e.to_string().contains("peer 9"), "{e}");
+        c.barrier().unwrap();
+    });
+}
+
+#[test]
+fn split_by_color_and_key() {
+    run_ranks(5, config(Tuning::default()), |c| {
+        let me = c.rank();
+        // Colors: even / odd ranks; rank 4 opts out. Key reverses the order.
+        let color = if me == 4 { None } else { Some((me % 2) as u32) };
+        let sub = c.split(color, -(me as i32)).unwrap();
+        match sub {
+            None => assert_eq!(me, 4),
+            Some(s) => {
+                assert_eq!(s.nranks(), 2);
+                let expect_rank = match me {
+                    0 => 1,
+                    2 => 0,
+                    1 => 1,
+                    3 => 0,
+                    _ => unreachable!(),
+                };
+                assert_eq!(s.rank(), expect_rank);
+                let mut v = [me as u32];
+                s.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+                assert_eq!(v[0], if me % 2 == 0 { 2 } else { 4 });
+            }
+        }
+        c.barrier().unwrap();
+    });
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_a_collective() {
+    use std::time::{Duration, Instant};
+    run_ranks(2, config(Tuning::default()), |c| {
+        // Connected first, so the abort interrupts a wait for data.
+        c.all_reduce_in_place(&mut [1f32; 8], RedOp::Sum).unwrap();
+        if c.rank() == 1 {
+            // Never joins: rank 0 would block until the timeout (60 s).
+            std::thread::sleep(Duration::from_millis(1500));
+            return;
+        }
+        std::thread::scope(|s| {
+            let t = Instant::now();
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                c.abort();
+            });
+            let e = c
+                .all_reduce_in_place(&mut [1f32; 8], RedOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("aborted by the application"), "{e}");
+            assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        });
+        assert!(c.barrier().is_err());
+        assert!(c.async_error().is_some());
+    });
+}

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::str::FromStr;
 
+pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
     all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_to_all_pairwise,
     barrier_dissemination, sendrecv,

@@ -29,6 +29,8 @@ pub(crate) enum Buf {
     Dst,
     /// The communicator's staging buffer.
     Stage,
+    /// Extra caller buffer `i` (grouped point-to-point calls).
+    User(u16),
 }
 
 /// A byte range of one buffer.
@@ -69,6 +71,8 @@ pub(crate) struct Exec<'a> {
     src: (usize, usize),
     dst: (usize, usize),
     stage: (usize, usize),
+    /// Extra caller buffers: address, length, writable.
+    users: Vec<(usize, usize, bool)>,
     _borrow: PhantomData<(&'a [u8], &'a mut [u8])>,
     links: &'a mut Links,
     waiter: &'a Waiter,
@@ -95,6 +99,7 @@ impl<'a> Exec<'a> {
             src: s,
             dst: d,
             stage: (stage.as_mut_ptr() as usize, stage.len()),
+            users: Vec::new(),
             _borrow: PhantomData,
             links,
             waiter,
@@ -122,11 +127,30 @@ impl<'a> Exec<'a> {
         self.src == self.dst
     }
 
+    /// Borrow a caller buffer for reading only, for the whole call.
+    pub fn add_read(&mut self, b: &'a [u8]) -> Buf {
+        self.users.push((b.as_ptr() as usize, b.len(), false));
+        Buf::User(self.users.len() as u16 - 1)
+    }
+
+    /// Borrow a caller buffer for writing, for the whole call.
+    pub fn add_write(&mut self, b: &'a mut [u8]) -> Buf {
+        self.users.push((b.as_mut_ptr() as usize, b.len(), true));
+        Buf::User(self.users.len() as u16 - 1)
+    }
+
     fn resolve(&self, r: Reg) -> Result<(usize, usize)> {
         let (base, len) = match r.buf {
             Buf::Src => self.src,
             Buf::Dst => self.dst,
             Buf::Stage => self.stage,
+            Buf::User(i) => {
+                let &(a, l, _) = self
+                    .users
+                    .get(i as usize)
+                    .ok_or_else(|| Error::Internal(format!("no caller buffer {i}")))?;
+                (a, l)
+            }
         };
         match r.off.checked_add(r.len) {
             Some(end) if end <= len => Ok((base + r.off, r.len)),
@@ -208,6 +232,14 @@ impl<'a> Exec<'a> {
     }
 
     fn post(&mut self, peer: usize, ch: usize, r: Reg, send: bool) -> Result<Tok> {
+        if let (false, Buf::User(i)) = (send, r.buf) {
+            if !self.users.get(i as usize).is_some_and(|u| u.2) {
+                return Err(Error::Internal(format!(
+                    "receive into read-only caller buffer {i}"
+                )));
+            }
+        }
+        self.check_abort()?;
         let m = self.resolve(r)?;
         self.check(m, !send, if send { "send" } else { "receive" })?;
         let i = self.slot()?;
@@ -346,10 +378,20 @@ impl<'a> Exec<'a> {
         self.links.failure(suspect, true, detail)
     }
 
+    fn check_abort(&self) -> Result<()> {
+        if self.links.abort.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::InvalidUsage(
+                "the communicator was aborted by the application (Communicator::abort / rocclCommAbort)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Progress until at least one request completes (or none is in flight).
     pub fn wait_any(&mut self) -> Result<()> {
         let mut w = self.waiter.start();
         loop {
+            self.check_abort()?;
             if self.poll()? || self.inflight == 0 {
                 return Ok(());
             }

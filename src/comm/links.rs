@@ -64,6 +64,8 @@ pub(crate) struct Links {
     pub notices: Vec<(usize, usize)>,
     /// This rank has sent its abort notices.
     pub notified: bool,
+    /// Set by `Communicator::abort` from any thread; every wait checks it.
+    pub abort: Arc<std::sync::atomic::AtomicBool>,
     /// Vectors the executor reuses from call to call.
     pub scratch_ops: Vec<super::exec::Op>,
     pub scratch_fds: Vec<PollFd>,
@@ -92,6 +94,7 @@ impl Links {
             suspect: None,
             notices: Vec::new(),
             notified: false,
+            abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
         }
@@ -275,6 +278,11 @@ impl Links {
                 h.comm.poll_fds(&mut fds);
             }
             self.listen_fds(&mut fds);
+            if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::InvalidUsage(
+                    "the communicator was aborted by the application while connecting".into(),
+                ));
+            }
             if self.aborted() {
                 return Err(self.failure(
                     None,

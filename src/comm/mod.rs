@@ -121,6 +121,25 @@ pub enum Collective {
     },
 }
 
+/// One operation of a grouped point-to-point exchange ([`Communicator::p2p`]).
+#[derive(Debug)]
+pub enum P2p<'a> {
+    /// Send `buf` to `peer`.
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Bytes to send.
+        buf: &'a [u8],
+    },
+    /// Receive exactly `buf.len()` bytes from `peer`.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Where to receive.
+        buf: &'a mut [u8],
+    },
+}
+
 struct State {
     links: Links,
     stage: Vec<u64>,
@@ -138,6 +157,8 @@ struct Shared {
     turn: Condvar,
     tickets: AtomicU64,
     worker: Mutex<Option<mpsc::Sender<Job>>>,
+    /// Raised by `abort` without the state lock, so a blocked call sees it.
+    abort: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type Job = (u64, Box<dyn FnOnce(&mut State) + Send>);
@@ -306,6 +327,7 @@ impl Communicator {
             vec![0; nranks],
             handles,
         );
+        let abort_flag = Arc::clone(&links.abort);
         Ok(Communicator {
             shared: Arc::new(Shared {
                 rank,
@@ -322,6 +344,7 @@ impl Communicator {
                 turn: Condvar::new(),
                 tickets: AtomicU64::new(0),
                 worker: Mutex::new(None),
+                abort: abort_flag,
             }),
         })
     }
@@ -367,7 +390,12 @@ impl Communicator {
     }
 
     /// Close all connections now; pending and later calls fail.
+    ///
+    /// Safe to call from any thread while another thread is blocked in a collective on this
+    /// communicator: the blocked call notices within one wait pass (at most ~20 ms when
+    /// sleeping) and returns an error; then the connections are closed.
     pub fn abort(&self) {
+        self.shared.abort.store(true, Ordering::SeqCst);
         let mut st = self.shared.state.lock();
         st.broken
             .get_or_insert_with(|| "communicator aborted by the application".into());
@@ -538,6 +566,58 @@ impl Communicator {
         )
     }
 
+    /// Run several sends and receives at once, to and from any peers: all are posted
+    /// together, so exchanges in any pattern cannot deadlock. Messages between two ranks
+    /// are matched in the order each side lists them. A send to oneself is matched with the
+    /// next receive from oneself.
+    pub fn p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        self.with_turn(|st| st.p2p(ops))
+    }
+
+    /// Split into sub-communicators: ranks with the same `color` form one, ordered by
+    /// `key` then by rank here. `color == None` takes part but gets no communicator back.
+    /// Every rank of this communicator must call it.
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        let n = self.nranks();
+        let me = self.rank();
+        let mine = [color.map_or(-1i64, i64::from), i64::from(key)];
+        let mut all = vec![0i64; 2 * n];
+        self.all_gather(&mine, &mut all)?;
+        let members = |c: i64| {
+            let mut m: Vec<usize> = (0..n).filter(|&r| all[2 * r] == c).collect();
+            m.sort_by_key(|&r| (all[2 * r + 1], r));
+            m
+        };
+        let group = color.map(|c| members(i64::from(c))).unwrap_or_default();
+        // The first member of each group creates the new root and everyone learns its id.
+        let mut id = [0u8; crate::bootstrap::UNIQUE_ID_BYTES];
+        let mut created = Ok(());
+        if group.first() == Some(&me) {
+            match UniqueId::new() {
+                Ok(u) => id.copy_from_slice(u.as_bytes()),
+                Err(e) => created = Err(e),
+            }
+        }
+        let mut ids = vec![0u8; n * id.len()];
+        self.all_gather(&id, &mut ids)?;
+        created?;
+        let Some(&leader) = group.first() else {
+            return Ok(None);
+        };
+        let uid = UniqueId::from_bytes(&ids[leader * id.len()..(leader + 1) * id.len()]).map_err(
+            |_| Error::Remote {
+                rank: leader,
+                msg: format!("rank {leader} could not create the root of the split communicator"),
+            },
+        )?;
+        let cfg = self.shared.state.lock().cfg.clone();
+        let pos = group
+            .iter()
+            .position(|&r| r == me)
+            .expect("member of own group");
+        Communicator::init_with(&uid, group.len(), pos, cfg).map(Some)
+    }
+
     /// Block until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         self.run_raw(
@@ -641,6 +721,98 @@ fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
 }
 
 impl State {
+    fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        if let Some(b) = &self.broken {
+            return Err(Error::InvalidUsage(format!(
+                "communicator is unusable after an earlier error: {b}"
+            )));
+        }
+        let (n, me) = (self.links.nranks, self.links.rank);
+        for o in ops.iter() {
+            let p = match o {
+                P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+            };
+            if p >= n {
+                return Err(Error::arg(format!(
+                    "peer {p} is out of range for {n} ranks"
+                )));
+            }
+        }
+        let self_sends: Vec<usize> = ops
+            .iter()
+            .filter_map(|o| match o {
+                P2p::Send { peer, buf } if *peer == me => Some(buf.len()),
+                _ => None,
+            })
+            .collect();
+        let self_recvs: Vec<usize> = ops
+            .iter()
+            .filter_map(|o| match o {
+                P2p::Recv { peer, buf } if *peer == me => Some(buf.len()),
+                _ => None,
+            })
+            .collect();
+        if self_sends != self_recvs {
+            return Err(Error::arg(format!(
+                "sends to self ({self_sends:?} bytes) do not match receives from self ({self_recvs:?} bytes)"
+            )));
+        }
+        let r = self.p2p_inner(ops);
+        if let Err(e) = &r {
+            self.broken = Some(e.to_string());
+            self.links.close_all();
+        }
+        r
+    }
+
+    fn p2p_inner(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        use crate::algo::P2P_CHANNEL;
+        use exec::Reg;
+        let me = self.links.rank;
+        self.stage(64);
+        let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];
+        let mut dst: [u8; 0] = [];
+        let mut ex = Exec::new(None, &mut dst, stage, &mut self.links, &self.cfg.waiter);
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        let mut posts = Vec::with_capacity(ops.len());
+        for o in ops.iter_mut() {
+            match o {
+                P2p::Send { peer, buf } => {
+                    let b = ex.add_read(buf);
+                    sends.push((*peer, P2P_CHANNEL));
+                    posts.push((true, *peer, Reg::new(b, 0, buf.len())));
+                }
+                P2p::Recv { peer, buf } => {
+                    let len = buf.len();
+                    let b = ex.add_write(buf);
+                    recvs.push((*peer, P2P_CHANNEL));
+                    posts.push((false, *peer, Reg::new(b, 0, len)));
+                }
+            }
+        }
+        ex.ensure(&sends, &recvs)?;
+        let mut self_sends = posts.iter().filter(|p| p.0 && p.1 == me).map(|p| p.2);
+        for &(send, peer, reg) in &posts {
+            match (send, peer == me) {
+                (true, false) => {
+                    ex.send(peer, P2P_CHANNEL, reg)?;
+                }
+                (false, false) => {
+                    ex.recv(peer, P2P_CHANNEL, reg)?;
+                }
+                (false, true) => {
+                    let from = self_sends
+                        .next()
+                        .ok_or_else(|| Error::Internal("unmatched receive from self".into()))?;
+                    ex.copy(reg, from)?;
+                }
+                (true, true) => {}
+            }
+        }
+        ex.finish()
+    }
+
     fn stage(&mut self, bytes: usize) -> &mut [u8] {
         let words = bytes.div_ceil(8) + 8;
         if self.stage.len() < words {
@@ -683,7 +855,8 @@ impl State {
                     Error::Remote { rank, .. } => Some(*rank),
                     _ => self.links.suspect,
                 };
-                if let Some(c) = cause.filter(|c| *c != self.links.rank) {
+                let by_app = self.links.abort.load(Ordering::Relaxed);
+                if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
                     self.links.notify_abort(c, Duration::from_millis(500));
                 }
                 self.links.close_all();
