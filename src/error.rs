@@ -37,7 +37,36 @@ pub enum Error {
     Internal(String),
 }
 
+/// The class of an [`Error`], without its details (what the C ABI maps to result codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// [`Error::InvalidArgument`].
+    InvalidArgument,
+    /// [`Error::InvalidUsage`].
+    InvalidUsage,
+    /// [`Error::System`].
+    System,
+    /// [`Error::Remote`].
+    Remote,
+    /// [`Error::Timeout`].
+    Timeout,
+    /// [`Error::Internal`].
+    Internal,
+}
+
 impl Error {
+    /// The class of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::InvalidUsage(_) => ErrorKind::InvalidUsage,
+            Error::System { .. } => ErrorKind::System,
+            Error::Remote { .. } => ErrorKind::Remote,
+            Error::Timeout(_) => ErrorKind::Timeout,
+            Error::Internal(_) => ErrorKind::Internal,
+        }
+    }
+
     /// Build an [`Error::System`] from an io error and a description.
     pub fn sys(what: impl Into<String>, source: std::io::Error) -> Self {
         Error::System {

@@ -19,7 +19,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::algo::model::{self, CollKind, LinkCost, Tuning};
 use crate::algo::{self, Algo, Pipeline};
 use crate::bootstrap::{self, env::Root, UniqueId};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
 use crate::types::{DataType, Element, RedOp};
 
@@ -143,7 +143,7 @@ pub enum P2p<'a> {
 struct State {
     links: Links,
     stage: Vec<u64>,
-    broken: Option<String>,
+    broken: Option<(ErrorKind, String)>,
     cfg: Config,
     cost: LinkCost,
     serving: u64,
@@ -386,6 +386,11 @@ impl Communicator {
 
     /// The error that made this communicator unusable, if any.
     pub fn async_error(&self) -> Option<String> {
+        self.async_error_kind().map(|e| e.1)
+    }
+
+    /// The error that made this communicator unusable, with its class.
+    pub fn async_error_kind(&self) -> Option<(ErrorKind, String)> {
         self.shared.state.lock().broken.clone()
     }
 
@@ -397,8 +402,9 @@ impl Communicator {
     pub fn abort(&self) {
         self.shared.abort.store(true, Ordering::SeqCst);
         let mut st = self.shared.state.lock();
-        st.broken
-            .get_or_insert_with(|| "communicator aborted by the application".into());
+        st.broken.get_or_insert_with(|| {
+            (ErrorKind::InvalidUsage, "communicator aborted by the application".into())
+        });
         st.links.close_all();
     }
 
@@ -722,7 +728,7 @@ fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
 
 impl State {
     fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
-        if let Some(b) = &self.broken {
+        if let Some((_, b)) = &self.broken {
             return Err(Error::InvalidUsage(format!(
                 "communicator is unusable after an earlier error: {b}"
             )));
@@ -759,7 +765,7 @@ impl State {
         }
         let r = self.p2p_inner(ops);
         if let Err(e) = &r {
-            self.broken = Some(e.to_string());
+            self.broken = Some((e.kind(), e.to_string()));
             self.links.close_all();
         }
         r
@@ -840,7 +846,7 @@ impl State {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
-        if let Some(b) = &self.broken {
+        if let Some((_, b)) = &self.broken {
             return Err(Error::InvalidUsage(format!(
                 "communicator is unusable after an earlier error: {b}"
             )));
@@ -850,7 +856,7 @@ impl State {
             // Argument errors are caught before any data moves; anything later leaves the
             // peers mid-protocol, so the communicator cannot continue.
             if !matches!(e, Error::InvalidArgument(_)) {
-                self.broken = Some(e.to_string());
+                self.broken = Some((e.kind(), e.to_string()));
                 let cause = match e {
                     Error::Remote { rank, .. } => Some(*rank),
                     _ => self.links.suspect,
