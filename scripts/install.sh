@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Build roccl in release mode and install what exists so far under --prefix DIR:
+# Build roccl in release mode and install it under --prefix DIR:
 #   bin/roccl-perf
-# (lib/ and include/ follow once the C ABI exists.)
+#   include/roccl.h
+#   lib/libroccl.so.0.1.0, lib/libroccl.so.0 -> ..., lib/libroccl.so -> ...   (soname libroccl.so.0)
+#   lib/libroccl.a
+#   lib/pkgconfig/roccl.pc        (pkg-config --cflags --libs roccl)
 set -euo pipefail
 prefix=""
 while [ $# -gt 0 ]; do
@@ -14,7 +17,28 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$prefix" ] || { echo "install.sh: --prefix DIR is required" >&2; exit 2; }
 cd "$(dirname "$0")/.."
-cargo build --release --bin roccl-perf
-install -d "$prefix/bin"
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
+cargo build --release --bin roccl-perf -p roccl -p roccl-capi
+mkdir -p "$prefix"
+prefix=$(cd "$prefix" && pwd)
+install -d "$prefix/bin" "$prefix/include" "$prefix/lib/pkgconfig"
 install -m 0755 target/release/roccl-perf "$prefix/bin/roccl-perf"
-echo "installed $prefix/bin/roccl-perf"
+install -m 0644 include/roccl.h "$prefix/include/roccl.h"
+install -m 0755 target/release/libroccl.so "$prefix/lib/libroccl.so.$version"
+strip --strip-debug "$prefix/lib/libroccl.so.$version" 2>/dev/null || true
+ln -sf "libroccl.so.$version" "$prefix/lib/libroccl.so.0"
+ln -sf "libroccl.so.0" "$prefix/lib/libroccl.so"
+install -m 0644 target/release/libroccl.a "$prefix/lib/libroccl.a"
+cat > "$prefix/lib/pkgconfig/roccl.pc" <<PC
+prefix=$prefix
+includedir=\${prefix}/include
+libdir=\${prefix}/lib
+
+Name: roccl
+Description: Collective communications for RoCE v2 and Ethernet clusters (NCCL-style API)
+Version: $version
+Cflags: -I\${includedir}
+Libs: -L\${libdir} -Wl,-rpath,\${libdir} -lroccl
+Libs.private: -lpthread -ldl -lm
+PC
+echo "installed roccl $version under $prefix"

@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# Runs every check and test of roccl. Usable on a fresh machine: needs only the Rust
-# toolchain (apt packages are installed here once later networks need them).
+# Runs every check and test of roccl. Works on a fresh machine with the Rust toolchain:
+# installs the few Debian packages it needs (gcc/g++ for the C ABI tests, pkg-config).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+need=()
+command -v gcc >/dev/null || need+=(gcc)
+command -v g++ >/dev/null || need+=(g++)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== installing ${need[*]}"
+  (apt-get install -y "${need[@]}" >/dev/null 2>&1 || (apt-get update >/dev/null && apt-get install -y "${need[@]}" >/dev/null))
+fi
 
 echo "== format"
 cargo fmt --all -- --check
 echo "== clippy"
-cargo clippy --all-targets --release -- -D warnings
+cargo clippy --workspace --all-targets --release -- -D warnings
 echo "== tests (ranks as threads and as processes)"
 # Tests that need RDMA hardware or a GPU are skipped with a message; none are counted as passes.
-cargo test --release --lib --bins --tests -- --test-threads 2
+cargo test --release --workspace --lib --bins --tests -- --test-threads 2
 echo "== benches (each run once, as a smoke test)"
 cargo test --release --benches
+echo "== C ABI: header vs symbols, C and C++ programs, example"
+tests/c/run.sh
+echo "== install and pkg-config"
+tmp=$(mktemp -d)
+scripts/install.sh --prefix "$tmp" >/dev/null
+PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --exists roccl
+# shellcheck disable=SC2046
+gcc -std=c11 -D_POSIX_C_SOURCE=200809L examples/allreduce.c -o "$tmp/example" $(PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --cflags --libs roccl)
+ROCCL_SOCKET_IFNAME=lo "$tmp/example" 2 | grep -q "on 2 ranks: ok"
+"$tmp/bin/roccl-perf" --ranks 2 -b 8 -e 1K --iters 2 --warmup 1 | grep -q "# wrong results: 0"
+rm -rf "$tmp"
 echo "== docs"
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet -p roccl
 echo "== all checks passed"

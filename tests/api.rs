@@ -172,8 +172,7 @@ fn grouped_point_to_point_in_any_pattern() {
         let sends: Vec<Vec<u8>> = (0..n)
             .map(|p| vec![(me * 10 + p) as u8; 70_000 + p])
             .collect();
-        let mut recvs: Vec<Vec<u8>> = (0..n).map(|p| vec![0u8; 70_000 + me]).collect::<Vec<_>>();
-        let _ = &mut recvs;
+        let mut recvs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 70_000 + me]).collect();
         let mut ops: Vec<P2p> = Vec::new();
         // Receives listed first on even ranks, sends first on odd ones: order does not matter.
         let (mut s_ops, mut r_ops): (Vec<P2p>, Vec<P2p>) = (Vec::new(), Vec::new());

@@ -403,7 +403,10 @@ impl Communicator {
         self.shared.abort.store(true, Ordering::SeqCst);
         let mut st = self.shared.state.lock();
         st.broken.get_or_insert_with(|| {
-            (ErrorKind::InvalidUsage, "communicator aborted by the application".into())
+            (
+                ErrorKind::InvalidUsage,
+                "communicator aborted by the application".into(),
+            )
         });
         st.links.close_all();
     }

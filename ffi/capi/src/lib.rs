@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use roccl_core::error::ErrorKind;
-use roccl_core::{CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, UniqueId};
+use roccl_core::{
+    CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, UniqueId,
+};
 
 /// `rocclResult_t`.
 pub type rocclResult_t = c_int;
@@ -101,7 +103,9 @@ fn guard(name: &str, f: impl FnOnce() -> R) -> rocclResult_t {
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            set_last_error(&format!("{name}: internal error (a bug in roccl, please report it): {what}"));
+            set_last_error(&format!(
+                "{name}: internal error (a bug in roccl, please report it): {what}"
+            ));
             INTERNAL_ERROR
         }
     }
@@ -129,7 +133,10 @@ pub type rocclComm_t = *mut c_void;
 
 fn register(h: Arc<Handle>) -> rocclComm_t {
     let key = Arc::as_ptr(&h) as usize;
-    COMMS.write().get_or_insert_with(HashMap::new).insert(key, h);
+    COMMS
+        .write()
+        .get_or_insert_with(HashMap::new)
+        .insert(key, h);
     key as rocclComm_t
 }
 
@@ -141,7 +148,11 @@ fn lookup(comm: rocclComm_t) -> R<Arc<Handle>> {
         .read()
         .as_ref()
         .and_then(|m| m.get(&(comm as usize)).cloned())
-        .ok_or_else(|| usage("comm is not a live communicator (already destroyed or aborted, or never created)"))
+        .ok_or_else(|| {
+            usage(
+                "comm is not a live communicator (already destroyed or aborted, or never created)",
+            )
+        })
 }
 
 /// The ready communicator behind `comm`.
@@ -158,7 +169,10 @@ fn ready(comm: rocclComm_t) -> R<Arc<Communicator>> {
 }
 
 fn ready_handle(c: Communicator) -> Arc<Handle> {
-    Arc::new(Handle { state: Mutex::new(State::Ready(Arc::new(c))), cond: parking_lot::Condvar::new() })
+    Arc::new(Handle {
+        state: Mutex::new(State::Ready(Arc::new(c))),
+        cond: parking_lot::Condvar::new(),
+    })
 }
 
 unsafe fn out_ptr<'a, T>(p: *mut T, name: &str) -> R<&'a mut T> {
@@ -173,7 +187,11 @@ fn dtype(d: c_int) -> R<DataType> {
 }
 
 fn redop(o: c_int) -> R<RedOp> {
-    RedOp::from_nccl(o).ok_or_else(|| arg(format!("op {o} is not a roccl reduction (rocclSum 0 … rocclAvg 4)")))
+    RedOp::from_nccl(o).ok_or_else(|| {
+        arg(format!(
+            "op {o} is not a roccl reduction (rocclSum 0 … rocclAvg 4)"
+        ))
+    })
 }
 
 fn no_stream(stream: *mut c_void) -> R {
@@ -211,7 +229,10 @@ impl CBuf {
         if len > 0 && (p as usize).checked_add(len).is_none() {
             return Err(arg(format!("{name} + size overflows the address space")));
         }
-        Ok(CBuf { addr: p as usize, len })
+        Ok(CBuf {
+            addr: p as usize,
+            len,
+        })
     }
     fn overlaps(&self, o: &CBuf) -> bool {
         self.len > 0 && o.len > 0 && self.addr < o.addr + o.len && o.addr < self.addr + self.len
@@ -241,9 +262,20 @@ impl CBuf {
 /// One queued or immediate operation.
 #[derive(Clone, Copy, Debug)]
 enum Work {
-    Coll { coll: Collective, dt: DataType, send: Option<CBuf>, recv: CBuf },
-    Send { peer: usize, buf: CBuf },
-    Recv { peer: usize, buf: CBuf },
+    Coll {
+        coll: Collective,
+        dt: DataType,
+        send: Option<CBuf>,
+        recv: CBuf,
+    },
+    Send {
+        peer: usize,
+        buf: CBuf,
+    },
+    Recv {
+        peer: usize,
+        buf: CBuf,
+    },
 }
 
 /// Run a communicator's share of work: collectives in order, then all point-to-point
@@ -252,7 +284,12 @@ fn run_work(c: &Communicator, work: &[Work]) -> R {
     let mut p2p: Vec<P2p> = Vec::new();
     for w in work {
         match *w {
-            Work::Coll { coll, dt, send, recv } => {
+            Work::Coll {
+                coll,
+                dt,
+                send,
+                recv,
+            } => {
                 // SAFETY: `send` and `recv` were checked not to overlap (or `send` is None
                 // for in place) when the call was made; C keeps them valid until it returns.
                 let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
@@ -260,8 +297,14 @@ fn run_work(c: &Communicator, work: &[Work]) -> R {
             }
             // SAFETY: as above; distinct operations of a group may not share receive memory
             // (checked when they were queued).
-            Work::Send { peer, buf } => p2p.push(P2p::Send { peer, buf: unsafe { buf.read() } }),
-            Work::Recv { peer, buf } => p2p.push(P2p::Recv { peer, buf: unsafe { buf.write() } }),
+            Work::Send { peer, buf } => p2p.push(P2p::Send {
+                peer,
+                buf: unsafe { buf.read() },
+            }),
+            Work::Recv { peer, buf } => p2p.push(P2p::Recv {
+                peer,
+                buf: unsafe { buf.write() },
+            }),
         }
     }
     if !p2p.is_empty() {
@@ -347,7 +390,9 @@ pub extern "C" fn rocclGetErrorString(result: rocclResult_t) -> *const c_char {
     let s: &'static CStr = match result {
         SUCCESS => c"no error",
         UNHANDLED_DEVICE_ERROR => c"unhandled device error",
-        SYSTEM_ERROR => c"unhandled system error (network, memory or OS call failed; see rocclGetLastError)",
+        SYSTEM_ERROR => {
+            c"unhandled system error (network, memory or OS call failed; see rocclGetLastError)"
+        }
         INTERNAL_ERROR => c"internal error (a bug in roccl; see rocclGetLastError)",
         INVALID_ARGUMENT => c"invalid argument (see rocclGetLastError)",
         INVALID_USAGE => c"invalid usage (see rocclGetLastError)",
@@ -381,7 +426,9 @@ pub unsafe extern "C" fn rocclGetUniqueId(unique_id: *mut rocclUniqueId) -> rocc
 
 fn id_of(u: &rocclUniqueId) -> R<UniqueId> {
     let b: Vec<u8> = u.internal.iter().map(|c| *c as u8).collect();
-    UniqueId::from_bytes(&b).map_err(|_| arg("commId is not a roccl unique id (pass the bytes from rocclGetUniqueId unchanged)"))
+    UniqueId::from_bytes(&b).map_err(|_| {
+        arg("commId is not a roccl unique id (pass the bytes from rocclGetUniqueId unchanged)")
+    })
 }
 
 fn rank_args(nranks: c_int, rank: c_int) -> R<(usize, usize)> {
@@ -389,7 +436,9 @@ fn rank_args(nranks: c_int, rank: c_int) -> R<(usize, usize)> {
         return Err(arg(format!("nranks is {nranks}; it must be at least 1")));
     }
     if rank < 0 || rank >= nranks {
-        return Err(arg(format!("rank {rank} is out of range for nranks {nranks}")));
+        return Err(arg(format!(
+            "rank {rank} is out of range for nranks {nranks}"
+        )));
     }
     Ok((nranks as usize, rank as usize))
 }
@@ -397,20 +446,30 @@ fn rank_args(nranks: c_int, rank: c_int) -> R<(usize, usize)> {
 fn config_of(config: *const rocclConfig_t) -> R<(bool, Config)> {
     let mut cfg = Config::from_env()?;
     // SAFETY: C passes a pointer to a rocclConfig_t or NULL.
-    let Some(c) = (unsafe { config.as_ref() }) else { return Ok((true, cfg)) };
+    let Some(c) = (unsafe { config.as_ref() }) else {
+        return Ok((true, cfg));
+    };
     if c.magic != CONFIG_MAGIC || c.size < std::mem::size_of::<rocclConfig_t>() {
-        return Err(arg("config was not initialized with ROCCL_CONFIG_INITIALIZER"));
+        return Err(arg(
+            "config was not initialized with ROCCL_CONFIG_INITIALIZER",
+        ));
     }
     if !c.net_name.is_null() {
         // SAFETY: a NUL-terminated string per the header.
         let name = unsafe { CStr::from_ptr(c.net_name) }.to_string_lossy();
         cfg.net = name.parse()?;
     }
-    let blocking = c.blocking != 0; // ROCCL_CONFIG_UNDEF_INT (INT_MIN) also means blocking
-    Ok((blocking || c.blocking == i32::MIN, cfg))
+    // Any non-zero value, ROCCL_CONFIG_UNDEF_INT included, means blocking.
+    Ok((c.blocking != 0, cfg))
 }
 
-fn init_rank(comm: *mut rocclComm_t, nranks: c_int, id: rocclUniqueId, rank: c_int, config: *const rocclConfig_t) -> R {
+fn init_rank(
+    comm: *mut rocclComm_t,
+    nranks: c_int,
+    id: rocclUniqueId,
+    rank: c_int,
+    config: *const rocclConfig_t,
+) -> R {
     // SAFETY: storage for one rocclComm_t (NULL refused).
     let out = unsafe { out_ptr(comm, "comm") }?;
     *out = std::ptr::null_mut();
@@ -422,12 +481,17 @@ fn init_rank(comm: *mut rocclComm_t, nranks: c_int, id: rocclUniqueId, rank: c_i
         *out = register(ready_handle(c));
         return Ok(());
     }
-    let h = Arc::new(Handle { state: Mutex::new(State::Initializing), cond: parking_lot::Condvar::new() });
+    let h = Arc::new(Handle {
+        state: Mutex::new(State::Initializing),
+        cond: parking_lot::Condvar::new(),
+    });
     *out = register(Arc::clone(&h));
     std::thread::Builder::new()
         .name(format!("roccl-init-r{r}"))
         .spawn(move || {
-            let res = catch_unwind(AssertUnwindSafe(|| Communicator::init_with(&uid, n, r, cfg)));
+            let res = catch_unwind(AssertUnwindSafe(|| {
+                Communicator::init_with(&uid, n, r, cfg)
+            }));
             let st = match res {
                 Ok(Ok(c)) => State::Ready(Arc::new(c)),
                 Ok(Err(e)) => State::Failed(code_of(e.kind()), e.to_string()),
@@ -437,13 +501,23 @@ fn init_rank(comm: *mut rocclComm_t, nranks: c_int, id: rocclUniqueId, rank: c_i
             h.cond.notify_all();
         })
         .map_err(|e| CErr(SYSTEM_ERROR, format!("spawning the init thread: {e}")))?;
-    Err(CErr(IN_PROGRESS, "initialization continues in the background".into()))
+    Err(CErr(
+        IN_PROGRESS,
+        "initialization continues in the background".into(),
+    ))
 }
 
 /// Join the communicator of `commId` as `rank` of `nranks` (blocking).
 #[no_mangle]
-pub unsafe extern "C" fn rocclCommInitRank(comm: *mut rocclComm_t, nranks: c_int, comm_id: rocclUniqueId, rank: c_int) -> rocclResult_t {
-    guard("rocclCommInitRank", || init_rank(comm, nranks, comm_id, rank, std::ptr::null()))
+pub unsafe extern "C" fn rocclCommInitRank(
+    comm: *mut rocclComm_t,
+    nranks: c_int,
+    comm_id: rocclUniqueId,
+    rank: c_int,
+) -> rocclResult_t {
+    guard("rocclCommInitRank", || {
+        init_rank(comm, nranks, comm_id, rank, std::ptr::null())
+    })
 }
 
 /// Like rocclCommInitRank, with a config (`blocking = 0`: returns rocclInProgress).
@@ -455,7 +529,9 @@ pub unsafe extern "C" fn rocclCommInitRankConfig(
     rank: c_int,
     config: *mut rocclConfig_t,
 ) -> rocclResult_t {
-    let r = guard("rocclCommInitRankConfig", || init_rank(comm, nranks, comm_id, rank, config));
+    let r = guard("rocclCommInitRankConfig", || {
+        init_rank(comm, nranks, comm_id, rank, config)
+    });
     if r == IN_PROGRESS {
         set_last_error("");
     }
@@ -464,7 +540,11 @@ pub unsafe extern "C" fn rocclCommInitRankConfig(
 
 /// Create `ndev` communicators of one clique in this process (ranks as threads).
 #[no_mangle]
-pub unsafe extern "C" fn rocclCommInitAll(comms: *mut rocclComm_t, ndev: c_int, devlist: *const c_int) -> rocclResult_t {
+pub unsafe extern "C" fn rocclCommInitAll(
+    comms: *mut rocclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> rocclResult_t {
     let _ = devlist; // host memory: devices do not apply
     guard("rocclCommInitAll", || {
         if comms.is_null() {
@@ -487,7 +567,10 @@ pub unsafe extern "C" fn rocclCommInitAll(comms: *mut rocclComm_t, ndev: c_int, 
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("init thread panicked".into()))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Internal("init thread panicked".into())))
+                })
                 .collect()
         });
         let mut comms_ok = Vec::with_capacity(n);
@@ -566,7 +649,9 @@ pub unsafe extern "C" fn rocclCommSplit(
         let out = unsafe { out_ptr(newcomm, "newcomm") }?;
         *out = std::ptr::null_mut();
         if color < 0 && color != SPLIT_NOCOLOR {
-            return Err(arg(format!("color {color} is negative (use ROCCL_SPLIT_NOCOLOR to opt out)")));
+            return Err(arg(format!(
+                "color {color} is negative (use ROCCL_SPLIT_NOCOLOR to opt out)"
+            )));
         }
         config_of(config)?;
         let c = ready(comm)?;
@@ -603,7 +688,10 @@ pub unsafe extern "C" fn rocclCommUserRank(comm: rocclComm_t, rank: *mut c_int) 
 /// The communicator's asynchronous state: rocclInProgress while a non-blocking init runs,
 /// the error that broke it, or rocclSuccess.
 #[no_mangle]
-pub unsafe extern "C" fn rocclCommGetAsyncError(comm: rocclComm_t, async_error: *mut rocclResult_t) -> rocclResult_t {
+pub unsafe extern "C" fn rocclCommGetAsyncError(
+    comm: rocclComm_t,
+    async_error: *mut rocclResult_t,
+) -> rocclResult_t {
     guard("rocclCommGetAsyncError", || {
         // SAFETY: storage for one rocclResult_t (NULL refused).
         let out = unsafe { out_ptr(async_error, "asyncError") }?;
@@ -645,11 +733,16 @@ fn coll(
 
 /// Out of place unless `send` is exactly `recv + inplace_at` (NCCL's in-place convention).
 fn place(send: CBuf, recv: CBuf, inplace_at: usize) -> R<Option<CBuf>> {
-    if send.len > 0 && send.addr == recv.addr.wrapping_add(inplace_at) && send.len + inplace_at <= recv.len {
+    if send.len > 0
+        && send.addr == recv.addr.wrapping_add(inplace_at)
+        && send.len + inplace_at <= recv.len
+    {
         return Ok(None);
     }
     if send.overlaps(&recv) {
-        return Err(arg("sendbuff and recvbuff overlap without being the in-place layout"));
+        return Err(arg(
+            "sendbuff and recvbuff overlap without being the in-place layout",
+        ));
     }
     Ok(Some(send))
 }
@@ -670,7 +763,12 @@ pub unsafe extern "C" fn rocclAllReduce(
         let b = count_bytes(count, dt, "count")?;
         let recv = CBuf::new(recvbuff, b, "recvbuff")?;
         let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?;
-        Ok(Work::Coll { coll: Collective::AllReduce(op), dt, send, recv })
+        Ok(Work::Coll {
+            coll: Collective::AllReduce(op),
+            dt,
+            send,
+            recv,
+        })
     })
 }
 
@@ -689,21 +787,40 @@ pub unsafe extern "C" fn rocclBroadcast(
         let root = check_rank(root, c, "root")?;
         let b = count_bytes(count, dt, "count")?;
         let recv = CBuf::new(recvbuff, b, "recvbuff")?;
-        let send = if c.rank() == root { place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)? } else { None };
-        Ok(Work::Coll { coll: Collective::Broadcast { root }, dt, send, recv })
+        let send = if c.rank() == root {
+            place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?
+        } else {
+            None
+        };
+        Ok(Work::Coll {
+            coll: Collective::Broadcast { root },
+            dt,
+            send,
+            recv,
+        })
     })
 }
 
 /// In-place broadcast (NCCL's legacy ncclBcast).
 #[no_mangle]
-pub unsafe extern "C" fn rocclBcast(buff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: rocclComm_t, stream: *mut c_void) -> rocclResult_t {
+pub unsafe extern "C" fn rocclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
     // SAFETY: forwarded with the same contract.
     unsafe { rocclBroadcast(buff, buff, count, datatype, root, comm, stream) }
 }
 
 fn check_rank(r: c_int, c: &Communicator, name: &str) -> R<usize> {
     if r < 0 || r as usize >= c.nranks() {
-        return Err(arg(format!("{name} {r} is out of range for {} ranks", c.nranks())));
+        return Err(arg(format!(
+            "{name} {r} is out of range for {} ranks",
+            c.nranks()
+        )));
     }
     Ok(r as usize)
 }
@@ -727,13 +844,18 @@ pub unsafe extern "C" fn rocclReduce(
         let send = CBuf::new(sendbuff, b, "sendbuff")?;
         let is_root = c.rank() == root;
         // recvbuff matters on the root only (or as the in-place buffer anywhere).
-        let recv = if is_root || recvbuff == sendbuff as *mut c_void {
+        let recv = if is_root || std::ptr::eq(recvbuff, sendbuff) {
             CBuf::new(recvbuff, b, "recvbuff")?
         } else {
             CBuf { addr: 0, len: 0 }
         };
         let send = place(send, recv, 0)?;
-        Ok(Work::Coll { coll: Collective::Reduce { op, root }, dt, send, recv })
+        Ok(Work::Coll {
+            coll: Collective::Reduce { op, root },
+            dt,
+            send,
+            recv,
+        })
     })
 }
 
@@ -749,10 +871,19 @@ pub unsafe extern "C" fn rocclAllGather(
 ) -> rocclResult_t {
     coll("rocclAllGather", comm, stream, datatype, |c, dt| {
         let b = count_bytes(sendcount, dt, "sendcount")?;
-        let total = count_bytes(sendcount.saturating_mul(c.nranks()), dt, "sendcount * nranks")?;
+        let total = count_bytes(
+            sendcount.saturating_mul(c.nranks()),
+            dt,
+            "sendcount * nranks",
+        )?;
         let recv = CBuf::new(recvbuff, total, "recvbuff")?;
         let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, c.rank() * b)?;
-        Ok(Work::Coll { coll: Collective::AllGather, dt, send, recv })
+        Ok(Work::Coll {
+            coll: Collective::AllGather,
+            dt,
+            send,
+            recv,
+        })
     })
 }
 
@@ -770,17 +901,33 @@ pub unsafe extern "C" fn rocclReduceScatter(
     coll("rocclReduceScatter", comm, stream, datatype, |c, dt| {
         let op = redop(op)?;
         let b = count_bytes(recvcount, dt, "recvcount")?;
-        let total = count_bytes(recvcount.saturating_mul(c.nranks()), dt, "recvcount * nranks")?;
+        let total = count_bytes(
+            recvcount.saturating_mul(c.nranks()),
+            dt,
+            "recvcount * nranks",
+        )?;
         let send = CBuf::new(sendbuff, total, "sendbuff")?;
         let recv = CBuf::new(recvbuff, b, "recvbuff")?;
         // In place: recvbuff is block `rank` of sendbuff; the core then works on sendbuff.
         if b > 0 && recv.addr == send.addr.wrapping_add(c.rank() * b) {
-            return Ok(Work::Coll { coll: Collective::ReduceScatter(op), dt, send: None, recv: send });
+            return Ok(Work::Coll {
+                coll: Collective::ReduceScatter(op),
+                dt,
+                send: None,
+                recv: send,
+            });
         }
         if send.overlaps(&recv) {
-            return Err(arg("sendbuff and recvbuff overlap without being the in-place layout"));
+            return Err(arg(
+                "sendbuff and recvbuff overlap without being the in-place layout",
+            ));
         }
-        Ok(Work::Coll { coll: Collective::ReduceScatter(op), dt, send: Some(send), recv })
+        Ok(Work::Coll {
+            coll: Collective::ReduceScatter(op),
+            dt,
+            send: Some(send),
+            recv,
+        })
     })
 }
 
@@ -798,13 +945,25 @@ pub unsafe extern "C" fn rocclAlltoAll(
         let total = count_bytes(count.saturating_mul(c.nranks()), dt, "count * nranks")?;
         let recv = CBuf::new(recvbuff, total, "recvbuff")?;
         let send = place(CBuf::new(sendbuff, total, "sendbuff")?, recv, 0)?;
-        Ok(Work::Coll { coll: Collective::AllToAll, dt, send, recv })
+        Ok(Work::Coll {
+            coll: Collective::AllToAll,
+            dt,
+            send,
+            recv,
+        })
     })
 }
 
 /// Send `count` elements to `peer`.
 #[no_mangle]
-pub unsafe extern "C" fn rocclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: rocclComm_t, stream: *mut c_void) -> rocclResult_t {
+pub unsafe extern "C" fn rocclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
     coll("rocclSend", comm, stream, datatype, |c, dt| {
         let peer = check_rank(peer, c, "peer")?;
         let buf = CBuf::new(sendbuff, count_bytes(count, dt, "count")?, "sendbuff")?;
@@ -814,7 +973,14 @@ pub unsafe extern "C" fn rocclSend(sendbuff: *const c_void, count: usize, dataty
 
 /// Receive `count` elements from `peer`.
 #[no_mangle]
-pub unsafe extern "C" fn rocclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: rocclComm_t, stream: *mut c_void) -> rocclResult_t {
+pub unsafe extern "C" fn rocclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
     coll("rocclRecv", comm, stream, datatype, |c, dt| {
         let peer = check_rank(peer, c, "peer")?;
         let buf = CBuf::new(recvbuff, count_bytes(count, dt, "count")?, "recvbuff")?;
@@ -841,7 +1007,11 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
                 return Err(usage("rocclGroupEnd without rocclGroupStart"));
             }
             g.depth -= 1;
-            Ok(if g.depth == 0 { std::mem::take(&mut g.ops) } else { Vec::new() })
+            Ok(if g.depth == 0 {
+                std::mem::take(&mut g.ops)
+            } else {
+                Vec::new()
+            })
         })?;
         check_group(&ops)?;
         // Per communicator, in the order of first use; communicators run concurrently so
@@ -857,9 +1027,16 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
             per.iter().map(|(c, w)| run_work(c, w)).collect()
         } else {
             std::thread::scope(|s| {
-                let hs: Vec<_> = per.iter().map(|(c, w)| s.spawn(move || run_work(c, w))).collect();
+                let hs: Vec<_> = per
+                    .iter()
+                    .map(|(c, w)| s.spawn(move || run_work(c, w)))
+                    .collect();
                 hs.into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err(CErr(INTERNAL_ERROR, "group worker panicked".into()))))
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(CErr(INTERNAL_ERROR, "group worker panicked".into()))
+                        })
+                    })
                     .collect()
             })
         };
