@@ -731,11 +731,7 @@ fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
 
 impl State {
     fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
-        if let Some((_, b)) = &self.broken {
-            return Err(Error::InvalidUsage(format!(
-                "communicator is unusable after an earlier error: {b}"
-            )));
-        }
+        self.usable()?;
         let (n, me) = (self.links.nranks, self.links.rank);
         for o in ops.iter() {
             let p = match o {
@@ -768,8 +764,7 @@ impl State {
         }
         let r = self.p2p_inner(ops);
         if let Err(e) = &r {
-            self.broken = Some((e.kind(), e.to_string()));
-            self.links.close_all();
+            self.failed(e);
         }
         r
     }
@@ -849,29 +844,41 @@ impl State {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
-        if let Some((_, b)) = &self.broken {
-            return Err(Error::InvalidUsage(format!(
-                "communicator is unusable after an earlier error: {b}"
-            )));
-        }
+        self.usable()?;
         let r = self.execute_inner(coll, dt, send, recv, opts);
         if let Err(e) = &r {
-            // Argument errors are caught before any data moves; anything later leaves the
-            // peers mid-protocol, so the communicator cannot continue.
-            if !matches!(e, Error::InvalidArgument(_)) {
-                self.broken = Some((e.kind(), e.to_string()));
-                let cause = match e {
-                    Error::Remote { rank, .. } => Some(*rank),
-                    _ => self.links.suspect,
-                };
-                let by_app = self.links.abort.load(Ordering::Relaxed);
-                if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
-                    self.links.notify_abort(c, Duration::from_millis(500));
-                }
-                self.links.close_all();
-            }
+            self.failed(e);
         }
         r
+    }
+
+    /// Refuse work once the communicator is broken.
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            Some((_, b)) => Err(Error::InvalidUsage(format!(
+                "communicator is unusable after an earlier error: {b}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// After a failed call: argument errors are caught before any data moves; anything
+    /// later leaves the peers mid-protocol, so the communicator cannot continue. Tell the
+    /// other ranks whom to blame (unless the application aborted) and close everything.
+    fn failed(&mut self, e: &Error) {
+        if matches!(e, Error::InvalidArgument(_)) {
+            return;
+        }
+        self.broken = Some((e.kind(), e.to_string()));
+        let cause = match e {
+            Error::Remote { rank, .. } => Some(*rank),
+            _ => self.links.suspect,
+        };
+        let by_app = self.links.abort.load(Ordering::Relaxed);
+        if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
+            self.links.notify_abort(c, Duration::from_millis(500));
+        }
+        self.links.close_all();
     }
 
     fn execute_inner(
