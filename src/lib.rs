@@ -14,6 +14,7 @@ pub mod comm;
 pub mod error;
 pub mod log;
 pub mod net;
+pub mod rdma;
 pub mod reduce;
 pub mod sys;
 pub mod types;

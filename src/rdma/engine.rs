@@ -1,0 +1,1359 @@
+//! The userspace RoCE v2 reliable-connection engine: a deterministic state machine with no
+//! I/O, in the manner of quinn-proto. Feed it datagrams with [`Engine::handle_datagram`] and
+//! the clock with [`Engine::handle_timeout`]; take datagrams to send from
+//! [`Engine::poll_transmit`] and the next deadline from [`Engine::poll_timeout`]. A driver
+//! owns the sockets (see `rdma::udp`); tests drive two engines through a simulated lossy link.
+//!
+//! Protocol (IBTA RC, as RoCE v2 NICs speak it): every request packet carries a 24-bit PSN;
+//! messages longer than the path MTU are cut into FIRST/MIDDLE/LAST packets; the responder
+//! acknowledges when asked (AckReq on the last packet of a message and every
+//! [`ACK_EVERY`] packets), NAKs the first out-of-sequence PSN once, answers a SEND without
+//! a posted receive with an RNR NAK, and checks every RDMA access against the target region's
+//! rkey, bounds and rights (violation → NAK remote access error). The requester retransmits
+//! go-back-N from the NAKed PSN, after an RNR wait, or from the oldest unacknowledged PSN
+//! when the retransmission timer fires; when the retry count runs out the work request
+//! completes with RETRY_EXC_ERR (RNR_RETRY_EXC_ERR for RNR) and the QP enters ERROR.
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use super::mem::{Access, AccessError, MrTable};
+use super::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
+use crate::error::{Error, Result};
+
+/// Queue pair number (24 bits).
+pub type Qpn = u32;
+/// Completion queue handle.
+pub type CqId = usize;
+
+/// The requester asks for an acknowledgement at least every this many packets.
+pub const ACK_EVERY: u32 = 64;
+/// Largest payload copied into the work request at post time.
+pub const MAX_INLINE: usize = 256;
+/// Most request packets in flight (unacknowledged) per QP.
+const WINDOW: u32 = 4096;
+const PSN_MASK: u32 = 0x00ff_ffff;
+
+fn psn_add(a: u32, b: u32) -> u32 {
+    a.wrapping_add(b) & PSN_MASK
+}
+
+/// Signed distance `a - b` in PSN space.
+fn psn_diff(a: u32, b: u32) -> i32 {
+    let d = a.wrapping_sub(b) & PSN_MASK;
+    if d & 0x0080_0000 != 0 {
+        d as i32 - (1 << 24)
+    } else {
+        d as i32
+    }
+}
+
+/// libibverbs queue-pair states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    /// Created, not usable.
+    Reset,
+    /// Receives may be posted.
+    Init,
+    /// Ready to receive.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// Failed: outstanding and new work requests complete with WR_FLUSH_ERR.
+    Error,
+}
+
+/// Work request opcodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WrOpcode {
+    /// SEND (consumes a receive at the peer).
+    Send,
+    /// SEND with immediate data.
+    SendImm,
+    /// RDMA WRITE.
+    Write,
+    /// RDMA WRITE with immediate (consumes a receive at the peer).
+    WriteImm,
+    /// RDMA READ.
+    Read,
+}
+
+/// One scatter/gather element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sge {
+    /// Address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u32,
+    /// Key of the region holding it.
+    pub lkey: u32,
+}
+
+/// A send-queue work request.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub opcode: WrOpcode,
+    /// Local data (`None`: zero length).
+    pub sge: Option<Sge>,
+    /// Copy the data at post time (at most [`MAX_INLINE`] bytes; `lkey` is not checked).
+    pub inline: bool,
+    /// Immediate data for the `*Imm` opcodes.
+    pub imm: u32,
+    /// Remote address for RDMA.
+    pub remote_addr: u64,
+    /// Remote key for RDMA.
+    pub rkey: u32,
+    /// Produce a completion on success (errors always complete).
+    pub signaled: bool,
+}
+
+/// A receive-queue work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND lands (`None`: zero length).
+    pub sge: Option<Sge>,
+}
+
+/// Completion status, numbered as `ibv_wc_status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcStatus {
+    /// IBV_WC_SUCCESS.
+    Success = 0,
+    /// IBV_WC_LOC_LEN_ERR: an incoming message was longer than the receive buffer.
+    LocLenErr = 1,
+    /// IBV_WC_LOC_QP_OP_ERR.
+    LocQpOpErr = 2,
+    /// IBV_WC_LOC_PROT_ERR: a local buffer is outside its region or lacks the right.
+    LocProtErr = 4,
+    /// IBV_WC_WR_FLUSH_ERR: the QP entered ERROR before this request ran.
+    WrFlushErr = 5,
+    /// IBV_WC_REM_INV_REQ_ERR.
+    RemInvReqErr = 9,
+    /// IBV_WC_REM_ACCESS_ERR: the peer refused the rkey, bounds or rights.
+    RemAccessErr = 10,
+    /// IBV_WC_REM_OP_ERR.
+    RemOpErr = 11,
+    /// IBV_WC_RETRY_EXC_ERR: no acknowledgement after all retries.
+    RetryExcErr = 12,
+    /// IBV_WC_RNR_RETRY_EXC_ERR: the peer had no receive posted after all RNR retries.
+    RnrRetryExcErr = 13,
+}
+
+/// Completion opcode, numbered as `ibv_wc_opcode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcOpcode {
+    /// IBV_WC_SEND.
+    Send = 0,
+    /// IBV_WC_RDMA_WRITE.
+    RdmaWrite = 1,
+    /// IBV_WC_RDMA_READ.
+    RdmaRead = 2,
+    /// IBV_WC_RECV.
+    Recv = 128,
+    /// IBV_WC_RECV_RDMA_WITH_IMM.
+    RecvRdmaWithImm = 129,
+}
+
+/// A work completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wc {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed.
+    pub opcode: WcOpcode,
+    /// Bytes received (receives) or transferred.
+    pub byte_len: u32,
+    /// Immediate data, if the message carried some.
+    pub imm: Option<u32>,
+    /// The local QP.
+    pub qpn: Qpn,
+}
+
+/// Attributes for [`Engine::modify_qp`] (the fields each transition needs).
+#[derive(Clone, Copy, Debug)]
+pub struct QpAttr {
+    /// Path MTU: 256, 512, 1024, 2048 or 4096.
+    pub mtu: u32,
+    /// The peer's address (its IP is its GID) and RoCE UDP port.
+    pub dest: SocketAddr,
+    /// The peer's QP number.
+    pub dest_qpn: Qpn,
+    /// First PSN we expect from the peer (RTR).
+    pub rq_psn: u32,
+    /// First PSN we send (RTS).
+    pub sq_psn: u32,
+    /// Retransmission timeout, as the IB code: 4.096 µs × 2^timeout (1..=31).
+    pub timeout: u8,
+    /// Retransmissions after a timeout (0..=7).
+    pub retry_cnt: u8,
+    /// Retransmissions after RNR NAKs (0..=7; 7 = unlimited).
+    pub rnr_retry: u8,
+    /// RNR timer code we put in our RNR NAKs (IB table; 1 = 10 µs … 31 = 491 ms).
+    pub min_rnr_timer: u8,
+}
+
+impl Default for QpAttr {
+    fn default() -> Self {
+        QpAttr {
+            mtu: 4096,
+            dest: SocketAddr::from(([0, 0, 0, 0], wire::ROCEV2_PORT)),
+            dest_qpn: 0,
+            rq_psn: 0,
+            sq_psn: 0,
+            timeout: 12,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 1,
+        }
+    }
+}
+
+/// The IB RNR timer table in microseconds (code 0 is the longest).
+fn rnr_delay(code: u8) -> Duration {
+    const US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
+        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+        245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(US[(code & 31) as usize] as u64)
+}
+
+/// The IB local ACK timeout: 4.096 µs × 2^code.
+pub fn ack_timeout(code: u8) -> Duration {
+    Duration::from_nanos(4096u64 << code.clamp(1, 31))
+}
+
+#[derive(Clone, Copy)]
+struct SendWqe {
+    wr: SendWr,
+    inline: [u8; MAX_INLINE],
+    len: u32,
+    psn: u32,
+    npkts: u32,
+    /// Send/write: acknowledged. Read: all response packets received.
+    done: bool,
+    /// Read: response packets received in order.
+    resp: u32,
+}
+
+struct RecvWqe {
+    wr: RecvWr,
+}
+
+/// A SEND message being received.
+struct InSend {
+    wqe: RecvWqe,
+    off: u32,
+}
+
+/// An RDMA WRITE message being received.
+struct InWrite {
+    va: u64,
+    rkey: u32,
+    left: u32,
+    total: u32,
+}
+
+/// RDMA READ responses to send.
+struct ReadJob {
+    psn: u32,
+    va: u64,
+    rkey: u32,
+    len: u32,
+    sent: u32,
+}
+
+/// Statistics of an engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Datagrams accepted.
+    pub rx_packets: u64,
+    /// Datagrams produced.
+    pub tx_packets: u64,
+    /// Datagrams dropped for a bad ICRC.
+    pub icrc_errors: u64,
+    /// Datagrams dropped as malformed or for an unknown QP.
+    pub malformed: u64,
+    /// Duplicate requests seen.
+    pub duplicates: u64,
+    /// Out-of-sequence requests dropped.
+    pub out_of_sequence: u64,
+    /// Packets retransmitted.
+    pub retransmits: u64,
+    /// RNR NAKs sent.
+    pub rnr_naks_sent: u64,
+}
+
+struct Qp {
+    qpn: Qpn,
+    state: QpState,
+    send_cq: CqId,
+    recv_cq: CqId,
+    src_port: u16,
+    attr: QpAttr,
+    // requester
+    sq: VecDeque<SendWqe>,
+    next_psn: u32,
+    tx_wqe: usize,
+    tx_pkt: u32,
+    retry_left: u8,
+    rnr_left: u8,
+    rto: Option<Instant>,
+    rnr_until: Option<Instant>,
+    /// One past the highest PSN transmitted (to count retransmissions).
+    sent_hi: u32,
+    // responder
+    rq: VecDeque<RecvWqe>,
+    epsn: u32,
+    msn: u32,
+    in_send: Option<InSend>,
+    in_write: Option<InWrite>,
+    nak_sent: bool,
+    /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
+    ctrl: Option<(Aeth, u32)>,
+    reads: VecDeque<ReadJob>,
+}
+
+impl Qp {
+    /// PSN of the oldest unacknowledged request packet.
+    fn una(&self) -> u32 {
+        match self.sq.iter().find(|w| !w.done) {
+            Some(w) if w.wr.opcode == WrOpcode::Read => psn_add(w.psn, w.resp),
+            Some(w) => w.psn,
+            None => self.next_psn,
+        }
+    }
+    fn mtu(&self) -> u32 {
+        self.attr.mtu
+    }
+    fn outstanding(&self) -> bool {
+        self.sq.iter().any(|w| !w.done)
+    }
+}
+
+/// A datagram to send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    /// Destination address and port.
+    pub dest: SocketAddr,
+    /// Source UDP port it must leave from (part of the ICRC).
+    pub src_port: u16,
+    /// Bytes written at the start of the buffer.
+    pub len: usize,
+}
+
+/// One RoCE v2 endpoint: its queue pairs, completion queues and registered memory.
+pub struct Engine {
+    local_ip: IpAddr,
+    port: u16,
+    qps: Vec<Option<Qp>>,
+    cqs: Vec<VecDeque<Wc>>,
+    /// Registered memory.
+    pub mrs: MrTable,
+    rr: usize,
+    stats: Stats,
+    qpn_gen: u32,
+}
+
+fn access_nak(e: AccessError) -> NakCode {
+    match e {
+        AccessError::BadKey | AccessError::OutOfBounds | AccessError::Denied => {
+            NakCode::RemoteAccessError
+        }
+    }
+}
+
+impl Engine {
+    /// An engine receiving on `local_ip`:`port`.
+    pub fn new(local_ip: IpAddr, port: u16) -> Engine {
+        Engine {
+            local_ip,
+            port,
+            qps: Vec::new(),
+            cqs: Vec::new(),
+            mrs: MrTable::default(),
+            rr: 0,
+            stats: Stats::default(),
+            qpn_gen: 0,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// Local address and RoCE port.
+    pub fn local(&self) -> SocketAddr {
+        SocketAddr::new(self.local_ip, self.port)
+    }
+
+    /// Create a completion queue.
+    pub fn create_cq(&mut self) -> CqId {
+        self.cqs.push(VecDeque::new());
+        self.cqs.len() - 1
+    }
+
+    /// Take up to `out.len()` completions.
+    pub fn poll_cq(&mut self, cq: CqId, out: &mut [Wc]) -> usize {
+        let Some(q) = self.cqs.get_mut(cq) else {
+            return 0;
+        };
+        let n = out.len().min(q.len());
+        for (o, w) in out.iter_mut().zip(q.drain(..n)) {
+            *o = w;
+        }
+        n
+    }
+
+    /// Create a QP in RESET whose packets leave from UDP port `src_port`.
+    pub fn create_qp(&mut self, send_cq: CqId, recv_cq: CqId, src_port: u16) -> Result<Qpn> {
+        if send_cq >= self.cqs.len() || recv_cq >= self.cqs.len() {
+            return Err(Error::arg("create_qp: unknown completion queue"));
+        }
+        let slot = self
+            .qps
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or_else(|| {
+                self.qps.push(None);
+                self.qps.len() - 1
+            });
+        self.qpn_gen = self.qpn_gen.wrapping_add(1);
+        // Low 12 bits: the slot; high bits: a generation, so stale packets miss new QPs.
+        let qpn = ((self.qpn_gen & 0xfff) << 12 | slot as u32) & PSN_MASK;
+        let qpn = if qpn < 2 { qpn | 0x1000 } else { qpn }; // QPs 0 and 1 are special in IB
+        if slot >= 0x1000 {
+            return Err(Error::arg("too many queue pairs"));
+        }
+        self.qps[slot] = Some(Qp {
+            qpn,
+            state: QpState::Reset,
+            send_cq,
+            recv_cq,
+            src_port,
+            attr: QpAttr::default(),
+            sq: VecDeque::new(),
+            next_psn: 0,
+            tx_wqe: 0,
+            tx_pkt: 0,
+            retry_left: 0,
+            rnr_left: 0,
+            rto: None,
+            rnr_until: None,
+            sent_hi: 0,
+            rq: VecDeque::new(),
+            epsn: 0,
+            msn: 0,
+            in_send: None,
+            in_write: None,
+            nak_sent: false,
+            ctrl: None,
+            reads: VecDeque::new(),
+        });
+        Ok(qpn)
+    }
+
+    fn qp(&mut self, qpn: Qpn) -> Result<&mut Qp> {
+        self.qps
+            .get_mut((qpn & 0xfff) as usize)
+            .and_then(|q| q.as_mut())
+            .filter(|q| q.qpn == qpn)
+            .ok_or_else(|| Error::arg(format!("no queue pair {qpn:#x}")))
+    }
+
+    /// State of a QP.
+    pub fn qp_state(&mut self, qpn: Qpn) -> Result<QpState> {
+        Ok(self.qp(qpn)?.state)
+    }
+
+    /// Destroy a QP (no completions for what was outstanding).
+    pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<()> {
+        self.qp(qpn)?;
+        self.qps[(qpn & 0xfff) as usize] = None;
+        Ok(())
+    }
+
+    /// Move a QP to `to`, taking the attributes that transition needs (RESET→INIT,
+    /// INIT→RTR: mtu, dest, dest_qpn, rq_psn, min_rnr_timer; RTR→RTS: sq_psn, timeout,
+    /// retry_cnt, rnr_retry; any→ERROR; any→RESET).
+    pub fn modify_qp(&mut self, qpn: Qpn, to: QpState, attr: &QpAttr) -> Result<()> {
+        let qp = self.qp(qpn)?;
+        let from = qp.state;
+        let bad = || {
+            Err(Error::InvalidUsage(format!(
+                "modify_qp({qpn:#x}): no transition from {from:?} to {to:?} (RESET → INIT → RTR → RTS; any → ERROR or RESET)"
+            )))
+        };
+        match (from, to) {
+            (QpState::Reset, QpState::Init) => {}
+            (QpState::Init, QpState::Rtr) => {
+                if ![256, 512, 1024, 2048, 4096].contains(&attr.mtu) {
+                    return Err(Error::arg(format!(
+                        "path MTU {} is not one of 256, 512, 1024, 2048, 4096",
+                        attr.mtu
+                    )));
+                }
+                qp.attr.mtu = attr.mtu;
+                qp.attr.dest = attr.dest;
+                qp.attr.dest_qpn = attr.dest_qpn & PSN_MASK;
+                qp.attr.min_rnr_timer = attr.min_rnr_timer;
+                qp.epsn = attr.rq_psn & PSN_MASK;
+            }
+            (QpState::Rtr, QpState::Rts) => {
+                qp.attr.timeout = attr.timeout.clamp(1, 31);
+                qp.attr.retry_cnt = attr.retry_cnt.min(7);
+                qp.attr.rnr_retry = attr.rnr_retry.min(7);
+                qp.next_psn = attr.sq_psn & PSN_MASK;
+                qp.sent_hi = qp.next_psn;
+                qp.retry_left = qp.attr.retry_cnt;
+                qp.rnr_left = qp.attr.rnr_retry;
+            }
+            (_, QpState::Error) => {
+                self.fail_qp(qpn, None);
+                return Ok(());
+            }
+            (_, QpState::Reset) => {
+                let qp = self.qp(qpn)?;
+                let (scq, rcq, port) = (qp.send_cq, qp.recv_cq, qp.src_port);
+                self.qps[(qpn & 0xfff) as usize] = None;
+                let n = self.create_qp_at(qpn, scq, rcq, port);
+                debug_assert_eq!(n, qpn);
+                return Ok(());
+            }
+            _ => return bad(),
+        }
+        self.qp(qpn)?.state = to;
+        Ok(())
+    }
+
+    fn create_qp_at(&mut self, qpn: Qpn, scq: CqId, rcq: CqId, port: u16) -> Qpn {
+        let saved = self.qpn_gen;
+        self.qpn_gen = (qpn >> 12).wrapping_sub(1);
+        let n = self.create_qp(scq, rcq, port).unwrap_or(qpn);
+        self.qpn_gen = saved;
+        n
+    }
+
+    /// Post a send work request (RTS only; on an ERROR QP it completes with WR_FLUSH_ERR).
+    pub fn post_send(&mut self, qpn: Qpn, wr: &SendWr) -> Result<()> {
+        let len = wr.sge.map_or(0, |s| s.len);
+        let mut inline = [0u8; MAX_INLINE];
+        if wr.inline {
+            if len as usize > MAX_INLINE {
+                return Err(Error::arg(format!(
+                    "inline data of {len} bytes exceeds {MAX_INLINE}"
+                )));
+            }
+            if let Some(s) = wr.sge {
+                let data = self
+                    .mrs
+                    .read(s.lkey, s.addr, len as usize, Access::default())
+                    .map_err(|e| {
+                        Error::arg(format!("inline data not in a registered region: {e:?}"))
+                    })?;
+                inline[..len as usize].copy_from_slice(data);
+            }
+        } else if let Some(s) = wr.sge {
+            let need = if wr.opcode == WrOpcode::Read {
+                Access::LOCAL_WRITE
+            } else {
+                Access::default()
+            };
+            if self.mrs.check(s.lkey, s.addr, len as usize, need).is_err() {
+                let qp = self.qp(qpn)?;
+                let cq = qp.send_cq;
+                let c = Wc {
+                    wr_id: wr.wr_id,
+                    status: WcStatus::LocProtErr,
+                    opcode: wc_op(wr.opcode),
+                    byte_len: 0,
+                    imm: None,
+                    qpn,
+                };
+                self.cqs[cq].push_back(c);
+                self.fail_qp(qpn, None);
+                return Ok(());
+            }
+        }
+        let qp = self.qp(qpn)?;
+        match qp.state {
+            QpState::Rts => {}
+            QpState::Error => {
+                let cq = qp.send_cq;
+                let c = Wc {
+                    wr_id: wr.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: wc_op(wr.opcode),
+                    byte_len: 0,
+                    imm: None,
+                    qpn,
+                };
+                self.cqs[cq].push_back(c);
+                return Ok(());
+            }
+            s => {
+                return Err(Error::InvalidUsage(format!(
+                    "post_send on QP {qpn:#x} in state {s:?}: it must be in RTS"
+                )))
+            }
+        }
+        let mtu = qp.mtu();
+        let npkts = len.div_ceil(mtu).max(1);
+        let psn = qp.next_psn;
+        qp.next_psn = psn_add(psn, npkts);
+        if qp.sq.iter().all(|w| w.done) {
+            qp.rto = None; // restarted below by transmission
+        }
+        qp.sq.push_back(SendWqe {
+            wr: *wr,
+            inline,
+            len,
+            psn,
+            npkts,
+            done: false,
+            resp: 0,
+        });
+        Ok(())
+    }
+
+    /// Post a receive work request (INIT, RTR or RTS).
+    pub fn post_recv(&mut self, qpn: Qpn, wr: &RecvWr) -> Result<()> {
+        if let Some(s) = wr.sge {
+            if self
+                .mrs
+                .check(s.lkey, s.addr, s.len as usize, Access::LOCAL_WRITE)
+                .is_err()
+            {
+                return Err(Error::arg(format!(
+                    "post_recv: buffer {:#x}+{} is not inside a region with local write access (lkey {:#x})",
+                    s.addr, s.len, s.lkey
+                )));
+            }
+        }
+        let qp = self.qp(qpn)?;
+        match qp.state {
+            QpState::Init | QpState::Rtr | QpState::Rts => {
+                qp.rq.push_back(RecvWqe { wr: *wr });
+                Ok(())
+            }
+            QpState::Error => {
+                let cq = qp.recv_cq;
+                self.cqs[cq].push_back(Wc {
+                    wr_id: wr.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: WcOpcode::Recv,
+                    byte_len: 0,
+                    imm: None,
+                    qpn,
+                });
+                Ok(())
+            }
+            QpState::Reset => Err(Error::InvalidUsage(format!(
+                "post_recv on QP {qpn:#x} in RESET: move it to INIT first"
+            ))),
+        }
+    }
+
+    /// Put a QP in ERROR: `first` completes with its own status, every other outstanding
+    /// request with WR_FLUSH_ERR.
+    fn fail_qp(&mut self, qpn: Qpn, first: Option<WcStatus>) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        qp.state = QpState::Error;
+        let (scq, rcq) = (qp.send_cq, qp.recv_cq);
+        let sq: Vec<SendWqe> = qp.sq.drain(..).collect();
+        let rq: Vec<RecvWqe> = qp.rq.drain(..).collect();
+        let in_send = qp.in_send.take();
+        qp.reads.clear();
+        qp.in_write = None;
+        qp.rto = None;
+        qp.rnr_until = None;
+        let mut first = first;
+        for w in sq.iter().filter(|w| !w.done || w.wr.signaled) {
+            let status = if w.done {
+                WcStatus::Success
+            } else {
+                first.take().unwrap_or(WcStatus::WrFlushErr)
+            };
+            self.cqs[scq].push_back(Wc {
+                wr_id: w.wr.wr_id,
+                status,
+                opcode: wc_op(w.wr.opcode),
+                byte_len: w.len,
+                imm: None,
+                qpn,
+            });
+        }
+        for r in in_send.map(|s| s.wqe).into_iter().chain(rq) {
+            self.cqs[rcq].push_back(Wc {
+                wr_id: r.wr.wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode: WcOpcode::Recv,
+                byte_len: 0,
+                imm: None,
+                qpn,
+            });
+        }
+    }
+
+    /// Complete finished send WQEs at the head of the queue, in order.
+    fn reap(&mut self, qpn: Qpn) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        let cq = qp.send_cq;
+        let mut out = Vec::new();
+        while qp.sq.front().is_some_and(|w| w.done) {
+            let w = qp.sq.pop_front().expect("front exists");
+            qp.tx_wqe = qp.tx_wqe.saturating_sub(1);
+            if w.wr.signaled {
+                out.push(Wc {
+                    wr_id: w.wr.wr_id,
+                    status: WcStatus::Success,
+                    opcode: wc_op(w.wr.opcode),
+                    byte_len: w.len,
+                    imm: None,
+                    qpn,
+                });
+            }
+        }
+        if !qp.outstanding() {
+            qp.rto = None;
+        }
+        self.cqs[cq].extend(out);
+    }
+
+    /// The next deadline, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.qps
+            .iter()
+            .flatten()
+            .flat_map(|q| [q.rto, q.rnr_until])
+            .flatten()
+            .min()
+    }
+
+    /// Advance timers to `now`: retransmit after a timeout or an RNR wait.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let qpns: Vec<Qpn> = self.qps.iter().flatten().map(|q| q.qpn).collect();
+        for qpn in qpns {
+            let Ok(qp) = self.qp(qpn) else { continue };
+            if qp.rnr_until.is_some_and(|t| now >= t) {
+                qp.rnr_until = None;
+            }
+            if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
+                if qp.retry_left == 0 {
+                    self.fail_qp(qpn, Some(WcStatus::RetryExcErr));
+                    continue;
+                }
+                qp.retry_left -= 1;
+                qp.rto = None;
+                Self::rewind(qp, qp.una());
+            }
+        }
+    }
+
+    /// Go back to PSN `psn` (go-back-N).
+    fn rewind(qp: &mut Qp, psn: u32) {
+        for (i, w) in qp.sq.iter().enumerate() {
+            if w.done {
+                continue;
+            }
+            let d = psn_diff(psn, w.psn);
+            if d < w.npkts as i32 {
+                qp.tx_wqe = i;
+                qp.tx_pkt = if w.wr.opcode == WrOpcode::Read {
+                    w.resp
+                } else {
+                    d.max(0) as u32
+                };
+                return;
+            }
+        }
+    }
+
+    /// Process one received UDP datagram from `from` (sent to our port on `self.local_ip`).
+    pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let ip = IpInfo {
+            src: from.ip(),
+            dst: self.local_ip,
+            src_port: from.port(),
+            dst_port: self.port,
+        };
+        let pkt = match wire::decode(data, &ip, true) {
+            Ok(p) => p,
+            Err(wire::DecodeError::BadIcrc { .. }) => {
+                self.stats.icrc_errors += 1;
+                return;
+            }
+            Err(_) => {
+                self.stats.malformed += 1;
+                return;
+            }
+        };
+        let qpn = pkt.bth.dest_qp;
+        let Ok(qp) = self.qp(qpn) else {
+            self.stats.malformed += 1;
+            return;
+        };
+        if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
+            return;
+        }
+        self.stats.rx_packets += 1;
+        let op = pkt.bth.opcode;
+        if op == Opcode::Ack || op.is_read_response() {
+            self.on_response(now, qpn, &pkt);
+        } else {
+            self.on_request(qpn, &pkt);
+        }
+    }
+
+    // ----- requester side --------------------------------------------------------------
+
+    fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        let psn = pkt.bth.psn;
+        if pkt.bth.opcode.is_read_response() {
+            // Responses of the oldest unfinished read, in order; anything else waits for
+            // the retransmission timer. Sends and writes before it are implicitly
+            // acknowledged by the response.
+            let Some(i) = qp
+                .sq
+                .iter()
+                .position(|w| !w.done && w.wr.opcode == WrOpcode::Read)
+            else {
+                return;
+            };
+            let w = qp.sq[i];
+            if psn != psn_add(w.psn, w.resp) {
+                return;
+            }
+            // Everything before the read is implicitly acknowledged.
+            for x in qp.sq.iter_mut().take(i) {
+                x.done = true;
+            }
+            let mtu = qp.mtu();
+            let off = w.resp * mtu;
+            let expect = (w.len - off.min(w.len)).min(mtu) as usize;
+            let last = w.resp + 1 == w.npkts;
+            if pkt.payload.len() != expect
+                || (last != (pkt.bth.opcode.is_last() || pkt.bth.opcode.is_only()))
+            {
+                self.fail_qp(qpn, Some(WcStatus::RemInvReqErr));
+                return;
+            }
+            if let Some(s) = w.wr.sge {
+                if self
+                    .mrs
+                    .write(
+                        s.lkey,
+                        s.addr + off as u64,
+                        pkt.payload,
+                        Access::LOCAL_WRITE,
+                    )
+                    .is_err()
+                {
+                    self.fail_qp(qpn, Some(WcStatus::LocProtErr));
+                    return;
+                }
+            }
+            let Ok(qp) = self.qp(qpn) else { return };
+            let w = &mut qp.sq[i];
+            w.resp += 1;
+            if w.resp == w.npkts {
+                w.done = true;
+            }
+            qp.retry_left = qp.attr.retry_cnt;
+            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
+            self.reap(qpn);
+            return;
+        }
+        let Some(aeth) = pkt.aeth else { return };
+        match aeth.kind() {
+            Some(AckKind::Ack { .. }) => {
+                // Acknowledges every send and write up to `psn`; reads finish only with
+                // their responses (completions are still reaped in order).
+                let mut progressed = false;
+                for w in qp.sq.iter_mut().filter(|w| !w.done) {
+                    let last = psn_add(w.psn, w.npkts - 1);
+                    if psn_diff(psn, last) < 0 {
+                        break;
+                    }
+                    if w.wr.opcode != WrOpcode::Read {
+                        w.done = true;
+                        progressed = true;
+                    }
+                }
+                if progressed {
+                    qp.retry_left = qp.attr.retry_cnt;
+                    qp.rnr_left = qp.attr.rnr_retry;
+                    qp.rto = if qp.outstanding() {
+                        Some(now + ack_timeout(qp.attr.timeout))
+                    } else {
+                        None
+                    };
+                }
+                self.reap(qpn);
+            }
+            Some(AckKind::RnrNak { timer }) => {
+                Self::ack_before(qp, psn);
+                if qp.rnr_left == 0 {
+                    self.reap(qpn);
+                    self.fail_qp(qpn, Some(WcStatus::RnrRetryExcErr));
+                    return;
+                }
+                if qp.attr.rnr_retry != 7 {
+                    qp.rnr_left -= 1;
+                }
+                qp.rnr_until = Some(now + rnr_delay(timer));
+                qp.rto = None;
+                Self::rewind(qp, psn);
+                self.reap(qpn);
+            }
+            Some(AckKind::Nak(NakCode::PsnSequenceError)) => {
+                Self::ack_before(qp, psn);
+                Self::rewind(qp, psn);
+                self.reap(qpn);
+            }
+            Some(AckKind::Nak(code)) => {
+                Self::ack_before(qp, psn);
+                self.reap(qpn);
+                let status = match code {
+                    NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+                    NakCode::InvalidRequest => WcStatus::RemInvReqErr,
+                    _ => WcStatus::RemOpErr,
+                };
+                self.fail_qp(qpn, Some(status));
+            }
+            None => {}
+        }
+    }
+
+    /// Mark every send/write that ends before `psn` acknowledged.
+    fn ack_before(qp: &mut Qp, psn: u32) {
+        for w in qp.sq.iter_mut().filter(|w| !w.done) {
+            if w.wr.opcode == WrOpcode::Read || psn_diff(psn, psn_add(w.psn, w.npkts - 1)) <= 0 {
+                break;
+            }
+            w.done = true;
+        }
+    }
+
+    // ----- responder side --------------------------------------------------------------
+
+    fn on_request(&mut self, qpn: Qpn, pkt: &Packet) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        let op = pkt.bth.opcode;
+        let d = psn_diff(pkt.bth.psn, qp.epsn);
+        if d < 0 {
+            self.stats.duplicates += 1;
+            if op == Opcode::ReadRequest {
+                // Re-execute the read (the responses may have been lost).
+                if let Some(r) = pkt.reth {
+                    if self
+                        .mrs
+                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
+                        .is_ok()
+                    {
+                        let qp = self.qp(qpn).expect("checked");
+                        qp.reads.retain(|j| j.psn != pkt.bth.psn);
+                        qp.reads.push_back(ReadJob {
+                            psn: pkt.bth.psn,
+                            va: r.va,
+                            rkey: r.rkey,
+                            len: r.dma_len,
+                            sent: 0,
+                        });
+                    }
+                }
+            } else {
+                let qp = self.qp(qpn).expect("checked");
+                let (msn, last) = (qp.msn, psn_add(qp.epsn, PSN_MASK));
+                qp.ctrl = Some((Aeth::ack(msn), last));
+            }
+            return;
+        }
+        if d > 0 {
+            if !qp.nak_sent {
+                qp.nak_sent = true;
+                qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
+            }
+            self.stats.out_of_sequence += 1;
+            return;
+        }
+        // In sequence.
+        let psn = pkt.bth.psn;
+        let mut end_of_message = op.is_last() || op.is_only();
+        if op.is_send() {
+            if op.is_first() || op.is_only() {
+                if qp.in_send.is_some() {
+                    return self.nak(qpn, NakCode::InvalidRequest, None);
+                }
+                let Some(wqe) = qp.rq.pop_front() else {
+                    return self.rnr(qpn);
+                };
+                qp.in_send = Some(InSend { wqe, off: 0 });
+            }
+            let Some(mut s) = qp.in_send.take() else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            let cap = s.wqe.wr.sge.map_or(0, |g| g.len);
+            let n = pkt.payload.len() as u32;
+            if s.off + n > cap {
+                let rcq = qp.recv_cq;
+                self.cqs[rcq].push_back(Wc {
+                    wr_id: s.wqe.wr.wr_id,
+                    status: WcStatus::LocLenErr,
+                    opcode: WcOpcode::Recv,
+                    byte_len: s.off + n,
+                    imm: None,
+                    qpn,
+                });
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            }
+            if let Some(g) = s.wqe.wr.sge {
+                if self
+                    .mrs
+                    .write(
+                        g.lkey,
+                        g.addr + s.off as u64,
+                        pkt.payload,
+                        Access::LOCAL_WRITE,
+                    )
+                    .is_err()
+                {
+                    return self.nak(qpn, NakCode::RemoteOperationalError, None);
+                }
+            }
+            s.off += n;
+            let qp = self.qp(qpn).expect("checked");
+            if end_of_message {
+                let rcq = qp.recv_cq;
+                let wc = Wc {
+                    wr_id: s.wqe.wr.wr_id,
+                    status: WcStatus::Success,
+                    opcode: WcOpcode::Recv,
+                    byte_len: s.off,
+                    imm: pkt.imm,
+                    qpn,
+                };
+                self.cqs[rcq].push_back(wc);
+            } else {
+                qp.in_send = Some(s);
+            }
+        } else if op.is_write() {
+            if op.is_first() || op.is_only() {
+                let Some(r) = pkt.reth else {
+                    return self.nak(qpn, NakCode::InvalidRequest, None);
+                };
+                if let Err(e) =
+                    self.mrs
+                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
+                {
+                    return self.nak(qpn, access_nak(e), None);
+                }
+                let qp = self.qp(qpn).expect("checked");
+                qp.in_write = Some(InWrite {
+                    va: r.va,
+                    rkey: r.rkey,
+                    left: r.dma_len,
+                    total: r.dma_len,
+                });
+            }
+            let qp = self.qp(qpn).expect("checked");
+            if pkt.imm.is_some() && qp.rq.is_empty() {
+                return self.rnr(qpn); // the immediate needs a receive; data not written yet
+            }
+            let Some(mut w) = qp.in_write.take() else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            let n = pkt.payload.len() as u32;
+            if n > w.left || (end_of_message && n != w.left) {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            }
+            if self
+                .mrs
+                .write(w.rkey, w.va, pkt.payload, Access::REMOTE_WRITE)
+                .is_err()
+            {
+                return self.nak(qpn, NakCode::RemoteAccessError, None);
+            }
+            w.va += n as u64;
+            w.left -= n;
+            let qp = self.qp(qpn).expect("checked");
+            if end_of_message {
+                if let Some(imm) = pkt.imm {
+                    let r = qp.rq.pop_front().expect("checked non-empty");
+                    let rcq = qp.recv_cq;
+                    let wc = Wc {
+                        wr_id: r.wr.wr_id,
+                        status: WcStatus::Success,
+                        opcode: WcOpcode::RecvRdmaWithImm,
+                        byte_len: w.total,
+                        imm: Some(imm),
+                        qpn,
+                    };
+                    self.cqs[rcq].push_back(wc);
+                }
+            } else {
+                qp.in_write = Some(w);
+            }
+        } else if op == Opcode::ReadRequest {
+            let Some(r) = pkt.reth else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            if let Err(e) = self
+                .mrs
+                .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
+            {
+                return self.nak(qpn, access_nak(e), None);
+            }
+            let qp = self.qp(qpn).expect("checked");
+            let n = r.dma_len.div_ceil(qp.mtu()).max(1);
+            qp.reads.push_back(ReadJob {
+                psn,
+                va: r.va,
+                rkey: r.rkey,
+                len: r.dma_len,
+                sent: 0,
+            });
+            qp.epsn = psn_add(qp.epsn, n - 1); // plus one below
+            qp.msn = (qp.msn + 1) & PSN_MASK;
+            end_of_message = false; // acknowledged by the responses
+        } else {
+            return self.nak(qpn, NakCode::InvalidRequest, None);
+        }
+        let qp = self.qp(qpn).expect("checked");
+        qp.epsn = psn_add(qp.epsn, 1);
+        qp.nak_sent = false;
+        if end_of_message {
+            qp.msn = (qp.msn + 1) & PSN_MASK;
+        }
+        if pkt.bth.ack_req && op != Opcode::ReadRequest {
+            qp.ctrl = Some((Aeth::ack(qp.msn), psn));
+        }
+    }
+
+    fn rnr(&mut self, qpn: Qpn) {
+        self.stats.rnr_naks_sent += 1;
+        if let Ok(qp) = self.qp(qpn) {
+            qp.ctrl = Some((Aeth::rnr_nak(qp.msn, qp.attr.min_rnr_timer), qp.epsn));
+        }
+    }
+
+    /// NAK the expected PSN; fatal codes also put the responder QP in ERROR.
+    fn nak(&mut self, qpn: Qpn, code: NakCode, _status: Option<WcStatus>) {
+        if let Ok(qp) = self.qp(qpn) {
+            qp.ctrl = Some((Aeth::nak(qp.msn, code), qp.epsn));
+            qp.in_write = None;
+        }
+    }
+
+    // ----- transmission ----------------------------------------------------------------
+
+    /// Write the next datagram into `buf` (at least 4200 bytes for MTU 4096).
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let n = self.qps.len();
+        for k in 0..n {
+            let slot = (self.rr + k) % n;
+            if let Some(t) = self.transmit_from(slot, now, buf) {
+                self.rr = slot; // stay on this QP while it has data: fewer switches
+                self.stats.tx_packets += 1;
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    fn transmit_from(&mut self, slot: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        let qp = self.qps.get_mut(slot)?.as_mut()?;
+        if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
+            return None;
+        }
+        let ip = IpInfo {
+            src: self.local_ip,
+            dst: qp.attr.dest.ip(),
+            src_port: qp.src_port,
+            dst_port: qp.attr.dest.port(),
+        };
+        let bth = |opcode, psn, ack_req| Bth {
+            opcode,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: wire::DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: qp.attr.dest_qpn,
+            ack_req,
+            psn,
+        };
+        let out = |len| Transmit {
+            dest: qp.attr.dest,
+            src_port: qp.src_port,
+            len,
+        };
+        // 1. Acknowledgements — after the responses of earlier reads, so that responses
+        // leave in PSN order as the requester expects.
+        let reads_first = match (qp.ctrl, qp.reads.front()) {
+            (Some((_, c)), Some(j)) => psn_diff(j.psn, c) < 0,
+            _ => false,
+        };
+        if let Some((aeth, psn)) = qp.ctrl.filter(|_| !reads_first) {
+            qp.ctrl = None;
+            let p = Packet {
+                bth: bth(Opcode::Ack, psn, false),
+                reth: None,
+                imm: None,
+                aeth: Some(aeth),
+                payload: &[],
+            };
+            return wire::encode(&p, &ip, buf).ok().map(out);
+        }
+        // 2. RDMA READ responses.
+        if let Some(j) = qp.reads.front_mut() {
+            let mtu = qp.attr.mtu;
+            let n = j.len.div_ceil(mtu).max(1);
+            let off = j.sent * mtu;
+            let len = (j.len - off.min(j.len)).min(mtu);
+            let opcode = match (n, j.sent) {
+                (1, _) => Opcode::ReadRespOnly,
+                (_, 0) => Opcode::ReadRespFirst,
+                (_, s) if s + 1 == n => Opcode::ReadRespLast,
+                _ => Opcode::ReadRespMiddle,
+            };
+            let psn = psn_add(j.psn, j.sent);
+            let (va, rkey) = (j.va + off as u64, j.rkey);
+            j.sent += 1;
+            if j.sent == n {
+                qp.reads.pop_front();
+            }
+            let aeth = opcode.has_aeth().then(|| Aeth::ack(qp.msn));
+            let payload = self
+                .mrs
+                .read(rkey, va, len as usize, Access::REMOTE_READ)
+                .ok()?;
+            let p = Packet {
+                bth: bth(opcode, psn, false),
+                reth: None,
+                imm: None,
+                aeth,
+                payload,
+            };
+            return wire::encode(&p, &ip, buf).ok().map(out);
+        }
+        // 3. Requests.
+        if qp.state != QpState::Rts || qp.rnr_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        let una = qp.una();
+        let w = *qp.sq.get(qp.tx_wqe)?;
+        let mtu = qp.attr.mtu;
+        let pkt_psn = psn_add(w.psn, qp.tx_pkt);
+        if psn_diff(pkt_psn, una) >= WINDOW as i32 {
+            return None;
+        }
+        let (opcode, payload_off, payload_len, reth, imm, ack_req, advance_wqe) =
+            if w.wr.opcode == WrOpcode::Read {
+                // One request for the remaining responses.
+                let off = w.resp * mtu;
+                let reth = Reth {
+                    va: w.wr.remote_addr + off as u64,
+                    rkey: w.wr.rkey,
+                    dma_len: w.len - off.min(w.len),
+                };
+                (Opcode::ReadRequest, 0, 0, Some(reth), None, true, true)
+            } else {
+                let j = qp.tx_pkt;
+                let n = w.npkts;
+                let off = j * mtu;
+                let len = (w.len - off.min(w.len)).min(mtu);
+                let is_send = matches!(w.wr.opcode, WrOpcode::Send | WrOpcode::SendImm);
+                let with_imm = matches!(w.wr.opcode, WrOpcode::SendImm | WrOpcode::WriteImm);
+                let pos = match (n, j) {
+                    (1, _) => 3, // only
+                    (_, 0) => 0, // first
+                    (_, j) if j + 1 == n => 2,
+                    _ => 1,
+                };
+                let opcode = match (is_send, pos, with_imm) {
+                    (true, 0, _) => Opcode::SendFirst,
+                    (true, 1, _) => Opcode::SendMiddle,
+                    (true, 2, false) => Opcode::SendLast,
+                    (true, 2, true) => Opcode::SendLastImm,
+                    (true, _, false) => Opcode::SendOnly,
+                    (true, _, true) => Opcode::SendOnlyImm,
+                    (false, 0, _) => Opcode::WriteFirst,
+                    (false, 1, _) => Opcode::WriteMiddle,
+                    (false, 2, false) => Opcode::WriteLast,
+                    (false, 2, true) => Opcode::WriteLastImm,
+                    (false, _, false) => Opcode::WriteOnly,
+                    (false, _, true) => Opcode::WriteOnlyImm,
+                };
+                let reth = opcode.has_reth().then_some(Reth {
+                    va: w.wr.remote_addr,
+                    rkey: w.wr.rkey,
+                    dma_len: w.len,
+                });
+                let imm = opcode.has_imm().then_some(w.wr.imm);
+                let ack_req = j + 1 == n || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1;
+                (opcode, off, len, reth, imm, ack_req, j + 1 == n)
+            };
+        if psn_diff(pkt_psn, una) < 0 {
+            return None;
+        }
+        // Retransmissions are packets below the highest PSN sent so far.
+        if psn_diff(pkt_psn, qp.sent_hi) < 0 {
+            self.stats.retransmits += 1;
+        } else {
+            qp.sent_hi = psn_add(pkt_psn, 1);
+        }
+        if advance_wqe {
+            qp.tx_wqe += 1;
+            qp.tx_pkt = 0;
+        } else {
+            qp.tx_pkt += 1;
+        }
+        if qp.rto.is_none() {
+            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
+        }
+        let payload: &[u8] = if w.wr.inline {
+            &w.inline[payload_off as usize..(payload_off + payload_len) as usize]
+        } else {
+            match w.wr.sge {
+                Some(s) if payload_len > 0 => self
+                    .mrs
+                    .read(
+                        s.lkey,
+                        s.addr + payload_off as u64,
+                        payload_len as usize,
+                        Access::default(),
+                    )
+                    .ok()?,
+                _ => &[],
+            }
+        };
+        let p = Packet {
+            bth: bth(opcode, pkt_psn, ack_req),
+            reth,
+            imm,
+            aeth: None,
+            payload,
+        };
+        wire::encode(&p, &ip, buf).ok().map(out)
+    }
+}
+
+fn wc_op(op: WrOpcode) -> WcOpcode {
+    match op {
+        WrOpcode::Send | WrOpcode::SendImm => WcOpcode::Send,
+        WrOpcode::Write | WrOpcode::WriteImm => WcOpcode::RdmaWrite,
+        WrOpcode::Read => WcOpcode::RdmaRead,
+    }
+}

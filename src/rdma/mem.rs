@@ -1,0 +1,228 @@
+//! Memory registration for the userspace engine: regions with lkey/rkey and access flags,
+//! and the only place the engine turns an address into bytes (a memory-registration edge).
+
+use crate::error::{Error, Result};
+
+/// Access rights of a memory region (bits as in libibverbs' `ibv_access_flags`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Access(pub u32);
+
+impl Access {
+    /// Local write (receives and RDMA READ responses land here).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// Remote RDMA WRITE.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// Remote RDMA READ.
+    pub const REMOTE_READ: Access = Access(4);
+    /// Everything roccl uses.
+    pub const ALL: Access = Access(7);
+
+    /// True if every bit of `o` is set here.
+    pub fn has(self, o: Access) -> bool {
+        self.0 & o.0 == o.0
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, o: Access) -> Access {
+        Access(self.0 | o.0)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    addr: usize,
+    len: usize,
+    access: Access,
+    key: u32,
+}
+
+/// Why a memory access was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessError {
+    /// No region with that key.
+    BadKey,
+    /// The range leaves the region.
+    OutOfBounds,
+    /// The region lacks the right.
+    Denied,
+}
+
+/// The registered regions of one engine. Keys are `index << 8 | generation` so a stale key
+/// of a deregistered region does not match its successor.
+#[derive(Default)]
+pub struct MrTable {
+    regions: Vec<Option<Region>>,
+    generation: u8,
+}
+
+impl MrTable {
+    /// Register `len` bytes at `addr`; returns the key (used as both lkey and rkey).
+    ///
+    /// # Safety
+    /// The memory must stay valid (and writable if `access` allows writes) until
+    /// [`MrTable::deregister`]; the engine reads and writes it whenever requests target it.
+    pub unsafe fn register(&mut self, addr: usize, len: usize, access: Access) -> Result<u32> {
+        if addr == 0 && len > 0 {
+            return Err(Error::arg("cannot register a NULL address"));
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(Error::arg("memory region wraps around the address space"));
+        }
+        self.generation = self.generation.wrapping_add(1);
+        let slot = self
+            .regions
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or_else(|| {
+                self.regions.push(None);
+                self.regions.len() - 1
+            });
+        if slot >= 1 << 23 {
+            return Err(Error::arg("too many memory regions"));
+        }
+        let key = ((slot as u32) << 8) | self.generation as u32;
+        self.regions[slot] = Some(Region {
+            addr,
+            len,
+            access,
+            key,
+        });
+        Ok(key)
+    }
+
+    /// Remove a registration.
+    pub fn deregister(&mut self, key: u32) -> Result<()> {
+        match self.regions.get_mut((key >> 8) as usize) {
+            Some(r @ Some(_)) if r.as_ref().is_some_and(|x| x.key == key) => {
+                *r = None;
+                Ok(())
+            }
+            _ => Err(Error::arg(format!("no memory region with key {key:#x}"))),
+        }
+    }
+
+    fn find(
+        &self,
+        key: u32,
+        addr: u64,
+        len: usize,
+        need: Access,
+    ) -> std::result::Result<usize, AccessError> {
+        let r = self
+            .regions
+            .get((key >> 8) as usize)
+            .and_then(|r| r.as_ref())
+            .filter(|r| r.key == key)
+            .ok_or(AccessError::BadKey)?;
+        let addr = usize::try_from(addr).map_err(|_| AccessError::OutOfBounds)?;
+        let end = addr.checked_add(len).ok_or(AccessError::OutOfBounds)?;
+        if addr < r.addr || end > r.addr + r.len {
+            return Err(AccessError::OutOfBounds);
+        }
+        if !r.access.has(need) {
+            return Err(AccessError::Denied);
+        }
+        Ok(addr)
+    }
+
+    /// Check that `[addr, addr+len)` is inside region `key` with rights `need`.
+    pub fn check(
+        &self,
+        key: u32,
+        addr: u64,
+        len: usize,
+        need: Access,
+    ) -> std::result::Result<(), AccessError> {
+        self.find(key, addr, len, need).map(|_| ())
+    }
+
+    /// Copy `data` into registered memory.
+    pub fn write(
+        &self,
+        key: u32,
+        addr: u64,
+        data: &[u8],
+        need: Access,
+    ) -> std::result::Result<(), AccessError> {
+        let a = self.find(key, addr, data.len(), need)?;
+        if !data.is_empty() {
+            // SAFETY: the range lies inside a registered region that allows writing (checked);
+            // the registrant guarantees it stays valid until deregistration. `copy` tolerates
+            // overlap with `data` (a loopback write within one region).
+            unsafe { std::ptr::copy(data.as_ptr(), a as *mut u8, data.len()) };
+        }
+        Ok(())
+    }
+
+    /// Borrow registered memory for reading (to build an outgoing packet).
+    pub fn read(
+        &self,
+        key: u32,
+        addr: u64,
+        len: usize,
+        need: Access,
+    ) -> std::result::Result<&[u8], AccessError> {
+        let a = self.find(key, addr, len, need)?;
+        if len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: inside a registered region (checked), valid until deregistration; the slice
+        // lives only while the table is borrowed, i.e. while a packet is being encoded.
+        Ok(unsafe { std::slice::from_raw_parts(a as *const u8, len) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_bounds_and_rights() {
+        let mut buf = vec![0u8; 64];
+        let mut t = MrTable::default();
+        // SAFETY: `buf` outlives the table's use below.
+        let k = unsafe {
+            t.register(
+                buf.as_mut_ptr() as usize,
+                64,
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            )
+        }
+        .unwrap();
+        let base = buf.as_ptr() as u64;
+        t.write(k, base + 60, &[1, 2, 3, 4], Access::REMOTE_WRITE)
+            .unwrap();
+        assert_eq!(
+            t.read(k, base + 60, 4, Access::default()).unwrap(),
+            &[1, 2, 3, 4]
+        );
+        assert_eq!(
+            t.write(k, base + 61, &[0; 4], Access::REMOTE_WRITE),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            t.write(k, base - 1, &[0; 1], Access::REMOTE_WRITE),
+            Err(AccessError::OutOfBounds)
+        );
+        assert_eq!(
+            t.read(k, base, 4, Access::REMOTE_READ).unwrap_err(),
+            AccessError::Denied
+        );
+        assert_eq!(
+            t.read(k ^ 1, base, 4, Access::default()).unwrap_err(),
+            AccessError::BadKey
+        );
+        t.deregister(k).unwrap();
+        assert_eq!(
+            t.read(k, base, 4, Access::default()).unwrap_err(),
+            AccessError::BadKey
+        );
+        // SAFETY: as above.
+        let k2 = unsafe { t.register(buf.as_mut_ptr() as usize, 64, Access::ALL) }.unwrap();
+        assert_ne!(k, k2, "a stale key must not reach the new region");
+        assert!(t.deregister(k).is_err());
+        drop(buf);
+    }
+}

@@ -1,0 +1,676 @@
+//! Tests of the RC engine through a simulated link that drops, duplicates, reorders and
+//! corrupts datagrams, in virtual time.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use super::engine::*;
+use super::mem::Access;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() % 1_000_000) as f64 / 1e6 < p
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    drop: f64,
+    dup: f64,
+    reorder: f64,
+    corrupt: f64,
+}
+
+struct InFlight {
+    at: u64,
+    to: usize,
+    from: SocketAddr,
+    data: Vec<u8>,
+}
+
+struct Sim {
+    eng: [Engine; 2],
+    cq: [CqId; 2],
+    qp: [Qpn; 2],
+    t0: Instant,
+    t: u64,
+    link: Vec<InFlight>,
+    rng: Rng,
+    faults: Faults,
+    /// Drop everything (a dead link).
+    cut: bool,
+}
+
+const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
+
+impl Sim {
+    fn new(seed: u64, faults: Faults, attr: QpAttr) -> Sim {
+        let mk = |i: usize| Engine::new(IpAddr::from(IPS[i]), 4791);
+        let mut eng = [mk(0), mk(1)];
+        let cq = [eng[0].create_cq(), eng[1].create_cq()];
+        let qp = [
+            eng[0].create_qp(cq[0], cq[0], 50_000).unwrap(),
+            eng[1].create_qp(cq[1], cq[1], 50_001).unwrap(),
+        ];
+        // Start PSNs near the 24-bit wrap to exercise it.
+        let psn = [0x00ff_fff0u32, 0x00ff_ff00];
+        for i in 0..2 {
+            let j = 1 - i;
+            let a = QpAttr {
+                dest: SocketAddr::from((IPS[j], 4791)),
+                dest_qpn: qp[j],
+                rq_psn: psn[j],
+                sq_psn: psn[i],
+                ..attr
+            };
+            eng[i].modify_qp(qp[i], QpState::Init, &a).unwrap();
+            eng[i].modify_qp(qp[i], QpState::Rtr, &a).unwrap();
+            eng[i].modify_qp(qp[i], QpState::Rts, &a).unwrap();
+        }
+        Sim {
+            eng,
+            cq,
+            qp,
+            t0: Instant::now(),
+            t: 0,
+            link: Vec::new(),
+            rng: Rng(seed | 1),
+            faults,
+            cut: false,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        self.t0 + Duration::from_micros(self.t)
+    }
+
+    /// One round: transmit everything, deliver what is due, or jump to the next event.
+    fn step(&mut self) {
+        let now = self.now();
+        let mut buf = vec![0u8; 9000];
+        let mut moved = false;
+        for (e, ip) in IPS.iter().enumerate() {
+            while let Some(tx) = self.eng[e].poll_transmit(now, &mut buf) {
+                moved = true;
+                let from = SocketAddr::new(IpAddr::from(*ip), tx.src_port);
+                let to = IPS
+                    .iter()
+                    .position(|ip| IpAddr::from(*ip) == tx.dest.ip())
+                    .expect("known peer");
+                if self.cut || self.rng.chance(self.faults.drop) {
+                    continue;
+                }
+                let mut data = buf[..tx.len].to_vec();
+                if self.rng.chance(self.faults.corrupt) {
+                    let i = (self.rng.next() as usize) % data.len();
+                    data[i] ^= 1 << (self.rng.next() % 8);
+                }
+                let delay = if self.rng.chance(self.faults.reorder) {
+                    5 + self.rng.next() % 200
+                } else {
+                    5
+                };
+                if self.rng.chance(self.faults.dup) {
+                    self.link.push(InFlight {
+                        at: self.t + delay + 3,
+                        to,
+                        from,
+                        data: data.clone(),
+                    });
+                }
+                self.link.push(InFlight {
+                    at: self.t + delay,
+                    to,
+                    from,
+                    data,
+                });
+            }
+        }
+        let due: Vec<InFlight> = {
+            let (d, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.link)
+                .into_iter()
+                .partition(|p| p.at <= self.t);
+            self.link = keep;
+            d
+        };
+        for p in due {
+            moved = true;
+            self.eng[p.to].handle_datagram(now, p.from, &p.data);
+        }
+        if !moved {
+            let next_packet = self.link.iter().map(|p| p.at).min();
+            let next_timer = self
+                .eng
+                .iter()
+                .filter_map(|e| e.poll_timeout())
+                .min()
+                .map(|i| (i.saturating_duration_since(self.t0).as_micros() as u64).max(self.t + 1));
+            self.t = match (next_packet, next_timer) {
+                (Some(a), Some(b)) => a.min(b),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => self.t + 1000,
+            };
+            let now = self.now();
+            for e in &mut self.eng {
+                e.handle_timeout(now);
+            }
+        } else {
+            self.t += 1;
+        }
+    }
+
+    fn run_until(&mut self, mut done: impl FnMut(&mut Sim) -> bool) {
+        for _ in 0..5_000_000 {
+            if done(self) {
+                return;
+            }
+            self.step();
+        }
+        panic!(
+            "simulation did not finish (t = {} µs): states {:?} {:?}, stats {:?} {:?}",
+            self.t,
+            self.eng[0].qp_state(self.qp[0]),
+            self.eng[1].qp_state(self.qp[1]),
+            self.eng[0].stats(),
+            self.eng[1].stats()
+        );
+    }
+
+    fn reg(&mut self, e: usize, buf: &mut [u8], access: Access) -> u32 {
+        // SAFETY: every test keeps its buffers alive until the simulation ends.
+        unsafe {
+            self.eng[e]
+                .mrs
+                .register(buf.as_mut_ptr() as usize, buf.len(), access)
+        }
+        .unwrap()
+    }
+
+    fn drain(&mut self, e: usize, out: &mut Vec<Wc>) {
+        let mut w = [Wc {
+            wr_id: 0,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Send,
+            byte_len: 0,
+            imm: None,
+            qpn: 0,
+        }; 16];
+        loop {
+            let n = self.eng[e].poll_cq(self.cq[e], &mut w);
+            if n == 0 {
+                return;
+            }
+            out.extend_from_slice(&w[..n]);
+        }
+    }
+}
+
+fn attr(mtu: u32) -> QpAttr {
+    QpAttr {
+        mtu,
+        timeout: 8,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        min_rnr_timer: 1,
+        ..QpAttr::default()
+    }
+}
+
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i * 131 + seed * 7919) >> 3) as u8)
+        .collect()
+}
+
+/// Sends, writes, writes with immediate and reads of many sizes through a bad link: each
+/// delivered exactly once, in order, bit-exact.
+fn lossy_workload(seed: u64, faults: Faults) -> Stats {
+    let mut s = Sim::new(seed, faults, attr(1024));
+    let sizes = [0usize, 1, 3, 1023, 1024, 1025, 4096, 5000, 20_000, 7];
+    const N: usize = 80;
+    let mut srcs: Vec<Vec<u8>> = (0..N).map(|i| pattern(i, sizes[i % sizes.len()])).collect();
+    let mut recv_bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; 20_000]).collect();
+    let mut target = vec![0u8; N * 20_000];
+    let mut read_src = pattern(999, 20_016);
+    let mut read_dst: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; 20_000]).collect();
+    let src_keys: Vec<u32> = srcs
+        .iter_mut()
+        .map(|b| s.reg(0, b, Access::LOCAL_WRITE))
+        .collect();
+    let dst_keys: Vec<u32> = read_dst
+        .iter_mut()
+        .map(|b| s.reg(0, b, Access::LOCAL_WRITE))
+        .collect();
+    let recv_keys: Vec<u32> = recv_bufs
+        .iter_mut()
+        .map(|b| s.reg(1, b, Access::LOCAL_WRITE))
+        .collect();
+    let tkey = s.reg(1, &mut target, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let rkey = s.reg(1, &mut read_src, Access::REMOTE_READ);
+    for (i, b) in recv_bufs.iter().enumerate() {
+        let sge = Sge {
+            addr: b.as_ptr() as u64,
+            len: b.len() as u32,
+            lkey: recv_keys[i],
+        };
+        s.eng[1]
+            .post_recv(
+                s.qp[1],
+                &RecvWr {
+                    wr_id: 1000 + i as u64,
+                    sge: Some(sge),
+                },
+            )
+            .unwrap();
+    }
+    let mut expect_recv = Vec::new(); // (message index, len, imm)
+    for i in 0..N {
+        let len = srcs[i].len();
+        let op = [
+            WrOpcode::Send,
+            WrOpcode::Write,
+            WrOpcode::WriteImm,
+            WrOpcode::Read,
+            WrOpcode::SendImm,
+        ][i % 5];
+        let sge = if op == WrOpcode::Read {
+            Some(Sge {
+                addr: read_dst[i].as_ptr() as u64,
+                len: len as u32,
+                lkey: dst_keys[i],
+            })
+        } else {
+            Some(Sge {
+                addr: srcs[i].as_ptr() as u64,
+                len: len as u32,
+                lkey: src_keys[i],
+            })
+        };
+        let (remote_addr, rk) = match op {
+            WrOpcode::Read => (read_src.as_ptr() as u64 + (i % 7) as u64, rkey),
+            _ => (target.as_ptr() as u64 + (i * 20_000) as u64, tkey),
+        };
+        let wr = SendWr {
+            wr_id: i as u64,
+            opcode: op,
+            sge,
+            inline: len <= 16 && op != WrOpcode::Read,
+            imm: 0xabc0_0000 + i as u32,
+            remote_addr,
+            rkey: rk,
+            signaled: true,
+        };
+        s.eng[0].post_send(s.qp[0], &wr).unwrap();
+        if matches!(op, WrOpcode::Send | WrOpcode::SendImm | WrOpcode::WriteImm) {
+            let imm = (op != WrOpcode::Send).then_some(0xabc0_0000 + i as u32);
+            expect_recv.push((i, len, imm, op));
+        }
+    }
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        s.drain(1, &mut b);
+        a.len() == N && b.len() == expect_recv.len()
+    });
+    // Sender: every request completed successfully, in order.
+    for (i, w) in a.iter().enumerate() {
+        assert_eq!(
+            (w.wr_id, w.status),
+            (i as u64, WcStatus::Success),
+            "sender completion {i}"
+        );
+    }
+    // Receiver: one completion per message, in order, with the right length and data.
+    for (k, (w, &(i, len, imm, op))) in b.iter().zip(&expect_recv).enumerate() {
+        assert_eq!(w.status, WcStatus::Success, "receive {k}");
+        assert_eq!(w.wr_id, 1000 + k as u64, "receives are consumed in order");
+        assert_eq!(w.byte_len as usize, len, "message {i} length");
+        assert_eq!(w.imm, imm, "message {i} immediate");
+        let expect_op = if op == WrOpcode::WriteImm {
+            WcOpcode::RecvRdmaWithImm
+        } else {
+            WcOpcode::Recv
+        };
+        assert_eq!(w.opcode, expect_op);
+        if op != WrOpcode::WriteImm {
+            assert_eq!(&recv_bufs[k][..len], &srcs[i][..], "message {i} payload");
+        }
+    }
+    for i in 0..N {
+        let len = srcs[i].len();
+        match i % 5 {
+            1 | 2 => assert_eq!(
+                &target[i * 20_000..i * 20_000 + len],
+                &srcs[i][..],
+                "write {i}"
+            ),
+            3 => assert_eq!(
+                &read_dst[i][..len],
+                &read_src[i % 7..i % 7 + len],
+                "read {i}"
+            ),
+            _ => {}
+        }
+    }
+    let st = [s.eng[0].stats(), s.eng[1].stats()];
+    drop((srcs, recv_bufs, target, read_src, read_dst));
+    Stats {
+        icrc_errors: st[0].icrc_errors + st[1].icrc_errors,
+        retransmits: st[0].retransmits + st[1].retransmits,
+        duplicates: st[0].duplicates + st[1].duplicates,
+        out_of_sequence: st[0].out_of_sequence + st[1].out_of_sequence,
+        ..st[0]
+    }
+}
+
+#[test]
+fn clean_link_delivers_everything() {
+    let st = lossy_workload(1, Faults::default());
+    assert_eq!(st.retransmits, 0);
+    assert_eq!(st.icrc_errors, 0);
+}
+
+#[test]
+fn lossy_links_deliver_everything_exactly_once() {
+    for (seed, p) in [(7u64, 0.01), (11, 0.05), (13, 0.10)] {
+        let f = Faults {
+            drop: p,
+            dup: p,
+            reorder: p,
+            corrupt: p,
+        };
+        let st = lossy_workload(seed, f);
+        assert!(
+            st.retransmits > 0,
+            "p={p}: the link lost packets but nothing was retransmitted"
+        );
+        assert!(
+            st.icrc_errors > 0,
+            "p={p}: corrupted packets must fail the ICRC"
+        );
+        assert!(
+            st.duplicates > 0 || p < 0.02,
+            "p={p}: duplicates must be seen and dropped"
+        );
+    }
+}
+
+#[test]
+fn dead_link_exhausts_retries() {
+    let mut s = Sim::new(
+        3,
+        Faults::default(),
+        QpAttr {
+            retry_cnt: 3,
+            ..attr(4096)
+        },
+    );
+    let mut buf = vec![1u8; 100];
+    let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
+    s.cut = true;
+    let sge = Some(Sge {
+        addr: buf.as_ptr() as u64,
+        len: 100,
+        lkey: k,
+    });
+    for id in 0..3 {
+        let wr = SendWr {
+            wr_id: id,
+            opcode: WrOpcode::Write,
+            sge,
+            inline: false,
+            imm: 0,
+            remote_addr: 0x1000,
+            rkey: 7,
+            signaled: true,
+        };
+        s.eng[0].post_send(s.qp[0], &wr).unwrap();
+    }
+    let mut a = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        a.len() == 3
+    });
+    assert_eq!(a[0].status, WcStatus::RetryExcErr);
+    assert_eq!(a[1].status, WcStatus::WrFlushErr);
+    assert_eq!(a[2].status, WcStatus::WrFlushErr);
+    assert_eq!(s.eng[0].qp_state(s.qp[0]).unwrap(), QpState::Error);
+    // 1 + 3 tries of ~1 ms each (timeout code 8: 4.096 µs × 2^8).
+    assert!(s.t >= 4 * 1000 && s.t < 20_000, "gave up after {} µs", s.t);
+    // New work on an ERROR QP is flushed.
+    let wr = SendWr {
+        wr_id: 9,
+        opcode: WrOpcode::Write,
+        sge,
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: false,
+    };
+    s.eng[0].post_send(s.qp[0], &wr).unwrap();
+    s.drain(0, &mut a);
+    assert_eq!(
+        a.last().map(|w| (w.wr_id, w.status)),
+        Some((9, WcStatus::WrFlushErr))
+    );
+}
+
+#[test]
+fn rkey_bounds_and_rights_are_enforced() {
+    // (rkey ok, offset, len, access granted, opcode)
+    let cases: [(bool, usize, u32, Access, WrOpcode); 4] = [
+        (false, 0, 10, Access::ALL, WrOpcode::Write),
+        (true, 60, 10, Access::ALL, WrOpcode::Write), // past the end
+        (true, 0, 10, Access::LOCAL_WRITE, WrOpcode::Write), // no remote write
+        (
+            true,
+            0,
+            10,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            WrOpcode::Read,
+        ), // no remote read
+    ];
+    for (good_key, off, len, access, op) in cases {
+        let mut s = Sim::new(5, Faults::default(), attr(1024));
+        let mut local = vec![5u8; 64];
+        let mut remote = vec![0u8; 64];
+        let lk = s.reg(0, &mut local, Access::LOCAL_WRITE);
+        let rk = s.reg(1, &mut remote, access);
+        let wr = SendWr {
+            wr_id: 1,
+            opcode: op,
+            sge: Some(Sge {
+                addr: local.as_ptr() as u64,
+                len,
+                lkey: lk,
+            }),
+            inline: false,
+            imm: 0,
+            remote_addr: remote.as_ptr() as u64 + off as u64,
+            rkey: if good_key { rk } else { rk ^ 0x100 },
+            signaled: true,
+        };
+        s.eng[0].post_send(s.qp[0], &wr).unwrap();
+        let mut a = Vec::new();
+        s.run_until(|s| {
+            s.drain(0, &mut a);
+            !a.is_empty()
+        });
+        assert_eq!(
+            a[0].status,
+            WcStatus::RemAccessErr,
+            "case key={good_key} off={off} {op:?}"
+        );
+        assert!(remote.iter().all(|b| *b == 0), "nothing may be written");
+        assert_eq!(s.eng[0].qp_state(s.qp[0]).unwrap(), QpState::Error);
+    }
+}
+
+#[test]
+fn receiver_not_ready() {
+    // No receive ever posted: RNR retries run out.
+    let mut s = Sim::new(
+        9,
+        Faults::default(),
+        QpAttr {
+            rnr_retry: 2,
+            ..attr(1024)
+        },
+    );
+    let mut buf = vec![1u8; 10];
+    let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
+    let wr = SendWr {
+        wr_id: 4,
+        opcode: WrOpcode::Send,
+        sge: Some(Sge {
+            addr: buf.as_ptr() as u64,
+            len: 10,
+            lkey: k,
+        }),
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+    };
+    s.eng[0].post_send(s.qp[0], &wr).unwrap();
+    let mut a = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        !a.is_empty()
+    });
+    assert_eq!(a[0].status, WcStatus::RnrRetryExcErr);
+    assert!(s.eng[1].stats().rnr_naks_sent >= 3);
+
+    // A receive posted late: the RNR NAKs hold the send until it is there.
+    let mut s = Sim::new(10, Faults::default(), attr(1024));
+    let mut buf = vec![7u8; 3000];
+    let mut rbuf = vec![0u8; 3000];
+    let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
+    let rk = s.reg(1, &mut rbuf, Access::LOCAL_WRITE);
+    let wr = SendWr {
+        wr_id: 5,
+        opcode: WrOpcode::Send,
+        sge: Some(Sge {
+            addr: buf.as_ptr() as u64,
+            len: 3000,
+            lkey: k,
+        }),
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+    };
+    s.eng[0].post_send(s.qp[0], &wr).unwrap();
+    for _ in 0..200 {
+        s.step();
+    }
+    assert!(s.eng[1].stats().rnr_naks_sent >= 1);
+    let sge = Some(Sge {
+        addr: rbuf.as_ptr() as u64,
+        len: 3000,
+        lkey: rk,
+    });
+    s.eng[1]
+        .post_recv(s.qp[1], &RecvWr { wr_id: 6, sge })
+        .unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        s.drain(1, &mut b);
+        !a.is_empty() && !b.is_empty()
+    });
+    assert_eq!(a[0].status, WcStatus::Success);
+    assert_eq!((b[0].wr_id, b[0].byte_len), (6, 3000));
+    assert_eq!(rbuf, buf);
+}
+
+#[test]
+fn too_long_send_is_a_length_error() {
+    let mut s = Sim::new(12, Faults::default(), attr(256));
+    let mut buf = vec![1u8; 1000];
+    let mut rbuf = vec![0u8; 300];
+    let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
+    let rk = s.reg(1, &mut rbuf, Access::LOCAL_WRITE);
+    s.eng[1]
+        .post_recv(
+            s.qp[1],
+            &RecvWr {
+                wr_id: 1,
+                sge: Some(Sge {
+                    addr: rbuf.as_ptr() as u64,
+                    len: 300,
+                    lkey: rk,
+                }),
+            },
+        )
+        .unwrap();
+    let wr = SendWr {
+        wr_id: 2,
+        opcode: WrOpcode::Send,
+        sge: Some(Sge {
+            addr: buf.as_ptr() as u64,
+            len: 1000,
+            lkey: k,
+        }),
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+    };
+    s.eng[0].post_send(s.qp[0], &wr).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        s.drain(1, &mut b);
+        !a.is_empty() && !b.is_empty()
+    });
+    assert_eq!(b[0].status, WcStatus::LocLenErr);
+    assert_eq!(a[0].status, WcStatus::RemInvReqErr);
+}
+
+#[test]
+fn qp_transitions_are_checked() {
+    let mut e = Engine::new(IpAddr::from([127, 0, 0, 1]), 4791);
+    let cq = e.create_cq();
+    let q = e.create_qp(cq, cq, 1).unwrap();
+    let a = attr(1024);
+    assert!(
+        e.modify_qp(q, QpState::Rts, &a).is_err(),
+        "RESET -> RTS skips states"
+    );
+    e.modify_qp(q, QpState::Init, &a).unwrap();
+    assert!(
+        e.modify_qp(q, QpState::Rtr, &QpAttr { mtu: 1000, ..a })
+            .is_err(),
+        "MTU 1000"
+    );
+    let wr = SendWr {
+        wr_id: 0,
+        opcode: WrOpcode::Send,
+        sge: None,
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+    };
+    assert!(e.post_send(q, &wr).is_err(), "post_send before RTS");
+    e.modify_qp(q, QpState::Rtr, &a).unwrap();
+    e.modify_qp(q, QpState::Rts, &a).unwrap();
+    e.modify_qp(q, QpState::Reset, &a).unwrap();
+    assert_eq!(e.qp_state(q).unwrap(), QpState::Reset);
+    assert!(e.post_send(q, &wr).is_err());
+}
