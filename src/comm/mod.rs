@@ -254,9 +254,7 @@ impl Communicator {
         }
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
-        let net: Arc<dyn net::Net> = match cfg.net {
-            NetKind::Auto | NetKind::Tcp => Arc::new(net::tcp::TcpNet::with_addr(local)?),
-        };
+        let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
         let (handle, listen) = net.listen(0)?;
         let table = bootstrap::rendezvous(
             id,

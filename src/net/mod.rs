@@ -10,6 +10,7 @@
 //!
 //! The same trait serves the core and, through a thin adapter, the NCCL/RCCL plugin ABI.
 
+pub mod rocev2;
 pub mod tcp;
 
 use std::fmt;
@@ -223,6 +224,8 @@ pub enum NetKind {
     Auto,
     /// TCP sockets.
     Tcp,
+    /// RDMA over RoCE v2 through the userspace engine (UDP).
+    RoceV2,
 }
 
 impl std::str::FromStr for NetKind {
@@ -231,16 +234,18 @@ impl std::str::FromStr for NetKind {
         match s.to_ascii_lowercase().as_str() {
             "auto" | "" => Ok(NetKind::Auto),
             "tcp" | "socket" => Ok(NetKind::Tcp),
+            "rocev2" | "roce" | "rdma" => Ok(NetKind::RoceV2),
             other => Err(Error::arg(format!(
-                "unknown network '{other}' (ROCCL_NET / --net): expected auto or tcp"
+                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp or rocev2"
             ))),
         }
     }
 }
 
-/// Open the network for `kind`.
-pub fn open(kind: NetKind) -> Result<Arc<dyn Net>> {
+/// Open the network for `kind` on the local address `ip`.
+pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
     match kind {
-        NetKind::Auto | NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::new()?)),
+        NetKind::Auto | NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip)?)),
+        NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
     }
 }

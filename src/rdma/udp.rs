@@ -1,0 +1,394 @@
+//! The userspace provider: the RC engine driven over real UDP sockets.
+//!
+//! One socket bound to `local_ip:ROCCL_ROCEV2_PORT` (default 4791; an ephemeral port when
+//! that is taken, e.g. by another rank on the host) receives every packet; each QP sends from
+//! its own socket bound to an ephemeral port, so the UDP source port is per-QP entropy as on
+//! hardware. Send sockets set `IP_MTU_DISCOVER = IP_PMTUDISC_DO` and are not connected: the
+//! kernel then sends IPv4 identification 0 with DF, which is what the ICRC the engine
+//! computes assumes (the receiver cannot see the IP header and checks the ICRC with the same
+//! convention; see `rdma::wire::icrc`). Datagrams are batched with `recvmmsg`/`sendmmsg`.
+//! Progress happens inside `poll_cq` (no helper thread), under one lock per provider.
+//!
+//! A fault injector (`ROCCL_ROCEV2_FAULTS="drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=7"`)
+//! drops, duplicates, delays or corrupts outgoing datagrams to show recovery.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+use super::engine::{CqId, Engine, QpAttr, QpState, Qpn, RecvWr, SendWr, Wc};
+use super::mem::Access;
+use super::verbs::{Mr, QpEndpoint, QpId, Verbs};
+use super::wire;
+use crate::error::{Error, Result};
+use crate::net::PollFd;
+
+const BATCH: usize = 32;
+const DGRAM: usize = 4096 + 64;
+
+/// Outgoing faults, for tests and demonstrations.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Faults {
+    /// Probability of dropping a datagram.
+    pub drop: f64,
+    /// Probability of sending it twice.
+    pub dup: f64,
+    /// Probability of delaying it (by up to 500 µs) behind later ones.
+    pub reorder: f64,
+    /// Probability of flipping one bit.
+    pub corrupt: f64,
+    /// PRNG seed.
+    pub seed: u64,
+}
+
+impl Faults {
+    /// Parse `drop=0.01,dup=0.01,reorder=0.02,corrupt=0.01,seed=7`.
+    pub fn parse(s: &str) -> Result<Faults> {
+        let mut f = Faults { seed: 1, ..Faults::default() };
+        for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| Error::arg(format!("ROCCL_ROCEV2_FAULTS: '{kv}' is not key=value")))?;
+            let num = |v: &str| v.parse::<f64>().map_err(|_| Error::arg(format!("ROCCL_ROCEV2_FAULTS: {k}={v} is not a number")));
+            match k {
+                "drop" => f.drop = num(v)?,
+                "dup" => f.dup = num(v)?,
+                "reorder" => f.reorder = num(v)?,
+                "corrupt" => f.corrupt = num(v)?,
+                "seed" => f.seed = num(v)? as u64,
+                _ => return Err(Error::arg(format!("ROCCL_ROCEV2_FAULTS: unknown key '{k}' (drop, dup, reorder, corrupt, seed)"))),
+            }
+        }
+        Ok(f)
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && (self.next() % 1_000_000) as f64 / 1e6 < p
+    }
+}
+
+struct Pending {
+    at: Instant,
+    dest: SocketAddr,
+    src_port: u16,
+    data: Vec<u8>,
+}
+
+struct Driver {
+    engine: Engine,
+    rx: Socket,
+    tx: HashMap<u16, Socket>,
+    cq_of: HashMap<Qpn, CqId>,
+    psn_of: HashMap<Qpn, u32>,
+    mtu: u32,
+    faults: Option<(Faults, Rng)>,
+    delayed: Vec<Pending>,
+    bufs: Vec<[u8; DGRAM]>,
+    next_psn: u32,
+}
+
+/// The userspace RoCE v2 provider.
+pub struct UserVerbs {
+    d: Mutex<Driver>,
+    fd: i32,
+    local: SocketAddr,
+}
+
+fn udp_socket(addr: SocketAddr) -> std::io::Result<Socket> {
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    s.set_nonblocking(true)?;
+    let _ = s.set_recv_buffer_size(8 << 20);
+    let _ = s.set_send_buffer_size(8 << 20);
+    s.bind(&addr.into())?;
+    Ok(s)
+}
+
+/// Make the kernel send IPv4 id 0 with DF (see the module docs).
+fn no_fragment(s: &Socket, v6: bool) -> Result<()> {
+    let (level, opt, val) = if v6 {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU_DISCOVER, libc::IPV6_PMTUDISC_DO)
+    } else {
+        (libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)
+    };
+    // SAFETY: `val` is a live c_int and we pass its size; the fd is a valid socket.
+    let r = unsafe {
+        libc::setsockopt(s.as_raw_fd(), level, opt, (&val as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as u32)
+    };
+    if r != 0 {
+        return Err(Error::last_os("setsockopt(IP_MTU_DISCOVER, IP_PMTUDISC_DO) on a RoCE v2 send socket"));
+    }
+    Ok(())
+}
+
+/// The largest IB MTU whose packets fit the interface MTU of `ip`.
+fn path_mtu(ip: IpAddr) -> u32 {
+    let ifmtu = crate::bootstrap::ifaces::list()
+        .ok()
+        .and_then(|l| l.into_iter().find(|i| i.addr == ip))
+        .and_then(|i| std::fs::read_to_string(format!("/sys/class/net/{}/mtu", i.name)).ok())
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(1500);
+    // IPv6 40 + UDP 8 + BTH 12 + RETH 16 + ImmDt 4 + ICRC 4
+    let room = ifmtu.saturating_sub(84);
+    [4096, 2048, 1024, 512, 256].into_iter().find(|m| *m <= room).unwrap_or(256)
+}
+
+impl UserVerbs {
+    /// Open on `ip`, port from `ROCCL_ROCEV2_PORT` (default 4791, ephemeral if taken),
+    /// faults from `ROCCL_ROCEV2_FAULTS`.
+    pub fn open(ip: IpAddr) -> Result<UserVerbs> {
+        let port = match std::env::var("ROCCL_ROCEV2_PORT") {
+            Ok(v) => v.trim().parse::<u16>().map_err(|_| Error::arg(format!("ROCCL_ROCEV2_PORT={v} is not a port number")))?,
+            Err(_) => wire::ROCEV2_PORT,
+        };
+        let faults = match std::env::var("ROCCL_ROCEV2_FAULTS") {
+            Ok(v) if !v.trim().is_empty() => Some(Faults::parse(&v)?),
+            _ => None,
+        };
+        Self::with(ip, port, faults)
+    }
+
+    /// Open with explicit settings (`port` 0: any).
+    pub fn with(ip: IpAddr, port: u16, faults: Option<Faults>) -> Result<UserVerbs> {
+        let rx = match udp_socket(SocketAddr::new(ip, port)) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && port != 0 => {
+                crate::info!("RoCE v2 port {port} on {ip} is taken (another rank on this host?): using an ephemeral port");
+                udp_socket(SocketAddr::new(ip, 0)).map_err(|e| Error::sys(format!("bind a UDP socket on {ip}"), e))?
+            }
+            Err(e) => return Err(Error::sys(format!("bind the RoCE v2 UDP socket on {ip}:{port}"), e)),
+        };
+        let local = rx
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .ok_or_else(|| Error::Internal("RoCE v2 socket has no local address".into()))?;
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u32);
+        Ok(UserVerbs {
+            fd: rx.as_raw_fd(),
+            local,
+            d: Mutex::new(Driver {
+                engine: Engine::new(ip, local.port()),
+                rx,
+                tx: HashMap::new(),
+                cq_of: HashMap::new(),
+                psn_of: HashMap::new(),
+                mtu: path_mtu(ip),
+                faults: faults.map(|f| (f, Rng(f.seed | 1))),
+                delayed: Vec::new(),
+                bufs: vec![[0u8; DGRAM]; BATCH],
+                next_psn: seed & 0x00ff_ffff,
+            }),
+        })
+    }
+
+    /// Local address (IP and RoCE port).
+    pub fn local(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Engine counters.
+    pub fn stats(&self) -> super::engine::Stats {
+        self.d.lock().engine.stats()
+    }
+}
+
+impl Driver {
+    fn progress(&mut self) -> Result<()> {
+        let now = Instant::now();
+        self.receive(now)?;
+        if self.engine.poll_timeout().is_some_and(|t| t <= now) {
+            self.engine.handle_timeout(now);
+        }
+        self.transmit(now)
+    }
+
+    fn receive(&mut self, now: Instant) -> Result<()> {
+        loop {
+            let n = {
+                // SAFETY: zeroed mmsghdr/iovec/sockaddr_storage arrays are valid; every iovec
+                // points into `self.bufs`, which outlives the call.
+                let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+                let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+                let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+                for i in 0..BATCH {
+                    iov[i] = libc::iovec { iov_base: self.bufs[i].as_mut_ptr().cast(), iov_len: DGRAM };
+                    msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                    msgs[i].msg_hdr.msg_iovlen = 1;
+                    msgs[i].msg_hdr.msg_name = (&mut addrs[i] as *mut libc::sockaddr_storage).cast();
+                    msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+                }
+                // SAFETY: `msgs` describes BATCH valid buffers; MSG_DONTWAIT never blocks.
+                let r = unsafe {
+                    libc::recvmmsg(self.rx.as_raw_fd(), msgs.as_mut_ptr(), BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut())
+                };
+                if r < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) {
+                        return Ok(());
+                    }
+                    return Err(Error::sys("recvmmsg on the RoCE v2 socket", e));
+                }
+                let n = r as usize;
+                for i in 0..n {
+                    // SAFETY: the kernel filled `addrs[i]` with `msg_namelen` bytes.
+                    let from = unsafe { SockAddr::new(addrs[i], msgs[i].msg_hdr.msg_namelen) };
+                    if let Some(from) = from.as_socket() {
+                        let len = msgs[i].msg_len as usize;
+                        let (bufs, engine) = (&self.bufs, &mut self.engine);
+                        engine.handle_datagram(now, from, &bufs[i][..len]);
+                    }
+                }
+                n
+            };
+            if n < BATCH {
+                return Ok(());
+            }
+        }
+    }
+
+    fn send_one(&mut self, dest: SocketAddr, src_port: u16, data: &[u8]) {
+        if let Some(s) = self.tx.get(&src_port) {
+            // A full socket buffer drops the datagram; the RC protocol retransmits it.
+            let _ = s.send_to(data, &dest.into());
+        }
+    }
+
+    fn transmit(&mut self, now: Instant) -> Result<()> {
+        // Delayed (reordered) datagrams that are due.
+        let mut i = 0;
+        while i < self.delayed.len() {
+            if self.delayed[i].at <= now {
+                let p = self.delayed.swap_remove(i);
+                self.send_one(p.dest, p.src_port, &p.data);
+            } else {
+                i += 1;
+            }
+        }
+        let mut buf = [0u8; DGRAM];
+        for _ in 0..4096 {
+            let Some(t) = self.engine.poll_transmit(now, &mut buf) else { break };
+            let mut copies = 1;
+            if let Some((f, rng)) = &mut self.faults {
+                if rng.chance(f.drop) {
+                    continue;
+                }
+                if rng.chance(f.corrupt) {
+                    let i = (rng.next() as usize) % t.len;
+                    buf[i] ^= 1 << (rng.next() % 8);
+                }
+                if rng.chance(f.dup) {
+                    copies = 2;
+                }
+                if rng.chance(f.reorder) {
+                    let at = now + Duration::from_micros(20 + rng.next() % 480);
+                    self.delayed.push(Pending { at, dest: t.dest, src_port: t.src_port, data: buf[..t.len].to_vec() });
+                    continue;
+                }
+            }
+            for _ in 0..copies {
+                self.send_one(t.dest, t.src_port, &buf[..t.len]);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn qpn(qp: QpId) -> Qpn {
+    qp.0
+}
+
+impl Verbs for UserVerbs {
+    fn name(&self) -> String {
+        format!("userspace RoCE v2 on {}", self.local)
+    }
+
+    unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+        // SAFETY: forwarded contract: the caller keeps the memory valid until dereg_mr.
+        let key = unsafe { self.d.lock().engine.mrs.register(addr as usize, len, access)? };
+        Ok(Mr { addr, len, lkey: key, rkey: key })
+    }
+
+    fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+        self.d.lock().engine.mrs.deregister(mr.lkey)
+    }
+
+    fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+        let mut d = self.d.lock();
+        let tx = udp_socket(SocketAddr::new(self.local.ip(), 0)).map_err(|e| Error::sys("bind a RoCE v2 send socket", e))?;
+        no_fragment(&tx, self.local.is_ipv6())?;
+        let port = tx.local_addr().ok().and_then(|a| a.as_socket()).map(|a| a.port()).unwrap_or(0);
+        let cq = d.engine.create_cq();
+        let q = d.engine.create_qp(cq, cq, port)?;
+        d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
+        d.tx.insert(port, tx);
+        d.cq_of.insert(q, cq);
+        let psn = d.next_psn;
+        d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
+        d.psn_of.insert(q, psn);
+        Ok((QpId(q), QpEndpoint { addr: self.local, qpn: q, psn, mtu: d.mtu }))
+    }
+
+    fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
+        let mut d = self.d.lock();
+        let psn = *d.psn_of.get(&qpn(qp)).ok_or_else(|| Error::arg("connect_qp: unknown QP"))?;
+        let timeout = std::env::var("ROCCL_IB_TIMEOUT").ok().and_then(|v| v.parse().ok()).unwrap_or(12u8);
+        let attr = QpAttr {
+            mtu: d.mtu.min(remote.mtu),
+            dest: remote.addr,
+            dest_qpn: remote.qpn,
+            rq_psn: remote.psn,
+            sq_psn: psn,
+            timeout,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 1,
+        };
+        d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
+        d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
+    }
+
+    fn destroy_qp(&self, qp: QpId) {
+        let mut d = self.d.lock();
+        let _ = d.engine.destroy_qp(qpn(qp));
+        d.cq_of.remove(&qpn(qp));
+    }
+
+    fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+        let mut d = self.d.lock();
+        d.engine.post_send(qpn(qp), wr)?;
+        // Push the first packets out now: lower latency than waiting for the next poll.
+        d.transmit(Instant::now())
+    }
+
+    fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
+        self.d.lock().engine.post_recv(qpn(qp), wr)
+    }
+
+    fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
+        let mut d = self.d.lock();
+        d.progress()?;
+        let cq = *d.cq_of.get(&qpn(qp)).ok_or_else(|| Error::arg("poll_cq: unknown QP"))?;
+        Ok(d.engine.poll_cq(cq, out))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd { fd: self.fd, events: libc::POLLIN });
+    }
+
+    fn qp_state(&self, qp: QpId) -> Result<QpState> {
+        self.d.lock().engine.qp_state(qpn(qp))
+    }
+}

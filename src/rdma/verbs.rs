@@ -1,0 +1,73 @@
+//! The verbs layer: what the RDMA network needs from a provider, shaped like libibverbs.
+//!
+//! Two providers implement it: the userspace RoCE v2 engine over UDP (`rdma::udp`) and, with
+//! the `verbs` feature, real NICs through rdma-sys (issue 5). Work requests, completions and
+//! statuses are the engine's types, numbered as libibverbs numbers them.
+
+use std::net::SocketAddr;
+
+pub use super::engine::{QpState, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
+pub use super::mem::Access;
+use crate::error::Result;
+use crate::net::PollFd;
+
+/// A registered memory region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mr {
+    /// Start address.
+    pub addr: u64,
+    /// Length.
+    pub len: usize,
+    /// Local key (for our own work requests).
+    pub lkey: u32,
+    /// Remote key (for the peer's RDMA on this region).
+    pub rkey: u32,
+}
+
+/// What a peer needs to connect its QP to ours (exchanged out of band).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpEndpoint {
+    /// Our address: IP (the GID) and RoCE UDP port.
+    pub addr: SocketAddr,
+    /// QP number.
+    pub qpn: u32,
+    /// First PSN we will send.
+    pub psn: u32,
+    /// Path MTU we can do.
+    pub mtu: u32,
+}
+
+/// A queue pair handle of a provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QpId(pub u32);
+
+/// A verbs provider: protection domain, memory regions, RC queue pairs with their own
+/// completion queue.
+pub trait Verbs: Send + Sync {
+    /// Provider name (`userspace` or the device name).
+    fn name(&self) -> String;
+    /// Register memory.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay valid (writable if `access` allows writes) until
+    /// [`Verbs::dereg_mr`]: the provider reads and writes it whenever work targets it.
+    unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr>;
+    /// Release a registration.
+    fn dereg_mr(&self, mr: &Mr) -> Result<()>;
+    /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
+    fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;
+    /// Bring the QP to RTS, connected to `remote` (INIT → RTR → RTS).
+    fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()>;
+    /// Destroy a QP.
+    fn destroy_qp(&self, qp: QpId);
+    /// Post a send work request.
+    fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()>;
+    /// Post a receive work request.
+    fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()>;
+    /// Make progress and take up to `out.len()` completions of `qp`.
+    fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize>;
+    /// Descriptors to sleep on until completions may be ready.
+    fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// State of the QP.
+    fn qp_state(&self, qp: QpId) -> Result<QpState>;
+}
