@@ -28,11 +28,11 @@ pub type Qpn = u32;
 pub type CqId = usize;
 
 /// The requester asks for an acknowledgement at least every this many packets.
-pub const ACK_EVERY: u32 = 64;
+pub const ACK_EVERY: u32 = 32;
 /// Largest payload copied into the work request at post time.
 pub const MAX_INLINE: usize = 256;
 /// Most request packets in flight (unacknowledged) per QP.
-const WINDOW: u32 = 4096;
+const WINDOW: u32 = 128;
 const PSN_MASK: u32 = 0x00ff_ffff;
 
 fn psn_add(a: u32, b: u32) -> u32 {
@@ -310,6 +310,8 @@ struct Qp {
     rnr_until: Option<Instant>,
     /// One past the highest PSN transmitted (to count retransmissions).
     sent_hi: u32,
+    /// One past the highest PSN the responder acknowledged (cumulative).
+    acked: u32,
     // responder
     rq: VecDeque<RecvWqe>,
     epsn: u32,
@@ -327,6 +329,8 @@ impl Qp {
     fn una(&self) -> u32 {
         match self.sq.iter().find(|w| !w.done) {
             Some(w) if w.wr.opcode == WrOpcode::Read => psn_add(w.psn, w.resp),
+            // Inside a long message, the packets acknowledged so far are done too.
+            Some(w) if psn_diff(self.acked, w.psn) > 0 && psn_diff(self.acked, w.psn) < w.npkts as i32 => self.acked,
             Some(w) => w.psn,
             None => self.next_psn,
         }
@@ -450,6 +454,7 @@ impl Engine {
             rto: None,
             rnr_until: None,
             sent_hi: 0,
+            acked: 0,
             rq: VecDeque::new(),
             epsn: 0,
             msn: 0,
@@ -514,6 +519,7 @@ impl Engine {
                 qp.attr.rnr_retry = attr.rnr_retry.min(7);
                 qp.next_psn = attr.sq_psn & PSN_MASK;
                 qp.sent_hi = qp.next_psn;
+                qp.acked = qp.next_psn;
                 qp.retry_left = qp.attr.retry_cnt;
                 qp.rnr_left = qp.attr.rnr_retry;
             }
@@ -880,6 +886,10 @@ impl Engine {
                 // Acknowledges every send and write up to `psn`; reads finish only with
                 // their responses (completions are still reaped in order).
                 let mut progressed = false;
+                if psn_diff(psn_add(psn, 1), qp.acked) > 0 && psn_diff(psn, qp.sent_hi) < 0 {
+                    qp.acked = psn_add(psn, 1);
+                    progressed = true;
+                }
                 for w in qp.sq.iter_mut().filter(|w| !w.done) {
                     let last = psn_add(w.psn, w.npkts - 1);
                     if psn_diff(psn, last) < 0 {
@@ -937,6 +947,9 @@ impl Engine {
 
     /// Mark every send/write that ends before `psn` acknowledged.
     fn ack_before(qp: &mut Qp, psn: u32) {
+        if psn_diff(psn, qp.acked) > 0 && psn_diff(psn, qp.sent_hi) <= 0 {
+            qp.acked = psn;
+        }
         for w in qp.sq.iter_mut().filter(|w| !w.done) {
             if w.wr.opcode == WrOpcode::Read || psn_diff(psn, psn_add(w.psn, w.npkts - 1)) <= 0 {
                 break;
