@@ -31,8 +31,12 @@ pub type CqId = usize;
 pub const ACK_EVERY: u32 = 32;
 /// Largest payload copied into the work request at post time.
 pub const MAX_INLINE: usize = 256;
+/// A responder repeats its sequence-error NAK after this many out-of-sequence packets.
+const NAK_REPEAT: u32 = 64;
+/// Smallest congestion window, in packets.
+const MIN_WINDOW: u32 = 16;
 /// Most request packets in flight (unacknowledged) per QP.
-const WINDOW: u32 = 128;
+const WINDOW: u32 = 256;
 const PSN_MASK: u32 = 0x00ff_ffff;
 
 fn psn_add(a: u32, b: u32) -> u32 {
@@ -312,6 +316,12 @@ struct Qp {
     sent_hi: u32,
     /// One past the highest PSN the responder acknowledged (cumulative).
     acked: u32,
+    /// PSN of the last sequence-error NAK acted on.
+    last_nak: Option<u32>,
+    /// Packets allowed in flight: halved on every loss, grown by one per acknowledgement
+    /// (go-back-N resends everything in flight after a loss, so a lossy path gets a small
+    /// window and a clean one the full [`WINDOW`]).
+    cwnd: u32,
     // responder
     rq: VecDeque<RecvWqe>,
     epsn: u32,
@@ -319,6 +329,8 @@ struct Qp {
     in_send: Option<InSend>,
     in_write: Option<InWrite>,
     nak_sent: bool,
+    /// Out-of-sequence packets since the last NAK.
+    oos_since_nak: u32,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
     reads: VecDeque<ReadJob>,
@@ -330,7 +342,12 @@ impl Qp {
         match self.sq.iter().find(|w| !w.done) {
             Some(w) if w.wr.opcode == WrOpcode::Read => psn_add(w.psn, w.resp),
             // Inside a long message, the packets acknowledged so far are done too.
-            Some(w) if psn_diff(self.acked, w.psn) > 0 && psn_diff(self.acked, w.psn) < w.npkts as i32 => self.acked,
+            Some(w)
+                if psn_diff(self.acked, w.psn) > 0
+                    && psn_diff(self.acked, w.psn) < w.npkts as i32 =>
+            {
+                self.acked
+            }
             Some(w) => w.psn,
             None => self.next_psn,
         }
@@ -455,12 +472,15 @@ impl Engine {
             rnr_until: None,
             sent_hi: 0,
             acked: 0,
+            last_nak: None,
+            cwnd: WINDOW,
             rq: VecDeque::new(),
             epsn: 0,
             msn: 0,
             in_send: None,
             in_write: None,
             nak_sent: false,
+            oos_since_nak: 0,
             ctrl: None,
             reads: VecDeque::new(),
         });
@@ -717,7 +737,13 @@ impl Engine {
         let mut out = Vec::new();
         while qp.sq.front().is_some_and(|w| w.done) {
             let w = qp.sq.pop_front().expect("front exists");
-            qp.tx_wqe = qp.tx_wqe.saturating_sub(1);
+            if qp.tx_wqe == 0 {
+                // The cursor was inside this WQE (a retransmission it no longer needs):
+                // continue with the next WQE from its first packet.
+                qp.tx_pkt = 0;
+            } else {
+                qp.tx_wqe -= 1;
+            }
             if w.wr.signaled {
                 out.push(Wc {
                     wr_id: w.wr.wr_id,
@@ -733,6 +759,36 @@ impl Engine {
             qp.rto = None;
         }
         self.cqs[cq].extend(out);
+    }
+
+    /// One line per QP with its protocol state (for debugging stalls).
+    pub fn describe(&self, now: Instant) -> String {
+        let mut out = String::new();
+        for q in self.qps.iter().flatten() {
+            out += &format!(
+                "qp {:#x} {:?} -> {:#x}@{}: sq {} (tx {}+{}) next {:#x} acked {:#x} sent_hi {:#x} cwnd {} rto {:?} rnr {:?} | epsn {:#x} rq {} ctrl {:?} nak_sent {} reads {} in_write {}\n",
+                q.qpn,
+                q.state,
+                q.attr.dest_qpn,
+                q.attr.dest,
+                q.sq.len(),
+                q.tx_wqe,
+                q.tx_pkt,
+                q.next_psn,
+                q.acked,
+                q.sent_hi,
+                q.cwnd,
+                q.rto.map(|t| t.saturating_duration_since(now)),
+                q.rnr_until.map(|t| t.saturating_duration_since(now)),
+                q.epsn,
+                q.rq.len(),
+                q.ctrl.map(|c| (c.0.kind(), c.1)),
+                q.nak_sent,
+                q.reads.len(),
+                q.in_write.is_some()
+            );
+        }
+        out
     }
 
     /// The next deadline, if any.
@@ -760,6 +816,17 @@ impl Engine {
                 }
                 qp.retry_left -= 1;
                 qp.rto = None;
+                qp.cwnd = MIN_WINDOW;
+                crate::info!(
+                    "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
+                    qp.retry_left,
+                    qp.una(),
+                    qp.acked,
+                    qp.sent_hi,
+                    qp.tx_wqe,
+                    qp.tx_pkt,
+                    qp.sq.len()
+                );
                 Self::rewind(qp, qp.una());
             }
         }
@@ -901,6 +968,7 @@ impl Engine {
                     }
                 }
                 if progressed {
+                    qp.cwnd = (qp.cwnd + 8).min(WINDOW);
                     qp.retry_left = qp.attr.retry_cnt;
                     qp.rnr_left = qp.attr.rnr_retry;
                     qp.rto = if qp.outstanding() {
@@ -928,7 +996,20 @@ impl Engine {
             }
             Some(AckKind::Nak(NakCode::PsnSequenceError)) => {
                 Self::ack_before(qp, psn);
-                Self::rewind(qp, psn);
+                // Go back once per round: NAKs for the same PSN that the responder sent
+                // before our retransmission reached it would restart the burst again and
+                // again. Act on a repeat only once the previous retransmission has caught up
+                // with what had been sent.
+                let cursor = qp
+                    .sq
+                    .get(qp.tx_wqe)
+                    .map_or(qp.next_psn, |w| psn_add(w.psn, qp.tx_pkt));
+                let repeating = qp.last_nak == Some(psn) && psn_diff(cursor, qp.sent_hi) < 0;
+                if !repeating {
+                    qp.last_nak = Some(psn);
+                    qp.cwnd = (qp.cwnd / 2).max(MIN_WINDOW);
+                    Self::rewind(qp, psn);
+                }
                 self.reap(qpn);
             }
             Some(AckKind::Nak(code)) => {
@@ -987,16 +1068,25 @@ impl Engine {
                 }
             } else {
                 let qp = self.qp(qpn).expect("checked");
-                let (msn, last) = (qp.msn, psn_add(qp.epsn, PSN_MASK));
-                qp.ctrl = Some((Aeth::ack(msn), last));
+                // Answer a duplicate with where we are — as a NAK while a sequence error is
+                // outstanding, so a duplicate never hides the NAK the requester needs.
+                qp.ctrl = Some(if qp.nak_sent {
+                    (Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn)
+                } else {
+                    (Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK))
+                });
             }
             return;
         }
         if d > 0 {
-            if !qp.nak_sent {
+            // NAK the first gap once, and again every NAK_REPEAT out-of-sequence packets in
+            // case the NAK itself was lost (cheaper than waiting for the requester's timer).
+            if !qp.nak_sent || qp.oos_since_nak >= NAK_REPEAT {
                 qp.nak_sent = true;
+                qp.oos_since_nak = 0;
                 qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
             }
+            qp.oos_since_nak += 1;
             self.stats.out_of_sequence += 1;
             return;
         }
@@ -1065,11 +1155,14 @@ impl Engine {
                 let Some(r) = pkt.reth else {
                     return self.nak(qpn, NakCode::InvalidRequest, None);
                 };
-                if let Err(e) =
-                    self.mrs
-                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
-                {
-                    return self.nak(qpn, access_nak(e), None);
+                // A zero-length write touches no memory: its rkey is not checked (IBTA).
+                if r.dma_len > 0 {
+                    if let Err(e) =
+                        self.mrs
+                            .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
+                    {
+                        return self.nak(qpn, access_nak(e), None);
+                    }
                 }
                 let qp = self.qp(qpn).expect("checked");
                 qp.in_write = Some(InWrite {
@@ -1090,10 +1183,11 @@ impl Engine {
             if n > w.left || (end_of_message && n != w.left) {
                 return self.nak(qpn, NakCode::InvalidRequest, None);
             }
-            if self
-                .mrs
-                .write(w.rkey, w.va, pkt.payload, Access::REMOTE_WRITE)
-                .is_err()
+            if n > 0
+                && self
+                    .mrs
+                    .write(w.rkey, w.va, pkt.payload, Access::REMOTE_WRITE)
+                    .is_err()
             {
                 return self.nak(qpn, NakCode::RemoteAccessError, None);
             }
@@ -1121,11 +1215,13 @@ impl Engine {
             let Some(r) = pkt.reth else {
                 return self.nak(qpn, NakCode::InvalidRequest, None);
             };
-            if let Err(e) = self
-                .mrs
-                .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
-            {
-                return self.nak(qpn, access_nak(e), None);
+            if r.dma_len > 0 {
+                if let Err(e) =
+                    self.mrs
+                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
+                {
+                    return self.nak(qpn, access_nak(e), None);
+                }
             }
             let qp = self.qp(qpn).expect("checked");
             let n = r.dma_len.div_ceil(qp.mtu()).max(1);
@@ -1248,10 +1344,13 @@ impl Engine {
                 qp.reads.pop_front();
             }
             let aeth = opcode.has_aeth().then(|| Aeth::ack(qp.msn));
-            let payload = self
-                .mrs
-                .read(rkey, va, len as usize, Access::REMOTE_READ)
-                .ok()?;
+            let payload = if len == 0 {
+                &[][..]
+            } else {
+                self.mrs
+                    .read(rkey, va, len as usize, Access::REMOTE_READ)
+                    .ok()?
+            };
             let p = Packet {
                 bth: bth(opcode, psn, false),
                 reth: None,
@@ -1269,7 +1368,7 @@ impl Engine {
         let w = *qp.sq.get(qp.tx_wqe)?;
         let mtu = qp.attr.mtu;
         let pkt_psn = psn_add(w.psn, qp.tx_pkt);
-        if psn_diff(pkt_psn, una) >= WINDOW as i32 {
+        if psn_diff(pkt_psn, una) >= qp.cwnd as i32 {
             return None;
         }
         let (opcode, payload_off, payload_len, reth, imm, ack_req, advance_wqe) =

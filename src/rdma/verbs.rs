@@ -70,4 +70,8 @@ pub trait Verbs: Send + Sync {
     fn poll_fds(&self, out: &mut Vec<PollFd>);
     /// State of the QP.
     fn qp_state(&self, qp: QpId) -> Result<QpState>;
+    /// Copy `out.len()` bytes at `addr` — memory inside a region registered here that
+    /// peers write by RDMA — consistently with the provider's own writes (the userspace
+    /// engine writes under its lock; hardware providers order DMA with a fence).
+    fn read_registered(&self, addr: u64, out: &mut [u8]);
 }

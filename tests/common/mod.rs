@@ -7,7 +7,7 @@ use std::time::Duration;
 use roccl::algo::model::Tuning;
 use roccl::comm::Waiter;
 use roccl::net::NetKind;
-use roccl::{Communicator, Config, DataType, RedOp, UniqueId};
+use roccl::{Algo, CallOpts, Collective, Communicator, Config, DataType, RedOp, UniqueId};
 
 /// Test settings: short spin so 8 threads on 2 cores share them well, a timeout that fails
 /// a hung test quickly, and the given pipeline tuning.
@@ -145,5 +145,145 @@ pub fn check(what: &str, dt: DataType, buf: &[u8], want: impl Fn(usize) -> f64) 
         let g = get(dt, &buf[i * es..(i + 1) * es]);
         let w = want(i);
         assert!(close(dt, g, w), "{what}: element {i}: got {g}, want {w}");
+    }
+}
+
+/// The collectives the matrix tests run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kind {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+}
+
+pub const KINDS: [Kind; 6] = [
+    Kind::AllReduce,
+    Kind::Broadcast,
+    Kind::Reduce,
+    Kind::AllGather,
+    Kind::ReduceScatter,
+    Kind::AllToAll,
+];
+
+pub fn algos(k: Kind) -> &'static [Algo] {
+    match k {
+        Kind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
+        Kind::Broadcast | Kind::Reduce => &[Algo::Ring, Algo::Tree],
+        _ => &[Algo::Ring],
+    }
+}
+
+/// Run one collective and check this rank's result. `count` is the per-rank element count
+/// (the block size for all-gather, reduce-scatter and all-to-all).
+#[allow(clippy::too_many_arguments)]
+pub fn one(
+    c: &Communicator,
+    k: Kind,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    algo: Algo,
+    in_place: bool,
+    root: usize,
+) {
+    let (n, me) = (c.nranks(), c.rank());
+    let es = dt.size();
+    let opts = CallOpts { algo: Some(algo) };
+    let what = format!(
+        "{k:?} {dt} {op} count={count} algo={algo} in_place={in_place} n={n} rank={me} root={root}"
+    );
+    let run = |coll: Collective, send: &[u8], out: &mut Vec<u8>| {
+        let r = if in_place {
+            out.copy_from_slice(send);
+            c.run_raw(coll, dt, None, out, &opts)
+        } else {
+            c.run_raw(coll, dt, Some(send), out, &opts)
+        };
+        r.unwrap_or_else(|e| panic!("{what}: {e}"));
+    };
+    match k {
+        Kind::AllReduce => {
+            let send = fill(dt, count, |i| val(dt, op, me, i));
+            let mut out = vec![0xa5u8; count * es];
+            run(Collective::AllReduce(op), &send, &mut out);
+            check(&what, dt, &out, |i| reduce_ref(dt, op, n, i));
+        }
+        Kind::Broadcast => {
+            let send = fill(dt, count, |i| {
+                if me == root {
+                    val(dt, op, root, i)
+                } else {
+                    -7.0f64.max(0.0) + 9.0
+                }
+            });
+            let mut out = vec![0xa5u8; count * es];
+            run(Collective::Broadcast { root }, &send, &mut out);
+            check(&what, dt, &out, |i| val(dt, op, root, i));
+        }
+        Kind::Reduce => {
+            let send = fill(dt, count, |i| val(dt, op, me, i));
+            let mut out = vec![0xa5u8; count * es];
+            run(Collective::Reduce { op, root }, &send, &mut out);
+            if me == root {
+                check(&what, dt, &out, |i| reduce_ref(dt, op, n, i));
+            } else if !in_place {
+                assert!(
+                    out.iter().all(|b| *b == 0xa5),
+                    "{what}: non-root receive buffer was written"
+                );
+            }
+        }
+        Kind::AllGather => {
+            let mine = fill(dt, count, |i| val(dt, op, me, i));
+            let mut out = vec![0xa5u8; n * count * es];
+            let r = if in_place {
+                out[me * count * es..(me + 1) * count * es].copy_from_slice(&mine);
+                c.run_raw(Collective::AllGather, dt, None, &mut out, &opts)
+            } else {
+                c.run_raw(Collective::AllGather, dt, Some(&mine), &mut out, &opts)
+            };
+            r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            check(&what, dt, &out, |j| {
+                val(dt, op, j / count.max(1), j % count.max(1))
+            });
+        }
+        Kind::ReduceScatter => {
+            let send = fill(dt, n * count, |j| val(dt, op, me, j));
+            let mut out = vec![0xa5u8; if in_place { n * count * es } else { count * es }];
+            let r = if in_place {
+                out.copy_from_slice(&send);
+                c.run_raw(Collective::ReduceScatter(op), dt, None, &mut out, &opts)
+            } else {
+                c.run_raw(
+                    Collective::ReduceScatter(op),
+                    dt,
+                    Some(&send),
+                    &mut out,
+                    &opts,
+                )
+            };
+            r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mine = if in_place {
+                &out[me * count * es..(me + 1) * count * es]
+            } else {
+                &out[..]
+            };
+            check(&what, dt, mine, |i| reduce_ref(dt, op, n, me * count + i));
+        }
+        Kind::AllToAll => {
+            let send = fill(dt, n * count, |j| {
+                val(dt, op, me, j) + (j / count.max(1)) as f64
+            });
+            let mut out = vec![0xa5u8; n * count * es];
+            run(Collective::AllToAll, &send, &mut out);
+            // Block s of the output is block `me` of rank s's input.
+            check(&what, dt, &out, |j| {
+                let (s, i) = (j / count.max(1), j % count.max(1));
+                val(dt, op, s, me * count + i) + me as f64
+            });
+        }
     }
 }

@@ -1,0 +1,32 @@
+//! The RDMA network over the userspace RoCE v2 engine with the fault injector on: real UDP
+//! datagrams dropped, duplicated, reordered and corrupted at 2%, every result still exact.
+
+mod common;
+
+use common::*;
+use roccl::algo::model::Tuning;
+use roccl::net::NetKind;
+use roccl::{DataType, RedOp};
+
+#[test]
+fn collectives_survive_a_lossy_network() {
+    // This test binary has this one test, so setting the variable cannot leak elsewhere.
+    std::env::set_var(
+        "ROCCL_ROCEV2_FAULTS",
+        "drop=0.02,dup=0.02,reorder=0.02,corrupt=0.02,seed=42",
+    );
+    std::env::set_var("ROCCL_IB_TIMEOUT", "12");
+    let mut cfg = config(Tuning::default());
+    cfg.net = NetKind::RoceV2;
+    cfg.waiter.timeout = std::time::Duration::from_secs(20);
+    run_ranks(3, cfg, |c| {
+        for k in KINDS {
+            for &algo in algos(k) {
+                for count in [1usize, 1000, 200_003] {
+                    one(&c, k, DataType::F32, RedOp::Sum, count, algo, false, 1);
+                    one(&c, k, DataType::I32, RedOp::Max, count, algo, true, 2);
+                }
+            }
+        }
+    });
+}
