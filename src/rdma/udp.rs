@@ -31,6 +31,8 @@ use crate::error::{Error, Result};
 use crate::net::PollFd;
 
 const BATCH: usize = 32;
+/// The progress thread leaves the engine to the application while it polled this recently.
+const APP_ACTIVE: Duration = Duration::from_micros(500);
 const DGRAM: usize = 4096 + 64;
 
 /// Outgoing faults, for tests and demonstrations.
@@ -114,6 +116,8 @@ struct Driver {
     bufs: Vec<[u8; DGRAM]>,
     txbufs: Vec<[u8; DGRAM]>,
     next_psn: u32,
+    /// Last time an application thread polled a completion queue.
+    last_app_poll: Instant,
 }
 
 /// The userspace RoCE v2 provider.
@@ -141,6 +145,13 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
                 g.engine.stats(),
                 g.engine.describe(Instant::now())
             );
+        }
+        // While the application polls, it drives the engine itself: stay out of its way
+        // (no lock contention, no stolen core) and only take over when it goes quiet.
+        let idle = d.lock().last_app_poll.elapsed();
+        if idle < APP_ACTIVE {
+            std::thread::sleep(APP_ACTIVE - idle);
+            continue;
         }
         let wait_ms = {
             let mut g = d.lock();
@@ -278,6 +289,7 @@ impl UserVerbs {
             bufs: vec![[0u8; DGRAM]; BATCH],
             txbufs: vec![[0u8; DGRAM]; BATCH],
             next_psn: seed & 0x00ff_ffff,
+            last_app_poll: Instant::now(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (d2, s2) = (Arc::clone(&d), Arc::clone(&stop));
@@ -564,7 +576,9 @@ impl Verbs for UserVerbs {
             .and_then(|v| v.parse().ok())
             .unwrap_or(12u8);
         let attr = QpAttr {
-            mtu: d.mtu.min(remote.mtu),
+            // Peers on this host talk through the kernel's loopback path whatever the
+            // interface: use the largest IB MTU there.
+            mtu: if remote.addr.ip() == self.local.ip() { 4096 } else { d.mtu.min(remote.mtu) },
             dest: remote.addr,
             dest_qpn: remote.qpn,
             rq_psn: remote.psn,
