@@ -244,3 +244,26 @@ fn joins_from_slurm_environment() {
         );
     }
 }
+
+/// The RDMA network on the userspace RoCE v2 engine, ranks as processes.
+#[test]
+fn perf_over_rocev2() {
+    let out = Command::new(PERF)
+        .args([
+            "--op", "all", "--ranks", "3", "-b", "8", "-e", "1M", "-f", "32", "--iters", "3",
+            "--warmup", "1", "--net", "rocev2",
+        ])
+        .env("ROCCL_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("net rocev2") && text.contains("# wrong results: 0"),
+        "{text}"
+    );
+}

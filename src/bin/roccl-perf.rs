@@ -25,7 +25,7 @@ struct Args {
     /// Local rank processes to spawn (ignored when launched by torchrun/srun/mpirun).
     #[arg(long, short = 'n', default_value_t = 1)]
     ranks: usize,
-    /// Network: auto, tcp.
+    /// Network: auto, tcp, rocev2 (the userspace RoCE v2 engine over UDP).
     #[arg(long, default_value = "auto")]
     net: String,
     /// Algorithm: auto, ring, tree, direct.

@@ -578,7 +578,11 @@ impl Verbs for UserVerbs {
         let attr = QpAttr {
             // Peers on this host talk through the kernel's loopback path whatever the
             // interface: use the largest IB MTU there.
-            mtu: if remote.addr.ip() == self.local.ip() { 4096 } else { d.mtu.min(remote.mtu) },
+            mtu: if remote.addr.ip() == self.local.ip() {
+                4096
+            } else {
+                d.mtu.min(remote.mtu)
+            },
             dest: remote.addr,
             dest_qpn: remote.qpn,
             rq_psn: remote.psn,

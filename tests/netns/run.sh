@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# roccl across emulated hosts: 3 network namespaces on a bridge (scripts/netns.sh, one link
+# slowed by tbf), one roccl-perf rank in each, joined from the environment (ROCCL_RANK,
+# ROCCL_NRANKS, ROCCL_ROOT). Runs every collective over RoCE v2 plainly, over RoCE v2 with
+# the fault injector, and over TCP. Each run must exit 0 on every rank and rank 0 must
+# report "# wrong results: 0". Skips (exit 0) only when network namespaces are unavailable.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+N=3
+ROOT=10.77.0.1:29600
+PERF=target/release/roccl-perf
+LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}  # seconds before a rank is killed (ROCCL_TIMEOUT is 60)
+FAULTS="drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=3"
+
+skip() {
+  echo "SKIPPED: network namespaces unavailable: $*"
+  exit 0
+}
+
+# Can this machine create a namespace and a veth pair? Anything else failing later is an error.
+[ "$(id -u)" -eq 0 ] || skip "not root (needs CAP_NET_ADMIN)"
+command -v ip >/dev/null || skip "'ip' (iproute2) not installed"
+probe=roccl-probe$$
+if ! err=$(ip netns add "$probe" 2>&1); then
+  skip "ip netns add failed: $err"
+fi
+if ! err=$(ip -n "$probe" link add roccl-pa type veth peer name roccl-pb 2>&1); then
+  ip netns del "$probe" 2>/dev/null || true
+  skip "veth in a namespace failed: $err"
+fi
+ip netns del "$probe"
+
+echo "-- build roccl-perf"
+cargo build --release --quiet --bin roccl-perf
+
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  scripts/netns.sh down >/dev/null 2>&1 || true
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+echo "-- scripts/netns.sh up $N"
+scripts/netns.sh up "$N"
+
+# run NAME EXTRA_ENV... -- PERF_ARGS...: one rank per namespace, all at once.
+run() {
+  local name=$1 extra=() args=() k rc fail=0 t0 ms
+  shift
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do extra+=("$1"); shift; done
+  shift
+  args=("$@")
+  echo "-- $name"
+  echo "   for K in 0..$((N - 1)): ip netns exec rocclK env ROCCL_RANK=K ROCCL_NRANKS=$N ROCCL_ROOT=$ROOT" \
+    "ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 ${extra[*]} $PERF ${args[*]}"
+  t0=$(date +%s%N)
+  pids=()
+  for ((k = 0; k < N; k++)); do
+    ip netns exec "roccl$k" env ROCCL_RANK="$k" ROCCL_NRANKS="$N" ROCCL_ROOT="$ROOT" \
+      ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 "${extra[@]}" \
+      timeout -k 5 "$LIMIT" "$PERF" "${args[@]}" >"$tmp/$name.$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((k = 0; k < N; k++)); do
+    rc=0
+    wait "${pids[$k]}" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      echo "   rank $k exited with $rc$([ "$rc" -eq 124 ] && echo " (killed after ${LIMIT}s)")"
+      fail=1
+    fi
+  done
+  pids=()
+  if ! grep -qx "# wrong results: 0" "$tmp/$name.0.log"; then
+    echo "   rank 0 did not report '# wrong results: 0'"
+    fail=1
+  fi
+  if [ "$fail" -ne 0 ]; then
+    for ((k = 0; k < N; k++)); do
+      echo "   ---- rank $k output ($name)"
+      sed 's/^/   | /' "$tmp/$name.$k.log"
+    done
+    echo "FAILED: $name"
+    exit 1
+  fi
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $N ranks exited 0, $((ms / 1000)).$(printf %03d $((ms % 1000)))s"
+}
+
+common=(--op all -b 8 -e 256K -f 64 --iters 2 --warmup 1)
+run rocev2 -- "${common[@]}" --net rocev2
+run rocev2-faults ROCCL_ROCEV2_FAULTS="$FAULTS" -- "${common[@]}" --net rocev2
+run tcp -- "${common[@]}" --net tcp
+echo "-- all runs across network namespaces passed"
