@@ -936,6 +936,45 @@ mod tests {
             assert_eq!(got, len);
             assert_eq!(&buf[..len], &data[..]);
         }
+        // A grouped receive: three buffers matched by tag, sent in another order.
+        let (a, b, c) = (vec![1u8; 10], vec![2u8; 70_000], vec![3u8; 0]);
+        let (mut ba, mut bb, mut bc) = (vec![0u8; 10], vec![0u8; 70_000], vec![9u8; 4]);
+        let group = [
+            RecvBuf {
+                ptr: bc.as_mut_ptr(),
+                len: 4,
+                tag: 30,
+            },
+            RecvBuf {
+                ptr: ba.as_mut_ptr(),
+                len: 10,
+                tag: 10,
+            },
+            RecvBuf {
+                ptr: bb.as_mut_ptr(),
+                len: 70_000,
+                tag: 20,
+            },
+        ];
+        // SAFETY: every buffer outlives the loop below, which completes all requests.
+        let (rq, sq) = unsafe {
+            let rq = r.irecv(&group).unwrap().unwrap();
+            let sq = [
+                s.isend(b.as_ptr(), b.len(), 20, None).unwrap().unwrap(),
+                s.isend(c.as_ptr(), 0, 30, None).unwrap().unwrap(),
+                s.isend(a.as_ptr(), a.len(), 10, None).unwrap().unwrap(),
+            ];
+            (rq, sq)
+        };
+        let mut sizes = [0usize; 3];
+        let mut done = [false; 3];
+        while !done.iter().all(|d| *d) || !r.test(rq, &mut sizes).unwrap() {
+            for (d, q) in done.iter_mut().zip(sq) {
+                *d = *d || s.test(q).unwrap().is_some();
+            }
+        }
+        assert_eq!(sizes, [0, 10, 70_000]);
+        assert_eq!((ba, bb, bc), (a, b, vec![9u8; 4]));
         // Larger than the posted buffer, or an unknown tag: errors, not corruption.
         let e = exchange(&mut *s, &mut *r, &[1u8; 100], 10, 1)
             .unwrap_err()
