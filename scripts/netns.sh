@@ -50,7 +50,9 @@ down() {
 
 up() {
   local n=$1 i ns host peer tbf
-  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "N must be between 1 and 200, got '$n'"
+  if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt 200 ]; then
+    die "N must be between 1 and 200, got '$n'"
+  fi
   down
   ip link add "$BRIDGE" type bridge || die "cannot create bridge $BRIDGE"
   # No STP, no forwarding delay: ports forward at once.
@@ -112,7 +114,7 @@ case "$cmd" in
     status
     ;;
   run)
-    [ $# -ge 3 ] && [ "$2" = "--" ] || usage
+    if [ $# -lt 3 ] || [ "$2" != "--" ]; then usage; fi
     check_tools
     k=$1
     shift 2

@@ -331,6 +331,8 @@ struct Qp {
     nak_sent: bool,
     /// Out-of-sequence packets since the last NAK.
     oos_since_nak: u32,
+    /// Closed by its owner: only acknowledges duplicates.
+    closing: bool,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
     reads: VecDeque<ReadJob>,
@@ -481,6 +483,7 @@ impl Engine {
             in_write: None,
             nak_sent: false,
             oos_since_nak: 0,
+            closing: false,
             ctrl: None,
             reads: VecDeque::new(),
         });
@@ -505,6 +508,24 @@ impl Engine {
         self.qp(qpn)?;
         self.qps[(qpn & 0xfff) as usize] = None;
         Ok(())
+    }
+
+    /// Close a QP gracefully: it stops sending requests and accepting new ones, but keeps
+    /// acknowledging the peer's retransmissions of what it already received — the peer may
+    /// have lost our last ACK (TCP's TIME_WAIT, for RC). Destroy it later.
+    pub fn close_qp(&mut self, qpn: Qpn) -> Result<()> {
+        let qp = self.qp(qpn)?;
+        qp.closing = true;
+        qp.sq.clear();
+        qp.reads.clear();
+        qp.rto = None;
+        qp.rnr_until = None;
+        Ok(())
+    }
+
+    /// True if any QP is closing (see [`Engine::close_qp`]).
+    pub fn has_closing(&self) -> bool {
+        self.qps.iter().flatten().any(|q| q.closing)
     }
 
     /// Move a QP to `to`, taking the attributes that transition needs (RESET→INIT,
@@ -878,8 +899,19 @@ impl Engine {
         if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
             return;
         }
-        self.stats.rx_packets += 1;
         let op = pkt.bth.opcode;
+        if qp.closing {
+            // Only re-acknowledge duplicates; nothing new lands in memory the owner freed.
+            let dup =
+                psn_diff(pkt.bth.psn, qp.epsn) < 0 && op != Opcode::Ack && !op.is_read_response();
+            if dup {
+                qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
+                self.stats.duplicates += 1;
+            }
+            self.stats.rx_packets += 1;
+            return;
+        }
+        self.stats.rx_packets += 1;
         if op == Opcode::Ack || op.is_read_response() {
             self.on_response(now, qpn, &pkt);
         } else {

@@ -499,9 +499,41 @@ impl Driver {
     }
 }
 
+/// How long a closing provider keeps answering retransmissions after the last datagram.
+const LINGER_QUIET: Duration = Duration::from_millis(60);
+/// Upper bound of the linger.
+const LINGER_MAX: Duration = Duration::from_secs(1);
+
 impl Drop for UserVerbs {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Linger: a peer that lost our last ACK retransmits within its timeout; answer until
+        // the line has been quiet for a few of its timeouts, so it completes instead of
+        // failing with RETRY_EXC_ERR after we are gone.
+        let start = Instant::now();
+        let mut last_rx = Instant::now();
+        let mut seen = self.d.lock().engine.stats().rx_packets;
+        while start.elapsed() < LINGER_MAX && last_rx.elapsed() < LINGER_QUIET {
+            {
+                let mut d = self.d.lock();
+                if !d.engine.has_closing() {
+                    break;
+                }
+                let _ = d.progress();
+                let rx = d.engine.stats().rx_packets;
+                if rx != seen {
+                    seen = rx;
+                    last_rx = Instant::now();
+                }
+            }
+            let mut p = libc::pollfd {
+                fd: self.fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: `p` is a valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut p, 1, 5) };
+        }
     }
 }
 
@@ -597,9 +629,8 @@ impl Verbs for UserVerbs {
     }
 
     fn destroy_qp(&self, qp: QpId) {
-        let mut d = self.d.lock();
-        let _ = d.engine.destroy_qp(qpn(qp));
-        d.cq_of.remove(&qpn(qp));
+        // Keep it acknowledging retransmissions until the provider goes away (linger).
+        let _ = self.d.lock().engine.close_qp(qpn(qp));
     }
 
     fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {

@@ -18,6 +18,9 @@ skip() {
   exit 0
 }
 
+# Each run sets what it needs; nothing leaks in from the caller's environment.
+unset ROCCL_ROCEV2_FAULTS ROCCL_ROCEV2_PORT ROCCL_NET ROCCL_ROOT ROCCL_RANK ROCCL_NRANKS
+
 # Can this machine create a namespace and a veth pair? Anything else failing later is an error.
 [ "$(id -u)" -eq 0 ] || skip "not root (needs CAP_NET_ADMIN)"
 command -v ip >/dev/null || skip "'ip' (iproute2) not installed"
@@ -87,6 +90,7 @@ run() {
     exit 1
   fi
   ms=$((($(date +%s%N) - t0) / 1000000))
+  echo "   rank 0: $(grep -m1 '^# roccl-perf:' "$tmp/$name.0.log" | sed 's/^# roccl-perf: //')"
   echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $N ranks exited 0, $((ms / 1000)).$(printf %03d $((ms % 1000)))s"
 }
 
