@@ -546,6 +546,10 @@ impl Verbs for UserVerbs {
         format!("userspace RoCE v2 on {}", self.local)
     }
 
+    fn max_inline(&self) -> usize {
+        super::engine::MAX_INLINE
+    }
+
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
         // SAFETY: forwarded contract: the caller keeps the memory valid until dereg_mr.
         let key = unsafe {

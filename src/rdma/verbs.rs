@@ -46,6 +46,10 @@ pub struct QpId(pub u32);
 pub trait Verbs: Send + Sync {
     /// Provider name (`userspace` or the device name).
     fn name(&self) -> String;
+    /// Largest payload `post_send` copies at post time (`SendWr::inline`).
+    fn max_inline(&self) -> usize {
+        0
+    }
     /// Register memory.
     ///
     /// # Safety
