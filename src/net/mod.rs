@@ -217,6 +217,22 @@ pub trait RecvComm: Send {
     fn poll_fds(&self, out: &mut Vec<PollFd>);
 }
 
+/// A comm that failed stays failed: refuse further work, naming the first error.
+pub(crate) fn refuse_if_failed(failed: &Option<String>, what: &str) -> Result<()> {
+    match failed {
+        Some(f) => Err(Error::InvalidUsage(format!("{what} failed earlier: {f}"))),
+        None => Ok(()),
+    }
+}
+
+/// Remember the first error of a comm (see [`refuse_if_failed`]).
+pub(crate) fn remember_failure<T>(failed: &mut Option<String>, r: Result<T>) -> Result<T> {
+    if let Err(e) = &r {
+        failed.get_or_insert_with(|| e.to_string());
+    }
+    r
+}
+
 /// Which network to use (`ROCCL_NET`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NetKind {

@@ -518,16 +518,9 @@ struct RoceSend {
 
 impl RoceSend {
     fn progress(&mut self) -> Result<()> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "RoCE v2 send comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "RoCE v2 send comm")?;
         let r = self.progress_inner();
-        if let Err(e) = &r {
-            self.failed = Some(e.to_string());
-        }
-        r
+        super::remember_failure(&mut self.failed, r)
     }
 
     fn progress_inner(&mut self) -> Result<()> {
@@ -716,16 +709,9 @@ struct RoceRecv {
 
 impl RoceRecv {
     fn progress(&mut self) -> Result<()> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "RoCE v2 receive comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "RoCE v2 receive comm")?;
         let r = self.progress_inner();
-        if let Err(e) = &r {
-            self.failed = Some(e.to_string());
-        }
-        r
+        super::remember_failure(&mut self.failed, r)
     }
 
     fn progress_inner(&mut self) -> Result<()> {

@@ -552,11 +552,7 @@ impl TcpSendComm {
     }
 
     fn progress(&mut self) -> Result<()> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "TCP send comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "TCP send comm")?;
         let n = self.fds.len();
         let end = self.base + self.msgs.len() as u64;
         for j in 0..n {
@@ -602,11 +598,7 @@ impl SendComm for TcpSendComm {
         tag: u32,
         _mr: Option<&MemHandle>,
     ) -> Result<Option<ReqId>> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "TCP send comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "TCP send comm")?;
         if self.msgs.len() >= MAX_REQUESTS {
             return Ok(None);
         }
@@ -826,11 +818,7 @@ impl TcpRecvComm {
     }
 
     fn progress(&mut self) -> Result<()> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "TCP receive comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "TCP receive comm")?;
         let r = self.progress_inner();
         r.map_err(|e| self.fail(e))
     }
@@ -925,11 +913,7 @@ impl TcpRecvComm {
 
 impl RecvComm for TcpRecvComm {
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
-        if let Some(f) = &self.failed {
-            return Err(Error::InvalidUsage(format!(
-                "TCP receive comm failed earlier: {f}"
-            )));
-        }
+        super::refuse_if_failed(&self.failed, "TCP receive comm")?;
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
             return Err(Error::arg(format!(
                 "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
