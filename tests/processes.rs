@@ -153,9 +153,15 @@ fn joins_from_torchrun_environment() {
 }
 
 /// Kill one rank process in the middle of a run: the others exit with an error that names
-/// it, well within the timeout.
+/// it, well within the timeout — over TCP and over the userspace RoCE v2 engine.
 #[test]
 fn killed_rank_is_named() {
+    for net in ["tcp", "rocev2"] {
+        killed_rank_is_named_over(net);
+    }
+}
+
+fn killed_rank_is_named_over(net: &str) {
     let id = roccl::UniqueId::new().unwrap();
     let mut kids: Vec<_> = (0..3)
         .map(|r| {
@@ -174,6 +180,8 @@ fn killed_rank_is_named() {
                     "--warmup",
                     "0",
                     "--check=false",
+                    "--net",
+                    net,
                 ])
                 .env("ROCCL_UNIQUE_ID", id.to_hex())
                 .env("ROCCL_RANK", r.to_string())
@@ -194,15 +202,15 @@ fn killed_rank_is_named() {
             continue;
         }
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "rank {r}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{net} rank {r}: {err}");
         assert!(
             err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"),
-            "rank {r}: {err}"
+            "{net} rank {r}: {err}"
         );
     }
     assert!(
         t.elapsed() < Duration::from_secs(20),
-        "took {:?}",
+        "{net}: took {:?}",
         t.elapsed()
     );
 }
