@@ -516,9 +516,17 @@ impl Engine {
     pub fn close_qp(&mut self, qpn: Qpn) -> Result<()> {
         let qp = self.qp(qpn)?;
         qp.closing = true;
-        qp.sq.clear();
+        // Inline sends were reported complete at post and their data lives here: keep
+        // delivering them. Anything else refers to memory the owner may free now.
+        qp.sq.retain(|w| !w.done && w.wr.inline);
         qp.reads.clear();
-        qp.rto = None;
+        qp.tx_wqe = 0;
+        qp.tx_pkt = 0;
+        let una = qp.una();
+        Self::rewind(qp, una);
+        if qp.sq.is_empty() {
+            qp.rto = None;
+        }
         qp.rnr_until = None;
         Ok(())
     }
@@ -526,6 +534,14 @@ impl Engine {
     /// True if any QP is closing (see [`Engine::close_qp`]).
     pub fn has_closing(&self) -> bool {
         self.qps.iter().flatten().any(|q| q.closing)
+    }
+
+    /// True if a closing QP still has inline sends to deliver.
+    pub fn closing_busy(&self) -> bool {
+        self.qps
+            .iter()
+            .flatten()
+            .any(|q| q.closing && !q.sq.is_empty() && q.state != QpState::Error)
     }
 
     /// Move a QP to `to`, taking the attributes that transition needs (RESET→INIT,
@@ -900,7 +916,7 @@ impl Engine {
             return;
         }
         let op = pkt.bth.opcode;
-        if qp.closing {
+        if qp.closing && op != Opcode::Ack {
             // Only re-acknowledge duplicates; nothing new lands in memory the owner freed.
             let dup =
                 psn_diff(pkt.bth.psn, qp.epsn) < 0 && op != Opcode::Ack && !op.is_read_response();

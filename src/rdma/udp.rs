@@ -513,10 +513,14 @@ impl Drop for UserVerbs {
         let start = Instant::now();
         let mut last_rx = Instant::now();
         let mut seen = self.d.lock().engine.stats().rx_packets;
-        while start.elapsed() < LINGER_MAX && last_rx.elapsed() < LINGER_QUIET {
+        loop {
             {
                 let mut d = self.d.lock();
-                if !d.engine.has_closing() {
+                let busy = d.engine.closing_busy();
+                if !d.engine.has_closing()
+                    || start.elapsed() >= LINGER_MAX
+                    || (!busy && last_rx.elapsed() >= LINGER_QUIET)
+                {
                     break;
                 }
                 let _ = d.progress();

@@ -320,9 +320,15 @@ impl Connecting for RoceConnecting {
             .fifo
             .take()
             .ok_or_else(|| Error::Internal("connection polled after completion".into()))?;
+        let side = self
+            .side
+            .s
+            .try_clone()
+            .map_err(|e| Error::sys("dup of the RoCE v2 setup socket", e))?;
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
             qp: self.qp,
+            live: Liveness::new(side),
             fifo_mr: self.mr,
             fifo,
             reqs: VecDeque::with_capacity(FIFO),
@@ -417,6 +423,7 @@ impl ListenComm for RoceListen {
             return Ok(Some(Box::new(RoceRecv {
                 verbs: Arc::clone(&self.verbs),
                 qp,
+                live: Liveness::new(a.side.s),
                 fifo_addr,
                 fifo_rkey,
                 staging,
@@ -451,6 +458,52 @@ impl Drop for RoceListen {
             if let Some((qp, _, _)) = a.qp {
                 self.verbs.destroy_qp(qp);
             }
+        }
+    }
+}
+
+/// Watches the setup connection, which stays open for the comm's lifetime: when the peer's
+/// process exits, the kernel closes it. RDMA itself only notices a dead peer while it has
+/// something to retransmit; a rank waiting for a clear-to-send or for data would otherwise
+/// wait for `ROCCL_TIMEOUT`.
+struct Liveness {
+    side: TcpStream,
+    polls: u32,
+    gone_since: Option<std::time::Instant>,
+}
+
+/// After the peer closed, pending work may still complete (its engine lingers to deliver
+/// inline sends); give it this long.
+const PEER_GONE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
+impl Liveness {
+    fn new(side: TcpStream) -> Liveness {
+        let _ = side.set_nonblocking(true);
+        Liveness {
+            side,
+            polls: 0,
+            gone_since: None,
+        }
+    }
+
+    /// Err when the peer is gone and `waiting` says we still need it.
+    fn check(&mut self, waiting: bool, what: &str) -> Result<()> {
+        self.polls = self.polls.wrapping_add(1);
+        if self.gone_since.is_none() && self.polls % 32 == 0 {
+            let mut b = [0u8; 1];
+            match self.side.peek(&mut b) {
+                Ok(0) => self.gone_since = Some(std::time::Instant::now()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => self.gone_since = Some(std::time::Instant::now()),
+            }
+        }
+        match self.gone_since {
+            Some(t) if waiting && t.elapsed() > PEER_GONE_GRACE => Err(Error::sys(
+                format!("RoCE v2 {what}: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still waits for it"),
+                std::io::ErrorKind::UnexpectedEof.into(),
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -504,6 +557,7 @@ struct SReq {
 struct RoceSend {
     verbs: Arc<dyn Verbs>,
     qp: QpId,
+    live: Liveness,
     fifo_mr: Mr,
     fifo: Box<[Cts; FIFO]>,
     reqs: VecDeque<SReq>,
@@ -524,6 +578,11 @@ impl RoceSend {
     }
 
     fn progress_inner(&mut self) -> Result<()> {
+        let waiting = self
+            .reqs
+            .iter()
+            .any(|r| matches!(r.state, SendState::Waiting));
+        self.live.check(waiting, "send")?;
         let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
         for w in &self.wcs[..n] {
             if w.status != WcStatus::Success {
@@ -670,6 +729,10 @@ impl SendComm for RoceSend {
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         self.verbs.poll_fds(out);
+        out.push(PollFd {
+            fd: self.live.side.as_raw_fd(),
+            events: libc::POLLIN,
+        });
     }
 }
 
@@ -696,6 +759,7 @@ struct RReq {
 struct RoceRecv {
     verbs: Arc<dyn Verbs>,
     qp: QpId,
+    live: Liveness,
     fifo_addr: u64,
     fifo_rkey: u32,
     staging: Box<[Cts; FIFO]>,
@@ -743,7 +807,8 @@ impl RoceRecv {
                 }
             }
         }
-        Ok(())
+        let waiting = self.reqs.iter().any(|r| r.got < r.n);
+        self.live.check(waiting, "receive")
     }
 }
 
@@ -852,6 +917,10 @@ impl RecvComm for RoceRecv {
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         self.verbs.poll_fds(out);
+        out.push(PollFd {
+            fd: self.live.side.as_raw_fd(),
+            events: libc::POLLIN,
+        });
     }
 }
 
