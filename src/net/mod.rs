@@ -265,3 +265,20 @@ pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
         NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
     }
 }
+
+/// Test helper: connect a send comm to a receive comm of `net`, polling both sides.
+#[cfg(test)]
+pub(crate) fn connect_pair(net: &dyn Net) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
+    let (h, mut l) = net.listen(0).unwrap();
+    let mut c = net.connect(0, &h).unwrap();
+    let (mut s, mut r) = (None, None);
+    while s.is_none() || r.is_none() {
+        if s.is_none() {
+            s = c.poll().unwrap();
+        }
+        if r.is_none() {
+            r = l.accept().unwrap();
+        }
+    }
+    (s.unwrap(), r.unwrap())
+}

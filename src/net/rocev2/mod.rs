@@ -942,18 +942,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     fn pair(net: &RoceNet) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
-        let (h, mut l) = net.listen(0).unwrap();
-        let mut c = net.connect(0, &h).unwrap();
-        let (mut s, mut r) = (None, None);
-        while s.is_none() || r.is_none() {
-            if s.is_none() {
-                s = c.poll().unwrap();
-            }
-            if r.is_none() {
-                r = l.accept().unwrap();
-            }
-        }
-        (s.unwrap(), r.unwrap())
+        crate::net::connect_pair(net)
     }
 
     fn exchange(
