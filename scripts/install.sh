@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build roccl in release mode and install it under --prefix DIR:
-#   bin/roccl-perf
+#   bin/roccl-perf, bin/roccl-info
 #   include/roccl.h
 #   lib/libroccl.so.0.1.0, lib/libroccl.so.0 -> ..., lib/libroccl.so -> ...   (soname libroccl.so.0)
 #   lib/libroccl.a
@@ -18,11 +18,12 @@ done
 [ -n "$prefix" ] || { echo "install.sh: --prefix DIR is required" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
-cargo build --release --bin roccl-perf -p roccl -p roccl-capi
+cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi
 mkdir -p "$prefix"
 prefix=$(cd "$prefix" && pwd)
 install -d "$prefix/bin" "$prefix/include" "$prefix/lib/pkgconfig"
 install -m 0755 target/release/roccl-perf "$prefix/bin/roccl-perf"
+install -m 0755 target/release/roccl-info "$prefix/bin/roccl-info"
 install -m 0644 include/roccl.h "$prefix/include/roccl.h"
 install -m 0755 target/release/libroccl.so "$prefix/lib/libroccl.so.$version"
 strip --strip-debug "$prefix/lib/libroccl.so.$version" 2>/dev/null || true

@@ -35,3 +35,18 @@ pub fn bind_to_cpu(cpu: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// The locked-memory limit of this process (`ulimit -l`), soft and hard, in bytes
+/// (`None` = unlimited). RDMA registration pins memory against it.
+pub fn memlock_limit() -> Result<(Option<u64>, Option<u64>)> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit for the kernel to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return Err(Error::last_os("getrlimit(RLIMIT_MEMLOCK)"));
+    }
+    let v = |x: libc::rlim_t| (x != libc::RLIM_INFINITY).then_some(u64::from(x));
+    Ok((v(r.rlim_cur), v(r.rlim_max)))
+}

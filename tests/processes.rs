@@ -275,3 +275,40 @@ fn perf_over_rocev2() {
         "{text}"
     );
 }
+
+/// roccl-info on this machine (no RDMA hardware) and on a fake ConnectX sysfs tree.
+#[test]
+fn info_reports_devices_and_the_chosen_gid() {
+    let info = env!("CARGO_BIN_EXE_roccl-info");
+    let out = Command::new(info)
+        .env_remove("ROCCL_SYSFS_ROOT")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    if !std::path::Path::new("/sys/class/infiniband").exists() {
+        assert!(
+            text.contains("no RDMA device: roccl will use tcp"),
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("== locked memory")
+            && text.contains("== /dev/infiniband")
+            && text.contains("roccl would listen on"),
+        "{text}"
+    );
+    let tree = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/sysfs/mlx5");
+    let out = Command::new(info)
+        .env("ROCCL_SYSFS_ROOT", tree)
+        .env_remove("ROCCL_IB_GID_INDEX")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("<- chosen")
+            && text.contains("mlx5_0 port 1 GID 3: RoCE v2, IPv4 192.168.1.2"),
+        "{text}"
+    );
+}
