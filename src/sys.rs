@@ -47,6 +47,6 @@ pub fn memlock_limit() -> Result<(Option<u64>, Option<u64>)> {
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
         return Err(Error::last_os("getrlimit(RLIMIT_MEMLOCK)"));
     }
-    let v = |x: libc::rlim_t| (x != libc::RLIM_INFINITY).then_some(u64::from(x));
+    let v = |x: libc::rlim_t| (x != libc::RLIM_INFINITY).then_some(x);
     Ok((v(r.rlim_cur), v(r.rlim_max)))
 }
