@@ -312,3 +312,34 @@ fn info_reports_devices_and_the_chosen_gid() {
         "{text}"
     );
 }
+
+/// roccl-info --listen / --peer: TCP and RoCE v2 side by side between two processes.
+#[test]
+fn info_link_test_between_two_processes() {
+    let info = env!("CARGO_BIN_EXE_roccl-info");
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let l = Command::new(info)
+        .args(["--listen", &addr])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let p = Command::new(info).args(["--peer", &addr]).output().unwrap();
+    let lo = l.wait_with_output().unwrap();
+    for (who, o) in [("peer", &p), ("listener", &lo)] {
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{who}: {text}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            text.lines().any(|l| l.starts_with("tcp "))
+                && text.lines().any(|l| l.starts_with("rocev2 ")),
+            "{who}: {text}"
+        );
+    }
+    let bad = Command::new(info).arg("--bogus").output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

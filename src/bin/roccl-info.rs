@@ -71,7 +71,91 @@ fn human(b: Option<u64>) -> String {
     }
 }
 
+/// `--listen ADDR:PORT` / `--peer ADDR:PORT`: measure TCP and RoCE v2 between two hosts.
+fn link_test(listen: bool, addr: &str) -> Result<(), String> {
+    use roccl::net::NetKind;
+    use roccl::{Communicator, Config, UniqueId};
+    use std::net::ToSocketAddrs;
+    use std::time::Instant;
+    let base = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("resolving {addr}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{addr} has no address"))?;
+    let rank = usize::from(!listen);
+    println!(
+        "{:<8} {:>14} {:>16} {:>16}",
+        "net", "8 B RTT (us)", "1 MiB (Gb/s)", "16 MiB (Gb/s)"
+    );
+    for (k, (kind, name)) in [(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")]
+        .into_iter()
+        .enumerate()
+    {
+        let at = std::net::SocketAddr::new(base.ip(), base.port() + k as u16);
+        let id = if listen {
+            roccl::bootstrap::serve_root(at).map_err(|e| e.to_string())?
+        } else {
+            UniqueId::for_address(at)
+        };
+        let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
+        cfg.net = kind;
+        let c = Communicator::init_with(&id, 2, rank, cfg).map_err(|e| format!("{name}: {e}"))?;
+        let peer = 1 - rank;
+        let mut small = [0u8; 8];
+        let iters = 1000;
+        let t = Instant::now();
+        for _ in 0..iters {
+            if rank == 0 {
+                c.send(&small, peer).map_err(|e| e.to_string())?;
+                c.recv(&mut small, peer).map_err(|e| e.to_string())?;
+            } else {
+                c.recv(&mut small, peer).map_err(|e| e.to_string())?;
+                c.send(&small, peer).map_err(|e| e.to_string())?;
+            }
+        }
+        let rtt = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
+        let mut bw = Vec::new();
+        for size in [1usize << 20, 16 << 20] {
+            let send = vec![1u8; size];
+            let mut recv = vec![0u8; size];
+            let reps = 20;
+            c.barrier().map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                c.sendrecv(&send, peer, &mut recv, peer)
+                    .map_err(|e| e.to_string())?;
+            }
+            bw.push((size * reps) as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        println!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
+    }
+    println!("(bandwidth: both directions at once, Gb/s per direction)");
+    Ok(())
+}
+
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        [] => {}
+        ["--listen", a] | ["--peer", a] => {
+            return match link_test(args[0] == "--listen", a) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("roccl-info: error: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        _ => {
+            eprintln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(uses ports PORT and PORT+1)");
+            return ExitCode::from(2);
+        }
+    }
     let mut out = String::new();
     macro_rules! outln {
         ($($t:tt)*) => {{
