@@ -415,11 +415,25 @@ impl<'a> Exec<'a> {
                 Ok(true) => {
                     self.links.accept_pending()?;
                     if self.links.aborted() {
-                        return Err(self.links.failure(
-                            None,
-                            false,
-                            "another rank aborted the communicator".into(),
-                        ));
+                        // Blamed while still waiting on someone: this rank is alive, so pass
+                        // the blame on to the peer it waits for (and tell everyone), instead
+                        // of letting the others settle on us.
+                        let me = self.links.rank;
+                        let blamed_me = self.links.notices.iter().any(|n| n.1 == me);
+                        let waiting_on = self
+                            .ops
+                            .iter()
+                            .find(|o| o.active && !o.done)
+                            .map(|o| o.peer as usize);
+                        let detail = "another rank aborted the communicator".to_string();
+                        return Err(match waiting_on.filter(|_| blamed_me) {
+                            Some(p) => self.links.failure(
+                                Some(p),
+                                true,
+                                format!("{detail} while this rank waited on rank {p}"),
+                            ),
+                            None => self.links.failure(None, false, detail),
+                        });
                     }
                 }
                 Ok(false) => {}

@@ -64,6 +64,8 @@ pub(crate) struct Links {
     pub notices: Vec<(usize, usize)>,
     /// This rank has sent its abort notices.
     pub notified: bool,
+    /// How long a rank that timed out listens for other ranks' notices before blaming.
+    pub timeout_grace: Duration,
     /// Set by `Communicator::abort` from any thread; every wait checks it.
     pub abort: Arc<std::sync::atomic::AtomicBool>,
     /// Vectors the executor reuses from call to call.
@@ -94,6 +96,7 @@ impl Links {
             suspect: None,
             notices: Vec::new(),
             notified: false,
+            timeout_grace: Duration::from_millis(500),
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
@@ -439,10 +442,14 @@ impl Links {
                 self.notify_abort(s, Duration::from_millis(300));
             }
         }
-        let culprit = self.blame(
-            own,
-            Duration::from_millis(if timed_out { 500 } else { 300 }),
-        );
+        // After a timeout the real culprit's neighbours time out at about the same moment,
+        // give or take scheduling: wait long enough to hear from them.
+        let grace = if timed_out {
+            self.timeout_grace
+        } else {
+            Duration::from_millis(300)
+        };
+        let culprit = self.blame(own, grace);
         let reporters: Vec<usize> = self
             .notices
             .iter()

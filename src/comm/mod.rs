@@ -325,6 +325,9 @@ impl Communicator {
             vec![0; nranks],
             handles,
         );
+        let mut links = links;
+        links.timeout_grace =
+            (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
         let abort_flag = Arc::clone(&links.abort);
         Ok(Communicator {
             shared: Arc::new(Shared {
