@@ -87,11 +87,9 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         "{:<8} {:>14} {:>16} {:>16}",
         "net", "8 B RTT (us)", "1 MiB (Gb/s)", "16 MiB (Gb/s)"
     );
-    for (k, (kind, name)) in [(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")]
-        .into_iter()
-        .enumerate()
-    {
-        let at = std::net::SocketAddr::new(base.ip(), base.port() + k as u16);
+    for (kind, name) in [(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")] {
+        // One port for both phases: each root serves one rendezvous and closes.
+        let at = base;
         let id = if listen {
             roccl::bootstrap::serve_root(at).map_err(|e| e.to_string())?
         } else {
@@ -152,7 +150,7 @@ fn main() -> ExitCode {
             };
         }
         _ => {
-            eprintln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(uses ports PORT and PORT+1)");
+            eprintln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
             return ExitCode::from(2);
         }
     }
