@@ -233,6 +233,22 @@ pub(crate) fn remember_failure<T>(failed: &mut Option<String>, r: Result<T>) -> 
     r
 }
 
+/// The outstanding request `req` of a comm whose requests live in `reqs`, the
+/// front one numbered `base` (ids wrap at `u32`); an unknown or already reaped
+/// id is a usage error naming `what` ("send" or "receive").
+pub(crate) fn pending_request<'a, T>(
+    reqs: &'a mut std::collections::VecDeque<T>,
+    base: u64,
+    req: ReqId,
+    reaped: impl Fn(&T) -> bool,
+    what: &str,
+) -> Result<&'a mut T> {
+    let idx = req.0.wrapping_sub(base as u32) as usize;
+    reqs.get_mut(idx)
+        .filter(|r| !reaped(r))
+        .ok_or_else(|| Error::InvalidUsage(format!("test on unknown {what} request {}", req.0)))
+}
+
 /// Which network to use (`ROCCL_NET`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NetKind {

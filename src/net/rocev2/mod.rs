@@ -707,14 +707,7 @@ impl SendComm for RoceSend {
 
     fn test(&mut self, req: ReqId) -> Result<Option<usize>> {
         self.progress()?;
-        let idx = (req.0 as u64).wrapping_sub(self.base as u32 as u64) as u32 as usize;
-        let r = self
-            .reqs
-            .get_mut(idx)
-            .filter(|r| !r.reaped)
-            .ok_or_else(|| {
-                Error::InvalidUsage(format!("test on unknown send request {}", req.0))
-            })?;
+        let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "send")?;
         if !matches!(r.state, SendState::Done) {
             return Ok(None);
         }
@@ -893,14 +886,7 @@ impl RecvComm for RoceRecv {
 
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
         self.progress()?;
-        let idx = (req.0 as u64).wrapping_sub(self.base as u32 as u64) as u32 as usize;
-        let r = self
-            .reqs
-            .get_mut(idx)
-            .filter(|r| !r.reaped)
-            .ok_or_else(|| {
-                Error::InvalidUsage(format!("test on unknown receive request {}", req.0))
-            })?;
+        let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "receive")?;
         if r.got < r.n {
             return Ok(false);
         }

@@ -621,14 +621,7 @@ impl SendComm for TcpSendComm {
 
     fn test(&mut self, req: ReqId) -> Result<Option<usize>> {
         self.progress()?;
-        let idx = (req.0 as u64).wrapping_sub(self.base as u32 as u64) as u32 as usize;
-        let m = self
-            .msgs
-            .get_mut(idx)
-            .filter(|m| !m.reaped)
-            .ok_or_else(|| {
-                Error::InvalidUsage(format!("test on unknown send request {}", req.0))
-            })?;
+        let m = super::pending_request(&mut self.msgs, self.base, req, |r| r.reaped, "send")?;
         if m.parts_left > 0 {
             return Ok(None);
         }
@@ -961,14 +954,8 @@ impl RecvComm for TcpRecvComm {
 
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
         self.progress()?;
-        let idx = (req.0 as u64).wrapping_sub(self.req_base as u32 as u64) as u32 as usize;
-        let r = self
-            .reqs
-            .get_mut(idx)
-            .filter(|r| !r.reaped)
-            .ok_or_else(|| {
-                Error::InvalidUsage(format!("test on unknown receive request {}", req.0))
-            })?;
+        let r =
+            super::pending_request(&mut self.reqs, self.req_base, req, |r| r.reaped, "receive")?;
         if r.left > 0 {
             return Ok(false);
         }
