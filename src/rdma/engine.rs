@@ -1316,10 +1316,22 @@ impl Engine {
 
     /// Write the next datagram into `buf` (at least 4200 bytes for MTU 4096).
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        self.poll_transmit_segment(now, buf, 0)
+    }
+
+    /// Like [`Engine::poll_transmit`], for a datagram meant to leave as segment `seg` of a UDP
+    /// GSO send (its ICRC covers IPv4 identification `seg`; see `wire::encode_segment`). A
+    /// driver that then sends it at another position re-marks it with `wire::reseal`.
+    pub fn poll_transmit_segment(
+        &mut self,
+        now: Instant,
+        buf: &mut [u8],
+        seg: u8,
+    ) -> Option<Transmit> {
         let n = self.qps.len();
         for k in 0..n {
             let slot = (self.rr + k) % n;
-            if let Some(t) = self.transmit_from(slot, now, buf) {
+            if let Some(t) = self.transmit_from(slot, now, buf, seg) {
                 self.rr = slot; // stay on this QP while it has data: fewer switches
                 self.stats.tx_packets += 1;
                 return Some(t);
@@ -1328,7 +1340,13 @@ impl Engine {
         None
     }
 
-    fn transmit_from(&mut self, slot: usize, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+    fn transmit_from(
+        &mut self,
+        slot: usize,
+        now: Instant,
+        buf: &mut [u8],
+        seg: u8,
+    ) -> Option<Transmit> {
         let qp = self.qps.get_mut(slot)?.as_mut()?;
         if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
             return None;
@@ -1371,7 +1389,7 @@ impl Engine {
                 aeth: Some(aeth),
                 payload: &[],
             };
-            return wire::encode(&p, &ip, buf).ok().map(out);
+            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
         }
         // 2. RDMA READ responses.
         if let Some(j) = qp.reads.front_mut() {
@@ -1406,7 +1424,7 @@ impl Engine {
                 aeth,
                 payload,
             };
-            return wire::encode(&p, &ip, buf).ok().map(out);
+            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
         }
         // 3. Requests.
         if qp.state != QpState::Rts || qp.rnr_until.is_some_and(|t| now < t) {
@@ -1506,7 +1524,7 @@ impl Engine {
             aeth: None,
             payload,
         };
-        wire::encode(&p, &ip, buf).ok().map(out)
+        wire::encode_segment(&p, &ip, seg, buf).ok().map(out)
     }
 }
 

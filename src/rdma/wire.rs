@@ -457,7 +457,30 @@ fn get32(b: &[u8]) -> u32 {
 /// Also rejects a destination QP, PSN or MSN wider than 24 bits and a packet that would not fit a
 /// UDP datagram.
 pub fn encode(pkt: &Packet, ip: &IpInfo, buf: &mut [u8]) -> Result<usize, &'static str> {
+    encode_segment(pkt, ip, 0, buf)
+}
+
+/// Largest number of packets the userspace provider sends as one UDP GSO datagram: the
+/// segment index travels in the six reserved bits of the BTH (see [`encode_segment`]).
+pub const MAX_SEGMENTS: usize = 64;
+
+/// Like [`encode`], for a packet that leaves as segment `seg` (0..[`MAX_SEGMENTS`]) of a UDP
+/// GSO send. The kernel (or the NIC) cuts such a send into datagrams whose IPv4
+/// identifications count up from the send's own: 0 for roccl's unconnected DF sockets, so
+/// segment `seg` carries identification `seg`, and its ICRC must cover that. The receiver cannot
+/// see the IP header, so the index also travels in the BTH's six reserved bits (byte 4, bits
+/// 0–5, which the ICRC masks and receivers ignore); [`decode`] takes the identification from
+/// there. A packet sent on its own is segment 0: identification 0, reserved bits 0.
+pub fn encode_segment(
+    pkt: &Packet,
+    ip: &IpInfo,
+    seg: u8,
+    buf: &mut [u8],
+) -> Result<usize, &'static str> {
     let b = &pkt.bth;
+    if usize::from(seg) >= MAX_SEGMENTS {
+        return Err("GSO segment index beyond MAX_SEGMENTS");
+    }
     let op = b.opcode;
     if pkt.reth.is_some() != op.has_reth() {
         return Err(if op.has_reth() {
@@ -502,7 +525,7 @@ pub fn encode(pkt: &Packet, ip: &IpInfo, buf: &mut [u8]) -> Result<usize, &'stat
     out[0] = op as u8;
     out[1] = u8::from(b.solicited) << 7 | u8::from(b.mig_req) << 6 | (pad as u8) << 4;
     out[2..4].copy_from_slice(&b.pkey.to_be_bytes());
-    out[4] = u8::from(b.fecn) << 7 | u8::from(b.becn) << 6;
+    out[4] = u8::from(b.fecn) << 7 | u8::from(b.becn) << 6 | seg;
     put24(&mut out[5..8], b.dest_qp);
     out[8] = u8::from(b.ack_req) << 7;
     put24(&mut out[9..12], b.psn);
@@ -526,16 +549,33 @@ pub fn encode(pkt: &Packet, ip: &IpInfo, buf: &mut [u8]) -> Result<usize, &'stat
     at += plen;
     out[at..at + pad].fill(0);
     at += pad;
-    let crc = icrc(ip, &out[..at]);
+    let crc = icrc_ipv4_id(ip, u16::from(seg), IPV4_DF, &out[..at]);
     out[at..].copy_from_slice(&crc.to_le_bytes());
     Ok(len)
+}
+
+/// Re-mark an encoded packet (`datagram`: BTH .. ICRC) as GSO segment `seg` and recompute its
+/// ICRC, for a packet that was encoded for one position of a GSO send and leaves at another.
+pub fn reseal(datagram: &mut [u8], ip: &IpInfo, seg: u8) -> Result<(), &'static str> {
+    if datagram.len() < BTH_LEN + ICRC_LEN {
+        return Err("datagram too short");
+    }
+    if usize::from(seg) >= MAX_SEGMENTS {
+        return Err("GSO segment index beyond MAX_SEGMENTS");
+    }
+    datagram[4] = (datagram[4] & 0xc0) | seg;
+    let end = datagram.len() - ICRC_LEN;
+    let crc = icrc_ipv4_id(ip, u16::from(seg), IPV4_DF, &datagram[..end]);
+    datagram[end..].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
 }
 
 /// Decode and verify the ICRC (strip pad). With `check_icrc == false` the ICRC is not verified
 /// (for captures whose IP header the receiver cannot know).
 ///
-/// The ICRC is checked with the IPv4 convention of [`icrc`] (identification 0, DF); packets from
-/// other senders can be checked with `check_icrc == false` and [`icrc_ipv4_id`].
+/// The ICRC is checked with the IPv4 convention of [`icrc`] (DF, and identification 0 — or the
+/// GSO segment index in the BTH's reserved bits, see [`encode_segment`]); packets from other
+/// senders can be checked with `check_icrc == false` and [`icrc_ipv4_id`].
 /// Reserved BTH bits and pad contents are ignored, as the specification asks of receivers.
 pub fn decode<'a>(
     udp_payload: &'a [u8],
@@ -564,7 +604,9 @@ pub fn decode<'a>(
             d[body_end + 2],
             d[body_end + 3],
         ]);
-        let want = icrc(ip, &d[..body_end]);
+        // The IPv4 identification is the GSO segment index carried in the BTH's reserved
+        // bits (0 for a packet sent on its own); see [`encode_segment`].
+        let want = icrc_ipv4_id(ip, u16::from(d[4] & 0x3f), IPV4_DF, &d[..body_end]);
         if got != want {
             return Err(DecodeError::BadIcrc { got, want });
         }
@@ -758,6 +800,53 @@ mod tests {
                 .then_some(Aeth::nak(i, NakCode::RemoteAccessError)),
             payload,
         }
+    }
+
+    #[test]
+    fn gso_segments_carry_their_ipv4_id() {
+        let ip = ip4([10, 0, 0, 1], [10, 0, 0, 2], 49152, ROCEV2_PORT);
+        let payload: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let p = packet(Opcode::WriteMiddle, &payload, 3);
+        let mut zero = vec![0u8; 4200];
+        let n = encode(&p, &ip, &mut zero).unwrap();
+        for seg in [1u8, 2, 17, 63] {
+            let mut b = vec![0u8; 4200];
+            assert_eq!(encode_segment(&p, &ip, seg, &mut b).unwrap(), n);
+            // Same packet, index in the reserved bits, ICRC over IPv4 id `seg`.
+            assert_eq!(b[4] & 0x3f, seg);
+            assert_eq!(b[4] & 0xc0, zero[4] & 0xc0);
+            assert_eq!(b[..4], zero[..4]);
+            assert_eq!(b[5..n - 4], zero[5..n - 4]);
+            let crc = u32::from_le_bytes(b[n - 4..n].try_into().unwrap());
+            assert_eq!(crc, icrc_ipv4_id(&ip, u16::from(seg), IPV4_DF, &b[..n - 4]));
+            assert_ne!(crc, icrc(&ip, &b[..n - 4]));
+            let d = decode(&b[..n], &ip, true).unwrap();
+            assert_eq!(d.payload, &payload[..]);
+            assert_eq!(d.bth, p.bth);
+            // Moved to another position without a new ICRC: rejected.
+            let mut moved = b.clone();
+            moved[4] = (moved[4] & 0xc0) | (seg ^ 1);
+            assert!(matches!(
+                decode(&moved[..n], &ip, true),
+                Err(DecodeError::BadIcrc { .. })
+            ));
+            // Resealed for position 0: identical to a packet sent on its own.
+            super::reseal(&mut b[..n], &ip, 0).unwrap();
+            assert_eq!(b[..n], zero[..n]);
+            super::reseal(&mut b[..n], &ip, seg).unwrap();
+            assert!(decode(&b[..n], &ip, true).is_ok());
+        }
+        assert!(encode_segment(&p, &ip, MAX_SEGMENTS as u8, &mut zero).is_err());
+        assert!(super::reseal(&mut zero[..n], &ip, 64).is_err());
+        assert!(super::reseal(&mut zero[..8], &ip, 1).is_err());
+        // IPv6 has no identification: the index changes nothing but the reserved bits.
+        let ip = ip6("fd00::1", "fd00::2", 49152, ROCEV2_PORT);
+        let mut a = vec![0u8; 4200];
+        let mut b = vec![0u8; 4200];
+        encode(&p, &ip, &mut a).unwrap();
+        encode_segment(&p, &ip, 5, &mut b).unwrap();
+        assert_eq!(a[n - 4..n], b[n - 4..n]);
+        assert!(decode(&b[..n], &ip, true).is_ok());
     }
 
     #[test]
