@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Capture the RoCE v2 traffic of a short roccl-perf run on loopback and check it with
-# Wireshark's dissectors.
+# Capture the RoCE v2 traffic of a short roccl-perf run between two emulated hosts and check
+# it with Wireshark's dissectors.
 #
 #   scripts/capture.sh [OUT.pcapng]      (default: target/capture/roccl-rocev2.pcapng)
 #
-# Two ranks on 127.0.0.1 (ROCCL_SOCKET_IFNAME=lo, --net rocev2) run all_reduce and
-# all_gather while dumpcap records UDP to their RoCE v2 ports. Two ranks cannot both bind
-# 127.0.0.1:4791, so rank 0 listens on 4791 and rank 1 on 4792 (ROCCL_ROCEV2_PORT), and both
-# ports are decoded as InfiniBand (tshark -d udp.port==4792,infiniband). Checks:
+# Two network namespaces (roccl-cap0, roccl-cap1: eth0 at 10.78.0.1 and 10.78.0.2, a veth
+# pair with MTU 9000) each run one rank of roccl-perf (--net rocev2: all_reduce and
+# all_gather) while dumpcap records UDP port 4791 on the second host's eth0. UDP segmentation
+# offload is turned off on both veth ends, so the kernel cuts roccl's UDP GSO sends into
+# single datagrams in software, as a NIC does on the wire (on lo or an offloading veth a
+# capture would show the unsplit 64 KiB sends instead). Checks:
 #   - there are InfiniBand (RoCE v2) packets, and every captured datagram decodes as one;
 #   - none is malformed;
 #   - the ICRC of every packet: Wireshark 4.0 shows the ICRC but does not verify it (this is
@@ -15,17 +17,20 @@
 #     8 bytes of 1s, then the IPv4 header with TOS, TTL and checksum set to 1s, the UDP header
 #     with checksum 1s, the BTH with its first reserved byte 1s, the rest of the transport
 #     headers and payload), independently of roccl's code, when python3 is available;
-#   - the IPv4 identification and DF flag, which roccl's receiver assumes are 0 and 1 (it
-#     cannot see the IP header when it checks the ICRC).
+#   - the IPv4 identification and DF flag: DF set, and the identification equal to the packet's
+#     GSO segment index, which roccl carries in the BTH's six reserved bits because its
+#     receiver cannot see the IP header when it checks the ICRC (0 for packets sent alone).
 # Prints the packet count per BTH opcode. Exits non-zero when a check fails.
-# Needs root (capture on lo); installs tshark with apt-get when missing.
+# Needs root (namespaces, capture); installs tshark and ethtool with apt-get when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${1:-target/capture/roccl-rocev2.pcapng}
 PORT0=4791
-PORT1=4792
-ROOT=127.0.0.1:29650
+PORT1=4791
+NS=(roccl-cap0 roccl-cap1)
+ADDR=(10.78.0.1 10.78.0.2)
+ROOT=${ADDR[0]}:29650
 PERF=target/release/roccl-perf
 ARGS=(--op "all_reduce,all_gather" -b 8 -e 64K -f 8 --iters 2 --warmup 1 --net rocev2)
 
@@ -36,7 +41,14 @@ die() {
 
 # A clean run: no fault injection or port settings from the caller's environment.
 unset ROCCL_ROCEV2_FAULTS ROCCL_ROCEV2_PORT ROCCL_NET
-[ "$(id -u)" -eq 0 ] || die "must run as root to capture on lo"
+[ "$(id -u)" -eq 0 ] || die "must run as root (network namespaces, capture)"
+if ! command -v ethtool >/dev/null; then
+  command -v apt-get >/dev/null || die "ethtool not found and no apt-get to install it"
+  echo "-- installing ethtool"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y ethtool >/dev/null 2>&1 ||
+    { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y ethtool >/dev/null; } ||
+    die "apt-get install ethtool failed"
+fi
 if ! command -v tshark >/dev/null || ! command -v dumpcap >/dev/null; then
   command -v apt-get >/dev/null || die "tshark not found and no apt-get to install it"
   echo "-- installing tshark"
@@ -63,14 +75,35 @@ cleanup() {
   local p
   for p in "${rank_pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -z "$cap_pid" ] || kill "$cap_pid" 2>/dev/null || true
+  for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 
+echo "-- hosts ${NS[0]} (${ADDR[0]}) and ${NS[1]} (${ADDR[1]}): veth, MTU 9000, tx-udp-segmentation off"
+for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+ip link del roccl-capa 2>/dev/null || true
+for r in 0 1; do
+  ip netns add "${NS[$r]}" || die "ip netns add ${NS[$r]} failed"
+done
+ip link add roccl-capa type veth peer name roccl-capb || die "cannot create a veth pair"
+ip link set roccl-capa netns "${NS[0]}"
+ip link set roccl-capb netns "${NS[1]}"
+ends=(roccl-capa roccl-capb)
+for r in 0 1; do
+  ip -n "${NS[$r]}" link set "${ends[$r]}" name eth0
+  ip -n "${NS[$r]}" link set eth0 mtu 9000
+  ip -n "${NS[$r]}" addr add "${ADDR[$r]}/24" dev eth0
+  ip -n "${NS[$r]}" link set lo up
+  ip -n "${NS[$r]}" link set eth0 up
+  ip netns exec "${NS[$r]}" ethtool -K eth0 tx-udp-segmentation off >/dev/null 2>&1 ||
+    die "ethtool -K eth0 tx-udp-segmentation off failed in ${NS[$r]}"
+done
+
 capture_run() {
   filter="udp port $PORT0 or udp port $PORT1"
-  echo "-- dumpcap -i lo -f \"$filter\" -w $OUT"
-  dumpcap -q -i lo -f "$filter" -w "$OUT" 2>"$tmp/dumpcap.err" &
+  echo "-- ip netns exec ${NS[1]} dumpcap -i eth0 -f \"$filter\" -w $OUT"
+  ip netns exec "${NS[1]}" dumpcap -q -i eth0 -f "$filter" -w "$OUT" 2>"$tmp/dumpcap.err" &
   cap_pid=$!
   for _ in $(seq 100); do
     grep -q "Capturing on" "$tmp/dumpcap.err" && break
@@ -80,12 +113,12 @@ capture_run() {
   grep -q "Capturing on" "$tmp/dumpcap.err" || { cat "$tmp/dumpcap.err"; die "dumpcap did not start"; }
   sleep 1 # "Capturing on" can come a moment before packets are really recorded
 
-  echo "-- 2 ranks: ROCCL_RANK=r ROCCL_NRANKS=2 ROCCL_ROOT=$ROOT ROCCL_SOCKET_IFNAME=lo" \
-    "ROCCL_ROCEV2_PORT=$PORT0|$PORT1 $PERF ${ARGS[*]}"
+  echo "-- 2 ranks: ip netns exec roccl-capR env ROCCL_RANK=R ROCCL_NRANKS=2 ROCCL_ROOT=$ROOT" \
+    "ROCCL_SOCKET_IFNAME==eth0 $PERF ${ARGS[*]}"
   ports=("$PORT0" "$PORT1")
   for r in 0 1; do
-    env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT=$ROOT ROCCL_SOCKET_IFNAME=lo ROCCL_TIMEOUT=60 \
-      ROCCL_ROCEV2_PORT="${ports[$r]}" ROCCL_DEBUG=INFO \
+    ip netns exec "${NS[$r]}" env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT=$ROOT \
+      ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 ROCCL_DEBUG=INFO \
       timeout -k 5 120 "$PERF" "${ARGS[@]}" >"$tmp/rank$r.log" 2>&1 &
     rank_pids+=($!)
   done
@@ -102,8 +135,8 @@ capture_run() {
   cap_pid=""
   grep -qx "# wrong results: 0" "$tmp/rank0.log" || { echo "rank 0 did not report '# wrong results: 0'"; fail=1; }
   for r in 0 1; do
-    grep -q "RoCE v2 on 127.0.0.1:${ports[$r]} " "$tmp/rank$r.log" || {
-      echo "rank $r did not listen on 127.0.0.1:${ports[$r]} (port taken? see below)"
+    grep -q "RoCE v2 on ${ADDR[$r]}:${ports[$r]} " "$tmp/rank$r.log" || {
+      echo "rank $r did not listen on ${ADDR[$r]}:${ports[$r]} (port taken? see below)"
       fail=1
     }
   done
@@ -177,15 +210,14 @@ naks=$(count "infiniband.aeth.syndrome >= 0x60")
 echo "   (NAKs among the acknowledges: $naks)"
 
 echo "-- IPv4 identification and DF of the RoCE v2 packets (count, ip.id, ip.flags.df)"
-ipfields=$(ts -r "$OUT" "${decode[@]}" -Y "infiniband && ip" -T fields -e ip.id -e ip.flags.df | sort | uniq -c)
-echo "$ipfields" | sed 's/^/   /'
-bad_ip=$(count "infiniband && ip && (ip.id != 0 || ip.flags.df != 1)")
-if [ "$bad_ip" -ne 0 ]; then
-  echo "FAIL: $bad_ip packets do not have IP id 0 and DF set, which roccl's ICRC check assumes"
+ts -r "$OUT" "${decode[@]}" -Y "infiniband && ip" -T fields -e ip.id -e ip.flags.df | sort | uniq -c |
+  sort -k2 | head -20 | sed 's/^/   /'
+bad_df=$(count "infiniband && ip && ip.flags.df != 1")
+if [ "$bad_df" -ne 0 ]; then
+  echo "FAIL: $bad_df packets without DF, which roccl's ICRC assumes"
   status=1
-else
-  echo "   all have id 0x0000 and DF 1, as roccl's ICRC assumes"
 fi
+echo "   (each identification must equal the GSO segment index in the BTH's reserved bits: checked below)"
 
 echo "-- ICRC"
 if tshark -G fields 2>/dev/null | awk -F'\t' '{print $3}' | grep -qx "infiniband.invariant.crc.status"; then
@@ -211,6 +243,7 @@ else:
     sys.exit("not a pcap file")
 linktype = struct.unpack(end + "I", data[20:24])[0] & 0x0FFFFFFF
 off, total, good, bad, skipped = 24, 0, 0, 0, 0
+id_ok, id_bad, segments = 0, 0, 0
 while off + 16 <= len(data):
     caplen, origlen = struct.unpack(end + "II", data[off + 8:off + 16])
     pkt = data[off + 16:off + 16 + caplen]
@@ -234,6 +267,17 @@ while off + 16 <= len(data):
     if caplen != origlen or len(udp) < 8 + 12 + 4:
         skipped += 1
         continue
+    # roccl's convention: the IPv4 identification of a datagram cut from a UDP GSO send is its
+    # segment index, which the BTH carries in its six reserved bits (0 for packets sent alone).
+    ipid, seg = struct.unpack(">H", ip[4:6])[0], udp[12] & 0x3F
+    if ipid == seg:
+        id_ok += 1
+        segments += seg > 0
+    else:
+        id_bad += 1
+        if id_bad <= 5:
+            print("   IPv4 id %d but BTH segment index %d (psn 0x%06x)"
+                  % (ipid, seg, struct.unpack(">I", bytes(udp[16:20]))[0] & 0xFFFFFF))
     hdr = bytearray(ip[:ihl])
     hdr[1] = 0xFF  # DSCP and ECN
     hdr[8] = 0xFF  # TTL
@@ -254,9 +298,11 @@ while off + 16 <= len(data):
                   % (bth[0], struct.unpack(">I", bytes(bth[8:12]))[0] & 0xFFFFFF, got, want))
 print("   recomputed here from the captured bytes: %d packets, %d good, %d bad%s"
       % (total, good, bad, ", %d truncated (not checked)" % skipped if skipped else ""))
-sys.exit(1 if bad or total == 0 else 0)
+print("   IPv4 identification = BTH segment index: %d packets, %d not (%d were segments 1.. of"
+      " a GSO send, i.e. had a non-zero identification)" % (id_ok, id_bad, segments))
+sys.exit(1 if bad or id_bad or total == 0 else 0)
 EOF
-    echo "FAIL: ICRC check"
+    echo "FAIL: ICRC or IPv4 identification check"
     status=1
   fi
 else
