@@ -117,7 +117,7 @@ capture_run() {
     "ROCCL_SOCKET_IFNAME==eth0 $PERF ${ARGS[*]}"
   ports=("$PORT0" "$PORT1")
   for r in 0 1; do
-    ip netns exec "${NS[$r]}" env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT=$ROOT \
+    ip netns exec "${NS[$r]}" env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT="$ROOT" \
       ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 ROCCL_DEBUG=INFO \
       timeout -k 5 120 "$PERF" "${ARGS[@]}" >"$tmp/rank$r.log" 2>&1 &
     rank_pids+=($!)
