@@ -33,6 +33,10 @@ pub const ACK_EVERY: u32 = 32;
 pub const MAX_INLINE: usize = 256;
 /// A responder repeats its sequence-error NAK after this many out-of-sequence packets.
 const NAK_REPEAT: u32 = 64;
+/// A responder acknowledges a packet that asks for it at once, and others (the last
+/// packets of unsignaled messages, whose requester waits for nothing) within this delay,
+/// coalesced: one acknowledgement then covers every message of a burst of small ones.
+pub const ACK_DELAY: Duration = Duration::from_micros(100);
 /// Smallest congestion window, in packets.
 const MIN_WINDOW: u32 = 16;
 /// Most request packets in flight (unacknowledged) per QP.
@@ -335,6 +339,8 @@ struct Qp {
     closing: bool,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
+    /// Requests were accepted that no acknowledgement covers yet: acknowledge by then.
+    ack_due: Option<Instant>,
     reads: VecDeque<ReadJob>,
 }
 
@@ -485,6 +491,7 @@ impl Engine {
             oos_since_nak: 0,
             closing: false,
             ctrl: None,
+            ack_due: None,
             reads: VecDeque::new(),
         });
         Ok(qpn)
@@ -833,7 +840,7 @@ impl Engine {
         self.qps
             .iter()
             .flatten()
-            .flat_map(|q| [q.rto, q.rnr_until])
+            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due])
             .flatten()
             .min()
     }
@@ -845,6 +852,12 @@ impl Engine {
             let Ok(qp) = self.qp(qpn) else { continue };
             if qp.rnr_until.is_some_and(|t| now >= t) {
                 qp.rnr_until = None;
+            }
+            if qp.ack_due.is_some_and(|t| now >= t) {
+                qp.ack_due = None;
+                if qp.ctrl.is_none() {
+                    qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
+                }
             }
             if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
                 if qp.retry_left == 0 {
@@ -931,7 +944,7 @@ impl Engine {
         if op == Opcode::Ack || op.is_read_response() {
             self.on_response(now, qpn, &pkt);
         } else {
-            self.on_request(qpn, &pkt);
+            self.on_request(now, qpn, &pkt);
         }
     }
 
@@ -1089,7 +1102,7 @@ impl Engine {
 
     // ----- responder side --------------------------------------------------------------
 
-    fn on_request(&mut self, qpn: Qpn, pkt: &Packet) {
+    fn on_request(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
         let op = pkt.bth.opcode;
         let d = psn_diff(pkt.bth.psn, qp.epsn);
@@ -1294,6 +1307,8 @@ impl Engine {
         }
         if pkt.bth.ack_req && op != Opcode::ReadRequest {
             qp.ctrl = Some((Aeth::ack(qp.msn), psn));
+        } else if op != Opcode::ReadRequest && qp.ack_due.is_none() {
+            qp.ack_due = Some(now + ACK_DELAY);
         }
     }
 
@@ -1382,6 +1397,7 @@ impl Engine {
         };
         if let Some((aeth, psn)) = qp.ctrl.filter(|_| !reads_first) {
             qp.ctrl = None;
+            qp.ack_due = None;
             let p = Packet {
                 bth: bth(Opcode::Ack, psn, false),
                 reth: None,
@@ -1480,7 +1496,11 @@ impl Engine {
                     dma_len: w.len,
                 });
                 let imm = opcode.has_imm().then_some(w.wr.imm);
-                let ack_req = j + 1 == n || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1;
+                // Ask for an acknowledgement at the end of a message whose completion someone
+                // waits for, and every ACK_EVERY packets of a stream (to move the window);
+                // the responder acknowledges the rest within ACK_DELAY, coalesced.
+                let ack_req = (j + 1 == n && w.wr.signaled)
+                    || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1;
                 (opcode, off, len, reth, imm, ack_req, j + 1 == n)
             };
         if psn_diff(pkt_psn, una) < 0 {

@@ -58,8 +58,53 @@ struct Cts {
     seq: u32,
     n: u32,
     elems: [CtsElem; MAX_RECVS],
-    seq_end: u32,
+    /// Receive work requests the receiver has posted again so far (wrapping): the sender's
+    /// credit, see [`EagerCfg`].
+    credits: u32,
+    /// Number (wrapping) of the first message that belongs to this receive: the sender's
+    /// messages fill the receives' buffers in order.
+    first: u32,
     _pad: u32,
+    seq_end: u32,
+}
+
+/// Eager messages: a message of at most `size` bytes is sent at once with SEND_WITH_IMM
+/// (immediate = tag) into one of the receiver's `slots` pre-posted bounce buffers of `size`
+/// bytes, without waiting for a clear-to-send; the receiver copies it out when it matches a
+/// receive. Every message (eager or not) consumes one of the receiver's `slots` receive work
+/// requests, which the receiver posts again as it consumes them and reports in each
+/// clear-to-send (`credits`), so the sender never has more than `slots` messages unconsumed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EagerCfg {
+    size: u32,
+    slots: u32,
+}
+
+/// Receive work requests (and bounce buffers) per connection; at least [`FIFO`], so that
+/// messages sent against clear-to-send entries never lack one.
+const EAGER_SLOTS: u32 = 64;
+/// Default and largest eager size (`ROCCL_ROCEV2_EAGER`, 0 turns eager messages off).
+const EAGER_DEFAULT: u32 = 4096;
+const EAGER_MAX: u32 = 65536;
+
+impl EagerCfg {
+    fn from_env() -> Result<EagerCfg> {
+        let size = match std::env::var("ROCCL_ROCEV2_EAGER") {
+            Ok(v) if !v.trim().is_empty() => match v.trim().parse::<u32>() {
+                Ok(n) if n <= EAGER_MAX => n,
+                _ => {
+                    return Err(Error::arg(format!(
+                        "ROCCL_ROCEV2_EAGER={v}: want the largest eager message in bytes, 0 to {EAGER_MAX} (0: off)"
+                    )))
+                }
+            },
+            _ => EAGER_DEFAULT,
+        };
+        Ok(EagerCfg {
+            size,
+            slots: EAGER_SLOTS,
+        })
+    }
 }
 
 const CTS_BYTES: usize = std::mem::size_of::<Cts>();
@@ -104,7 +149,7 @@ fn get_addr(b: &[u8]) -> Option<SocketAddr> {
 }
 
 /// Endpoint + FIFO description sent over the side channel.
-fn encode_info(ep: &QpEndpoint, fifo: Option<&Mr>) -> [u8; INFO] {
+fn encode_info(ep: &QpEndpoint, fifo: Option<&Mr>, eager: Option<EagerCfg>) -> [u8; INFO] {
     let mut b = [0u8; INFO];
     b[0..4].copy_from_slice(&INFO_MAGIC.to_le_bytes());
     put_addr(&mut b[4..24], ep.addr);
@@ -115,10 +160,17 @@ fn encode_info(ep: &QpEndpoint, fifo: Option<&Mr>) -> [u8; INFO] {
         b[36..44].copy_from_slice(&m.addr.to_le_bytes());
         b[44..48].copy_from_slice(&m.rkey.to_le_bytes());
     }
+    if let Some(e) = eager {
+        b[48..52].copy_from_slice(&e.size.to_le_bytes());
+        b[52..56].copy_from_slice(&e.slots.to_le_bytes());
+    }
     b
 }
 
-fn decode_info(b: &[u8; INFO]) -> Result<(QpEndpoint, u64, u32)> {
+/// What the peer sent: its endpoint, FIFO (address, rkey) and eager configuration.
+type Info = (QpEndpoint, u64, u32, EagerCfg);
+
+fn decode_info(b: &[u8; INFO]) -> Result<Info> {
     let bad = || {
         Error::InvalidUsage(
             "RoCE v2 connection setup: the peer sent an unknown message (another roccl version?)"
@@ -140,6 +192,10 @@ fn decode_info(b: &[u8; INFO]) -> Result<(QpEndpoint, u64, u32)> {
         ep,
         u64::from_le_bytes(b[36..44].try_into().unwrap()),
         u32at(44),
+        EagerCfg {
+            size: u32at(48),
+            slots: u32at(52),
+        },
     ))
 }
 
@@ -252,6 +308,7 @@ impl Net for RoceNet {
                 l,
                 verbs: Arc::clone(&self.verbs),
                 pending: Vec::new(),
+                eager: EagerCfg::from_env()?,
             }),
         ))
     }
@@ -279,7 +336,7 @@ impl Net for RoceNet {
                 Access::LOCAL_WRITE | Access::REMOTE_WRITE,
             )?
         };
-        side.queue(&encode_info(&ep, Some(&mr)));
+        side.queue(&encode_info(&ep, Some(&mr), None));
         side.expect(INFO);
         Ok(Box::new(RoceConnecting {
             side,
@@ -288,6 +345,8 @@ impl Net for RoceNet {
             mr,
             fifo: Some(fifo),
             replied: false,
+            eager: EagerCfg::from_env()?,
+            peer_eager: None,
         }))
     }
 }
@@ -299,6 +358,8 @@ struct RoceConnecting {
     mr: Mr,
     fifo: Option<Box<[Cts; FIFO]>>,
     replied: bool,
+    eager: EagerCfg,
+    peer_eager: Option<EagerCfg>,
 }
 
 impl Connecting for RoceConnecting {
@@ -308,7 +369,14 @@ impl Connecting for RoceConnecting {
         }
         if !self.replied {
             let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
-            let (peer, _, _) = decode_info(&b)?;
+            let (peer, _, _, peer_eager) = decode_info(&b)?;
+            if peer_eager.slots < FIFO as u32 {
+                return Err(Error::InvalidUsage(format!(
+                    "RoCE v2 connection setup: the peer posts {} receive buffers, fewer than the {FIFO} this roccl needs (another roccl version?)",
+                    peer_eager.slots
+                )));
+            }
+            self.peer_eager = Some(peer_eager);
             self.verbs.connect_qp(self.qp, &peer)?;
             self.side.queue(&[1]);
             self.replied = true;
@@ -325,6 +393,7 @@ impl Connecting for RoceConnecting {
             .s
             .try_clone()
             .map_err(|e| Error::sys("dup of the RoCE v2 setup socket", e))?;
+        let peer = self.peer_eager.unwrap_or(EagerCfg { size: 0, slots: 0 });
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
             qp: self.qp,
@@ -334,9 +403,13 @@ impl Connecting for RoceConnecting {
             reqs: VecDeque::with_capacity(FIFO),
             base: 0,
             seq: 1,
-            used: 0,
             wcs: [EMPTY_WC; 16],
             failed: None,
+            eager_size: self.eager.size.min(peer.size) as usize,
+            slots: peer.slots,
+            sent: 0,
+            tags: [0; TAG_RING],
+            credits: 0,
         })))
     }
 
@@ -360,13 +433,72 @@ impl Drop for RoceConnecting {
 
 struct Accepting {
     side: Side,
-    qp: Option<(QpId, u64, u32)>,
+    qp: Option<Accepted>,
+}
+
+/// A receive side whose QP is connected, waiting for the sender's "ready".
+struct Accepted {
+    qp: QpId,
+    fifo_addr: u64,
+    fifo_rkey: u32,
+    bounce: Bounce,
+}
+
+/// The receiver's bounce buffers: one per receive work request, posted at setup. The
+/// provider writes them (possibly from its progress thread), hence the cells.
+struct Bounce {
+    buf: Box<[std::cell::UnsafeCell<u8>]>,
+    mr: Mr,
+    size: usize,
+}
+
+impl Bounce {
+    /// Register `cfg.slots` buffers of `cfg.size` bytes and post a receive for each.
+    fn new(verbs: &dyn Verbs, qp: QpId, cfg: EagerCfg) -> Result<Bounce> {
+        let size = cfg.size as usize;
+        let buf: Box<[std::cell::UnsafeCell<u8>]> = (0..(size * cfg.slots as usize).max(1))
+            .map(|_| std::cell::UnsafeCell::new(0))
+            .collect();
+        let addr = std::cell::UnsafeCell::raw_get(buf.as_ptr()) as u64;
+        // SAFETY: the boxed slice has a stable address and is owned by the receive side,
+        // which deregisters it before freeing it.
+        let mr = unsafe { verbs.reg_mr(addr, buf.len(), Access::LOCAL_WRITE)? };
+        let b = Bounce { buf, mr, size };
+        for slot in 0..cfg.slots as usize {
+            if let Err(e) = b.post(verbs, qp, slot) {
+                let _ = verbs.dereg_mr(&b.mr);
+                return Err(e);
+            }
+        }
+        Ok(b)
+    }
+
+    fn post(&self, verbs: &dyn Verbs, qp: QpId, slot: usize) -> Result<()> {
+        let sge = (self.size > 0).then(|| Sge {
+            addr: self.mr.addr + (slot * self.size) as u64,
+            len: self.size as u32,
+            lkey: self.mr.lkey,
+        });
+        verbs.post_recv(
+            qp,
+            &RecvWr {
+                wr_id: slot as u64,
+                sge,
+            },
+        )
+    }
+
+    /// Start of bounce buffer `slot` (its data is valid once its receive completed).
+    fn slot(&self, slot: usize) -> *const u8 {
+        std::cell::UnsafeCell::raw_get(self.buf[slot * self.size..].as_ptr())
+    }
 }
 
 struct RoceListen {
     l: TcpListener,
     verbs: Arc<dyn Verbs>,
     pending: Vec<Accepting>,
+    eager: EagerCfg,
 }
 
 impl ListenComm for RoceListen {
@@ -388,8 +520,9 @@ impl ListenComm for RoceListen {
             let ready = match a.side.pump() {
                 Ok(r) => r,
                 Err(_) => {
-                    if let Some((qp, _, _)) = self.pending.swap_remove(i).qp {
-                        self.verbs.destroy_qp(qp);
+                    if let Some(a) = self.pending.swap_remove(i).qp {
+                        self.verbs.destroy_qp(a.qp);
+                        let _ = self.verbs.dereg_mr(&a.bounce.mr);
                     }
                     continue;
                 }
@@ -400,17 +533,40 @@ impl ListenComm for RoceListen {
             }
             if a.qp.is_none() {
                 let b: [u8; INFO] = a.side.inb[..INFO].try_into().unwrap();
-                let (peer, fifo_addr, fifo_rkey) = decode_info(&b)?;
+                let (peer, fifo_addr, fifo_rkey, _) = decode_info(&b)?;
                 let (qp, ep) = self.verbs.create_qp()?;
-                self.verbs.connect_qp(qp, &peer)?;
-                a.side.queue(&encode_info(&ep, None));
+                // Receives are posted before the sender learns our endpoint: its first
+                // message (eager, without a clear-to-send) always finds one.
+                let cfg = self.eager;
+                let bounce = match self
+                    .verbs
+                    .connect_qp(qp, &peer)
+                    .and_then(|()| Bounce::new(&*self.verbs, qp, cfg))
+                {
+                    Ok(b) => b,
+                    Err(e) => {
+                        self.verbs.destroy_qp(qp);
+                        return Err(e);
+                    }
+                };
+                a.side.queue(&encode_info(&ep, None, Some(cfg)));
                 a.side.expect(1); // the sender's "ready"
-                a.qp = Some((qp, fifo_addr, fifo_rkey));
+                a.qp = Some(Accepted {
+                    qp,
+                    fifo_addr,
+                    fifo_rkey,
+                    bounce,
+                });
                 i += 1;
                 continue;
             }
             let a = self.pending.swap_remove(i);
-            let (qp, fifo_addr, fifo_rkey) = a.qp.expect("set above");
+            let Accepted {
+                qp,
+                fifo_addr,
+                fifo_rkey,
+                bounce,
+            } = a.qp.expect("set above");
             let mut staging: Box<[Cts; FIFO]> = Box::new([Cts::default(); FIFO]);
             // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
             let smr = unsafe {
@@ -433,6 +589,11 @@ impl ListenComm for RoceListen {
                 seq: 1,
                 wcs: [EMPTY_WC; 16],
                 failed: None,
+                bounce,
+                arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
+                filling: 0,
+                credits: 0,
+                next_first: 0,
             })));
         }
         Ok(None)
@@ -455,8 +616,9 @@ impl ListenComm for RoceListen {
 impl Drop for RoceListen {
     fn drop(&mut self) {
         for a in self.pending.drain(..) {
-            if let Some((qp, _, _)) = a.qp {
-                self.verbs.destroy_qp(qp);
+            if let Some(a) = a.qp {
+                self.verbs.destroy_qp(a.qp);
+                let _ = self.verbs.dereg_mr(&a.bounce.mr);
             }
         }
     }
@@ -538,9 +700,9 @@ fn wc_error(w: &Wc, side: &str) -> Error {
 
 #[derive(Clone, Copy)]
 enum SendState {
-    /// Waiting for a clear-to-send entry.
+    /// Not posted yet (waiting for a clear-to-send entry or a credit).
     Waiting,
-    /// Written; waiting for the completion (and the registration to release).
+    /// Posted; waiting for the completion (and the registration to release).
     Posted(Option<Mr>),
     /// Completed.
     Done,
@@ -562,12 +724,28 @@ struct RoceSend {
     fifo: Box<[Cts; FIFO]>,
     reqs: VecDeque<SReq>,
     base: u64,
-    /// Sequence number of the clear-to-send slot being consumed.
+    /// Sequence number of the oldest clear-to-send slot that may still be needed.
     seq: u32,
-    /// Buffers of that slot already matched.
-    used: u8,
     wcs: [Wc; 16],
     failed: Option<String>,
+    /// Largest eager message (0: none).
+    eager_size: usize,
+    /// The receiver's receive work requests (credits when nothing is consumed).
+    slots: u32,
+    /// Messages posted so far (wrapping): the number of the next message.
+    sent: u32,
+    /// Tags of the last messages, by message number modulo the ring's size.
+    tags: [u32; TAG_RING],
+    /// Receive work requests the receiver reposted so far (wrapping), from its clear-to-send.
+    credits: u32,
+}
+
+/// Tags remembered per send comm (a grouped receive spans at most MAX_RECVS messages).
+const TAG_RING: usize = 64;
+
+/// `a - b` as a signed distance between wrapping counters.
+fn dist(a: u32, b: u32) -> i32 {
+    a.wrapping_sub(b) as i32
 }
 
 impl RoceSend {
@@ -575,6 +753,90 @@ impl RoceSend {
         super::refuse_if_failed(&self.failed, "RoCE v2 send comm")?;
         let r = self.progress_inner();
         super::remember_failure(&mut self.failed, r)
+    }
+
+    /// Whether the receiver has a receive work request for one more message.
+    fn has_credit(&self) -> bool {
+        self.sent.wrapping_sub(self.credits) < self.slots
+    }
+
+    /// The clear-to-send entry of the receive that message `m` belongs to, once written,
+    /// taking the credits of every entry read on the way. Entries of receives whose messages
+    /// all went out already (eagerly) are passed over; the receiver may even have reused
+    /// their slots (it cannot reuse the slot of a receive still waiting for data: it keeps
+    /// at most FIFO receives unfinished).
+    fn cts_for(&mut self, m: u32) -> Option<Cts> {
+        loop {
+            let slot = &self.fifo[(self.seq as usize) % FIFO];
+            // The provider writes the slot (remote RDMA) possibly from another thread: copy
+            // it through the provider, and trust it only when the sequence number at both
+            // ends matches (a slot still being written is retried on the next poll).
+            let mut cts = Cts::default();
+            self.verbs
+                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            if cts.seq != cts.seq_end {
+                return None;
+            }
+            if cts.seq != self.seq {
+                if dist(cts.seq, self.seq) > 0 {
+                    self.seq = self.seq.wrapping_add(1).max(1); // reused: long done
+                    continue;
+                }
+                return None; // not written yet
+            }
+            if dist(cts.credits, self.credits) > 0 {
+                self.credits = cts.credits;
+            }
+            if dist(m, cts.first) >= cts.n as i32 {
+                self.seq = self.seq.wrapping_add(1).max(1);
+                continue;
+            }
+            return Some(cts);
+        }
+    }
+
+    /// Index of the buffer of `cts` that message `m` (tag `tag`, `len` bytes) fills: as the
+    /// receiver matches, the first buffer with that tag not taken by an earlier message of
+    /// the same receive.
+    fn buffer_for(&self, cts: &Cts, m: u32, tag: u32, len: usize) -> Result<usize> {
+        let n = (cts.n as usize).min(MAX_RECVS);
+        let pick =
+            |used: u32, t: u32| (0..n).find(|&e| used & (1 << e) == 0 && cts.elems[e].tag == t);
+        let mut used = 0u32;
+        let mut k = cts.first;
+        while k != m {
+            if let Some(e) = pick(used, self.tags[k as usize % TAG_RING]) {
+                used |= 1 << e;
+            }
+            k = k.wrapping_add(1);
+        }
+        let Some(e) = pick(used, tag) else {
+            return Err(Error::InvalidUsage(format!(
+                "sent a message with tag {tag} but the receiver posted no buffer with that tag"
+            )));
+        };
+        let size = cts.elems[e].size as usize;
+        if len > size {
+            return Err(Error::InvalidUsage(format!(
+                "sent {len} bytes but the receiver's buffer holds only {size} (mismatched counts between sender and receiver?)"
+            )));
+        }
+        Ok(e)
+    }
+
+    fn post(&mut self, i: usize, wr: SendWr, inline: bool, mr: Option<Mr>) -> Result<()> {
+        self.verbs.post_send(self.qp, &wr)?;
+        self.tags[self.sent as usize % TAG_RING] = self.reqs[i].tag;
+        self.sent = self.sent.wrapping_add(1);
+        if inline {
+            if let Some(m) = mr {
+                let _ = self.verbs.dereg_mr(&m);
+            }
+            self.reqs[i].state = SendState::Done;
+        } else {
+            self.reqs[i].state = SendState::Posted(mr);
+        }
+        Ok(())
     }
 
     fn progress_inner(&mut self) -> Result<()> {
@@ -596,84 +858,97 @@ impl RoceSend {
                 r.state = SendState::Done;
             }
         }
-        // Match waiting sends, in order, to clear-to-send entries.
-        for i in 0..self.reqs.len() {
-            if !matches!(self.reqs[i].state, SendState::Waiting) {
-                continue;
-            }
-            let slot = &self.fifo[(self.seq as usize) % FIFO];
-            // The provider writes the slot (remote RDMA) possibly from another thread: copy it
-            // through the provider, and trust it only when the sequence number at both ends
-            // matches (a slot still being written is retried on the next poll).
-            let mut cts = Cts::default();
-            self.verbs
-                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
-            if cts.seq != self.seq || cts.seq_end != self.seq {
-                break;
-            }
-            let n = (cts.n as usize).min(MAX_RECVS);
-            let r = &self.reqs[i];
-            let Some(e) = (0..n).find(|&e| self.used & (1 << e) == 0 && cts.elems[e].tag == r.tag)
-            else {
-                return Err(Error::InvalidUsage(format!(
-                    "sent a message with tag {} but the receiver posted no buffer with that tag",
-                    r.tag
-                )));
-            };
-            let el = cts.elems[e];
-            if r.len > el.size as usize {
-                return Err(Error::InvalidUsage(format!(
-                    "sent {} bytes but the receiver's buffer holds only {} (mismatched counts between sender and receiver?)",
-                    r.len, el.size
-                )));
-            }
-            let imm = if n == 1 {
-                r.len as u32
-            } else {
-                ((e as u32) << 29) | r.len as u32
-            };
-            let mr = if r.len > 0 {
-                // SAFETY: the isend contract keeps the buffer valid until completion; the
-                // registration is released when the write completes.
-                Some(unsafe { self.verbs.reg_mr(r.addr, r.len, Access::default())? })
-            } else {
+        // Post the waiting sends in order (the receiver matches messages by their order).
+        while let Some(i) = self
+            .reqs
+            .iter()
+            .position(|r| matches!(r.state, SendState::Waiting))
+        {
+            let (addr, len, tag) = (self.reqs[i].addr, self.reqs[i].len, self.reqs[i].tag);
+            let m = self.sent;
+            let eager = self.eager_size > 0 && len <= self.eager_size;
+            // Rendezvous needs the clear-to-send entry; either kind needs a credit, which
+            // clear-to-send entries bring.
+            let cts = if eager && self.has_credit() {
                 None
+            } else {
+                match self.cts_for(m) {
+                    Some(c) => Some(c),
+                    None if eager && self.has_credit() => None,
+                    None => return Ok(()),
+                }
             };
+            if !self.has_credit() {
+                return Ok(());
+            }
             // Small messages go inline: the provider copies them at post time, so the send
             // is complete for the caller at once (no wait for the acknowledgement; an error
             // still surfaces as an error completion).
-            let inline = r.len <= self.verbs.max_inline();
-            let wr = SendWr {
-                wr_id: self.base + i as u64,
-                opcode: WrOpcode::WriteImm,
-                sge: mr.map(|m| Sge {
-                    addr: r.addr,
-                    len: r.len as u32,
-                    lkey: m.lkey,
-                }),
-                inline,
-                imm,
-                remote_addr: el.addr,
-                rkey: el.rkey,
-                signaled: !inline,
-            };
-            self.verbs.post_send(self.qp, &wr)?;
-            if inline {
-                if let Some(m) = mr {
-                    let _ = self.verbs.dereg_mr(&m);
+            let inline = len <= self.verbs.max_inline();
+            let mr = self.register(addr, len)?;
+            let wr = if eager {
+                // Eager: into one of the receiver's bounce buffers, no clear-to-send needed.
+                SendWr {
+                    wr_id: self.base + i as u64,
+                    opcode: WrOpcode::SendImm,
+                    sge: sge(addr, len, mr),
+                    inline,
+                    imm: tag,
+                    remote_addr: 0,
+                    rkey: 0,
+                    signaled: !inline,
                 }
-                self.reqs[i].state = SendState::Done;
             } else {
-                self.reqs[i].state = SendState::Posted(mr);
-            }
-            self.used |= 1 << e;
-            if self.used.count_ones() as usize == n {
-                self.seq = self.seq.wrapping_add(1).max(1);
-                self.used = 0;
-            }
+                let cts = cts.expect("rendezvous has its entry");
+                let e = match self.buffer_for(&cts, m, tag, len) {
+                    Ok(e) => e,
+                    Err(err) => {
+                        if let Some(m) = mr {
+                            let _ = self.verbs.dereg_mr(&m);
+                        }
+                        return Err(err);
+                    }
+                };
+                let el = cts.elems[e];
+                let imm = if cts.n == 1 {
+                    len as u32
+                } else {
+                    ((e as u32) << 29) | len as u32
+                };
+                SendWr {
+                    wr_id: self.base + i as u64,
+                    opcode: WrOpcode::WriteImm,
+                    sge: sge(addr, len, mr),
+                    inline,
+                    imm,
+                    remote_addr: el.addr,
+                    rkey: el.rkey,
+                    signaled: !inline,
+                }
+            };
+            self.post(i, wr, inline, mr)?;
         }
         Ok(())
     }
+
+    /// Register a send buffer (none when empty).
+    fn register(&self, addr: u64, len: usize) -> Result<Option<Mr>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        // SAFETY: the isend contract keeps the buffer valid until completion; the
+        // registration is released at completion (inline: right after the post).
+        let m = unsafe { self.verbs.reg_mr(addr, len, Access::default())? };
+        Ok(Some(m))
+    }
+}
+
+fn sge(addr: u64, len: usize, mr: Option<Mr>) -> Option<Sge> {
+    mr.map(|m| Sge {
+        addr,
+        len: len as u32,
+        lkey: m.lkey,
+    })
 }
 
 impl SendComm for RoceSend {
@@ -744,9 +1019,22 @@ impl Drop for RoceSend {
 struct RReq {
     n: u8,
     got: u8,
+    /// Buffers already filled (bit per buffer).
+    filled: u8,
     sizes: [usize; MAX_RECVS],
+    /// Each buffer's (address, length, tag), for eager messages to be copied into.
+    bufs: [(u64, usize, u32); MAX_RECVS],
     mrs: [Option<Mr>; MAX_RECVS],
     reaped: bool,
+}
+
+/// A message that arrived, in arrival (= send) order, not yet matched to a receive.
+#[derive(Clone, Copy)]
+enum Arrival {
+    /// In bounce buffer `slot`.
+    Eager { slot: usize, tag: u32, len: usize },
+    /// Written into the buffer of a clear-to-send entry; the immediate says which and how much.
+    Written { imm: u32 },
 }
 
 struct RoceRecv {
@@ -762,6 +1050,14 @@ struct RoceRecv {
     seq: u32,
     wcs: [Wc; 16],
     failed: Option<String>,
+    bounce: Bounce,
+    arrived: VecDeque<Arrival>,
+    /// Request id of the receive the next arriving message belongs to.
+    filling: u64,
+    /// Receive work requests posted again so far (wrapping).
+    credits: u32,
+    /// Number (wrapping) of the first message of the next receive.
+    next_first: u32,
 }
 
 impl RoceRecv {
@@ -771,37 +1067,118 @@ impl RoceRecv {
         super::remember_failure(&mut self.failed, r)
     }
 
+    fn repost(&mut self, slot: usize) -> Result<()> {
+        self.bounce.post(&*self.verbs, self.qp, slot)?;
+        self.credits = self.credits.wrapping_add(1);
+        Ok(())
+    }
+
     fn progress_inner(&mut self) -> Result<()> {
         let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
-        for w in &self.wcs[..n] {
+        for k in 0..n {
+            let w = self.wcs[k];
             if w.status != WcStatus::Success {
-                return Err(wc_error(w, "receive"));
+                return Err(wc_error(&w, "receive"));
             }
-            if w.opcode != WcOpcode::RecvRdmaWithImm {
-                continue; // our clear-to-send writes are unsignaled; nothing else expected
-            }
-            let idx = (w.wr_id - self.base) as usize;
-            let Some(r) = self.reqs.get_mut(idx) else {
-                continue;
-            };
-            let imm = w.imm.unwrap_or(0);
-            let (e, size) = if r.n == 1 {
-                (0usize, imm as usize)
-            } else {
-                ((imm >> 29) as usize, (imm & 0x1fff_ffff) as usize)
-            };
-            if e < r.n as usize {
-                r.sizes[e] = size;
-                r.got += 1;
-                if r.got == r.n {
-                    for m in r.mrs.iter_mut().filter_map(Option::take) {
-                        let _ = self.verbs.dereg_mr(&m);
-                    }
+            let slot = w.wr_id as usize;
+            match w.opcode {
+                WcOpcode::Recv => self.arrived.push_back(Arrival::Eager {
+                    slot,
+                    tag: w.imm.unwrap_or(0),
+                    len: w.byte_len as usize,
+                }),
+                WcOpcode::RecvRdmaWithImm => {
+                    // The data is in place: the receive (and its bounce buffer) is free again.
+                    self.repost(slot)?;
+                    self.arrived.push_back(Arrival::Written {
+                        imm: w.imm.unwrap_or(0),
+                    });
                 }
+                _ => {} // our clear-to-send writes are unsignaled; nothing else expected
             }
         }
+        self.match_arrivals()?;
         let waiting = self.reqs.iter().any(|r| r.got < r.n);
         self.live.check(waiting, "receive")
+    }
+
+    /// Give arrived messages, in order, to the receives they belong to: the sender fills the
+    /// buffers of each receive in turn, so the next message belongs to the oldest receive
+    /// not yet filled (an eager message that comes before its receive waits in its bounce
+    /// buffer).
+    fn match_arrivals(&mut self) -> Result<()> {
+        while let Some(&a) = self.arrived.front() {
+            let idx = (self.filling - self.base) as usize;
+            let Some(r) = self.reqs.get_mut(idx) else {
+                if let Arrival::Written { .. } = a {
+                    return Err(Error::Internal(
+                        "RoCE v2 receive: data was written for a receive that was never posted"
+                            .into(),
+                    ));
+                }
+                return Ok(());
+            };
+            let nb = r.n as usize;
+            match a {
+                Arrival::Eager { slot, tag, len } => {
+                    let Some(e) = (0..nb).find(|&e| r.filled & (1 << e) == 0 && r.bufs[e].2 == tag)
+                    else {
+                        return Err(Error::InvalidUsage(format!(
+                            "received a message with tag {tag} but no buffer of the receive has that tag"
+                        )));
+                    };
+                    let (addr, size, _) = r.bufs[e];
+                    if len > size {
+                        return Err(Error::InvalidUsage(format!(
+                            "received {len} bytes but the buffer holds only {size} (mismatched counts between sender and receiver?)"
+                        )));
+                    }
+                    if len > 0 {
+                        // SAFETY: the irecv contract keeps the buffer valid (and writable for
+                        // `size >= len` bytes) until the receive completes; the bounce buffer
+                        // holds `len <= bounce.size` bytes, complete since its receive
+                        // completed (the provider wrote them before reporting it).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                self.bounce.slot(slot),
+                                addr as *mut u8,
+                                len,
+                            )
+                        };
+                    }
+                    r.sizes[e] = len;
+                    r.filled |= 1 << e;
+                    r.got += 1;
+                    self.arrived.pop_front();
+                    self.repost(slot)?;
+                }
+                Arrival::Written { imm } => {
+                    let (e, len) = if nb == 1 {
+                        (0usize, imm as usize)
+                    } else {
+                        ((imm >> 29) as usize, (imm & 0x1fff_ffff) as usize)
+                    };
+                    if e >= nb || r.filled & (1 << e) != 0 {
+                        return Err(Error::Internal(format!(
+                            "RoCE v2 receive: a write for buffer {e} of a receive of {nb} (filled {:#b})",
+                            r.filled
+                        )));
+                    }
+                    r.sizes[e] = len;
+                    r.filled |= 1 << e;
+                    r.got += 1;
+                    self.arrived.pop_front();
+                }
+            }
+            let r = &mut self.reqs[idx];
+            if r.got == r.n {
+                for m in r.mrs.iter_mut().filter_map(Option::take) {
+                    let _ = self.verbs.dereg_mr(&m);
+                }
+                self.filling += 1;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -821,10 +1198,15 @@ impl RecvComm for RoceRecv {
         let mut r = RReq {
             n: bufs.len() as u8,
             got: 0,
+            filled: 0,
             sizes: [0; MAX_RECVS],
+            bufs: [(0, 0, 0); MAX_RECVS],
             mrs: [None; MAX_RECVS],
             reaped: false,
         };
+        for (d, b) in r.bufs.iter_mut().zip(bufs) {
+            *d = (b.ptr as u64, b.len, b.tag);
+        }
         let mut cts = Cts {
             seq: self.seq,
             n: bufs.len() as u32,
@@ -854,14 +1236,14 @@ impl RecvComm for RoceRecv {
                 tag: b.tag,
                 _pad: 0,
             };
-            self.verbs.post_recv(
-                self.qp,
-                &RecvWr {
-                    wr_id: id,
-                    sge: None,
-                },
-            )?;
         }
+        self.reqs.push_back(r);
+        // Eager messages that came first land now (and free their bounce buffers, which the
+        // credits below then report).
+        self.match_arrivals()?;
+        cts.credits = self.credits;
+        cts.first = self.next_first;
+        self.next_first = self.next_first.wrapping_add(bufs.len() as u32);
         let slot = (self.seq as usize) % FIFO;
         self.staging[slot] = cts;
         let wr = SendWr {
@@ -872,7 +1254,7 @@ impl RecvComm for RoceRecv {
                 len: CTS_BYTES as u32,
                 lkey: self.staging_mr.lkey,
             }),
-            inline: false,
+            inline: CTS_BYTES <= self.verbs.max_inline(),
             imm: 0,
             remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
             rkey: self.fifo_rkey,
@@ -880,7 +1262,6 @@ impl RecvComm for RoceRecv {
         };
         self.verbs.post_send(self.qp, &wr)?;
         self.seq = self.seq.wrapping_add(1).max(1);
-        self.reqs.push_back(r);
         Ok(Some(ReqId(id as u32)))
     }
 
@@ -919,6 +1300,7 @@ impl Drop for RoceRecv {
             }
         }
         let _ = self.verbs.dereg_mr(&self.staging_mr);
+        let _ = self.verbs.dereg_mr(&self.bounce.mr);
     }
 }
 
