@@ -1404,4 +1404,90 @@ mod tests {
             .to_string();
         assert!(e.contains("holds only 10"), "{e}");
     }
+
+    /// Hundreds of messages, eager and rendezvous mixed, up to FIFO in flight, with the
+    /// receiver posting its receives late (eager messages wait in bounce buffers, and their
+    /// clear-to-send slots are reused before the sender reads them): every byte arrives in
+    /// order and nothing stalls.
+    #[test]
+    fn eager_and_rendezvous_mixed_with_a_late_receiver() {
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let (mut s, mut r) = pair(&net);
+        let sizes: Vec<usize> = (0..400)
+            .map(|i| match i % 7 {
+                0 => 0,
+                1 => 8,
+                2 => 4096,
+                3 => 4097,
+                4 => 300,
+                5 => 70_000,
+                _ => 1 + (i * 37) % 9000,
+            })
+            .collect();
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|k| (i * 131 + k * 7) as u8).collect())
+            .collect();
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let (mut next_s, mut next_r) = (0usize, 0usize);
+        let mut sq: VecDeque<(usize, ReqId)> = VecDeque::new();
+        let mut rq: VecDeque<(usize, ReqId)> = VecDeque::new();
+        let mut done = 0usize;
+        let start = std::time::Instant::now();
+        while done < sizes.len() || !sq.is_empty() {
+            assert!(
+                start.elapsed().as_secs() < 60,
+                "stalled: sent {next_s}, received {done}"
+            );
+            // The sender runs ahead; the receiver posts only while it lags by 40+ messages,
+            // the sender is blocked, or at the end, so eager messages arrive before their
+            // receives.
+            while next_s < sizes.len() && sq.len() < FIFO {
+                // SAFETY: `data` outlives every request.
+                match unsafe { s.isend(data[next_s].as_ptr(), sizes[next_s], 5, None) }.unwrap() {
+                    Some(q) => {
+                        sq.push_back((next_s, q));
+                        next_s += 1;
+                    }
+                    None => break,
+                }
+            }
+            while let Some(&(_, q)) = sq.front() {
+                if s.test(q).unwrap().is_none() {
+                    break;
+                }
+                sq.pop_front();
+            }
+            let blocked = sq.len() >= FIFO;
+            let lagging = next_s >= next_r + 40 || next_s == sizes.len() || blocked;
+            while lagging && next_r < sizes.len() && rq.len() < FIFO {
+                let b = RecvBuf {
+                    ptr: bufs[next_r].as_mut_ptr(),
+                    len: sizes[next_r],
+                    tag: 5,
+                };
+                // SAFETY: `bufs` outlives every request and is not touched until it completes.
+                match unsafe { r.irecv(&[b]) }.unwrap() {
+                    Some(q) => {
+                        rq.push_back((next_r, q));
+                        next_r += 1;
+                    }
+                    None => break,
+                }
+            }
+            while let Some(&(i, q)) = rq.front() {
+                let mut got = [0usize];
+                if !r.test(q, &mut got).unwrap() {
+                    break;
+                }
+                assert_eq!(got[0], sizes[i], "message {i}");
+                rq.pop_front();
+                done += 1;
+            }
+        }
+        for (i, (b, d)) in bufs.iter().zip(&data).enumerate() {
+            assert!(b == d, "message {i} ({} bytes) arrived corrupted", d.len());
+        }
+    }
 }
