@@ -36,6 +36,10 @@ use crate::rdma::verbs::{
 
 /// Clear-to-send slots per connection (= requests in flight).
 pub const FIFO: usize = MAX_REQUESTS;
+/// Clear-to-send slots in the sender's FIFO: twice the requests in flight, because the
+/// receiver also writes credit-only entries (see [`EagerCfg`]) and never reuses the slot of
+/// a receive still waiting for data.
+const CTS_SLOTS: usize = 2 * FIFO;
 const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
 const INFO_MAGIC: u32 = 0x5851_5152; // "RQPX"
 const INFO: usize = 64;
@@ -326,17 +330,18 @@ impl Net for RoceNet {
             .map_err(|e| Error::sys(format!("RoCE v2 setup: connect to {peer}"), e))?;
         let mut side = Side::new(s)?;
         let (qp, ep) = self.verbs.create_qp()?;
-        let mut fifo: Box<[Cts; FIFO]> = Box::new([Cts::default(); FIFO]);
+        let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
         // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
         // deregisters it before freeing it.
         let mr = unsafe {
             self.verbs.reg_mr(
                 fifo.as_mut_ptr() as u64,
-                FIFO * CTS_BYTES,
+                CTS_SLOTS * CTS_BYTES,
                 Access::LOCAL_WRITE | Access::REMOTE_WRITE,
             )?
         };
-        side.queue(&encode_info(&ep, Some(&mr), None));
+        let eager = EagerCfg::from_env()?;
+        side.queue(&encode_info(&ep, Some(&mr), Some(eager)));
         side.expect(INFO);
         Ok(Box::new(RoceConnecting {
             side,
@@ -345,7 +350,7 @@ impl Net for RoceNet {
             mr,
             fifo: Some(fifo),
             replied: false,
-            eager: EagerCfg::from_env()?,
+            eager,
             peer_eager: None,
         }))
     }
@@ -356,7 +361,7 @@ struct RoceConnecting {
     verbs: Arc<dyn Verbs>,
     qp: QpId,
     mr: Mr,
-    fifo: Option<Box<[Cts; FIFO]>>,
+    fifo: Option<Box<[Cts; CTS_SLOTS]>>,
     replied: bool,
     eager: EagerCfg,
     peer_eager: Option<EagerCfg>,
@@ -442,6 +447,7 @@ struct Accepted {
     fifo_addr: u64,
     fifo_rkey: u32,
     bounce: Bounce,
+    eager: usize,
 }
 
 /// The receiver's bounce buffers: one per receive work request, posted at setup. The
@@ -450,6 +456,7 @@ struct Bounce {
     buf: Box<[std::cell::UnsafeCell<u8>]>,
     mr: Mr,
     size: usize,
+    slots: u32,
 }
 
 impl Bounce {
@@ -463,7 +470,12 @@ impl Bounce {
         // SAFETY: the boxed slice has a stable address and is owned by the receive side,
         // which deregisters it before freeing it.
         let mr = unsafe { verbs.reg_mr(addr, buf.len(), Access::LOCAL_WRITE)? };
-        let b = Bounce { buf, mr, size };
+        let b = Bounce {
+            buf,
+            mr,
+            size,
+            slots: cfg.slots,
+        };
         for slot in 0..cfg.slots as usize {
             if let Err(e) = b.post(verbs, qp, slot) {
                 let _ = verbs.dereg_mr(&b.mr);
@@ -533,7 +545,7 @@ impl ListenComm for RoceListen {
             }
             if a.qp.is_none() {
                 let b: [u8; INFO] = a.side.inb[..INFO].try_into().unwrap();
-                let (peer, fifo_addr, fifo_rkey, _) = decode_info(&b)?;
+                let (peer, fifo_addr, fifo_rkey, sender_eager) = decode_info(&b)?;
                 let (qp, ep) = self.verbs.create_qp()?;
                 // Receives are posted before the sender learns our endpoint: its first
                 // message (eager, without a clear-to-send) always finds one.
@@ -556,6 +568,8 @@ impl ListenComm for RoceListen {
                     fifo_addr,
                     fifo_rkey,
                     bounce,
+                    // The sender sends eagerly what fits both sides' limit.
+                    eager: cfg.size.min(sender_eager.size) as usize,
                 });
                 i += 1;
                 continue;
@@ -566,13 +580,14 @@ impl ListenComm for RoceListen {
                 fifo_addr,
                 fifo_rkey,
                 bounce,
+                eager,
             } = a.qp.expect("set above");
-            let mut staging: Box<[Cts; FIFO]> = Box::new([Cts::default(); FIFO]);
+            let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
             // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
             let smr = unsafe {
                 self.verbs.reg_mr(
                     staging.as_mut_ptr() as u64,
-                    FIFO * CTS_BYTES,
+                    CTS_SLOTS * CTS_BYTES,
                     Access::LOCAL_WRITE,
                 )?
             };
@@ -593,7 +608,9 @@ impl ListenComm for RoceListen {
                 arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
                 filling: 0,
                 credits: 0,
+                reported: 0,
                 next_first: 0,
+                eager,
             })));
         }
         Ok(None)
@@ -721,7 +738,7 @@ struct RoceSend {
     qp: QpId,
     live: Liveness,
     fifo_mr: Mr,
-    fifo: Box<[Cts; FIFO]>,
+    fifo: Box<[Cts; CTS_SLOTS]>,
     reqs: VecDeque<SReq>,
     base: u64,
     /// Sequence number of the oldest clear-to-send slot that may still be needed.
@@ -767,7 +784,7 @@ impl RoceSend {
     /// at most FIFO receives unfinished).
     fn cts_for(&mut self, m: u32) -> Option<Cts> {
         loop {
-            let slot = &self.fifo[(self.seq as usize) % FIFO];
+            let slot = &self.fifo[(self.seq as usize) % CTS_SLOTS];
             // The provider writes the slot (remote RDMA) possibly from another thread: copy
             // it through the provider, and trust it only when the sequence number at both
             // ends matches (a slot still being written is retried on the next poll).
@@ -787,7 +804,8 @@ impl RoceSend {
             if dist(cts.credits, self.credits) > 0 {
                 self.credits = cts.credits;
             }
-            if dist(m, cts.first) >= cts.n as i32 {
+            if cts.n == 0 || dist(m, cts.first) >= cts.n as i32 {
+                // Credits only, or a receive whose messages all went out.
                 self.seq = self.seq.wrapping_add(1).max(1);
                 continue;
             }
@@ -900,7 +918,17 @@ impl RoceSend {
                 }
             } else {
                 let cts = cts.expect("rendezvous has its entry");
-                let e = match self.buffer_for(&cts, m, tag, len) {
+                let checked = if dist(m, cts.first) < 0 {
+                    // The receive of message `m` wrote no clear-to-send: all its buffers
+                    // take eager messages only, i.e. they are smaller than this one.
+                    Err(Error::InvalidUsage(format!(
+                        "sent {len} bytes but the receiver's buffers hold at most {} (mismatched counts between sender and receiver?)",
+                        self.eager_size
+                    )))
+                } else {
+                    self.buffer_for(&cts, m, tag, len)
+                };
+                let e = match checked {
                     Ok(e) => e,
                     Err(err) => {
                         if let Some(m) = mr {
@@ -1043,7 +1071,7 @@ struct RoceRecv {
     live: Liveness,
     fifo_addr: u64,
     fifo_rkey: u32,
-    staging: Box<[Cts; FIFO]>,
+    staging: Box<[Cts; CTS_SLOTS]>,
     staging_mr: Mr,
     reqs: VecDeque<RReq>,
     base: u64,
@@ -1056,8 +1084,12 @@ struct RoceRecv {
     filling: u64,
     /// Receive work requests posted again so far (wrapping).
     credits: u32,
+    /// Credits last sent to the sender.
+    reported: u32,
     /// Number (wrapping) of the first message of the next receive.
     next_first: u32,
+    /// Messages up to this size come eagerly (0: none).
+    eager: usize,
 }
 
 impl RoceRecv {
@@ -1070,6 +1102,48 @@ impl RoceRecv {
     fn repost(&mut self, slot: usize) -> Result<()> {
         self.bounce.post(&*self.verbs, self.qp, slot)?;
         self.credits = self.credits.wrapping_add(1);
+        Ok(())
+    }
+
+    /// RDMA-write `cts` (with our sequence number, credits and next message number) into the
+    /// sender's FIFO.
+    fn write_entry(&mut self, mut cts: Cts) -> Result<()> {
+        cts.seq = self.seq;
+        cts.seq_end = self.seq;
+        cts.credits = self.credits;
+        self.reported = self.credits;
+        let slot = (self.seq as usize) % CTS_SLOTS;
+        self.staging[slot] = cts;
+        let wr = SendWr {
+            wr_id: u64::MAX,
+            opcode: WrOpcode::Write,
+            sge: Some(Sge {
+                addr: &self.staging[slot] as *const Cts as u64,
+                len: CTS_BYTES as u32,
+                lkey: self.staging_mr.lkey,
+            }),
+            inline: CTS_BYTES <= self.verbs.max_inline(),
+            imm: 0,
+            remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
+            rkey: self.fifo_rkey,
+            signaled: false,
+        };
+        self.verbs.post_send(self.qp, &wr)?;
+        self.seq = self.seq.wrapping_add(1).max(1);
+        Ok(())
+    }
+
+    /// Tell the sender about freed receive buffers once a quarter of them piled up (receives
+    /// with a clear-to-send carry credits anyway; eager-only ones do not).
+    fn report_credits(&mut self) -> Result<()> {
+        if self.credits.wrapping_sub(self.reported) >= self.bounce.slots / 4 {
+            let first = self.next_first;
+            self.write_entry(Cts {
+                n: 0,
+                first,
+                ..Cts::default()
+            })?;
+        }
         Ok(())
     }
 
@@ -1098,6 +1172,7 @@ impl RoceRecv {
             }
         }
         self.match_arrivals()?;
+        self.report_credits()?;
         let waiting = self.reqs.iter().any(|r| r.got < r.n);
         self.live.check(waiting, "receive")
     }
@@ -1208,13 +1283,15 @@ impl RecvComm for RoceRecv {
             *d = (b.ptr as u64, b.len, b.tag);
         }
         let mut cts = Cts {
-            seq: self.seq,
             n: bufs.len() as u32,
-            seq_end: self.seq,
+            first: self.next_first,
             ..Cts::default()
         };
+        // Buffers that only eager messages can fill (all of them no larger than the eager
+        // size) need no clear-to-send: the sender sends those messages without one.
+        let eager_only = self.eager > 0 && bufs.iter().all(|b| b.len <= self.eager);
         for (i, b) in bufs.iter().enumerate() {
-            let (addr, rkey) = if b.len > 0 {
+            let (addr, rkey) = if b.len > 0 && !eager_only {
                 // SAFETY: the irecv contract keeps the buffer valid until completion; the
                 // registration is released when the data has arrived.
                 let m = unsafe {
@@ -1237,31 +1314,16 @@ impl RecvComm for RoceRecv {
                 _pad: 0,
             };
         }
+        self.next_first = self.next_first.wrapping_add(bufs.len() as u32);
         self.reqs.push_back(r);
         // Eager messages that came first land now (and free their bounce buffers, which the
-        // credits below then report).
+        // credits then report).
         self.match_arrivals()?;
-        cts.credits = self.credits;
-        cts.first = self.next_first;
-        self.next_first = self.next_first.wrapping_add(bufs.len() as u32);
-        let slot = (self.seq as usize) % FIFO;
-        self.staging[slot] = cts;
-        let wr = SendWr {
-            wr_id: u64::MAX,
-            opcode: WrOpcode::Write,
-            sge: Some(Sge {
-                addr: &self.staging[slot] as *const Cts as u64,
-                len: CTS_BYTES as u32,
-                lkey: self.staging_mr.lkey,
-            }),
-            inline: CTS_BYTES <= self.verbs.max_inline(),
-            imm: 0,
-            remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
-            rkey: self.fifo_rkey,
-            signaled: false,
-        };
-        self.verbs.post_send(self.qp, &wr)?;
-        self.seq = self.seq.wrapping_add(1).max(1);
+        if eager_only {
+            self.report_credits()?;
+        } else {
+            self.write_entry(cts)?;
+        }
         Ok(Some(ReqId(id as u32)))
     }
 
