@@ -411,13 +411,15 @@ pub struct UdpStats {
 }
 
 impl Driver {
-    fn progress(&mut self) -> Result<()> {
+    /// Receive, run the timers, transmit; returns the time it started.
+    fn progress(&mut self) -> Result<Instant> {
         let now = Instant::now();
         self.receive(now)?;
         if self.engine.poll_timeout().is_some_and(|t| t <= now) {
             self.engine.handle_timeout(now);
         }
-        self.transmit(now)
+        self.transmit(now)?;
+        Ok(now)
     }
 
     fn receive(&mut self, now: Instant) -> Result<()> {
@@ -924,7 +926,7 @@ impl Verbs for UserVerbs {
 
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
         let mut d = self.d.lock();
-        d.progress()?;
+        d.last_app_poll = d.progress()?;
         let cq = *d
             .cq_of
             .get(&qpn(qp))
