@@ -847,6 +847,12 @@ impl Verbs for UserVerbs {
         self.d.lock().engine.mrs.deregister(mr.lkey)
     }
 
+    fn cacheable_registrations(&self) -> bool {
+        // A registration is a bounds-and-rights entry; memory is touched only by work posted
+        // against it (or by a peer told about it in a live clear-to-send).
+        true
+    }
+
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
         let mut d = self.d.lock();
         let tx = udp_socket(SocketAddr::new(self.local.ip(), 0))

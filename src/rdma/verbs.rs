@@ -58,6 +58,14 @@ pub trait Verbs: Send + Sync {
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr>;
     /// Release a registration.
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
+    /// Whether registrations may be cached past the requests that use them: true when a
+    /// registration pins nothing and the provider touches registered memory only while work
+    /// targets it, so a buffer freed with its registration still cached is harmless (the
+    /// reg_mr contract then only has to hold while requests use the memory). A NIC provider
+    /// answers false until it can invalidate registrations of freed memory.
+    fn cacheable_registrations(&self) -> bool {
+        false
+    }
     /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;
     /// Bring the QP to RTS, connected to `remote` (INIT → RTR → RTS).

@@ -18,6 +18,8 @@
 //! Memory: buffers are registered per request and released at completion (registration in
 //! the userspace engine is a table insert; a cache for hardware comes with the verbs provider).
 
+mod regcache;
+
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -33,6 +35,7 @@ use crate::rdma::udp::UserVerbs;
 use crate::rdma::verbs::{
     Access, Mr, QpEndpoint, QpId, RecvWr, SendWr, Sge, Verbs, Wc, WcOpcode, WcStatus, WrOpcode,
 };
+use regcache::RegCache;
 
 /// Clear-to-send slots per connection (= requests in flight).
 pub const FIFO: usize = MAX_REQUESTS;
@@ -415,6 +418,7 @@ impl Connecting for RoceConnecting {
             sent: 0,
             tags: [0; TAG_RING],
             credits: 0,
+            cache: RegCache::new(&*self.verbs),
         })))
     }
 
@@ -611,6 +615,7 @@ impl ListenComm for RoceListen {
                 reported: 0,
                 next_first: 0,
                 eager,
+                cache: RegCache::new(&*self.verbs),
             })));
         }
         Ok(None)
@@ -755,6 +760,7 @@ struct RoceSend {
     tags: [u32; TAG_RING],
     /// Receive work requests the receiver reposted so far (wrapping), from its clear-to-send.
     credits: u32,
+    cache: RegCache,
 }
 
 /// Tags remembered per send comm (a grouped receive spans at most MAX_RECVS messages).
@@ -848,7 +854,7 @@ impl RoceSend {
         self.sent = self.sent.wrapping_add(1);
         if inline {
             if let Some(m) = mr {
-                let _ = self.verbs.dereg_mr(&m);
+                self.cache.release(&*self.verbs, &m);
             }
             self.reqs[i].state = SendState::Done;
         } else {
@@ -871,7 +877,7 @@ impl RoceSend {
             let idx = (w.wr_id - self.base) as usize;
             if let Some(r) = self.reqs.get_mut(idx) {
                 if let SendState::Posted(Some(mr)) = r.state {
-                    let _ = self.verbs.dereg_mr(&mr);
+                    self.cache.release(&*self.verbs, &mr);
                 }
                 r.state = SendState::Done;
             }
@@ -932,7 +938,7 @@ impl RoceSend {
                     Ok(e) => e,
                     Err(err) => {
                         if let Some(m) = mr {
-                            let _ = self.verbs.dereg_mr(&m);
+                            self.cache.release(&*self.verbs, &m);
                         }
                         return Err(err);
                     }
@@ -959,14 +965,17 @@ impl RoceSend {
         Ok(())
     }
 
-    /// Register a send buffer (none when empty).
-    fn register(&self, addr: u64, len: usize) -> Result<Option<Mr>> {
+    /// Register a send buffer (none when empty), through the cache.
+    fn register(&mut self, addr: u64, len: usize) -> Result<Option<Mr>> {
         if len == 0 {
             return Ok(None);
         }
         // SAFETY: the isend contract keeps the buffer valid until completion; the
         // registration is released at completion (inline: right after the post).
-        let m = unsafe { self.verbs.reg_mr(addr, len, Access::default())? };
+        let m = unsafe {
+            self.cache
+                .acquire(&*self.verbs, addr, len, Access::default())?
+        };
         Ok(Some(m))
     }
 }
@@ -1037,9 +1046,10 @@ impl Drop for RoceSend {
         self.verbs.destroy_qp(self.qp);
         for r in &self.reqs {
             if let SendState::Posted(Some(mr)) = r.state {
-                let _ = self.verbs.dereg_mr(&mr);
+                self.cache.release(&*self.verbs, &mr);
             }
         }
+        self.cache.clear(&*self.verbs);
         let _ = self.verbs.dereg_mr(&self.fifo_mr);
     }
 }
@@ -1090,6 +1100,7 @@ struct RoceRecv {
     next_first: u32,
     /// Messages up to this size come eagerly (0: none).
     eager: usize,
+    cache: RegCache,
 }
 
 impl RoceRecv {
@@ -1248,7 +1259,7 @@ impl RoceRecv {
             let r = &mut self.reqs[idx];
             if r.got == r.n {
                 for m in r.mrs.iter_mut().filter_map(Option::take) {
-                    let _ = self.verbs.dereg_mr(&m);
+                    self.cache.release(&*self.verbs, &m);
                 }
                 self.filling += 1;
             }
@@ -1295,14 +1306,24 @@ impl RecvComm for RoceRecv {
                 // SAFETY: the irecv contract keeps the buffer valid until completion; the
                 // registration is released when the data has arrived.
                 let m = unsafe {
-                    self.verbs.reg_mr(
+                    self.cache.acquire(
+                        &*self.verbs,
                         b.ptr as u64,
                         b.len,
                         Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-                    )?
+                    )
+                };
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) => {
+                        for m in r.mrs.iter_mut().filter_map(Option::take) {
+                            self.cache.release(&*self.verbs, &m);
+                        }
+                        return Err(e);
+                    }
                 };
                 r.mrs[i] = Some(m);
-                (m.addr, m.rkey)
+                (b.ptr as u64, m.rkey)
             } else {
                 (0, 0)
             };
@@ -1358,9 +1379,10 @@ impl Drop for RoceRecv {
         self.verbs.destroy_qp(self.qp);
         for r in &mut self.reqs {
             for m in r.mrs.iter_mut().filter_map(Option::take) {
-                let _ = self.verbs.dereg_mr(&m);
+                self.cache.release(&*self.verbs, &m);
             }
         }
+        self.cache.clear(&*self.verbs);
         let _ = self.verbs.dereg_mr(&self.staging_mr);
         let _ = self.verbs.dereg_mr(&self.bounce.mr);
     }

@@ -1,0 +1,262 @@
+//! A per-comm cache of memory registrations.
+//!
+//! Collectives send from and receive into the same user buffers call after call; registering
+//! them once instead of per request takes registration off the data path (on a NIC,
+//! `ibv_reg_mr` costs tens of microseconds and pins pages). An entry covers an exact address
+//! range with given access rights; any request inside it reuses it. Entries in use by
+//! requests in flight are never evicted; the least recently used idle one makes room.
+//!
+//! Caching is only sound where a registration pins nothing and the provider touches
+//! registered memory only while work targets it, so that a buffer freed (and its address
+//! reused) with a registration still cached is harmless: the userspace engine
+//! ([`crate::rdma::verbs::Verbs::cacheable_registrations`]). Elsewhere every request
+//! registers and deregisters its own buffers, as before.
+
+use crate::error::Result;
+use crate::rdma::verbs::{Access, Mr, Verbs};
+
+/// Entries per comm.
+pub const CAPACITY: usize = 32;
+
+struct Entry {
+    mr: Mr,
+    access: Access,
+    /// Requests in flight using it.
+    users: u32,
+    last_use: u64,
+}
+
+/// The cache of one comm. Dropping it does not deregister: call [`RegCache::clear`].
+pub struct RegCache {
+    on: bool,
+    entries: Vec<Entry>,
+    clock: u64,
+    /// Lookups served from the cache, and registrations made.
+    pub hits: u64,
+    /// Registrations made (misses).
+    pub misses: u64,
+}
+
+impl RegCache {
+    /// A cache for `verbs` (disabled when its registrations are not cacheable).
+    pub fn new(verbs: &dyn Verbs) -> RegCache {
+        RegCache {
+            on: verbs.cacheable_registrations(),
+            entries: Vec::with_capacity(CAPACITY),
+            clock: 0,
+            hits: 0,
+            misses: 0,
+        }
+    }
+
+    /// A registration covering `addr..addr+len` with `access`, marked in use until
+    /// [`RegCache::release`].
+    ///
+    /// # Safety
+    /// As [`Verbs::reg_mr`]: the memory stays valid while requests use the registration.
+    pub unsafe fn acquire(
+        &mut self,
+        verbs: &dyn Verbs,
+        addr: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<Mr> {
+        self.clock += 1;
+        if self.on {
+            let end = addr + len as u64;
+            if let Some(e) = self.entries.iter_mut().find(|e| {
+                e.mr.addr <= addr && end <= e.mr.addr + e.mr.len as u64 && e.access.has(access)
+            }) {
+                e.users += 1;
+                e.last_use = self.clock;
+                self.hits += 1;
+                return Ok(e.mr);
+            }
+        }
+        self.misses += 1;
+        // SAFETY: forwarded contract.
+        let mr = unsafe { verbs.reg_mr(addr, len, access)? };
+        if !self.on {
+            return Ok(mr);
+        }
+        if self.entries.len() == CAPACITY {
+            // Make room: the least recently used entry nobody uses, else do not cache.
+            let victim = self
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.users == 0)
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(i, _)| i);
+            match victim {
+                Some(i) => {
+                    let e = self.entries.swap_remove(i);
+                    let _ = verbs.dereg_mr(&e.mr);
+                }
+                None => return Ok(mr), // released (deregistered) by `release`
+            }
+        }
+        self.entries.push(Entry {
+            mr,
+            access,
+            users: 1,
+            last_use: self.clock,
+        });
+        Ok(mr)
+    }
+
+    /// A request is done with `mr` (from [`RegCache::acquire`]).
+    pub fn release(&mut self, verbs: &dyn Verbs, mr: &Mr) {
+        match self.entries.iter_mut().find(|e| e.mr.lkey == mr.lkey) {
+            Some(e) => e.users = e.users.saturating_sub(1),
+            None => {
+                let _ = verbs.dereg_mr(mr);
+            }
+        }
+    }
+
+    /// Deregister everything (the comm is closing).
+    pub fn clear(&mut self, verbs: &dyn Verbs) {
+        for e in self.entries.drain(..) {
+            let _ = verbs.dereg_mr(&e.mr);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::verbs::{QpEndpoint, QpId, QpState, RecvWr, SendWr, Wc};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+
+    /// Counts registrations; `cacheable` says what it tells the cache.
+    struct Counting {
+        cacheable: bool,
+        next: AtomicU32,
+        live: Mutex<Vec<u32>>,
+    }
+
+    impl Counting {
+        fn new(cacheable: bool) -> Counting {
+            Counting {
+                cacheable,
+                next: AtomicU32::new(1),
+                live: Mutex::new(Vec::new()),
+            }
+        }
+        fn live(&self) -> usize {
+            self.live.lock().unwrap().len()
+        }
+    }
+
+    impl Verbs for Counting {
+        fn name(&self) -> String {
+            "counting".into()
+        }
+        unsafe fn reg_mr(&self, addr: u64, len: usize, _: Access) -> Result<Mr> {
+            let k = self.next.fetch_add(1, Ordering::Relaxed);
+            self.live.lock().unwrap().push(k);
+            Ok(Mr {
+                addr,
+                len,
+                lkey: k,
+                rkey: k,
+            })
+        }
+        fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+            let mut l = self.live.lock().unwrap();
+            let i = l
+                .iter()
+                .position(|k| *k == mr.lkey)
+                .expect("double deregistration");
+            l.swap_remove(i);
+            Ok(())
+        }
+        fn cacheable_registrations(&self) -> bool {
+            self.cacheable
+        }
+        fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+            unimplemented!()
+        }
+        fn connect_qp(&self, _: QpId, _: &QpEndpoint) -> Result<()> {
+            unimplemented!()
+        }
+        fn destroy_qp(&self, _: QpId) {}
+        fn post_send(&self, _: QpId, _: &SendWr) -> Result<()> {
+            unimplemented!()
+        }
+        fn post_recv(&self, _: QpId, _: &RecvWr) -> Result<()> {
+            unimplemented!()
+        }
+        fn poll_cq(&self, _: QpId, _: &mut [Wc]) -> Result<usize> {
+            unimplemented!()
+        }
+        fn poll_fds(&self, _: &mut Vec<crate::net::PollFd>) {}
+        fn qp_state(&self, _: QpId) -> Result<QpState> {
+            unimplemented!()
+        }
+        fn read_registered(&self, _: u64, _: &mut [u8]) {}
+    }
+
+    const RW: Access = Access(3);
+
+    #[test]
+    fn reuses_covering_entries_and_evicts_only_idle_ones() {
+        let v = Counting::new(true);
+        let mut c = RegCache::new(&v);
+        // SAFETY (all acquires): the fake provider touches no memory.
+        let a = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        c.release(&v, &a);
+        let b = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        let sub = unsafe { c.acquire(&v, 0x1800, 100, Access::LOCAL_WRITE) }.unwrap();
+        assert_eq!((a.lkey, b.lkey, sub.lkey), (a.lkey, a.lkey, a.lkey));
+        assert_eq!((c.hits, c.misses, v.live()), (2, 1, 1));
+        // More rights than the entry has, or a range beyond it: new registrations.
+        let all = unsafe { c.acquire(&v, 0x1000, 4096, Access::ALL) }.unwrap();
+        let beyond = unsafe { c.acquire(&v, 0x1000, 4097, RW) }.unwrap();
+        assert!(all.lkey != a.lkey && beyond.lkey != a.lkey && all.lkey != beyond.lkey);
+        assert_eq!(v.live(), 3);
+        for m in [b, sub, all, beyond] {
+            c.release(&v, &m);
+        }
+        // Fill it with idle entries: the least recently used ones make room.
+        for i in 0..CAPACITY as u64 {
+            let m = unsafe { c.acquire(&v, 0x10_0000 * (i + 1), 64, RW) }.unwrap();
+            c.release(&v, &m);
+        }
+        assert_eq!(v.live(), CAPACITY);
+        let again = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        assert_ne!(again.lkey, a.lkey, "the oldest entries were evicted");
+        // Entries in use are never evicted: with all of them busy, a new registration is
+        // not cached and goes away at release.
+        let busy: Vec<Mr> = (0..CAPACITY as u64 - 1)
+            .map(|i| unsafe { c.acquire(&v, 0x10_0000 * (i + 1), 64, RW) }.unwrap())
+            .collect();
+        let extra = unsafe { c.acquire(&v, 0x9999_0000, 64, RW) }.unwrap();
+        assert_eq!(v.live(), CAPACITY + 1);
+        c.release(&v, &extra);
+        assert_eq!(v.live(), CAPACITY);
+        for m in &busy {
+            c.release(&v, m);
+        }
+        c.release(&v, &again);
+        c.clear(&v);
+        assert_eq!(v.live(), 0);
+    }
+
+    #[test]
+    fn off_for_providers_that_cannot_cache() {
+        let v = Counting::new(false);
+        let mut c = RegCache::new(&v);
+        // SAFETY: the fake provider touches no memory.
+        let a = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        let b = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        assert_ne!(a.lkey, b.lkey);
+        assert_eq!((c.hits, c.misses, v.live()), (0, 2, 2));
+        c.release(&v, &a);
+        c.release(&v, &b);
+        assert_eq!(v.live(), 0);
+        c.clear(&v);
+    }
+}
