@@ -91,7 +91,7 @@ struct EagerCfg {
 /// messages sent against clear-to-send entries never lack one.
 const EAGER_SLOTS: u32 = 64;
 /// Default and largest eager size (`ROCCL_ROCEV2_EAGER`, 0 turns eager messages off).
-const EAGER_DEFAULT: u32 = 4096;
+const EAGER_DEFAULT: u32 = 16384;
 const EAGER_MAX: u32 = 65536;
 
 impl EagerCfg {
@@ -392,16 +392,29 @@ impl Connecting for RoceConnecting {
                 return Ok(None);
             }
         }
-        let fifo = self
-            .fifo
-            .take()
-            .ok_or_else(|| Error::Internal("connection polled after completion".into()))?;
+        if self.fifo.is_none() {
+            return Err(Error::Internal("connection polled after completion".into()));
+        }
+        // Fallible steps first: on error the FIFO stays here, registered, and Drop releases
+        // both together.
         let side = self
             .side
             .s
             .try_clone()
             .map_err(|e| Error::sys("dup of the RoCE v2 setup socket", e))?;
         let peer = self.peer_eager.unwrap_or(EagerCfg { size: 0, slots: 0 });
+        let eager_size = self.eager.size.min(peer.size);
+        // Eager messages are copied here at post, so the send completes at once; slot
+        // `m % slots` is free again once the receiver consumed message `m - slots`, which
+        // the credit check before each send guarantees.
+        let staging = Bounce::alloc(
+            &*self.verbs,
+            EagerCfg {
+                size: eager_size,
+                slots: peer.slots,
+            },
+        )?;
+        let fifo = self.fifo.take().expect("checked above");
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
             qp: self.qp,
@@ -413,7 +426,8 @@ impl Connecting for RoceConnecting {
             seq: 1,
             wcs: [EMPTY_WC; 16],
             failed: None,
-            eager_size: self.eager.size.min(peer.size) as usize,
+            eager_size: eager_size as usize,
+            staging,
             slots: peer.slots,
             sent: 0,
             tags: [0; TAG_RING],
@@ -466,6 +480,18 @@ struct Bounce {
 impl Bounce {
     /// Register `cfg.slots` buffers of `cfg.size` bytes and post a receive for each.
     fn new(verbs: &dyn Verbs, qp: QpId, cfg: EagerCfg) -> Result<Bounce> {
+        let b = Bounce::alloc(verbs, cfg)?;
+        for slot in 0..cfg.slots as usize {
+            if let Err(e) = b.post(verbs, qp, slot) {
+                let _ = verbs.dereg_mr(&b.mr);
+                return Err(e);
+            }
+        }
+        Ok(b)
+    }
+
+    /// Register `cfg.slots` buffers of `cfg.size` bytes.
+    fn alloc(verbs: &dyn Verbs, cfg: EagerCfg) -> Result<Bounce> {
         let size = cfg.size as usize;
         let buf: Box<[std::cell::UnsafeCell<u8>]> = (0..(size * cfg.slots as usize).max(1))
             .map(|_| std::cell::UnsafeCell::new(0))
@@ -474,19 +500,12 @@ impl Bounce {
         // SAFETY: the boxed slice has a stable address and is owned by the receive side,
         // which deregisters it before freeing it.
         let mr = unsafe { verbs.reg_mr(addr, buf.len(), Access::LOCAL_WRITE)? };
-        let b = Bounce {
+        Ok(Bounce {
             buf,
             mr,
             size,
             slots: cfg.slots,
-        };
-        for slot in 0..cfg.slots as usize {
-            if let Err(e) = b.post(verbs, qp, slot) {
-                let _ = verbs.dereg_mr(&b.mr);
-                return Err(e);
-            }
-        }
-        Ok(b)
+        })
     }
 
     fn post(&self, verbs: &dyn Verbs, qp: QpId, slot: usize) -> Result<()> {
@@ -504,8 +523,8 @@ impl Bounce {
         )
     }
 
-    /// Start of bounce buffer `slot` (its data is valid once its receive completed).
-    fn slot(&self, slot: usize) -> *const u8 {
+    /// Start of buffer `slot` (a receive's data is valid once the receive completed).
+    fn slot(&self, slot: usize) -> *mut u8 {
         std::cell::UnsafeCell::raw_get(self.buf[slot * self.size..].as_ptr())
     }
 }
@@ -752,6 +771,8 @@ struct RoceSend {
     failed: Option<String>,
     /// Largest eager message (0: none).
     eager_size: usize,
+    /// Where eager messages are copied before they leave (one buffer per receiver slot).
+    staging: Bounce,
     /// The receiver's receive work requests (credits when nothing is consumed).
     slots: u32,
     /// Messages posted so far (wrapping): the number of the next message.
@@ -848,11 +869,13 @@ impl RoceSend {
         Ok(e)
     }
 
-    fn post(&mut self, i: usize, wr: SendWr, inline: bool, mr: Option<Mr>) -> Result<()> {
+    /// Post `wr` for request `i`; `done_now`: the data was copied (inline or staged), so the
+    /// request completes at once.
+    fn post(&mut self, i: usize, wr: SendWr, done_now: bool, mr: Option<Mr>) -> Result<()> {
         self.verbs.post_send(self.qp, &wr)?;
         self.tags[self.sent as usize % TAG_RING] = self.reqs[i].tag;
         self.sent = self.sent.wrapping_add(1);
-        if inline {
+        if done_now {
             if let Some(m) = mr {
                 self.cache.release(&*self.verbs, &m);
             }
@@ -905,24 +928,40 @@ impl RoceSend {
             if !self.has_credit() {
                 return Ok(());
             }
-            // Small messages go inline: the provider copies them at post time, so the send
-            // is complete for the caller at once (no wait for the acknowledgement; an error
-            // still surfaces as an error completion).
             let inline = len <= self.verbs.max_inline();
-            let mr = self.register(addr, len)?;
-            let wr = if eager {
-                // Eager: into one of the receiver's bounce buffers, no clear-to-send needed.
-                SendWr {
+            if eager {
+                // Eager: copied to staging slot `m % slots`, sent into one of the receiver's
+                // bounce buffers without a clear-to-send; complete for the caller at once
+                // (an error still surfaces as an error completion of the QP).
+                let slot = m as usize % self.slots as usize;
+                let at = self.staging.slot(slot);
+                if len > 0 {
+                    // SAFETY: the isend contract keeps `addr..addr+len` readable; the staging
+                    // slot holds eager_size >= len bytes and is ours (see `staging`).
+                    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, at, len) };
+                }
+                let wr = SendWr {
                     wr_id: self.base + i as u64,
                     opcode: WrOpcode::SendImm,
-                    sge: sge(addr, len, mr),
+                    sge: (len > 0).then(|| Sge {
+                        addr: at as u64,
+                        len: len as u32,
+                        lkey: self.staging.mr.lkey,
+                    }),
                     inline,
                     imm: tag,
                     remote_addr: 0,
                     rkey: 0,
-                    signaled: !inline,
-                }
-            } else {
+                    signaled: false,
+                };
+                self.post(i, wr, true, None)?;
+                continue;
+            }
+            // Small messages go inline: the provider copies them at post time, so the send
+            // is complete for the caller at once (no wait for the acknowledgement; an error
+            // still surfaces as an error completion).
+            let mr = self.register(addr, len)?;
+            let wr = {
                 let cts = cts.expect("rendezvous has its entry");
                 let checked = if dist(m, cts.first) < 0 {
                     // The receive of message `m` wrote no clear-to-send: all its buffers
@@ -1051,6 +1090,7 @@ impl Drop for RoceSend {
         }
         self.cache.clear(&*self.verbs);
         let _ = self.verbs.dereg_mr(&self.fifo_mr);
+        let _ = self.verbs.dereg_mr(&self.staging.mr);
     }
 }
 
