@@ -943,7 +943,7 @@ impl RoceSend {
                 let wr = SendWr {
                     wr_id: self.base + i as u64,
                     opcode: WrOpcode::SendImm,
-                    sge: (len > 0).then(|| Sge {
+                    sge: (len > 0).then_some(Sge {
                         addr: at as u64,
                         len: len as u32,
                         lkey: self.staging.mr.lkey,
