@@ -151,6 +151,39 @@ pub enum WcStatus {
     RetryExcErr = 12,
     /// IBV_WC_RNR_RETRY_EXC_ERR: the peer had no receive posted after all RNR retries.
     RnrRetryExcErr = 13,
+    /// IBV_WC_BAD_RESP_ERR (a NIC only).
+    BadRespErr = 7,
+    /// IBV_WC_LOC_ACCESS_ERR (a NIC only).
+    LocAccessErr = 8,
+    /// IBV_WC_REM_ABORT_ERR (a NIC only).
+    RemAbortErr = 17,
+    /// IBV_WC_FATAL_ERR (a NIC only).
+    FatalErr = 19,
+    /// IBV_WC_GENERAL_ERR, and any status this enum does not name (a NIC only).
+    GeneralErr = 21,
+}
+
+impl WcStatus {
+    /// From `ibv_wc_status` (unknown values: [`WcStatus::GeneralErr`]).
+    pub fn from_ibv(v: u32) -> WcStatus {
+        match v {
+            0 => WcStatus::Success,
+            1 => WcStatus::LocLenErr,
+            2 => WcStatus::LocQpOpErr,
+            4 => WcStatus::LocProtErr,
+            5 => WcStatus::WrFlushErr,
+            7 => WcStatus::BadRespErr,
+            8 => WcStatus::LocAccessErr,
+            9 => WcStatus::RemInvReqErr,
+            10 => WcStatus::RemAccessErr,
+            11 => WcStatus::RemOpErr,
+            12 => WcStatus::RetryExcErr,
+            13 => WcStatus::RnrRetryExcErr,
+            17 => WcStatus::RemAbortErr,
+            19 => WcStatus::FatalErr,
+            _ => WcStatus::GeneralErr,
+        }
+    }
 }
 
 /// Completion opcode, numbered as `ibv_wc_opcode`.

@@ -1,5 +1,6 @@
 //! RDMA: the RoCE v2 wire format, the userspace RC engine, the verbs layer.
 pub mod engine;
+pub mod hints;
 pub mod mem;
 pub mod select;
 pub mod udp;

@@ -355,6 +355,7 @@ impl Net for RoceNet {
             replied: false,
             eager,
             peer_eager: None,
+            peer_addr: None,
         }))
     }
 }
@@ -368,6 +369,7 @@ struct RoceConnecting {
     replied: bool,
     eager: EagerCfg,
     peer_eager: Option<EagerCfg>,
+    peer_addr: Option<SocketAddr>,
 }
 
 impl Connecting for RoceConnecting {
@@ -385,6 +387,7 @@ impl Connecting for RoceConnecting {
                 )));
             }
             self.peer_eager = Some(peer_eager);
+            self.peer_addr = Some(peer.addr);
             self.verbs.connect_qp(self.qp, &peer)?;
             self.side.queue(&[1]);
             self.replied = true;
@@ -418,6 +421,9 @@ impl Connecting for RoceConnecting {
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
             qp: self.qp,
+            peer: self
+                .peer_addr
+                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))),
             live: Liveness::new(side),
             fifo_mr: self.mr,
             fifo,
@@ -462,6 +468,7 @@ struct Accepting {
 /// A receive side whose QP is connected, waiting for the sender's "ready".
 struct Accepted {
     qp: QpId,
+    peer: SocketAddr,
     fifo_addr: u64,
     fifo_rkey: u32,
     bounce: Bounce,
@@ -588,6 +595,7 @@ impl ListenComm for RoceListen {
                 a.side.expect(1); // the sender's "ready"
                 a.qp = Some(Accepted {
                     qp,
+                    peer: peer.addr,
                     fifo_addr,
                     fifo_rkey,
                     bounce,
@@ -600,6 +608,7 @@ impl ListenComm for RoceListen {
             let a = self.pending.swap_remove(i);
             let Accepted {
                 qp,
+                peer,
                 fifo_addr,
                 fifo_rkey,
                 bounce,
@@ -617,6 +626,7 @@ impl ListenComm for RoceListen {
             return Ok(Some(Box::new(RoceRecv {
                 verbs: Arc::clone(&self.verbs),
                 qp,
+                peer,
                 live: Liveness::new(a.side.s),
                 fifo_addr,
                 fifo_rkey,
@@ -720,15 +730,12 @@ const EMPTY_WC: Wc = Wc {
     qpn: 0,
 };
 
-fn wc_error(w: &Wc, side: &str) -> Error {
-    let hint = match w.status {
-        WcStatus::RetryExcErr => {
-            " (no acknowledgement after all retries: the peer is gone or unreachable)"
-        }
-        WcStatus::RnrRetryExcErr => " (the peer never posted a receive)",
-        WcStatus::RemAccessErr => " (the peer refused the memory key or range)",
-        WcStatus::WrFlushErr => " (the queue pair failed earlier)",
-        _ => "",
+fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
+    let hint = crate::rdma::hints::wc_hint(w.status, &verbs.name(), &peer.ip().to_string());
+    let hint = if hint.is_empty() {
+        String::new()
+    } else {
+        format!(": {hint}")
     };
     Error::sys(
         format!(
@@ -760,6 +767,8 @@ struct SReq {
 struct RoceSend {
     verbs: Arc<dyn Verbs>,
     qp: QpId,
+    /// The peer's address (its GID).
+    peer: SocketAddr,
     live: Liveness,
     fifo_mr: Mr,
     fifo: Box<[Cts; CTS_SLOTS]>,
@@ -895,7 +904,7 @@ impl RoceSend {
         let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
         for w in &self.wcs[..n] {
             if w.status != WcStatus::Success {
-                return Err(wc_error(w, "send"));
+                return Err(wc_error(w, "send", &*self.verbs, self.peer));
             }
             let idx = (w.wr_id - self.base) as usize;
             if let Some(r) = self.reqs.get_mut(idx) {
@@ -1118,6 +1127,8 @@ enum Arrival {
 struct RoceRecv {
     verbs: Arc<dyn Verbs>,
     qp: QpId,
+    /// The peer's address (its GID).
+    peer: SocketAddr,
     live: Liveness,
     fifo_addr: u64,
     fifo_rkey: u32,
@@ -1203,7 +1214,7 @@ impl RoceRecv {
         for k in 0..n {
             let w = self.wcs[k];
             if w.status != WcStatus::Success {
-                return Err(wc_error(&w, "receive"));
+                return Err(wc_error(&w, "receive", &*self.verbs, self.peer));
             }
             let slot = w.wr_id as usize;
             match w.opcode {
