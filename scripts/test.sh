@@ -8,6 +8,11 @@ need=()
 command -v gcc >/dev/null || need+=(gcc)
 command -v g++ >/dev/null || need+=(g++)
 command -v pkg-config >/dev/null || need+=(pkg-config)
+# The `verbs` feature (RoCE v2 NICs through rdma-sys) needs libibverbs and bindgen's libclang
+# to build; the default build needs none of them.
+for p in libibverbs-dev librdmacm-dev libclang-dev; do
+  dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}"
   (apt-get install -y "${need[@]}" >/dev/null 2>&1 || (apt-get update >/dev/null && apt-get install -y "${need[@]}" >/dev/null))
@@ -15,11 +20,19 @@ fi
 
 echo "== format"
 cargo fmt --all -- --check
-echo "== clippy"
+echo "== clippy (default build, and with the verbs feature)"
 cargo clippy --workspace --all-targets --release -- -D warnings
-echo "== tests (ranks as threads and as processes)"
+cargo clippy --workspace --all-targets --release --features roccl/verbs -- -D warnings
+echo "== tests (ranks as threads and as processes; built with the verbs feature)"
 # Tests that need RDMA hardware or a GPU are skipped with a message; none are counted as passes.
-cargo test --release --workspace --lib --bins --tests -- --test-threads 2
+cargo test --release --workspace --features roccl/verbs --lib --bins --tests -- --test-threads 2
+if [ -n "${ROCCL_TEST_IB_DEVICE:-}" ]; then
+  echo "== hardware: the collective suite over the RoCE v2 NIC $ROCCL_TEST_IB_DEVICE"
+  cargo test --release --features verbs --test verbs -- --ignored --test-threads 1
+else
+  echo "== hardware tests SKIPPED: ROCCL_TEST_IB_DEVICE is not set (no RDMA NIC here);" \
+    "the collective suite over a RoCE v2 NIC (tests/verbs.rs, 3 tests) did not run"
+fi
 echo "== benches (each run once, as a smoke test)"
 cargo test --release --benches
 echo "== C ABI: header vs symbols, C and C++ programs, example"
@@ -37,5 +50,5 @@ echo "== RoCE v2 across network namespaces, and a decoded capture"
 tests/netns/run.sh
 tests/capture/run.sh
 echo "== docs"
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet -p roccl
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet -p roccl --features verbs
 echo "== all checks passed"

@@ -258,6 +258,8 @@ pub enum NetKind {
     Tcp,
     /// RDMA over RoCE v2 through the userspace engine (UDP).
     RoceV2,
+    /// RDMA over RoCE v2 on a NIC through libibverbs (cargo feature `verbs`).
+    Verbs,
 }
 
 impl std::str::FromStr for NetKind {
@@ -266,20 +268,78 @@ impl std::str::FromStr for NetKind {
         match s.to_ascii_lowercase().as_str() {
             "auto" | "" => Ok(NetKind::Auto),
             "tcp" | "socket" => Ok(NetKind::Tcp),
-            "rocev2" | "roce" | "rdma" => Ok(NetKind::RoceV2),
+            "rocev2" | "roce" | "rdma" | "userspace" => Ok(NetKind::RoceV2),
+            "verbs" | "ib" | "nic" => Ok(NetKind::Verbs),
             other => Err(Error::arg(format!(
-                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp or rocev2"
+                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp, rocev2 (userspace RoCE v2) or verbs (RoCE v2 NIC)"
             ))),
         }
     }
 }
 
 /// Open the network for `kind` on the local address `ip`.
+///
+/// `Auto` picks a RoCE v2 NIC when roccl was built with the `verbs` feature and a usable
+/// device exists, else TCP, and says why once per process (`ROCCL_DEBUG=INFO`).
 pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
     match kind {
-        NetKind::Auto | NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip)?)),
+        NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip)?)),
         NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
+        NetKind::Verbs => open_verbs(ip),
+        NetKind::Auto => match auto_nic(ip) {
+            Ok(n) => Ok(n),
+            Err(why) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| crate::info!("network: tcp ({why})"));
+                Ok(Arc::new(tcp::TcpNet::with_addr(ip)?))
+            }
+        },
     }
+}
+
+#[cfg(feature = "verbs")]
+fn open_verbs(ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
+    Ok(Arc::new(rocev2::RoceNet::nic(ip)?))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn open_verbs(_ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
+    Err(Error::arg(
+        "ROCCL_NET=verbs: this roccl was built without the `verbs` feature; rebuild with `cargo build --features verbs` (needs libibverbs-dev, librdmacm-dev and libclang-dev), or use ROCCL_NET=rocev2 for RoCE v2 in userspace",
+    ))
+}
+
+/// The NIC network if one is usable, else why not.
+fn auto_nic(ip: std::net::IpAddr) -> std::result::Result<Arc<dyn Net>, String> {
+    use crate::rdma::select;
+    let ports =
+        select::scan(std::path::Path::new(select::SYSFS_ROOT)).map_err(|e| e.to_string())?;
+    if ports.is_empty() {
+        return Err(
+            "no RDMA device in /sys/class/infiniband; ROCCL_NET=rocev2 runs RoCE v2 in userspace"
+                .into(),
+        );
+    }
+    if cfg!(not(feature = "verbs")) {
+        return Err(format!(
+            "RDMA device {} present but this roccl was built without the `verbs` feature",
+            ports[0].dev
+        ));
+    }
+    let c = select::Criteria::from_env().map_err(|e| e.to_string())?;
+    let choice = select::choose(&ports, &c).map_err(|e| format!("no usable RoCE v2 GID: {e}"))?;
+    let n = open_verbs(ip).map_err(|e| format!("{} unusable: {e}", choice.dev))?;
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        crate::info!(
+            "network: verbs on {}:{} GID {} ({})",
+            choice.dev,
+            choice.port,
+            choice.gid_index,
+            choice.why
+        )
+    });
+    Ok(n)
 }
 
 /// Test helper: connect a send comm to a receive comm of `net`, polling both sides.

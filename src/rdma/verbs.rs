@@ -46,6 +46,10 @@ pub struct QpId(pub u32);
 pub trait Verbs: Send + Sync {
     /// Provider name (`userspace` or the device name).
     fn name(&self) -> String;
+    /// A NIC (false: the userspace engine). Peers must use the same kind.
+    fn hardware(&self) -> bool {
+        false
+    }
     /// Largest payload `post_send` copies at post time (`SendWr::inline`).
     fn max_inline(&self) -> usize {
         0
@@ -80,6 +84,11 @@ pub trait Verbs: Send + Sync {
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize>;
     /// Descriptors to sleep on until completions may be ready.
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// Descriptors that become readable when QP `qp` has a completion (or the provider's).
+    fn qp_fds(&self, qp: QpId, out: &mut Vec<PollFd>) {
+        let _ = qp;
+        self.poll_fds(out)
+    }
     /// State of the QP.
     fn qp_state(&self, qp: QpId) -> Result<QpState>;
     /// Copy `out.len()` bytes at `addr` — memory inside a region registered here that

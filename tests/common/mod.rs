@@ -287,3 +287,35 @@ pub fn one(
         }
     }
 }
+
+/// Every collective × algorithm × some dtypes/ops × counts 0, 1, 7, 1000, 70001 × in and out
+/// of place on `n` ranks (threads) over network `net`, whose name must be `name`.
+pub fn net_matrix(net: NetKind, name: &str, n: usize, tuning: Tuning) {
+    let mut cfg = config(tuning);
+    cfg.net = net;
+    run_ranks(n, cfg, |c| {
+        assert_eq!(c.net_name(), name);
+        for k in KINDS {
+            for &algo in algos(k) {
+                for (dt, op) in [
+                    (DataType::F32, RedOp::Sum),
+                    (DataType::Bf16, RedOp::Max),
+                    (DataType::I64, RedOp::Avg),
+                    (DataType::U8, RedOp::Prod),
+                ] {
+                    let reducing =
+                        matches!(k, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter);
+                    if !reducing && op != RedOp::Sum {
+                        continue;
+                    }
+                    for count in [0usize, 1, 7, 1000, 70_001] {
+                        for in_place in [false, true] {
+                            one(&c, k, dt, op, count, algo, in_place, (count + 1) % n);
+                        }
+                    }
+                }
+            }
+        }
+        c.barrier().unwrap();
+    });
+}

@@ -119,7 +119,12 @@ const CTS_BYTES: usize = std::mem::size_of::<Cts>();
 /// The RoCE v2 network over a verbs provider.
 pub struct RoceNet {
     verbs: Arc<dyn Verbs>,
+    /// Address of the TCP side channel that sets connections up.
     ip: IpAddr,
+    /// Link speed, if known.
+    speed_mbps: Option<u32>,
+    pci_path: Option<String>,
+    dmabuf: bool,
 }
 
 impl RoceNet {
@@ -128,7 +133,48 @@ impl RoceNet {
         Ok(RoceNet {
             verbs: Arc::new(UserVerbs::open(ip)?),
             ip,
+            speed_mbps: None,
+            pci_path: None,
+            dmabuf: false,
         })
+    }
+
+    /// A RoCE v2 NIC through libibverbs: device, port and GID chosen from sysfs as
+    /// `ROCCL_IB_HCA`, `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY` and `ROCCL_IB_ADDR_RANGE`
+    /// say; connections are set up over TCP on `ip`.
+    #[cfg(feature = "verbs")]
+    pub fn nic(ip: IpAddr) -> Result<RoceNet> {
+        use crate::rdma::select;
+        let ports = select::scan(std::path::Path::new(select::SYSFS_ROOT))?;
+        let choice = select::choose(&ports, &select::Criteria::from_env()?)?;
+        let port = ports
+            .iter()
+            .find(|p| p.dev == choice.dev && p.port == choice.port);
+        let v =
+            crate::rdma::ibv::IbvVerbs::open(&choice, crate::rdma::ibv::IbSettings::from_env()?)?;
+        Ok(RoceNet {
+            dmabuf: v.dmabuf(),
+            verbs: Arc::new(v),
+            ip,
+            speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
+            pci_path: port.and_then(|p| p.pci.clone()),
+        })
+    }
+
+    /// Over any provider (connections set up over TCP on `ip`).
+    pub fn over(verbs: Arc<dyn Verbs>, ip: IpAddr) -> RoceNet {
+        RoceNet {
+            verbs,
+            ip,
+            speed_mbps: None,
+            pci_path: None,
+            dmabuf: false,
+        }
+    }
+
+    /// The provider's name.
+    pub fn provider(&self) -> String {
+        self.verbs.name()
     }
 }
 
@@ -156,7 +202,12 @@ fn get_addr(b: &[u8]) -> Option<SocketAddr> {
 }
 
 /// Endpoint + FIFO description sent over the side channel.
-fn encode_info(ep: &QpEndpoint, fifo: Option<&Mr>, eager: Option<EagerCfg>) -> [u8; INFO] {
+fn encode_info(
+    ep: &QpEndpoint,
+    fifo: Option<&Mr>,
+    eager: Option<EagerCfg>,
+    hardware: bool,
+) -> [u8; INFO] {
     let mut b = [0u8; INFO];
     b[0..4].copy_from_slice(&INFO_MAGIC.to_le_bytes());
     put_addr(&mut b[4..24], ep.addr);
@@ -171,7 +222,28 @@ fn encode_info(ep: &QpEndpoint, fifo: Option<&Mr>, eager: Option<EagerCfg>) -> [
         b[48..52].copy_from_slice(&e.size.to_le_bytes());
         b[52..56].copy_from_slice(&e.slots.to_le_bytes());
     }
+    b[56] = u8::from(hardware);
     b
+}
+
+/// Both ends must run RoCE v2 through the same kind of provider.
+fn same_provider(peer_info: &[u8; INFO], verbs: &dyn Verbs) -> Result<()> {
+    let kind = |hw: bool| {
+        if hw {
+            "an RDMA NIC (ROCCL_NET=verbs)"
+        } else {
+            "the userspace RoCE v2 engine over UDP (ROCCL_NET=rocev2)"
+        }
+    };
+    let (theirs, ours) = (peer_info[56] != 0, verbs.hardware());
+    if theirs != ours {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup: the peer uses {} but this rank {}: set the same ROCCL_NET on every rank (verbs needs an RDMA NIC on every node)",
+            kind(theirs),
+            kind(ours)
+        )));
+    }
+    Ok(())
 }
 
 /// What the peer sent: its endpoint, FIFO (address, rkey) and eager configuration.
@@ -264,7 +336,11 @@ impl Side {
 
 impl Net for RoceNet {
     fn name(&self) -> &'static str {
-        "rocev2"
+        if self.verbs.hardware() {
+            "verbs"
+        } else {
+            "rocev2"
+        }
     }
 
     fn devices(&self) -> usize {
@@ -279,20 +355,20 @@ impl Net for RoceNet {
         }
         Ok(NetProperties {
             name: self.verbs.name(),
-            pci_path: None,
+            pci_path: self.pci_path.clone(),
             guid: 0,
             ptr_support: PtrSupport {
                 host: true,
                 device: false,
-                dmabuf: false,
+                dmabuf: self.dmabuf,
             },
-            speed_mbps: if self.ip.is_loopback() {
+            speed_mbps: self.speed_mbps.unwrap_or(if self.ip.is_loopback() {
                 100_000
             } else {
                 10_000
-            },
+            }),
             port: 1,
-            latency_us: 8.0,
+            latency_us: if self.verbs.hardware() { 3.0 } else { 8.0 },
             max_comms: 4096,
             max_recvs: MAX_RECVS as u32,
         })
@@ -344,7 +420,12 @@ impl Net for RoceNet {
             )?
         };
         let eager = EagerCfg::from_env()?;
-        side.queue(&encode_info(&ep, Some(&mr), Some(eager)));
+        side.queue(&encode_info(
+            &ep,
+            Some(&mr),
+            Some(eager),
+            self.verbs.hardware(),
+        ));
         side.expect(INFO);
         Ok(Box::new(RoceConnecting {
             side,
@@ -380,6 +461,7 @@ impl Connecting for RoceConnecting {
         if !self.replied {
             let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
             let (peer, _, _, peer_eager) = decode_info(&b)?;
+            same_provider(&b, &*self.verbs)?;
             if peer_eager.slots < FIFO as u32 {
                 return Err(Error::InvalidUsage(format!(
                     "RoCE v2 connection setup: the peer posts {} receive buffers, fewer than the {FIFO} this roccl needs (another roccl version?)",
@@ -576,6 +658,7 @@ impl ListenComm for RoceListen {
             if a.qp.is_none() {
                 let b: [u8; INFO] = a.side.inb[..INFO].try_into().unwrap();
                 let (peer, fifo_addr, fifo_rkey, sender_eager) = decode_info(&b)?;
+                same_provider(&b, &*self.verbs)?;
                 let (qp, ep) = self.verbs.create_qp()?;
                 // Receives are posted before the sender learns our endpoint: its first
                 // message (eager, without a clear-to-send) always finds one.
@@ -591,7 +674,8 @@ impl ListenComm for RoceListen {
                         return Err(e);
                     }
                 };
-                a.side.queue(&encode_info(&ep, None, Some(cfg)));
+                a.side
+                    .queue(&encode_info(&ep, None, Some(cfg), self.verbs.hardware()));
                 a.side.expect(1); // the sender's "ready"
                 a.qp = Some(Accepted {
                     qp,
@@ -1081,7 +1165,7 @@ impl SendComm for RoceSend {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        self.verbs.poll_fds(out);
+        self.verbs.qp_fds(self.qp, out);
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,
@@ -1417,7 +1501,7 @@ impl RecvComm for RoceRecv {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        self.verbs.poll_fds(out);
+        self.verbs.qp_fds(self.qp, out);
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,
@@ -1482,10 +1566,10 @@ mod tests {
 
     #[test]
     fn messages_of_every_size() {
-        let net = RoceNet {
-            verbs: Arc::new(UserVerbs::with(Ipv4Addr::LOCALHOST.into(), 0, None).unwrap()),
-            ip: Ipv4Addr::LOCALHOST.into(),
-        };
+        let net = RoceNet::over(
+            Arc::new(UserVerbs::with(Ipv4Addr::LOCALHOST.into(), 0, None).unwrap()),
+            Ipv4Addr::LOCALHOST.into(),
+        );
         let (mut s, mut r) = pair(&net);
         for len in [0usize, 1, 4, 4095, 4096, 4097, 100_000, 1 << 20] {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
@@ -1624,5 +1708,80 @@ mod tests {
         for (i, (b, d)) in bufs.iter().zip(&data).enumerate() {
             assert!(b == d, "message {i} ({} bytes) arrived corrupted", d.len());
         }
+    }
+
+    /// The userspace engine posing as a NIC, to check that both ends must agree.
+    struct PosingAsNic(UserVerbs);
+
+    impl Verbs for PosingAsNic {
+        fn name(&self) -> String {
+            self.0.name()
+        }
+        fn hardware(&self) -> bool {
+            true
+        }
+        unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+            // SAFETY: forwarded contract.
+            unsafe { self.0.reg_mr(addr, len, access) }
+        }
+        fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+            self.0.dereg_mr(mr)
+        }
+        fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+            self.0.create_qp()
+        }
+        fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
+            self.0.connect_qp(qp, remote)
+        }
+        fn destroy_qp(&self, qp: QpId) {
+            self.0.destroy_qp(qp)
+        }
+        fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+            self.0.post_send(qp, wr)
+        }
+        fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
+            self.0.post_recv(qp, wr)
+        }
+        fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
+            self.0.poll_cq(qp, out)
+        }
+        fn poll_fds(&self, out: &mut Vec<PollFd>) {
+            self.0.poll_fds(out)
+        }
+        fn qp_state(&self, qp: QpId) -> Result<crate::rdma::verbs::QpState> {
+            self.0.qp_state(qp)
+        }
+        fn read_registered(&self, addr: u64, out: &mut [u8]) {
+            self.0.read_registered(addr, out)
+        }
+    }
+
+    #[test]
+    fn a_nic_and_the_userspace_engine_refuse_each_other_clearly() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let user = RoceNet::over(Arc::new(UserVerbs::with(lo, 0, None).unwrap()), lo);
+        let nic = RoceNet::over(
+            Arc::new(PosingAsNic(UserVerbs::with(lo, 0, None).unwrap())),
+            lo,
+        );
+        assert_eq!((user.name(), nic.name()), ("rocev2", "verbs"));
+        let (h, mut l) = user.listen(0).unwrap();
+        let mut c = nic.connect(0, &h).unwrap();
+        let start = std::time::Instant::now();
+        let err = loop {
+            assert!(start.elapsed().as_secs() < 10, "no error within 10 s");
+            match c.poll() {
+                Err(e) => break e.to_string(),
+                Ok(Some(_)) => panic!("connected a NIC to the userspace engine"),
+                Ok(None) => {}
+            }
+            if let Err(e) = l.accept() {
+                break e.to_string();
+            }
+        };
+        assert!(
+            err.contains("ROCCL_NET") && err.contains("userspace") && err.contains("NIC"),
+            "{err}"
+        );
     }
 }

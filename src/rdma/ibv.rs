@@ -1,0 +1,1113 @@
+//! The NIC provider (cargo feature `verbs`): the verbs layer over libibverbs through rdma-sys,
+//! for Intel E810 (irdma), NVIDIA ConnectX (mlx5) and any RoCE v2 NIC.
+//!
+//! The device, port and GID come from `rdma::select` (sysfs, `ROCCL_IB_HCA`,
+//! `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY`, `ROCCL_IB_ADDR_RANGE`). Each QP has its own
+//! completion queue and completion channel, so a rank with nothing to do can sleep in
+//! `poll(2)` on the channel's descriptor. QPs are brought up RESET → INIT (at creation) →
+//! RTR → RTS (at connection) with RoCE v2 addressing: a global route to the peer's GID from
+//! our GID index, hop limit, traffic class `ROCCL_IB_TC`, service level `ROCCL_IB_SL`,
+//! timeout `ROCCL_IB_TIMEOUT`, retry count `ROCCL_IB_RETRY_CNT`. An async-event thread turns
+//! fatal device, port and QP events into errors of the QPs they hit (reported at their next
+//! poll). Every failing verb becomes a [`hints::VerbError`]: the C call, the device, errno,
+//! the likely cause and the fix.
+//!
+//! The data path (`post_send`, `post_recv`, `poll_cq`) looks QPs up in a lock-free table and
+//! builds work requests on the stack: nothing allocates or locks there. Unsignaled sends are
+//! signaled every [`SIGNAL_EVERY`] posts (their completion is hidden) so that the send queue
+//! drains. Registrations pin memory, so they are not cacheable past their requests unless
+//! `ROCCL_IB_REG_CACHE=1` says the application never frees buffers it communicates from.
+
+use std::ffi::CStr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::os::raw::c_int;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rdma_sys as ffi;
+
+use super::hints::{self, Context, Verb};
+use super::select::Choice;
+use super::verbs::{
+    Access, Mr, QpEndpoint, QpId, QpState, RecvWr, SendWr, Verbs, Wc, WcOpcode, WcStatus, WrOpcode,
+};
+use crate::error::{Error, Result};
+use crate::net::PollFd;
+
+/// Work requests per queue (send and receive) of a QP.
+const QUEUE: u32 = 512;
+/// QPs one provider can hold.
+const MAX_QPS: usize = 4096;
+/// An unsignaled send is signaled (hidden) this often, so the send queue drains.
+pub const SIGNAL_EVERY: u32 = QUEUE / 4;
+/// Marks the completions of those forced signals.
+const HIDDEN: u64 = 1 << 63;
+
+/// QP settings from the environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IbSettings {
+    /// Traffic class (DSCP << 2 | ECN) of the GRH, `ROCCL_IB_TC`.
+    pub tc: u8,
+    /// Service level, `ROCCL_IB_SL` (0–15).
+    pub sl: u8,
+    /// Local ACK timeout code, `ROCCL_IB_TIMEOUT` (4.096 µs × 2^t; 1–31).
+    pub timeout: u8,
+    /// Transport retries, `ROCCL_IB_RETRY_CNT` (0–7).
+    pub retry_cnt: u8,
+    /// Inline data asked for at QP creation, `ROCCL_IB_INLINE`.
+    pub inline: u32,
+    /// Keep registrations past their requests, `ROCCL_IB_REG_CACHE=1`.
+    pub reg_cache: bool,
+}
+
+impl IbSettings {
+    /// From the environment.
+    pub fn from_env() -> Result<IbSettings> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// From `get` (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<IbSettings> {
+        let num = |k: &str, d: u32, max: u32| -> Result<u32> {
+            match get(k) {
+                None => Ok(d),
+                Some(v) => match v.trim().parse::<u32>() {
+                    Ok(n) if n <= max => Ok(n),
+                    _ => Err(Error::arg(format!(
+                        "{k}={v}: expected a number from 0 to {max}"
+                    ))),
+                },
+            }
+        };
+        let timeout = num("ROCCL_IB_TIMEOUT", 20, 31)?;
+        if timeout == 0 {
+            return Err(Error::arg(
+                "ROCCL_IB_TIMEOUT=0 would wait forever for acknowledgements: use 1–31 (default 20, about 4 s)",
+            ));
+        }
+        Ok(IbSettings {
+            tc: num("ROCCL_IB_TC", 0, 255)? as u8,
+            sl: num("ROCCL_IB_SL", 0, 15)? as u8,
+            timeout: timeout as u8,
+            retry_cnt: num("ROCCL_IB_RETRY_CNT", 7, 7)? as u8,
+            inline: num("ROCCL_IB_INLINE", 220, 4096)?,
+            reg_cache: num("ROCCL_IB_REG_CACHE", 0, 1)? == 1,
+        })
+    }
+}
+
+/// IB MTU code of a size in bytes (the largest that fits).
+pub fn mtu_code(bytes: u32) -> u32 {
+    match bytes {
+        b if b >= 4096 => ffi::ibv_mtu::IBV_MTU_4096,
+        b if b >= 2048 => ffi::ibv_mtu::IBV_MTU_2048,
+        b if b >= 1024 => ffi::ibv_mtu::IBV_MTU_1024,
+        b if b >= 512 => ffi::ibv_mtu::IBV_MTU_512,
+        _ => ffi::ibv_mtu::IBV_MTU_256,
+    }
+}
+
+/// Bytes of an IB MTU code.
+pub fn mtu_bytes(code: u32) -> u32 {
+    match code {
+        ffi::ibv_mtu::IBV_MTU_256 => 256,
+        ffi::ibv_mtu::IBV_MTU_512 => 512,
+        ffi::ibv_mtu::IBV_MTU_1024 => 1024,
+        ffi::ibv_mtu::IBV_MTU_2048 => 2048,
+        _ => 4096,
+    }
+}
+
+/// The GID (16 bytes) of an address: IPv4 as IPv4-mapped IPv6, as RoCE v2 GIDs are.
+pub fn gid_of(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        IpAddr::V6(a) => a.octets(),
+    }
+}
+
+/// The address of a GID (IPv4-mapped GIDs as IPv4).
+pub fn ip_of(gid: [u8; 16]) -> IpAddr {
+    Ipv6Addr::from(gid).to_canonical()
+}
+
+/// `ibv_wr_opcode` of an opcode.
+pub fn wr_opcode(op: WrOpcode) -> u32 {
+    match op {
+        WrOpcode::Send => ffi::ibv_wr_opcode::IBV_WR_SEND,
+        WrOpcode::SendImm => ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM,
+        WrOpcode::Write => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        WrOpcode::WriteImm => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+        WrOpcode::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+    }
+}
+
+/// Our opcode of an `ibv_wc_opcode` (`None`: one roccl never posts).
+pub fn wc_opcode(op: u32) -> Option<WcOpcode> {
+    match op {
+        ffi::ibv_wc_opcode::IBV_WC_SEND => Some(WcOpcode::Send),
+        ffi::ibv_wc_opcode::IBV_WC_RDMA_WRITE => Some(WcOpcode::RdmaWrite),
+        ffi::ibv_wc_opcode::IBV_WC_RDMA_READ => Some(WcOpcode::RdmaRead),
+        ffi::ibv_wc_opcode::IBV_WC_RECV => Some(WcOpcode::Recv),
+        ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => Some(WcOpcode::RecvRdmaWithImm),
+        _ => None,
+    }
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// The opened device: context, protection domain, chosen port and GID.
+struct Dev {
+    ctx: *mut ffi::ibv_context,
+    pd: *mut ffi::ibv_pd,
+    name: String,
+    port: u8,
+    gid_index: u8,
+    addr: IpAddr,
+    mtu: u32,
+    max_qp: u32,
+    relaxed: bool,
+    dmabuf: bool,
+    why: String,
+    settings: IbSettings,
+    /// A fatal device or port event, reported to every QP.
+    fatal: Mutex<Option<String>>,
+    fatal_flag: AtomicBool,
+}
+
+// SAFETY: libibverbs contexts and protection domains may be used from any thread; the raw
+// pointers are only dereferenced through verbs calls, which are thread-safe.
+unsafe impl Send for Dev {}
+// SAFETY: as above.
+unsafe impl Sync for Dev {}
+
+impl Dev {
+    fn cx(&self) -> Context {
+        Context {
+            dev: self.name.clone(),
+            memlock: crate::sys::memlock_limit().ok().and_then(|l| l.0),
+            gid: Some(format!("{} ({})", self.gid_index, self.why)),
+            ..Context::default()
+        }
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        // SAFETY: every QP, CQ and MR of this PD is gone (the provider destroys them before
+        // the last reference to the device drops); the pointers came from libibverbs.
+        unsafe {
+            ffi::ibv_dealloc_pd(self.pd);
+            ffi::ibv_close_device(self.ctx);
+        }
+    }
+}
+
+/// Errors the async-event thread found for one QP.
+#[derive(Default)]
+struct QpFlags {
+    fatal: Mutex<Option<String>>,
+    flag: AtomicBool,
+}
+
+/// QP numbers and their error flags, for the async-event thread.
+type FlagTable = Arc<Mutex<Vec<(u32, Arc<QpFlags>)>>>;
+
+/// One QP with its completion queue and channel.
+struct Qp {
+    qp: *mut ffi::ibv_qp,
+    cq: *mut ffi::ibv_cq,
+    chan: *mut ffi::ibv_comp_channel,
+    qpn: u32,
+    psn: u32,
+    unsignaled: AtomicU32,
+    armed: AtomicBool,
+    flags: Arc<QpFlags>,
+}
+
+/// The NIC provider.
+pub struct IbvVerbs {
+    dev: Arc<Dev>,
+    qps: Box<[AtomicPtr<Qp>]>,
+    held: AtomicU32,
+    flags: FlagTable,
+    mrs: Mutex<Vec<(u32, usize)>>,
+    max_inline: AtomicU32,
+    stop: Arc<AtomicBool>,
+    events: Option<std::thread::JoinHandle<()>>,
+}
+
+impl IbvVerbs {
+    /// Open the device, port and GID of `choice`.
+    pub fn open(choice: &Choice, settings: IbSettings) -> Result<IbvVerbs> {
+        let mut cx = Context {
+            dev: choice.dev.clone(),
+            ..Context::default()
+        };
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-pointer; the list is freed below.
+        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+        if list.is_null() || n == 0 {
+            if !list.is_null() {
+                // SAFETY: `list` came from ibv_get_device_list.
+                unsafe { ffi::ibv_free_device_list(list) };
+            }
+            return Err(hints::verb_error(Verb::GetDeviceList, errno(), &cx).into());
+        }
+        let mut found = ptr::null_mut();
+        let mut names = Vec::new();
+        for i in 0..n as usize {
+            // SAFETY: the list holds `n` valid device pointers.
+            let d = unsafe { *list.add(i) };
+            // SAFETY: ibv_get_device_name returns a NUL-terminated string owned by the device.
+            let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(d)) }
+                .to_string_lossy()
+                .into_owned();
+            if name == choice.dev {
+                found = d;
+            }
+            names.push(name);
+        }
+        let ctx = if found.is_null() {
+            ptr::null_mut()
+        } else {
+            // SAFETY: `found` is a device of the list, which is still alive.
+            unsafe { ffi::ibv_open_device(found) }
+        };
+        let open_errno = errno();
+        // SAFETY: opened contexts stay valid after the list is freed.
+        unsafe { ffi::ibv_free_device_list(list) };
+        if found.is_null() {
+            return Err(Error::arg(format!(
+                "RDMA device {} (chosen from sysfs) is not among the devices libibverbs lists ({}): is its provider library installed (ibverbs-providers)?",
+                choice.dev,
+                names.join(", ")
+            )));
+        }
+        if ctx.is_null() {
+            return Err(hints::verb_error(Verb::OpenDevice, open_errno, &cx).into());
+        }
+        let close = |e: Error| {
+            // SAFETY: `ctx` was opened above and nothing else uses it yet.
+            unsafe { ffi::ibv_close_device(ctx) };
+            e
+        };
+        // SAFETY: zeroed attribute structs are valid out-parameters.
+        let mut dattr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `dattr` is a valid out-pointer.
+        let r = unsafe { ffi::ibv_query_device(ctx, &mut dattr) };
+        if r != 0 {
+            return Err(close(hints::verb_error(Verb::QueryDevice, r, &cx).into()));
+        }
+        let port = choice.port as u8;
+        // SAFETY: as above.
+        let mut pattr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `pattr` is a valid out-pointer of the size passed inside.
+        let r = unsafe { ffi::___ibv_query_port(ctx, port, &mut pattr) };
+        if r != 0 {
+            return Err(close(hints::verb_error(Verb::QueryPort, r, &cx).into()));
+        }
+        if pattr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+            return Err(close(Error::arg(format!(
+                "{}:{port} is not ACTIVE (state {}): check the cable and `ip link` of its interface",
+                choice.dev, pattr.state
+            ))));
+        }
+        if pattr.link_layer != 2 {
+            return Err(close(Error::arg(format!(
+                "{}:{port} has an InfiniBand link layer: roccl speaks RoCE v2 (Ethernet) only",
+                choice.dev
+            ))));
+        }
+        // SAFETY: as above.
+        let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `gid` is a valid out-pointer.
+        let r = unsafe { ffi::ibv_query_gid(ctx, port, choice.gid_index as c_int, &mut gid) };
+        if r != 0 {
+            return Err(close(
+                hints::verb_error(Verb::QueryGid, errno(), &cx).into(),
+            ));
+        }
+        // SAFETY: a GID is 16 plain bytes in either view of the union.
+        let raw = unsafe { gid.raw };
+        let addr = ip_of(raw);
+        if addr != choice.gid.ip() {
+            crate::info!(
+                "RoCE v2: {}:{port} GID {} reads {addr} through libibverbs but {} in sysfs",
+                choice.dev,
+                choice.gid_index,
+                choice.gid.ip()
+            );
+        }
+        // SAFETY: `ctx` is open.
+        let pd = unsafe { ffi::ibv_alloc_pd(ctx) };
+        if pd.is_null() {
+            return Err(close(hints::verb_error(Verb::AllocPd, errno(), &cx).into()));
+        }
+        let dmabuf = probe_dmabuf(pd);
+        let dev = Arc::new(Dev {
+            ctx,
+            pd,
+            name: choice.dev.clone(),
+            port,
+            gid_index: choice.gid_index as u8,
+            addr,
+            mtu: mtu_bytes(pattr.active_mtu),
+            max_qp: dattr.max_qp.max(0) as u32,
+            relaxed: std::env::var("ROCCL_IB_RELAXED_ORDERING").map_or(true, |v| v.trim() != "0"),
+            dmabuf,
+            why: choice.why.clone(),
+            settings,
+            fatal: Mutex::new(None),
+            fatal_flag: AtomicBool::new(false),
+        });
+        cx.max_qp = Some((dev.max_qp, 0));
+        let flags: FlagTable = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let events = {
+            let (d, f, s) = (Arc::clone(&dev), Arc::clone(&flags), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("roccl-ibv-events".into())
+                .spawn(move || async_events(d, f, s))
+                .map_err(|e| Error::sys("spawning the RDMA async-event thread", e))?
+        };
+        crate::info!(
+            "RoCE v2 on {}:{port} GID {} {addr} ({}), MTU {}, max QPs {}, dmabuf {}",
+            dev.name,
+            dev.gid_index,
+            dev.why,
+            dev.mtu,
+            dev.max_qp,
+            if dmabuf { "yes" } else { "no" }
+        );
+        Ok(IbvVerbs {
+            qps: (0..MAX_QPS)
+                .map(|_| AtomicPtr::new(ptr::null_mut()))
+                .collect(),
+            held: AtomicU32::new(0),
+            flags,
+            mrs: Mutex::new(Vec::new()),
+            max_inline: AtomicU32::new(settings.inline),
+            stop,
+            events: Some(events),
+            dev,
+        })
+    }
+
+    /// Whether the device registers dmabuf memory (`ibv_reg_dmabuf_mr`).
+    pub fn dmabuf(&self) -> bool {
+        self.dev.dmabuf
+    }
+
+    /// The port's active MTU in bytes.
+    pub fn mtu(&self) -> u32 {
+        self.dev.mtu
+    }
+
+    fn qp(&self, id: QpId) -> Result<&Qp> {
+        let p = self
+            .qps
+            .get(id.0 as usize)
+            .map_or(ptr::null_mut(), |a| a.load(Ordering::Acquire));
+        if p.is_null() {
+            return Err(Error::arg(format!("unknown or destroyed QP {}", id.0)));
+        }
+        // SAFETY: non-null entries point to live boxed QPs; a QP is freed only by
+        // destroy_qp, which its owner calls once it stopped using it.
+        let q = unsafe { &*p };
+        if q.flags.flag.load(Ordering::Relaxed) || self.dev.fatal_flag.load(Ordering::Relaxed) {
+            let why = q
+                .flags
+                .fatal
+                .lock()
+                .clone()
+                .or_else(|| self.dev.fatal.lock().clone())
+                .unwrap_or_default();
+            return Err(Error::sys(
+                format!("RDMA device {}: {why}", self.dev.name),
+                std::io::Error::other("fatal RDMA async event"),
+            ));
+        }
+        Ok(q)
+    }
+
+    fn modify(
+        &self,
+        q: &Qp,
+        attr: &mut ffi::ibv_qp_attr,
+        mask: u32,
+        verb: Verb,
+        peer: Option<IpAddr>,
+    ) -> Result<()> {
+        // SAFETY: `q.qp` is live; `attr` is a valid attribute struct for `mask`.
+        let r = unsafe { ffi::ibv_modify_qp(q.qp, attr, mask as c_int) };
+        if r != 0 {
+            let mut cx = self.dev.cx();
+            cx.peer = peer.map(|p| p.to_string());
+            return Err(hints::verb_error(verb, r, &cx).into());
+        }
+        Ok(())
+    }
+}
+
+/// Whether `ibv_reg_dmabuf_mr` exists (rdma-core 34+) and the device supports it: looked up
+/// at run time, so roccl still loads with an older libibverbs, and called with an invalid
+/// descriptor, which a supporting device rejects with EBADF and others with EOPNOTSUPP.
+fn probe_dmabuf(pd: *mut ffi::ibv_pd) -> bool {
+    type RegDmabuf =
+        unsafe extern "C" fn(*mut ffi::ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ffi::ibv_mr;
+    // SAFETY: dlsym with a NUL-terminated name on the default namespace.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ibv_reg_dmabuf_mr".as_ptr()) };
+    if f.is_null() {
+        return false;
+    }
+    // SAFETY: the symbol has this signature in every rdma-core that exports it.
+    let reg: RegDmabuf = unsafe { std::mem::transmute::<*mut libc::c_void, RegDmabuf>(f) };
+    // SAFETY: `pd` is live; fd -1 makes the call fail before any registration.
+    let mr = unsafe { reg(pd, 0, 0, 0, -1, 0) };
+    if !mr.is_null() {
+        // SAFETY: registered by the call above (not expected to happen).
+        unsafe { ffi::ibv_dereg_mr(mr) };
+        return true;
+    }
+    !matches!(errno(), libc::EOPNOTSUPP | libc::EPROTONOSUPPORT)
+}
+
+/// The async-event thread: fatal events become errors of the QPs (or the device) they hit.
+fn async_events(dev: Arc<Dev>, flags: FlagTable, stop: Arc<AtomicBool>) {
+    // SAFETY: `dev.ctx` is open for as long as `dev` lives.
+    let fd = unsafe { (*dev.ctx).async_fd };
+    // SAFETY: fcntl on a descriptor we own through the context.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut p, 1, 100) } <= 0 {
+            continue;
+        }
+        loop {
+            // SAFETY: zeroed is a valid out-parameter.
+            let mut ev: ffi::ibv_async_event = unsafe { std::mem::zeroed() };
+            // SAFETY: `dev.ctx` is open; `ev` is a valid out-pointer.
+            if unsafe { ffi::ibv_get_async_event(dev.ctx, &mut ev) } != 0 {
+                break;
+            }
+            // SAFETY: ibv_event_type_str returns a static string.
+            let what = unsafe { CStr::from_ptr(ffi::ibv_event_type_str(ev.event_type)) }
+                .to_string_lossy()
+                .into_owned();
+            use ffi::ibv_event_type as E;
+            match ev.event_type {
+                E::IBV_EVENT_QP_FATAL | E::IBV_EVENT_QP_REQ_ERR | E::IBV_EVENT_QP_ACCESS_ERR => {
+                    // SAFETY: for QP events the element is the QP, alive until we ack.
+                    let qpn = unsafe { (*ev.element.qp).qp_num };
+                    let msg = format!(
+                        "async event {what} on QP {qpn:#x}: the QP is in error (the peer sent a malformed or unauthorized request, or the NIC hit an internal error); the communicator must be recreated"
+                    );
+                    crate::log::log(crate::log::Level::Warn, format_args!("{msg}"));
+                    if let Some((_, f)) = flags.lock().iter().find(|(n, _)| *n == qpn) {
+                        *f.fatal.lock() = Some(msg);
+                        f.flag.store(true, Ordering::Release);
+                    }
+                }
+                E::IBV_EVENT_DEVICE_FATAL | E::IBV_EVENT_CQ_ERR => {
+                    let msg = format!(
+                        "async event {what}: the device failed (driver reset or hardware error, see dmesg); every communicator on it must be recreated"
+                    );
+                    crate::log::log(crate::log::Level::Warn, format_args!("{msg}"));
+                    *dev.fatal.lock() = Some(msg);
+                    dev.fatal_flag.store(true, Ordering::Release);
+                }
+                E::IBV_EVENT_PORT_ERR => {
+                    // SAFETY: for port events the element is the port number.
+                    let port = unsafe { ev.element.port_num };
+                    if port == c_int::from(dev.port) {
+                        let msg = format!(
+                            "async event {what}: port {port} went down (link lost: cable, switch port or `ip link set down`)"
+                        );
+                        crate::log::log(crate::log::Level::Warn, format_args!("{msg}"));
+                        *dev.fatal.lock() = Some(msg);
+                        dev.fatal_flag.store(true, Ordering::Release);
+                    }
+                }
+                _ => crate::info!("RDMA async event on {}: {what}", dev.name),
+            }
+            // SAFETY: `ev` came from ibv_get_async_event.
+            unsafe { ffi::ibv_ack_async_event(&mut ev) };
+        }
+    }
+}
+
+impl Drop for IbvVerbs {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.events.take() {
+            let _ = t.join();
+        }
+        for i in 0..self.qps.len() {
+            self.destroy_qp(QpId(i as u32));
+        }
+        for (_, p) in self.mrs.lock().drain(..) {
+            // SAFETY: registrations still held when the provider goes away.
+            unsafe { ffi::ibv_dereg_mr(p as *mut ffi::ibv_mr) };
+        }
+    }
+}
+
+impl Verbs for IbvVerbs {
+    fn name(&self) -> String {
+        format!(
+            "{}:{} (RoCE v2, GID {} {})",
+            self.dev.name, self.dev.port, self.dev.gid_index, self.dev.addr
+        )
+    }
+
+    fn max_inline(&self) -> usize {
+        self.max_inline.load(Ordering::Relaxed) as usize
+    }
+
+    fn hardware(&self) -> bool {
+        true
+    }
+
+    unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+        let mut flags = access.0;
+        if self.dev.relaxed {
+            flags |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
+        }
+        // SAFETY: the caller keeps the memory valid until dereg_mr; the PD is live.
+        let mr = unsafe {
+            ffi::ibv_reg_mr_iova2(self.dev.pd, addr as *mut libc::c_void, len, addr, flags)
+        };
+        if mr.is_null() {
+            let mut cx = self.dev.cx();
+            cx.len = Some(len);
+            return Err(hints::verb_error(Verb::RegMr, errno(), &cx).into());
+        }
+        // SAFETY: `mr` is a valid registration.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        self.mrs.lock().push((lkey, mr as usize));
+        Ok(Mr {
+            addr,
+            len,
+            lkey,
+            rkey,
+        })
+    }
+
+    fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+        let p = {
+            let mut l = self.mrs.lock();
+            let i = l.iter().position(|(k, _)| *k == mr.lkey).ok_or_else(|| {
+                Error::arg(format!("deregistering unknown memory key {:#x}", mr.lkey))
+            })?;
+            l.swap_remove(i).1
+        };
+        // SAFETY: `p` is a registration of ours, removed from the table above.
+        let r = unsafe { ffi::ibv_dereg_mr(p as *mut ffi::ibv_mr) };
+        if r != 0 {
+            return Err(Error::sys(
+                format!("ibv_dereg_mr failed on {}", self.dev.name),
+                std::io::Error::from_raw_os_error(r),
+            ));
+        }
+        Ok(())
+    }
+
+    fn cacheable_registrations(&self) -> bool {
+        self.dev.settings.reg_cache
+    }
+
+    fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+        let dev = &self.dev;
+        let mut cx = dev.cx();
+        cx.max_qp = Some((dev.max_qp, self.held.load(Ordering::Relaxed)));
+        let slot = self
+            .qps
+            .iter()
+            .position(|p| p.load(Ordering::Relaxed).is_null())
+            .ok_or_else(|| Error::arg(format!("more than {MAX_QPS} QPs in one process")))?;
+        // SAFETY: `dev.ctx` is open.
+        let chan = unsafe { ffi::ibv_create_comp_channel(dev.ctx) };
+        if chan.is_null() {
+            return Err(hints::verb_error(Verb::CreateCompChannel, errno(), &cx).into());
+        }
+        // SAFETY: `chan` is live; its descriptor becomes non-blocking so draining never waits.
+        unsafe {
+            let fd = (*chan).fd;
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        // SAFETY: `dev.ctx` and `chan` are live.
+        let cq =
+            unsafe { ffi::ibv_create_cq(dev.ctx, (2 * QUEUE) as c_int, ptr::null_mut(), chan, 0) };
+        if cq.is_null() {
+            let e = errno();
+            // SAFETY: created above, unused.
+            unsafe { ffi::ibv_destroy_comp_channel(chan) };
+            return Err(hints::verb_error(Verb::CreateCq, e, &cx).into());
+        }
+        let mut inline = self.max_inline.load(Ordering::Relaxed);
+        let qp = loop {
+            // SAFETY: zeroed init attributes are valid; the fields set below describe the QP.
+            let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+            init.send_cq = cq;
+            init.recv_cq = cq;
+            init.cap.max_send_wr = QUEUE;
+            init.cap.max_recv_wr = QUEUE;
+            init.cap.max_send_sge = 1;
+            init.cap.max_recv_sge = 1;
+            init.cap.max_inline_data = inline;
+            init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+            init.sq_sig_all = 0;
+            // SAFETY: the PD and CQ are live; `init` is valid.
+            let qp = unsafe { ffi::ibv_create_qp(dev.pd, &mut init) };
+            if !qp.is_null() {
+                self.max_inline
+                    .store(init.cap.max_inline_data, Ordering::Relaxed);
+                break qp;
+            }
+            let e = errno();
+            if e == libc::EINVAL && inline > 0 {
+                inline = if inline > 64 { 64 } else { 0 }; // smaller inline, then none
+                continue;
+            }
+            // SAFETY: created above, unused.
+            unsafe {
+                ffi::ibv_destroy_cq(cq);
+                ffi::ibv_destroy_comp_channel(chan);
+            }
+            return Err(hints::verb_error(Verb::CreateQp, e, &cx).into());
+        };
+        let psn = {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.subsec_nanos());
+            (t ^ (slot as u32).wrapping_mul(2_654_435_761)) & 0x00ff_ffff
+        };
+        // SAFETY: `qp` is live.
+        let qpn = unsafe { (*qp).qp_num };
+        let flags = Arc::new(QpFlags::default());
+        let q = Box::new(Qp {
+            qp,
+            cq,
+            chan,
+            qpn,
+            psn,
+            unsignaled: AtomicU32::new(0),
+            armed: AtomicBool::new(false),
+            flags: Arc::clone(&flags),
+        });
+        // RESET → INIT.
+        // SAFETY: zeroed attributes are valid; the mask names the fields set.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
+        attr.pkey_index = 0;
+        attr.port_num = dev.port;
+        attr.qp_access_flags = Access::ALL.0;
+        use ffi::ibv_qp_attr_mask as M;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_PKEY_INDEX.0
+            | M::IBV_QP_PORT.0
+            | M::IBV_QP_ACCESS_FLAGS.0;
+        if let Err(e) = self.modify(&q, &mut attr, mask, Verb::ModifyQpInit, None) {
+            free_qp(*q);
+            return Err(e);
+        }
+        let p = Box::into_raw(q);
+        if self.qps[slot]
+            .compare_exchange(ptr::null_mut(), p, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            // SAFETY: `p` came from Box::into_raw just above and was not shared.
+            free_qp(*unsafe { Box::from_raw(p) });
+            return Err(Error::Internal("QP table slot taken concurrently".into()));
+        }
+        self.flags.lock().push((qpn, flags));
+        self.held.fetch_add(1, Ordering::Relaxed);
+        Ok((
+            QpId(slot as u32),
+            QpEndpoint {
+                addr: SocketAddr::new(dev.addr, super::wire::ROCEV2_PORT),
+                qpn,
+                psn,
+                mtu: dev.mtu,
+            },
+        ))
+    }
+
+    fn connect_qp(&self, id: QpId, remote: &QpEndpoint) -> Result<()> {
+        let q = self.qp(id)?;
+        let s = self.dev.settings;
+        use ffi::ibv_qp_attr_mask as M;
+        // INIT → RTR: the path to the peer's GID.
+        // SAFETY: zeroed attributes are valid; the mask names the fields set.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = mtu_code(self.dev.mtu.min(remote.mtu));
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = 1;
+        a.min_rnr_timer = 12;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.grh.dgid = ffi::ibv_gid {
+            raw: gid_of(remote.addr.ip()),
+        };
+        a.ah_attr.grh.sgid_index = self.dev.gid_index;
+        a.ah_attr.grh.hop_limit = 255;
+        a.ah_attr.grh.traffic_class = s.tc;
+        a.ah_attr.grh.flow_label = 0;
+        a.ah_attr.sl = s.sl;
+        a.ah_attr.port_num = self.dev.port;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_AV.0
+            | M::IBV_QP_PATH_MTU.0
+            | M::IBV_QP_DEST_QPN.0
+            | M::IBV_QP_RQ_PSN.0
+            | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
+            | M::IBV_QP_MIN_RNR_TIMER.0;
+        self.modify(q, &mut a, mask, Verb::ModifyQpRtr, Some(remote.addr.ip()))?;
+        // RTR → RTS.
+        // SAFETY: as above.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = s.timeout;
+        a.retry_cnt = s.retry_cnt;
+        a.rnr_retry = 7;
+        a.sq_psn = q.psn;
+        a.max_rd_atomic = 1;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_TIMEOUT.0
+            | M::IBV_QP_RETRY_CNT.0
+            | M::IBV_QP_RNR_RETRY.0
+            | M::IBV_QP_SQ_PSN.0
+            | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
+        self.modify(q, &mut a, mask, Verb::ModifyQpRts, Some(remote.addr.ip()))
+    }
+
+    fn destroy_qp(&self, id: QpId) {
+        let Some(slot) = self.qps.get(id.0 as usize) else {
+            return;
+        };
+        let p = slot.swap(ptr::null_mut(), Ordering::AcqRel);
+        if p.is_null() {
+            return;
+        }
+        // SAFETY: `p` came from Box::into_raw in create_qp and left the table just now.
+        let q = unsafe { Box::from_raw(p) };
+        self.flags.lock().retain(|(n, _)| *n != q.qpn);
+        self.held.fetch_sub(1, Ordering::Relaxed);
+        free_qp(*q);
+    }
+
+    fn post_send(&self, id: QpId, wr: &SendWr) -> Result<()> {
+        let q = self.qp(id)?;
+        let mut sge = sge_of(wr.sge);
+        // SAFETY: a zeroed work request is valid; the fields used are set below.
+        let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        w.wr_id = wr.wr_id;
+        if wr.sge.is_some() {
+            w.sg_list = &mut sge;
+            w.num_sge = 1;
+        }
+        w.opcode = wr_opcode(wr.opcode);
+        let mut flags = 0;
+        if wr.signaled {
+            flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        } else if q.unsignaled.fetch_add(1, Ordering::Relaxed) + 1 >= SIGNAL_EVERY {
+            // Drain the send queue: signal this one, hide its completion.
+            q.unsignaled.store(0, Ordering::Relaxed);
+            flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            w.wr_id |= HIDDEN;
+        }
+        if wr.inline && wr.sge.map_or(0, |s| s.len) as usize <= self.max_inline() {
+            flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        w.send_flags = flags;
+        w.imm_data_invalidated_rkey_union.imm_data = wr.imm.to_be();
+        w.wr.rdma = ffi::rdma_t {
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: `q.qp` is live; `w` and `sge` outlive the call (the NIC copies the request).
+        let r = unsafe { ffi::ibv_post_send(q.qp, &mut w, &mut bad) };
+        if r != 0 {
+            return Err(hints::verb_error(Verb::PostSend, r, &self.dev.cx()).into());
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, id: QpId, wr: &RecvWr) -> Result<()> {
+        let q = self.qp(id)?;
+        let mut sge = sge_of(wr.sge);
+        let mut w = ffi::ibv_recv_wr {
+            wr_id: wr.wr_id,
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+        };
+        if wr.sge.is_some() {
+            w.sg_list = &mut sge;
+            w.num_sge = 1;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: `q.qp` is live; `w` and `sge` outlive the call.
+        let r = unsafe { ffi::ibv_post_recv(q.qp, &mut w, &mut bad) };
+        if r != 0 {
+            return Err(hints::verb_error(Verb::PostRecv, r, &self.dev.cx()).into());
+        }
+        Ok(())
+    }
+
+    fn poll_cq(&self, id: QpId, out: &mut [Wc]) -> Result<usize> {
+        let q = self.qp(id)?;
+        // Consume completion-channel events (the descriptor is non-blocking): the CQ must be
+        // armed again before the next sleep.
+        let mut events = 0u32;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut cx = ptr::null_mut();
+            // SAFETY: `q.chan` is live; out-pointers are valid.
+            if unsafe { ffi::ibv_get_cq_event(q.chan, &mut cq, &mut cx) } != 0 {
+                break;
+            }
+            events += 1;
+        }
+        if events > 0 {
+            // SAFETY: acknowledging events we received for this CQ.
+            unsafe { ffi::ibv_ack_cq_events(q.cq, events) };
+            q.armed.store(false, Ordering::Relaxed);
+        }
+        let mut got = 0;
+        for attempt in 0..2 {
+            got = self.poll_into(q, out)?;
+            if got > 0 || attempt == 1 {
+                break;
+            }
+            if q.armed.swap(true, Ordering::Relaxed) {
+                break;
+            }
+            // Nothing there: arm the CQ so the channel wakes a sleeper, then look once more
+            // (a completion that arrived before arming would not raise an event).
+            // SAFETY: `q.cq` is live.
+            let r = unsafe { ffi::ibv_req_notify_cq(q.cq, 0) };
+            if r != 0 {
+                return Err(hints::verb_error(Verb::ReqNotifyCq, r, &self.dev.cx()).into());
+            }
+        }
+        Ok(got)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        for p in self.qps.iter() {
+            let q = p.load(Ordering::Acquire);
+            if !q.is_null() {
+                // SAFETY: non-null entries are live QPs (see `qp`).
+                out.push(PollFd {
+                    fd: unsafe { (*(*q).chan).fd },
+                    events: libc::POLLIN,
+                });
+            }
+        }
+    }
+
+    fn qp_fds(&self, id: QpId, out: &mut Vec<PollFd>) {
+        if let Ok(q) = self.qp(id) {
+            // SAFETY: `q.chan` is live while the QP is.
+            out.push(PollFd {
+                fd: unsafe { (*q.chan).fd },
+                events: libc::POLLIN,
+            });
+        }
+    }
+
+    fn read_registered(&self, addr: u64, out: &mut [u8]) {
+        // The NIC writes this memory by DMA at any time: read it volatile, then order later
+        // reads after it.
+        for (i, b) in out.iter_mut().enumerate() {
+            // SAFETY: the caller passes memory inside one of its registered regions.
+            *b = unsafe { ptr::read_volatile((addr as *const u8).add(i)) };
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+    }
+
+    fn qp_state(&self, id: QpId) -> Result<QpState> {
+        let q = self.qp(id)?;
+        // SAFETY: zeroed out-parameters are valid.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut i: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `q.qp` is live.
+        let r = unsafe {
+            ffi::ibv_query_qp(
+                q.qp,
+                &mut a,
+                ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,
+                &mut i,
+            )
+        };
+        if r != 0 {
+            return Err(Error::sys(
+                format!("ibv_query_qp failed on {}", self.dev.name),
+                std::io::Error::from_raw_os_error(r),
+            ));
+        }
+        Ok(match a.qp_state {
+            ffi::ibv_qp_state::IBV_QPS_RESET => QpState::Reset,
+            ffi::ibv_qp_state::IBV_QPS_INIT => QpState::Init,
+            ffi::ibv_qp_state::IBV_QPS_RTR => QpState::Rtr,
+            ffi::ibv_qp_state::IBV_QPS_RTS => QpState::Rts,
+            _ => QpState::Error,
+        })
+    }
+}
+
+impl IbvVerbs {
+    fn poll_into(&self, q: &Qp, out: &mut [Wc]) -> Result<usize> {
+        const N: usize = 16;
+        // SAFETY: ibv_wc is plain data; zeroed entries are valid and overwritten by the poll.
+        let mut wcs: [ffi::ibv_wc; N] = unsafe { std::mem::zeroed() };
+        let want = out.len().min(N) as c_int;
+        // SAFETY: `q.cq` is live; `wcs` holds `want` entries.
+        let n = unsafe { ffi::ibv_poll_cq(q.cq, want, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(hints::verb_error(Verb::PollCq, -n, &self.dev.cx()).into());
+        }
+        let mut k = 0;
+        for w in &wcs[..n as usize] {
+            let status = WcStatus::from_ibv(w.status);
+            if w.wr_id & HIDDEN != 0 && status == WcStatus::Success {
+                continue; // a forced signal of an unsignaled send
+            }
+            let imm = (w.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+                // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
+                .then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data }));
+            out[k] = Wc {
+                wr_id: w.wr_id & !HIDDEN,
+                status,
+                opcode: wc_opcode(w.opcode).unwrap_or(WcOpcode::Send),
+                byte_len: w.byte_len,
+                imm,
+                qpn: w.qp_num,
+            };
+            k += 1;
+        }
+        Ok(k)
+    }
+}
+
+fn sge_of(s: Option<super::verbs::Sge>) -> ffi::ibv_sge {
+    s.map_or(
+        ffi::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        },
+        |s| ffi::ibv_sge {
+            addr: s.addr,
+            length: s.len,
+            lkey: s.lkey,
+        },
+    )
+}
+
+fn free_qp(q: Qp) {
+    // SAFETY: the QP left the table (or never entered it); destroy it, then its CQ (after
+    // acknowledging nothing further: events were acknowledged as they were read) and channel.
+    unsafe {
+        ffi::ibv_destroy_qp(q.qp);
+        ffi::ibv_destroy_cq(q.cq);
+        ffi::ibv_destroy_comp_channel(q.chan);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn settings_from_the_environment() {
+        let s = IbSettings::from_lookup(&|_| None).unwrap();
+        assert_eq!(
+            (s.tc, s.sl, s.timeout, s.retry_cnt, s.reg_cache),
+            (0, 0, 20, 7, false)
+        );
+        let m: HashMap<&str, &str> = [
+            ("ROCCL_IB_TC", "106"),
+            ("ROCCL_IB_SL", "3"),
+            ("ROCCL_IB_TIMEOUT", "14"),
+            ("ROCCL_IB_RETRY_CNT", "5"),
+            ("ROCCL_IB_INLINE", "0"),
+        ]
+        .into();
+        let s = IbSettings::from_lookup(&|k| m.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(
+            (s.tc, s.sl, s.timeout, s.retry_cnt, s.inline),
+            (106, 3, 14, 5, 0)
+        );
+        for (k, v) in [
+            ("ROCCL_IB_SL", "16"),
+            ("ROCCL_IB_TC", "256"),
+            ("ROCCL_IB_TIMEOUT", "0"),
+            ("ROCCL_IB_TIMEOUT", "x"),
+            ("ROCCL_IB_RETRY_CNT", "8"),
+        ] {
+            let e = IbSettings::from_lookup(&|q| (q == k).then(|| v.to_string())).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
+    }
+
+    #[test]
+    fn conversions_match_libibverbs() {
+        for (b, c) in [(256, 1), (512, 2), (1024, 3), (2048, 4), (4096, 5)] {
+            assert_eq!(mtu_code(b), c);
+            assert_eq!(mtu_bytes(c), b);
+        }
+        assert_eq!(mtu_code(9000), ffi::ibv_mtu::IBV_MTU_4096);
+        assert_eq!(mtu_code(1500), ffi::ibv_mtu::IBV_MTU_1024);
+        let v4: IpAddr = "192.168.7.9".parse().unwrap();
+        let g = gid_of(v4);
+        assert_eq!(&g[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
+        assert_eq!(ip_of(g), v4);
+        let v6: IpAddr = "fd00::7".parse().unwrap();
+        assert_eq!(ip_of(gid_of(v6)), v6);
+        assert_eq!(wr_opcode(WrOpcode::WriteImm), 1);
+        assert_eq!(wr_opcode(WrOpcode::SendImm), 3);
+        assert_eq!(wr_opcode(WrOpcode::Read), 4);
+        assert_eq!(wc_opcode(129), Some(WcOpcode::RecvRdmaWithImm));
+        assert_eq!(wc_opcode(128), Some(WcOpcode::Recv));
+        assert_eq!(wc_opcode(3), None);
+        // Our access bits are libibverbs' own.
+        assert_eq!(
+            Access::LOCAL_WRITE.0,
+            ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+        );
+        assert_eq!(
+            Access::REMOTE_WRITE.0,
+            ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+        );
+        assert_eq!(
+            Access::REMOTE_READ.0,
+            ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+        );
+        for s in 0..=22u32 {
+            let w = WcStatus::from_ibv(s);
+            if w != WcStatus::GeneralErr {
+                assert_eq!(w as u32, s);
+            }
+        }
+    }
+}
