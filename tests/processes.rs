@@ -311,6 +311,21 @@ fn info_reports_devices_and_the_chosen_gid() {
             && text.contains("mlx5_0 port 1 GID 3: RoCE v2, IPv4 192.168.1.2"),
         "{text}"
     );
+    // The fake tree's device does not exist for libibverbs: roccl-info says so and that
+    // roccl falls back to TCP.
+    if cfg!(feature = "verbs") {
+        assert!(
+            text.contains("libibverbs could NOT open it")
+                && text.contains("roccl will use tcp: the NIC is not usable"),
+            "{text}"
+        );
+    } else {
+        assert!(
+            text.contains("built without the `verbs` feature")
+                && text.contains("roccl will use tcp: built without the verbs feature"),
+            "{text}"
+        );
+    }
 }
 
 /// roccl-info --listen / --peer: TCP and RoCE v2 side by side between two processes.

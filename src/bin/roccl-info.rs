@@ -10,14 +10,29 @@ use roccl::bootstrap::ifaces;
 use roccl::rdma::select::{self, Criteria};
 
 fn rdma_core_version() -> String {
-    let out = std::process::Command::new("dpkg-query")
-        .args(["-W", "-f", "${Version}", "rdma-core"])
-        .output();
-    match out {
-        Ok(o) if o.status.success() && !o.stdout.is_empty() => {
-            String::from_utf8_lossy(&o.stdout).into_owned()
-        }
-        _ => {
+    // Debian/Ubuntu package names, then RPM.
+    let queries: [(&str, &[&str]); 3] = [
+        (
+            "dpkg-query",
+            &["-W", "-f", "${Version} (rdma-core)", "rdma-core"],
+        ),
+        (
+            "dpkg-query",
+            &["-W", "-f", "${Version} (libibverbs1)", "libibverbs1"],
+        ),
+        (
+            "rpm",
+            &["-q", "--qf", "%{VERSION} (rdma-core)", "rdma-core"],
+        ),
+    ];
+    let found = queries.iter().find_map(|(cmd, args)| {
+        let o = std::process::Command::new(cmd).args(*args).output().ok()?;
+        (o.status.success() && !o.stdout.is_empty())
+            .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+    });
+    match found {
+        Some(v) => v,
+        None => {
             let lib = [
                 "/usr/lib/x86_64-linux-gnu/libibverbs.so.1",
                 "/usr/lib64/libibverbs.so.1",
@@ -87,7 +102,11 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         "{:<8} {:>14} {:>16} {:>16}",
         "net", "8 B RTT (us)", "1 MiB (Gb/s)", "16 MiB (Gb/s)"
     );
-    for (kind, name) in [(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")] {
+    let mut kinds = vec![(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")];
+    if cfg!(feature = "verbs") && nic_present() {
+        kinds.push((NetKind::Verbs, "verbs"));
+    }
+    for (kind, name) in kinds {
         // One port for both phases: each root serves one rendezvous and closes.
         let at = base;
         let id = if listen {
@@ -127,8 +146,71 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         }
         println!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
     }
-    println!("(bandwidth: both directions at once, Gb/s per direction)");
+    println!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
     Ok(())
+}
+
+/// Whether sysfs shows an RDMA device (both hosts must agree for the verbs row of the link
+/// test: run it on nodes of the same kind).
+fn nic_present() -> bool {
+    select::scan(Path::new(select::SYSFS_ROOT)).is_ok_and(|p| !p.is_empty())
+}
+
+/// Open the chosen device through libibverbs and report what it offers, or why it fails;
+/// and whether roccl can use it.
+#[cfg(feature = "verbs")]
+fn verbs_check(choice: &select::Choice) -> (String, bool) {
+    use roccl::rdma::ibv::{IbSettings, IbvVerbs};
+    use roccl::rdma::verbs::Verbs;
+    let settings = match IbSettings::from_env() {
+        Ok(s) => s,
+        Err(e) => return (format!("settings: {e}"), false),
+    };
+    match IbvVerbs::open(choice, settings) {
+        Ok(v) => {
+            let qp = v.create_qp().map(|(q, ep)| {
+                v.destroy_qp(q);
+                ep
+            });
+            let ok = qp.is_ok();
+            let dmabuf = if v.dmabuf() {
+                "supported"
+            } else {
+                "not supported"
+            };
+            let qp = match qp {
+                Ok(ep) => format!("was created (QPN {:#x})", ep.qpn),
+                Err(e) => format!("could NOT be created: {e}"),
+            };
+            let text = format!(
+                "libibverbs opened {}: active MTU {}, dmabuf registration {dmabuf}, a test QP {qp}",
+                v.name(),
+                v.mtu()
+            );
+            (text, ok)
+        }
+        Err(e) => (format!("libibverbs could NOT open it: {e}"), false),
+    }
+}
+
+/// What libibverbs itself lists.
+#[cfg(feature = "verbs")]
+fn libibverbs_view() -> Option<String> {
+    Some(match roccl::rdma::ibv::device_names() {
+        Ok(n) if n.is_empty() => "lists no device either".into(),
+        Ok(n) => format!("lists {}", n.join(", ")),
+        Err(e) => e.to_string(),
+    })
+}
+
+#[cfg(not(feature = "verbs"))]
+fn libibverbs_view() -> Option<String> {
+    None
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_check(_choice: &select::Choice) -> (String, bool) {
+    ("this roccl-info was built without the `verbs` feature: rebuild with `cargo build --release --features verbs` to check the device through libibverbs and to run RoCE v2 on it".into(), false)
 }
 
 fn main() -> ExitCode {
@@ -174,10 +256,25 @@ fn main() -> ExitCode {
     let net_hint = std::env::var("ROCCL_NET").unwrap_or_else(|_| "auto".into());
     if ports.is_empty() {
         outln!("no RDMA device: roccl will use tcp (ROCCL_NET={net_hint}); ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP");
+        if let Some(v) = libibverbs_view() {
+            outln!("libibverbs: {v}");
+        }
     } else {
         let choice = Criteria::from_env().and_then(|c| select::choose(&ports, &c));
         match &choice {
-            Ok(c) => outln!("{}", select::describe(&ports, Some(c))),
+            Ok(c) => {
+                outln!("{}", select::describe(&ports, Some(c)));
+                let (text, usable) = verbs_check(c);
+                outln!("{text}");
+                let net = if usable {
+                    "verbs: RoCE v2 on this NIC"
+                } else if cfg!(feature = "verbs") {
+                    "tcp: the NIC is not usable (see above)"
+                } else {
+                    "tcp: built without the verbs feature"
+                };
+                outln!("roccl will use {net} (ROCCL_NET={net_hint})");
+            }
             Err(e) => {
                 outln!("{}", select::describe(&ports, None));
                 outln!("no usable RoCE v2 GID: {e}");

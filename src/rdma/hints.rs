@@ -120,15 +120,17 @@ impl fmt::Display for VerbError {
 
 impl From<VerbError> for Error {
     fn from(v: VerbError) -> Error {
+        // The OS error is the source, printed after `what`.
         let source = if v.errno != 0 {
             std::io::Error::from_raw_os_error(v.errno)
         } else {
             std::io::Error::other("RDMA verb failed")
         };
-        Error::System {
-            what: v.to_string(),
-            source,
+        let mut what = format!("{} failed on {}", v.verb.c_name(), v.dev);
+        if !v.hint.is_empty() {
+            what = format!("{what} ({})", v.hint);
         }
+        Error::System { what, source }
     }
 }
 
@@ -148,7 +150,7 @@ const CONTAINER: &str =
 /// The failed `verb` with `errno` and its likely cause and fix.
 pub fn verb_error(verb: Verb, errno: i32, cx: &Context) -> VerbError {
     let dev = if cx.dev.is_empty() {
-        "the RDMA device".to_string()
+        "this host".to_string()
     } else {
         cx.dev.clone()
     };

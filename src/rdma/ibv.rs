@@ -160,6 +160,27 @@ fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
+/// The devices libibverbs lists (an error with the cause and fix when it lists none).
+pub fn device_names() -> Result<Vec<String>> {
+    let mut n: c_int = 0;
+    // SAFETY: `n` is a valid out-pointer; the list is freed below.
+    let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+    if list.is_null() {
+        return Err(hints::verb_error(Verb::GetDeviceList, errno(), &Context::default()).into());
+    }
+    let names = (0..n.max(0) as usize)
+        .map(|i| {
+            // SAFETY: the list holds `n` valid devices; names are NUL-terminated strings.
+            unsafe { CStr::from_ptr(ffi::ibv_get_device_name(*list.add(i))) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    // SAFETY: `list` came from ibv_get_device_list.
+    unsafe { ffi::ibv_free_device_list(list) };
+    Ok(names)
+}
+
 /// The opened device: context, protection domain, chosen port and GID.
 struct Dev {
     ctx: *mut ffi::ibv_context,
