@@ -20,6 +20,11 @@ fi
 
 echo "== format"
 cargo fmt --all -- --check
+echo "== the default build needs no libibverbs (rdma-sys only with --features verbs)"
+if cargo tree -p roccl -e normal --prefix none 2>/dev/null | grep -q '^rdma-sys'; then
+  echo "the default build depends on rdma-sys"
+  exit 1
+fi
 echo "== clippy (default build, and with the verbs feature)"
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo clippy --workspace --all-targets --release --features roccl/verbs -- -D warnings

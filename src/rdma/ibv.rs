@@ -191,6 +191,7 @@ struct Dev {
     addr: IpAddr,
     mtu: u32,
     max_qp: u32,
+    max_mr_size: u64,
     relaxed: bool,
     dmabuf: bool,
     why: String,
@@ -379,6 +380,7 @@ impl IbvVerbs {
             addr,
             mtu: mtu_bytes(pattr.active_mtu),
             max_qp: dattr.max_qp.max(0) as u32,
+            max_mr_size: dattr.max_mr_size,
             relaxed: std::env::var("ROCCL_IB_RELAXED_ORDERING").map_or(true, |v| v.trim() != "0"),
             dmabuf,
             why: choice.why.clone(),
@@ -422,6 +424,51 @@ impl IbvVerbs {
     /// Whether the device registers dmabuf memory (`ibv_reg_dmabuf_mr`).
     pub fn dmabuf(&self) -> bool {
         self.dev.dmabuf
+    }
+
+    fn check_mr_size(&self, len: usize) -> Result<()> {
+        if self.dev.max_mr_size > 0 && len as u64 > self.dev.max_mr_size {
+            return Err(Error::arg(format!(
+                "a registration of {len} bytes exceeds the largest memory region {} allows ({} bytes): use smaller buffers or more calls",
+                self.dev.name, self.dev.max_mr_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Register `len` bytes at `offset` of the dmabuf `fd` (GPU memory exported by its
+    /// driver), mapped at `iova` for our work requests; deregistered with `dereg_mr`.
+    ///
+    /// # Safety
+    /// The dmabuf must stay alive and mapped until [`Verbs::dereg_mr`].
+    pub unsafe fn reg_dmabuf_mr(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        self.check_mr_size(len)?;
+        let mut cx = self.dev.cx();
+        cx.len = Some(len);
+        let Some(reg) = reg_dmabuf_fn().filter(|_| self.dev.dmabuf) else {
+            return Err(hints::verb_error(Verb::RegDmabufMr, libc::EOPNOTSUPP, &cx).into());
+        };
+        // SAFETY: the PD is live; the caller keeps the dmabuf alive until deregistration.
+        let mr = unsafe { reg(self.dev.pd, offset, len, iova, fd, access.0 as c_int) };
+        if mr.is_null() {
+            return Err(hints::verb_error(Verb::RegDmabufMr, errno(), &cx).into());
+        }
+        // SAFETY: `mr` is a valid registration.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        self.mrs.lock().push((lkey, mr as usize));
+        Ok(Mr {
+            addr: iova,
+            len,
+            lkey,
+            rkey,
+        })
     }
 
     /// The port's active MTU in bytes.
@@ -475,19 +522,25 @@ impl IbvVerbs {
     }
 }
 
-/// Whether `ibv_reg_dmabuf_mr` exists (rdma-core 34+) and the device supports it: looked up
-/// at run time, so roccl still loads with an older libibverbs, and called with an invalid
-/// descriptor, which a supporting device rejects with EBADF and others with EOPNOTSUPP.
-fn probe_dmabuf(pd: *mut ffi::ibv_pd) -> bool {
-    type RegDmabuf =
-        unsafe extern "C" fn(*mut ffi::ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ffi::ibv_mr;
+/// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)`.
+type RegDmabuf =
+    unsafe extern "C" fn(*mut ffi::ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ffi::ibv_mr;
+
+/// `ibv_reg_dmabuf_mr` if this libibverbs exports it (rdma-core 34+): looked up at run time,
+/// so roccl still loads with an older libibverbs.
+fn reg_dmabuf_fn() -> Option<RegDmabuf> {
     // SAFETY: dlsym with a NUL-terminated name on the default namespace.
     let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ibv_reg_dmabuf_mr".as_ptr()) };
-    if f.is_null() {
-        return false;
-    }
     // SAFETY: the symbol has this signature in every rdma-core that exports it.
-    let reg: RegDmabuf = unsafe { std::mem::transmute::<*mut libc::c_void, RegDmabuf>(f) };
+    (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut libc::c_void, RegDmabuf>(f) })
+}
+
+/// Whether the device registers dmabuf memory: `ibv_reg_dmabuf_mr` called with an invalid
+/// descriptor, which a supporting device rejects with EBADF and others with EOPNOTSUPP.
+fn probe_dmabuf(pd: *mut ffi::ibv_pd) -> bool {
+    let Some(reg) = reg_dmabuf_fn() else {
+        return false;
+    };
     // SAFETY: `pd` is live; fd -1 makes the call fail before any registration.
     let mr = unsafe { reg(pd, 0, 0, 0, -1, 0) };
     if !mr.is_null() {
@@ -603,6 +656,7 @@ impl Verbs for IbvVerbs {
     }
 
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+        self.check_mr_size(len)?;
         let mut flags = access.0;
         if self.dev.relaxed {
             flags |= ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
