@@ -26,8 +26,23 @@ pub fn level() -> Level {
     })
 }
 
-/// Print `msg` if `l` is enabled.
+/// Where log lines go instead of stderr (e.g. NCCL's logger when roccl runs as its network
+/// plugin); the sink sees every level and filters itself.
+pub type Sink = Box<dyn Fn(Level, &str) + Send + Sync>;
+
+static SINK: OnceLock<Sink> = OnceLock::new();
+
+/// Send every log line to `sink` from now on (the first sink set wins; false if one was set).
+pub fn set_sink(sink: Sink) -> bool {
+    SINK.set(sink).is_ok()
+}
+
+/// Print `msg` if `l` is enabled (or hand it to the sink).
 pub fn log(l: Level, msg: std::fmt::Arguments) {
+    if let Some(s) = SINK.get() {
+        s(l, &msg.to_string());
+        return;
+    }
     if l <= level() {
         eprintln!(
             "roccl {}: {msg}",
