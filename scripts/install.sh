@@ -5,6 +5,8 @@
 #   lib/libroccl.so.0.1.0, lib/libroccl.so.0 -> ..., lib/libroccl.so -> ...   (soname libroccl.so.0)
 #   lib/libroccl.a
 #   lib/pkgconfig/roccl.pc        (pkg-config --cflags --libs roccl)
+#   lib/libnccl-net-roccl.so, lib/librccl-net-roccl.so   (NCCL/RCCL network plugin,
+#                                 NCCL_NET_PLUGIN=roccl; docs/PLUGIN.md)
 set -euo pipefail
 prefix=""
 while [ $# -gt 0 ]; do
@@ -18,7 +20,7 @@ done
 [ -n "$prefix" ] || { echo "install.sh: --prefix DIR is required" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
-cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi
+cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi -p roccl-netplugin
 mkdir -p "$prefix"
 prefix=$(cd "$prefix" && pwd)
 install -d "$prefix/bin" "$prefix/include" "$prefix/lib/pkgconfig"
@@ -30,6 +32,10 @@ strip --strip-debug "$prefix/lib/libroccl.so.$version" 2>/dev/null || true
 ln -sf "libroccl.so.$version" "$prefix/lib/libroccl.so.0"
 ln -sf "libroccl.so.0" "$prefix/lib/libroccl.so"
 install -m 0644 target/release/libroccl.a "$prefix/lib/libroccl.a"
+for name in libnccl-net-roccl.so librccl-net-roccl.so; do
+  install -m 0755 target/release/libnccl_net_roccl.so "$prefix/lib/$name"
+  strip --strip-debug "$prefix/lib/$name" 2>/dev/null || true
+done
 cat > "$prefix/lib/pkgconfig/roccl.pc" <<PC
 prefix=$prefix
 includedir=\${prefix}/include

@@ -42,10 +42,13 @@ echo "== benches (each run once, as a smoke test)"
 cargo test --release --benches
 echo "== C ABI: header vs symbols, C and C++ programs, example"
 tests/c/run.sh
+echo "== NCCL/RCCL network plugin: every exported version, driven as NCCL's proxy does"
+tests/plugin/run.sh
 echo "== install and pkg-config"
 tmp=$(mktemp -d)
 scripts/install.sh --prefix "$tmp" >/dev/null
 PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --exists roccl
+test -x "$tmp/lib/libnccl-net-roccl.so" && test -x "$tmp/lib/librccl-net-roccl.so"
 # shellcheck disable=SC2046
 gcc -std=c11 -D_POSIX_C_SOURCE=200809L examples/allreduce.c -o "$tmp/example" $(PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --cflags --libs roccl)
 ROCCL_SOCKET_IFNAME=lo "$tmp/example" 2 | grep -q "on 2 ranks: ok"

@@ -87,7 +87,11 @@ fn guard(what: &str, f: impl FnOnce() -> R<()>) -> NcclResult {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => SUCCESS,
         Ok(Err(Error(code, msg))) => {
-            warn(&format!("NET/roccl: {what}: {msg}"));
+            if msg.starts_with(what) {
+                warn(&format!("NET/roccl: {msg}"));
+            } else {
+                warn(&format!("NET/roccl: {what}: {msg}"));
+            }
             code
         }
         Err(_) => {

@@ -933,6 +933,25 @@ impl RoceSend {
         }
     }
 
+    /// Take the credits of every entry written so far, without consuming any: the freshest
+    /// may sit behind the entry of a receive that later messages still need.
+    fn refresh_credits(&mut self) {
+        let mut seq = self.seq;
+        for _ in 0..CTS_SLOTS {
+            let slot = &self.fifo[(seq as usize) % CTS_SLOTS];
+            let mut cts = Cts::default();
+            self.verbs
+                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            if cts.seq != cts.seq_end || dist(cts.seq, seq) < 0 {
+                return; // not written yet (or being written)
+            }
+            if dist(cts.credits, self.credits) > 0 {
+                self.credits = cts.credits;
+            }
+            seq = cts.seq.wrapping_add(1).max(1);
+        }
+    }
+
     /// Index of the buffer of `cts` that message `m` (tag `tag`, `len` bytes) fills: as the
     /// receiver matches, the first buffer with that tag not taken by an earlier message of
     /// the same receive.
@@ -1009,6 +1028,9 @@ impl RoceSend {
             let eager = self.eager_size > 0 && len <= self.eager_size;
             // Rendezvous needs the clear-to-send entry; either kind needs a credit, which
             // clear-to-send entries bring.
+            if !self.has_credit() {
+                self.refresh_credits();
+            }
             let cts = if eager && self.has_credit() {
                 None
             } else {
@@ -1019,7 +1041,10 @@ impl RoceSend {
                 }
             };
             if !self.has_credit() {
-                return Ok(());
+                self.refresh_credits();
+                if !self.has_credit() {
+                    return Ok(()); // a later entry brings credits
+                }
             }
             let inline = len <= self.verbs.max_inline();
             if eager {
@@ -1783,5 +1808,138 @@ mod tests {
             err.contains("ROCCL_NET") && err.contains("userspace") && err.contains("NIC"),
             "{err}"
         );
+    }
+
+    /// Grouped receives (up to 8 buffers, tags matched in shuffled send order), eager and
+    /// rendezvous sizes mixed in one group, sender and receiver on their own threads with up
+    /// to FIFO requests each: the NCCL proxy's pattern.
+    #[test]
+    fn grouped_receives_with_mixed_sizes_from_two_threads() {
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let (mut s, mut r) = pair(&net);
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        // Per group: (size, tag) of each buffer, and the order the sender sends them in.
+        type Group = (Vec<(usize, u32)>, Vec<usize>);
+        let mut groups: Vec<Group> = Vec::new();
+        for _ in 0..150 {
+            let n = if next() % 3 == 0 {
+                1 + (next() % 8) as usize
+            } else {
+                1
+            };
+            let bufs: Vec<(usize, u32)> = (0..n)
+                .map(|i| {
+                    let size = match next() % 10 {
+                        0 => 0,
+                        1..=5 => (next() % 4097) as usize,
+                        6..=7 => 16_000 + (next() % 800) as usize,
+                        _ => (next() % 300_000) as usize,
+                    };
+                    (size, 100 + i as u32)
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                order.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            groups.push((bufs, order));
+        }
+        let fill = |g: usize, b: usize, i: usize| (g * 31 + b * 7 + i * 13) as u8;
+        let sent: Vec<Vec<Vec<u8>>> = groups
+            .iter()
+            .enumerate()
+            .map(|(g, (bufs, _))| {
+                bufs.iter()
+                    .enumerate()
+                    .map(|(b, &(n, _))| (0..n).map(|i| fill(g, b, i)).collect())
+                    .collect()
+            })
+            .collect();
+        let plan = groups.clone();
+        let data = sent.clone();
+        let sender = std::thread::spawn(move || {
+            let mut q: VecDeque<ReqId> = VecDeque::new();
+            let start = std::time::Instant::now();
+            for (g, (bufs, order)) in plan.iter().enumerate() {
+                for &b in order {
+                    loop {
+                        assert!(
+                            start.elapsed().as_secs() < 60,
+                            "sender stalled at group {g}"
+                        );
+                        // SAFETY: `data` outlives every request (joined below).
+                        let d = &data[g][b];
+                        if let Some(id) =
+                            unsafe { s.isend(d.as_ptr(), d.len(), bufs[b].1, None) }.unwrap()
+                        {
+                            q.push_back(id);
+                            break;
+                        }
+                        while let Some(&f) = q.front() {
+                            if s.test(f).unwrap().is_none() {
+                                break;
+                            }
+                            q.pop_front();
+                        }
+                    }
+                }
+            }
+            while let Some(f) = q.pop_front() {
+                while s.test(f).unwrap().is_none() {
+                    assert!(start.elapsed().as_secs() < 60, "sender stalled at the end");
+                }
+            }
+            s
+        });
+        let mut bufs: Vec<Vec<Vec<u8>>> = groups
+            .iter()
+            .map(|(b, _)| b.iter().map(|&(n, _)| vec![0xEEu8; n + 16]).collect())
+            .collect();
+        let mut q: VecDeque<(usize, ReqId)> = VecDeque::new();
+        let mut g = 0;
+        let start = std::time::Instant::now();
+        while g < groups.len() || !q.is_empty() {
+            assert!(
+                start.elapsed().as_secs() < 60,
+                "receiver stalled: posted {g}, waiting {}",
+                q.len()
+            );
+            if g < groups.len() && q.len() < FIFO {
+                let rb: Vec<RecvBuf> = bufs[g]
+                    .iter_mut()
+                    .zip(&groups[g].0)
+                    .map(|(b, &(_, tag))| RecvBuf {
+                        ptr: b.as_mut_ptr(),
+                        len: b.len(),
+                        tag,
+                    })
+                    .collect();
+                // SAFETY: `bufs` outlives the requests and is read only after completion.
+                if let Some(id) = unsafe { r.irecv(&rb) }.unwrap() {
+                    q.push_back((g, id));
+                    g += 1;
+                }
+            }
+            if let Some(&(k, id)) = q.front() {
+                let mut sizes = [0usize; MAX_RECVS];
+                if r.test(id, &mut sizes[..groups[k].0.len()]).unwrap() {
+                    for (b, &(n, _)) in groups[k].0.iter().enumerate() {
+                        assert_eq!(sizes[b], n, "group {k} buffer {b}");
+                        assert!(
+                            bufs[k][b][..n] == sent[k][b][..],
+                            "group {k} buffer {b} data"
+                        );
+                    }
+                    q.pop_front();
+                }
+            }
+        }
+        drop(sender.join().unwrap());
     }
 }
