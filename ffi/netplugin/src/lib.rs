@@ -36,9 +36,8 @@ const INVALID_ARGUMENT: NcclResult = 4;
 const INVALID_USAGE: NcclResult = 5;
 const REMOTE_ERROR: NcclResult = 6;
 
-/// NCCL_PTR_HOST, NCCL_PTR_DMABUF.
+/// NCCL_PTR_HOST.
 const PTR_HOST: c_int = 0x1;
-const PTR_DMABUF: c_int = 0x4;
 /// Largest message per request: the RDMA network's immediate carries the size in 29 bits.
 const MAX_BYTES: usize = 1 << 28;
 /// Bytes of the connection handle where a connect in progress keeps its state (NCCL passes
@@ -246,10 +245,9 @@ fn properties_impl<P: PropsOut>(dev: c_int, out: *mut P) -> R<()> {
             ))
         })?;
     let pr = p.net.properties(d)?;
-    let mut ptr_support = if pr.ptr_support.host { PTR_HOST } else { 0 };
-    if pr.ptr_support.dmabuf {
-        ptr_support |= PTR_DMABUF;
-    }
+    // NCCL_PTR_DMABUF only once regMrDmaBuf is wired to the NIC's ibv_reg_dmabuf_mr (it is
+    // NULL today): until then NCCL stages GPU buffers through host memory.
+    let ptr_support = if pr.ptr_support.host { PTR_HOST } else { 0 };
     let c = CommonProps {
         name: p.names[d].as_ptr() as *mut c_char,
         pci: p.pci[d]
