@@ -14,6 +14,7 @@ pub mod rocev2;
 pub mod tcp;
 
 use std::fmt;
+use std::io::{Read, Write};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -247,6 +248,110 @@ pub(crate) fn pending_request<'a, T>(
     reqs.get_mut(idx)
         .filter(|r| !reaped(r))
         .ok_or_else(|| Error::InvalidUsage(format!("test on unknown {what} request {}", req.0)))
+}
+
+/// Non-blocking exchange of fixed-size messages on the side channel.
+pub(crate) struct Side {
+    pub(crate) s: std::net::TcpStream,
+    out: Vec<u8>,
+    sent: usize,
+    pub(crate) inb: Vec<u8>,
+    want: usize,
+}
+
+impl Side {
+    pub(crate) fn new(s: std::net::TcpStream) -> Result<Side> {
+        s.set_nonblocking(true)
+            .map_err(|e| Error::sys("fcntl on a setup socket", e))?;
+        let _ = s.set_nodelay(true);
+        Ok(Side {
+            s,
+            out: Vec::new(),
+            sent: 0,
+            inb: Vec::new(),
+            want: 0,
+        })
+    }
+    pub(crate) fn queue(&mut self, b: &[u8]) {
+        self.out.extend_from_slice(b);
+    }
+    pub(crate) fn expect(&mut self, n: usize) {
+        self.want += n;
+    }
+    /// Move bytes; true when everything queued is sent and everything expected arrived.
+    pub(crate) fn pump(&mut self) -> Result<bool> {
+        while self.sent < self.out.len() {
+            match self.s.write(&self.out[self.sent..]) {
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Error::sys("connection setup (send)", e)),
+            }
+        }
+        let mut tmp = [0u8; 128];
+        while self.inb.len() < self.want {
+            let k = (self.want - self.inb.len()).min(tmp.len());
+            match self.s.read(&mut tmp[..k]) {
+                Ok(0) => {
+                    return Err(Error::sys(
+                        "connection setup: the peer closed the connection",
+                        std::io::ErrorKind::UnexpectedEof.into(),
+                    ))
+                }
+                Ok(n) => self.inb.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Error::sys("connection setup (receive)", e)),
+            }
+        }
+        Ok(self.sent == self.out.len() && self.inb.len() >= self.want)
+    }
+}
+
+/// Watches the setup connection, which stays open for the comm's lifetime: when the peer's
+/// process exits, the kernel closes it. RDMA (or shared memory) alone does not notice a dead peer
+/// soon; a rank waiting for a clear-to-send or for data would otherwise wait for
+/// `ROCCL_TIMEOUT`.
+pub(crate) struct Liveness {
+    pub(crate) side: std::net::TcpStream,
+    label: &'static str,
+    polls: u32,
+    gone_since: Option<std::time::Instant>,
+}
+
+/// After the peer closed, pending work may still complete (its engine lingers to deliver
+/// inline sends); give it this long.
+const PEER_GONE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
+impl Liveness {
+    pub(crate) fn new(side: std::net::TcpStream, label: &'static str) -> Liveness {
+        let _ = side.set_nonblocking(true);
+        Liveness {
+            side,
+            label,
+            polls: 0,
+            gone_since: None,
+        }
+    }
+
+    /// Err when the peer is gone and `waiting` says we still need it.
+    pub(crate) fn check(&mut self, waiting: bool, what: &str) -> Result<()> {
+        self.polls = self.polls.wrapping_add(1);
+        if self.gone_since.is_none() && self.polls % 32 == 0 {
+            let mut b = [0u8; 1];
+            match self.side.peek(&mut b) {
+                Ok(0) => self.gone_since = Some(std::time::Instant::now()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => self.gone_since = Some(std::time::Instant::now()),
+            }
+        }
+        match self.gone_since {
+            Some(t) if waiting && t.elapsed() > PEER_GONE_GRACE => Err(Error::sys(
+                format!("{} {what}: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still waits for it", self.label),
+                std::io::ErrorKind::UnexpectedEof.into(),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Which network to use (`ROCCL_NET`).

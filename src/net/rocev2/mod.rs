@@ -21,14 +21,13 @@
 mod regcache;
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::{
-    Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport, RecvBuf,
-    RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
+    Connecting, ListenComm, Liveness, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
+    RecvBuf, RecvComm, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 use crate::rdma::udp::UserVerbs;
@@ -278,62 +277,6 @@ fn decode_info(b: &[u8; INFO]) -> Result<Info> {
     ))
 }
 
-/// Non-blocking exchange of fixed-size messages on the side channel.
-struct Side {
-    s: TcpStream,
-    out: Vec<u8>,
-    sent: usize,
-    inb: Vec<u8>,
-    want: usize,
-}
-
-impl Side {
-    fn new(s: TcpStream) -> Result<Side> {
-        s.set_nonblocking(true)
-            .map_err(|e| Error::sys("fcntl on the RoCE v2 setup socket", e))?;
-        let _ = s.set_nodelay(true);
-        Ok(Side {
-            s,
-            out: Vec::new(),
-            sent: 0,
-            inb: Vec::new(),
-            want: 0,
-        })
-    }
-    fn queue(&mut self, b: &[u8]) {
-        self.out.extend_from_slice(b);
-    }
-    fn expect(&mut self, n: usize) {
-        self.want += n;
-    }
-    /// Move bytes; true when everything queued is sent and everything expected arrived.
-    fn pump(&mut self) -> Result<bool> {
-        while self.sent < self.out.len() {
-            match self.s.write(&self.out[self.sent..]) {
-                Ok(n) => self.sent += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(Error::sys("RoCE v2 connection setup (send)", e)),
-            }
-        }
-        let mut tmp = [0u8; 128];
-        while self.inb.len() < self.want {
-            let k = (self.want - self.inb.len()).min(tmp.len());
-            match self.s.read(&mut tmp[..k]) {
-                Ok(0) => {
-                    return Err(Error::sys(
-                        "RoCE v2 connection setup: the peer closed the connection",
-                        std::io::ErrorKind::UnexpectedEof.into(),
-                    ))
-                }
-                Ok(n) => self.inb.extend_from_slice(&tmp[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(Error::sys("RoCE v2 connection setup (receive)", e)),
-            }
-        }
-        Ok(self.sent == self.out.len() && self.inb.len() >= self.want)
-    }
-}
-
 impl Net for RoceNet {
     fn name(&self) -> &'static str {
         if self.verbs.hardware() {
@@ -506,7 +449,7 @@ impl Connecting for RoceConnecting {
             peer: self
                 .peer_addr
                 .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))),
-            live: Liveness::new(side),
+            live: Liveness::new(side, "RoCE v2"),
             fifo_mr: self.mr,
             fifo,
             reqs: VecDeque::with_capacity(FIFO),
@@ -711,7 +654,7 @@ impl ListenComm for RoceListen {
                 verbs: Arc::clone(&self.verbs),
                 qp,
                 peer,
-                live: Liveness::new(a.side.s),
+                live: Liveness::new(a.side.s, "RoCE v2"),
                 fifo_addr,
                 fifo_rkey,
                 staging,
@@ -755,52 +698,6 @@ impl Drop for RoceListen {
                 self.verbs.destroy_qp(a.qp);
                 let _ = self.verbs.dereg_mr(&a.bounce.mr);
             }
-        }
-    }
-}
-
-/// Watches the setup connection, which stays open for the comm's lifetime: when the peer's
-/// process exits, the kernel closes it. RDMA itself only notices a dead peer while it has
-/// something to retransmit; a rank waiting for a clear-to-send or for data would otherwise
-/// wait for `ROCCL_TIMEOUT`.
-struct Liveness {
-    side: TcpStream,
-    polls: u32,
-    gone_since: Option<std::time::Instant>,
-}
-
-/// After the peer closed, pending work may still complete (its engine lingers to deliver
-/// inline sends); give it this long.
-const PEER_GONE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
-
-impl Liveness {
-    fn new(side: TcpStream) -> Liveness {
-        let _ = side.set_nonblocking(true);
-        Liveness {
-            side,
-            polls: 0,
-            gone_since: None,
-        }
-    }
-
-    /// Err when the peer is gone and `waiting` says we still need it.
-    fn check(&mut self, waiting: bool, what: &str) -> Result<()> {
-        self.polls = self.polls.wrapping_add(1);
-        if self.gone_since.is_none() && self.polls % 32 == 0 {
-            let mut b = [0u8; 1];
-            match self.side.peek(&mut b) {
-                Ok(0) => self.gone_since = Some(std::time::Instant::now()),
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => self.gone_since = Some(std::time::Instant::now()),
-            }
-        }
-        match self.gone_since {
-            Some(t) if waiting && t.elapsed() > PEER_GONE_GRACE => Err(Error::sys(
-                format!("RoCE v2 {what}: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still waits for it"),
-                std::io::ErrorKind::UnexpectedEof.into(),
-            )),
-            _ => Ok(()),
         }
     }
 }
