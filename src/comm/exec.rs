@@ -397,7 +397,10 @@ impl<'a> Exec<'a> {
             }
             let mut fds = std::mem::take(&mut self.fds);
             fds.clear();
-            for o in self.ops.iter().filter(|o| o.active && !o.done) {
+            // Descriptors only when about to sleep: asking a network for them may arm its
+            // wake-ups (shared memory then rings a doorbell per message).
+            let ops = self.ops.iter().filter(|_| w.will_block());
+            for o in ops.filter(|o| o.active && !o.done) {
                 if o.send {
                     self.links
                         .send_fds(o.peer as usize, o.ch as usize, &mut fds);
@@ -406,7 +409,9 @@ impl<'a> Exec<'a> {
                         .recv_fds(o.peer as usize, o.ch as usize, &mut fds);
                 }
             }
-            self.links.listen_fds(&mut fds);
+            if w.will_block() {
+                self.links.listen_fds(&mut fds);
+            }
             let r = w.idle(&fds);
             self.fds = fds;
             match r {

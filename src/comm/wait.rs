@@ -92,6 +92,12 @@ impl WaitState<'_> {
         self.last = Instant::now();
     }
 
+    /// Whether the next [`WaitState::idle`] would block in `poll(2)` (so the caller collects
+    /// descriptors only then: networks may arm wake-ups when asked for them).
+    pub fn will_block(&self) -> bool {
+        self.spins + 1 >= 16 && self.last.elapsed() >= self.w.spin + self.w.yield_for
+    }
+
     /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
     /// caller polls again; `Ok(true)` when it slept in `poll(2)`. Errors once the timeout
     /// has passed without progress.

@@ -11,6 +11,7 @@
 //! The same trait serves the core and, through a thin adapter, the NCCL/RCCL plugin ABI.
 
 pub mod rocev2;
+pub mod shm;
 pub mod tcp;
 
 use std::fmt;
@@ -365,6 +366,8 @@ pub enum NetKind {
     RoceV2,
     /// RDMA over RoCE v2 on a NIC through libibverbs (cargo feature `verbs`).
     Verbs,
+    /// Shared memory, for ranks all on one host.
+    Shm,
 }
 
 impl std::str::FromStr for NetKind {
@@ -375,8 +378,9 @@ impl std::str::FromStr for NetKind {
             "tcp" | "socket" => Ok(NetKind::Tcp),
             "rocev2" | "roce" | "rdma" | "userspace" => Ok(NetKind::RoceV2),
             "verbs" | "ib" | "nic" => Ok(NetKind::Verbs),
+            "shm" | "shared" => Ok(NetKind::Shm),
             other => Err(Error::arg(format!(
-                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp, rocev2 (userspace RoCE v2) or verbs (RoCE v2 NIC)"
+                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp, rocev2 (userspace RoCE v2), verbs (RoCE v2 NIC) or shm (shared memory, one host)"
             ))),
         }
     }
@@ -391,6 +395,7 @@ pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
         NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip)?)),
         NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
         NetKind::Verbs => open_verbs(ip),
+        NetKind::Shm => Ok(Arc::new(shm::ShmNet::new()?)),
         NetKind::Auto => match auto_nic(ip) {
             Ok(n) => Ok(n),
             Err(why) => {

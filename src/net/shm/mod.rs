@@ -1,0 +1,879 @@
+//! The shared-memory network for ranks on one host (`ROCCL_NET=shm`).
+//!
+//! Each connection is a single-producer single-consumer byte ring in a POSIX shared-memory
+//! segment (`ROCCL_SHM_RING` bytes, default 1 MiB, reserved with `posix_fallocate` so a full
+//! /dev/shm is an error at connection time, not a SIGBUS later). The sender writes a 16-byte
+//! header (length, tag) and the payload, streaming: a message larger than the ring flows
+//! through it while the receiver copies it out, so a transfer costs one copy on each side and
+//! no system call. Head and tail counters sit on their own cache lines; the sender owns the
+//! head, the receiver the tail.
+//!
+//! Connection setup and wake-ups use a TCP connection on loopback (the listen handle is its
+//! port and the host's boot id): the connecting side creates the segment and sends its name,
+//! the listener maps it and acknowledges, and the name is unlinked. A side about to sleep in
+//! `poll(2)` raises its flag in the segment; the other side then writes a doorbell byte on the
+//! TCP connection after it produced or consumed. That connection also tells when the peer's
+//! process is gone.
+
+use std::collections::VecDeque;
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::{
+    Connecting, ListenComm, Liveness, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
+    RecvBuf, RecvComm, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
+};
+use crate::error::{Error, Result};
+
+const HANDLE_MAGIC: u32 = 0x4d48_5352; // "RSHM"
+const NAME_MSG: usize = 96;
+/// Bytes of a message header in the ring: length (u64), tag (u32), reserved (u32).
+const MSG_HDR: usize = 16;
+/// Bytes before the ring's data: four cache lines of counters and flags.
+const SEG_HDR: usize = 256;
+
+/// The segment header: counters and sleep flags, each on its own cache line.
+#[repr(C)]
+struct Header {
+    head: AtomicU64,
+    _p0: [u8; 56],
+    tail: AtomicU64,
+    _p1: [u8; 56],
+    recv_sleeping: AtomicU32,
+    _p2: [u8; 60],
+    send_sleeping: AtomicU32,
+    _p3: [u8; 60],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == SEG_HDR);
+
+/// The boot id of this host (ranks with the same one share memory).
+fn host_id() -> [u8; 16] {
+    let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let hex: Vec<u8> = s.trim().bytes().filter(|c| c.is_ascii_hexdigit()).collect();
+    let mut id = [0u8; 16];
+    for (i, pair) in hex.chunks(2).take(16).enumerate() {
+        let txt = std::str::from_utf8(pair).unwrap_or("0");
+        id[i] = u8::from_str_radix(txt, 16).unwrap_or(0);
+    }
+    id
+}
+
+/// Ring size from `ROCCL_SHM_RING` (bytes, a power of two from 64 KiB to 1 GiB).
+fn ring_size() -> Result<usize> {
+    match std::env::var("ROCCL_SHM_RING") {
+        Err(_) => Ok(1 << 20),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n.is_power_of_two() && (1 << 16..=1 << 30).contains(&n) => Ok(n),
+            _ => Err(Error::arg(format!(
+                "ROCCL_SHM_RING={v}: expected a power of two from 65536 to 1073741824 bytes"
+            ))),
+        },
+    }
+}
+
+/// A mapped shared-memory segment.
+struct Segment {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through the atomics of the
+// header or through ranges the SPSC protocol gives to one side at a time.
+unsafe impl Send for Segment {}
+
+impl Segment {
+    /// Create and map a segment of `ring` data bytes under `name`.
+    fn create(name: &CString, ring: usize) -> Result<Segment> {
+        let len = SEG_HDR + ring;
+        // SAFETY: valid NUL-terminated name; flags create a new private segment.
+        let fd = unsafe {
+            libc::shm_open(
+                name.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(Error::last_os(format!(
+                "shm_open({}) for a shared-memory connection",
+                name.to_string_lossy()
+            )));
+        }
+        // SAFETY: `fd` is ours; posix_fallocate reserves the pages now.
+        let r = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        if r != 0 {
+            // SAFETY: closing and unlinking what we created.
+            unsafe {
+                libc::close(fd);
+                libc::shm_unlink(name.as_ptr());
+            }
+            return Err(Error::sys(
+                format!(
+                    "reserving {len} bytes of shared memory in /dev/shm (full? in a container raise --shm-size, or lower ROCCL_SHM_RING)"
+                ),
+                std::io::Error::from_raw_os_error(r),
+            ));
+        }
+        Self::map(fd, len).inspect_err(|_| {
+            // SAFETY: unlinking what we created.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+        })
+    }
+
+    /// Map the existing segment `name`.
+    fn open(name: &CString, ring: usize) -> Result<Segment> {
+        // SAFETY: valid NUL-terminated name.
+        let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR, 0) };
+        if fd < 0 {
+            return Err(Error::last_os(format!(
+                "shm_open({}) of the peer's shared-memory connection (is the peer on this host, in the same IPC namespace?)",
+                name.to_string_lossy()
+            )));
+        }
+        Self::map(fd, SEG_HDR + ring)
+    }
+
+    fn map(fd: i32, len: usize) -> Result<Segment> {
+        // SAFETY: mapping `len` bytes of a segment at least that long; the fd is closed after.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        // SAFETY: our descriptor; the mapping stays valid without it.
+        unsafe { libc::close(fd) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap of a shared-memory connection"));
+        }
+        Ok(Segment {
+            base: p.cast(),
+            len,
+        })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the segment starts with a Header (zero-initialized by the kernel), and all
+        // of its fields are atomics or padding.
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    fn cap(&self) -> usize {
+        self.len - SEG_HDR
+    }
+
+    /// Copy `src` into the ring at stream position `pos` (wrapping).
+    ///
+    /// # Safety
+    /// `pos..pos + src.len()` must be free space the caller (the producer) owns.
+    unsafe fn put(&self, pos: u64, src: *const u8, n: usize) {
+        let cap = self.cap();
+        let at = (pos as usize) & (cap - 1);
+        let first = n.min(cap - at);
+        // SAFETY: both ranges lie inside the ring's data area; the caller owns them.
+        unsafe {
+            let data = self.base.add(SEG_HDR);
+            std::ptr::copy_nonoverlapping(src, data.add(at), first);
+            std::ptr::copy_nonoverlapping(src.add(first), data, n - first);
+        }
+    }
+
+    /// Copy `n` bytes at stream position `pos` out of the ring.
+    ///
+    /// # Safety
+    /// `pos..pos + n` must be data the producer published and the consumer owns.
+    unsafe fn get(&self, pos: u64, dst: *mut u8, n: usize) {
+        let cap = self.cap();
+        let at = (pos as usize) & (cap - 1);
+        let first = n.min(cap - at);
+        // SAFETY: as above.
+        unsafe {
+            let data = self.base.add(SEG_HDR);
+            std::ptr::copy_nonoverlapping(data.add(at), dst, first);
+            std::ptr::copy_nonoverlapping(data, dst.add(first), n - first);
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Wake the peer: one byte on the setup connection (a full socket buffer already wakes it).
+fn ring_doorbell(side: &TcpStream) {
+    let _ = (&*side).write(&[1]);
+}
+
+/// Read pending doorbell bytes; false if the peer closed the connection.
+fn drain_doorbells(side: &TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        match (&*side).read(&mut b) {
+            Ok(0) => return false,
+            Ok(n) if n < b.len() => return true,
+            Ok(_) => {}
+            Err(_) => return true,
+        }
+    }
+}
+
+/// A descriptor that is always readable: handed to `poll(2)` when work is pending so that a
+/// rank about to sleep returns at once.
+fn always_ready() -> i32 {
+    static FD: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *FD.get_or_init(|| {
+        let mut p = [0i32; 2];
+        // SAFETY: a valid 2-element array for pipe(2); the write makes the read end readable
+        // for the life of the process (nothing ever reads it).
+        unsafe {
+            if libc::pipe(p.as_mut_ptr()) != 0 {
+                return -1;
+            }
+            libc::write(p[1], [1u8].as_ptr().cast(), 1);
+        }
+        p[0]
+    })
+}
+
+/// The shared-memory network.
+pub struct ShmNet {
+    host: [u8; 16],
+    ring: usize,
+}
+
+impl ShmNet {
+    /// Open (`ROCCL_SHM_RING` sets the ring size).
+    pub fn new() -> Result<ShmNet> {
+        Ok(ShmNet {
+            host: host_id(),
+            ring: ring_size()?,
+        })
+    }
+}
+
+impl Net for ShmNet {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn devices(&self) -> usize {
+        1
+    }
+
+    fn properties(&self, dev: usize) -> Result<NetProperties> {
+        if dev != 0 {
+            return Err(Error::arg(format!("shm has one device; asked for {dev}")));
+        }
+        Ok(NetProperties {
+            name: "shm".into(),
+            pci_path: None,
+            guid: 0,
+            ptr_support: PtrSupport {
+                host: true,
+                device: false,
+                dmabuf: false,
+            },
+            speed_mbps: 400_000,
+            port: 0,
+            latency_us: 0.5,
+            max_comms: 65536,
+            max_recvs: MAX_RECVS as u32,
+        })
+    }
+
+    fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)> {
+        self.properties(dev)?;
+        let l = TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+            .map_err(|e| Error::sys("bind the shared-memory setup listener on 127.0.0.1", e))?;
+        l.set_nonblocking(true)
+            .map_err(|e| Error::sys("fcntl on the shared-memory setup listener", e))?;
+        let port = l
+            .local_addr()
+            .map_err(|e| Error::sys("getsockname", e))?
+            .port();
+        let mut h = [0u8; 32];
+        h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
+        h[4..6].copy_from_slice(&port.to_le_bytes());
+        h[8..16].copy_from_slice(&(self.ring as u64).to_le_bytes());
+        h[16..32].copy_from_slice(&self.host);
+        Ok((
+            NetHandle::from_bytes(&h)?,
+            Box::new(ShmListen {
+                l,
+                pending: Vec::new(),
+            }),
+        ))
+    }
+
+    fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+        let b = handle.as_bytes();
+        if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
+            return Err(Error::arg(
+                "not a roccl shared-memory handle: was it produced by another network?",
+            ));
+        }
+        if b[16..32] != self.host {
+            return Err(Error::InvalidUsage(
+                "the shared-memory network connects ranks of one host only, and this peer runs on another (boot ids differ): use ROCCL_NET=tcp, rocev2 or verbs across hosts".into(),
+            ));
+        }
+        let port = u16::from_le_bytes([b[4], b[5]]);
+        let ring = u64::from_le_bytes(b[8..16].try_into().unwrap()) as usize;
+        let s = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(|e| {
+            Error::sys(
+                format!("shared-memory setup: connect to 127.0.0.1:{port}"),
+                e,
+            )
+        })?;
+        let mut side = Side::new(s)?;
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "/roccl-{}-{}-{:x}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
+        );
+        let cname = CString::new(name.clone()).expect("no NUL in the name");
+        let seg = Segment::create(&cname, ring)?;
+        let mut msg = [0u8; NAME_MSG];
+        msg[0] = name.len() as u8;
+        msg[1..1 + name.len()].copy_from_slice(name.as_bytes());
+        msg[NAME_MSG - 8..].copy_from_slice(&(ring as u64).to_le_bytes());
+        side.queue(&msg);
+        side.expect(1);
+        Ok(Box::new(ShmConnecting {
+            side,
+            seg: Some(seg),
+            name: cname,
+        }))
+    }
+}
+
+struct ShmConnecting {
+    side: Side,
+    seg: Option<Segment>,
+    name: CString,
+}
+
+impl Drop for ShmConnecting {
+    fn drop(&mut self) {
+        // SAFETY: unlinking the name we created (a no-op error if already unlinked).
+        unsafe { libc::shm_unlink(self.name.as_ptr()) };
+    }
+}
+
+impl Connecting for ShmConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+        if !self.side.pump()? {
+            return Ok(None);
+        }
+        let seg = self
+            .seg
+            .take()
+            .ok_or_else(|| Error::Internal("connection polled after completion".into()))?;
+        let side = self
+            .side
+            .s
+            .try_clone()
+            .map_err(|e| Error::sys("dup of the shared-memory setup socket", e))?;
+        Ok(Some(Box::new(ShmSend {
+            seg,
+            live: Liveness::new(side, "shared memory"),
+            reqs: VecDeque::with_capacity(MAX_REQUESTS),
+            base: 0,
+            head: 0,
+            polls: 0,
+            failed: None,
+        })))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd {
+            fd: self.side.s.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLOUT,
+        });
+    }
+}
+
+struct ShmListen {
+    l: TcpListener,
+    pending: Vec<Side>,
+}
+
+impl ListenComm for ShmListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        loop {
+            match self.l.accept() {
+                Ok((s, _)) => {
+                    let mut side = Side::new(s)?;
+                    side.expect(NAME_MSG);
+                    self.pending.push(side);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Error::sys("accept on the shared-memory setup listener", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let ready = match self.pending[i].pump() {
+                Ok(r) => r,
+                Err(_) => {
+                    self.pending.swap_remove(i);
+                    continue;
+                }
+            };
+            if !ready {
+                i += 1;
+                continue;
+            }
+            let mut side = self.pending.swap_remove(i);
+            let n = usize::from(side.inb[0]).min(NAME_MSG - 9);
+            let name = CString::new(&side.inb[1..1 + n])
+                .map_err(|_| Error::InvalidUsage("shared-memory setup: bad segment name".into()))?;
+            let ring = u64::from_le_bytes(side.inb[NAME_MSG - 8..NAME_MSG].try_into().unwrap());
+            let ring = usize::try_from(ring)
+                .ok()
+                .filter(|r| r.is_power_of_two() && *r >= 1 << 16)
+                .ok_or_else(|| Error::InvalidUsage("shared-memory setup: bad ring size".into()))?;
+            let seg = Segment::open(&name, ring)?;
+            side.queue(&[1]);
+            while !side.pump()? {}
+            return Ok(Some(Box::new(ShmRecv {
+                seg,
+                live: Liveness::new(side.s, "shared memory"),
+                reqs: VecDeque::with_capacity(MAX_REQUESTS),
+                base: 0,
+                filling: 0,
+                tail: 0,
+                cur: None,
+                polls: 0,
+                failed: None,
+            })));
+        }
+        Ok(None)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd {
+            fd: self.l.as_raw_fd(),
+            events: libc::POLLIN,
+        });
+        for s in &self.pending {
+            out.push(PollFd {
+                fd: s.s.as_raw_fd(),
+                events: libc::POLLIN,
+            });
+        }
+    }
+}
+
+struct SReq {
+    addr: usize,
+    len: usize,
+    tag: u32,
+    /// Header written.
+    started: bool,
+    /// Payload bytes written.
+    written: usize,
+    reaped: bool,
+}
+
+struct ShmSend {
+    seg: Segment,
+    live: Liveness,
+    reqs: VecDeque<SReq>,
+    base: u64,
+    /// Bytes produced so far (our copy of the header's head).
+    head: u64,
+    polls: u32,
+    failed: Option<String>,
+}
+
+impl ShmSend {
+    fn progress(&mut self) -> Result<()> {
+        super::refuse_if_failed(&self.failed, "shared-memory send comm")?;
+        let r = self.progress_inner();
+        super::remember_failure(&mut self.failed, r)
+    }
+
+    fn progress_inner(&mut self) -> Result<()> {
+        let h = self.seg.header();
+        // Doorbells come only while our flag was up; the peer's exit is checked now and then.
+        self.polls = self.polls.wrapping_add(1);
+        let flagged = h.send_sleeping.swap(0, Ordering::Relaxed) != 0;
+        let alive = !(flagged || self.polls % 64 == 0) || drain_doorbells(&self.live.side);
+        if !alive && self.blocked() {
+            return Err(Error::sys(
+                "shared memory send: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still has data for it",
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+        let cap = self.seg.cap() as u64;
+        let start = self.head;
+        let tail = h.tail.load(Ordering::Acquire);
+        for r in self.reqs.iter_mut() {
+            if r.started && r.written == r.len {
+                continue;
+            }
+            let free = cap - (self.head - tail);
+            if !r.started {
+                if free < MSG_HDR as u64 {
+                    break;
+                }
+                let mut hdr = [0u8; MSG_HDR];
+                hdr[0..8].copy_from_slice(&(r.len as u64).to_le_bytes());
+                hdr[8..12].copy_from_slice(&r.tag.to_le_bytes());
+                // SAFETY: `free` bytes after head belong to us (the consumer is behind tail).
+                unsafe { self.seg.put(self.head, hdr.as_ptr(), MSG_HDR) };
+                self.head += MSG_HDR as u64;
+                r.started = true;
+            }
+            let free = cap - (self.head - tail);
+            let n = (r.len - r.written).min(free as usize);
+            if n > 0 {
+                // SAFETY: the isend contract keeps the buffer readable; the ring range is ours.
+                unsafe {
+                    self.seg
+                        .put(self.head, (r.addr + r.written) as *const u8, n)
+                };
+                self.head += n as u64;
+                r.written += n;
+            }
+            if r.written < r.len {
+                break; // ring full: the rest when the receiver made room
+            }
+        }
+        if self.head != start {
+            h.head.store(self.head, Ordering::Release);
+            if h.recv_sleeping.load(Ordering::SeqCst) != 0 {
+                ring_doorbell(&self.live.side);
+            }
+        }
+        Ok(())
+    }
+
+    fn blocked(&self) -> bool {
+        self.reqs.iter().any(|r| !r.started || r.written < r.len)
+    }
+}
+
+impl SendComm for ShmSend {
+    unsafe fn isend(
+        &mut self,
+        data: *const u8,
+        len: usize,
+        tag: u32,
+        _mr: Option<&MemHandle>,
+    ) -> Result<Option<ReqId>> {
+        self.progress()?;
+        if self.reqs.len() >= MAX_REQUESTS {
+            return Ok(None);
+        }
+        let id = self.base + self.reqs.len() as u64;
+        self.reqs.push_back(SReq {
+            addr: data as usize,
+            len,
+            tag,
+            started: false,
+            written: 0,
+            reaped: false,
+        });
+        self.progress()?;
+        Ok(Some(ReqId(id as u32)))
+    }
+
+    fn test(&mut self, req: ReqId) -> Result<Option<usize>> {
+        self.progress()?;
+        let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "send")?;
+        // Complete once every byte is in the ring: the caller's buffer is free again.
+        if !r.started || r.written < r.len {
+            return Ok(None);
+        }
+        r.reaped = true;
+        let len = r.len;
+        while self.reqs.front().is_some_and(|r| r.reaped) {
+            self.reqs.pop_front();
+            self.base += 1;
+        }
+        Ok(Some(len))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        let h = self.seg.header();
+        out.push(PollFd {
+            fd: self.live.side.as_raw_fd(),
+            events: libc::POLLIN,
+        });
+        if self.blocked() {
+            h.send_sleeping.store(1, Ordering::SeqCst);
+            // Room appeared between the last look and the flag: do not sleep.
+            let free = self.seg.cap() as u64 - (self.head - h.tail.load(Ordering::SeqCst));
+            if free > 0 {
+                out.push(PollFd {
+                    fd: always_ready(),
+                    events: libc::POLLIN,
+                });
+            }
+        }
+    }
+}
+
+struct RReq {
+    n: u8,
+    got: u8,
+    filled: u8,
+    bufs: [(usize, usize, u32); MAX_RECVS],
+    sizes: [usize; MAX_RECVS],
+    reaped: bool,
+}
+
+struct ShmRecv {
+    seg: Segment,
+    live: Liveness,
+    reqs: VecDeque<RReq>,
+    base: u64,
+    /// Request id of the receive the next message belongs to.
+    filling: u64,
+    /// Bytes consumed so far (our copy of the header's tail).
+    tail: u64,
+    /// The message being copied out: (buffer index, length, bytes copied).
+    cur: Option<(usize, usize, usize)>,
+    polls: u32,
+    failed: Option<String>,
+}
+
+impl ShmRecv {
+    fn progress(&mut self) -> Result<()> {
+        super::refuse_if_failed(&self.failed, "shared-memory receive comm")?;
+        let r = self.progress_inner();
+        super::remember_failure(&mut self.failed, r)
+    }
+
+    fn progress_inner(&mut self) -> Result<()> {
+        let h = self.seg.header();
+        self.polls = self.polls.wrapping_add(1);
+        let flagged = h.recv_sleeping.swap(0, Ordering::Relaxed) != 0;
+        let alive = !(flagged || self.polls % 64 == 0) || drain_doorbells(&self.live.side);
+        let start = self.tail;
+        loop {
+            let head = h.head.load(Ordering::Acquire);
+            let idx = (self.filling - self.base) as usize;
+            let Some(r) = self.reqs.get_mut(idx) else {
+                break; // no receive posted for the next message yet
+            };
+            if self.cur.is_none() {
+                if head - self.tail < MSG_HDR as u64 {
+                    break;
+                }
+                let mut hdr = [0u8; MSG_HDR];
+                // SAFETY: the producer published these bytes (head is past them).
+                unsafe { self.seg.get(self.tail, hdr.as_mut_ptr(), MSG_HDR) };
+                let len = u64::from_le_bytes(hdr[0..8].try_into().unwrap()) as usize;
+                let tag = u32::from_le_bytes(hdr[8..12].try_into().unwrap());
+                let nb = r.n as usize;
+                let Some(e) = (0..nb).find(|&e| r.filled & (1 << e) == 0 && r.bufs[e].2 == tag)
+                else {
+                    return Err(Error::InvalidUsage(format!(
+                        "received a message with tag {tag} but no buffer of the receive has that tag"
+                    )));
+                };
+                if len > r.bufs[e].1 {
+                    return Err(Error::InvalidUsage(format!(
+                        "received {len} bytes but the buffer holds only {} (mismatched counts between sender and receiver?)",
+                        r.bufs[e].1
+                    )));
+                }
+                self.tail += MSG_HDR as u64;
+                self.cur = Some((e, len, 0));
+            }
+            let (e, len, done) = self.cur.expect("set above");
+            let avail = (h.head.load(Ordering::Acquire) - self.tail) as usize;
+            let n = (len - done).min(avail);
+            if n > 0 {
+                // SAFETY: published bytes; the irecv contract keeps the buffer writable.
+                unsafe { self.seg.get(self.tail, (r.bufs[e].0 + done) as *mut u8, n) };
+                self.tail += n as u64;
+            }
+            if done + n < len {
+                self.cur = Some((e, len, done + n));
+                break;
+            }
+            self.cur = None;
+            r.sizes[e] = len;
+            r.filled |= 1 << e;
+            r.got += 1;
+            if r.got == r.n {
+                self.filling += 1;
+            }
+        }
+        if self.tail != start {
+            h.tail.store(self.tail, Ordering::Release);
+            if h.send_sleeping.load(Ordering::SeqCst) != 0 {
+                ring_doorbell(&self.live.side);
+            }
+        }
+        let waiting = self.reqs.iter().any(|r| r.got < r.n);
+        if !alive && waiting && h.head.load(Ordering::Acquire) == self.tail {
+            return Err(Error::sys(
+                "shared memory receive: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still waits for it",
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl RecvComm for ShmRecv {
+    unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
+        self.progress()?;
+        if bufs.is_empty() || bufs.len() > MAX_RECVS {
+            return Err(Error::arg(format!(
+                "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
+                bufs.len()
+            )));
+        }
+        if self.reqs.len() >= MAX_REQUESTS {
+            return Ok(None);
+        }
+        let id = self.base + self.reqs.len() as u64;
+        let mut r = RReq {
+            n: bufs.len() as u8,
+            got: 0,
+            filled: 0,
+            bufs: [(0, 0, 0); MAX_RECVS],
+            sizes: [0; MAX_RECVS],
+            reaped: false,
+        };
+        for (d, b) in r.bufs.iter_mut().zip(bufs) {
+            *d = (b.ptr as usize, b.len, b.tag);
+        }
+        self.reqs.push_back(r);
+        self.progress()?;
+        Ok(Some(ReqId(id as u32)))
+    }
+
+    fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
+        self.progress()?;
+        let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "receive")?;
+        if r.got < r.n {
+            return Ok(false);
+        }
+        for (d, s) in sizes.iter_mut().zip(&r.sizes[..r.n as usize]) {
+            *d = *s;
+        }
+        r.reaped = true;
+        while self.reqs.front().is_some_and(|r| r.reaped) {
+            self.reqs.pop_front();
+            self.base += 1;
+        }
+        Ok(true)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        let h = self.seg.header();
+        out.push(PollFd {
+            fd: self.live.side.as_raw_fd(),
+            events: libc::POLLIN,
+        });
+        if self.reqs.iter().any(|r| r.got < r.n) {
+            h.recv_sleeping.store(1, Ordering::SeqCst);
+            // Data arrived between the last look and the flag: do not sleep.
+            if h.head.load(Ordering::SeqCst) != self.tail {
+                out.push(PollFd {
+                    fd: always_ready(),
+                    events: libc::POLLIN,
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(ring: usize) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
+        let net = ShmNet {
+            host: host_id(),
+            ring,
+        };
+        super::super::connect_pair(&net)
+    }
+
+    #[test]
+    fn messages_of_every_size_through_a_small_ring() {
+        let (mut s, mut r) = pair(65536);
+        for len in [
+            0usize,
+            1,
+            15,
+            16,
+            17,
+            4096,
+            65535,
+            65536,
+            65537,
+            300_001,
+            1 << 21,
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+            let mut buf = vec![0xEEu8; len + 5];
+            // SAFETY: both buffers outlive the loop below, which completes both requests.
+            let (rq, sq) = unsafe {
+                let rq = r
+                    .irecv(&[RecvBuf {
+                        ptr: buf.as_mut_ptr(),
+                        len: len + 5,
+                        tag: 3,
+                    }])
+                    .unwrap()
+                    .unwrap();
+                (rq, s.isend(data.as_ptr(), len, 3, None).unwrap().unwrap())
+            };
+            let (mut sd, mut rd, mut size) = (false, false, [0usize]);
+            let t = std::time::Instant::now();
+            while !(sd && rd) {
+                assert!(t.elapsed().as_secs() < 20, "{len} bytes stalled");
+                sd = sd || s.test(sq).unwrap().is_some();
+                rd = rd || r.test(rq, &mut size).unwrap();
+            }
+            assert_eq!(size[0], len);
+            assert!(buf[..len] == data[..], "{len} bytes corrupted");
+            assert_eq!(buf[len], 0xEE, "{len}: written past the message");
+        }
+        // Too large for the buffer: an error, not an overflow.
+        let data = [1u8; 100];
+        let mut buf = [0u8; 10];
+        // SAFETY: as above.
+        unsafe {
+            r.irecv(&[RecvBuf {
+                ptr: buf.as_mut_ptr(),
+                len: 10,
+                tag: 1,
+            }])
+            .unwrap();
+            s.isend(data.as_ptr(), 100, 1, None).unwrap();
+        }
+        let t = std::time::Instant::now();
+        let e = loop {
+            assert!(t.elapsed().as_secs() < 10);
+            if let Err(e) = r.test(ReqId(11), &mut [0]) {
+                break e.to_string();
+            }
+        };
+        assert!(e.contains("holds only 10"), "{e}");
+    }
+}

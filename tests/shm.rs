@@ -1,0 +1,32 @@
+//! Every collective over the shared-memory network (ranks as threads on this host), checked
+//! against the reference.
+
+mod common;
+
+use common::*;
+use roccl::algo::model::Tuning;
+use roccl::net::NetKind;
+
+#[test]
+fn shm_2_ranks() {
+    net_matrix(NetKind::Shm, "shm", 2, Tuning::default());
+}
+
+#[test]
+fn shm_3_ranks_pipelined() {
+    net_matrix(
+        NetKind::Shm,
+        "shm",
+        3,
+        Tuning {
+            slice: Some(4096),
+            depth: Some(3),
+            channels: Some(2),
+        },
+    );
+}
+
+#[test]
+fn shm_5_ranks() {
+    net_matrix(NetKind::Shm, "shm", 5, Tuning::default());
+}
