@@ -196,23 +196,27 @@ impl<R> Handle<R> {
     }
 }
 
-const BLOB_VERSION: u32 = 1;
+const BLOB_VERSION: u32 = 2;
+/// Bytes of a rendezvous blob: version, host id, network name, its handle, and the
+/// shared-memory handle (flag byte, padding, handle).
+const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX;
 
-fn blob(handle: &NetHandle, net: &str) -> Vec<u8> {
-    let mut b = Vec::with_capacity(16 + HANDLE_MAX + 16);
+fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>) -> Vec<u8> {
+    let mut b = Vec::with_capacity(BLOB_LEN);
     b.extend_from_slice(&BLOB_VERSION.to_le_bytes());
     b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
     let mut name = [0u8; 16];
     name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
     b.extend_from_slice(&name);
     b.extend_from_slice(handle.as_bytes());
+    b.extend_from_slice(&[u8::from(shm.is_some()), 0, 0, 0, 0, 0, 0, 0]);
+    b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
     b
 }
 
-fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<NetHandle> {
-    if b.len() != 4 + 8 + 16 + HANDLE_MAX
-        || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION
-    {
+/// A rank's handles: its network's, and its shared-memory network's if it has one.
+fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<(NetHandle, Option<NetHandle>)> {
+    if b.len() != BLOB_LEN || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION {
         return Err(Error::InvalidUsage(format!(
             "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
         )));
@@ -225,7 +229,26 @@ fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<NetHandle> {
             "rank {rank} uses network '{name}' but this rank uses '{my_net}': set the same ROCCL_NET everywhere"
         )));
     }
-    NetHandle::from_bytes(&b[28..])
+    let at = 28 + HANDLE_MAX;
+    let shm = if b[at] != 0 {
+        Some(NetHandle::from_bytes(&b[at + 8..])?)
+    } else {
+        None
+    };
+    Ok((NetHandle::from_bytes(&b[28..at])?, shm))
+}
+
+/// The name a communicator reports: its network, or shared memory when every peer is on this
+/// host, or both.
+fn combined_name(net: &'static str, shm_peers: usize, other_peers: usize) -> &'static str {
+    match (shm_peers, other_peers, net) {
+        (0, _, n) => n,
+        (_, 0, _) => "shm",
+        (_, _, "tcp") => "tcp+shm",
+        (_, _, "rocev2") => "rocev2+shm",
+        (_, _, "verbs") => "verbs+shm",
+        (_, _, n) => n,
+    }
 }
 
 impl Communicator {
@@ -256,11 +279,31 @@ impl Communicator {
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
         let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
         let (handle, listen) = net.listen(0)?;
+        // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
+        let shm = if cfg.net == NetKind::Auto
+            && std::env::var("ROCCL_SHM").map_or(true, |v| v.trim() != "0")
+        {
+            match net::shm::ShmNet::new().and_then(|n| {
+                let (h, l) = net::Net::listen(&n, 0)?;
+                Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
+            }) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    crate::info!(
+                        "shared memory unavailable ({e}): peers on this host use {}",
+                        net.name()
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let table = bootstrap::rendezvous(
             id,
             rank,
             nranks,
-            &blob(&handle, net.name()),
+            &blob(&handle, net.name(), shm.as_ref().map(|s| &s.1)),
             cfg.waiter.timeout,
         )?;
         let my_host = &table[rank][4..12];
@@ -271,24 +314,48 @@ impl Communicator {
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
-        let handles = table
+        let parsed = table
             .iter()
             .enumerate()
-            .map(|(r, b)| parse_blob(r, b, net.name()).map(|h| vec![h]))
+            .map(|(r, b)| parse_blob(r, b, net.name()))
             .collect::<Result<Vec<_>>>()?;
+        // Peers on this host that offer shared memory are reached through it.
+        let peer_net: Vec<usize> = (0..nranks)
+            .map(|p| {
+                let same_host = table[p].len() >= 12 && &table[p][4..12] == my_host;
+                usize::from(shm.is_some() && same_host && parsed[p].1.is_some())
+            })
+            .collect();
+        let handles: Vec<Vec<NetHandle>> = parsed
+            .into_iter()
+            .map(|(h, s)| {
+                let s = s.unwrap_or_else(|| h.clone());
+                vec![h, s]
+            })
+            .collect();
+        let shm_peers = (0..nranks)
+            .filter(|&p| p != rank && peer_net[p] == 1)
+            .count();
+        let other_peers = nranks - 1 - shm_peers;
         let props = net.properties(0)?;
         // Peers on this host talk through the kernel's loopback path whatever the interface.
         let all_local = local_ranks == nranks;
+        // Every peer over shared memory: no system call per message, copies at memory speed.
+        let all_shm = shm_peers > 0 && other_peers == 0;
         let cost = LinkCost {
             // Software overhead of a TCP message on top of the wire: two syscalls and a wakeup.
-            alpha_us: if all_local {
-                5.0
+            alpha_us: if all_shm {
+                1.0
+            } else if all_local {
+                10.0
             } else {
-                props.latency_us as f64
-            } + 5.0,
+                props.latency_us as f64 + 5.0
+            },
             // TCP is bound by one core's copy speed long before the link on fast NICs.
             // Ranks sharing cores also share the CPU that copies the bytes.
-            beta_gbs: if all_local {
+            beta_gbs: if all_shm {
+                8.0
+            } else if all_local {
                 3.0
             } else {
                 (props.speed_mbps as f64 / 8000.0).min(3.0)
@@ -301,7 +368,7 @@ impl Communicator {
                 0.0
             },
         };
-        let name = net.name();
+        let name = combined_name(net.name(), shm_peers, other_peers);
         crate::info!(
             "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs",
             props.name,
@@ -313,16 +380,24 @@ impl Communicator {
             cost.beta_gbs,
             cost.msg_cpu_us
         );
+        let mut endpoints = vec![Endpoint {
+            net,
+            dev: 0,
+            listen,
+        }];
+        if let Some((n, _, l)) = shm {
+            endpoints.push(Endpoint {
+                net: n,
+                dev: 0,
+                listen: l,
+            });
+        }
         let links = Links::new(
             rank,
             nranks,
             (nonce ^ (nonce >> 32)) as u32,
-            vec![Endpoint {
-                net,
-                dev: 0,
-                listen,
-            }],
-            vec![0; nranks],
+            endpoints,
+            peer_net,
             handles,
         );
         let mut links = links;
