@@ -153,10 +153,11 @@ fn joins_from_torchrun_environment() {
 }
 
 /// Kill one rank process in the middle of a run: the others exit with an error that names
-/// it, well within the timeout — over TCP and over the userspace RoCE v2 engine.
+/// it, well within the timeout — over TCP, the userspace RoCE v2 engine, shared memory, and
+/// `auto` (shared memory between these processes of one host).
 #[test]
 fn killed_rank_is_named() {
-    for net in ["tcp", "rocev2"] {
+    for net in ["tcp", "rocev2", "shm", "auto"] {
         killed_rank_is_named_over(net);
     }
 }
