@@ -144,7 +144,8 @@ impl Segment {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                // Map every page now: a first touch in the middle of a transfer costs a fault.
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 fd,
                 0,
             )
