@@ -68,7 +68,7 @@ impl Waiter {
     pub fn start(&self) -> WaitState<'_> {
         WaitState {
             w: self,
-            last: Instant::now(),
+            last: None,
             spins: 0,
         }
     }
@@ -77,7 +77,9 @@ impl Waiter {
 /// One wait in progress.
 pub struct WaitState<'a> {
     w: &'a Waiter,
-    last: Instant,
+    /// When the idle stretch began: read from the clock only once the first spins are over
+    /// (a collective that completes at once never reads it).
+    last: Option<Instant>,
     spins: u32,
 }
 
@@ -89,13 +91,16 @@ impl WaitState<'_> {
     /// Something moved: restart the spin phase.
     pub fn progressed(&mut self) {
         self.spins = 0;
-        self.last = Instant::now();
+        self.last = None;
     }
 
     /// Whether the next [`WaitState::idle`] would block in `poll(2)` (so the caller collects
     /// descriptors only then: networks may arm wake-ups when asked for them).
     pub fn will_block(&self) -> bool {
-        self.spins + 1 >= 16 && self.last.elapsed() >= self.w.spin + self.w.yield_for
+        self.spins + 1 >= 16
+            && self
+                .last
+                .is_some_and(|t| t.elapsed() >= self.w.spin + self.w.yield_for)
     }
 
     /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
@@ -109,7 +114,7 @@ impl WaitState<'_> {
             return Ok(false);
         }
         self.spins = 8;
-        let idle = self.last.elapsed();
+        let idle = self.last.get_or_insert_with(Instant::now).elapsed();
         if idle < self.w.spin {
             std::hint::spin_loop();
             return Ok(false);

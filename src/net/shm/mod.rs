@@ -514,7 +514,9 @@ impl ShmSend {
         let h = self.seg.header();
         // Doorbells come only while our flag was up; the peer's exit is checked now and then.
         self.polls = self.polls.wrapping_add(1);
-        let flagged = h.send_sleeping.swap(0, Ordering::Relaxed) != 0;
+        // Read before writing: a store on every poll would bounce the line between the ranks.
+        let flagged = h.send_sleeping.load(Ordering::Relaxed) != 0
+            && h.send_sleeping.swap(0, Ordering::Relaxed) != 0;
         let alive = !(flagged || self.polls % 64 == 0) || drain_doorbells(&self.live.side);
         if !alive && self.blocked() {
             return Err(Error::sys(
@@ -666,7 +668,8 @@ impl ShmRecv {
     fn progress_inner(&mut self) -> Result<()> {
         let h = self.seg.header();
         self.polls = self.polls.wrapping_add(1);
-        let flagged = h.recv_sleeping.swap(0, Ordering::Relaxed) != 0;
+        let flagged = h.recv_sleeping.load(Ordering::Relaxed) != 0
+            && h.recv_sleeping.swap(0, Ordering::Relaxed) != 0;
         let alive = !(flagged || self.polls % 64 == 0) || drain_doorbells(&self.live.side);
         let start = self.tail;
         loop {
