@@ -19,7 +19,8 @@ def run(rank, op, n, lo, hi, f, iters, warm, port):
     dist.init_process_group("gloo", rank=rank, world_size=n)
     b = lo
     while b <= hi:
-        count = max(b // 4, 1)
+        # Sizes are totals (roccl-perf, nccl-tests): all_gather moves blocks of b / n bytes.
+        count = max(b // 4 // (n if op == "all_gather" else 1), 1)
         x = torch.arange(count, dtype=torch.float32) % 97 + rank
         outs = [torch.empty(count) for _ in range(n)]
         times = []

@@ -33,7 +33,11 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < maxb / 4; i++) s[i] = (float)(i % 97 + rank);
   double *t = malloc(sizeof(double) * (size_t)iters);
   for (size_t b = lo; b <= hi; b *= (size_t)f) {
-    int count = (int)(b / 4) ? (int)(b / 4) : 1;
+    /* Sizes are totals, as in roccl-perf and nccl-tests: all_gather and reduce_scatter move
+     * blocks of b / n bytes per rank. */
+    int blocked = !strcmp(op, "all_gather") || !strcmp(op, "reduce_scatter");
+    int count = (int)(b / 4 / (blocked ? (size_t)n : 1));
+    if (count < 1) count = 1;
     double factor = 1.0;
     for (int it = -warm; it < iters; it++) {
       MPI_Barrier(MPI_COMM_WORLD);
@@ -58,8 +62,7 @@ int main(int argc, char **argv) {
     MPI_Allreduce(MPI_IN_PLACE, t, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     qsort(t, (size_t)iters, sizeof(double), cmp);
     double med = t[iters / 2];
-    /* nccl-tests conventions: all_gather / reduce_scatter sizes are the total */
-    double bytes = (!strcmp(op, "all_gather") || !strcmp(op, "reduce_scatter")) ? (double)count * 4 * n : (double)count * 4;
+    double bytes = blocked ? (double)count * 4 * n : (double)count * 4;
     if (rank == 0) printf("%s %zu %.2f %.3f\n", op, b, med, bytes / med / 1e3 * factor);
     fflush(stdout);
     if (b == 0) break;
