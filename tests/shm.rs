@@ -30,3 +30,9 @@ fn shm_3_ranks_pipelined() {
 fn shm_5_ranks() {
     net_matrix(NetKind::Shm, "shm", 5, Tuning::default());
 }
+
+/// `auto` reaches ranks of this host over shared memory (and says so).
+#[test]
+fn auto_uses_shared_memory_between_local_ranks() {
+    net_matrix(NetKind::Auto, "shm", 3, Tuning::default());
+}

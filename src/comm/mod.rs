@@ -1180,3 +1180,40 @@ impl State {
 pub fn timeout() -> Duration {
     bootstrap::timeout_from_env()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(b: u8) -> NetHandle {
+        NetHandle::from_bytes(&[b; 40]).unwrap()
+    }
+
+    #[test]
+    fn rendezvous_blob_carries_both_handles() {
+        let b = blob(&handle(7), "tcp", Some(&handle(9)));
+        assert_eq!(b.len(), BLOB_LEN);
+        let (h, s) = parse_blob(3, &b, "tcp").unwrap();
+        assert_eq!(h.as_bytes()[..40], [7u8; 40]);
+        assert_eq!(s.unwrap().as_bytes()[..40], [9u8; 40]);
+        let (_, none) = parse_blob(3, &blob(&handle(7), "tcp", None), "tcp").unwrap();
+        assert!(none.is_none());
+        let e = parse_blob(3, &b, "rocev2").unwrap_err().to_string();
+        assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");
+        let e = parse_blob(5, &b[..100], "tcp").unwrap_err().to_string();
+        assert!(
+            e.contains("rank 5") && e.contains("same roccl version"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_name_says_which_networks_carry_the_peers() {
+        assert_eq!(combined_name("tcp", 0, 3), "tcp");
+        assert_eq!(combined_name("tcp", 3, 0), "shm");
+        assert_eq!(combined_name("tcp", 2, 4), "tcp+shm");
+        assert_eq!(combined_name("verbs", 1, 1), "verbs+shm");
+        assert_eq!(combined_name("rocev2", 1, 2), "rocev2+shm");
+        assert_eq!(combined_name("tcp", 0, 0), "tcp");
+    }
+}
