@@ -355,6 +355,103 @@ impl Liveness {
     }
 }
 
+/// The buffers of one (grouped) receive and what arrived in them, as the networks that match
+/// incoming messages themselves (shared memory, eager RDMA) keep them: message `k` of the
+/// receive goes to the first buffer not yet filled whose tag it carries.
+#[derive(Clone, Copy)]
+pub(crate) struct RecvGroup {
+    n: u8,
+    got: u8,
+    filled: u8,
+    /// Each buffer's (address, length, tag).
+    pub bufs: [(usize, usize, u32); MAX_RECVS],
+    sizes: [usize; MAX_RECVS],
+}
+
+impl RecvGroup {
+    /// The buffers of a receive (1 to MAX_RECVS of them, else an error).
+    pub(crate) fn new(bufs: &[RecvBuf]) -> Result<RecvGroup> {
+        if bufs.is_empty() || bufs.len() > MAX_RECVS {
+            return Err(Error::arg(format!(
+                "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
+                bufs.len()
+            )));
+        }
+        let mut g = RecvGroup {
+            n: bufs.len() as u8,
+            got: 0,
+            filled: 0,
+            bufs: [(0, 0, 0); MAX_RECVS],
+            sizes: [0; MAX_RECVS],
+        };
+        for (d, b) in g.bufs.iter_mut().zip(bufs) {
+            *d = (b.ptr as usize, b.len, b.tag);
+        }
+        Ok(g)
+    }
+
+    /// Buffers in the receive.
+    pub(crate) fn len(&self) -> usize {
+        self.n as usize
+    }
+
+    /// The buffer a message with `tag` and `len` bytes goes to (errors on an unknown tag or
+    /// a message larger than its buffer).
+    pub(crate) fn buffer_for(&self, tag: u32, len: usize) -> Result<usize> {
+        let Some(e) =
+            (0..self.len()).find(|&e| self.filled & (1 << e) == 0 && self.bufs[e].2 == tag)
+        else {
+            return Err(Error::InvalidUsage(format!(
+                "received a message with tag {tag} but no buffer of the receive has that tag"
+            )));
+        };
+        if len > self.bufs[e].1 {
+            return Err(Error::InvalidUsage(format!(
+                "received {len} bytes but the buffer holds only {} (mismatched counts between sender and receiver?)",
+                self.bufs[e].1
+            )));
+        }
+        Ok(e)
+    }
+
+    /// Buffer `e` received `len` bytes; true when the receive is complete. Errors when the
+    /// buffer does not exist or was filled already.
+    pub(crate) fn fill(&mut self, e: usize, len: usize) -> Result<bool> {
+        if e >= self.len() || self.filled & (1 << e) != 0 {
+            return Err(Error::Internal(format!(
+                "a message for buffer {e} of a receive of {} (filled {:#b})",
+                self.n, self.filled
+            )));
+        }
+        self.sizes[e] = len;
+        self.filled |= 1 << e;
+        self.got += 1;
+        Ok(self.done())
+    }
+
+    /// Every buffer received its message.
+    pub(crate) fn done(&self) -> bool {
+        self.got == self.n
+    }
+
+    /// The sizes received, one per buffer.
+    pub(crate) fn sizes(&self) -> &[usize] {
+        &self.sizes[..self.len()]
+    }
+}
+
+/// Drop the requests reaped at the front of `reqs` (ids start at `base`).
+pub(crate) fn pop_reaped<T>(
+    reqs: &mut std::collections::VecDeque<T>,
+    base: &mut u64,
+    reaped: impl Fn(&T) -> bool,
+) {
+    while reqs.front().is_some_and(&reaped) {
+        reqs.pop_front();
+        *base += 1;
+    }
+}
+
 /// Which network to use (`ROCCL_NET`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NetKind {

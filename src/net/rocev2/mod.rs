@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use super::{
     Connecting, ListenComm, Liveness, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
-    RecvBuf, RecvComm, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
+    RecvBuf, RecvComm, RecvGroup, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 use crate::rdma::udp::UserVerbs;
@@ -1079,10 +1079,7 @@ impl SendComm for RoceSend {
         }
         r.reaped = true;
         let len = r.len;
-        while self.reqs.front().is_some_and(|r| r.reaped) {
-            self.reqs.pop_front();
-            self.base += 1;
-        }
+        super::pop_reaped(&mut self.reqs, &mut self.base, |r| r.reaped);
         Ok(Some(len))
     }
 
@@ -1110,13 +1107,7 @@ impl Drop for RoceSend {
 }
 
 struct RReq {
-    n: u8,
-    got: u8,
-    /// Buffers already filled (bit per buffer).
-    filled: u8,
-    sizes: [usize; MAX_RECVS],
-    /// Each buffer's (address, length, tag), for eager messages to be copied into.
-    bufs: [(u64, usize, u32); MAX_RECVS],
+    g: RecvGroup,
     mrs: [Option<Mr>; MAX_RECVS],
     reaped: bool,
 }
@@ -1241,7 +1232,7 @@ impl RoceRecv {
         }
         self.match_arrivals()?;
         self.report_credits()?;
-        let waiting = self.reqs.iter().any(|r| r.got < r.n);
+        let waiting = self.reqs.iter().any(|r| !r.g.done());
         self.live.check(waiting, "receive")
     }
 
@@ -1261,21 +1252,10 @@ impl RoceRecv {
                 }
                 return Ok(());
             };
-            let nb = r.n as usize;
-            match a {
+            let complete = match a {
                 Arrival::Eager { slot, tag, len } => {
-                    let Some(e) = (0..nb).find(|&e| r.filled & (1 << e) == 0 && r.bufs[e].2 == tag)
-                    else {
-                        return Err(Error::InvalidUsage(format!(
-                            "received a message with tag {tag} but no buffer of the receive has that tag"
-                        )));
-                    };
-                    let (addr, size, _) = r.bufs[e];
-                    if len > size {
-                        return Err(Error::InvalidUsage(format!(
-                            "received {len} bytes but the buffer holds only {size} (mismatched counts between sender and receiver?)"
-                        )));
-                    }
+                    let e = r.g.buffer_for(tag, len)?;
+                    let addr = r.g.bufs[e].0;
                     if len > 0 {
                         // SAFETY: the irecv contract keeps the buffer valid (and writable for
                         // `size >= len` bytes) until the receive completes; the bounce buffer
@@ -1289,32 +1269,24 @@ impl RoceRecv {
                             )
                         };
                     }
-                    r.sizes[e] = len;
-                    r.filled |= 1 << e;
-                    r.got += 1;
+                    let complete = r.g.fill(e, len)?;
                     self.arrived.pop_front();
                     self.repost(slot)?;
+                    complete
                 }
                 Arrival::Written { imm } => {
-                    let (e, len) = if nb == 1 {
+                    let (e, len) = if r.g.len() == 1 {
                         (0usize, imm as usize)
                     } else {
                         ((imm >> 29) as usize, (imm & 0x1fff_ffff) as usize)
                     };
-                    if e >= nb || r.filled & (1 << e) != 0 {
-                        return Err(Error::Internal(format!(
-                            "RoCE v2 receive: a write for buffer {e} of a receive of {nb} (filled {:#b})",
-                            r.filled
-                        )));
-                    }
-                    r.sizes[e] = len;
-                    r.filled |= 1 << e;
-                    r.got += 1;
+                    let complete = r.g.fill(e, len)?;
                     self.arrived.pop_front();
+                    complete
                 }
-            }
+            };
             let r = &mut self.reqs[idx];
-            if r.got == r.n {
+            if complete {
                 for m in r.mrs.iter_mut().filter_map(Option::take) {
                     self.cache.release(&*self.verbs, &m);
                 }
@@ -1328,28 +1300,16 @@ impl RoceRecv {
 impl RecvComm for RoceRecv {
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         self.progress()?;
-        if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(Error::arg(format!(
-                "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
-                bufs.len()
-            )));
-        }
+        let g = RecvGroup::new(bufs)?;
         if self.reqs.len() >= FIFO {
             return Ok(None);
         }
         let id = self.base + self.reqs.len() as u64;
         let mut r = RReq {
-            n: bufs.len() as u8,
-            got: 0,
-            filled: 0,
-            sizes: [0; MAX_RECVS],
-            bufs: [(0, 0, 0); MAX_RECVS],
+            g,
             mrs: [None; MAX_RECVS],
             reaped: false,
         };
-        for (d, b) in r.bufs.iter_mut().zip(bufs) {
-            *d = (b.ptr as u64, b.len, b.tag);
-        }
         let mut cts = Cts {
             n: bufs.len() as u32,
             first: self.next_first,
@@ -1408,17 +1368,14 @@ impl RecvComm for RoceRecv {
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
         self.progress()?;
         let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "receive")?;
-        if r.got < r.n {
+        if !r.g.done() {
             return Ok(false);
         }
-        for (d, s) in sizes.iter_mut().zip(&r.sizes[..r.n as usize]) {
+        for (d, s) in sizes.iter_mut().zip(r.g.sizes()) {
             *d = *s;
         }
         r.reaped = true;
-        while self.reqs.front().is_some_and(|r| r.reaped) {
-            self.reqs.pop_front();
-            self.base += 1;
-        }
+        super::pop_reaped(&mut self.reqs, &mut self.base, |r| r.reaped);
         Ok(true)
     }
 

@@ -126,6 +126,7 @@ impl RegCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::rdma::verbs::{QpEndpoint, QpId, QpState, RecvWr, SendWr, Wc};
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Mutex;
@@ -177,24 +178,24 @@ mod tests {
             self.cacheable
         }
         fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn connect_qp(&self, _: QpId, _: &QpEndpoint) -> Result<()> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn destroy_qp(&self, _: QpId) {}
         fn post_send(&self, _: QpId, _: &SendWr) -> Result<()> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn post_recv(&self, _: QpId, _: &RecvWr) -> Result<()> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn poll_cq(&self, _: QpId, _: &mut [Wc]) -> Result<usize> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn poll_fds(&self, _: &mut Vec<crate::net::PollFd>) {}
         fn qp_state(&self, _: QpId) -> Result<QpState> {
-            unimplemented!()
+            Err(Error::Internal("not used by the cache".into()))
         }
         fn read_registered(&self, _: u64, _: &mut [u8]) {}
     }

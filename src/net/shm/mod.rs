@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::{
     Connecting, ListenComm, Liveness, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
-    RecvBuf, RecvComm, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
+    RecvBuf, RecvComm, RecvGroup, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 
@@ -709,10 +709,7 @@ impl SendComm for ShmSend {
         }
         r.reaped = true;
         let len = r.len;
-        while self.reqs.front().is_some_and(|r| r.reaped) {
-            self.reqs.pop_front();
-            self.base += 1;
-        }
+        super::pop_reaped(&mut self.reqs, &mut self.base, |r| r.reaped);
         Ok(Some(len))
     }
 
@@ -738,11 +735,7 @@ impl SendComm for ShmSend {
 }
 
 struct RReq {
-    n: u8,
-    got: u8,
-    filled: u8,
-    bufs: [(usize, usize, u32); MAX_RECVS],
-    sizes: [usize; MAX_RECVS],
+    g: RecvGroup,
     reaped: bool,
 }
 
@@ -795,24 +788,12 @@ impl ShmRecv {
                 let len = u64::from_le_bytes(hdr[0..8].try_into().unwrap()) as usize;
                 let tag = u32::from_le_bytes(hdr[8..12].try_into().unwrap());
                 let direct = u32::from_le_bytes(hdr[12..16].try_into().unwrap()) == 1;
-                let nb = r.n as usize;
-                let Some(e) = (0..nb).find(|&e| r.filled & (1 << e) == 0 && r.bufs[e].2 == tag)
-                else {
-                    return Err(Error::InvalidUsage(format!(
-                        "received a message with tag {tag} but no buffer of the receive has that tag"
-                    )));
-                };
-                if len > r.bufs[e].1 {
-                    return Err(Error::InvalidUsage(format!(
-                        "received {len} bytes but the buffer holds only {} (mismatched counts between sender and receiver?)",
-                        r.bufs[e].1
-                    )));
-                }
+                let e = r.g.buffer_for(tag, len)?;
                 self.tail += MSG_HDR as u64;
                 if direct {
                     let src = u64::from_le_bytes(hdr[16..24].try_into().unwrap());
                     let seq = u32::from_le_bytes(hdr[28..32].try_into().unwrap());
-                    cma_read(self.pid, src, r.bufs[e].0 as *mut u8, len).map_err(|err| {
+                    cma_read(self.pid, src, r.g.bufs[e].0 as *mut u8, len).map_err(|err| {
                         Error::sys(
                             format!(
                                 "shared memory receive: reading {len} bytes from process {} (process_vm_readv)",
@@ -821,10 +802,7 @@ impl ShmRecv {
                             err,
                         )
                     })?;
-                    r.sizes[e] = len;
-                    r.filled |= 1 << e;
-                    r.got += 1;
-                    if r.got == r.n {
+                    if r.g.fill(e, len)? {
                         self.filling += 1;
                     }
                     // Publish the consumed header, then acknowledge the copy (direct messages
@@ -850,7 +828,10 @@ impl ShmRecv {
             let n = (len - done).min(avail);
             if n > 0 {
                 // SAFETY: published bytes; the irecv contract keeps the buffer writable.
-                unsafe { self.seg.get(self.tail, (r.bufs[e].0 + done) as *mut u8, n) };
+                unsafe {
+                    self.seg
+                        .get(self.tail, (r.g.bufs[e].0 + done) as *mut u8, n)
+                };
                 self.tail += n as u64;
             }
             if done + n < len {
@@ -858,10 +839,7 @@ impl ShmRecv {
                 break;
             }
             self.cur = None;
-            r.sizes[e] = len;
-            r.filled |= 1 << e;
-            r.got += 1;
-            if r.got == r.n {
+            if r.g.fill(e, len)? {
                 self.filling += 1;
             }
         }
@@ -871,7 +849,7 @@ impl ShmRecv {
                 ring_doorbell(&self.live.side);
             }
         }
-        let waiting = self.reqs.iter().any(|r| r.got < r.n);
+        let waiting = self.reqs.iter().any(|r| !r.g.done());
         if !alive && waiting && h.head.load(Ordering::Acquire) == self.tail {
             return Err(Error::sys(
                 "shared memory receive: the peer closed its connection (its process exited or it destroyed the communicator) while this rank still waits for it",
@@ -885,28 +863,12 @@ impl ShmRecv {
 impl RecvComm for ShmRecv {
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         self.progress()?;
-        if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(Error::arg(format!(
-                "a grouped receive takes 1 to {MAX_RECVS} buffers, got {}",
-                bufs.len()
-            )));
-        }
+        let g = RecvGroup::new(bufs)?;
         if self.reqs.len() >= MAX_REQUESTS {
             return Ok(None);
         }
         let id = self.base + self.reqs.len() as u64;
-        let mut r = RReq {
-            n: bufs.len() as u8,
-            got: 0,
-            filled: 0,
-            bufs: [(0, 0, 0); MAX_RECVS],
-            sizes: [0; MAX_RECVS],
-            reaped: false,
-        };
-        for (d, b) in r.bufs.iter_mut().zip(bufs) {
-            *d = (b.ptr as usize, b.len, b.tag);
-        }
-        self.reqs.push_back(r);
+        self.reqs.push_back(RReq { g, reaped: false });
         self.progress()?;
         Ok(Some(ReqId(id as u32)))
     }
@@ -914,17 +876,14 @@ impl RecvComm for ShmRecv {
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool> {
         self.progress()?;
         let r = super::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "receive")?;
-        if r.got < r.n {
+        if !r.g.done() {
             return Ok(false);
         }
-        for (d, s) in sizes.iter_mut().zip(&r.sizes[..r.n as usize]) {
+        for (d, s) in sizes.iter_mut().zip(r.g.sizes()) {
             *d = *s;
         }
         r.reaped = true;
-        while self.reqs.front().is_some_and(|r| r.reaped) {
-            self.reqs.pop_front();
-            self.base += 1;
-        }
+        super::pop_reaped(&mut self.reqs, &mut self.base, |r| r.reaped);
         Ok(true)
     }
 
@@ -934,7 +893,7 @@ impl RecvComm for ShmRecv {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,
         });
-        if self.reqs.iter().any(|r| r.got < r.n) {
+        if self.reqs.iter().any(|r| !r.g.done()) {
             h.recv_sleeping.store(1, Ordering::SeqCst);
             // Data arrived between the last look and the flag: do not sleep.
             if h.head.load(Ordering::SeqCst) != self.tail {
