@@ -17,6 +17,23 @@ pub fn allowed_cpus() -> Result<Vec<usize>> {
         .collect())
 }
 
+/// Cores the ranks of this host share: the CPUs online, capped by the cgroup's CPU quota
+/// (`cpu.max`). Unlike `available_parallelism`, a launcher that binds each rank to its own
+/// core (roccl-perf, `mpirun --bind-to core`) does not make every rank see one core.
+pub fn host_cores() -> usize {
+    // SAFETY: sysconf has no memory effects.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    let quota = std::fs::read_to_string("/sys/fs/cgroup/cpu.max")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace();
+            let q = it.next()?.parse::<f64>().ok()?;
+            let period = it.next()?.parse::<f64>().ok()?;
+            Some((q / period).ceil().max(1.0) as usize)
+        });
+    quota.map_or(online, |q| q.min(online))
+}
+
 /// Bind the calling thread (and the threads it starts later) to one CPU.
 pub fn bind_to_cpu(cpu: usize) -> Result<()> {
     if cpu >= libc::CPU_SETSIZE as usize {

@@ -112,55 +112,69 @@ fn many_barriers_and_a_single_rank() {
 /// algorithm and rank count, with inputs whose sums round differently in other orders.
 #[test]
 fn float_results_are_deterministic() {
+    deterministic(roccl::net::NetKind::Tcp);
+}
+
+/// The same over shared memory, where the shm1/shm2 algorithms run too.
+#[test]
+fn float_results_are_deterministic_over_shared_memory() {
+    deterministic(roccl::net::NetKind::Shm);
+}
+
+fn deterministic(net: roccl::net::NetKind) {
     use roccl::{Algo, CallOpts, DataType};
-    run_ranks(
-        5,
-        config(Tuning {
-            slice: Some(4096),
-            depth: Some(3),
-            channels: Some(2),
-        }),
-        |c| {
-            let me = c.rank() as u64;
-            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (me * 0x1234_5678);
-            let input: Vec<f32> = (0..50_001)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    ((x >> 40) as f32 / 1e4 - 800.0) * 1.000_123
-                })
-                .collect();
-            for algo in [Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree] {
-                let mut first: Option<Vec<u32>> = None;
-                for _ in 0..3 {
-                    let mut out = vec![0f32; input.len()];
-                    let opts = CallOpts { algo: Some(algo) };
-                    c.run_raw(
-                        Collective::AllReduce(RedOp::Sum),
-                        DataType::F32,
-                        Some(bytemuck::cast_slice(&input)),
-                        bytemuck::cast_slice_mut(&mut out),
-                        &opts,
-                    )
-                    .unwrap();
-                    let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
-                    match &first {
-                        None => first = Some(bits),
-                        Some(f) => assert!(f == &bits, "{algo}: result changed between runs"),
-                    }
+    let mut cfg = config(Tuning {
+        slice: Some(4096),
+        depth: Some(3),
+        channels: Some(2),
+    });
+    cfg.net = net;
+    cfg.shm_slot = Some(64 << 10);
+    run_ranks(5, cfg, |c| {
+        let me = c.rank() as u64;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (me * 0x1234_5678);
+        let input: Vec<f32> = (0..50_001)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ((x >> 40) as f32 / 1e4 - 800.0) * 1.000_123
+            })
+            .collect();
+        let mut algos = vec![Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree];
+        if c.shm_collectives() {
+            algos.extend([Algo::ShmOneShot, Algo::ShmTwoShot]);
+        }
+        assert_eq!(c.shm_collectives(), net == roccl::net::NetKind::Shm);
+        for algo in algos {
+            let mut first: Option<Vec<u32>> = None;
+            for _ in 0..3 {
+                let mut out = vec![0f32; input.len()];
+                let opts = CallOpts { algo: Some(algo) };
+                c.run_raw(
+                    Collective::AllReduce(RedOp::Sum),
+                    DataType::F32,
+                    Some(bytemuck::cast_slice(&input)),
+                    bytemuck::cast_slice_mut(&mut out),
+                    &opts,
+                )
+                .unwrap();
+                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                match &first {
+                    None => first = Some(bits),
+                    Some(f) => assert!(f == &bits, "{algo}: result changed between runs"),
                 }
-                // Every rank holds the same bits: compare a checksum through the library.
-                let sum: u64 = first.unwrap().iter().map(|&b| b as u64).sum();
-                let mut all = vec![0u64; 5];
-                c.all_gather(&[sum], &mut all).unwrap();
-                assert!(
-                    all.iter().all(|&s| s == sum),
-                    "{algo}: ranks disagree: {all:?}"
-                );
             }
-        },
-    );
+            // Every rank holds the same bits: compare a checksum through the library.
+            let sum: u64 = first.unwrap().iter().map(|&b| b as u64).sum();
+            let mut all = vec![0u64; 5];
+            c.all_gather(&[sum], &mut all).unwrap();
+            assert!(
+                all.iter().all(|&s| s == sum),
+                "{algo}: ranks disagree: {all:?}"
+            );
+        }
+    });
 }
 
 #[test]

@@ -105,11 +105,53 @@ fn mismatched_counts_are_detected() {
     });
 }
 
+/// Shared-memory collectives compare what every rank called: different counts or different
+/// collectives are errors naming both, never each other's bytes.
+#[test]
+fn mismatched_calls_are_detected_in_shared_memory_collectives() {
+    let mut cfg = short(10);
+    cfg.net = roccl::net::NetKind::Shm;
+    for case in 0..2 {
+        run_ranks(3, cfg.clone(), move |c| {
+            let mut v = vec![1f32; 100];
+            c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+            let r = match (case, c.rank()) {
+                (0, 1) => c.all_reduce_in_place(&mut v[..50], RedOp::Sum),
+                (1, 2) => c.broadcast(&mut v, 0),
+                _ => c.all_reduce_in_place(&mut v, RedOp::Sum),
+            };
+            let e = r.expect_err("mismatched calls must fail").to_string();
+            assert!(
+                e.contains("bytes per rank") || e.contains("failed, was aborted or destroyed"),
+                "case {case} rank {}: {e}",
+                c.rank()
+            );
+            if case == 0 && c.rank() == 0 {
+                assert!(e.contains("200 bytes") && e.contains("400 bytes"), "{e}");
+            }
+        });
+    }
+}
+
 /// A rank that disappears mid-job: every other rank gets an error naming it, quickly.
 #[test]
 fn dead_rank_is_named_by_everyone() {
+    dead_rank(short(30));
+}
+
+/// The same in shared-memory collectives (every rank on this host): the others see the
+/// victim's segment marked when its communicator goes away.
+#[test]
+fn dead_rank_is_named_in_shared_memory_collectives() {
+    let mut cfg = short(30);
+    cfg.net = roccl::net::NetKind::Shm;
+    cfg.algo = Some(roccl::Algo::ShmTwoShot);
+    dead_rank(cfg);
+}
+
+fn dead_rank(cfg: Config) {
     for victim in [0usize, 2] {
-        run_ranks(5, short(30), move |c| {
+        run_ranks(5, cfg.clone(), move |c| {
             let mut v = vec![1f32; 300_000];
             c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
             if c.rank() == victim {
@@ -139,8 +181,21 @@ fn dead_rank_is_named_by_everyone() {
 /// a few): the others time out and all name it, not each other.
 #[test]
 fn hung_rank_is_named_after_the_timeout() {
+    hung_rank(short(2));
+}
+
+/// The same in shared-memory collectives.
+#[test]
+fn hung_rank_is_named_in_shared_memory_collectives() {
+    let mut cfg = short(2);
+    cfg.net = roccl::net::NetKind::Shm;
+    cfg.algo = Some(roccl::Algo::ShmOneShot);
+    hung_rank(cfg);
+}
+
+fn hung_rank(cfg: Config) {
     for warm in [false, true] {
-        run_ranks(4, short(2), move |c| {
+        run_ranks(4, cfg.clone(), move |c| {
             if warm {
                 c.all_reduce_in_place(&mut [1f64; 1000], RedOp::Sum)
                     .unwrap();

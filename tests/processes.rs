@@ -154,15 +154,22 @@ fn joins_from_torchrun_environment() {
 
 /// Kill one rank process in the middle of a run: the others exit with an error that names
 /// it, well within the timeout — over TCP, the userspace RoCE v2 engine, shared memory, and
-/// `auto` (shared memory between these processes of one host).
+/// `auto` (shared memory between these processes of one host), and in the shared-memory
+/// collectives (`shm2`: the survivors notice the process is gone while they wait).
 #[test]
 fn killed_rank_is_named() {
-    for net in ["tcp", "rocev2", "shm", "auto"] {
-        killed_rank_is_named_over(net);
+    for (net, algo) in [
+        ("tcp", "auto"),
+        ("rocev2", "auto"),
+        ("shm", "ring"),
+        ("auto", "auto"),
+        ("shm", "shm2"),
+    ] {
+        killed_rank_is_named_over(net, algo);
     }
 }
 
-fn killed_rank_is_named_over(net: &str) {
+fn killed_rank_is_named_over(net: &str, algo: &str) {
     let id = roccl::UniqueId::new().unwrap();
     let mut kids: Vec<_> = (0..3)
         .map(|r| {
@@ -183,6 +190,8 @@ fn killed_rank_is_named_over(net: &str) {
                     "--check=false",
                     "--net",
                     net,
+                    "--algo",
+                    algo,
                 ])
                 .env("ROCCL_UNIQUE_ID", id.to_hex())
                 .env("ROCCL_RANK", r.to_string())
@@ -203,15 +212,15 @@ fn killed_rank_is_named_over(net: &str) {
             continue;
         }
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{net} rank {r}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{net} {algo} rank {r}: {err}");
         assert!(
             err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"),
-            "{net} rank {r}: {err}"
+            "{net} {algo} rank {r}: {err}"
         );
     }
     assert!(
         t.elapsed() < Duration::from_secs(20),
-        "{net}: took {:?}",
+        "{net} {algo}: took {:?}",
         t.elapsed()
     );
 }

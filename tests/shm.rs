@@ -12,18 +12,18 @@ fn shm_2_ranks() {
     net_matrix(NetKind::Shm, "shm", 2, Tuning::default());
 }
 
+/// Small slices and slots: ring pipelines of many slices, shared-memory collectives of many
+/// pieces (slot reuse across calls).
 #[test]
 fn shm_3_ranks_pipelined() {
-    net_matrix(
-        NetKind::Shm,
-        "shm",
-        3,
-        Tuning {
-            slice: Some(4096),
-            depth: Some(3),
-            channels: Some(2),
-        },
-    );
+    let mut cfg = config(Tuning {
+        slice: Some(4096),
+        depth: Some(3),
+        channels: Some(2),
+    });
+    cfg.net = NetKind::Shm;
+    cfg.shm_slot = Some(4096);
+    net_matrix_cfg(cfg, "shm", 3);
 }
 
 #[test]

@@ -9,6 +9,7 @@
 pub mod model;
 mod p2p;
 mod ring;
+pub(crate) mod shm;
 mod tree;
 
 use std::collections::VecDeque;
@@ -40,6 +41,12 @@ pub enum Algo {
     Direct,
     /// Recursive doubling: log2(n) pairwise exchanges of the whole buffer (small messages).
     Doubling,
+    /// Through the host's shared-memory segments, one synchronisation per piece: every rank
+    /// reads every input (all ranks on one host; every collective).
+    ShmOneShot,
+    /// Through the host's shared-memory segments, two-shot all-reduce: each rank reduces
+    /// a 1/n share, then everyone copies the reduced shares (all ranks on one host).
+    ShmTwoShot,
 }
 
 impl Algo {
@@ -50,6 +57,8 @@ impl Algo {
             Algo::Tree => "tree",
             Algo::Direct => "direct",
             Algo::Doubling => "doubling",
+            Algo::ShmOneShot => "shm1",
+            Algo::ShmTwoShot => "shm2",
         }
     }
 }
@@ -68,8 +77,10 @@ impl FromStr for Algo {
             "tree" => Ok(Algo::Tree),
             "direct" | "oneshot" | "one-shot" => Ok(Algo::Direct),
             "doubling" | "rd" | "recursive-doubling" => Ok(Algo::Doubling),
+            "shm1" | "shm" | "shm-oneshot" => Ok(Algo::ShmOneShot),
+            "shm2" | "shm-twoshot" => Ok(Algo::ShmTwoShot),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct or doubling"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, shm1 or shm2"
             ))),
         }
     }

@@ -29,6 +29,16 @@ pub struct LinkCost {
     /// with other ranks (0 when every rank has a core): with more ranks than cores, a
     /// message costs a context switch, so algorithms with fewer messages win.
     pub msg_cpu_us: f64,
+    /// Every rank is on this host and the shared-memory segments are mapped: the cost in µs
+    /// of one synchronisation of the `shm1`/`shm2` algorithms (`None`: they do not exist).
+    pub flat_sync_us: Option<f64>,
+    /// Memory copy speed in GB/s of one core (shared-memory algorithms).
+    pub copy_gbs: f64,
+    /// The share of a core each rank of this host gets (1 with a core per rank): scales the
+    /// copies and reductions of the shared-memory algorithms.
+    pub cpu_share: f64,
+    /// Bytes per piece of the shared-memory algorithms.
+    pub flat_slot: usize,
 }
 
 impl Default for LinkCost {
@@ -38,6 +48,10 @@ impl Default for LinkCost {
             beta_gbs: 2.5,
             gamma_gbs: 10.0,
             msg_cpu_us: 0.0,
+            flat_sync_us: None,
+            copy_gbs: 8.0,
+            cpu_share: 1.0,
+            flat_slot: 256 << 10,
         }
     }
 }
@@ -116,8 +130,47 @@ pub fn estimate(
     if n <= 1 {
         return 0.0;
     }
+    if matches!(algo, Algo::ShmOneShot | Algo::ShmTwoShot) {
+        return estimate_flat(kind, algo, n, bytes, c);
+    }
     estimate_wire(kind, algo, n, b, c, wire, red, fill)
         + c.msg_cpu_us * messages(kind, algo, n, bytes)
+}
+
+/// Shared-memory algorithms: per piece of at most one slot, one synchronisation (two for
+/// two-shot), plus the copies into and out of the slots and the reductions.
+fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost) -> f64 {
+    let Some(sync) = c.flat_sync_us else {
+        return f64::INFINITY;
+    };
+    let (b, nf) = (bytes as f64, n as f64);
+    // A byte published by one core and read by another costs about two local copies
+    // (fitted on 2 cores: scripts/algo-sweep.sh, docs/PERFORMANCE.md).
+    let copy = |x: f64| x / (c.copy_gbs * c.cpu_share * 1e3);
+    let red = |x: f64| x / (c.gamma_gbs * c.cpu_share * 1e3);
+    // Pieces: the slot bounds the bytes each rank publishes per piece.
+    let per_piece = match kind {
+        CollKind::AllGather => b / nf,
+        _ => b,
+    };
+    let pieces = (per_piece / c.flat_slot as f64).ceil().max(1.0);
+    match (kind, algo) {
+        (CollKind::AllReduce, Algo::ShmTwoShot) => {
+            2.0 * pieces * sync
+                + copy(b)
+                + red((nf - 1.0) / nf * b)
+                + copy(2.0 * (nf - 1.0) / nf * b)
+        }
+        (CollKind::AllReduce | CollKind::Reduce, _) => {
+            pieces * sync + copy(2.0 * b) + red((nf - 1.0) * b)
+        }
+        (CollKind::ReduceScatter, _) => pieces * sync + copy(2.0 * b) + red((nf - 1.0) / nf * b),
+        // The root's copy of the next piece overlaps the readers' copy of this one.
+        (CollKind::Broadcast, _) => {
+            pieces * sync + copy(2.0 * b + per_piece.min(c.flat_slot as f64))
+        }
+        (CollKind::AllGather | CollKind::AllToAll, _) => pieces * sync + copy(b / nf + 2.0 * b),
+    }
 }
 
 /// Messages sent plus received per rank, averaged over the ranks (for the shared-core CPU
@@ -132,6 +185,7 @@ fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
     };
     let tree_edges = 2.0 * (nf - 1.0) / nf; // one message each way per edge, two ends
     match (kind, algo) {
+        (CollKind::AllReduce, Algo::ShmOneShot | Algo::ShmTwoShot) => 0.0,
         (CollKind::AllReduce, Algo::Direct) | (CollKind::AllToAll, _) => 2.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Doubling) => 2.0 * doubling_steps(n),
         (CollKind::AllReduce, Algo::Ring) => 4.0 * (nf - 1.0),
@@ -158,7 +212,7 @@ fn estimate_wire(
             let steps = doubling_steps(n);
             steps * c.alpha_us + wire(steps * b) + red(steps * b)
         }
-        (CollKind::AllReduce, Algo::Direct) => {
+        (CollKind::AllReduce, Algo::Direct | Algo::ShmOneShot | Algo::ShmTwoShot) => {
             c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
         }
         (CollKind::AllReduce, Algo::Ring) => {
@@ -197,13 +251,21 @@ fn estimate_wire(
     }
 }
 
-/// Algorithms that exist for `kind`.
+/// Algorithms that exist for `kind` over the network.
 pub fn candidates(kind: CollKind) -> &'static [Algo] {
     match kind {
         CollKind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
         CollKind::Broadcast | CollKind::Reduce => &[Algo::Ring, Algo::Tree],
         CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring],
         CollKind::AllToAll => &[Algo::Direct],
+    }
+}
+
+/// Algorithms that exist for `kind` when every rank is on this host with shared memory.
+pub fn flat_candidates(kind: CollKind) -> &'static [Algo] {
+    match kind {
+        CollKind::AllReduce => &[Algo::ShmOneShot, Algo::ShmTwoShot],
+        _ => &[Algo::ShmOneShot],
     }
 }
 
@@ -219,16 +281,21 @@ pub fn choose(
     forced: Option<Algo>,
     t: &Tuning,
 ) -> (Algo, Pipeline) {
-    let cands = candidates(kind);
+    let flat: &[Algo] = if c.flat_sync_us.is_some() && n > 1 {
+        flat_candidates(kind)
+    } else {
+        &[]
+    };
+    let cands = candidates(kind).iter().chain(flat);
     let piece = |a: Algo| match (kind, a) {
         (CollKind::AllReduce, Algo::Ring) => bytes / n.max(1),
         (CollKind::AllReduce, Algo::Tree) => bytes / 2,
         _ => bytes,
     };
-    if let Some(f) = forced.filter(|f| cands.contains(f)) {
+    if let Some(f) = forced.filter(|f| cands.clone().any(|a| a == f)) {
         return (f, pipeline(piece(f), bytes, t));
     }
-    let mut best = (cands[0], f64::INFINITY);
+    let mut best = (candidates(kind)[0], f64::INFINITY);
     for &a in cands {
         if matches!(a, Algo::Direct | Algo::Doubling)
             && kind == CollKind::AllReduce
@@ -284,6 +351,51 @@ mod tests {
         assert!(matches!(a, Algo::Tree | Algo::Doubling), "{a}");
         assert_eq!(
             choose(CollKind::AllReduce, 4, 8, &LinkCost::default(), None, &t).0,
+            Algo::Direct
+        );
+    }
+
+    #[test]
+    fn shared_memory_algorithms_only_where_mapped() {
+        let t = Tuning::default();
+        let flat = LinkCost {
+            alpha_us: 1.0,
+            beta_gbs: 8.0,
+            flat_sync_us: Some(0.3),
+            ..LinkCost::default()
+        };
+        // Small calls go through the segments; large 2-rank all-reduce stays on the ring
+        // (measured: 1 MiB ring 78 µs, shm1 150 µs, shm2 140 µs).
+        assert_eq!(
+            choose(CollKind::AllReduce, 2, 8, &flat, None, &t).0,
+            Algo::ShmOneShot
+        );
+        assert_eq!(
+            choose(CollKind::AllReduce, 2, 1 << 20, &flat, None, &t).0,
+            Algo::Ring
+        );
+        // Four ranks on two cores: two-shot from tens of KiB.
+        let shared = LinkCost {
+            flat_sync_us: Some(2.0),
+            cpu_share: 0.5,
+            msg_cpu_us: 20.0,
+            ..flat
+        };
+        assert_eq!(
+            choose(CollKind::AllReduce, 4, 32 << 10, &shared, None, &t).0,
+            Algo::ShmTwoShot
+        );
+        for k in [CollKind::Broadcast, CollKind::AllGather, CollKind::AllToAll] {
+            assert_eq!(choose(k, 4, 64, &shared, None, &t).0, Algo::ShmOneShot);
+        }
+        // Without mapped segments they are neither chosen nor can they be forced.
+        let net = LinkCost::default();
+        assert_ne!(
+            choose(CollKind::AllReduce, 2, 8, &net, None, &t).0,
+            Algo::ShmOneShot
+        );
+        assert_eq!(
+            choose(CollKind::AllReduce, 2, 8, &net, Some(Algo::ShmTwoShot), &t).0,
             Algo::Direct
         );
     }

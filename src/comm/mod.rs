@@ -17,7 +17,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::algo::model::{self, CollKind, LinkCost, Tuning};
-use crate::algo::{self, Algo, Pipeline};
+use crate::algo::{self, shm, Algo, Pipeline};
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
@@ -38,6 +38,9 @@ pub struct Config {
     pub tuning: Tuning,
     /// Waiting policy and timeout (`ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`).
     pub waiter: Waiter,
+    /// Bytes per slot of the shared-memory collectives (`ROCCL_SHM_SLOT`, a multiple of 4096;
+    /// `None` = 256 KiB); every rank of a host must use the same.
+    pub shm_slot: Option<usize>,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -67,6 +70,10 @@ impl Config {
                 channels: env_parse("ROCCL_NCHANNELS")?,
             },
             waiter: Waiter::from_env(),
+            shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {
+                Some(_) => Some(net::shm::node::slot_size()?),
+                None => None,
+            },
         })
     }
 }
@@ -142,6 +149,8 @@ pub enum P2p<'a> {
 
 struct State {
     links: Links,
+    /// Every rank's shared-memory segment, when all ranks are on this host.
+    node: Option<net::shm::node::Node>,
     stage: Vec<u64>,
     broken: Option<(ErrorKind, String)>,
     cfg: Config,
@@ -153,6 +162,7 @@ struct Shared {
     rank: usize,
     nranks: usize,
     net: &'static str,
+    flat: bool,
     state: Mutex<State>,
     turn: Condvar,
     tickets: AtomicU64,
@@ -201,7 +211,7 @@ const BLOB_VERSION: u32 = 2;
 /// shared-memory handle (flag byte, padding, handle).
 const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX;
 
-fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>) -> Vec<u8> {
+fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>, node: bool) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
     b.extend_from_slice(&BLOB_VERSION.to_le_bytes());
     b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
@@ -209,9 +219,14 @@ fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>) -> Vec<u8> {
     name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
     b.extend_from_slice(&name);
     b.extend_from_slice(handle.as_bytes());
-    b.extend_from_slice(&[u8::from(shm.is_some()), 0, 0, 0, 0, 0, 0, 0]);
+    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
     b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
     b
+}
+
+/// Whether a rank's blob says it created its flat shared-memory segment.
+fn blob_has_node(b: &[u8]) -> bool {
+    b.len() == BLOB_LEN && b[28 + HANDLE_MAX + 1] != 0
 }
 
 /// A rank's handles: its network's, and its shared-memory network's if it has one.
@@ -299,11 +314,31 @@ impl Communicator {
         } else {
             None
         };
+        // Segments for collectives through shared memory, created before the rendezvous so
+        // that peers on this host can map them once it is over.
+        let tag = nonce ^ ((nranks as u64) << 48);
+        let node_seg = if nranks > 1 && (shm.is_some() || cfg.net == NetKind::Shm) {
+            let slot = cfg.shm_slot.unwrap_or(net::shm::node::DEFAULT_SLOT);
+            match net::shm::node::NodeSeg::create(tag, rank, slot) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    crate::info!("shared-memory collectives unavailable on rank {rank}: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let table = bootstrap::rendezvous(
             id,
             rank,
             nranks,
-            &blob(&handle, net.name(), shm.as_ref().map(|s| &s.1)),
+            &blob(
+                &handle,
+                net.name(),
+                shm.as_ref().map(|s| &s.1),
+                node_seg.is_some(),
+            ),
             cfg.waiter.timeout,
         )?;
         let my_host = &table[rank][4..12];
@@ -311,7 +346,7 @@ impl Communicator {
             .iter()
             .filter(|b| b.len() >= 12 && &b[4..12] == my_host)
             .count();
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let cores = crate::sys::host_cores();
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
         let parsed = table
@@ -340,8 +375,15 @@ impl Communicator {
         let props = net.properties(0)?;
         // Peers on this host talk through the kernel's loopback path whatever the interface.
         let all_local = local_ranks == nranks;
+        // Every rank on this host with its segment: map them all (every rank decides alike).
+        let node = match node_seg {
+            Some(own) if all_local && table.iter().all(|b| blob_has_node(b)) => {
+                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter)?
+            }
+            _ => None,
+        };
         // Every peer over shared memory: no system call per message, copies at memory speed.
-        let all_shm = shm_peers > 0 && other_peers == 0;
+        let all_shm = (shm_peers > 0 && other_peers == 0) || net.name() == "shm";
         let cost = LinkCost {
             // Software overhead of a TCP message on top of the wire: two syscalls and a wakeup.
             alpha_us: if all_shm {
@@ -367,6 +409,18 @@ impl Communicator {
             } else {
                 0.0
             },
+            // With a core per rank a synchronisation is a cache-line transfer; with ranks
+            // sharing cores it costs a context switch.
+            flat_sync_us: node.as_ref().map(|_| {
+                if local_ranks > cores {
+                    local_ranks as f64 / cores as f64
+                } else {
+                    0.3
+                }
+            }),
+            copy_gbs: 8.0,
+            cpu_share: (cores as f64 / local_ranks as f64).min(1.0),
+            flat_slot: node.as_ref().map_or(256 << 10, |n| n.slot()),
         };
         let name = combined_name(net.name(), shm_peers, other_peers);
         crate::info!(
@@ -409,8 +463,10 @@ impl Communicator {
                 rank,
                 nranks,
                 net: name,
+                flat: node.is_some(),
                 state: Mutex::new(State {
                     links,
+                    node,
                     stage: Vec::new(),
                     broken: None,
                     cfg,
@@ -460,6 +516,12 @@ impl Communicator {
         self.shared.net
     }
 
+    /// Whether the shared-memory collectives (`shm1`, `shm2`) are available: every rank is
+    /// on this host and all of them mapped each other's segments.
+    pub fn shm_collectives(&self) -> bool {
+        self.shared.flat
+    }
+
     /// The error that made this communicator unusable, if any.
     pub fn async_error(&self) -> Option<String> {
         self.async_error_kind().map(|e| e.1)
@@ -484,6 +546,9 @@ impl Communicator {
                 "communicator aborted by the application".into(),
             )
         });
+        if let Some(node) = &st.node {
+            node.mark_broken();
+        }
         st.links.close_all();
     }
 
@@ -946,6 +1011,9 @@ impl State {
             return;
         }
         self.broken = Some((e.kind(), e.to_string()));
+        if let Some(node) = &self.node {
+            node.mark_broken();
+        }
         let cause = match e {
             Error::Remote { rank, .. } => Some(*rank),
             _ => self.links.suspect,
@@ -995,17 +1063,25 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
+                if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
+                    self.run_flat(coll, dt, recv.len(), |f| {
+                        shm::all_reduce_shm(f, dt, op, send, recv, a == Algo::ShmTwoShot)
+                    })?;
+                    return Ok(info(a, pl));
+                }
                 let need = match a {
                     Algo::Direct => algo::all_reduce_direct_stage(n, recv.len()),
                     Algo::Doubling => recv.len(),
                     Algo::Ring => algo::all_reduce_ring_stage(&pl),
                     Algo::Tree => 2 * algo::tree_stage(&pl),
+                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 };
                 self.run_exec(send, recv, need, |ex| match a {
                     Algo::Direct => algo::all_reduce_direct(ex, dt, op, count),
                     Algo::Doubling => algo::all_reduce_doubling(ex, dt, op, count),
                     Algo::Ring => algo::all_reduce_ring(ex, dt, op, count, &pl),
                     Algo::Tree => algo::all_reduce_tree(ex, dt, op, count, &pl),
+                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 })?;
                 Ok(info(a, pl))
             }
@@ -1016,6 +1092,12 @@ impl State {
                 same_len(send, recv.len(), "broadcast")?;
                 let (a, pl) = self.choose(CollKind::Broadcast, recv.len(), opts);
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    self.run_flat(coll, dt, recv.len(), |f| {
+                        shm::broadcast_shm(f, root, send, recv)
+                    })?;
                     return Ok(info(a, pl));
                 }
                 let need = if a == Algo::Tree {
@@ -1041,6 +1123,12 @@ impl State {
                 }
                 let (a, pl) = self.choose(CollKind::Reduce, input_len, opts);
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    self.run_flat(coll, dt, input_len, |f| {
+                        shm::reduce_shm(f, root, dt, op, send, recv)
+                    })?;
                     return Ok(info(a, pl));
                 }
                 let need = if a == Algo::Tree {
@@ -1077,6 +1165,13 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
+                if a == Algo::ShmOneShot {
+                    let block = count * esz;
+                    self.run_flat(coll, dt, block, |f| {
+                        shm::all_gather_shm(f, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
                 self.run_exec(send, recv, 64, |ex| {
                     algo::all_gather_ring(ex, dt, count, &pl)
                 })?;
@@ -1108,6 +1203,13 @@ impl State {
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
+                if a == Algo::ShmOneShot {
+                    let block = count * esz;
+                    self.run_flat(coll, dt, block, |f| {
+                        shm::reduce_scatter_shm(f, dt, op, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
                 let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
                 self.run_exec(send, recv, need, |ex| {
                     algo::reduce_scatter_ring(ex, dt, op, count, &pl)
@@ -1126,13 +1228,23 @@ impl State {
                 if total == 0 {
                     return Ok(info(a, pl));
                 }
-                let need = if send.is_none() { recv.len() } else { 64 };
                 let block = recv.len() / n;
+                if a == Algo::ShmOneShot {
+                    self.run_flat(coll, dt, block, |f| {
+                        shm::all_to_all_shm(f, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = if send.is_none() { recv.len() } else { 64 };
                 self.run_exec(send, recv, need, |ex| algo::all_to_all_pairwise(ex, block))?;
                 Ok(info(a, pl))
             }
             Collective::Barrier => {
-                self.run_exec(None, &mut [], 64, algo::barrier_dissemination)?;
+                if self.node.is_some() {
+                    self.run_flat(coll, dt, 0, shm::barrier_shm)?;
+                } else {
+                    self.run_exec(None, &mut [], 64, algo::barrier_dissemination)?;
+                }
                 Ok(CallInfo {
                     algo: None,
                     pipeline: None,
@@ -1160,6 +1272,39 @@ impl State {
                 })
             }
         }
+    }
+
+    /// Run a collective through the host's shared-memory segments (the model offers those
+    /// algorithms only when they are mapped).
+    fn run_flat(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        bytes: usize,
+        f: impl FnOnce(&mut shm::Flat) -> Result<()>,
+    ) -> Result<()> {
+        let (kind, op, root) = match coll {
+            Collective::AllReduce(op) => (1, Some(op), None),
+            Collective::Broadcast { root } => (2, None, Some(root)),
+            Collective::Reduce { op, root } => (3, Some(op), Some(root)),
+            Collective::AllGather => (4, None, None),
+            Collective::ReduceScatter(op) => (5, Some(op), None),
+            Collective::AllToAll => (6, None, None),
+            Collective::Barrier | Collective::SendRecv { .. } => (7, None, None),
+        };
+        let code = net::shm::node::code(kind, dt as u8, op.map_or(0xff, |o| o as u8), root);
+        let node = self.node.as_mut().ok_or_else(|| {
+            Error::Internal("shared-memory algorithm chosen without segments".into())
+        })?;
+        let mut flat = shm::Flat {
+            node,
+            waiter: &self.cfg.waiter,
+            abort: &self.links.abort,
+            nranks: self.links.nranks,
+            rank: self.links.rank,
+            meta: [bytes as u64, code],
+        };
+        f(&mut flat)
     }
 
     fn run_exec(
@@ -1191,12 +1336,13 @@ mod tests {
 
     #[test]
     fn rendezvous_blob_carries_both_handles() {
-        let b = blob(&handle(7), "tcp", Some(&handle(9)));
+        let b = blob(&handle(7), "tcp", Some(&handle(9)), true);
+        assert!(blob_has_node(&b));
         assert_eq!(b.len(), BLOB_LEN);
         let (h, s) = parse_blob(3, &b, "tcp").unwrap();
         assert_eq!(h.as_bytes()[..40], [7u8; 40]);
         assert_eq!(s.unwrap().as_bytes()[..40], [9u8; 40]);
-        let (_, none) = parse_blob(3, &blob(&handle(7), "tcp", None), "tcp").unwrap();
+        let (_, none) = parse_blob(3, &blob(&handle(7), "tcp", None, false), "tcp").unwrap();
         assert!(none.is_none());
         let e = parse_blob(3, &b, "rocev2").unwrap_err().to_string();
         assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");

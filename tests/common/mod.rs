@@ -22,6 +22,7 @@ pub fn config(tuning: Tuning) -> Config {
             timeout: Duration::from_secs(60),
             fixed: true,
         },
+        shm_slot: None,
     }
 }
 
@@ -168,12 +169,27 @@ pub const KINDS: [Kind; 6] = [
     Kind::AllToAll,
 ];
 
+/// Every algorithm of `k`; the shared-memory ones run only on communicators that have them
+/// (`one` skips them elsewhere, and checks that a forced algorithm really ran).
 pub fn algos(k: Kind) -> &'static [Algo] {
     match k {
-        Kind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
-        Kind::Broadcast | Kind::Reduce => &[Algo::Ring, Algo::Tree],
-        _ => &[Algo::Ring],
+        Kind::AllReduce => &[
+            Algo::Direct,
+            Algo::Doubling,
+            Algo::Ring,
+            Algo::Tree,
+            Algo::ShmOneShot,
+            Algo::ShmTwoShot,
+        ],
+        Kind::Broadcast | Kind::Reduce => &[Algo::Ring, Algo::Tree, Algo::ShmOneShot],
+        Kind::AllToAll => &[Algo::Direct, Algo::ShmOneShot],
+        _ => &[Algo::Ring, Algo::ShmOneShot],
     }
+}
+
+/// Whether `algo` is one of the shared-memory algorithms.
+pub fn is_flat(algo: Algo) -> bool {
+    matches!(algo, Algo::ShmOneShot | Algo::ShmTwoShot)
 }
 
 /// Run one collective and check this rank's result. `count` is the per-rank element count
@@ -190,6 +206,9 @@ pub fn one(
     root: usize,
 ) {
     let (n, me) = (c.nranks(), c.rank());
+    if is_flat(algo) && !c.shm_collectives() {
+        return;
+    }
     let es = dt.size();
     let opts = CallOpts { algo: Some(algo) };
     let what = format!(
@@ -202,7 +221,8 @@ pub fn one(
         } else {
             c.run_raw(coll, dt, Some(send), out, &opts)
         };
-        r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        let info = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+        ran(&what, n, algo, info.algo);
     };
     match k {
         Kind::AllReduce => {
@@ -245,7 +265,12 @@ pub fn one(
             } else {
                 c.run_raw(Collective::AllGather, dt, Some(&mine), &mut out, &opts)
             };
-            r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            ran(
+                &what,
+                n,
+                algo,
+                r.unwrap_or_else(|e| panic!("{what}: {e}")).algo,
+            );
             check(&what, dt, &out, |j| {
                 val(dt, op, j / count.max(1), j % count.max(1))
             });
@@ -265,7 +290,12 @@ pub fn one(
                     &opts,
                 )
             };
-            r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            ran(
+                &what,
+                n,
+                algo,
+                r.unwrap_or_else(|e| panic!("{what}: {e}")).algo,
+            );
             let mine = if in_place {
                 &out[me * count * es..(me + 1) * count * es]
             } else {
@@ -288,13 +318,28 @@ pub fn one(
     }
 }
 
+/// A forced shared-memory algorithm must have run (network algorithms a collective lacks
+/// fall back to the model; one rank needs no algorithm).
+fn ran(what: &str, n: usize, forced: Algo, used: Option<Algo>) {
+    if is_flat(forced) && n > 1 {
+        assert_eq!(used, Some(forced), "{what}: a different algorithm ran");
+    }
+}
+
 /// Every collective × algorithm × some dtypes/ops × counts 0, 1, 7, 1000, 70001 × in and out
 /// of place on `n` ranks (threads) over network `net`, whose name must be `name`.
 pub fn net_matrix(net: NetKind, name: &str, n: usize, tuning: Tuning) {
     let mut cfg = config(tuning);
     cfg.net = net;
+    net_matrix_cfg(cfg, name, n);
+}
+
+/// [`net_matrix`] with a whole configuration. Communicators whose every rank is on shared
+/// memory must have the shared-memory collectives, and no other may.
+pub fn net_matrix_cfg(cfg: Config, name: &str, n: usize) {
     run_ranks(n, cfg, |c| {
         assert_eq!(c.net_name(), name);
+        assert_eq!(c.shm_collectives(), name == "shm" && n > 1, "{name}");
         for k in KINDS {
             for &algo in algos(k) {
                 for (dt, op) in [

@@ -28,6 +28,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+pub(crate) mod node;
+
 const HANDLE_MAGIC: u32 = 0x4d48_5352; // "RSHM"
 const NAME_MSG: usize = 96;
 /// Bytes of a message header in the ring: length (u64), tag (u32), kind (u32: 0 payload
@@ -138,7 +140,11 @@ unsafe impl Send for Segment {}
 impl Segment {
     /// Create and map a segment of `ring` data bytes under `name`.
     fn create(name: &CString, ring: usize) -> Result<Segment> {
-        let len = SEG_HDR + ring;
+        Self::create_len(name, SEG_HDR + ring)
+    }
+
+    /// Create and map a segment of `len` bytes under `name`.
+    fn create_len(name: &CString, len: usize) -> Result<Segment> {
         // SAFETY: valid NUL-terminated name; flags create a new private segment.
         let fd = unsafe {
             libc::shm_open(
@@ -163,7 +169,7 @@ impl Segment {
             }
             return Err(Error::sys(
                 format!(
-                    "reserving {len} bytes of shared memory in /dev/shm (full? in a container raise --shm-size, or lower ROCCL_SHM_RING)"
+                    "reserving {len} bytes of shared memory in /dev/shm (full? in a container raise --shm-size, or lower ROCCL_SHM_RING / ROCCL_SHM_SLOT)"
                 ),
                 std::io::Error::from_raw_os_error(r),
             ));
@@ -176,6 +182,11 @@ impl Segment {
 
     /// Map the existing segment `name`.
     fn open(name: &CString, ring: usize) -> Result<Segment> {
+        Self::open_len(name, SEG_HDR + ring)
+    }
+
+    /// Map the existing segment `name` of `len` bytes.
+    fn open_len(name: &CString, len: usize) -> Result<Segment> {
         // SAFETY: valid NUL-terminated name.
         let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR, 0) };
         if fd < 0 {
@@ -184,7 +195,7 @@ impl Segment {
                 name.to_string_lossy()
             )));
         }
-        Self::map(fd, SEG_HDR + ring)
+        Self::map(fd, len)
     }
 
     fn map(fd: i32, len: usize) -> Result<Segment> {

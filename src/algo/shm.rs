@@ -1,0 +1,298 @@
+//! Collectives through the host's shared-memory segments (every rank on one host).
+//!
+//! Each call runs in pieces of at most one slot. Per piece a rank copies its input into its
+//! own slot, publishes it, waits for the ranks it reads and then reduces or copies straight
+//! out of their slots into its output: one synchronisation and no message per piece.
+//!
+//! | algorithm | syncs per piece | bytes a rank copies in / reads out |
+//! |---|---|---|
+//! | all-reduce one-shot | 1 | B / n·B (reduces all inputs itself) |
+//! | all-reduce two-shot | 2 | B / B + (n−1)/n·B (reduces its 1/n, copies the rest reduced) |
+//! | broadcast | 1 | root B / others B |
+//! | reduce | 1 | B / root n·B |
+//! | all-gather | 1 | B / n·B |
+//! | reduce-scatter | 1 | n·B / n·B (B = output block) |
+//! | all-to-all | 1 | n·B / n·B (B = block) |
+//!
+//! Every rank reduces the inputs in rank order, so results are bit-identical everywhere.
+
+use std::sync::atomic::AtomicBool;
+
+use crate::comm::Waiter;
+use crate::error::Result;
+use crate::net::shm::node::{Area, Counter, Node};
+use crate::reduce::{finish_avg, reduce_into, reduce_to};
+use crate::types::{DataType, RedOp};
+
+/// A flat call's context: the segments, the waiting policy and the abort flag.
+pub(crate) struct Flat<'a> {
+    pub node: &'a mut Node,
+    pub waiter: &'a Waiter,
+    pub abort: &'a AtomicBool,
+    pub nranks: usize,
+    pub rank: usize,
+    /// What this call is, checked against every rank read: bytes per rank and the code of
+    /// [`crate::net::shm::node::code`].
+    pub meta: [u64; 2],
+}
+
+impl Flat<'_> {
+    fn begin(&mut self) -> Result<u32> {
+        self.node.begin(self.meta, self.waiter, self.abort)
+    }
+
+    fn wait_all(&self, c: Counter, k: u32) -> Result<()> {
+        self.node.wait_all(c, k, self.waiter, self.abort)
+    }
+
+    fn wait_one(&self, r: usize, k: u32) -> Result<()> {
+        self.node
+            .wait_one(r, Counter::Arrive, k, self.waiter, self.abort)
+    }
+
+    /// Pieces of `total` bytes, each at most `max` bytes and a multiple of `esz`.
+    fn pieces(total: usize, max: usize, esz: usize) -> impl Iterator<Item = (usize, usize)> {
+        let step = (max / esz).max(1) * esz;
+        (0..total)
+            .step_by(step.max(1))
+            .map(move |off| (off, step.min(total - off)))
+    }
+
+    /// Reduce `len` bytes at `off` of every rank's input slot, in rank order, into `dst`.
+    /// Works in blocks that stay in L1: each peer's block is first copied next to the
+    /// output (a streaming copy reads another core's cache lines far faster than the
+    /// reduction loop's loads do: 1 MiB two-shot on 2 cores, 136 µs reducing straight from
+    /// the peers' slots, see docs/PERFORMANCE.md).
+    fn reduce_inputs(
+        &self,
+        k: u32,
+        off: usize,
+        dst: &mut [u8],
+        dt: DataType,
+        op: RedOp,
+    ) -> Result<()> {
+        let mut scratch = Scratch([0u8; REDUCE_BLOCK]);
+        let n = self.nranks;
+        let block = REDUCE_BLOCK / dt.size() * dt.size();
+        for (i, out) in dst.chunks_mut(block).enumerate() {
+            let (at, len) = (off + i * block, out.len());
+            let input = |r: usize| self.node.read(r, k, Area::Input, at, len);
+            let tmp = &mut scratch.0[..len];
+            let first = if self.rank == 0 { 1 } else { 0 };
+            tmp.copy_from_slice(input(first));
+            reduce_to(out, input(1 - first), tmp, dt, op)?;
+            for r in 2..n {
+                tmp.copy_from_slice(input(r));
+                reduce_into(out, tmp, dt, op)?;
+            }
+            if op == RedOp::Avg {
+                finish_avg(out, dt, n)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes reduced at a time (the output block and a copied input stay in L1).
+const REDUCE_BLOCK: usize = 8192;
+
+/// Aligned for every element type, so the reduction takes its vectorized path.
+#[repr(align(64))]
+struct Scratch([u8; REDUCE_BLOCK]);
+
+/// All-reduce: one-shot (every rank reduces everything) or two-shot (each rank reduces a
+/// 1/n share, then everyone copies the reduced shares).
+pub(crate) fn all_reduce_shm(
+    f: &mut Flat,
+    dt: DataType,
+    op: RedOp,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    two_shot: bool,
+) -> Result<()> {
+    let esz = dt.size();
+    let n = f.nranks;
+    for (off, len) in Flat::pieces(recv.len(), f.node.slot(), esz) {
+        let k = f.begin()?;
+        let src = match send {
+            Some(s) => &s[off..off + len],
+            None => &recv[off..off + len],
+        };
+        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        f.node.publish(Counter::Arrive, k);
+        f.wait_all(Counter::Arrive, k)?;
+        let out = &mut recv[off..off + len];
+        if !two_shot {
+            f.reduce_inputs(k, 0, out, dt, op)?;
+            continue;
+        }
+        let elems = len / esz;
+        let share = |r: usize| {
+            let (q, m) = (elems / n, elems % n);
+            let start = r * q + r.min(m);
+            (start * esz, (q + usize::from(r < m)) * esz)
+        };
+        let (mo, ml) = share(f.rank);
+        if ml > 0 {
+            let mine = f.node.own(k, Area::Result, mo, ml);
+            f.reduce_inputs(k, mo, mine, dt, op)?;
+        }
+        f.node.publish(Counter::Result, k);
+        f.wait_all(Counter::Result, k)?;
+        for r in 0..n {
+            let (o, l) = share(r);
+            out[o..o + l].copy_from_slice(f.node.read(r, k, Area::Result, o, l));
+        }
+    }
+    Ok(())
+}
+
+/// Broadcast from `root`: the root fills its slot, the others copy it out.
+pub(crate) fn broadcast_shm(
+    f: &mut Flat,
+    root: usize,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
+    for (off, len) in Flat::pieces(recv.len(), f.node.slot(), 1) {
+        let k = f.begin()?;
+        if f.rank == root {
+            let src = match send {
+                Some(s) => &s[off..off + len],
+                None => &recv[off..off + len],
+            };
+            f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+            f.node.publish(Counter::Arrive, k);
+            if let Some(s) = send {
+                recv[off..off + len].copy_from_slice(&s[off..off + len]);
+            }
+        } else {
+            f.node.publish(Counter::Arrive, k);
+            f.wait_one(root, k)?;
+            recv[off..off + len].copy_from_slice(f.node.read(root, k, Area::Input, 0, len));
+        }
+    }
+    Ok(())
+}
+
+/// Reduce to `root`: everyone publishes its input, the root reduces all of them.
+pub(crate) fn reduce_shm(
+    f: &mut Flat,
+    root: usize,
+    dt: DataType,
+    op: RedOp,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
+    let total = send.map_or(recv.len(), |s| s.len());
+    for (off, len) in Flat::pieces(total, f.node.slot(), dt.size()) {
+        let k = f.begin()?;
+        let src = match send {
+            Some(s) => &s[off..off + len],
+            None => &recv[off..off + len],
+        };
+        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        f.node.publish(Counter::Arrive, k);
+        if f.rank == root {
+            f.wait_all(Counter::Arrive, k)?;
+            f.reduce_inputs(k, 0, &mut recv[off..off + len], dt, op)?;
+        }
+    }
+    Ok(())
+}
+
+/// All-gather of blocks of `block` bytes (in place: our block is block `rank` of `recv`).
+pub(crate) fn all_gather_shm(
+    f: &mut Flat,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    block: usize,
+) -> Result<()> {
+    let me = f.rank;
+    for (off, len) in Flat::pieces(block, f.node.slot(), 1) {
+        let k = f.begin()?;
+        let src = match send {
+            Some(s) => &s[off..off + len],
+            None => &recv[me * block + off..me * block + off + len],
+        };
+        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        f.node.publish(Counter::Arrive, k);
+        f.wait_all(Counter::Arrive, k)?;
+        for r in 0..f.nranks {
+            if r == me && send.is_none() {
+                continue;
+            }
+            let at = r * block + off;
+            recv[at..at + len].copy_from_slice(f.node.read(r, k, Area::Input, 0, len));
+        }
+    }
+    Ok(())
+}
+
+/// Reduce-scatter into blocks of `block` bytes (in place: the result is block `rank` of
+/// `recv`, which holds every rank's input).
+pub(crate) fn reduce_scatter_shm(
+    f: &mut Flat,
+    dt: DataType,
+    op: RedOp,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    block: usize,
+) -> Result<()> {
+    let (n, me) = (f.nranks, f.rank);
+    for (off, len) in Flat::pieces(block, f.node.slot() / n, dt.size()) {
+        let k = f.begin()?;
+        {
+            let input: &[u8] = send.unwrap_or(recv);
+            let slot = f.node.own(k, Area::Input, 0, n * len);
+            for d in 0..n {
+                slot[d * len..(d + 1) * len]
+                    .copy_from_slice(&input[d * block + off..d * block + off + len]);
+            }
+        }
+        f.node.publish(Counter::Arrive, k);
+        f.wait_all(Counter::Arrive, k)?;
+        let at = if send.is_some() {
+            off
+        } else {
+            me * block + off
+        };
+        f.reduce_inputs(k, me * len, &mut recv[at..at + len], dt, op)?;
+    }
+    Ok(())
+}
+
+/// All-to-all of blocks of `block` bytes.
+pub(crate) fn all_to_all_shm(
+    f: &mut Flat,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    block: usize,
+) -> Result<()> {
+    let (n, me) = (f.nranks, f.rank);
+    for (off, len) in Flat::pieces(block, f.node.slot() / n, 1) {
+        let k = f.begin()?;
+        {
+            let input: &[u8] = send.unwrap_or(recv);
+            let slot = f.node.own(k, Area::Input, 0, n * len);
+            for d in 0..n {
+                slot[d * len..(d + 1) * len]
+                    .copy_from_slice(&input[d * block + off..d * block + off + len]);
+            }
+        }
+        f.node.publish(Counter::Arrive, k);
+        f.wait_all(Counter::Arrive, k)?;
+        for r in 0..n {
+            let at = r * block + off;
+            recv[at..at + len].copy_from_slice(f.node.read(r, k, Area::Input, me * len, len));
+        }
+    }
+    Ok(())
+}
+
+/// Barrier: one flat call with no data.
+pub(crate) fn barrier_shm(f: &mut Flat) -> Result<()> {
+    let k = f.begin()?;
+    f.node.publish(Counter::Arrive, k);
+    f.wait_all(Counter::Arrive, k)
+}

@@ -1,0 +1,584 @@
+//! One shared-memory segment per rank for collectives among the ranks of one host.
+//!
+//! When every rank of a communicator is on this host, each rank maps every other rank's
+//! segment, and a collective costs one synchronisation instead of messages: a rank copies its
+//! input into its own slot, bumps its `arrive` counter, waits for the counters of the ranks
+//! it reads, and reduces or copies straight out of their slots (see `algo::shm`).
+//!
+//! Layout of a rank's segment: four cache lines of counters (`arrive`, `result`, the number
+//! of ranks sleeping on this segment's counters, and a line of fixed facts: pid, slot size,
+//! the attach flag and the broken flag), then two input slot sets and one result area of
+//! `slot` bytes each.
+//!
+//! Slot reuse needs no extra step: flat call `k` writes input set `k % 2`, and before that it
+//! waits until every peer has begun call `k − 1`, which a peer does only after it finished
+//! call `k − 2`, the last one that read set `k % 2`. A rank writes its result area in call
+//! `k` only after all peers began call `k`, so they are done with call `k − 1`'s results.
+//!
+//! Waiting follows the communicator's [`Waiter`]: spin, yield, then sleep in `futex(2)` on
+//! the counter awaited (the writer wakes sleepers only when the segment says there are any).
+//! While sleeping, the waiter checks that the lagging peers' processes exist and have not
+//! marked their communicator broken, so a dead peer is named within ~10 ms.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::Segment;
+use crate::comm::Waiter;
+use crate::error::{Error, Result};
+use crate::types::{DataType, RedOp};
+
+/// Bytes before the slots (a page, so slots start page-aligned).
+const NODE_HDR: usize = 4096;
+
+#[repr(C)]
+struct NodeHeader {
+    /// Flat calls whose input this rank has published.
+    arrive: AtomicU32,
+    _p0: [u8; 60],
+    /// Flat calls whose reduced chunk this rank has published (two-shot).
+    result: AtomicU32,
+    _p1: [u8; 60],
+    /// Ranks sleeping in futex(2) on this segment's counters.
+    sleepers: AtomicU32,
+    _p2: [u8; 60],
+    pid: AtomicU32,
+    slot_kib: AtomicU32,
+    /// 0 while attaching, 1 attached to every peer, 2 attaching failed.
+    attached: AtomicU32,
+    /// Set when this rank's communicator failed or was aborted.
+    broken: AtomicU32,
+    /// The pid namespace of `pid` (inode of /proc/self/ns/pid): pids are compared only
+    /// within one namespace.
+    pidns: AtomicU64,
+    _p3: [u8; 40],
+    /// What the call of each input slot set is (bytes per rank, collective code), so that
+    /// ranks that called different collectives or counts get an error instead of each
+    /// other's bytes.
+    meta: [[AtomicU64; 2]; 2],
+    _p4: [u8; 32],
+}
+
+const _: () = assert!(std::mem::size_of::<NodeHeader>() == 320);
+
+/// Which counter of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Counter {
+    /// Input published.
+    Arrive,
+    /// Reduced chunk published.
+    Result,
+}
+
+/// Which area of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Area {
+    /// The input slot set of a call.
+    Input,
+    /// The result area.
+    Result,
+}
+
+/// A collective's code for [`Node::begin`]: kind, data type, op and root in one word.
+pub(crate) fn code(kind: u8, dtype: u8, op: u8, root: Option<usize>) -> u64 {
+    u64::from(kind)
+        | u64::from(dtype) << 8
+        | u64::from(op) << 16
+        | root.map_or(0xffff_ffff, |r| r as u64 & 0xffff_ffff) << 32
+}
+
+fn describe(code: u64) -> String {
+    let kind = [
+        "?",
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "barrier",
+    ]
+    .get((code & 0xff) as usize)
+    .copied()
+    .unwrap_or("?");
+    let dt = DataType::ALL
+        .iter()
+        .find(|d| **d as u64 == (code >> 8) & 0xff)
+        .map_or("?", |d| d.name());
+    let op = RedOp::ALL
+        .iter()
+        .find(|o| **o as u64 == (code >> 16) & 0xff)
+        .map_or("?", |o| o.name());
+    match code >> 32 {
+        0xffff_ffff => format!("{kind} ({dt}, {op})"),
+        root => format!("{kind} ({dt}, {op}, root {root})"),
+    }
+}
+
+/// Whether counter value `v` has reached call `k` (counters wrap).
+fn reached(v: u32, k: u32) -> bool {
+    v.wrapping_sub(k) as i32 >= 0
+}
+
+/// Slot size in bytes when `ROCCL_SHM_SLOT` is unset.
+pub(crate) const DEFAULT_SLOT: usize = 256 << 10;
+
+/// Slot size in bytes (`ROCCL_SHM_SLOT`): larger calls run in pieces of this size.
+pub(crate) fn slot_size() -> Result<usize> {
+    match std::env::var("ROCCL_SHM_SLOT") {
+        Err(_) => Ok(DEFAULT_SLOT),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n % 4096 == 0 && (4096..=64 << 20).contains(&n) => Ok(n),
+            _ => Err(Error::arg(format!(
+                "ROCCL_SHM_SLOT={v}: expected a multiple of 4096 from 4096 to 67108864 bytes"
+            ))),
+        },
+    }
+}
+
+fn seg_name(tag: u64, rank: usize) -> CString {
+    CString::new(format!("/roccl-node-{tag:016x}-{rank}")).expect("no NUL in a formatted name")
+}
+
+/// This rank's segment, created before the rendezvous so that peers can open it after.
+pub(crate) struct NodeSeg {
+    seg: Segment,
+    name: CString,
+    slot: usize,
+    linked: bool,
+}
+
+impl NodeSeg {
+    /// Create rank `rank`'s segment for the communicator tagged `tag`.
+    pub(crate) fn create(tag: u64, rank: usize, slot: usize) -> Result<NodeSeg> {
+        if slot % 4096 != 0 || !(4096..=64 << 20).contains(&slot) {
+            return Err(Error::arg(format!(
+                "shared-memory slot of {slot} bytes: expected a multiple of 4096 from 4096 to 67108864"
+            )));
+        }
+        let name = seg_name(tag, rank);
+        let seg = Segment::create_len(&name, NODE_HDR + 3 * slot)?;
+        let s = NodeSeg {
+            seg,
+            name,
+            slot,
+            linked: true,
+        };
+        let h = header(&s.seg);
+        h.pid.store(std::process::id(), Ordering::Relaxed);
+        h.pidns.store(pid_namespace(), Ordering::Relaxed);
+        h.slot_kib.store((slot >> 10) as u32, Ordering::Release);
+        Ok(s)
+    }
+
+    fn unlink(&mut self) {
+        if self.linked {
+            // SAFETY: unlinking the name we created; mappings stay valid.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            self.linked = false;
+        }
+    }
+}
+
+impl Drop for NodeSeg {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+fn header(seg: &Segment) -> &NodeHeader {
+    // SAFETY: every node segment starts with a NodeHeader (zeroed by the kernel at creation);
+    // all of its fields are atomics or padding.
+    unsafe { &*(seg.base as *const NodeHeader) }
+}
+
+/// This process's pid namespace (0 if unknown).
+fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
+/// Whether process `pid` (of our pid namespace) is gone: no such process, or a zombie that
+/// its parent has not reaped yet.
+fn process_gone(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid as i32, 0) } != 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X")
+    })
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned 32-bit word in shared memory for the call's duration;
+    // a shared (non-private) futex because the waker is another process.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as above; waking has no memory effects beyond the syscall.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+}
+
+/// Every rank's segment, mapped: the flat collectives' view of the host.
+pub(crate) struct Node {
+    me: usize,
+    own: NodeSeg,
+    /// Peers' segments by rank (`None` at our own rank).
+    peers: Vec<Option<Segment>>,
+    pids: Vec<u32>,
+    slot: usize,
+    /// Flat calls begun so far.
+    calls: u32,
+}
+
+// SAFETY: the mappings are plain shared memory; all cross-rank access goes through the
+// counters' acquire/release protocol described at the top of this module.
+unsafe impl Send for Node {}
+
+impl Node {
+    /// Open every peer's segment and agree with all of them that the flat path works: each
+    /// rank raises its attach flag (1 ok, 2 failed) and waits for everyone's; any failure
+    /// means every rank goes without (`Ok(None)`). Our own name is unlinked once all peers
+    /// have mapped it.
+    pub(crate) fn attach(
+        mut own: NodeSeg,
+        tag: u64,
+        me: usize,
+        nranks: usize,
+        w: &Waiter,
+    ) -> Result<Option<Node>> {
+        let mut peers = Vec::with_capacity(nranks);
+        let mut why = None;
+        for r in 0..nranks {
+            if r == me {
+                peers.push(None);
+                continue;
+            }
+            match Segment::open_len(&seg_name(tag, r), NODE_HDR + 3 * own.slot) {
+                Ok(s) => {
+                    let kib = header(&s).slot_kib.load(Ordering::Acquire) as usize;
+                    if kib << 10 != own.slot {
+                        why.get_or_insert(format!(
+                            "rank {r} uses ROCCL_SHM_SLOT={} but this rank {}",
+                            kib << 10,
+                            own.slot
+                        ));
+                    }
+                    peers.push(Some(s));
+                }
+                Err(e) => {
+                    why.get_or_insert(e.to_string());
+                    peers.push(None);
+                }
+            }
+        }
+        let mine = header(&own.seg);
+        mine.attached
+            .store(if why.is_some() { 2 } else { 1 }, Ordering::Release);
+        // Wait for every peer's verdict (peers we could not open count as failed).
+        let start = Instant::now();
+        let mut failed = why.is_some();
+        for (r, p) in peers.iter().enumerate() {
+            let Some(s) = p else { continue };
+            loop {
+                match header(s).attached.load(Ordering::Acquire) {
+                    0 if start.elapsed() < w.timeout => std::thread::sleep(Duration::from_micros(20)),
+                    0 => {
+                        return Err(Error::Timeout(format!(
+                            "rank {r} never attached to the host's shared-memory segments within {:.0?} (ROCCL_TIMEOUT): it may have died during initialization",
+                            w.timeout
+                        )))
+                    }
+                    1 => break,
+                    _ => {
+                        failed = true;
+                        break;
+                    }
+                }
+            }
+        }
+        own.unlink();
+        if failed {
+            crate::info!(
+                "rank {me}: flat shared-memory collectives off ({}): collectives use the shared-memory rings",
+                why.unwrap_or_else(|| "a peer could not attach".into())
+            );
+            return Ok(None);
+        }
+        let pids = (0..nranks)
+            .map(|r| {
+                peers[r].as_ref().map_or(std::process::id(), |s| {
+                    header(s).pid.load(Ordering::Relaxed)
+                })
+            })
+            .collect();
+        let slot = own.slot;
+        Ok(Some(Node {
+            me,
+            own,
+            peers,
+            pids,
+            slot,
+            calls: 0,
+        }))
+    }
+
+    /// Bytes of one slot (the largest piece of a flat call).
+    pub(crate) fn slot(&self) -> usize {
+        self.slot
+    }
+
+    fn seg(&self, r: usize) -> &Segment {
+        if r == self.me {
+            &self.own.seg
+        } else {
+            self.peers[r].as_ref().expect("every peer is mapped")
+        }
+    }
+
+    fn counter(&self, r: usize, c: Counter) -> &AtomicU32 {
+        let h = header(self.seg(r));
+        match c {
+            Counter::Arrive => &h.arrive,
+            Counter::Result => &h.result,
+        }
+    }
+
+    fn area_offset(&self, k: u32, area: Area) -> usize {
+        NODE_HDR
+            + match area {
+                Area::Input => (k as usize & 1) * self.slot,
+                Area::Result => 2 * self.slot,
+            }
+    }
+
+    /// Mark this rank's communicator broken, so that peers waiting on it stop.
+    pub(crate) fn mark_broken(&self) {
+        let h = header(&self.own.seg);
+        h.broken.store(1, Ordering::SeqCst);
+        futex_wake(&h.arrive);
+        futex_wake(&h.result);
+    }
+
+    /// Begin the next flat call, described by `meta` (bytes per rank, collective code):
+    /// returns its number once every peer has begun the previous one (so this call's input
+    /// slot set is free).
+    pub(crate) fn begin(&mut self, meta: [u64; 2], w: &Waiter, abort: &AtomicBool) -> Result<u32> {
+        self.calls = self.calls.wrapping_add(1);
+        let k = self.calls;
+        self.wait_all(Counter::Arrive, k.wrapping_sub(1), w, abort)?;
+        let m = &header(&self.own.seg).meta[k as usize & 1];
+        m[0].store(meta[0], Ordering::Relaxed);
+        m[1].store(meta[1], Ordering::Relaxed);
+        Ok(k)
+    }
+
+    /// After rank `r`'s input of call `k` arrived: it must be the same call as ours.
+    fn same_call(&self, r: usize, k: u32) -> Result<()> {
+        let at = k as usize & 1;
+        let (mine, theirs) = (
+            &header(&self.own.seg).meta[at],
+            &header(self.seg(r)).meta[at],
+        );
+        let get = |m: &[AtomicU64; 2]| [m[0].load(Ordering::Relaxed), m[1].load(Ordering::Relaxed)];
+        let (a, b) = (get(mine), get(theirs));
+        if a == b {
+            return Ok(());
+        }
+        Err(Error::InvalidUsage(format!(
+            "rank {r} called {} with {} bytes per rank while rank {} called {} with {} bytes: every rank must call the same collectives in the same order with matching counts, types, ops and roots",
+            describe(b[1]),
+            b[0],
+            self.me,
+            describe(a[1]),
+            a[0]
+        )))
+    }
+
+    /// Publish counter `c` = `k` and wake sleepers.
+    pub(crate) fn publish(&self, c: Counter, k: u32) {
+        let word = self.counter(self.me, c);
+        word.store(k, Ordering::SeqCst);
+        if header(&self.own.seg).sleepers.load(Ordering::SeqCst) > 0 {
+            futex_wake(word);
+        }
+    }
+
+    /// Read `len` bytes at `off` of rank `r`'s `area` for call `k` (published by `r`).
+    pub(crate) fn read(&self, r: usize, k: u32, area: Area, off: usize, len: usize) -> &[u8] {
+        assert!(off + len <= self.slot, "flat piece exceeds the slot");
+        let at = self.area_offset(k, area) + off;
+        // SAFETY: inside the mapping (checked above); rank `r` published this range before
+        // the counter we acquired and does not write it again until we begin a later call.
+        unsafe { std::slice::from_raw_parts(self.seg(r).base.add(at), len) }
+    }
+
+    /// This rank's own `area` for call `k`, to fill. Callers never hold a slice from
+    /// [`Node::read`] of the same own area at the same time.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn own(&self, k: u32, area: Area, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.slot, "flat piece exceeds the slot");
+        let at = self.area_offset(k, area) + off;
+        // SAFETY: inside our own mapping (checked above); by the slot-reuse protocol no peer
+        // reads this range until we publish it, and callers hold no other slice of it.
+        unsafe { std::slice::from_raw_parts_mut(self.own.seg.base.add(at), len) }
+    }
+
+    /// Wait until counter `c` of every peer has reached `k`.
+    pub(crate) fn wait_all(
+        &self,
+        c: Counter,
+        k: u32,
+        w: &Waiter,
+        abort: &AtomicBool,
+    ) -> Result<()> {
+        for r in 0..self.pids.len() {
+            if r != self.me {
+                self.wait_one(r, c, k, w, abort)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until counter `c` of rank `r` has reached `k`.
+    pub(crate) fn wait_one(
+        &self,
+        r: usize,
+        c: Counter,
+        k: u32,
+        w: &Waiter,
+        abort: &AtomicBool,
+    ) -> Result<()> {
+        let word = self.counter(r, c);
+        let done = || {
+            if c == Counter::Arrive && k == self.calls {
+                self.same_call(r, k)
+            } else {
+                Ok(())
+            }
+        };
+        if reached(word.load(Ordering::Acquire), k) {
+            return done();
+        }
+        let mut ws = w.start();
+        let mut asleep_since: Option<Instant> = None;
+        loop {
+            let v = word.load(Ordering::Acquire);
+            if reached(v, k) {
+                return done();
+            }
+            if !ws.will_block() {
+                if ws.idle(&[]).is_err() {
+                    return Err(self.stuck(r, c, k, w));
+                }
+                continue;
+            }
+            self.check_peer(r, abort)?;
+            let since = *asleep_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= w.timeout {
+                return Err(self.stuck(r, c, k, w));
+            }
+            let sleepers = &header(self.seg(r)).sleepers;
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let v = word.load(Ordering::SeqCst);
+            if !reached(v, k) {
+                futex_wait(word, v, Duration::from_millis(10));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn check_peer(&self, r: usize, abort: &AtomicBool) -> Result<()> {
+        if abort.load(Ordering::Relaxed) {
+            return Err(Error::InvalidUsage(
+                "communicator aborted by the application".into(),
+            ));
+        }
+        if header(self.seg(r)).broken.load(Ordering::Acquire) != 0 {
+            return Err(Error::Remote {
+                rank: r,
+                msg: "its communicator failed or was aborted while this rank waited on it".into(),
+            });
+        }
+        let pid = self.pids[r];
+        if pid != 0 && process_gone(pid) {
+            return Err(Error::Remote {
+                rank: r,
+                msg: format!("its process {pid} exited while this rank waited on it"),
+            });
+        }
+        Ok(())
+    }
+
+    fn stuck(&self, r: usize, c: Counter, k: u32, w: &Waiter) -> Error {
+        let behind: Vec<String> = (0..self.pids.len())
+            .filter(|&p| p != self.me && !reached(self.counter(p, c).load(Ordering::Acquire), k))
+            .map(|p| p.to_string())
+            .collect();
+        Error::Timeout(format!(
+            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on rank {r} in a shared-memory collective (ranks behind: {}); the peer may have hung or called a different collective",
+            self.me,
+            w.timeout,
+            behind.join(", ")
+        ))
+    }
+}
+
+impl Drop for Node {
+    /// A rank that leaves while peers still wait on it (an error, or a destroyed
+    /// communicator) must not leave them waiting for the timeout.
+    fn drop(&mut self) {
+        self.mark_broken();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_compare_across_wrap() {
+        assert!(reached(5, 5));
+        assert!(reached(6, 5));
+        assert!(!reached(4, 5));
+        assert!(reached(2, u32::MAX));
+        assert!(!reached(u32::MAX, 2));
+    }
+
+    #[test]
+    fn a_killed_process_is_gone_before_it_is_reaped() {
+        assert!(!process_gone(std::process::id()));
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        assert!(!process_gone(child.id()));
+        child.kill().unwrap();
+        let t = Instant::now();
+        while !process_gone(child.id()) {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "zombie not seen as gone"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+    }
+}
