@@ -4,7 +4,10 @@
 # median over iterations; bus bandwidth as nccl-tests computes it. Not part of CI.
 #
 #   scripts/compare.sh [--ranks N] [--op all_reduce|all_gather|broadcast|reduce_scatter]
-#                      [-b MIN] [-e MAX] [-f FACTOR] [--iters N] [--warmup N]
+#                      [-b MIN] [-e MAX] [-f FACTOR] [--iters N] [--warmup N] [--rounds N]
+#
+# Each column runs ROUNDS times (default 2), interleaved with the others, and keeps its best
+# time per size.
 #
 # Installs openmpi-bin, libopenmpi-dev and python3-torch with apt-get when missing (needs
 # root). Prints one table: time (µs) and busbw (GB/s) per size for roccl (default network:
@@ -13,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ranks=2 op=all_reduce min=8 max=$((64 << 20)) factor=8 iters=20 warmup=5
+ranks=2 op=all_reduce min=8 max=$((64 << 20)) factor=8 iters=20 warmup=5 rounds=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) ranks=$2; shift 2 ;;
@@ -23,7 +26,8 @@ while [ $# -gt 0 ]; do
     -f) factor=$2; shift 2 ;;
     --iters) iters=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -68,18 +72,20 @@ gloo() {
     "$iters" "$warmup" "$port" 2>/dev/null | awk '{print "gloo", $2, $3, $4}'
 }
 
-{
+# Every column runs ROUNDS times, interleaved, and keeps its best time per size: this
+# machine has slow and fast phases, and a phase should not favour whoever ran in it.
+for _ in $(seq "$rounds"); do
   roccl roccl
   roccl roccl-tcp --net tcp
   mpi ompi-shm self,vader
   mpi ompi-tcp self,tcp
   gloo
-} >"$out/results.txt"
+done >"$out/results.txt"
 
-echo "# $op, $ranks ranks, f32 sum; time µs (busbw GB/s); median over $iters iterations of the slowest rank"
+echo "# $op, $ranks ranks, f32 sum; time µs (busbw GB/s); median over $iters iterations of the slowest rank, best of $rounds interleaved rounds"
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores"
 awk '
-  { key = $1 SUBSEP $2; t[key] = $3; bw[key] = $4; sizes[$2] = 1 }
+  { key = $1 SUBSEP $2; if (!(key in t) || $3 < t[key]) { t[key] = $3; bw[key] = $4 }; sizes[$2] = 1 }
   END {
     n = split("roccl roccl-tcp ompi-shm ompi-tcp gloo", cols, " ")
     printf "%10s", "bytes"

@@ -151,6 +151,8 @@ struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<net::shm::node::Node>,
+    /// The model's last answer: collective, bytes, forced algorithm → choice.
+    last_choice: Option<(CollKind, usize, Option<Algo>, (Algo, Pipeline))>,
     stage: Vec<u64>,
     broken: Option<(ErrorKind, String)>,
     cfg: Config,
@@ -467,6 +469,7 @@ impl Communicator {
                 state: Mutex::new(State {
                     links,
                     node,
+                    last_choice: None,
                     stage: Vec::new(),
                     broken: None,
                     cfg,
@@ -966,15 +969,24 @@ impl State {
         &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
     }
 
-    fn choose(&self, kind: CollKind, bytes: usize, opts: &CallOpts) -> (Algo, Pipeline) {
-        model::choose(
+    fn choose(&mut self, kind: CollKind, bytes: usize, opts: &CallOpts) -> (Algo, Pipeline) {
+        let forced = opts.algo.or(self.cfg.algo);
+        // Calls repeat (one all-reduce per layer): the last choice is kept.
+        if let Some((k, b, f, choice)) = self.last_choice {
+            if k == kind && b == bytes && f == forced {
+                return choice;
+            }
+        }
+        let choice = model::choose(
             kind,
             self.links.nranks,
             bytes,
             &self.cost,
-            opts.algo.or(self.cfg.algo),
+            forced,
             &self.cfg.tuning,
-        )
+        );
+        self.last_choice = Some((kind, bytes, forced, choice));
+        choice
     }
 
     fn execute(
