@@ -147,12 +147,15 @@ pub enum P2p<'a> {
     },
 }
 
+/// What the cost model chose for a call.
+type Choice = (Algo, Pipeline);
+
 struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<net::shm::node::Node>,
     /// The model's last answer: collective, bytes, forced algorithm → choice.
-    last_choice: Option<(CollKind, usize, Option<Algo>, (Algo, Pipeline))>,
+    last_choice: Option<(CollKind, usize, Option<Algo>, Choice)>,
     stage: Vec<u64>,
     broken: Option<(ErrorKind, String)>,
     cfg: Config,
