@@ -34,8 +34,7 @@ pub struct LinkCost {
     pub flat_sync_us: Option<f64>,
     /// Memory copy speed in GB/s of one core (shared-memory algorithms).
     pub copy_gbs: f64,
-    /// The share of a core each rank of this host gets (1 with a core per rank): scales the
-    /// copies and reductions of the shared-memory algorithms.
+    /// The share of a core each rank of this host gets (1 with a core per rank).
     pub cpu_share: f64,
     /// Bytes per piece of the shared-memory algorithms.
     pub flat_slot: usize,
@@ -144,10 +143,12 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
         return f64::INFINITY;
     };
     let (b, nf) = (bytes as f64, n as f64);
-    // A byte published by one core and read by another costs about two local copies
-    // (fitted on 2 cores: scripts/algo-sweep.sh, docs/PERFORMANCE.md).
-    let copy = |x: f64| x / (c.copy_gbs * c.cpu_share * 1e3);
-    let red = |x: f64| x / (c.gamma_gbs * c.cpu_share * 1e3);
+    // A byte published by one core and read by another costs about two local copies.
+    // Ranks sharing cores pay in the synchronisation (a context switch), not in the copies,
+    // which stay in cache (fitted with scripts/algo-sweep.sh on 2 cores with 2 and 4 ranks;
+    // docs/PERFORMANCE.md).
+    let copy = |x: f64| x / (c.copy_gbs * 1e3);
+    let red = |x: f64| x / (c.gamma_gbs * 1e3);
     // Pieces: the slot bounds the bytes each rank publishes per piece.
     let per_piece = match kind {
         CollKind::AllGather => b / nf,
@@ -161,13 +162,15 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
                 + red((nf - 1.0) / nf * b)
                 + copy(2.0 * (nf - 1.0) / nf * b)
         }
-        (CollKind::AllReduce | CollKind::Reduce, _) => {
-            pieces * sync + copy(2.0 * b) + red((nf - 1.0) * b)
-        }
+        (CollKind::AllReduce, _) => pieces * sync + copy(2.0 * b) + red((nf - 1.0) * b),
+        // Rooted calls tie the root to the slowest of the others every piece (it reuses a
+        // slot only once all have started the next call), where chains and trees let the
+        // ranks run ahead: a synchronisation with each rank.
+        (CollKind::Reduce, _) => pieces * sync * nf + copy(2.0 * b) + red((nf - 1.0) * b),
         (CollKind::ReduceScatter, _) => pieces * sync + copy(2.0 * b) + red((nf - 1.0) / nf * b),
         // The root's copy of the next piece overlaps the readers' copy of this one.
         (CollKind::Broadcast, _) => {
-            pieces * sync + copy(2.0 * b + per_piece.min(c.flat_slot as f64))
+            pieces * sync * nf + copy(2.0 * b + per_piece.min(c.flat_slot as f64))
         }
         (CollKind::AllGather | CollKind::AllToAll, _) => pieces * sync + copy(b / nf + 2.0 * b),
     }

@@ -408,11 +408,14 @@ impl Communicator {
                 (props.speed_mbps as f64 / 8000.0).min(3.0)
             } * (cores as f64 / local_ranks as f64).min(1.0),
             gamma_gbs: 10.0,
-            // Measured on 2 cores with 4 ranks: each message costs about a context switch.
-            msg_cpu_us: if local_ranks > cores {
-                10.0 * local_ranks as f64 / cores as f64
-            } else {
+            // Measured on 2 cores with 4 ranks: each message costs about a context switch
+            // over TCP; over shared-memory rings a yield to the peer that runs next.
+            msg_cpu_us: if local_ranks <= cores {
                 0.0
+            } else if all_shm {
+                local_ranks as f64 / cores as f64
+            } else {
+                10.0 * local_ranks as f64 / cores as f64
             },
             // With a core per rank a synchronisation is a cache-line transfer; with ranks
             // sharing cores it costs a context switch.
