@@ -103,10 +103,10 @@ impl WaitState<'_> {
                 .is_some_and(|t| t.elapsed() >= self.w.spin + self.w.yield_for)
     }
 
-    /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
-    /// caller polls again; `Ok(true)` when it slept in `poll(2)`. Errors once the timeout
-    /// has passed without progress.
-    pub fn idle(&mut self, fds: &[PollFd]) -> Result<bool, TimedOut> {
+    /// Nothing moved in the last pass: spin or yield, or say that it is time to block
+    /// (`Ok(true)`; the caller sleeps its own way, e.g. in futex(2), and calls again).
+    /// Errors once the timeout has passed without progress.
+    pub fn pause(&mut self) -> Result<bool, TimedOut> {
         self.spins += 1;
         // Read the clock only every few spins: it costs more than a poll pass of TCP.
         if self.spins < 16 {
@@ -126,7 +126,18 @@ impl WaitState<'_> {
             std::thread::yield_now();
             return Ok(false);
         }
-        let left = self.w.timeout - idle;
+        Ok(true)
+    }
+
+    /// Nothing moved in the last pass: spin, yield or block on `fds`, then return so the
+    /// caller polls again; `Ok(true)` when it slept in `poll(2)`. Errors once the timeout
+    /// has passed without progress.
+    pub fn idle(&mut self, fds: &[PollFd]) -> Result<bool, TimedOut> {
+        if !self.pause()? {
+            return Ok(false);
+        }
+        let idle = self.last.map_or(Duration::ZERO, |t| t.elapsed());
+        let left = self.w.timeout.saturating_sub(idle);
         let ms = left.as_millis().clamp(1, 20) as i32;
         if fds.is_empty() {
             std::thread::sleep(Duration::from_micros(50));

@@ -506,23 +506,17 @@ impl Node {
             return done(v);
         }
         let mut ws = w.start();
-        let mut asleep_since: Option<Instant> = None;
         loop {
             let v = word.load(Ordering::Acquire);
             if reached(v as u32, k) {
                 return done(v);
             }
-            if !ws.will_block() {
-                if ws.idle(&[]).is_err() {
-                    return Err(self.stuck(r, c, k, w));
-                }
-                continue;
+            match ws.pause() {
+                Err(_) => return Err(self.stuck(r, c, k, w)),
+                Ok(false) => continue,
+                Ok(true) => {}
             }
             self.check_peer(r, abort)?;
-            let since = *asleep_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= w.timeout {
-                return Err(self.stuck(r, c, k, w));
-            }
             let sleepers = &header(self.seg(r)).sleepers;
             sleepers.fetch_add(1, Ordering::SeqCst);
             let v = word.load(Ordering::SeqCst);
