@@ -92,7 +92,10 @@ typedef enum {
   rocclFloat64 = 8,
   rocclDouble = 8,
   rocclBfloat16 = 9,
-  rocclNumTypes = 10
+  rocclFloat8e4m3 = 10, /* OCP E4M3 (e4m3fn): max 448, no inf; reduced in float, rounded
+                           to nearest-even and saturated to the largest finite value */
+  rocclFloat8e5m2 = 11, /* OCP E5M2: max 57344; reduced like rocclFloat8e4m3 */
+  rocclNumTypes = 12
 } rocclDataType_t;
 
 typedef enum {

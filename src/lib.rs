@@ -23,4 +23,4 @@ pub use algo::Algo;
 pub use bootstrap::UniqueId;
 pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle, P2p};
 pub use error::{Error, Result};
-pub use types::{DataType, Element, RedOp};
+pub use types::{DataType, Element, RedOp, F8E4M3, F8E5M2};

@@ -5,6 +5,9 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
+mod fp8;
+pub use fp8::{F8E4M3, F8E5M2};
+
 /// Element type of a collective's buffers. Discriminants equal NCCL's `ncclDataType_t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -29,11 +32,15 @@ pub enum DataType {
     F64 = 8,
     /// bfloat16 (the upper half of a binary32).
     Bf16 = 9,
+    /// OCP 8-bit float E4M3 (`e4m3fn`, NCCL's `ncclFloat8e4m3`): see [`F8E4M3`].
+    F8E4M3 = 10,
+    /// OCP 8-bit float E5M2 (NCCL's `ncclFloat8e5m2`): see [`F8E5M2`].
+    F8E5M2 = 11,
 }
 
 impl DataType {
     /// Every data type, in NCCL order.
-    pub const ALL: [DataType; 10] = [
+    pub const ALL: [DataType; 12] = [
         DataType::I8,
         DataType::U8,
         DataType::I32,
@@ -44,12 +51,14 @@ impl DataType {
         DataType::F32,
         DataType::F64,
         DataType::Bf16,
+        DataType::F8E4M3,
+        DataType::F8E5M2,
     ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            DataType::I8 | DataType::U8 => 1,
+            DataType::I8 | DataType::U8 | DataType::F8E4M3 | DataType::F8E5M2 => 1,
             DataType::F16 | DataType::Bf16 => 2,
             DataType::I32 | DataType::U32 | DataType::F32 => 4,
             DataType::I64 | DataType::U64 | DataType::F64 => 8,
@@ -69,6 +78,8 @@ impl DataType {
             DataType::F32 => "f32",
             DataType::F64 => "f64",
             DataType::Bf16 => "bf16",
+            DataType::F8E4M3 => "f8e4m3",
+            DataType::F8E5M2 => "f8e5m2",
         }
     }
 
@@ -76,7 +87,12 @@ impl DataType {
     pub const fn is_float(self) -> bool {
         matches!(
             self,
-            DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16
+            DataType::F16
+                | DataType::F32
+                | DataType::F64
+                | DataType::Bf16
+                | DataType::F8E4M3
+                | DataType::F8E5M2
         )
     }
 
@@ -107,6 +123,8 @@ impl FromStr for DataType {
             "float32" | "float" => "f32",
             "float64" | "double" => "f64",
             "bfloat16" => "bf16",
+            "float8e4m3" | "fp8e4m3" | "e4m3" => "f8e4m3",
+            "float8e5m2" | "fp8e5m2" | "e5m2" => "f8e5m2",
             other => other,
         };
         DataType::ALL
@@ -115,7 +133,7 @@ impl FromStr for DataType {
             .find(|d| d.name() == alias)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "unknown data type '{s}': expected one of i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64"
+                    "unknown data type '{s}': expected one of i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64 f8e4m3 f8e5m2"
                 ))
             })
     }
@@ -182,7 +200,8 @@ impl FromStr for RedOp {
 
 /// A Rust element type that maps to a [`DataType`].
 ///
-/// Implemented for `i8 u8 i32 u32 i64 u64 f32 f64` and `half::f16`, `half::bf16`.
+/// Implemented for `i8 u8 i32 u32 i64 u64 f32 f64`, `half::f16`, `half::bf16`, [`F8E4M3`]
+/// and [`F8E5M2`].
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// The matching data type.
     const DTYPE: DataType;
@@ -192,4 +211,5 @@ macro_rules! element {
     ($($t:ty => $d:ident),* $(,)?) => { $(impl Element for $t { const DTYPE: DataType = DataType::$d; })* };
 }
 element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
-    f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => Bf16);
+    f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => Bf16, F8E4M3 => F8E4M3,
+    F8E5M2 => F8E5M2);

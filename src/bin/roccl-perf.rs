@@ -202,6 +202,8 @@ fn encode(dt: DataType, v: f64, b: &mut [u8]) {
         DataType::Bf16 => b.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
         DataType::F32 => b.copy_from_slice(&(v as f32).to_le_bytes()),
         DataType::F64 => b.copy_from_slice(&v.to_le_bytes()),
+        DataType::F8E4M3 => b[0] = roccl::F8E4M3::from_f32(v as f32).0,
+        DataType::F8E5M2 => b[0] = roccl::F8E5M2::from_f32(v as f32).0,
     }
 }
 
@@ -217,6 +219,8 @@ fn decode(dt: DataType, b: &[u8]) -> f64 {
         DataType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
         DataType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
         DataType::F64 => f64::from_le_bytes(b.try_into().unwrap()),
+        DataType::F8E4M3 => roccl::F8E4M3(b[0]).to_f32() as f64,
+        DataType::F8E5M2 => roccl::F8E5M2(b[0]).to_f32() as f64,
     }
 }
 
@@ -229,6 +233,9 @@ fn fill(dt: DataType, buf: &mut [u8], f: impl Fn(usize) -> f64) {
 fn wrong(dt: DataType, buf: &[u8], f: impl Fn(usize) -> f64) -> u64 {
     let tol = |w: f64| match dt {
         DataType::F16 | DataType::Bf16 => 1e-2 * w.abs() + 1e-3,
+        // 3 and 2 mantissa bits, rounded at every partial sum.
+        DataType::F8E4M3 => 0.13 * w.abs() + 1e-3,
+        DataType::F8E5M2 => 0.26 * w.abs() + 1e-3,
         DataType::F32 => 1e-6 * w.abs(),
         _ => 0.0,
     };

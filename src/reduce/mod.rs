@@ -14,6 +14,7 @@ use bytemuck::Pod;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::types::{F8E4M3, F8E5M2};
 use crate::{DataType, Error, RedOp, Result};
 
 /// Elements per block when computing f16 through `f32` arrays.
@@ -36,6 +37,8 @@ macro_rules! dispatch {
             DataType::F32 => $f::<f32>($($arg),*),
             DataType::F64 => $f::<f64>($($arg),*),
             DataType::Bf16 => $f::<bf16>($($arg),*),
+            DataType::F8E4M3 => $f::<F8E4M3>($($arg),*),
+            DataType::F8E5M2 => $f::<F8E5M2>($($arg),*),
         }
     };
 }
@@ -341,6 +344,37 @@ impl Elem for f16 {
     }
 }
 
+/// fp8 kernels: widen through the format's table, combine in `f32`, round back to
+/// nearest-even with saturation (see `types::fp8`).
+macro_rules! elem_fp8 {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
+                // Closures, not function pointers: each op gets its own vectorized loop.
+                match op {
+                    RedOp::Sum | RedOp::Avg => native(d, a, b, |x: $t, y: $t| {
+                        <$t>::from_f32(x.to_f32() + y.to_f32())
+                    }),
+                    RedOp::Prod => native(d, a, b, |x: $t, y: $t| {
+                        <$t>::from_f32(x.to_f32() * y.to_f32())
+                    }),
+                    RedOp::Max => native(d, a, b, |x: $t, y: $t| {
+                        <$t>::from_f32(f32::max(x.to_f32(), y.to_f32()))
+                    }),
+                    RedOp::Min => native(d, a, b, |x: $t, y: $t| {
+                        <$t>::from_f32(f32::min(x.to_f32(), y.to_f32()))
+                    }),
+                }
+            }
+            fn avg(d: &mut [Self], n: usize) {
+                let n = n as f32;
+                d.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n));
+            }
+        }
+    )*};
+}
+elem_fp8!(F8E4M3, F8E5M2);
+
 /// Stack buffer aligned for every element type.
 #[repr(C, align(64))]
 struct Stage([u8; STAGE_BYTES]);
@@ -501,6 +535,13 @@ mod tests {
             DataType::Bf16 => float!(bf16, |x: bf16| x.to_f32() as f64, |r: f64| bf16::from_f32(
                 r as f32
             )),
+            // Sums and products of two fp8 values are exact in f32.
+            DataType::F8E4M3 => float!(F8E4M3, |x: F8E4M3| x.to_f32() as f64, |r: f64| {
+                F8E4M3::from_f32(r as f32)
+            }),
+            DataType::F8E5M2 => float!(F8E5M2, |x: F8E5M2| x.to_f32() as f64, |r: f64| {
+                F8E5M2::from_f32(r as f32)
+            }),
         }
     }
 
@@ -522,6 +563,12 @@ mod tests {
                     DataType::Bf16 => {
                         bf16::from_le_bytes([g[0], g[1]]).is_nan()
                             && bf16::from_le_bytes([w[0], w[1]]).is_nan()
+                    }
+                    DataType::F8E4M3 => {
+                        F8E4M3(g[0]).to_f32().is_nan() && F8E4M3(w[0]).to_f32().is_nan()
+                    }
+                    DataType::F8E5M2 => {
+                        F8E5M2(g[0]).to_f32().is_nan() && F8E5M2(w[0]).to_f32().is_nan()
                     }
                     _ => false,
                 }

@@ -102,6 +102,8 @@ pub fn put(dt: DataType, v: f64, b: &mut [u8]) {
         DataType::Bf16 => b.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
         DataType::F32 => b.copy_from_slice(&(v as f32).to_le_bytes()),
         DataType::F64 => b.copy_from_slice(&v.to_le_bytes()),
+        DataType::F8E4M3 => b[0] = roccl::F8E4M3::from_f32(v as f32).0,
+        DataType::F8E5M2 => b[0] = roccl::F8E5M2::from_f32(v as f32).0,
     }
 }
 
@@ -117,6 +119,8 @@ pub fn get(dt: DataType, b: &[u8]) -> f64 {
         DataType::Bf16 => half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
         DataType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
         DataType::F64 => f64::from_le_bytes(b.try_into().unwrap()),
+        DataType::F8E4M3 => roccl::F8E4M3(b[0]).to_f32() as f64,
+        DataType::F8E5M2 => roccl::F8E5M2(b[0]).to_f32() as f64,
     }
 }
 
@@ -134,6 +138,9 @@ pub fn close(dt: DataType, got: f64, want: f64) -> bool {
     let tol = match dt {
         DataType::F16 | DataType::Bf16 => 1e-2 * want.abs() + 1e-3,
         DataType::F32 => 1e-6 * want.abs(),
+        // 3 and 2 mantissa bits, rounded at every partial sum of up to 16 ranks.
+        DataType::F8E4M3 => 0.25 * want.abs() + 0.5,
+        DataType::F8E5M2 => 0.5 * want.abs() + 0.5,
         _ => 0.0,
     };
     (got - want).abs() <= tol

@@ -182,7 +182,9 @@ unsafe fn out_ptr<'a, T>(p: *mut T, name: &str) -> R<&'a mut T> {
 
 fn dtype(d: c_int) -> R<DataType> {
     DataType::from_nccl(d).ok_or_else(|| {
-        arg(format!("datatype {d} is not a roccl data type (rocclInt8 0 … rocclBfloat16 9; fp8 is not supported)"))
+        arg(format!(
+            "datatype {d} is not a roccl data type (rocclInt8 0 … rocclFloat8e5m2 11)"
+        ))
     })
 }
 
