@@ -7,6 +7,10 @@
 #   lib/pkgconfig/roccl.pc        (pkg-config --cflags --libs roccl)
 #   lib/libnccl-net-roccl.so, lib/librccl-net-roccl.so   (NCCL/RCCL network plugin,
 #                                 NCCL_NET_PLUGIN=roccl; docs/PLUGIN.md)
+#   lib/libroccl-nccl.so          (roccl under NCCL's names and ABI: VLLM_NCCL_SO_PATH)
+#   lib/nccl-compat/libnccl.so.2, lib/nccl-compat/librccl.so.1 -> ../libroccl-nccl.so
+#                                 (for programs that load NCCL/RCCL by those names:
+#                                 LD_LIBRARY_PATH=$prefix/lib/nccl-compat; docs/GPU.md)
 set -euo pipefail
 prefix=""
 while [ $# -gt 0 ]; do
@@ -20,7 +24,7 @@ done
 [ -n "$prefix" ] || { echo "install.sh: --prefix DIR is required" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
-cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi -p roccl-netplugin
+cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi -p roccl-netplugin -p roccl-nccl
 mkdir -p "$prefix"
 prefix=$(cd "$prefix" && pwd)
 install -d "$prefix/bin" "$prefix/include" "$prefix/lib/pkgconfig"
@@ -36,6 +40,11 @@ for name in libnccl-net-roccl.so librccl-net-roccl.so; do
   install -m 0755 target/release/libnccl_net_roccl.so "$prefix/lib/$name"
   strip --strip-debug "$prefix/lib/$name" 2>/dev/null || true
 done
+install -m 0755 target/release/libroccl_nccl.so "$prefix/lib/libroccl-nccl.so"
+strip --strip-debug "$prefix/lib/libroccl-nccl.so" 2>/dev/null || true
+install -d "$prefix/lib/nccl-compat"
+ln -sf ../libroccl-nccl.so "$prefix/lib/nccl-compat/libnccl.so.2"
+ln -sf ../libroccl-nccl.so "$prefix/lib/nccl-compat/librccl.so.1"
 cat > "$prefix/lib/pkgconfig/roccl.pc" <<PC
 prefix=$prefix
 includedir=\${prefix}/include

@@ -8,6 +8,7 @@ need=()
 command -v gcc >/dev/null || need+=(gcc)
 command -v g++ >/dev/null || need+=(g++)
 command -v pkg-config >/dev/null || need+=(pkg-config)
+command -v python3 >/dev/null || need+=(python3)
 # The `verbs` feature (RoCE v2 NICs through rdma-sys) needs libibverbs and bindgen's libclang
 # to build; the default build needs none of them.
 for p in libibverbs-dev librdmacm-dev libclang-dev; do
@@ -44,11 +45,17 @@ echo "== C ABI: header vs symbols, C and C++ programs, example"
 tests/c/run.sh
 echo "== NCCL/RCCL network plugin: every exported version, driven as NCCL's proxy does"
 tests/plugin/run.sh
+echo "== NCCL-named library (libroccl-nccl.so), called through ctypes as vLLM's pynccl does"
+cargo build --release -p roccl-nccl
+python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3
+ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 2
 echo "== install and pkg-config"
 tmp=$(mktemp -d)
 scripts/install.sh --prefix "$tmp" >/dev/null
 PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --exists roccl
 test -x "$tmp/lib/libnccl-net-roccl.so" && test -x "$tmp/lib/librccl-net-roccl.so"
+test -x "$tmp/lib/libroccl-nccl.so"
+python3 tests/nccl/test_pynccl.py "$tmp/lib/nccl-compat/libnccl.so.2" 2
 # shellcheck disable=SC2046
 gcc -std=c11 -D_POSIX_C_SOURCE=200809L examples/allreduce.c -o "$tmp/example" $(PKG_CONFIG_PATH="$tmp/lib/pkgconfig" pkg-config --cflags --libs roccl)
 ROCCL_SOCKET_IFNAME=lo "$tmp/example" 2 | grep -q "on 2 ranks: ok"

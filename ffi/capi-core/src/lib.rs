@@ -1,0 +1,1063 @@
+//! The C ABI of roccl (`include/roccl.h`): NCCL's API with the prefix `roccl`, over the
+//! Rust core. This crate is an FFI edge: raw pointers from C become slices here, after
+//! their checks, and nowhere else. Every exported function runs inside a panic guard, checks
+//! its arguments, returns a `rocclResult_t` and records a sentence for `rocclGetLastError`.
+
+#![allow(non_camel_case_types, clippy::missing_safety_doc)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use roccl_core::error::ErrorKind;
+use roccl_core::{
+    CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, UniqueId,
+};
+
+/// `rocclResult_t`.
+pub type rocclResult_t = c_int;
+const SUCCESS: rocclResult_t = 0;
+const UNHANDLED_DEVICE_ERROR: rocclResult_t = 1;
+const SYSTEM_ERROR: rocclResult_t = 2;
+const INTERNAL_ERROR: rocclResult_t = 3;
+const INVALID_ARGUMENT: rocclResult_t = 4;
+const INVALID_USAGE: rocclResult_t = 5;
+const REMOTE_ERROR: rocclResult_t = 6;
+const IN_PROGRESS: rocclResult_t = 7;
+
+/// Version code: major * 10000 + minor * 100 + patch.
+const VERSION_CODE: c_int = 100;
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+const SPLIT_NOCOLOR: c_int = -1;
+
+/// `rocclUniqueId`: 128 opaque bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct rocclUniqueId {
+    /// The id's bytes.
+    pub internal: [c_char; 128],
+}
+
+/// `rocclConfig_t` (see the header for the fields).
+#[repr(C)]
+pub struct rocclConfig_t {
+    /// `sizeof(rocclConfig_t)`.
+    pub size: usize,
+    /// `0xcafebeef`.
+    pub magic: u32,
+    /// The version code the caller was built against.
+    pub version: u32,
+    /// 1 (or unset): blocking init; 0: non-blocking.
+    pub blocking: c_int,
+    /// Network name, or NULL.
+    pub net_name: *const c_char,
+}
+
+/// What `ROCCL_CONFIG_INITIALIZER` sets: every field unset.
+pub const CONFIG_INITIALIZER: rocclConfig_t = rocclConfig_t {
+    size: std::mem::size_of::<rocclConfig_t>(),
+    magic: CONFIG_MAGIC,
+    version: VERSION_CODE as u32,
+    blocking: c_int::MIN,
+    net_name: std::ptr::null(),
+};
+
+/// An error on its way to C: the code and the sentence for `rocclGetLastError`.
+struct CErr(rocclResult_t, String);
+
+type R<T = ()> = std::result::Result<T, CErr>;
+
+fn arg(msg: impl Into<String>) -> CErr {
+    CErr(INVALID_ARGUMENT, msg.into())
+}
+
+fn usage(msg: impl Into<String>) -> CErr {
+    CErr(INVALID_USAGE, msg.into())
+}
+
+fn code_of(k: ErrorKind) -> rocclResult_t {
+    match k {
+        ErrorKind::InvalidArgument => INVALID_ARGUMENT,
+        ErrorKind::InvalidUsage => INVALID_USAGE,
+        ErrorKind::System => SYSTEM_ERROR,
+        ErrorKind::Remote | ErrorKind::Timeout => REMOTE_ERROR,
+        ErrorKind::Internal => INTERNAL_ERROR,
+    }
+}
+
+impl From<Error> for CErr {
+    fn from(e: Error) -> Self {
+        CErr(code_of(e.kind()), e.to_string())
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+/// Record `msg` as this thread's last error (what `rocclGetLastError` returns).
+pub fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+/// Run `f` behind a panic guard and turn its result into a code.
+fn guard(name: &str, f: impl FnOnce() -> R) -> rocclResult_t {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => SUCCESS,
+        Ok(Err(CErr(code, msg))) => {
+            set_last_error(&format!("{name}: {msg}"));
+            code
+        }
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_last_error(&format!(
+                "{name}: internal error (a bug in roccl, please report it): {what}"
+            ));
+            INTERNAL_ERROR
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Communicator handles
+
+enum State {
+    Initializing,
+    Ready(Arc<Communicator>),
+    Failed(rocclResult_t, String),
+}
+
+struct Handle {
+    state: Mutex<State>,
+    cond: parking_lot::Condvar,
+}
+
+/// Live handles by address: a destroyed or unknown pointer is refused, never dereferenced.
+static COMMS: RwLock<Option<HashMap<usize, Arc<Handle>>>> = RwLock::new(None);
+
+/// Opaque `rocclComm_t`.
+pub type rocclComm_t = *mut c_void;
+
+fn register(h: Arc<Handle>) -> rocclComm_t {
+    let key = Arc::as_ptr(&h) as usize;
+    COMMS
+        .write()
+        .get_or_insert_with(HashMap::new)
+        .insert(key, h);
+    key as rocclComm_t
+}
+
+fn lookup(comm: rocclComm_t) -> R<Arc<Handle>> {
+    if comm.is_null() {
+        return Err(arg("comm is NULL"));
+    }
+    COMMS
+        .read()
+        .as_ref()
+        .and_then(|m| m.get(&(comm as usize)).cloned())
+        .ok_or_else(|| {
+            usage(
+                "comm is not a live communicator (already destroyed or aborted, or never created)",
+            )
+        })
+}
+
+/// The ready communicator behind `comm`.
+fn ready(comm: rocclComm_t) -> R<Arc<Communicator>> {
+    let h = lookup(comm)?;
+    let st = h.state.lock();
+    match &*st {
+        State::Ready(c) => Ok(Arc::clone(c)),
+        State::Initializing => Err(usage(
+            "the communicator is still initializing (non-blocking init): poll rocclCommGetAsyncError until it is no longer rocclInProgress",
+        )),
+        State::Failed(_, m) => Err(usage(format!("the communicator failed to initialize: {m}"))),
+    }
+}
+
+fn ready_handle(c: Communicator) -> Arc<Handle> {
+    Arc::new(Handle {
+        state: Mutex::new(State::Ready(Arc::new(c))),
+        cond: parking_lot::Condvar::new(),
+    })
+}
+
+unsafe fn out_ptr<'a, T>(p: *mut T, name: &str) -> R<&'a mut T> {
+    // SAFETY: the caller passes a pointer to writable storage for one T, or NULL (refused).
+    unsafe { p.as_mut() }.ok_or_else(|| arg(format!("{name} is NULL")))
+}
+
+fn dtype(d: c_int) -> R<DataType> {
+    DataType::from_nccl(d).ok_or_else(|| {
+        arg(format!(
+            "datatype {d} is not a roccl data type (rocclInt8 0 … rocclFloat8e5m2 11)"
+        ))
+    })
+}
+
+fn redop(o: c_int) -> R<RedOp> {
+    RedOp::from_nccl(o).ok_or_else(|| {
+        arg(format!(
+            "op {o} is not a roccl reduction (rocclSum 0 … rocclAvg 4)"
+        ))
+    })
+}
+
+fn no_stream(stream: *mut c_void) -> R {
+    if stream.is_null() {
+        Ok(())
+    } else {
+        Err(arg(
+            "stream is not NULL: roccl works on host memory with a NULL stream; GPU streams are not supported yet",
+        ))
+    }
+}
+
+fn count_bytes(count: usize, dt: DataType, name: &str) -> R<usize> {
+    count
+        .checked_mul(dt.size())
+        .filter(|b| *b <= isize::MAX as usize)
+        .ok_or_else(|| arg(format!("{name} {count} is too large")))
+}
+
+// ---------------------------------------------------------------------------------------
+// Buffers
+
+/// A host buffer given by C: address and length, checked but not yet borrowed.
+#[derive(Clone, Copy, Debug)]
+struct CBuf {
+    addr: usize,
+    len: usize,
+}
+
+impl CBuf {
+    fn new(p: *const c_void, len: usize, name: &str) -> R<CBuf> {
+        if len > 0 && p.is_null() {
+            return Err(arg(format!("{name} is NULL but the count is not zero")));
+        }
+        if len > 0 && (p as usize).checked_add(len).is_none() {
+            return Err(arg(format!("{name} + size overflows the address space")));
+        }
+        Ok(CBuf {
+            addr: p as usize,
+            len,
+        })
+    }
+    fn overlaps(&self, o: &CBuf) -> bool {
+        self.len > 0 && o.len > 0 && self.addr < o.addr + o.len && o.addr < self.addr + self.len
+    }
+    /// # Safety
+    /// The C caller guarantees the memory is readable for `len` bytes for the whole call.
+    unsafe fn read<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: non-NULL (checked in `new`), readable per the API contract, and not
+        // written through another slice during the call (overlaps are refused by callers).
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+    /// # Safety
+    /// The C caller guarantees the memory is writable for `len` bytes for the whole call.
+    unsafe fn write<'a>(&self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: non-NULL (checked in `new`), writable per the API contract, and callers
+        // make sure no other slice over this memory exists during the call.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+/// One queued or immediate operation.
+#[derive(Clone, Copy, Debug)]
+enum Work {
+    Coll {
+        coll: Collective,
+        dt: DataType,
+        send: Option<CBuf>,
+        recv: CBuf,
+    },
+    Send {
+        peer: usize,
+        buf: CBuf,
+    },
+    Recv {
+        peer: usize,
+        buf: CBuf,
+    },
+}
+
+/// Run a communicator's share of work: collectives in order, then all point-to-point
+/// operations together.
+fn run_work(c: &Communicator, work: &[Work]) -> R {
+    let mut p2p: Vec<P2p> = Vec::new();
+    for w in work {
+        match *w {
+            Work::Coll {
+                coll,
+                dt,
+                send,
+                recv,
+            } => {
+                // SAFETY: `send` and `recv` were checked not to overlap (or `send` is None
+                // for in place) when the call was made; C keeps them valid until it returns.
+                let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
+                c.run_raw(coll, dt, s, r, &CallOpts::default())?;
+            }
+            // SAFETY: as above; distinct operations of a group may not share receive memory
+            // (checked when they were queued).
+            Work::Send { peer, buf } => p2p.push(P2p::Send {
+                peer,
+                buf: unsafe { buf.read() },
+            }),
+            Work::Recv { peer, buf } => p2p.push(P2p::Recv {
+                peer,
+                buf: unsafe { buf.write() },
+            }),
+        }
+    }
+    if !p2p.is_empty() {
+        c.p2p(&mut p2p)?;
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct Group {
+    depth: u32,
+    ops: Vec<(Arc<Communicator>, Work)>,
+}
+
+/// Run now, or queue when inside a group.
+fn submit(c: Arc<Communicator>, w: Work) -> R {
+    let queued = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return false;
+        }
+        g.ops.push((Arc::clone(&c), w));
+        true
+    });
+    if queued {
+        Ok(())
+    } else {
+        run_work(&c, &[w])
+    }
+}
+
+impl Work {
+    /// (buffer, writable) pairs.
+    fn bufs(&self) -> [Option<(CBuf, bool)>; 2] {
+        match *self {
+            Work::Coll { send, recv, .. } => [send.map(|s| (s, false)), Some((recv, true))],
+            Work::Send { buf, .. } => [Some((buf, false)), None],
+            Work::Recv { buf, .. } => [Some((buf, true)), None],
+        }
+    }
+}
+
+/// Operations of a group that run at the same time (any two on different communicators;
+/// point-to-point operations of one communicator) must not write memory the other uses.
+fn check_group(ops: &[(Arc<Communicator>, Work)]) -> R {
+    for (i, (ca, a)) in ops.iter().enumerate() {
+        for (cb, b) in &ops[i + 1..] {
+            let same = Arc::ptr_eq(ca, cb);
+            let p2p = |w: &Work| !matches!(w, Work::Coll { .. });
+            if same && !(p2p(a) && p2p(b)) {
+                continue; // run one after the other
+            }
+            for (x, wx) in a.bufs().into_iter().flatten() {
+                for (y, wy) in b.bufs().into_iter().flatten() {
+                    if (wx || wy) && x.overlaps(&y) {
+                        return Err(arg(
+                            "two operations of the group that run at the same time use overlapping buffers, one of them for receiving",
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Exported functions
+
+/// Version code of this library.
+#[no_mangle]
+pub unsafe extern "C" fn rocclGetVersion(version: *mut c_int) -> rocclResult_t {
+    guard("rocclGetVersion", || {
+        // SAFETY: C passes storage for one int (NULL refused).
+        *unsafe { out_ptr(version, "version") }? = VERSION_CODE;
+        Ok(())
+    })
+}
+
+/// Human-readable name of a result code.
+#[no_mangle]
+pub extern "C" fn rocclGetErrorString(result: rocclResult_t) -> *const c_char {
+    let s: &'static CStr = match result {
+        SUCCESS => c"no error",
+        UNHANDLED_DEVICE_ERROR => c"unhandled device error",
+        SYSTEM_ERROR => {
+            c"unhandled system error (network, memory or OS call failed; see rocclGetLastError)"
+        }
+        INTERNAL_ERROR => c"internal error (a bug in roccl; see rocclGetLastError)",
+        INVALID_ARGUMENT => c"invalid argument (see rocclGetLastError)",
+        INVALID_USAGE => c"invalid usage (see rocclGetLastError)",
+        REMOTE_ERROR => c"remote process exited, failed or timed out (see rocclGetLastError)",
+        IN_PROGRESS => c"operation in progress",
+        _ => c"unknown result code",
+    };
+    s.as_ptr()
+}
+
+/// The last error message of this thread.
+#[no_mangle]
+pub extern "C" fn rocclGetLastError(_comm: rocclComm_t) -> *const c_char {
+    // The pointer stays valid until this thread's next failing roccl call.
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+/// Create a unique id (starts the rendezvous root in this process).
+#[no_mangle]
+pub unsafe extern "C" fn rocclGetUniqueId(unique_id: *mut rocclUniqueId) -> rocclResult_t {
+    guard("rocclGetUniqueId", || {
+        // SAFETY: storage for one rocclUniqueId (NULL refused).
+        let out = unsafe { out_ptr(unique_id, "uniqueId") }?;
+        let id = UniqueId::new()?;
+        for (d, s) in out.internal.iter_mut().zip(id.as_bytes()) {
+            *d = *s as c_char;
+        }
+        Ok(())
+    })
+}
+
+fn id_of(u: &rocclUniqueId) -> R<UniqueId> {
+    let b: Vec<u8> = u.internal.iter().map(|c| *c as u8).collect();
+    UniqueId::from_bytes(&b).map_err(|_| {
+        arg("commId is not a roccl unique id (pass the bytes from rocclGetUniqueId unchanged)")
+    })
+}
+
+fn rank_args(nranks: c_int, rank: c_int) -> R<(usize, usize)> {
+    if nranks < 1 {
+        return Err(arg(format!("nranks is {nranks}; it must be at least 1")));
+    }
+    if rank < 0 || rank >= nranks {
+        return Err(arg(format!(
+            "rank {rank} is out of range for nranks {nranks}"
+        )));
+    }
+    Ok((nranks as usize, rank as usize))
+}
+
+fn config_of(config: *const rocclConfig_t) -> R<(bool, Config)> {
+    let mut cfg = Config::from_env()?;
+    // SAFETY: C passes a pointer to a rocclConfig_t or NULL.
+    let Some(c) = (unsafe { config.as_ref() }) else {
+        return Ok((true, cfg));
+    };
+    if c.magic != CONFIG_MAGIC || c.size < std::mem::size_of::<rocclConfig_t>() {
+        return Err(arg(
+            "config was not initialized with ROCCL_CONFIG_INITIALIZER",
+        ));
+    }
+    if !c.net_name.is_null() {
+        // SAFETY: a NUL-terminated string per the header.
+        let name = unsafe { CStr::from_ptr(c.net_name) }.to_string_lossy();
+        cfg.net = name.parse()?;
+    }
+    // Any non-zero value, ROCCL_CONFIG_UNDEF_INT included, means blocking.
+    Ok((c.blocking != 0, cfg))
+}
+
+fn init_rank(
+    comm: *mut rocclComm_t,
+    nranks: c_int,
+    id: rocclUniqueId,
+    rank: c_int,
+    config: *const rocclConfig_t,
+) -> R {
+    // SAFETY: storage for one rocclComm_t (NULL refused).
+    let out = unsafe { out_ptr(comm, "comm") }?;
+    *out = std::ptr::null_mut();
+    let (n, r) = rank_args(nranks, rank)?;
+    let uid = id_of(&id)?;
+    let (blocking, cfg) = config_of(config)?;
+    if blocking {
+        let c = Communicator::init_with(&uid, n, r, cfg)?;
+        *out = register(ready_handle(c));
+        return Ok(());
+    }
+    let h = Arc::new(Handle {
+        state: Mutex::new(State::Initializing),
+        cond: parking_lot::Condvar::new(),
+    });
+    *out = register(Arc::clone(&h));
+    std::thread::Builder::new()
+        .name(format!("roccl-init-r{r}"))
+        .spawn(move || {
+            let res = catch_unwind(AssertUnwindSafe(|| {
+                Communicator::init_with(&uid, n, r, cfg)
+            }));
+            let st = match res {
+                Ok(Ok(c)) => State::Ready(Arc::new(c)),
+                Ok(Err(e)) => State::Failed(code_of(e.kind()), e.to_string()),
+                Err(_) => State::Failed(INTERNAL_ERROR, "internal error: init panicked".into()),
+            };
+            *h.state.lock() = st;
+            h.cond.notify_all();
+        })
+        .map_err(|e| CErr(SYSTEM_ERROR, format!("spawning the init thread: {e}")))?;
+    Err(CErr(
+        IN_PROGRESS,
+        "initialization continues in the background".into(),
+    ))
+}
+
+/// Join the communicator of `commId` as `rank` of `nranks` (blocking).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommInitRank(
+    comm: *mut rocclComm_t,
+    nranks: c_int,
+    comm_id: rocclUniqueId,
+    rank: c_int,
+) -> rocclResult_t {
+    guard("rocclCommInitRank", || {
+        init_rank(comm, nranks, comm_id, rank, std::ptr::null())
+    })
+}
+
+/// Like rocclCommInitRank, with a config (`blocking = 0`: returns rocclInProgress).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommInitRankConfig(
+    comm: *mut rocclComm_t,
+    nranks: c_int,
+    comm_id: rocclUniqueId,
+    rank: c_int,
+    config: *mut rocclConfig_t,
+) -> rocclResult_t {
+    let r = guard("rocclCommInitRankConfig", || {
+        init_rank(comm, nranks, comm_id, rank, config)
+    });
+    if r == IN_PROGRESS {
+        set_last_error("");
+    }
+    r
+}
+
+/// Create `ndev` communicators of one clique in this process (ranks as threads).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommInitAll(
+    comms: *mut rocclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> rocclResult_t {
+    let _ = devlist; // host memory: devices do not apply
+    guard("rocclCommInitAll", || {
+        if comms.is_null() {
+            return Err(arg("comms is NULL"));
+        }
+        if ndev < 1 {
+            return Err(arg(format!("ndev is {ndev}; it must be at least 1")));
+        }
+        let n = ndev as usize;
+        // SAFETY: C passes an array of ndev rocclComm_t (NULL refused).
+        let out = unsafe { std::slice::from_raw_parts_mut(comms, n) };
+        out.iter_mut().for_each(|c| *c = std::ptr::null_mut());
+        let id = UniqueId::new()?;
+        let cfg = Config::from_env()?;
+        let made: Vec<roccl_core::Result<Communicator>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || Communicator::init_with(&id, n, r, cfg))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Internal("init thread panicked".into())))
+                })
+                .collect()
+        });
+        let mut comms_ok = Vec::with_capacity(n);
+        for m in made {
+            comms_ok.push(m?);
+        }
+        for (o, c) in out.iter_mut().zip(comms_ok) {
+            *o = register(ready_handle(c));
+        }
+        Ok(())
+    })
+}
+
+/// Finish outstanding work (all calls complete before returning, so nothing is pending
+/// unless a non-blocking init still runs: then rocclInProgress).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommFinalize(comm: rocclComm_t) -> rocclResult_t {
+    guard("rocclCommFinalize", || {
+        let h = lookup(comm)?;
+        let st = h.state.lock();
+        match &*st {
+            State::Initializing => Err(CErr(IN_PROGRESS, "initialization is still running".into())),
+            _ => Ok(()),
+        }
+    })
+}
+
+fn remove(comm: rocclComm_t) -> R<Arc<Handle>> {
+    let h = lookup(comm)?;
+    if let Some(m) = COMMS.write().as_mut() {
+        m.remove(&(comm as usize));
+    }
+    Ok(h)
+}
+
+/// Free a communicator (waits for a non-blocking init to finish first).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommDestroy(comm: rocclComm_t) -> rocclResult_t {
+    guard("rocclCommDestroy", || {
+        let h = remove(comm)?;
+        let mut st = h.state.lock();
+        while matches!(*st, State::Initializing) {
+            h.cond.wait(&mut st);
+        }
+        Ok(())
+    })
+}
+
+/// Abort: unblock any call in progress on this communicator (from another thread) and free it.
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommAbort(comm: rocclComm_t) -> rocclResult_t {
+    guard("rocclCommAbort", || {
+        let h = remove(comm)?;
+        let c = match &*h.state.lock() {
+            State::Ready(c) => Some(Arc::clone(c)),
+            _ => None,
+        };
+        if let Some(c) = c {
+            c.abort();
+        }
+        Ok(())
+    })
+}
+
+/// Split into sub-communicators by color and key (`ROCCL_SPLIT_NOCOLOR`: no new comm).
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommSplit(
+    comm: rocclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut rocclComm_t,
+    config: *mut rocclConfig_t,
+) -> rocclResult_t {
+    guard("rocclCommSplit", || {
+        // SAFETY: storage for one rocclComm_t (NULL refused).
+        let out = unsafe { out_ptr(newcomm, "newcomm") }?;
+        *out = std::ptr::null_mut();
+        if color < 0 && color != SPLIT_NOCOLOR {
+            return Err(arg(format!(
+                "color {color} is negative (use ROCCL_SPLIT_NOCOLOR to opt out)"
+            )));
+        }
+        config_of(config)?;
+        let c = ready(comm)?;
+        let sub = c.split((color >= 0).then_some(color as u32), key)?;
+        if let Some(s) = sub {
+            *out = register(ready_handle(s));
+        }
+        Ok(())
+    })
+}
+
+/// Number of ranks.
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommCount(comm: rocclComm_t, count: *mut c_int) -> rocclResult_t {
+    guard("rocclCommCount", || {
+        // SAFETY: storage for one int (NULL refused).
+        let out = unsafe { out_ptr(count, "count") }?;
+        *out = ready(comm)?.nranks() as c_int;
+        Ok(())
+    })
+}
+
+/// This rank.
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommUserRank(comm: rocclComm_t, rank: *mut c_int) -> rocclResult_t {
+    guard("rocclCommUserRank", || {
+        // SAFETY: storage for one int (NULL refused).
+        let out = unsafe { out_ptr(rank, "rank") }?;
+        *out = ready(comm)?.rank() as c_int;
+        Ok(())
+    })
+}
+
+/// The communicator's asynchronous state: rocclInProgress while a non-blocking init runs,
+/// the error that broke it, or rocclSuccess.
+#[no_mangle]
+pub unsafe extern "C" fn rocclCommGetAsyncError(
+    comm: rocclComm_t,
+    async_error: *mut rocclResult_t,
+) -> rocclResult_t {
+    guard("rocclCommGetAsyncError", || {
+        // SAFETY: storage for one rocclResult_t (NULL refused).
+        let out = unsafe { out_ptr(async_error, "asyncError") }?;
+        let h = lookup(comm)?;
+        let st = h.state.lock();
+        *out = match &*st {
+            State::Initializing => IN_PROGRESS,
+            State::Failed(code, msg) => {
+                set_last_error(msg);
+                *code
+            }
+            State::Ready(c) => match c.async_error_kind() {
+                None => SUCCESS,
+                Some((k, msg)) => {
+                    set_last_error(&msg);
+                    code_of(k)
+                }
+            },
+        };
+        Ok(())
+    })
+}
+
+fn coll(
+    name: &str,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+    datatype: c_int,
+    make: impl FnOnce(&Communicator, DataType) -> R<Work>,
+) -> rocclResult_t {
+    guard(name, || {
+        let dt = dtype(datatype)?;
+        no_stream(stream)?;
+        let c = ready(comm)?;
+        let w = make(&c, dt)?;
+        submit(c, w)
+    })
+}
+
+/// Out of place unless `send` is exactly `recv + inplace_at` (NCCL's in-place convention).
+fn place(send: CBuf, recv: CBuf, inplace_at: usize) -> R<Option<CBuf>> {
+    if send.len > 0
+        && send.addr == recv.addr.wrapping_add(inplace_at)
+        && send.len + inplace_at <= recv.len
+    {
+        return Ok(None);
+    }
+    if send.overlaps(&recv) {
+        return Err(arg(
+            "sendbuff and recvbuff overlap without being the in-place layout",
+        ));
+    }
+    Ok(Some(send))
+}
+
+/// All-reduce `count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn rocclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclAllReduce", comm, stream, datatype, |_, dt| {
+        let op = redop(op)?;
+        let b = count_bytes(count, dt, "count")?;
+        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
+        let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?;
+        Ok(Work::Coll {
+            coll: Collective::AllReduce(op),
+            dt,
+            send,
+            recv,
+        })
+    })
+}
+
+/// Broadcast `count` elements from `root` (`sendbuff` is read on the root only).
+#[no_mangle]
+pub unsafe extern "C" fn rocclBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclBroadcast", comm, stream, datatype, |c, dt| {
+        let root = check_rank(root, c, "root")?;
+        let b = count_bytes(count, dt, "count")?;
+        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
+        let send = if c.rank() == root {
+            place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?
+        } else {
+            None
+        };
+        Ok(Work::Coll {
+            coll: Collective::Broadcast { root },
+            dt,
+            send,
+            recv,
+        })
+    })
+}
+
+/// In-place broadcast (NCCL's legacy ncclBcast).
+#[no_mangle]
+pub unsafe extern "C" fn rocclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    // SAFETY: forwarded with the same contract.
+    unsafe { rocclBroadcast(buff, buff, count, datatype, root, comm, stream) }
+}
+
+fn check_rank(r: c_int, c: &Communicator, name: &str) -> R<usize> {
+    if r < 0 || r as usize >= c.nranks() {
+        return Err(arg(format!(
+            "{name} {r} is out of range for {} ranks",
+            c.nranks()
+        )));
+    }
+    Ok(r as usize)
+}
+
+/// Reduce `count` elements to `root` (`recvbuff` is written on the root only).
+#[no_mangle]
+pub unsafe extern "C" fn rocclReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    root: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclReduce", comm, stream, datatype, |c, dt| {
+        let op = redop(op)?;
+        let root = check_rank(root, c, "root")?;
+        let b = count_bytes(count, dt, "count")?;
+        let send = CBuf::new(sendbuff, b, "sendbuff")?;
+        let is_root = c.rank() == root;
+        // recvbuff matters on the root only (or as the in-place buffer anywhere).
+        let recv = if is_root || std::ptr::eq(recvbuff, sendbuff) {
+            CBuf::new(recvbuff, b, "recvbuff")?
+        } else {
+            CBuf { addr: 0, len: 0 }
+        };
+        let send = place(send, recv, 0)?;
+        Ok(Work::Coll {
+            coll: Collective::Reduce { op, root },
+            dt,
+            send,
+            recv,
+        })
+    })
+}
+
+/// All-gather: `sendcount` elements from each rank into `nranks * sendcount`.
+#[no_mangle]
+pub unsafe extern "C" fn rocclAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclAllGather", comm, stream, datatype, |c, dt| {
+        let b = count_bytes(sendcount, dt, "sendcount")?;
+        let total = count_bytes(
+            sendcount.saturating_mul(c.nranks()),
+            dt,
+            "sendcount * nranks",
+        )?;
+        let recv = CBuf::new(recvbuff, total, "recvbuff")?;
+        let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, c.rank() * b)?;
+        Ok(Work::Coll {
+            coll: Collective::AllGather,
+            dt,
+            send,
+            recv,
+        })
+    })
+}
+
+/// Reduce-scatter: `nranks * recvcount` elements in, block `rank` (`recvcount`) out.
+#[no_mangle]
+pub unsafe extern "C" fn rocclReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclReduceScatter", comm, stream, datatype, |c, dt| {
+        let op = redop(op)?;
+        let b = count_bytes(recvcount, dt, "recvcount")?;
+        let total = count_bytes(
+            recvcount.saturating_mul(c.nranks()),
+            dt,
+            "recvcount * nranks",
+        )?;
+        let send = CBuf::new(sendbuff, total, "sendbuff")?;
+        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
+        // In place: recvbuff is block `rank` of sendbuff; the core then works on sendbuff.
+        if b > 0 && recv.addr == send.addr.wrapping_add(c.rank() * b) {
+            return Ok(Work::Coll {
+                coll: Collective::ReduceScatter(op),
+                dt,
+                send: None,
+                recv: send,
+            });
+        }
+        if send.overlaps(&recv) {
+            return Err(arg(
+                "sendbuff and recvbuff overlap without being the in-place layout",
+            ));
+        }
+        Ok(Work::Coll {
+            coll: Collective::ReduceScatter(op),
+            dt,
+            send: Some(send),
+            recv,
+        })
+    })
+}
+
+/// All-to-all: block `j` (`count` elements) of `sendbuff` to rank `j`.
+#[no_mangle]
+pub unsafe extern "C" fn rocclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclAlltoAll", comm, stream, datatype, |c, dt| {
+        let total = count_bytes(count.saturating_mul(c.nranks()), dt, "count * nranks")?;
+        let recv = CBuf::new(recvbuff, total, "recvbuff")?;
+        let send = place(CBuf::new(sendbuff, total, "sendbuff")?, recv, 0)?;
+        Ok(Work::Coll {
+            coll: Collective::AllToAll,
+            dt,
+            send,
+            recv,
+        })
+    })
+}
+
+/// Send `count` elements to `peer`.
+#[no_mangle]
+pub unsafe extern "C" fn rocclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclSend", comm, stream, datatype, |c, dt| {
+        let peer = check_rank(peer, c, "peer")?;
+        let buf = CBuf::new(sendbuff, count_bytes(count, dt, "count")?, "sendbuff")?;
+        Ok(Work::Send { peer, buf })
+    })
+}
+
+/// Receive `count` elements from `peer`.
+#[no_mangle]
+pub unsafe extern "C" fn rocclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: rocclComm_t,
+    stream: *mut c_void,
+) -> rocclResult_t {
+    coll("rocclRecv", comm, stream, datatype, |c, dt| {
+        let peer = check_rank(peer, c, "peer")?;
+        let buf = CBuf::new(recvbuff, count_bytes(count, dt, "count")?, "recvbuff")?;
+        Ok(Work::Recv { peer, buf })
+    })
+}
+
+/// Start a group: calls until the matching rocclGroupEnd are queued.
+#[no_mangle]
+pub extern "C" fn rocclGroupStart() -> rocclResult_t {
+    guard("rocclGroupStart", || {
+        GROUP.with(|g| g.borrow_mut().depth += 1);
+        Ok(())
+    })
+}
+
+/// End a group; the outermost end runs every queued call and returns when all are done.
+#[no_mangle]
+pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
+    guard("rocclGroupEnd", || {
+        let ops = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth == 0 {
+                return Err(usage("rocclGroupEnd without rocclGroupStart"));
+            }
+            g.depth -= 1;
+            Ok(if g.depth == 0 {
+                std::mem::take(&mut g.ops)
+            } else {
+                Vec::new()
+            })
+        })?;
+        check_group(&ops)?;
+        // Per communicator, in the order of first use; communicators run concurrently so
+        // that one thread can drive several ranks of the same clique.
+        let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
+        for (c, w) in ops {
+            match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
+                Some((_, v)) => v.push(w),
+                None => per.push((c, vec![w])),
+            }
+        }
+        let results: Vec<R> = if per.len() <= 1 {
+            per.iter().map(|(c, w)| run_work(c, w)).collect()
+        } else {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = per
+                    .iter()
+                    .map(|(c, w)| s.spawn(move || run_work(c, w)))
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(CErr(INTERNAL_ERROR, "group worker panicked".into()))
+                        })
+                    })
+                    .collect()
+            })
+        };
+        results.into_iter().collect::<R<Vec<()>>>().map(|_| ())
+    })
+}

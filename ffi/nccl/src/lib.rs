@@ -1,0 +1,284 @@
+//! roccl under NCCL's names and ABI: `libroccl-nccl.so`, the library `VLLM_NCCL_SO_PATH`
+//! points at (and that can be laid out as `libnccl.so.2` / `librccl.so.1`).
+//!
+//! Every function forwards to the C ABI of roccl (`ffi/capi`, `include/roccl.h`), which
+//! already uses NCCL's argument order, types and numbers (data types including fp8 e4m3 = 10
+//! and e5m2 = 11, ops, result codes, the 128-byte unique id passed by value); that layer owns
+//! the panic boundary, the argument checks and the handle table. What is NCCL-specific
+//! lives here: the NCCL version code, `ncclConfig_t`'s layout, the window calls vLLM looks
+//! up, and a WARN line on stderr for every failing call (vLLM shows only
+//! `ncclGetErrorString`, which is one fixed sentence per code).
+
+#![allow(non_camel_case_types, clippy::missing_safety_doc)]
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use capi::{rocclComm_t as ncclComm_t, rocclResult_t as ncclResult_t, rocclUniqueId};
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+pub type ncclUniqueId = rocclUniqueId;
+/// `cudaStream_t` / `hipStream_t`.
+pub type ncclStream_t = *mut c_void;
+/// `ncclWindow_t` (opaque).
+pub type ncclWindow_t = *mut c_void;
+
+const INVALID_ARGUMENT: ncclResult_t = 4;
+const INVALID_USAGE: ncclResult_t = 5;
+const IN_PROGRESS: ncclResult_t = 7;
+
+/// The NCCL version this library answers with: NCCL 2.27.3, whose ABI it follows
+/// (`ROCCL_NCCL_VERSION` overrides it for programs that gate features on the version).
+pub const NCCL_VERSION: c_int = 22703;
+
+/// `ncclConfig_t` up to `netName`: the fields NCCL has had at these offsets since 2.14.
+#[repr(C)]
+struct NcclConfigHead {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+}
+
+/// Log a failing call's message (the C layer recorded it as the thread's last error).
+fn checked(r: ncclResult_t) -> ncclResult_t {
+    if r != 0 && r != IN_PROGRESS {
+        let msg = capi::rocclGetLastError(std::ptr::null_mut());
+        // SAFETY: rocclGetLastError returns this thread's NUL-terminated message.
+        let text = unsafe { CStr::from_ptr(msg) }.to_string_lossy();
+        // The C layer names its own function (rocclX); the caller called ncclX.
+        let text = match text.strip_prefix("roccl") {
+            Some(rest) => format!("nccl{rest}"),
+            None => text.into_owned(),
+        };
+        roccl_core::log::log(
+            roccl_core::log::Level::Warn,
+            format_args!("NCCL API error {r}: {text}"),
+        );
+    }
+    r
+}
+
+fn fail(code: ncclResult_t, msg: &str) -> ncclResult_t {
+    capi::set_last_error(msg);
+    checked(code)
+}
+
+/// The NCCL-style version code (22703 = 2.27.3, or `ROCCL_NCCL_VERSION`).
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
+    if version.is_null() {
+        return fail(INVALID_ARGUMENT, "ncclGetVersion: version is NULL");
+    }
+    let v = std::env::var("ROCCL_NCCL_VERSION")
+        .ok()
+        .and_then(|v| v.trim().parse::<c_int>().ok())
+        .filter(|v| *v >= 20000)
+        .unwrap_or(NCCL_VERSION);
+    // SAFETY: non-NULL storage for one int, per the API.
+    unsafe { *version = v };
+    0
+}
+
+/// A fixed sentence per result code.
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
+    capi::rocclGetErrorString(result)
+}
+
+/// This thread's last error message.
+#[no_mangle]
+pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
+    capi::rocclGetLastError(comm)
+}
+
+/// A new unique id (starts the rendezvous root in this process).
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
+    // SAFETY: forwarded with the same contract.
+    checked(unsafe { capi::rocclGetUniqueId(unique_id) })
+}
+
+/// Join the communicator of `comm_id` as `rank` of `nranks`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    comm_id: ncclUniqueId,
+    rank: c_int,
+) -> ncclResult_t {
+    // SAFETY: forwarded with the same contract.
+    checked(unsafe { capi::rocclCommInitRank(comm, nranks, comm_id, rank) })
+}
+
+/// Translate NCCL's config (its `blocking` field; `netName` names NCCL networks, so roccl
+/// keeps `ROCCL_NET`). NULL stays NULL.
+fn config(config: *mut c_void) -> Result<Option<capi::rocclConfig_t>, ncclResult_t> {
+    if config.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: C passes an ncclConfig_t, which starts with these fields.
+    let c = unsafe { &*(config as *const NcclConfigHead) };
+    if c.magic != 0xcafe_beef || c.size < std::mem::size_of::<NcclConfigHead>() {
+        return Err(fail(
+            INVALID_ARGUMENT,
+            "ncclConfig_t was not initialized with NCCL_CONFIG_INITIALIZER",
+        ));
+    }
+    let mut r = capi::CONFIG_INITIALIZER;
+    r.blocking = c.blocking;
+    Ok(Some(r))
+}
+
+/// Like ncclCommInitRank with a config (`blocking = 0`: returns ncclInProgress).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    comm_id: ncclUniqueId,
+    rank: c_int,
+    cfg: *mut c_void,
+) -> ncclResult_t {
+    let mut c = match config(cfg) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+    // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+    checked(unsafe { capi::rocclCommInitRankConfig(comm, nranks, comm_id, rank, p) })
+}
+
+/// `ndev` communicators of one clique in this process.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut ncclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> ncclResult_t {
+    // SAFETY: forwarded with the same contract.
+    checked(unsafe { capi::rocclCommInitAll(comms, ndev, devlist) })
+}
+
+/// Split by color and key.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    cfg: *mut c_void,
+) -> ncclResult_t {
+    let mut c = match config(cfg) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+    // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+    checked(unsafe { capi::rocclCommSplit(comm, color, key, newcomm, p) })
+}
+
+macro_rules! forward {
+    ($( $(#[$m:meta])* fn $nccl:ident => $roccl:ident ( $($a:ident : $t:ty),* ); )*) => {$(
+        $(#[$m])*
+        #[no_mangle]
+        pub unsafe extern "C" fn $nccl($($a: $t),*) -> ncclResult_t {
+            // SAFETY: forwarded with the same contract (the C layer checks every argument).
+            checked(unsafe { capi::$roccl($($a),*) })
+        }
+    )*};
+}
+
+forward! {
+    /// Complete outstanding work.
+    fn ncclCommFinalize => rocclCommFinalize(comm: ncclComm_t);
+    /// Free a communicator.
+    fn ncclCommDestroy => rocclCommDestroy(comm: ncclComm_t);
+    /// Abort and free a communicator.
+    fn ncclCommAbort => rocclCommAbort(comm: ncclComm_t);
+    /// Number of ranks.
+    fn ncclCommCount => rocclCommCount(comm: ncclComm_t, count: *mut c_int);
+    /// This rank.
+    fn ncclCommUserRank => rocclCommUserRank(comm: ncclComm_t, rank: *mut c_int);
+    /// The communicator's asynchronous error.
+    fn ncclCommGetAsyncError => rocclCommGetAsyncError(comm: ncclComm_t, async_error: *mut ncclResult_t);
+    /// All-reduce.
+    fn ncclAllReduce => rocclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// Broadcast (`sendbuff` read on the root only; NULL elsewhere is fine).
+    fn ncclBroadcast => rocclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// In-place broadcast.
+    fn ncclBcast => rocclBcast(buff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// Reduce to a root.
+    fn ncclReduce => rocclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, root: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// All-gather (`count` elements per rank).
+    fn ncclAllGather => rocclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// Reduce-scatter (`count` elements per rank).
+    fn ncclReduceScatter => rocclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// Send to a peer.
+    fn ncclSend => rocclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: ncclComm_t, stream: ncclStream_t);
+    /// Receive from a peer.
+    fn ncclRecv => rocclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: ncclComm_t, stream: ncclStream_t);
+}
+
+/// Start a group.
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> ncclResult_t {
+    checked(capi::rocclGroupStart())
+}
+
+/// End a group: runs what it queued.
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
+    checked(capi::rocclGroupEnd())
+}
+
+/// The device of a communicator: roccl's buffers are host memory, so 0 (after checking the
+/// handle).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t {
+    if device.is_null() {
+        return fail(INVALID_ARGUMENT, "ncclCommCuDevice: device is NULL");
+    }
+    let mut n = 0;
+    // SAFETY: `n` is valid storage; the handle is checked by the C layer.
+    let r = checked(unsafe { capi::rocclCommCount(comm, &mut n) });
+    if r == 0 {
+        // SAFETY: non-NULL storage for one int.
+        unsafe { *device = 0 };
+    }
+    r
+}
+
+/// Symmetric-memory windows (NCCL ≥ 2.27) are not supported: a clear error, so that a
+/// program that tries them (vLLM with `VLLM_USE_NCCL_SYMM_MEM=1`) says why.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    _comm: ncclComm_t,
+    _buff: *mut c_void,
+    _size: usize,
+    win: *mut ncclWindow_t,
+    _flags: c_int,
+) -> ncclResult_t {
+    if !win.is_null() {
+        // SAFETY: non-NULL storage for one handle.
+        unsafe { *win = std::ptr::null_mut() };
+    }
+    fail(
+        INVALID_USAGE,
+        "ncclCommWindowRegister: symmetric-memory windows are not supported by roccl (in vLLM, leave VLLM_USE_NCCL_SYMM_MEM unset)",
+    )
+}
+
+/// See [`ncclCommWindowRegister`].
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommWindowDeregister(
+    _comm: ncclComm_t,
+    _win: ncclWindow_t,
+) -> ncclResult_t {
+    fail(
+        INVALID_USAGE,
+        "ncclCommWindowDeregister: symmetric-memory windows are not supported by roccl",
+    )
+}

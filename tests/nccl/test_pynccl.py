@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Load libroccl-nccl.so with ctypes (standard library only) and call it the way vLLM's
+pynccl wrapper does: the same symbol names and argument types, a unique id created on rank 0
+and handed to the others out of band, out-of-place all-reduce, grouped broadcasts as an
+all-gatherv, send/recv pairs in a group, reduce, all-gather, reduce-scatter, bad arguments,
+the window calls vLLM looks up, and destroy. Host memory, NULL stream.
+
+    tests/nccl/test_pynccl.py LIB [NRANKS]     (launches NRANKS processes of itself)
+"""
+import ctypes
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+ncclResult_t = ctypes.c_int
+ncclComm_t = ctypes.c_void_p
+cudaStream_t = ctypes.c_void_p
+buffer_type = ctypes.c_void_p
+ncclDataType_t = ctypes.c_int
+ncclRedOp_t = ctypes.c_int
+ncclWindow_t = ctypes.c_void_p
+
+
+class ncclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+FLOAT32, BFLOAT16, INT32 = 7, 9, 2
+SUM, MAX = 0, 2
+
+SIGNATURES = {
+    "ncclGetErrorString": (ctypes.c_char_p, [ncclResult_t]),
+    "ncclGetVersion": (ncclResult_t, [ctypes.POINTER(ctypes.c_int)]),
+    "ncclGetUniqueId": (ncclResult_t, [ctypes.POINTER(ncclUniqueId)]),
+    "ncclCommInitRank": (ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int]),
+    "ncclAllReduce": (ncclResult_t, [buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t]),
+    "ncclReduce": (ncclResult_t, [buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    "ncclAllGather": (ncclResult_t, [buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t]),
+    "ncclReduceScatter": (ncclResult_t, [buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t]),
+    "ncclSend": (ncclResult_t, [buffer_type, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    "ncclRecv": (ncclResult_t, [buffer_type, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    "ncclBroadcast": (ncclResult_t, [buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t]),
+    "ncclCommDestroy": (ncclResult_t, [ncclComm_t]),
+    "ncclCommAbort": (ncclResult_t, [ncclComm_t]),
+    "ncclGroupStart": (ncclResult_t, []),
+    "ncclGroupEnd": (ncclResult_t, []),
+    "ncclCommWindowRegister": (ncclResult_t, [ncclComm_t, buffer_type, ctypes.c_size_t, ctypes.POINTER(ncclWindow_t), ctypes.c_int]),
+    "ncclCommWindowDeregister": (ncclResult_t, [ncclComm_t, ncclWindow_t]),
+}
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    funcs = {}
+    for name, (res, args) in SIGNATURES.items():
+        f = getattr(lib, name)  # AttributeError = a symbol vLLM needs is missing
+        f.restype, f.argtypes = res, args
+        funcs[name] = f
+    return funcs
+
+
+class Nccl:
+    def __init__(self, path):
+        self.f = load(path)
+
+    def check(self, r, what):
+        if r != 0:
+            raise RuntimeError(f"{what}: NCCL error {r}: {self.f['ncclGetErrorString'](r).decode()}")
+
+    def __getattr__(self, name):
+        f = self.f["nccl" + name]
+        return lambda *a: self.check(f(*a), name)
+
+
+def floats(vals):
+    return (ctypes.c_float * len(vals))(*vals)
+
+
+def bf16s(vals):
+    # bf16 = upper half of the float32 bits (exact for the small integers used here).
+    return (ctypes.c_uint16 * len(vals))(*[struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in vals])
+
+
+def from_bf16(buf):
+    return [struct.unpack("<f", struct.pack("<I", x << 16))[0] for x in buf]
+
+
+def expect(got, want, what):
+    got, want = list(got), list(want)
+    if got != want:
+        bad = next(i for i in range(len(want)) if got[i] != want[i])
+        raise AssertionError(f"{what}: element {bad}: got {got[bad]}, want {want[bad]}")
+
+
+def rank_main(path, rank, world, id_file):
+    nccl = Nccl(path)
+    v = ctypes.c_int()
+    nccl.GetVersion(ctypes.byref(v))
+    assert v.value >= 21800, v.value  # vLLM parses it as an NCCL version code
+    uid = ncclUniqueId()
+    if rank == 0:
+        nccl.GetUniqueId(ctypes.byref(uid))
+        tmp = id_file + ".tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(bytes(uid.internal))
+        os.rename(tmp, id_file)
+    else:
+        deadline = time.time() + 60
+        while not os.path.exists(id_file):
+            assert time.time() < deadline, "rank 0 never wrote the unique id"
+            time.sleep(0.01)
+        with open(id_file, "rb") as fh:
+            data = fh.read()
+        ctypes.memmove(ctypes.addressof(uid.internal), data, 128)
+    comm = ncclComm_t()
+    nccl.CommInitRank(ctypes.byref(comm), world, uid, rank)
+    null = None
+
+    # Out-of-place all-reduce, f32 sum and bf16 max.
+    n = 1031
+    send = floats([(rank * 3 + i) % 7 - 2 for i in range(n)])
+    recv = floats([0.0] * n)
+    nccl.AllReduce(send, recv, n, FLOAT32, SUM, comm, null)
+    expect(recv, [float(sum((r * 3 + i) % 7 - 2 for r in range(world))) for i in range(n)], "all_reduce f32")
+    sb = bf16s([(rank + i) % 5 for i in range(n)])
+    rb = (ctypes.c_uint16 * n)()
+    nccl.AllReduce(sb, rb, n, BFLOAT16, MAX, comm, null)
+    expect(from_bf16(rb), [float(max((r + i) % 5 for r in range(world))) for i in range(n)], "all_reduce bf16 max")
+
+    # vLLM's all_gatherv: one broadcast per root inside a group, NULL send buffer elsewhere.
+    sizes = [100 * (r + 1) + r for r in range(world)]
+    offs = [sum(sizes[:r]) for r in range(world)]
+    mine = floats([rank * 1000 + i for i in range(sizes[rank])])
+    out = floats([-1.0] * sum(sizes))
+    nccl.GroupStart()
+    for root in range(world):
+        dst = ctypes.addressof(out) + 4 * offs[root]
+        nccl.Broadcast(mine if root == rank else null, dst, sizes[root], FLOAT32, root, comm, null)
+    nccl.GroupEnd()
+    expect(out, [float(r * 1000 + i) for r in range(world) for i in range(sizes[r])], "all_gatherv")
+
+    # Send/recv pairs in a group: a ring exchange.
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    s = (ctypes.c_int32 * 77)(*[rank * 100 + i for i in range(77)])
+    r_ = (ctypes.c_int32 * 77)()
+    nccl.GroupStart()
+    nccl.Send(s, 77, INT32, to, comm, null)
+    nccl.Recv(r_, 77, INT32, frm, comm, null)
+    nccl.GroupEnd()
+    expect(r_, [frm * 100 + i for i in range(77)], "send/recv")
+
+    # Reduce to rank 1 % world, all-gather, reduce-scatter.
+    root = 1 % world
+    red = floats([0.0] * 64)
+    nccl.Reduce(floats([rank + i for i in range(64)]), red, 64, FLOAT32, SUM, root, comm, null)
+    if rank == root:
+        expect(red, [float(sum(r + i for r in range(world))) for i in range(64)], "reduce")
+    ag = floats([0.0] * (world * 10))
+    nccl.AllGather(floats([rank * 10 + i for i in range(10)]), ag, 10, FLOAT32, comm, null)
+    expect(ag, [float(r * 10 + i) for r in range(world) for i in range(10)], "all_gather")
+    rs = floats([0.0] * 10)
+    nccl.ReduceScatter(floats([rank + j for j in range(world * 10)]), rs, 10, FLOAT32, SUM, comm, null)
+    expect(rs, [float(sum(r + rank * 10 + i for r in range(world))) for i in range(10)], "reduce_scatter")
+
+    # Bad arguments: an error code and a sentence, and the communicator stays usable.
+    f = nccl.f
+    assert f["ncclAllReduce"](send, null, n, FLOAT32, SUM, comm, null) == 4
+    assert f["ncclAllReduce"](send, recv, n, 99, SUM, comm, null) == 4
+    assert b"invalid argument" in f["ncclGetErrorString"](4)
+    win = ncclWindow_t()
+    assert f["ncclCommWindowRegister"](comm, recv, 4 * n, ctypes.byref(win), 0) == 5
+    nccl.AllReduce(send, recv, n, FLOAT32, SUM, comm, null)
+    expect(recv, [float(sum((r * 3 + i) % 7 - 2 for r in range(world))) for i in range(n)], "all_reduce after errors")
+
+    nccl.CommDestroy(comm)
+    print(f"rank {rank}: ok (NCCL version code {v.value})", flush=True)
+
+
+def main():
+    if os.environ.get("PYNCCL_TEST_RANK") is not None:
+        rank_main(sys.argv[1], int(os.environ["PYNCCL_TEST_RANK"]), int(os.environ["PYNCCL_TEST_WORLD"]),
+                  os.environ["PYNCCL_TEST_ID"])
+        return
+    path = os.path.abspath(sys.argv[1])
+    world = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    with tempfile.TemporaryDirectory() as d:
+        kids = []
+        for r in range(world):
+            env = dict(os.environ, PYNCCL_TEST_RANK=str(r), PYNCCL_TEST_WORLD=str(world),
+                       PYNCCL_TEST_ID=os.path.join(d, "uid"))
+            kids.append(subprocess.Popen([sys.executable, __file__, path], env=env))
+        failed = []
+        deadline = time.time() + 180
+        for r, k in enumerate(kids):
+            try:
+                rc = k.wait(timeout=max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                k.kill()
+                rc = "timeout"
+            if rc != 0:
+                failed.append(f"rank {r}: {rc}")
+        if failed:
+            for k in kids:
+                k.kill()
+            sys.exit("pynccl-style test FAILED: " + "; ".join(failed))
+    print(f"pynccl-style test passed: {world} ranks, {path}")
+
+
+if __name__ == "__main__":
+    main()
