@@ -11,6 +11,7 @@
 pub mod algo;
 pub mod bootstrap;
 pub mod comm;
+pub mod device;
 pub mod error;
 pub mod log;
 pub mod net;
@@ -21,6 +22,6 @@ pub mod types;
 
 pub use algo::Algo;
 pub use bootstrap::UniqueId;
-pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle, P2p};
+pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle, P2p, Turn};
 pub use error::{Error, Result};
 pub use types::{DataType, Element, RedOp, F8E4M3, F8E5M2};

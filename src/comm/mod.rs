@@ -840,6 +840,63 @@ impl Communicator {
     pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: RedOp) -> Handle<Vec<T>> {
         self.start(Collective::AllReduce(op), None, buf)
     }
+
+    /// Run `job` on this communicator's worker thread, ordered with every other call on it
+    /// by issue time; returns at once. The job gets the communicator's [`Turn`]: what the
+    /// stream-ordered collectives of [`crate::device`] run their work with.
+    pub fn enqueue(&self, job: Box<dyn FnOnce(&mut Turn) + Send>) {
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        let abort = Arc::clone(&self.shared.abort);
+        let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |st: &mut State| {
+            let mut turn = Turn { st, abort: &abort };
+            job(&mut turn)
+        });
+        if let Err(mpsc::SendError((t, job))) = self.worker().send((t, job)) {
+            run_turn(&self.shared, t, job);
+        }
+    }
+}
+
+/// A communicator's turn on its worker thread: collectives and point-to-point exchanges
+/// run from here without taking another turn (see [`Communicator::enqueue`]).
+pub struct Turn<'a> {
+    st: &'a mut State,
+    abort: &'a std::sync::atomic::AtomicBool,
+}
+
+impl Turn<'_> {
+    /// [`Communicator::run_raw`], within this turn.
+    pub fn run_raw(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
+        self.st.execute(coll, dt, send, recv, opts)
+    }
+
+    /// [`Communicator::p2p`], within this turn.
+    pub fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        self.st.p2p(ops)
+    }
+
+    /// Record `e` as the communicator's error (nobody waits for this call's result: the
+    /// application learns it from [`Communicator::async_error`]); argument errors too.
+    pub fn fail(&mut self, e: &Error) {
+        if self.st.broken.is_none() {
+            self.st.broken = Some((e.kind(), e.to_string()));
+            if let Some(node) = &self.st.node {
+                node.mark_broken();
+            }
+        }
+    }
+
+    /// Whether the application aborted the communicator.
+    pub fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for Communicator {

@@ -1,0 +1,261 @@
+//! What collectives need from a GPU runtime, behind one trait, and stream-ordered
+//! collectives on top of it.
+//!
+//! A collective given a stream returns at once. [`enqueue`] makes it wait for the work
+//! enqueued earlier on each of its streams and makes later work on them wait for it, with
+//! stream memory operations on flags in pinned host memory: per operation, every stream gets
+//! "write `ready[i] = g` when you get here" and then "wait until `done >= g`"; the
+//! communicator's worker thread (the same one that orders all calls of a communicator)
+//! polls the ready flags, runs the collective, and sets `done = g`. `g` is the slot's
+//! generation, so flags never need resetting. A failed operation still sets `done` (the
+//! stream must not hang) and leaves the communicator broken with the error, which
+//! `Communicator::async_error` (`ncclCommGetAsyncError`) reports.
+//!
+//! Backends: [`sim::SimDevice`] (host memory posing as device memory, streams as worker
+//! threads that run their work late and out of step with the caller, so missing stream
+//! ordering shows up as wrong results in CI). HIP and CUDA backends implement the same
+//! trait (docs/GPU.md).
+
+pub mod sim;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::comm::{Communicator, Turn};
+use crate::error::{Error, Result};
+
+/// What kind of memory an address is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    /// Ordinary (pageable) host memory.
+    Host,
+    /// Page-locked host memory known to the runtime.
+    PinnedHost,
+    /// Device memory.
+    Device,
+    /// Managed (unified) memory.
+    Managed,
+}
+
+/// What the runtime says about an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtrInfo {
+    /// Kind of memory.
+    pub kind: MemKind,
+    /// The CPU may read and write it directly (host memory, managed memory, or device
+    /// memory of an integrated GPU that the runtime reports as host-accessible).
+    pub host_accessible: bool,
+}
+
+/// A stream handle as the application passes it (`cudaStream_t` / `hipStream_t`).
+pub type StreamId = usize;
+
+/// Flags in pinned host memory that streams write and wait on.
+pub struct FlagSlab {
+    flags: Arc<[AtomicU64]>,
+}
+
+impl FlagSlab {
+    /// `n` zeroed flags in ordinary memory (the simulated device; backends that need
+    /// pinned memory build their slab from it).
+    pub fn host(n: usize) -> FlagSlab {
+        FlagSlab {
+            flags: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Flag `i`.
+    pub fn flag(&self, i: usize) -> &AtomicU64 {
+        &self.flags[i]
+    }
+
+    /// A shared handle to flag `i` (kept alive by the stream work that uses it).
+    pub fn handle(&self, i: usize) -> Flag {
+        Flag {
+            slab: Arc::clone(&self.flags),
+            i,
+        }
+    }
+}
+
+/// One flag of a slab.
+#[derive(Clone)]
+pub struct Flag {
+    slab: Arc<[AtomicU64]>,
+    i: usize,
+}
+
+impl Flag {
+    /// The flag's word.
+    pub fn word(&self) -> &AtomicU64 {
+        &self.slab[self.i]
+    }
+}
+
+/// What collectives need from a GPU runtime.
+pub trait Device: Send + Sync {
+    /// Backend name (`sim`, `hip`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// Classify an address.
+    fn classify(&self, addr: usize) -> Result<PtrInfo>;
+    /// Enqueue on `stream`: once the work before it is done, store `value` in `flag`.
+    fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()>;
+    /// Enqueue on `stream`: hold later work until `flag >= value`.
+    fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()>;
+    /// Whether `stream` is being captured into a graph (`true`: collectives refuse it).
+    fn is_capturing(&self, stream: StreamId) -> Result<bool>;
+    /// Flags the streams can write and wait on.
+    fn flags(&self, n: usize) -> Result<FlagSlab>;
+}
+
+/// Most streams one operation (a group) may span.
+pub const MAX_STREAMS: usize = 8;
+/// Operations that may be in flight on streams at once; more wait for a free slot.
+const SLOTS: usize = 1024;
+/// Flags per slot: one ready flag per stream, then the done flag.
+const PER_SLOT: usize = MAX_STREAMS + 1;
+
+/// The slots of one device: flags and generations.
+struct Slots {
+    slab: FlagSlab,
+    free: Mutex<Vec<(usize, u64)>>,
+    freed: Condvar,
+}
+
+fn slots(dev: &dyn Device) -> Result<&'static Slots> {
+    // One table per process and backend (a process uses one GPU runtime).
+    static SLOTS_OF: std::sync::OnceLock<Mutex<Vec<(&'static str, &'static Slots)>>> =
+        std::sync::OnceLock::new();
+    let table = SLOTS_OF.get_or_init(|| Mutex::new(Vec::new()));
+    let mut t = table.lock();
+    if let Some((_, s)) = t.iter().find(|(n, _)| *n == dev.name()) {
+        return Ok(s);
+    }
+    let s: &'static Slots = Box::leak(Box::new(Slots {
+        slab: dev.flags(SLOTS * PER_SLOT)?,
+        free: Mutex::new((0..SLOTS).rev().map(|i| (i, 0)).collect()),
+        freed: Condvar::new(),
+    }));
+    t.push((dev.name(), s));
+    Ok(s)
+}
+
+impl Slots {
+    fn take(&self, timeout: Duration) -> Result<(usize, u64)> {
+        let mut f = self.free.lock();
+        let t0 = Instant::now();
+        loop {
+            if let Some((i, g)) = f.pop() {
+                return Ok((i, g + 1));
+            }
+            if t0.elapsed() >= timeout {
+                return Err(Error::Timeout(format!(
+                    "{SLOTS} stream-ordered operations are in flight and none completed within {timeout:.0?} (ROCCL_TIMEOUT): are the streams they wait on stuck?"
+                )));
+            }
+            self.freed.wait_for(&mut f, Duration::from_millis(10));
+        }
+    }
+
+    fn give(&self, i: usize, g: u64) {
+        self.free.lock().push((i, g));
+        self.freed.notify_one();
+    }
+}
+
+/// The work of one communicator in a stream-ordered operation, run on its worker thread
+/// with the communicator's turn.
+pub type Part = Box<dyn FnOnce(&mut Turn) -> Result<()> + Send>;
+
+/// Run `parts` (one per communicator) ordered with `streams`: after all work enqueued
+/// before on every stream, and before all work enqueued after. Returns at once.
+pub fn enqueue(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    parts: Vec<(Arc<Communicator>, Part)>,
+    timeout: Duration,
+) -> Result<()> {
+    let mut distinct: Vec<StreamId> = Vec::new();
+    for &s in streams {
+        if !distinct.contains(&s) {
+            distinct.push(s);
+        }
+    }
+    if distinct.is_empty() || parts.is_empty() {
+        return Err(Error::Internal(
+            "stream-ordered operation without streams or work".into(),
+        ));
+    }
+    if distinct.len() > MAX_STREAMS {
+        return Err(Error::arg(format!(
+            "one group spans {} streams; at most {MAX_STREAMS} are supported",
+            distinct.len()
+        )));
+    }
+    for &s in &distinct {
+        if dev.is_capturing(s)? {
+            return Err(Error::InvalidUsage(format!(
+                "stream {s:#x} is being captured into a graph: roccl's stream-ordered collectives cannot be replayed from a graph yet; run this collective outside capture (eager mode; in vLLM --enforce-eager)"
+            )));
+        }
+    }
+    let table = slots(dev.as_ref())?;
+    let (slot, g) = table.take(timeout)?;
+    let base = slot * PER_SLOT;
+    let done = table.slab.handle(base + MAX_STREAMS);
+    for (i, &s) in distinct.iter().enumerate() {
+        let ready = table.slab.handle(base + i);
+        dev.stream_write(s, &ready, g)?;
+        dev.stream_wait(s, &done, g)?;
+    }
+    let nready = distinct.len();
+    let remaining = Arc::new(AtomicUsize::new(parts.len()));
+    for (comm, part) in parts {
+        let remaining = Arc::clone(&remaining);
+        let done = done.clone();
+        comm.enqueue(Box::new(move |turn: &mut Turn| {
+            let ready = (0..nready).all(|i| wait_flag(table.slab.flag(base + i), g, turn));
+            let r = if ready {
+                part(turn)
+            } else {
+                Err(Error::InvalidUsage(
+                    "communicator aborted while a stream-ordered operation waited for its stream"
+                        .into(),
+                ))
+            };
+            if let Err(e) = r {
+                turn.fail(&e);
+            }
+            if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                done.word().store(g, Ordering::Release);
+                table.give(slot, g);
+            }
+        }));
+    }
+    Ok(())
+}
+
+/// Wait until `flag >= g`: spin briefly, then sleep in growing steps (a stream may run
+/// long GPU work first). False if the communicator was aborted meanwhile.
+fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
+    let mut spins = 0u32;
+    loop {
+        if flag.load(Ordering::Acquire) >= g {
+            return true;
+        }
+        if turn.aborted() {
+            return false;
+        }
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else if spins < 256 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! A simulated GPU for machines without one: host memory posing as device memory, and
+//! streams as worker threads that run what is enqueued on them in order, but late (each item
+//! after a random delay of up to `max_delay`) and out of step with the caller. A collective
+//! that does not wait for the work before it on its stream, or that lets later work run
+//! before it finished, then reads or leaves wrong data, and the tests see it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::{Device, Flag, FlagSlab, MemKind, PtrInfo, StreamId};
+use crate::error::{Error, Result};
+
+type Item = Box<dyn FnOnce() + Send>;
+
+struct Queue {
+    items: VecDeque<Item>,
+    /// Items taken but not finished.
+    running: usize,
+    closed: bool,
+}
+
+/// One simulated stream.
+struct SimStream {
+    q: Mutex<Queue>,
+    cv: Condvar,
+    capturing: AtomicBool,
+}
+
+/// Device memory of the simulated GPU: a host buffer the collectives may use directly.
+pub struct SimBuffer {
+    data: Mutex<Vec<u64>>,
+    len: usize,
+    addr: usize,
+}
+
+impl SimBuffer {
+    /// Its address (what a C program would pass as the buffer).
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Read or write its bytes (what a kernel or a host copy would do).
+    pub fn with<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let mut d = self.data.lock();
+        f(&mut bytemuck::cast_slice_mut(&mut d[..])[..self.len])
+    }
+}
+
+/// The simulated device.
+pub struct SimDevice {
+    streams: Mutex<HashMap<StreamId, Arc<SimStream>>>,
+    buffers: Mutex<Vec<(usize, usize)>>,
+    next: AtomicU64,
+    max_delay: Duration,
+    seed: AtomicU64,
+}
+
+impl SimDevice {
+    /// A simulated device whose streams delay each item by up to `max_delay`.
+    pub fn new(max_delay: Duration) -> Arc<SimDevice> {
+        Arc::new(SimDevice {
+            streams: Mutex::new(HashMap::new()),
+            buffers: Mutex::new(Vec::new()),
+            next: AtomicU64::new(0x5100_0000),
+            max_delay,
+            seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+        })
+    }
+
+    /// A new stream (its handle is an opaque non-zero number, like a `cudaStream_t`).
+    pub fn create_stream(&self) -> StreamId {
+        let id = self.next.fetch_add(0x100, Ordering::Relaxed) as StreamId;
+        let s = Arc::new(SimStream {
+            q: Mutex::new(Queue {
+                items: VecDeque::new(),
+                running: 0,
+                closed: false,
+            }),
+            cv: Condvar::new(),
+            capturing: AtomicBool::new(false),
+        });
+        let worker = Arc::clone(&s);
+        let max = self.max_delay;
+        let mut rng = self
+            .seed
+            .fetch_add(0x2545_f491_4f6c_dd1d, Ordering::Relaxed)
+            | 1;
+        std::thread::Builder::new()
+            .name(format!("sim-stream-{id:x}"))
+            .spawn(move || loop {
+                let item = {
+                    let mut q = worker.q.lock();
+                    loop {
+                        if let Some(i) = q.items.pop_front() {
+                            q.running += 1;
+                            break Some(i);
+                        }
+                        if q.closed {
+                            break None;
+                        }
+                        worker.cv.wait(&mut q);
+                    }
+                };
+                let Some(item) = item else { return };
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                if !max.is_zero() {
+                    std::thread::sleep(max.mul_f64((rng % 1000) as f64 / 1000.0));
+                }
+                item();
+                worker.q.lock().running -= 1;
+                worker.cv.notify_all();
+            })
+            .expect("spawning a simulated stream");
+        self.streams.lock().insert(id, s);
+        id
+    }
+
+    fn stream(&self, id: StreamId) -> Result<Arc<SimStream>> {
+        self.streams.lock().get(&id).cloned().ok_or_else(|| {
+            Error::arg(format!(
+                "stream {id:#x} is not a stream of the simulated device"
+            ))
+        })
+    }
+
+    /// Enqueue `f` on `stream` (a kernel, or a copy).
+    pub fn launch(&self, stream: StreamId, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let s = self.stream(stream)?;
+        s.q.lock().items.push_back(Box::new(f));
+        s.cv.notify_all();
+        Ok(())
+    }
+
+    /// Block until everything enqueued on `stream` so far has run.
+    pub fn synchronize(&self, stream: StreamId) -> Result<()> {
+        let s = self.stream(stream)?;
+        let mut q = s.q.lock();
+        while !q.items.is_empty() || q.running > 0 {
+            s.cv.wait(&mut q);
+        }
+        Ok(())
+    }
+
+    /// Start or stop "capturing" `stream` into a graph (collectives then refuse it).
+    pub fn set_capturing(&self, stream: StreamId, on: bool) -> Result<()> {
+        self.stream(stream)?.capturing.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Device memory of `bytes` bytes, zeroed.
+    pub fn alloc(&self, bytes: usize) -> Arc<SimBuffer> {
+        let data = vec![0u64; bytes.div_ceil(8).max(1)];
+        let addr = data.as_ptr() as usize;
+        self.buffers.lock().push((addr, bytes));
+        Arc::new(SimBuffer {
+            data: Mutex::new(data),
+            len: bytes,
+            addr,
+        })
+    }
+}
+
+impl Drop for SimDevice {
+    fn drop(&mut self) {
+        for s in self.streams.lock().values() {
+            s.q.lock().closed = true;
+            s.cv.notify_all();
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn classify(&self, addr: usize) -> Result<PtrInfo> {
+        let b = self.buffers.lock();
+        let dev = b.iter().any(|&(a, n)| addr >= a && addr < a + n.max(1));
+        Ok(PtrInfo {
+            kind: if dev { MemKind::Device } else { MemKind::Host },
+            host_accessible: true,
+        })
+    }
+
+    fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        let f = flag.clone();
+        self.launch(stream, move || f.word().store(value, Ordering::Release))
+    }
+
+    fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        let f = flag.clone();
+        self.launch(stream, move || {
+            while f.word().load(Ordering::Acquire) < value {
+                std::thread::sleep(Duration::from_micros(10));
+            }
+        })
+    }
+
+    fn is_capturing(&self, stream: StreamId) -> Result<bool> {
+        Ok(self.stream(stream)?.capturing.load(Ordering::Relaxed))
+    }
+
+    fn flags(&self, n: usize) -> Result<FlagSlab> {
+        Ok(FlagSlab::host(n))
+    }
+}
