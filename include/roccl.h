@@ -4,9 +4,15 @@
  * NCCL's API with the prefix nccl -> roccl: same argument order, types and numeric values,
  * with cudaStream_t -> rocclStream_t. Link with -lroccl (pkg-config --cflags --libs roccl).
  *
- * Memory and streams: buffers are host memory and the stream argument must be NULL (GPU
- * streams are rejected with rocclInvalidArgument until GPU support exists). A call outside a
- * group returns when its operation is complete. Calls between rocclGroupStart and
+ * Memory and streams: buffers are host memory. With a NULL stream a call outside a group
+ * returns when its operation is complete. With a non-NULL stream the call returns at once;
+ * the operation starts after all work enqueued earlier on that stream and work enqueued later
+ * waits for it (buffers must stay valid until then); a failure is reported by
+ * rocclCommGetAsyncError. Streams need a GPU runtime: ROCCL_DEVICE=sim selects roccl's
+ * simulated device (any non-NULL handle is a stream; for testing stream-ordered code without
+ * a GPU); HIP and CUDA runtimes are in progress (docs/GPU.md). Without one, a non-NULL stream
+ * is rejected with rocclInvalidArgument. A stream being captured into a graph is refused with
+ * rocclInvalidUsage. Calls between rocclGroupStart and
  * rocclGroupEnd are queued and run together by the outermost rocclGroupEnd, which returns
  * when all are complete: send/receive exchanges in any pattern, and several communicators
  * driven from one thread, cannot deadlock. Within a group, each communicator runs its
@@ -16,7 +22,7 @@
  * Errors: every function checks its arguments and returns a rocclResult_t; on failure
  * rocclGetLastError() gives a sentence naming what was wrong. rocclInvalidArgument: a bad
  * argument (NULL pointer, NULL buffer with a non-zero count, root/peer/rank out of range,
- * unknown data type or op, non-NULL stream). rocclInvalidUsage: the communicator cannot be
+ * unknown data type or op, a stream without a GPU runtime). rocclInvalidUsage: the communicator cannot be
  * used (destroyed, aborted, still initializing, or broken by an earlier error).
  * rocclRemoteError: a peer exited, failed or did not respond within ROCCL_TIMEOUT seconds
  * (the message names the rank). rocclSystemError: an OS or network call failed.
@@ -55,7 +61,7 @@ extern "C" {
 /* Opaque communicator handle. */
 typedef struct rocclComm* rocclComm_t;
 
-/* Stream handle; must be NULL (host memory). */
+/* Stream handle (cudaStream_t / hipStream_t); NULL: blocking call on host memory. */
 typedef void* rocclStream_t;
 
 /* Identifies a communicator being created; made by rocclGetUniqueId on one rank and passed

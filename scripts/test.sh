@@ -49,6 +49,7 @@ echo "== NCCL-named library (libroccl-nccl.so), called through ctypes as vLLM's 
 cargo build --release -p roccl-nccl
 python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3
 ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 2
+python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3 --streams
 echo "== install and pkg-config"
 tmp=$(mktemp -d)
 scripts/install.sh --prefix "$tmp" >/dev/null

@@ -84,6 +84,17 @@ impl SimDevice {
     /// A new stream (its handle is an opaque non-zero number, like a `cudaStream_t`).
     pub fn create_stream(&self) -> StreamId {
         let id = self.next.fetch_add(0x100, Ordering::Relaxed) as StreamId;
+        self.adopt_stream(id);
+        id
+    }
+
+    /// Make `id` a stream of this device if it is not one yet (a C program's handle: with
+    /// `ROCCL_DEVICE=sim`, any non-NULL stream a program passes becomes a simulated stream).
+    pub fn adopt_stream(&self, id: StreamId) {
+        let mut streams = self.streams.lock();
+        if streams.contains_key(&id) {
+            return;
+        }
         let s = Arc::new(SimStream {
             q: Mutex::new(Queue {
                 items: VecDeque::new(),
@@ -127,8 +138,7 @@ impl SimDevice {
                 worker.cv.notify_all();
             })
             .expect("spawning a simulated stream");
-        self.streams.lock().insert(id, s);
-        id
+        streams.insert(id, s);
     }
 
     fn stream(&self, id: StreamId) -> Result<Arc<SimStream>> {

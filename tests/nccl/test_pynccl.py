@@ -3,9 +3,12 @@
 pynccl wrapper does: the same symbol names and argument types, a unique id created on rank 0
 and handed to the others out of band, out-of-place all-reduce, grouped broadcasts as an
 all-gatherv, send/recv pairs in a group, reduce, all-gather, reduce-scatter, bad arguments,
-the window calls vLLM looks up, and destroy. Host memory, NULL stream.
+the window calls vLLM looks up, and destroy. Host memory; a NULL stream, or with
+--streams a stream handle per rank on roccl's simulated device (ROCCL_DEVICE=sim: every call
+returns at once and runs ordered on its stream; results are checked after a blocking call on
+the same communicator, which runs after them).
 
-    tests/nccl/test_pynccl.py LIB [NRANKS]     (launches NRANKS processes of itself)
+    tests/nccl/test_pynccl.py LIB [NRANKS] [--streams]   (launches NRANKS processes of itself)
 """
 import ctypes
 import os
@@ -118,16 +121,26 @@ def rank_main(path, rank, world, id_file):
     comm = ncclComm_t()
     nccl.CommInitRank(ctypes.byref(comm), world, uid, rank)
     null = None
+    streams = os.environ.get("PYNCCL_TEST_STREAMS") == "1"
+    stream = ctypes.c_void_p(0x5000 + 0x10 * rank) if streams else None
+    one = floats([1.0])
+
+    def sync():
+        # A blocking call runs after everything enqueued before on this communicator.
+        if streams:
+            nccl.AllReduce(one, one, 1, FLOAT32, SUM, comm, null)
 
     # Out-of-place all-reduce, f32 sum and bf16 max.
     n = 1031
     send = floats([(rank * 3 + i) % 7 - 2 for i in range(n)])
     recv = floats([0.0] * n)
-    nccl.AllReduce(send, recv, n, FLOAT32, SUM, comm, null)
+    nccl.AllReduce(send, recv, n, FLOAT32, SUM, comm, stream)
+    sync()
     expect(recv, [float(sum((r * 3 + i) % 7 - 2 for r in range(world))) for i in range(n)], "all_reduce f32")
     sb = bf16s([(rank + i) % 5 for i in range(n)])
     rb = (ctypes.c_uint16 * n)()
-    nccl.AllReduce(sb, rb, n, BFLOAT16, MAX, comm, null)
+    nccl.AllReduce(sb, rb, n, BFLOAT16, MAX, comm, stream)
+    sync()
     expect(from_bf16(rb), [float(max((r + i) % 5 for r in range(world))) for i in range(n)], "all_reduce bf16 max")
 
     # vLLM's all_gatherv: one broadcast per root inside a group, NULL send buffer elsewhere.
@@ -138,8 +151,9 @@ def rank_main(path, rank, world, id_file):
     nccl.GroupStart()
     for root in range(world):
         dst = ctypes.addressof(out) + 4 * offs[root]
-        nccl.Broadcast(mine if root == rank else null, dst, sizes[root], FLOAT32, root, comm, null)
+        nccl.Broadcast(mine if root == rank else null, dst, sizes[root], FLOAT32, root, comm, stream)
     nccl.GroupEnd()
+    sync()
     expect(out, [float(r * 1000 + i) for r in range(world) for i in range(sizes[r])], "all_gatherv")
 
     # Send/recv pairs in a group: a ring exchange.
@@ -147,22 +161,30 @@ def rank_main(path, rank, world, id_file):
     s = (ctypes.c_int32 * 77)(*[rank * 100 + i for i in range(77)])
     r_ = (ctypes.c_int32 * 77)()
     nccl.GroupStart()
-    nccl.Send(s, 77, INT32, to, comm, null)
-    nccl.Recv(r_, 77, INT32, frm, comm, null)
+    nccl.Send(s, 77, INT32, to, comm, stream)
+    nccl.Recv(r_, 77, INT32, frm, comm, stream)
     nccl.GroupEnd()
+    sync()
     expect(r_, [frm * 100 + i for i in range(77)], "send/recv")
 
     # Reduce to rank 1 % world, all-gather, reduce-scatter.
     root = 1 % world
     red = floats([0.0] * 64)
-    nccl.Reduce(floats([rank + i for i in range(64)]), red, 64, FLOAT32, SUM, root, comm, null)
+    # (Inputs stay referenced until the stream work ran: it reads them after the call.)
+    red_in = floats([rank + i for i in range(64)])
+    nccl.Reduce(red_in, red, 64, FLOAT32, SUM, root, comm, stream)
+    sync()
     if rank == root:
         expect(red, [float(sum(r + i for r in range(world))) for i in range(64)], "reduce")
     ag = floats([0.0] * (world * 10))
-    nccl.AllGather(floats([rank * 10 + i for i in range(10)]), ag, 10, FLOAT32, comm, null)
+    ag_in = floats([rank * 10 + i for i in range(10)])
+    nccl.AllGather(ag_in, ag, 10, FLOAT32, comm, stream)
+    sync()
     expect(ag, [float(r * 10 + i) for r in range(world) for i in range(10)], "all_gather")
     rs = floats([0.0] * 10)
-    nccl.ReduceScatter(floats([rank + j for j in range(world * 10)]), rs, 10, FLOAT32, SUM, comm, null)
+    rs_in = floats([rank + j for j in range(world * 10)])
+    nccl.ReduceScatter(rs_in, rs, 10, FLOAT32, SUM, comm, stream)
+    sync()
     expect(rs, [float(sum(r + rank * 10 + i for r in range(world))) for i in range(10)], "reduce_scatter")
 
     # Bad arguments: an error code and a sentence, and the communicator stays usable.
@@ -185,12 +207,16 @@ def main():
                   os.environ["PYNCCL_TEST_ID"])
         return
     path = os.path.abspath(sys.argv[1])
-    world = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    args = [a for a in sys.argv[2:] if not a.startswith("--")]
+    world = int(args[0]) if args else 3
+    streams = "--streams" in sys.argv
     with tempfile.TemporaryDirectory() as d:
         kids = []
         for r in range(world):
             env = dict(os.environ, PYNCCL_TEST_RANK=str(r), PYNCCL_TEST_WORLD=str(world),
-                       PYNCCL_TEST_ID=os.path.join(d, "uid"))
+                       PYNCCL_TEST_ID=os.path.join(d, "uid"), PYNCCL_TEST_STREAMS=str(int(streams)))
+            if streams:
+                env["ROCCL_DEVICE"] = "sim"
             kids.append(subprocess.Popen([sys.executable, __file__, path], env=env))
         failed = []
         deadline = time.time() + 180
@@ -206,7 +232,7 @@ def main():
             for k in kids:
                 k.kill()
             sys.exit("pynccl-style test FAILED: " + "; ".join(failed))
-    print(f"pynccl-style test passed: {world} ranks, {path}")
+    print(f"pynccl-style test passed: {world} ranks, {path}{', streams on the simulated device' if streams else ''}")
 
 
 if __name__ == "__main__":

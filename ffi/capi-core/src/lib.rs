@@ -9,12 +9,15 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
+use roccl_core::device::sim::SimDevice;
+use roccl_core::device::{Device, Part, StreamId};
 use roccl_core::error::ErrorKind;
 use roccl_core::{
-    CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, UniqueId,
+    CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, Turn, UniqueId,
 };
 
 /// `rocclResult_t`.
@@ -212,16 +215,6 @@ fn redop(o: c_int) -> R<RedOp> {
     })
 }
 
-fn no_stream(stream: *mut c_void) -> R {
-    if stream.is_null() {
-        Ok(())
-    } else {
-        Err(arg(
-            "stream is not NULL: roccl works on host memory with a NULL stream; GPU streams are not supported yet",
-        ))
-    }
-}
-
 fn count_bytes(count: usize, dt: DataType, name: &str) -> R<usize> {
     count
         .checked_mul(dt.size())
@@ -296,9 +289,36 @@ enum Work {
     },
 }
 
+/// What runs a communicator's share of work: the communicator itself (a blocking call), or
+/// its turn on its worker thread (a stream-ordered call).
+trait Runner {
+    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R;
+    fn p2p(&mut self, ops: &mut [P2p]) -> R;
+}
+
+impl Runner for &Communicator {
+    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R {
+        self.run_raw(coll, dt, s, r, &CallOpts::default())?;
+        Ok(())
+    }
+    fn p2p(&mut self, ops: &mut [P2p]) -> R {
+        Ok(Communicator::p2p(self, ops)?)
+    }
+}
+
+impl Runner for &mut Turn<'_> {
+    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R {
+        self.run_raw(coll, dt, s, r, &CallOpts::default())?;
+        Ok(())
+    }
+    fn p2p(&mut self, ops: &mut [P2p]) -> R {
+        Ok(Turn::p2p(self, ops)?)
+    }
+}
+
 /// Run a communicator's share of work: collectives in order, then all point-to-point
 /// operations together.
-fn run_work(c: &Communicator, work: &[Work]) -> R {
+fn run_work(mut c: impl Runner, work: &[Work]) -> R {
     let mut p2p: Vec<P2p> = Vec::new();
     for w in work {
         match *w {
@@ -309,9 +329,11 @@ fn run_work(c: &Communicator, work: &[Work]) -> R {
                 recv,
             } => {
                 // SAFETY: `send` and `recv` were checked not to overlap (or `send` is None
-                // for in place) when the call was made; C keeps them valid until it returns.
+                // for in place) when the call was made; C keeps them valid until it returns
+                // (a blocking call) or until the stream work completes (a call with a
+                // stream, which runs this before it lets the stream continue).
                 let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
-                c.run_raw(coll, dt, s, r, &CallOpts::default())?;
+                c.coll(coll, dt, s, r)?;
             }
             // SAFETY: as above; distinct operations of a group may not share receive memory
             // (checked when they were queued).
@@ -335,23 +357,102 @@ fn run_work(c: &Communicator, work: &[Work]) -> R {
 struct Group {
     depth: u32,
     ops: Vec<(Arc<Communicator>, Work)>,
+    /// The stream of each op (0: NULL).
+    streams: Vec<StreamId>,
 }
 
-/// Run now, or queue when inside a group.
-fn submit(c: Arc<Communicator>, w: Work) -> R {
+/// Run now (blocking, or ordered on `stream`), or queue when inside a group.
+fn submit(c: Arc<Communicator>, w: Work, stream: StreamId) -> R {
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return false;
         }
         g.ops.push((Arc::clone(&c), w));
+        g.streams.push(stream);
         true
     });
     if queued {
         Ok(())
+    } else if stream == 0 {
+        run_work(&*c, &[w])
     } else {
-        run_work(&c, &[w])
+        on_streams(vec![(c, w)], &[stream])
     }
+}
+
+/// The GPU runtime that orders calls given a stream: `ROCCL_DEVICE=sim` selects the
+/// simulated device (streams are whatever non-NULL handles the program passes; buffers are
+/// host memory), for testing stream-ordered code without a GPU. HIP and CUDA backends come
+/// next (docs/GPU.md).
+fn device() -> R<(Arc<dyn Device>, Option<Arc<SimDevice>>)> {
+    static DEV: OnceLock<Result<(Arc<dyn Device>, Option<Arc<SimDevice>>), String>> =
+        OnceLock::new();
+    DEV.get_or_init(|| match std::env::var("ROCCL_DEVICE").as_deref() {
+        Ok("sim") => {
+            let us = std::env::var("ROCCL_SIM_DELAY_US")
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(100);
+            let sim = SimDevice::new(Duration::from_micros(us));
+            Ok((sim.clone() as Arc<dyn Device>, Some(sim)))
+        }
+        Ok(other) if !other.is_empty() && other != "none" => Err(format!(
+            "ROCCL_DEVICE={other}: this build knows only 'sim' (the simulated device) and 'none'"
+        )),
+        _ => Err("a stream was given, but roccl has no GPU runtime in this build (HIP and CUDA support is in progress; docs/GPU.md): pass a NULL stream with host memory, or set ROCCL_DEVICE=sim to test stream-ordered code on the simulated device".into()),
+    })
+    .clone()
+    .map_err(arg)
+}
+
+/// Back to a core error (of the same class, so the async error keeps its code).
+fn core_error(CErr(code, m): CErr) -> Error {
+    match code {
+        INVALID_ARGUMENT => Error::InvalidArgument(m),
+        INVALID_USAGE => Error::InvalidUsage(m),
+        REMOTE_ERROR => Error::Timeout(m),
+        SYSTEM_ERROR => Error::sys("a stream-ordered call", std::io::Error::other(m)),
+        _ => Error::Internal(m),
+    }
+}
+
+/// Run `ops` ordered with `streams` (returns once they are enqueued).
+fn on_streams(ops: Vec<(Arc<Communicator>, Work)>, streams: &[StreamId]) -> R {
+    let (dev, sim) = device()?;
+    if let Some(sim) = &sim {
+        streams.iter().for_each(|&s| sim.adopt_stream(s));
+    }
+    for (_, w) in &ops {
+        for (b, _) in w.bufs().into_iter().flatten() {
+            if b.len > 0 && !dev.classify(b.addr)?.host_accessible {
+                return Err(arg(format!(
+                    "buffer {:#x} is {} device memory the CPU cannot access; staging it through pinned host memory is not implemented yet",
+                    b.addr,
+                    dev.name()
+                )));
+            }
+        }
+    }
+    // One part per communicator, in the order of first use.
+    let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
+    for (c, w) in ops {
+        match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
+            Some((_, v)) => v.push(w),
+            None => per.push((c, vec![w])),
+        }
+    }
+    let timeout = roccl_core::comm::timeout();
+    let parts: Vec<(Arc<Communicator>, Part)> = per
+        .into_iter()
+        .map(|(c, works)| {
+            let part: Part =
+                Box::new(move |turn: &mut Turn| run_work(turn, &works).map_err(core_error));
+            (c, part)
+        })
+        .collect();
+    roccl_core::device::enqueue(&dev, streams, parts, timeout)?;
+    Ok(())
 }
 
 impl Work {
@@ -742,10 +843,9 @@ fn coll(
 ) -> rocclResult_t {
     guard(name, || {
         let dt = dtype(datatype)?;
-        no_stream(stream)?;
         let c = ready(comm)?;
         let w = make(&c, dt)?;
-        submit(c, w)
+        submit(c, w, stream as StreamId)
     })
 }
 
@@ -1019,19 +1119,27 @@ pub extern "C" fn rocclGroupStart() -> rocclResult_t {
 #[no_mangle]
 pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
     guard("rocclGroupEnd", || {
-        let ops = GROUP.with(|g| {
+        let (ops, streams) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
                 return Err(usage("rocclGroupEnd without rocclGroupStart"));
             }
             g.depth -= 1;
             Ok(if g.depth == 0 {
-                std::mem::take(&mut g.ops)
+                (std::mem::take(&mut g.ops), std::mem::take(&mut g.streams))
             } else {
-                Vec::new()
+                (Vec::new(), Vec::new())
             })
         })?;
         check_group(&ops)?;
+        if streams.iter().any(|&s| s != 0) {
+            if streams.contains(&0) {
+                return Err(arg(
+                    "the group mixes calls with a NULL stream and calls with a stream: give every call of a group a stream, or none",
+                ));
+            }
+            return on_streams(ops, &streams);
+        }
         // Per communicator, in the order of first use; communicators run concurrently so
         // that one thread can drive several ranks of the same clique.
         let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
@@ -1042,12 +1150,12 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
             }
         }
         let results: Vec<R> = if per.len() <= 1 {
-            per.iter().map(|(c, w)| run_work(c, w)).collect()
+            per.iter().map(|(c, w)| run_work(&**c, w)).collect()
         } else {
             std::thread::scope(|s| {
                 let hs: Vec<_> = per
                     .iter()
-                    .map(|(c, w)| s.spawn(move || run_work(c, w)))
+                    .map(|(c, w)| s.spawn(move || run_work(&**c, w)))
                     .collect();
                 hs.into_iter()
                     .map(|h| {
