@@ -381,13 +381,15 @@ fn submit(c: Arc<Communicator>, w: Work, stream: StreamId) -> R {
     }
 }
 
+/// The device layer, and the simulated device when that is it (it adopts streams).
+type Runtime = (Arc<dyn Device>, Option<Arc<SimDevice>>);
+
 /// The GPU runtime that orders calls given a stream: `ROCCL_DEVICE=sim` selects the
 /// simulated device (streams are whatever non-NULL handles the program passes; buffers are
 /// host memory), for testing stream-ordered code without a GPU. HIP and CUDA backends come
 /// next (docs/GPU.md).
-fn device() -> R<(Arc<dyn Device>, Option<Arc<SimDevice>>)> {
-    static DEV: OnceLock<Result<(Arc<dyn Device>, Option<Arc<SimDevice>>), String>> =
-        OnceLock::new();
+fn device() -> R<Runtime> {
+    static DEV: OnceLock<Result<Runtime, String>> = OnceLock::new();
     DEV.get_or_init(|| match std::env::var("ROCCL_DEVICE").as_deref() {
         Ok("sim") => {
             let us = std::env::var("ROCCL_SIM_DELAY_US")
