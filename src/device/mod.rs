@@ -16,6 +16,10 @@
 //! ordering shows up as wrong results in CI). HIP and CUDA backends implement the same
 //! trait (docs/GPU.md).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "hip")]
+pub mod hip;
 pub mod sim;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -53,29 +57,64 @@ pub struct PtrInfo {
 /// A stream handle as the application passes it (`cudaStream_t` / `hipStream_t`).
 pub type StreamId = usize;
 
+/// Where a slab of flags lives: words the CPU reads and writes atomically, at addresses the
+/// GPU runtime's stream memory operations take.
+pub trait FlagStore: Send + Sync {
+    /// Number of flags.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Flag `i` as the CPU sees it.
+    fn word(&self, i: usize) -> &AtomicU64;
+    /// Flag `i`'s address for the runtime's stream memory operations.
+    fn device_addr(&self, i: usize) -> usize;
+}
+
+/// Flags in ordinary memory (the simulated device).
+struct HostFlags(Box<[AtomicU64]>);
+
+impl FlagStore for HostFlags {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn word(&self, i: usize) -> &AtomicU64 {
+        &self.0[i]
+    }
+    fn device_addr(&self, i: usize) -> usize {
+        &self.0[i] as *const AtomicU64 as usize
+    }
+}
+
 /// Flags in pinned host memory that streams write and wait on.
 pub struct FlagSlab {
-    flags: Arc<[AtomicU64]>,
+    store: Arc<dyn FlagStore>,
 }
 
 impl FlagSlab {
-    /// `n` zeroed flags in ordinary memory (the simulated device; backends that need
-    /// pinned memory build their slab from it).
+    /// `n` zeroed flags in ordinary memory.
     pub fn host(n: usize) -> FlagSlab {
-        FlagSlab {
-            flags: (0..n).map(|_| AtomicU64::new(0)).collect(),
-        }
+        FlagSlab::from_store(Arc::new(HostFlags(
+            (0..n).map(|_| AtomicU64::new(0)).collect(),
+        )))
+    }
+
+    /// Flags a backend allocated.
+    pub fn from_store(store: Arc<dyn FlagStore>) -> FlagSlab {
+        FlagSlab { store }
     }
 
     /// Flag `i`.
     pub fn flag(&self, i: usize) -> &AtomicU64 {
-        &self.flags[i]
+        self.store.word(i)
     }
 
     /// A shared handle to flag `i` (kept alive by the stream work that uses it).
     pub fn handle(&self, i: usize) -> Flag {
+        assert!(i < self.store.len(), "flag {i} out of range");
         Flag {
-            slab: Arc::clone(&self.flags),
+            store: Arc::clone(&self.store),
             i,
         }
     }
@@ -84,14 +123,19 @@ impl FlagSlab {
 /// One flag of a slab.
 #[derive(Clone)]
 pub struct Flag {
-    slab: Arc<[AtomicU64]>,
+    store: Arc<dyn FlagStore>,
     i: usize,
 }
 
 impl Flag {
     /// The flag's word.
     pub fn word(&self) -> &AtomicU64 {
-        &self.slab[self.i]
+        self.store.word(self.i)
+    }
+
+    /// Its address for the runtime's stream memory operations.
+    pub fn device_addr(&self) -> usize {
+        self.store.device_addr(self.i)
     }
 }
 
@@ -109,6 +153,37 @@ pub trait Device: Send + Sync {
     fn is_capturing(&self, stream: StreamId) -> Result<bool>;
     /// Flags the streams can write and wait on.
     fn flags(&self, n: usize) -> Result<FlagSlab>;
+}
+
+/// Open the GPU runtime `name` (`hip`, `cuda`), or say why not.
+pub fn open_runtime(name: &str) -> Result<Arc<dyn Device>> {
+    match name {
+        #[cfg(feature = "hip")]
+        "hip" => Ok(Arc::new(hip::HipDevice::open()?)),
+        #[cfg(not(feature = "hip"))]
+        "hip" => Err(Error::InvalidUsage(
+            "roccl was built without HIP support: rebuild with --features hip (needs ROCm or libamdhip64-dev; docs/GPU.md)".into(),
+        )),
+        #[cfg(feature = "cuda")]
+        "cuda" => Ok(Arc::new(cuda::CudaDevice::open()?)),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err(Error::InvalidUsage(
+            "roccl was built without CUDA support: rebuild with --features cuda (no toolkit needed; docs/GPU.md)".into(),
+        )),
+        other => Err(Error::arg(format!(
+            "unknown GPU runtime '{other}': expected hip, cuda, sim or none"
+        ))),
+    }
+}
+
+/// Whether this build has a GPU runtime backend compiled in.
+pub const fn runtimes_built() -> &'static [&'static str] {
+    match (cfg!(feature = "hip"), cfg!(feature = "cuda")) {
+        (true, true) => &["hip", "cuda"],
+        (true, false) => &["hip"],
+        (false, true) => &["cuda"],
+        (false, false) => &[],
+    }
 }
 
 /// Most streams one operation (a group) may span.

@@ -384,25 +384,46 @@ fn submit(c: Arc<Communicator>, w: Work, stream: StreamId) -> R {
 /// The device layer, and the simulated device when that is it (it adopts streams).
 type Runtime = (Arc<dyn Device>, Option<Arc<SimDevice>>);
 
-/// The GPU runtime that orders calls given a stream: `ROCCL_DEVICE=sim` selects the
-/// simulated device (streams are whatever non-NULL handles the program passes; buffers are
-/// host memory), for testing stream-ordered code without a GPU. HIP and CUDA backends come
-/// next (docs/GPU.md).
+/// The GPU runtime that orders calls given a stream, chosen once per process by
+/// `ROCCL_DEVICE`: `hip` (a build with `--features hip`), `sim` (the simulated device:
+/// streams are whatever non-NULL handles the program passes, buffers are host memory; for
+/// testing stream-ordered code without a GPU), `none`; unset: the runtime this build has, if
+/// a device is present.
 fn device() -> R<Runtime> {
     static DEV: OnceLock<Result<Runtime, String>> = OnceLock::new();
-    DEV.get_or_init(|| match std::env::var("ROCCL_DEVICE").as_deref() {
-        Ok("sim") => {
-            let us = std::env::var("ROCCL_SIM_DELAY_US")
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(100);
-            let sim = SimDevice::new(Duration::from_micros(us));
-            Ok((sim.clone() as Arc<dyn Device>, Some(sim)))
+    DEV.get_or_init(|| {
+        let choice = std::env::var("ROCCL_DEVICE").unwrap_or_default();
+        match choice.trim() {
+            "sim" => {
+                let us = std::env::var("ROCCL_SIM_DELAY_US")
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .unwrap_or(100);
+                let sim = SimDevice::new(Duration::from_micros(us));
+                Ok((sim.clone() as Arc<dyn Device>, Some(sim)))
+            }
+            "none" => Err("a stream was given, but ROCCL_DEVICE=none: pass a NULL stream with host memory".into()),
+            "" | "auto" => {
+                let built = roccl_core::device::runtimes_built();
+                if built.is_empty() {
+                    return Err("a stream was given, but roccl was built without a GPU runtime (--features hip or cuda; docs/GPU.md): pass a NULL stream with host memory, or set ROCCL_DEVICE=sim to test stream-ordered code on the simulated device".into());
+                }
+                let mut why = Vec::new();
+                for rt in built {
+                    match roccl_core::device::open_runtime(rt) {
+                        Ok(d) => return Ok((d, None)),
+                        Err(e) => why.push(e.to_string()),
+                    }
+                }
+                Err(format!(
+                    "a stream was given, but no GPU runtime could be opened: {}",
+                    why.join("; ")
+                ))
+            }
+            rt => roccl_core::device::open_runtime(rt)
+                .map(|d| (d, None))
+                .map_err(|e| format!("ROCCL_DEVICE={rt}: {e}")),
         }
-        Ok(other) if !other.is_empty() && other != "none" => Err(format!(
-            "ROCCL_DEVICE={other}: this build knows only 'sim' (the simulated device) and 'none'"
-        )),
-        _ => Err("a stream was given, but roccl has no GPU runtime in this build (HIP and CUDA support is in progress; docs/GPU.md): pass a NULL stream with host memory, or set ROCCL_DEVICE=sim to test stream-ordered code on the simulated device".into()),
     })
     .clone()
     .map_err(arg)

@@ -1,0 +1,340 @@
+//! The HIP runtime behind [`Device`] (feature `hip`; links libamdhip64 through hip-sys).
+//!
+//! An FFI edge: every `unsafe` block calls the HIP runtime and says why it is sound.
+//!
+//! hip-sys 0.1.2's bindings come from HIP 5.4, where `hipMemoryType`, `hipError_t` and
+//! `hipStreamCaptureStatus` are Rust enums. A newer runtime may return values those enums do
+//! not have (ROCm 6 renumbered `hipMemoryType`: Host 1, Device 2, Managed 3, Array 10; new
+//! error codes appear), and reading such a value into a Rust enum is undefined behaviour. So
+//! the few functions used here are declared below with plain integers, and hip-sys supplies
+//! the link to libamdhip64 and the constants. Memory types are decoded by the runtime version
+//! (`hipRuntimeGetVersion`: major·10⁷ + minor·10⁵ + patch).
+//!
+//! Not yet run on a GPU (none here): `ROCCL_DEVICE=hip` on a machine without one gives
+//! "no HIP device"; docs/GPU.md lists what the first session with a GPU must check (that the
+//! CPU may read and write `hipMallocSignalMemory` flags, stream waits on gfx1151).
+
+use std::ffi::{c_int, c_uint, c_void, CStr};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use hip_sys::hiprt as hip;
+
+use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, StreamId};
+use crate::error::{Error, Result};
+
+/// `hipPointerAttribute_t` with the memory type as a plain integer (the field is
+/// `memoryType` in HIP 5 and `type` in HIP 6; same place, different numbering).
+#[repr(C)]
+struct PointerAttributes {
+    memory_type: c_int,
+    device: c_int,
+    device_pointer: *mut c_void,
+    host_pointer: *mut c_void,
+    is_managed: c_int,
+    allocation_flags: c_uint,
+}
+
+// Declared with integer results and arguments (see the module comment).
+extern "C" {
+    fn hipGetDeviceCount(count: *mut c_int) -> c_int;
+    fn hipRuntimeGetVersion(version: *mut c_int) -> c_int;
+    fn hipGetDevice(device: *mut c_int) -> c_int;
+    fn hipDeviceGetAttribute(value: *mut c_int, attr: c_int, device: c_int) -> c_int;
+    fn hipPointerGetAttributes(attr: *mut PointerAttributes, ptr: *const c_void) -> c_int;
+    fn hipStreamWriteValue64(
+        stream: *mut c_void,
+        ptr: *mut c_void,
+        value: u64,
+        flags: c_uint,
+    ) -> c_int;
+    fn hipStreamWaitValue64(
+        stream: *mut c_void,
+        ptr: *mut c_void,
+        value: u64,
+        flags: c_uint,
+        mask: u64,
+    ) -> c_int;
+    fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> c_int;
+    fn hipExtMallocWithFlags(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
+    fn hipFree(ptr: *mut c_void) -> c_int;
+    fn hipGetErrorString(err: c_int) -> *const std::ffi::c_char;
+}
+
+const HIP_SUCCESS: c_int = 0;
+const HIP_ERROR_NO_DEVICE: c_int = 100;
+const HIP_ERROR_INVALID_VALUE: c_int = 1;
+/// `hipDeviceAttributeCanUseStreamWaitValue` (same number in HIP 5 and 6).
+const ATTR_CAN_USE_STREAM_WAIT_VALUE: c_int = 10013;
+/// `hipDeviceAttributeIntegrated`.
+const ATTR_INTEGRATED: c_int = hip::hipDeviceAttribute_t::hipDeviceAttributeIntegrated as c_int;
+
+fn hip_error(call: &str, code: c_int, hint: &str) -> Error {
+    // SAFETY: hipGetErrorString returns a static string for any code.
+    let name = unsafe { CStr::from_ptr(hipGetErrorString(code)) }.to_string_lossy();
+    Error::sys(
+        format!("{call} failed{hint}"),
+        std::io::Error::other(format!("HIP error {code} ({name})")),
+    )
+}
+
+fn check(call: &str, code: c_int) -> Result<()> {
+    if code == HIP_SUCCESS {
+        Ok(())
+    } else {
+        Err(hip_error(call, code, ""))
+    }
+}
+
+/// The HIP runtime.
+pub struct HipDevice {
+    version: c_int,
+    device: c_int,
+    integrated: bool,
+    can_wait: bool,
+}
+
+impl HipDevice {
+    /// Open the runtime on the calling thread's current device; "no HIP device" when there is
+    /// none.
+    pub fn open() -> Result<HipDevice> {
+        let mut n: c_int = 0;
+        // SAFETY: `n` is valid storage for one int.
+        let r = unsafe { hipGetDeviceCount(&mut n) };
+        if r == HIP_ERROR_NO_DEVICE || (r == HIP_SUCCESS && n == 0) {
+            return Err(Error::InvalidUsage(
+                "no HIP device: hipGetDeviceCount found none (is this machine's GPU visible? check /dev/kfd and /dev/dri permissions, the render group, and HIP_VISIBLE_DEVICES; in a container pass --device /dev/kfd --device /dev/dri)".into(),
+            ));
+        }
+        if r != HIP_SUCCESS {
+            return Err(hip_error(
+                "hipGetDeviceCount",
+                r,
+                " (is the amdgpu kernel driver loaded and /dev/kfd accessible?)",
+            ));
+        }
+        let (mut version, mut device) = (0, 0);
+        // SAFETY: valid storage for one int each.
+        check("hipRuntimeGetVersion", unsafe {
+            hipRuntimeGetVersion(&mut version)
+        })?;
+        // SAFETY: as above.
+        check("hipGetDevice", unsafe { hipGetDevice(&mut device) })?;
+        let attr = |a: c_int| -> Result<c_int> {
+            let mut v = 0;
+            // SAFETY: valid storage for one int; `device` came from the runtime.
+            check("hipDeviceGetAttribute", unsafe {
+                hipDeviceGetAttribute(&mut v, a, device)
+            })?;
+            Ok(v)
+        };
+        Ok(HipDevice {
+            version,
+            device,
+            integrated: attr(ATTR_INTEGRATED)? != 0,
+            can_wait: attr(ATTR_CAN_USE_STREAM_WAIT_VALUE)? != 0,
+        })
+    }
+
+    /// Whether the device is an APU (integrated GPU).
+    pub fn integrated(&self) -> bool {
+        self.integrated
+    }
+
+    /// Decode a `hipMemoryType` by the runtime's major version.
+    fn kind(&self, t: c_int, managed: bool) -> MemKind {
+        if managed {
+            return MemKind::Managed;
+        }
+        let (host, device, managed_t) = if self.version >= 60_000_000 {
+            (1, 2, 3)
+        } else {
+            (0, 1, 4)
+        };
+        match t {
+            x if x == host => MemKind::PinnedHost,
+            x if x == device => MemKind::Device,
+            x if x == managed_t => MemKind::Managed,
+            // Arrays (2 in HIP 5, 10 in HIP 6) and anything newer: device memory.
+            _ => MemKind::Device,
+        }
+    }
+}
+
+/// Flags in signal memory (`hipExtMallocWithFlags(…, hipMallocSignalMemory)`), which stream
+/// waits require on AMD GPUs and which the CPU reads and writes.
+struct SignalFlags {
+    base: *mut AtomicU64,
+    n: usize,
+}
+
+// SAFETY: the memory is shared by design (CPU and GPU); every access is atomic.
+unsafe impl Send for SignalFlags {}
+// SAFETY: as above.
+unsafe impl Sync for SignalFlags {}
+
+impl FlagStore for SignalFlags {
+    fn len(&self) -> usize {
+        self.n
+    }
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.n, "flag {i} out of range");
+        // SAFETY: in bounds (checked); the allocation is 8-byte aligned, zeroed at creation and
+        // lives as long as `self`.
+        unsafe { &*self.base.add(i) }
+    }
+    fn device_addr(&self, i: usize) -> usize {
+        self.word(i) as *const AtomicU64 as usize
+    }
+}
+
+impl Drop for SignalFlags {
+    fn drop(&mut self) {
+        // SAFETY: allocated by hipExtMallocWithFlags in `flags` and freed once, here.
+        unsafe { hipFree(self.base.cast()) };
+    }
+}
+
+impl Device for HipDevice {
+    fn name(&self) -> &'static str {
+        "hip"
+    }
+
+    fn classify(&self, addr: usize) -> Result<PtrInfo> {
+        let mut a = PointerAttributes {
+            memory_type: -1,
+            device: -1,
+            device_pointer: std::ptr::null_mut(),
+            host_pointer: std::ptr::null_mut(),
+            is_managed: 0,
+            allocation_flags: 0,
+        };
+        // SAFETY: `a` is valid storage with the runtime's layout; the runtime only reads `addr`.
+        let r = unsafe { hipPointerGetAttributes(&mut a, addr as *const c_void) };
+        if r == HIP_ERROR_INVALID_VALUE {
+            // Memory the runtime does not know: ordinary host memory.
+            return Ok(PtrInfo {
+                kind: MemKind::Host,
+                host_accessible: true,
+            });
+        }
+        check("hipPointerGetAttributes", r)?;
+        let kind = self.kind(a.memory_type, a.is_managed != 0);
+        // No source confirms that the CPU may dereference hipMalloc memory on an APU: device
+        // memory counts as host-accessible only when the runtime gives a host pointer for it.
+        let host_accessible = match kind {
+            MemKind::Host | MemKind::PinnedHost | MemKind::Managed => true,
+            MemKind::Device => a.host_pointer as usize == addr,
+        };
+        Ok(PtrInfo {
+            kind,
+            host_accessible,
+        })
+    }
+
+    fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        // SAFETY: the flag lives in signal memory for as long as stream work holds `flag`
+        // (the slab is never freed while slots are in use); `stream` is the application's.
+        check("hipStreamWriteValue64", unsafe {
+            hipStreamWriteValue64(
+                stream as *mut c_void,
+                flag.device_addr() as *mut c_void,
+                value,
+                0,
+            )
+        })
+    }
+
+    fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        if !self.can_wait {
+            return Err(Error::InvalidUsage(format!(
+                "HIP device {} cannot wait on a value in a stream (hipDeviceAttributeCanUseStreamWaitValue = 0); the host-function fallback is not implemented yet (docs/GPU.md)",
+                self.device
+            )));
+        }
+        // SAFETY: as in `stream_write`.
+        check("hipStreamWaitValue64", unsafe {
+            hipStreamWaitValue64(
+                stream as *mut c_void,
+                flag.device_addr() as *mut c_void,
+                value,
+                hip::hipStreamWaitValueGte,
+                u64::MAX,
+            )
+        })
+    }
+
+    fn is_capturing(&self, stream: StreamId) -> Result<bool> {
+        let mut status: c_int = 0;
+        // SAFETY: valid storage for one int; `stream` is the application's.
+        check("hipStreamIsCapturing", unsafe {
+            hipStreamIsCapturing(stream as *mut c_void, &mut status)
+        })?;
+        Ok(status != 0)
+    }
+
+    fn flags(&self, n: usize) -> Result<FlagSlab> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is valid storage for the returned pointer.
+        check("hipExtMallocWithFlags(hipMallocSignalMemory)", unsafe {
+            hipExtMallocWithFlags(&mut p, n * 8, hip::hipMallocSignalMemory)
+        })?;
+        let base = p.cast::<AtomicU64>();
+        for i in 0..n {
+            // SAFETY: `n` words were just allocated; zero them before anyone reads them.
+            unsafe { base.add(i).write(AtomicU64::new(0)) };
+        }
+        Ok(FlagSlab::from_store(Arc::new(SignalFlags { base, n })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a GPU (no /dev/kfd), opening says so clearly; with one, it opens.
+    #[test]
+    fn open_reports_no_device_or_opens() {
+        let gpu = std::path::Path::new("/dev/kfd").exists();
+        match HipDevice::open() {
+            Ok(d) => {
+                assert!(gpu, "opened a HIP device without /dev/kfd");
+                eprintln!(
+                    "HIP device {} (runtime {}, integrated: {}, stream waits: {})",
+                    d.device, d.version, d.integrated, d.can_wait
+                );
+            }
+            Err(e) => {
+                let m = e.to_string();
+                eprintln!("HIP: {m}");
+                if !gpu {
+                    assert!(m.contains("no HIP device"), "{m}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn memory_types_decode_by_runtime_version() {
+        let v5 = HipDevice {
+            version: 50_422_804,
+            device: 0,
+            integrated: false,
+            can_wait: true,
+        };
+        let v6 = HipDevice {
+            version: 60_443_484,
+            device: 0,
+            integrated: true,
+            can_wait: true,
+        };
+        assert_eq!(v5.kind(0, false), MemKind::PinnedHost);
+        assert_eq!(v5.kind(1, false), MemKind::Device);
+        assert_eq!(v5.kind(4, false), MemKind::Managed);
+        assert_eq!(v6.kind(1, false), MemKind::PinnedHost);
+        assert_eq!(v6.kind(2, false), MemKind::Device);
+        assert_eq!(v6.kind(3, false), MemKind::Managed);
+        assert_eq!(v6.kind(10, false), MemKind::Device);
+        assert_eq!(v6.kind(2, true), MemKind::Managed);
+    }
+}
