@@ -286,6 +286,41 @@ fn perf_over_rocev2() {
     );
 }
 
+/// `--stream`: every op timed as stream-ordered calls on the simulated device, results
+/// checked.
+#[test]
+fn perf_times_stream_ordered_calls() {
+    let out = Command::new(PERF)
+        .args([
+            "--op",
+            "all",
+            "--ranks",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "64K",
+            "-f",
+            "64",
+            "--iters",
+            "5",
+            "--warmup",
+            "1",
+            "--stream",
+            "--inplace",
+        ])
+        .env("ROCCL_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("# wrong results: 0"), "{text}");
+}
+
 /// roccl-info on this machine (no RDMA hardware) and on a fake ConnectX sysfs tree.
 #[test]
 fn info_reports_devices_and_the_chosen_gid() {

@@ -7,10 +7,13 @@
 
 use std::io::Write;
 use std::process::{Command, ExitCode};
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
 use roccl::algo::model::CollKind;
+use roccl::device::sim::SimDevice;
+use roccl::device::{self, Device, Part};
 use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
 
 #[derive(Parser, Debug, Clone)]
@@ -67,6 +70,11 @@ struct Args {
     /// Bind spawned ranks to CPUs: auto (one CPU each when there are enough), none.
     #[arg(long, default_value = "auto")]
     bind: String,
+    /// Time each call as a stream-ordered call on the simulated device (no added delay):
+    /// enqueue on a stream, then wait until the stream has passed it — what a framework
+    /// that orders collectives on GPU streams pays on top of the collective.
+    #[arg(long)]
+    stream: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -249,11 +257,13 @@ fn wrong(dt: DataType, buf: &[u8], f: impl Fn(usize) -> f64) -> u64 {
 }
 
 struct Bench<'a> {
-    c: &'a Communicator,
+    c: &'a Arc<Communicator>,
     a: &'a Args,
     dt: DataType,
     op: RedOp,
     opts: CallOpts,
+    /// `--stream`: the simulated device and this rank's stream.
+    sim: Option<(Arc<SimDevice>, usize)>,
 }
 
 #[derive(serde::Serialize)]
@@ -432,6 +442,52 @@ impl Bench<'_> {
         Ok(total[0])
     }
 
+    /// `--stream`: each timed call is enqueued on the simulated stream and timed until the
+    /// stream has passed it.
+    fn time_on_stream(
+        &self,
+        dev: &Arc<SimDevice>,
+        stream: usize,
+        coll: Collective,
+        send: &[u8],
+        recv: &[u8],
+        times: &mut [f64],
+    ) -> roccl::Result<()> {
+        let (sb, rb) = (dev.alloc(send.len()), dev.alloc(recv.len()));
+        sb.with(|b| b.copy_from_slice(send));
+        rb.with(|b| b.copy_from_slice(recv));
+        let comm = Arc::clone(self.c);
+        let as_dev: Arc<dyn Device> = dev.clone();
+        let inplace =
+            self.a.inplace && !matches!(coll, Collective::SendRecv { .. } | Collective::Barrier);
+        let (dt, opts) = (self.dt, self.opts);
+        for t in times.iter_mut() {
+            let (s2, r2) = (Arc::clone(&sb), Arc::clone(&rb));
+            let part: Part = Box::new(move |turn| {
+                r2.with(|r| {
+                    if inplace {
+                        turn.run_raw(coll, dt, None, r, &opts).map(|_| ())
+                    } else {
+                        s2.with(|s| turn.run_raw(coll, dt, Some(s), r, &opts).map(|_| ()))
+                    }
+                })
+            });
+            let start = Instant::now();
+            device::enqueue(
+                &as_dev,
+                &[stream],
+                vec![(Arc::clone(&comm), part)],
+                roccl::comm::timeout(),
+            )?;
+            dev.synchronize(stream)?;
+            *t = start.elapsed().as_secs_f64() * 1e6;
+        }
+        if let Some(e) = self.c.async_error() {
+            return Err(roccl::Error::InvalidUsage(e));
+        }
+        Ok(())
+    }
+
     fn run(&self, o: Op, bytes: usize) -> roccl::Result<Row> {
         let n = self.c.nranks();
         let (send, mut recv, coll, count) = self.setup(o, bytes);
@@ -440,11 +496,15 @@ impl Bench<'_> {
             info = Some(self.call(coll, &send, &mut recv, self.a.inplace)?);
         }
         let mut times = vec![0f64; self.a.iters.max(1)];
-        for t in times.iter_mut() {
-            let s = Instant::now();
-            let i = self.call(coll, &send, &mut recv, self.a.inplace)?;
-            *t = s.elapsed().as_secs_f64() * 1e6;
-            info = Some(i);
+        if let Some((dev, stream)) = &self.sim {
+            self.time_on_stream(dev, *stream, coll, &send, &recv, &mut times)?;
+        } else {
+            for t in times.iter_mut() {
+                let s = Instant::now();
+                let i = self.call(coll, &send, &mut recv, self.a.inplace)?;
+                *t = s.elapsed().as_secs_f64() * 1e6;
+                info = Some(i);
+            }
         }
         // Slowest rank per iteration, then the median.
         self.c.all_reduce_in_place(&mut times, RedOp::Max)?;
@@ -527,12 +587,18 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     }
     let ops = Op::parse(&a.op)?;
     let sizes = sizes(a)?;
+    let c = Arc::new(c);
     let b = Bench {
         c: &c,
         a,
         dt,
         op,
         opts: CallOpts { algo },
+        sim: a.stream.then(|| {
+            let d = SimDevice::new(std::time::Duration::ZERO);
+            let s = d.create_stream();
+            (d, s)
+        }),
     };
     let lead = c.rank() == 0;
     if lead {

@@ -313,10 +313,12 @@ pub fn enqueue(
     Ok(())
 }
 
-/// Wait until `flag >= g`: spin briefly, then sleep in growing steps (a stream may run
-/// long GPU work first). False if the communicator was aborted meanwhile.
+/// Wait until `flag >= g`: spin, then yield for up to 1 ms (a collective that follows a
+/// short kernel should not pay a sleep), then sleep in 20 µs steps (a stream may run long GPU
+/// work first). False if the communicator was aborted meanwhile.
 fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
     let mut spins = 0u32;
+    let mut since: Option<Instant> = None;
     loop {
         if flag.load(Ordering::Acquire) >= g {
             return true;
@@ -325,9 +327,12 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
             return false;
         }
         spins += 1;
-        if spins < 64 {
+        if spins < 256 {
             std::hint::spin_loop();
-        } else if spins < 256 {
+            continue;
+        }
+        let t = *since.get_or_insert_with(Instant::now);
+        if t.elapsed() < Duration::from_millis(1) {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(20));

@@ -216,9 +216,15 @@ impl Device for SimDevice {
 
     fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
         let f = flag.clone();
+        // A GPU polls the flag; here: spin and yield for a while, then sleep in steps.
         self.launch(stream, move || {
+            let t0 = std::time::Instant::now();
             while f.word().load(Ordering::Acquire) < value {
-                std::thread::sleep(Duration::from_micros(10));
+                if t0.elapsed() < Duration::from_millis(1) {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(10));
+                }
             }
         })
     }
