@@ -11,7 +11,35 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, StreamId};
+use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, Staging, StreamId};
+
+/// Page-locked host memory from `cuMemHostAlloc`.
+struct HostPinned {
+    api: &'static Api,
+    ptr: *mut c_void,
+    len: usize,
+}
+
+// SAFETY: plain memory; roccl orders every access through the stream protocol.
+unsafe impl Send for HostPinned {}
+// SAFETY: as above.
+unsafe impl Sync for HostPinned {}
+
+impl Staging for HostPinned {
+    fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HostPinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc and freed once, here.
+        unsafe { (self.api.mem_free_host)(self.ptr) };
+    }
+}
 use crate::error::{Error, Result};
 
 type CuResult = c_int;
@@ -38,6 +66,7 @@ struct Api {
     mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
     mem_host_get_device_pointer: unsafe extern "C" fn(*mut u64, *mut c_void, c_uint) -> CuResult,
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    memcpy_async: unsafe extern "C" fn(u64, u64, usize, *mut c_void) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
 
@@ -82,6 +111,7 @@ fn load() -> Result<&'static Api> {
                 mem_host_alloc: as_fn(sym(c"cuMemHostAlloc")?),
                 mem_host_get_device_pointer: as_fn(sym(c"cuMemHostGetDevicePointer_v2")?),
                 mem_free_host: as_fn(sym(c"cuMemFreeHost")?),
+                memcpy_async: as_fn(sym(c"cuMemcpyAsync")?),
                 get_error_string: as_fn(sym(c"cuGetErrorString")?),
             })
         }
@@ -245,6 +275,27 @@ impl Device for CudaDevice {
             (self.api.stream_is_capturing)(stream as *mut c_void, &mut status)
         })?;
         Ok(status != 0)
+    }
+
+    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+        // SAFETY: the caller keeps both ranges valid until the stream has passed the copy
+        // (unified addressing: the driver infers the direction).
+        check(self.api, "cuMemcpyAsync", unsafe {
+            (self.api.memcpy_async)(dst as u64, src as u64, bytes, stream as *mut c_void)
+        })
+    }
+
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the returned pointer.
+        check(self.api, "cuMemHostAlloc", unsafe {
+            (self.api.mem_host_alloc)(&mut ptr, bytes, HOSTALLOC_FLAGS)
+        })?;
+        Ok(Arc::new(HostPinned {
+            api: self.api,
+            ptr,
+            len: bytes,
+        }))
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {

@@ -20,7 +20,34 @@ use std::sync::Arc;
 
 use hip_sys::hiprt as hip;
 
-use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, StreamId};
+use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, Staging, StreamId};
+
+/// Pinned host memory from `hipHostMalloc`.
+struct HostPinned {
+    ptr: *mut c_void,
+    len: usize,
+}
+
+// SAFETY: plain memory; roccl orders every access through the stream protocol.
+unsafe impl Send for HostPinned {}
+// SAFETY: as above.
+unsafe impl Sync for HostPinned {}
+
+impl Staging for HostPinned {
+    fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HostPinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by hipHostMalloc and freed once, here.
+        unsafe { hipHostFree(self.ptr) };
+    }
+}
 use crate::error::{Error, Result};
 
 /// `hipPointerAttribute_t` with the memory type as a plain integer (the field is
@@ -58,10 +85,21 @@ extern "C" {
     fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> c_int;
     fn hipExtMallocWithFlags(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
     fn hipFree(ptr: *mut c_void) -> c_int;
+    fn hipMemcpyAsync(
+        dst: *mut c_void,
+        src: *const c_void,
+        bytes: usize,
+        kind: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+    fn hipHostMalloc(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
+    fn hipHostFree(ptr: *mut c_void) -> c_int;
     fn hipGetErrorString(err: c_int) -> *const std::ffi::c_char;
 }
 
 const HIP_SUCCESS: c_int = 0;
+/// `hipMemcpyDefault`: direction from the pointers (unified addressing).
+const MEMCPY_DEFAULT: c_int = 4;
 const HIP_ERROR_NO_DEVICE: c_int = 100;
 const HIP_ERROR_INVALID_VALUE: c_int = 1;
 /// `hipDeviceAttributeCanUseStreamWaitValue` (same number in HIP 5 and 6).
@@ -271,6 +309,28 @@ impl Device for HipDevice {
             hipStreamIsCapturing(stream as *mut c_void, &mut status)
         })?;
         Ok(status != 0)
+    }
+
+    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+        // SAFETY: the caller keeps both ranges valid until the stream has passed the copy.
+        check("hipMemcpyAsync", unsafe {
+            hipMemcpyAsync(
+                dst as *mut c_void,
+                src as *const c_void,
+                bytes,
+                MEMCPY_DEFAULT,
+                stream as *mut c_void,
+            )
+        })
+    }
+
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the returned pointer.
+        check("hipHostMalloc", unsafe {
+            hipHostMalloc(&mut ptr, bytes, 0)
+        })?;
+        Ok(Arc::new(HostPinned { ptr, len: bytes }))
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {

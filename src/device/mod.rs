@@ -153,6 +153,87 @@ pub trait Device: Send + Sync {
     fn is_capturing(&self, stream: StreamId) -> Result<bool>;
     /// Flags the streams can write and wait on.
     fn flags(&self, n: usize) -> Result<FlagSlab>;
+    /// Enqueue on `stream` a copy of `bytes` bytes from `src` to `dst` (host or device
+    /// memory, either way).
+    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()>;
+    /// Page-locked host memory of at least `bytes` bytes, to stage device memory the CPU
+    /// cannot access.
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>>;
+}
+
+/// Host memory that stages a device buffer (freed when the last handle goes).
+pub trait Staging: Send + Sync {
+    /// Its address.
+    fn addr(&self) -> usize;
+    /// Its size in bytes.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A copy a stream does before (input) or after (output) a stream-ordered operation.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamCopy {
+    /// The stream that copies.
+    pub stream: StreamId,
+    /// Destination address.
+    pub dst: usize,
+    /// Source address.
+    pub src: usize,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+/// Staging buffers of one process and device, reused across calls; a buffer is reused only
+/// after the streams that copy through it have passed the copies (its release flags).
+struct StagingPool {
+    free: Mutex<Vec<Arc<dyn Staging>>>,
+    /// In use: (release flags, slot, generation, buffers). The slot is given back with the
+    /// buffers: its release flags must not be reused while a stream may still write them.
+    busy: Mutex<Vec<Busy>>,
+}
+
+/// Staging buffers in use: the release flags of their streams, the slot, its generation.
+type Busy = (Vec<Flag>, usize, u64, Vec<Arc<dyn Staging>>);
+
+impl StagingPool {
+    /// Move buffers whose streams have passed their copies back to the free list; returns
+    /// the slots that are free again.
+    fn sweep(&self) -> Vec<(usize, u64)> {
+        let mut busy = self.busy.lock();
+        let mut free = self.free.lock();
+        let mut slots = Vec::new();
+        busy.retain_mut(|(flags, slot, g, bufs)| {
+            if flags.iter().all(|f| f.word().load(Ordering::Acquire) >= *g) {
+                free.append(bufs);
+                slots.push((*slot, *g));
+                false
+            } else {
+                true
+            }
+        });
+        slots
+    }
+
+    /// A buffer of at least `bytes` bytes (sizes rounded up to powers of two so that they are
+    /// reused).
+    fn take(&self, table: &Slots, dev: &dyn Device, bytes: usize) -> Result<Arc<dyn Staging>> {
+        for (slot, g) in self.sweep() {
+            table.give(slot, g);
+        }
+        let want = bytes.max(64).next_power_of_two();
+        let mut free = self.free.lock();
+        if let Some(i) = free
+            .iter()
+            .position(|b| b.len() >= want && b.len() <= 4 * want)
+        {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        dev.alloc_staging(want)
+    }
 }
 
 /// Open the GPU runtime `name` (`hip`, `cuda`), or say why not.
@@ -190,14 +271,16 @@ pub const fn runtimes_built() -> &'static [&'static str] {
 pub const MAX_STREAMS: usize = 8;
 /// Operations that may be in flight on streams at once; more wait for a free slot.
 const SLOTS: usize = 1024;
-/// Flags per slot: one ready flag per stream, then the done flag.
-const PER_SLOT: usize = MAX_STREAMS + 1;
+/// Flags per slot: one ready flag per stream, the done flag, one released flag per stream
+/// (its copies after the operation are done).
+const PER_SLOT: usize = 2 * MAX_STREAMS + 1;
 
 /// The slots of one device: flags and generations.
 struct Slots {
     slab: FlagSlab,
     free: Mutex<Vec<(usize, u64)>>,
     freed: Condvar,
+    staging: StagingPool,
 }
 
 fn slots(dev: &dyn Device) -> Result<&'static Slots> {
@@ -213,6 +296,10 @@ fn slots(dev: &dyn Device) -> Result<&'static Slots> {
         slab: dev.flags(SLOTS * PER_SLOT)?,
         free: Mutex::new((0..SLOTS).rev().map(|i| (i, 0)).collect()),
         freed: Condvar::new(),
+        staging: StagingPool {
+            free: Mutex::new(Vec::new()),
+            busy: Mutex::new(Vec::new()),
+        },
     }));
     t.push((dev.name(), s));
     Ok(s)
@@ -223,6 +310,15 @@ impl Slots {
         let mut f = self.free.lock();
         let t0 = Instant::now();
         loop {
+            if let Some((i, g)) = f.pop() {
+                return Ok((i, g + 1));
+            }
+            // Slots of staged operations come back once their streams passed the copies.
+            drop(f);
+            for (slot, g) in self.staging.sweep() {
+                self.free.lock().push((slot, g));
+            }
+            f = self.free.lock();
             if let Some((i, g)) = f.pop() {
                 return Ok((i, g + 1));
             }
@@ -253,6 +349,36 @@ pub fn enqueue(
     parts: Vec<(Arc<Communicator>, Part)>,
     timeout: Duration,
 ) -> Result<()> {
+    enqueue_staged(dev, streams, parts, Staged::default(), timeout)
+}
+
+/// Staging of one stream-ordered operation: copies each stream does before and after it,
+/// and the buffers they go through.
+#[derive(Default)]
+pub struct Staged {
+    /// Copies before the operation (device → staging), on their streams.
+    pub before: Vec<StreamCopy>,
+    /// Copies after it (staging → device).
+    pub after: Vec<StreamCopy>,
+    /// The staging buffers, kept until the streams have passed the copies.
+    pub bufs: Vec<Arc<dyn Staging>>,
+}
+
+/// A staging buffer of at least `bytes` bytes from the device's pool.
+pub fn staging(dev: &Arc<dyn Device>, bytes: usize) -> Result<Arc<dyn Staging>> {
+    let table = slots(dev.as_ref())?;
+    table.staging.take(table, dev.as_ref(), bytes)
+}
+
+/// [`enqueue`] with staging: each stream first does its `before` copies, then the operation
+/// runs, then the stream does its `after` copies.
+pub fn enqueue_staged(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    parts: Vec<(Arc<Communicator>, Part)>,
+    staged: Staged,
+    timeout: Duration,
+) -> Result<()> {
     let mut distinct: Vec<StreamId> = Vec::new();
     for &s in streams {
         if !distinct.contains(&s) {
@@ -270,6 +396,13 @@ pub fn enqueue(
             distinct.len()
         )));
     }
+    for c in staged.before.iter().chain(&staged.after) {
+        if !distinct.contains(&c.stream) {
+            return Err(Error::Internal(
+                "a staging copy on a stream the operation does not use".into(),
+            ));
+        }
+    }
     for &s in &distinct {
         if dev.is_capturing(s)? {
             return Err(Error::InvalidUsage(format!(
@@ -281,10 +414,30 @@ pub fn enqueue(
     let (slot, g) = table.take(timeout)?;
     let base = slot * PER_SLOT;
     let done = table.slab.handle(base + MAX_STREAMS);
+    let mut released = Vec::new();
     for (i, &s) in distinct.iter().enumerate() {
+        for c in staged.before.iter().filter(|c| c.stream == s) {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
         let ready = table.slab.handle(base + i);
         dev.stream_write(s, &ready, g)?;
         dev.stream_wait(s, &done, g)?;
+        for c in staged.after.iter().filter(|c| c.stream == s) {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
+        if !staged.bufs.is_empty() {
+            let r = table.slab.handle(base + MAX_STREAMS + 1 + i);
+            dev.stream_write(s, &r, g)?;
+            released.push(r);
+        }
+    }
+    let staged_bufs = !staged.bufs.is_empty();
+    if staged_bufs {
+        table
+            .staging
+            .busy
+            .lock()
+            .push((released, slot, g, staged.bufs));
     }
     let nready = distinct.len();
     let remaining = Arc::new(AtomicUsize::new(parts.len()));
@@ -306,7 +459,9 @@ pub fn enqueue(
             }
             if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
                 done.word().store(g, Ordering::Release);
-                table.give(slot, g);
+                if !staged_bufs {
+                    table.give(slot, g);
+                }
             }
         }));
     }

@@ -6,12 +6,24 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{Device, Flag, FlagSlab, MemKind, PtrInfo, StreamId};
+use super::{Device, Flag, FlagSlab, MemKind, PtrInfo, Staging, StreamId};
+
+/// A staging buffer of the simulated device (pinned host memory there).
+struct SimStaging(Arc<SimBuffer>);
+
+impl Staging for SimStaging {
+    fn addr(&self) -> usize {
+        self.0.addr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
 use crate::error::{Error, Result};
 
 type Item = Box<dyn FnOnce() + Send>;
@@ -60,10 +72,14 @@ impl SimBuffer {
     }
 }
 
+/// A buffer of the simulated device: (address, bytes, kind, the CPU may access it, the
+/// buffer while it lives).
+type Registered = (usize, usize, MemKind, bool, Weak<SimBuffer>);
+
 /// The simulated device.
 pub struct SimDevice {
     streams: Mutex<HashMap<StreamId, Arc<SimStream>>>,
-    buffers: Mutex<Vec<(usize, usize)>>,
+    buffers: Mutex<Vec<Registered>>,
     next: AtomicU64,
     max_delay: Duration,
     seed: AtomicU64,
@@ -173,16 +189,45 @@ impl SimDevice {
         Ok(())
     }
 
-    /// Device memory of `bytes` bytes, zeroed.
+    /// Device memory of `bytes` bytes, zeroed, that the CPU may access (as on an APU).
     pub fn alloc(&self, bytes: usize) -> Arc<SimBuffer> {
+        self.alloc_as(bytes, MemKind::Device, true)
+    }
+
+    /// Device memory the CPU may not access (as on a discrete GPU): collectives on it go
+    /// through staging copies on the stream. (It is host memory underneath, so a collective
+    /// that used it directly would still see the right bytes; only the staging path's order
+    /// shows in the results.)
+    pub fn alloc_device_only(&self, bytes: usize) -> Arc<SimBuffer> {
+        self.alloc_as(bytes, MemKind::Device, false)
+    }
+
+    fn alloc_as(&self, bytes: usize, kind: MemKind, host: bool) -> Arc<SimBuffer> {
         let data = vec![0u64; bytes.div_ceil(8).max(1)];
         let addr = data.as_ptr() as usize;
-        self.buffers.lock().push((addr, bytes));
-        Arc::new(SimBuffer {
+        let b = Arc::new(SimBuffer {
             data: Mutex::new(data),
             len: bytes,
             addr,
-        })
+        });
+        let mut all = self.buffers.lock();
+        all.retain(|e| e.4.strong_count() > 0);
+        all.push((addr, bytes, kind, host, Arc::downgrade(&b)));
+        b
+    }
+
+    /// The live buffer holding `addr..addr + n`, and the offset of `addr` in it.
+    fn find(&self, addr: usize, n: usize) -> Result<(Arc<SimBuffer>, usize)> {
+        self.buffers
+            .lock()
+            .iter()
+            .filter(|e| addr >= e.0 && addr + n <= e.0 + e.1)
+            .find_map(|e| e.4.upgrade().map(|b| (b, addr - e.0)))
+            .ok_or_else(|| {
+                Error::arg(format!(
+                    "{addr:#x}+{n} is not inside a buffer of the simulated device"
+                ))
+            })
     }
 }
 
@@ -202,11 +247,35 @@ impl Device for SimDevice {
 
     fn classify(&self, addr: usize) -> Result<PtrInfo> {
         let b = self.buffers.lock();
-        let dev = b.iter().any(|&(a, n)| addr >= a && addr < a + n.max(1));
-        Ok(PtrInfo {
-            kind: if dev { MemKind::Device } else { MemKind::Host },
-            host_accessible: true,
+        Ok(b.iter()
+            .find(|e| addr >= e.0 && addr < e.0 + e.1.max(1) && e.4.strong_count() > 0)
+            .map_or(
+                PtrInfo {
+                    kind: MemKind::Host,
+                    host_accessible: true,
+                },
+                |e| PtrInfo {
+                    kind: e.2,
+                    host_accessible: e.3,
+                },
+            ))
+    }
+
+    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+        let (d, doff) = self.find(dst, bytes)?;
+        let (s, soff) = self.find(src, bytes)?;
+        self.launch(stream, move || {
+            let tmp = s.with(|x| x[soff..soff + bytes].to_vec());
+            d.with(|x| x[doff..doff + bytes].copy_from_slice(&tmp));
         })
+    }
+
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
+        Ok(Arc::new(SimStaging(self.alloc_as(
+            bytes,
+            MemKind::PinnedHost,
+            true,
+        ))))
     }
 
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {

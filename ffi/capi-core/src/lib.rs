@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use roccl_core::device::sim::SimDevice;
-use roccl_core::device::{Device, Part, StreamId};
+use roccl_core::device::{Device, Part, Staged, StreamCopy, StreamId};
 use roccl_core::error::ErrorKind;
 use roccl_core::{
     CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, Turn, UniqueId,
@@ -429,6 +429,12 @@ fn device() -> R<Runtime> {
     .map_err(arg)
 }
 
+/// The simulated device the C ABI uses when `ROCCL_DEVICE=sim` (tests allocate its
+/// buffers and drive its streams); `None` otherwise.
+pub fn sim_device() -> Option<Arc<SimDevice>> {
+    device().ok().and_then(|(_, sim)| sim)
+}
+
 /// Back to a core error (of the same class, so the async error keeps its code).
 fn core_error(CErr(code, m): CErr) -> Error {
     match code {
@@ -446,16 +452,12 @@ fn on_streams(ops: Vec<(Arc<Communicator>, Work)>, streams: &[StreamId]) -> R {
     if let Some(sim) = &sim {
         streams.iter().for_each(|&s| sim.adopt_stream(s));
     }
-    for (_, w) in &ops {
-        for (b, _) in w.bufs().into_iter().flatten() {
-            if b.len > 0 && !dev.classify(b.addr)?.host_accessible {
-                return Err(arg(format!(
-                    "buffer {:#x} is {} device memory the CPU cannot access; staging it through pinned host memory is not implemented yet",
-                    b.addr,
-                    dev.name()
-                )));
-            }
-        }
+    // Buffers the CPU cannot access go through staging: copied in on the op's stream before
+    // the operation, and out after it.
+    let mut staged = Staged::default();
+    let mut ops = ops;
+    for ((c, w), &stream) in ops.iter_mut().zip(streams) {
+        stage(&dev, c.rank(), w, stream, &mut staged)?;
     }
     // One part per communicator, in the order of first use.
     let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
@@ -474,7 +476,55 @@ fn on_streams(ops: Vec<(Arc<Communicator>, Work)>, streams: &[StreamId]) -> R {
             (c, part)
         })
         .collect();
-    roccl_core::device::enqueue(&dev, streams, parts, timeout)?;
+    roccl_core::device::enqueue_staged(&dev, streams, parts, staged, timeout)?;
+    Ok(())
+}
+
+/// Replace the buffers of `w` that the CPU cannot access with staging buffers, and record
+/// the copies: inputs in before the operation, outputs out after it (not a non-root's
+/// reduce output, which NCCL leaves untouched).
+fn stage(
+    dev: &Arc<dyn Device>,
+    me: usize,
+    w: &mut Work,
+    stream: StreamId,
+    staged: &mut Staged,
+) -> R {
+    let mut swap = |b: &mut CBuf, input: bool, output: bool| -> R {
+        if b.len == 0 || dev.classify(b.addr)?.host_accessible {
+            return Ok(());
+        }
+        let st = roccl_core::device::staging(dev, b.len)?;
+        let copy = |dst: usize, src: usize| StreamCopy {
+            stream,
+            dst,
+            src,
+            bytes: b.len,
+        };
+        if input {
+            staged.before.push(copy(st.addr(), b.addr));
+        }
+        if output {
+            staged.after.push(copy(b.addr, st.addr()));
+        }
+        b.addr = st.addr();
+        staged.bufs.push(st);
+        Ok(())
+    };
+    match w {
+        Work::Coll {
+            coll, send, recv, ..
+        } => {
+            let in_place = send.is_none();
+            if let Some(s) = send {
+                swap(s, true, false)?;
+            }
+            let root_only = matches!(*coll, Collective::Reduce { root, .. } if root != me);
+            swap(recv, in_place, !root_only)?;
+        }
+        Work::Send { buf, .. } => swap(buf, true, false)?,
+        Work::Recv { buf, .. } => swap(buf, false, true)?,
+    }
     Ok(())
 }
 

@@ -1,0 +1,213 @@
+//! C ABI calls with streams on device memory the CPU cannot access (the simulated device's
+//! `alloc_device_only`): the buffers go through staging copies on the stream. A producer
+//! writes the input late on the stream and a consumer snapshots the output and scribbles
+//! over the buffers right after the call; staging copies out of order would show in the
+//! snapshots.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use roccl_capi_core::*;
+use roccl_core::device::sim::{SimBuffer, SimDevice};
+use roccl_core::device::{Device, MemKind};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+
+fn ptr(b: &SimBuffer) -> *mut c_void {
+    b.addr() as *mut c_void
+}
+
+fn put(b: &SimBuffer, v: impl Fn(usize) -> f32) {
+    b.with(|x| {
+        for (i, e) in x.chunks_mut(4).enumerate() {
+            e.copy_from_slice(&v(i).to_le_bytes());
+        }
+    })
+}
+
+fn floats(x: &[u8]) -> Vec<f32> {
+    x.chunks(4)
+        .map(|e| f32::from_le_bytes(e.try_into().unwrap()))
+        .collect()
+}
+
+/// Producer writing `v` into `b` late on `stream`.
+fn produce(
+    sim: &SimDevice,
+    stream: usize,
+    b: &Arc<SimBuffer>,
+    v: impl Fn(usize) -> f32 + Send + 'static,
+) {
+    let b = Arc::clone(b);
+    sim.launch(stream, move || put(&b, v)).unwrap();
+}
+
+/// Consumer: snapshot `b`, then scribble over `bs`.
+fn consume(
+    sim: &SimDevice,
+    stream: usize,
+    b: &Arc<SimBuffer>,
+    bs: &[&Arc<SimBuffer>],
+) -> Arc<Mutex<Vec<u8>>> {
+    let snap = Arc::new(Mutex::new(Vec::new()));
+    let (s, b) = (Arc::clone(&snap), Arc::clone(b));
+    let bs: Vec<_> = bs.iter().map(|x| Arc::clone(x)).collect();
+    sim.launch(stream, move || {
+        *s.lock() = b.with(|x| x.to_vec());
+        for x in &bs {
+            x.with(|y| y.fill(0xee));
+        }
+    })
+    .unwrap();
+    snap
+}
+
+#[test]
+fn device_only_buffers_are_staged_in_stream_order() {
+    std::env::set_var("ROCCL_DEVICE", "sim");
+    std::env::set_var("ROCCL_SIM_DELAY_US", "200");
+    let sim = sim_device().expect("ROCCL_DEVICE=sim gives the simulated device");
+    let probe = sim.alloc_device_only(8);
+    let info = sim.classify(probe.addr()).unwrap();
+    assert!(info.kind == MemKind::Device && !info.host_accessible);
+    let mut id = rocclUniqueId { internal: [0; 128] };
+    // SAFETY: valid storage for the id.
+    assert_eq!(unsafe { rocclGetUniqueId(&mut id) }, 0);
+    let n = 5000usize;
+    std::thread::scope(|sc| {
+        for rank in 0..2usize {
+            let sim = Arc::clone(&sim);
+            sc.spawn(move || {
+                let mut comm: rocclComm_t = std::ptr::null_mut();
+                // SAFETY: valid storage for the handle; the id is by value.
+                assert_eq!(
+                    unsafe { rocclCommInitRank(&mut comm, 2, id, rank as i32) },
+                    0
+                );
+                let stream = sim.create_stream();
+                let sp = stream as *mut c_void;
+                for round in 0..3usize {
+                    // Out-of-place all-reduce.
+                    let (sb, rb) = (sim.alloc_device_only(4 * n), sim.alloc_device_only(4 * n));
+                    produce(&sim, stream, &sb, move |i| (rank * 10 + i + round) as f32);
+                    // SAFETY: device buffers of 4n bytes, kept alive until the stream passed.
+                    assert_eq!(
+                        unsafe { rocclAllReduce(ptr(&sb), ptr(&rb), n, FLOAT, SUM, comm, sp) },
+                        0
+                    );
+                    let snap = consume(&sim, stream, &rb, &[&sb, &rb]);
+                    // In-place all-reduce.
+                    let ib = sim.alloc_device_only(4 * n);
+                    produce(&sim, stream, &ib, move |i| (rank + 2 * i) as f32);
+                    // SAFETY: as above.
+                    assert_eq!(
+                        unsafe { rocclAllReduce(ptr(&ib), ptr(&ib), n, FLOAT, SUM, comm, sp) },
+                        0
+                    );
+                    let isnap = consume(&sim, stream, &ib, &[&ib]);
+                    // Reduce to rank 1: rank 0's output buffer must stay as it was.
+                    let (qs, qr) = (sim.alloc_device_only(4 * n), sim.alloc_device_only(4 * n));
+                    put(&qr, |_| -3.0);
+                    produce(&sim, stream, &qs, move |i| (rank + i) as f32);
+                    // SAFETY: as above.
+                    assert_eq!(
+                        unsafe { rocclReduce(ptr(&qs), ptr(&qr), n, FLOAT, SUM, 1, comm, sp) },
+                        0
+                    );
+                    let qsnap = consume(&sim, stream, &qr, &[&qs]);
+                    // Broadcast from rank 0 (rank 1 passes no send buffer).
+                    let bb = sim.alloc_device_only(4 * n);
+                    if rank == 0 {
+                        produce(&sim, stream, &bb, move |i| (7 * i + round) as f32);
+                    }
+                    let send = if rank == 0 {
+                        ptr(&bb)
+                    } else {
+                        std::ptr::null_mut()
+                    };
+                    // SAFETY: as above.
+                    assert_eq!(
+                        unsafe { rocclBroadcast(send, ptr(&bb), n, FLOAT, 0, comm, sp) },
+                        0
+                    );
+                    let bsnap = consume(&sim, stream, &bb, &[&bb]);
+                    // Send/receive pair in a group.
+                    let (ps, pr) = (sim.alloc_device_only(4 * n), sim.alloc_device_only(4 * n));
+                    produce(&sim, stream, &ps, move |i| (100 * rank + i) as f32);
+                    assert_eq!(rocclGroupStart(), 0);
+                    // SAFETY: as above.
+                    unsafe {
+                        assert_eq!(
+                            rocclSend(ptr(&ps), n, FLOAT, (1 - rank) as i32, comm, sp),
+                            0
+                        );
+                        assert_eq!(
+                            rocclRecv(ptr(&pr), n, FLOAT, (1 - rank) as i32, comm, sp),
+                            0
+                        );
+                    }
+                    assert_eq!(rocclGroupEnd(), 0);
+                    let psnap = consume(&sim, stream, &pr, &[&ps, &pr]);
+                    sim.synchronize(stream).unwrap();
+                    let what = format!("rank {rank} round {round}");
+                    let got = floats(&snap.lock());
+                    assert!(
+                        got.iter()
+                            .enumerate()
+                            .all(|(i, v)| *v == (10 + 2 * i + 2 * round) as f32),
+                        "{what}: all_reduce {:?}",
+                        &got[..4]
+                    );
+                    let got = floats(&isnap.lock());
+                    assert!(
+                        got.iter()
+                            .enumerate()
+                            .all(|(i, v)| *v == (1 + 4 * i) as f32),
+                        "{what}: in place {:?}",
+                        &got[..4]
+                    );
+                    let got = floats(&qsnap.lock());
+                    if rank == 1 {
+                        assert!(
+                            got.iter()
+                                .enumerate()
+                                .all(|(i, v)| *v == (1 + 2 * i) as f32),
+                            "{what}: reduce {:?}",
+                            &got[..4]
+                        );
+                    } else {
+                        assert!(
+                            got.iter().all(|v| *v == -3.0),
+                            "{what}: non-root reduce output written: {:?}",
+                            &got[..4]
+                        );
+                    }
+                    let got = floats(&bsnap.lock());
+                    assert!(
+                        got.iter()
+                            .enumerate()
+                            .all(|(i, v)| *v == (7 * i + round) as f32),
+                        "{what}: broadcast {:?}",
+                        &got[..4]
+                    );
+                    let got = floats(&psnap.lock());
+                    assert!(
+                        got.iter()
+                            .enumerate()
+                            .all(|(i, v)| *v == (100 * (1 - rank) + i) as f32),
+                        "{what}: send/recv {:?}",
+                        &got[..4]
+                    );
+                }
+                let mut err = 0;
+                // SAFETY: valid storage for the result.
+                assert_eq!(unsafe { rocclCommGetAsyncError(comm, &mut err) }, 0);
+                assert_eq!(err, 0);
+                // SAFETY: a live handle.
+                assert_eq!(unsafe { rocclCommDestroy(comm) }, 0);
+            });
+        }
+    });
+}
