@@ -43,7 +43,7 @@ else
     "the collective suite over a RoCE v2 NIC (tests/verbs.rs, 3 tests) did not run"
 fi
 if [ -e /dev/kfd ] || [ -e /proc/driver/nvidia ]; then
-  echo "== a GPU is present: the HIP/CUDA open tests above opened it (collectives on GPU buffers are not written yet: docs/GPU.md)"
+  echo "== a GPU is present: the HIP/CUDA open tests above opened it; run scripts/gpu-check.sh for collectives on its buffers"
 else
   echo "== GPU tests SKIPPED: no GPU here (HIP and CUDA were checked to report 'no device');" \
     "stream-ordered collectives ran on the simulated device only"
@@ -59,6 +59,9 @@ cargo build --release -p roccl-nccl
 python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3
 ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 2
 python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3 --streams
+echo "== stream-ordered collectives on device-only buffers of the simulated device (scripts/gpu-check.sh sim)"
+gpu_out=$(scripts/gpu-check.sh sim 3 262144)
+grep -q "# wrong results: 0" <<<"$gpu_out" || { echo "$gpu_out"; exit 1; }
 echo "== install and pkg-config"
 tmp=$(mktemp -d)
 scripts/install.sh --prefix "$tmp" >/dev/null

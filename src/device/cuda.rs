@@ -11,13 +11,14 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, Staging, StreamId};
+use super::{Alloc, Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, StreamId};
 
-/// Page-locked host memory from `cuMemHostAlloc`.
+/// Page-locked host memory from `cuMemHostAlloc`, or device memory from `cuMemAlloc`.
 struct HostPinned {
     api: &'static Api,
     ptr: *mut c_void,
     len: usize,
+    device: bool,
 }
 
 // SAFETY: plain memory; roccl orders every access through the stream protocol.
@@ -25,7 +26,7 @@ unsafe impl Send for HostPinned {}
 // SAFETY: as above.
 unsafe impl Sync for HostPinned {}
 
-impl Staging for HostPinned {
+impl Alloc for HostPinned {
     fn addr(&self) -> usize {
         self.ptr as usize
     }
@@ -36,8 +37,14 @@ impl Staging for HostPinned {
 
 impl Drop for HostPinned {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc and freed once, here.
-        unsafe { (self.api.mem_free_host)(self.ptr) };
+        // SAFETY: allocated by cuMemHostAlloc or cuMemAlloc (per `device`), freed once, here.
+        unsafe {
+            if self.device {
+                (self.api.mem_free)(self.ptr as u64);
+            } else {
+                (self.api.mem_free_host)(self.ptr);
+            }
+        };
     }
 }
 use crate::error::{Error, Result};
@@ -67,6 +74,13 @@ struct Api {
     mem_host_get_device_pointer: unsafe extern "C" fn(*mut u64, *mut c_void, c_uint) -> CuResult,
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
     memcpy_async: unsafe extern "C" fn(u64, u64, usize, *mut c_void) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CuResult,
+    primary_ctx_retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CuResult,
+    stream_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CuResult,
+    mem_free: unsafe extern "C" fn(u64) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
 
@@ -112,6 +126,13 @@ fn load() -> Result<&'static Api> {
                 mem_host_get_device_pointer: as_fn(sym(c"cuMemHostGetDevicePointer_v2")?),
                 mem_free_host: as_fn(sym(c"cuMemFreeHost")?),
                 memcpy_async: as_fn(sym(c"cuMemcpyAsync")?),
+                device_get: as_fn(sym(c"cuDeviceGet")?),
+                primary_ctx_retain: as_fn(sym(c"cuDevicePrimaryCtxRetain")?),
+                ctx_set_current: as_fn(sym(c"cuCtxSetCurrent")?),
+                stream_create: as_fn(sym(c"cuStreamCreate")?),
+                stream_synchronize: as_fn(sym(c"cuStreamSynchronize")?),
+                mem_alloc: as_fn(sym(c"cuMemAlloc_v2")?),
+                mem_free: as_fn(sym(c"cuMemFree_v2")?),
                 get_error_string: as_fn(sym(c"cuGetErrorString")?),
             })
         }
@@ -139,9 +160,10 @@ fn check(api: &Api, call: &str, r: CuResult) -> Result<()> {
     ))
 }
 
-/// The CUDA driver.
+/// The CUDA driver, on device 0's primary context.
 pub struct CudaDevice {
     api: &'static Api,
+    ctx: usize,
 }
 
 impl CudaDevice {
@@ -163,7 +185,22 @@ impl CudaDevice {
             ));
         }
         check(api, "cuInit", r)?;
-        Ok(CudaDevice { api })
+        let (mut dev, mut ctx) = (0, std::ptr::null_mut());
+        // SAFETY: valid storage for the device and the context.
+        unsafe {
+            check(api, "cuDeviceGet", (api.device_get)(&mut dev, 0))?;
+            check(
+                api,
+                "cuDevicePrimaryCtxRetain",
+                (api.primary_ctx_retain)(&mut ctx, dev),
+            )?;
+        }
+        let d = CudaDevice {
+            api,
+            ctx: ctx as usize,
+        };
+        d.bind_thread()?;
+        Ok(d)
     }
 }
 
@@ -285,7 +322,7 @@ impl Device for CudaDevice {
         })
     }
 
-    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the returned pointer.
         check(self.api, "cuMemHostAlloc", unsafe {
@@ -295,7 +332,45 @@ impl Device for CudaDevice {
             api: self.api,
             ptr,
             len: bytes,
+            device: false,
         }))
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let mut p = 0u64;
+        // SAFETY: valid storage for the device pointer.
+        check(self.api, "cuMemAlloc", unsafe {
+            (self.api.mem_alloc)(&mut p, bytes)
+        })?;
+        Ok(Arc::new(HostPinned {
+            api: self.api,
+            ptr: p as *mut c_void,
+            len: bytes,
+            device: true,
+        }))
+    }
+
+    fn create_stream(&self) -> Result<StreamId> {
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the stream handle.
+        check(self.api, "cuStreamCreate", unsafe {
+            (self.api.stream_create)(&mut s, 0)
+        })?;
+        Ok(s as StreamId)
+    }
+
+    fn synchronize(&self, stream: StreamId) -> Result<()> {
+        // SAFETY: `stream` is a stream of this context.
+        check(self.api, "cuStreamSynchronize", unsafe {
+            (self.api.stream_synchronize)(stream as *mut c_void)
+        })
+    }
+
+    fn bind_thread(&self) -> Result<()> {
+        // SAFETY: the primary context retained in `open`.
+        check(self.api, "cuCtxSetCurrent", unsafe {
+            (self.api.ctx_set_current)(self.ctx as *mut c_void)
+        })
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {

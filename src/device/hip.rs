@@ -20,12 +20,13 @@ use std::sync::Arc;
 
 use hip_sys::hiprt as hip;
 
-use super::{Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, Staging, StreamId};
+use super::{Alloc, Device, Flag, FlagSlab, FlagStore, MemKind, PtrInfo, StreamId};
 
-/// Pinned host memory from `hipHostMalloc`.
+/// Pinned host memory from `hipHostMalloc`, or device memory from `hipMalloc`.
 struct HostPinned {
     ptr: *mut c_void,
     len: usize,
+    device: bool,
 }
 
 // SAFETY: plain memory; roccl orders every access through the stream protocol.
@@ -33,7 +34,7 @@ unsafe impl Send for HostPinned {}
 // SAFETY: as above.
 unsafe impl Sync for HostPinned {}
 
-impl Staging for HostPinned {
+impl Alloc for HostPinned {
     fn addr(&self) -> usize {
         self.ptr as usize
     }
@@ -44,8 +45,14 @@ impl Staging for HostPinned {
 
 impl Drop for HostPinned {
     fn drop(&mut self) {
-        // SAFETY: allocated by hipHostMalloc and freed once, here.
-        unsafe { hipHostFree(self.ptr) };
+        // SAFETY: allocated by hipHostMalloc or hipMalloc (per `device`) and freed once, here.
+        unsafe {
+            if self.device {
+                hipFree(self.ptr);
+            } else {
+                hipHostFree(self.ptr);
+            }
+        };
     }
 }
 use crate::error::{Error, Result};
@@ -94,6 +101,9 @@ extern "C" {
     ) -> c_int;
     fn hipHostMalloc(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
     fn hipHostFree(ptr: *mut c_void) -> c_int;
+    fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> c_int;
+    fn hipStreamCreate(stream: *mut *mut c_void) -> c_int;
+    fn hipStreamSynchronize(stream: *mut c_void) -> c_int;
     fn hipGetErrorString(err: c_int) -> *const std::ffi::c_char;
 }
 
@@ -324,13 +334,42 @@ impl Device for HipDevice {
         })
     }
 
-    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the returned pointer.
         check("hipHostMalloc", unsafe {
             hipHostMalloc(&mut ptr, bytes, 0)
         })?;
-        Ok(Arc::new(HostPinned { ptr, len: bytes }))
+        Ok(Arc::new(HostPinned {
+            ptr,
+            len: bytes,
+            device: false,
+        }))
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the returned pointer.
+        check("hipMalloc", unsafe { hipMalloc(&mut ptr, bytes) })?;
+        Ok(Arc::new(HostPinned {
+            ptr,
+            len: bytes,
+            device: true,
+        }))
+    }
+
+    fn create_stream(&self) -> Result<StreamId> {
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the stream handle.
+        check("hipStreamCreate", unsafe { hipStreamCreate(&mut s) })?;
+        Ok(s as StreamId)
+    }
+
+    fn synchronize(&self, stream: StreamId) -> Result<()> {
+        // SAFETY: `stream` is a stream handle of this runtime.
+        check("hipStreamSynchronize", unsafe {
+            hipStreamSynchronize(stream as *mut c_void)
+        })
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {

@@ -158,11 +158,22 @@ pub trait Device: Send + Sync {
     fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()>;
     /// Page-locked host memory of at least `bytes` bytes, to stage device memory the CPU
     /// cannot access.
-    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>>;
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>>;
+    /// Device memory of `bytes` bytes (tools and tests that bring their own buffers).
+    fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>>;
+    /// A new stream.
+    fn create_stream(&self) -> Result<StreamId>;
+    /// Block until everything enqueued on `stream` so far has run.
+    fn synchronize(&self, stream: StreamId) -> Result<()>;
+    /// Make the runtime usable from the calling thread (CUDA: the device's primary context).
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
-/// Host memory that stages a device buffer (freed when the last handle goes).
-pub trait Staging: Send + Sync {
+/// Memory allocated through the runtime: a staging buffer in pinned host memory, or device
+/// memory (freed when the last handle goes).
+pub trait Alloc: Send + Sync {
     /// Its address.
     fn addr(&self) -> usize;
     /// Its size in bytes.
@@ -189,14 +200,14 @@ pub struct StreamCopy {
 /// Staging buffers of one process and device, reused across calls; a buffer is reused only
 /// after the streams that copy through it have passed the copies (its release flags).
 struct StagingPool {
-    free: Mutex<Vec<Arc<dyn Staging>>>,
+    free: Mutex<Vec<Arc<dyn Alloc>>>,
     /// In use: (release flags, slot, generation, buffers). The slot is given back with the
     /// buffers: its release flags must not be reused while a stream may still write them.
     busy: Mutex<Vec<Busy>>,
 }
 
 /// Staging buffers in use: the release flags of their streams, the slot, its generation.
-type Busy = (Vec<Flag>, usize, u64, Vec<Arc<dyn Staging>>);
+type Busy = (Vec<Flag>, usize, u64, Vec<Arc<dyn Alloc>>);
 
 impl StagingPool {
     /// Move buffers whose streams have passed their copies back to the free list; returns
@@ -219,7 +230,7 @@ impl StagingPool {
 
     /// A buffer of at least `bytes` bytes (sizes rounded up to powers of two so that they are
     /// reused).
-    fn take(&self, table: &Slots, dev: &dyn Device, bytes: usize) -> Result<Arc<dyn Staging>> {
+    fn take(&self, table: &Slots, dev: &dyn Device, bytes: usize) -> Result<Arc<dyn Alloc>> {
         for (slot, g) in self.sweep() {
             table.give(slot, g);
         }
@@ -361,11 +372,11 @@ pub struct Staged {
     /// Copies after it (staging → device).
     pub after: Vec<StreamCopy>,
     /// The staging buffers, kept until the streams have passed the copies.
-    pub bufs: Vec<Arc<dyn Staging>>,
+    pub bufs: Vec<Arc<dyn Alloc>>,
 }
 
 /// A staging buffer of at least `bytes` bytes from the device's pool.
-pub fn staging(dev: &Arc<dyn Device>, bytes: usize) -> Result<Arc<dyn Staging>> {
+pub fn staging(dev: &Arc<dyn Device>, bytes: usize) -> Result<Arc<dyn Alloc>> {
     let table = slots(dev.as_ref())?;
     table.staging.take(table, dev.as_ref(), bytes)
 }

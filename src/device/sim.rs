@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{Device, Flag, FlagSlab, MemKind, PtrInfo, Staging, StreamId};
+use super::{Alloc, Device, Flag, FlagSlab, MemKind, PtrInfo, StreamId};
 
-/// A staging buffer of the simulated device (pinned host memory there).
-struct SimStaging(Arc<SimBuffer>);
+/// An allocation of the simulated device.
+struct SimAlloc(Arc<SimBuffer>);
 
-impl Staging for SimStaging {
+impl Alloc for SimAlloc {
     fn addr(&self) -> usize {
         self.0.addr()
     }
@@ -270,12 +270,24 @@ impl Device for SimDevice {
         })
     }
 
-    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Staging>> {
-        Ok(Arc::new(SimStaging(self.alloc_as(
+    fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        Ok(Arc::new(SimAlloc(self.alloc_as(
             bytes,
             MemKind::PinnedHost,
             true,
         ))))
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        Ok(Arc::new(SimAlloc(self.alloc_device_only(bytes))))
+    }
+
+    fn create_stream(&self) -> Result<StreamId> {
+        Ok(SimDevice::create_stream(self))
+    }
+
+    fn synchronize(&self, stream: StreamId) -> Result<()> {
+        SimDevice::synchronize(self, stream)
     }
 
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {

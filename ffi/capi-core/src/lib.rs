@@ -435,6 +435,12 @@ pub fn sim_device() -> Option<Arc<SimDevice>> {
     device().ok().and_then(|(_, sim)| sim)
 }
 
+/// The GPU runtime the C ABI orders stream calls with (tools allocate device buffers and
+/// streams through it), or why there is none.
+pub fn runtime() -> Result<Arc<dyn Device>, String> {
+    device().map(|(d, _)| d).map_err(|CErr(_, m)| m)
+}
+
 /// Back to a core error (of the same class, so the async error keeps its code).
 fn core_error(CErr(code, m): CErr) -> Error {
     match code {
