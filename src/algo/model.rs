@@ -38,6 +38,9 @@ pub struct LinkCost {
     pub cpu_share: f64,
     /// Bytes per piece of the shared-memory algorithms.
     pub flat_slot: usize,
+    /// Ranks can read each other's memory (process_vm_readv): large shared-memory
+    /// broadcasts copy once.
+    pub flat_cma: bool,
 }
 
 impl Default for LinkCost {
@@ -51,6 +54,7 @@ impl Default for LinkCost {
             copy_gbs: 8.0,
             cpu_share: 1.0,
             flat_slot: 256 << 10,
+            flat_cma: false,
         }
     }
 }
@@ -168,6 +172,12 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
         // ranks run ahead: a synchronisation with each rank.
         (CollKind::Reduce, _) => pieces * sync * nf + copy(2.0 * b) + red((nf - 1.0) * b),
         (CollKind::ReduceScatter, _) => pieces * sync + copy(2.0 * b) + red((nf - 1.0) / nf * b),
+        // One copy per reader, straight from the root's buffer (the ring copies twice).
+        (CollKind::Broadcast, _)
+            if c.flat_cma && bytes >= crate::algo::shm::DIRECT_BROADCAST_MIN =>
+        {
+            sync * nf + copy(b) / 2.0
+        }
         // The root's copy of the next piece overlaps the readers' copy of this one.
         (CollKind::Broadcast, _) => {
             pieces * sync * nf + copy(2.0 * b + per_piece.min(c.flat_slot as f64))

@@ -129,13 +129,36 @@ pub(crate) fn all_reduce_shm(
     Ok(())
 }
 
-/// Broadcast from `root`: the root fills its slot, the others copy it out.
+/// Broadcasts from this size on copy once, straight from the root's buffer
+/// (process_vm_readv), when every rank can read every other.
+pub(crate) const DIRECT_BROADCAST_MIN: usize = 256 << 10;
+
+/// Broadcast from `root`: the root fills its slot, the others copy it out; or, for large
+/// messages, the others copy straight out of the root's buffer (one copy instead of two) and
+/// the root waits until they have.
 pub(crate) fn broadcast_shm(
     f: &mut Flat,
     root: usize,
     send: Option<&[u8]>,
     recv: &mut [u8],
 ) -> Result<()> {
+    if f.node.cma() && recv.len() >= DIRECT_BROADCAST_MIN {
+        let k = f.begin()?;
+        if f.rank == root {
+            f.node.set_direct(k, send.unwrap_or(recv));
+            f.node.publish(Counter::Arrive, k);
+            if let Some(s) = send {
+                recv.copy_from_slice(s);
+            }
+            // The buffer must stay as it is until every reader has copied it.
+            return f.wait_all(Counter::Result, k);
+        }
+        f.node.publish(Counter::Arrive, k);
+        f.wait_one(root, k)?;
+        f.node.read_direct(root, k, recv)?;
+        f.node.publish(Counter::Result, k);
+        return Ok(());
+    }
     for (off, len) in Flat::pieces(recv.len(), f.node.slot(), 1) {
         let k = f.begin()?;
         if f.rank == root {

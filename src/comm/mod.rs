@@ -429,8 +429,16 @@ impl Communicator {
             copy_gbs: 8.0,
             cpu_share: (cores as f64 / local_ranks as f64).min(1.0),
             flat_slot: node.as_ref().map_or(256 << 10, |n| n.slot()),
+            flat_cma: node.as_ref().is_some_and(|n| n.cma()),
         };
         let name = combined_name(net.name(), shm_peers, other_peers);
+        if let Some(n) = &node {
+            crate::info!(
+                "rank {rank}: collectives through shared segments on ({} KiB slots; single-copy broadcasts: {})",
+                n.slot() >> 10,
+                if n.cma() { "yes" } else { "no, process_vm_readv refused" }
+            );
+        }
         crate::info!(
             "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs",
             props.name,
