@@ -37,6 +37,30 @@ pub(crate) struct Flat<'a> {
 }
 
 impl Flat<'_> {
+    /// Begin a call and publish, for every rank `d`, bytes `off..off + len` of block `d` of
+    /// `input` (blocks of `block` bytes) as piece `d` of this rank's slot; returns once every
+    /// peer has published too.
+    fn publish_blocks(
+        &mut self,
+        input: &[u8],
+        block: usize,
+        off: usize,
+        len: usize,
+    ) -> Result<u32> {
+        let k = self.begin()?;
+        let slot = self.node.own(k, Area::Input, 0, self.nranks * len);
+        for (d, piece) in slot
+            .chunks_exact_mut(len.max(1))
+            .enumerate()
+            .take(self.nranks)
+        {
+            piece.copy_from_slice(&input[d * block + off..d * block + off + len]);
+        }
+        self.node.publish(Counter::Arrive, k);
+        self.wait_all(Counter::Arrive, k)?;
+        Ok(k)
+    }
+
     fn begin(&mut self) -> Result<u32> {
         self.node.begin(self.meta, self.waiter, self.abort)
     }
@@ -246,17 +270,7 @@ pub(crate) fn reduce_scatter_shm(
 ) -> Result<()> {
     let (n, me) = (f.nranks, f.rank);
     for (off, len) in Flat::pieces(block, f.node.slot() / n, dt.size()) {
-        let k = f.begin()?;
-        {
-            let input: &[u8] = send.unwrap_or(recv);
-            let slot = f.node.own(k, Area::Input, 0, n * len);
-            for d in 0..n {
-                slot[d * len..(d + 1) * len]
-                    .copy_from_slice(&input[d * block + off..d * block + off + len]);
-            }
-        }
-        f.node.publish(Counter::Arrive, k);
-        f.wait_all(Counter::Arrive, k)?;
+        let k = f.publish_blocks(send.unwrap_or(recv), block, off, len)?;
         let at = if send.is_some() {
             off
         } else {
@@ -276,17 +290,7 @@ pub(crate) fn all_to_all_shm(
 ) -> Result<()> {
     let (n, me) = (f.nranks, f.rank);
     for (off, len) in Flat::pieces(block, f.node.slot() / n, 1) {
-        let k = f.begin()?;
-        {
-            let input: &[u8] = send.unwrap_or(recv);
-            let slot = f.node.own(k, Area::Input, 0, n * len);
-            for d in 0..n {
-                slot[d * len..(d + 1) * len]
-                    .copy_from_slice(&input[d * block + off..d * block + off + len]);
-            }
-        }
-        f.node.publish(Counter::Arrive, k);
-        f.wait_all(Counter::Arrive, k)?;
+        let k = f.publish_blocks(send.unwrap_or(recv), block, off, len)?;
         for r in 0..n {
             let at = r * block + off;
             recv[at..at + len].copy_from_slice(f.node.read(r, k, Area::Input, me * len, len));
