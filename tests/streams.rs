@@ -43,8 +43,13 @@ fn case(k: Kind, dt: DataType, op: RedOp, count: usize, n: usize, me: usize, roo
         },
         Kind::Broadcast => Case {
             coll: Collective::Broadcast { root },
+            // Non-roots' inputs are never read: give them values the result must not show.
             input: fill(dt, count, |i| {
-                val(dt, op, root, i) + (me != root) as u8 as f64 * 0.0
+                if me == root {
+                    val(dt, op, root, i)
+                } else {
+                    99.0
+                }
             }),
             out_len: count * es,
             want: Some(Box::new(move |i| val(dt, op, root, i))),
