@@ -15,6 +15,7 @@
 //! wins unless `ROCCL_ALGO` or the call's option forces one.
 
 use super::{Algo, Pipeline};
+use crate::types::DataType;
 
 /// Latency and bandwidth of the links a call uses.
 #[derive(Clone, Copy, Debug)]
@@ -285,7 +286,38 @@ pub fn flat_candidates(kind: CollKind) -> &'static [Algo] {
 /// Largest message the one-shot all-reduce is considered for (its staging is `n * bytes`).
 pub const DIRECT_MAX: usize = 256 * 1024;
 
-/// Choose algorithm and pipeline. `forced` wins when the collective has it.
+/// Reduction speed of `dt` relative to f32, from the kernels' throughput in cache
+/// (`cargo bench --bench reduce`, 2026-11-30: f32 42 GiB/s, bf16 10.5, f16 2.7, fp8 0.65): the
+/// 16-bit and 8-bit floats are widened to f32 and rounded back, so reductions cost more and
+/// algorithms that reduce less (two-shot) win earlier.
+pub fn reduce_factor(dt: DataType) -> f64 {
+    match dt {
+        DataType::Bf16 => 0.25,
+        DataType::F16 => 0.064,
+        DataType::F8E4M3 | DataType::F8E5M2 => 0.016,
+        _ => 1.0,
+    }
+}
+
+/// [`choose`] for data of type `dt` (its reduction speed scales γ).
+pub fn choose_for(
+    kind: CollKind,
+    dt: DataType,
+    n: usize,
+    bytes: usize,
+    c: &LinkCost,
+    forced: Option<Algo>,
+    t: &Tuning,
+) -> (Algo, Pipeline) {
+    let scaled = LinkCost {
+        gamma_gbs: c.gamma_gbs * reduce_factor(dt),
+        ..*c
+    };
+    choose(kind, n, bytes, &scaled, forced, t)
+}
+
+/// Choose algorithm and pipeline (reductions at `c.gamma_gbs`). `forced` wins when the
+/// collective has it.
 pub fn choose(
     kind: CollKind,
     n: usize,
@@ -411,6 +443,42 @@ mod tests {
             choose(CollKind::AllReduce, 2, 8, &net, Some(Algo::ShmTwoShot), &t).0,
             Algo::Direct
         );
+    }
+
+    /// bf16 reduces 4× slower than f32: at 16 KiB on 2 ranks over shared memory the two-shot
+    /// (which reduces half) wins for bf16 while f32 keeps the one-shot (measured: bf16 shm2
+    /// 2.96 µs vs direct 3.73; f32 direct 2.79 vs shm2 2.91).
+    #[test]
+    fn slow_reductions_favour_two_shot() {
+        let t = Tuning::default();
+        let flat = LinkCost {
+            alpha_us: 1.0,
+            beta_gbs: 8.0,
+            flat_sync_us: Some(0.3),
+            ..LinkCost::default()
+        };
+        let bf16 = choose_for(
+            CollKind::AllReduce,
+            DataType::Bf16,
+            2,
+            16 << 10,
+            &flat,
+            None,
+            &t,
+        )
+        .0;
+        assert_eq!(bf16, Algo::ShmTwoShot);
+        let f32 = choose_for(
+            CollKind::AllReduce,
+            DataType::F32,
+            2,
+            16 << 10,
+            &flat,
+            None,
+            &t,
+        )
+        .0;
+        assert_ne!(f32, Algo::ShmTwoShot);
     }
 
     #[test]

@@ -154,8 +154,8 @@ struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<net::shm::node::Node>,
-    /// The model's last answer: collective, bytes, forced algorithm → choice.
-    last_choice: Option<(CollKind, usize, Option<Algo>, Choice)>,
+    /// The model's last answer: collective, data type, bytes, forced algorithm → choice.
+    last_choice: Option<(CollKind, DataType, usize, Option<Algo>, Choice)>,
     stage: Vec<u64>,
     broken: Option<(ErrorKind, String)>,
     cfg: Config,
@@ -1040,23 +1040,30 @@ impl State {
         &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
     }
 
-    fn choose(&mut self, kind: CollKind, bytes: usize, opts: &CallOpts) -> (Algo, Pipeline) {
+    fn choose(
+        &mut self,
+        kind: CollKind,
+        dt: DataType,
+        bytes: usize,
+        opts: &CallOpts,
+    ) -> (Algo, Pipeline) {
         let forced = opts.algo.or(self.cfg.algo);
         // Calls repeat (one all-reduce per layer): the last choice is kept.
-        if let Some((k, b, f, choice)) = self.last_choice {
-            if k == kind && b == bytes && f == forced {
+        if let Some((k, d, b, f, choice)) = self.last_choice {
+            if k == kind && d == dt && b == bytes && f == forced {
                 return choice;
             }
         }
-        let choice = model::choose(
+        let choice = model::choose_for(
             kind,
+            dt,
             self.links.nranks,
             bytes,
             &self.cost,
             forced,
             &self.cfg.tuning,
         );
-        self.last_choice = Some((kind, bytes, forced, choice));
+        self.last_choice = Some((kind, dt, bytes, forced, choice));
         choice
     }
 
@@ -1142,7 +1149,7 @@ impl State {
             Collective::AllReduce(op) => {
                 let count = elems("all_reduce receive buffer", recv.len(), dt)?;
                 same_len(send, recv.len(), "all_reduce")?;
-                let (a, pl) = self.choose(CollKind::AllReduce, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::AllReduce, dt, recv.len(), opts);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -1173,7 +1180,7 @@ impl State {
                 let count = elems("broadcast buffer", recv.len(), dt)?;
                 let send = if me == root { send } else { None };
                 same_len(send, recv.len(), "broadcast")?;
-                let (a, pl) = self.choose(CollKind::Broadcast, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::Broadcast, dt, recv.len(), opts);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -1204,7 +1211,7 @@ impl State {
                         recv.len()
                     )));
                 }
-                let (a, pl) = self.choose(CollKind::Reduce, input_len, opts);
+                let (a, pl) = self.choose(CollKind::Reduce, dt, input_len, opts);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -1244,7 +1251,7 @@ impl State {
                     }
                     None => total / n,
                 };
-                let (a, pl) = self.choose(CollKind::AllGather, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -1282,7 +1289,7 @@ impl State {
                         total / n
                     }
                 };
-                let (a, pl) = self.choose(CollKind::ReduceScatter, count * n * esz, opts);
+                let (a, pl) = self.choose(CollKind::ReduceScatter, dt, count * n * esz, opts);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -1307,7 +1314,7 @@ impl State {
                         "all_to_all: buffer of {total} elements is not divisible by {n} ranks"
                     )));
                 }
-                let (a, pl) = self.choose(CollKind::AllToAll, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::AllToAll, dt, recv.len(), opts);
                 if total == 0 {
                     return Ok(info(a, pl));
                 }
