@@ -400,15 +400,20 @@ mod tests {
         );
     }
 
-    #[test]
-    fn shared_memory_algorithms_only_where_mapped() {
-        let t = Tuning::default();
-        let flat = LinkCost {
+    /// Ranks of one host, each with a core, over shared memory with mapped segments.
+    fn shm_host() -> LinkCost {
+        LinkCost {
             alpha_us: 1.0,
             beta_gbs: 8.0,
             flat_sync_us: Some(0.3),
             ..LinkCost::default()
-        };
+        }
+    }
+
+    #[test]
+    fn shared_memory_algorithms_only_where_mapped() {
+        let t = Tuning::default();
+        let flat = shm_host();
         // Small calls go through the segments; large 2-rank all-reduce stays on the ring
         // (measured: 1 MiB ring 78 µs, shm1 150 µs, shm2 140 µs).
         assert_eq!(
@@ -451,12 +456,7 @@ mod tests {
     #[test]
     fn slow_reductions_favour_two_shot() {
         let t = Tuning::default();
-        let flat = LinkCost {
-            alpha_us: 1.0,
-            beta_gbs: 8.0,
-            flat_sync_us: Some(0.3),
-            ..LinkCost::default()
-        };
+        let flat = shm_host();
         let bf16 = choose_for(
             CollKind::AllReduce,
             DataType::Bf16,

@@ -526,7 +526,7 @@ impl Bench<'_> {
             None => match o.kind() {
                 Some(k) => self
                     .c
-                    .plan(k, real_bytes, self.opts.algo)
+                    .plan(k, self.dt, real_bytes, self.opts.algo)
                     .0
                     .name()
                     .to_string(),

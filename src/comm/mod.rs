@@ -570,10 +570,17 @@ impl Communicator {
     }
 
     /// Algorithm and pipeline the cost model picks for a collective of `bytes` bytes.
-    pub fn plan(&self, kind: CollKind, bytes: usize, algo: Option<Algo>) -> (Algo, Pipeline) {
+    pub fn plan(
+        &self,
+        kind: CollKind,
+        dt: DataType,
+        bytes: usize,
+        algo: Option<Algo>,
+    ) -> (Algo, Pipeline) {
         let st = self.shared.state.lock();
-        model::choose(
+        model::choose_for(
             kind,
+            dt,
             self.shared.nranks,
             bytes,
             &st.cost,

@@ -325,11 +325,12 @@ impl Slots {
                 return Ok((i, g + 1));
             }
             // Slots of staged operations come back once their streams passed the copies.
-            drop(f);
-            for (slot, g) in self.staging.sweep() {
-                self.free.lock().push((slot, g));
-            }
+            let back = {
+                drop(f);
+                self.staging.sweep()
+            };
             f = self.free.lock();
+            f.extend(back);
             if let Some((i, g)) = f.pop() {
                 return Ok((i, g + 1));
             }
