@@ -194,7 +194,18 @@ fn every_collective_on_streams_3_ranks_tcp() {
 /// Several calls in flight on one stream before any ran: they run in stream order.
 #[test]
 fn back_to_back_calls_keep_stream_order() {
+    back_to_back(false);
+}
+
+/// The same through the host-function fallback (a device without stream memory operations).
+#[test]
+fn back_to_back_calls_keep_stream_order_with_host_functions() {
+    back_to_back(true);
+}
+
+fn back_to_back(host_fn_only: bool) {
     let dev = SimDevice::new(DELAY);
+    dev.set_host_fn_only(host_fn_only);
     run_ranks(2, config(Tuning::default()), |c| {
         let (me, c) = (c.rank(), Arc::new(c));
         let stream = dev.create_stream();
@@ -246,7 +257,18 @@ fn back_to_back_calls_keep_stream_order() {
 /// late producer: both collectives wait for both streams, and both streams wait for both.
 #[test]
 fn group_over_two_communicators_and_two_streams() {
+    group_two_streams(false);
+}
+
+/// The same through the host-function fallback.
+#[test]
+fn group_over_two_communicators_and_two_streams_with_host_functions() {
+    group_two_streams(true);
+}
+
+fn group_two_streams(host_fn_only: bool) {
     let dev = SimDevice::new(DELAY);
+    dev.set_host_fn_only(host_fn_only);
     let id2 = UniqueId::new().unwrap();
     run_ranks(2, config(Tuning::default()), |c| {
         let me = c.rank();

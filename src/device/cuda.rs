@@ -57,6 +57,8 @@ const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
 const ATTR_MEMORY_TYPE: c_int = 2;
 /// `CU_POINTER_ATTRIBUTE_IS_MANAGED`.
 const ATTR_IS_MANAGED: c_int = 8;
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` (`_V1` before CUDA 12, same number).
+const ATTR_64_BIT_STREAM_MEM_OPS: c_int = 93;
 /// `CU_STREAM_WAIT_VALUE_GEQ`.
 const WAIT_GEQ: c_uint = 0;
 /// `CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`.
@@ -82,6 +84,12 @@ struct Api {
     mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CuResult,
     mem_free: unsafe extern "C" fn(u64) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    device_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> CuResult,
+    launch_host_func: unsafe extern "C" fn(
+        *mut c_void,
+        unsafe extern "C" fn(*mut c_void),
+        *mut c_void,
+    ) -> CuResult,
 }
 
 /// A resolved symbol as the function type `F`.
@@ -133,6 +141,8 @@ fn load() -> Result<&'static Api> {
                 stream_synchronize: as_fn(sym(c"cuStreamSynchronize")?),
                 mem_alloc: as_fn(sym(c"cuMemAlloc_v2")?),
                 mem_free: as_fn(sym(c"cuMemFree_v2")?),
+                device_get_attribute: as_fn(sym(c"cuDeviceGetAttribute")?),
+                launch_host_func: as_fn(sym(c"cuLaunchHostFunc")?),
                 get_error_string: as_fn(sym(c"cuGetErrorString")?),
             })
         }
@@ -164,6 +174,8 @@ fn check(api: &Api, call: &str, r: CuResult) -> Result<()> {
 pub struct CudaDevice {
     api: &'static Api,
     ctx: usize,
+    /// 64-bit stream memory operations work (else: host functions).
+    can_wait: bool,
 }
 
 impl CudaDevice {
@@ -195,9 +207,15 @@ impl CudaDevice {
                 (api.primary_ctx_retain)(&mut ctx, dev),
             )?;
         }
+        let mut can_wait = 0;
+        // SAFETY: valid storage for one int; `dev` came from the driver.
+        check(api, "cuDeviceGetAttribute", unsafe {
+            (api.device_get_attribute)(&mut can_wait, ATTR_64_BIT_STREAM_MEM_OPS, dev)
+        })?;
         let d = CudaDevice {
             api,
             ctx: ctx as usize,
+            can_wait: can_wait != 0,
         };
         d.bind_thread()?;
         Ok(d)
@@ -303,6 +321,24 @@ impl Device for CudaDevice {
                 WAIT_GEQ,
             )
         })
+    }
+
+    fn stream_waits(&self) -> bool {
+        self.can_wait
+    }
+
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        let data = super::host_fn_data(f);
+        // SAFETY: the trampoline takes `data` (made just above) and runs it once; `stream`
+        // is the application's.
+        let r = unsafe {
+            (self.api.launch_host_func)(stream as *mut c_void, super::host_fn_trampoline, data)
+        };
+        if r != CUDA_SUCCESS {
+            // SAFETY: the launch failed, so the driver will not call the trampoline.
+            unsafe { super::host_fn_drop(data) };
+        }
+        check(self.api, "cuLaunchHostFunc", r)
     }
 
     fn is_capturing(&self, stream: StreamId) -> Result<bool> {

@@ -90,6 +90,11 @@ extern "C" {
         mask: u64,
     ) -> c_int;
     fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> c_int;
+    fn hipLaunchHostFunc(
+        stream: *mut c_void,
+        f: unsafe extern "C" fn(*mut c_void),
+        data: *mut c_void,
+    ) -> c_int;
     fn hipExtMallocWithFlags(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
     fn hipFree(ptr: *mut c_void) -> c_int;
     fn hipMemcpyAsync(
@@ -296,7 +301,7 @@ impl Device for HipDevice {
     fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
         if !self.can_wait {
             return Err(Error::InvalidUsage(format!(
-                "HIP device {} cannot wait on a value in a stream (hipDeviceAttributeCanUseStreamWaitValue = 0); the host-function fallback is not implemented yet (docs/GPU.md)",
+                "HIP device {} cannot wait on a value in a stream (hipDeviceAttributeCanUseStreamWaitValue = 0): roccl uses host functions there",
                 self.device
             )));
         }
@@ -310,6 +315,23 @@ impl Device for HipDevice {
                 u64::MAX,
             )
         })
+    }
+
+    fn stream_waits(&self) -> bool {
+        self.can_wait
+    }
+
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        let data = super::host_fn_data(f);
+        // SAFETY: the trampoline takes `data` (made just above) and runs it once; `stream`
+        // is the application's.
+        let r =
+            unsafe { hipLaunchHostFunc(stream as *mut c_void, super::host_fn_trampoline, data) };
+        if r != HIP_SUCCESS {
+            // SAFETY: the launch failed, so the runtime will not call the trampoline.
+            unsafe { super::host_fn_drop(data) };
+        }
+        check("hipLaunchHostFunc", r)
     }
 
     fn is_capturing(&self, stream: StreamId) -> Result<bool> {

@@ -20,6 +20,7 @@
 pub mod cuda;
 #[cfg(feature = "hip")]
 pub mod hip;
+pub mod ops;
 pub mod sim;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -169,6 +170,103 @@ pub trait Device: Send + Sync {
     fn bind_thread(&self) -> Result<()> {
         Ok(())
     }
+    /// Whether streams can write and wait on flags themselves (stream memory operations:
+    /// `hipStreamWaitValue64`, `cuStreamWaitValue64`). Without, stream-ordered calls fall
+    /// back to host functions ([`Device::host_fn`]).
+    fn stream_waits(&self) -> bool {
+        true
+    }
+    /// Enqueue on `stream` a function the runtime runs on a host thread once the work before
+    /// it is done; later work on the stream waits until it returns (`hipLaunchHostFunc`,
+    /// `cuLaunchHostFunc`).
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        let _ = (stream, f);
+        Err(Error::InvalidUsage(format!(
+            "the {} runtime has no host functions",
+            self.name()
+        )))
+    }
+}
+
+/// A host function as the `void *` a runtime hands back to [`host_fn_trampoline`].
+#[cfg(any(feature = "hip", feature = "cuda"))]
+fn host_fn_data(f: Box<dyn FnOnce() + Send>) -> *mut std::ffi::c_void {
+    Box::into_raw(Box::new(f)).cast()
+}
+
+/// Free a host function's data whose launch failed.
+///
+/// # Safety
+/// `data` came from [`host_fn_data`] and was not handed to a runtime that will call it.
+#[cfg(any(feature = "hip", feature = "cuda"))]
+unsafe fn host_fn_drop(data: *mut std::ffi::c_void) {
+    // SAFETY: the caller's contract: made by `host_fn_data`, used nowhere else.
+    drop(unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send>>()) });
+}
+
+/// What the runtime calls for a host function (`hipHostFn_t`, `CUhostFn`): runs it once;
+/// a panic stops here.
+///
+/// # Safety
+/// `data` came from [`host_fn_data`]; the runtime calls this exactly once per launch.
+#[cfg(any(feature = "hip", feature = "cuda"))]
+unsafe extern "C" fn host_fn_trampoline(data: *mut std::ffi::c_void) {
+    // SAFETY: the caller's contract.
+    let f = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send>>()) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+/// Enqueue on `stream`: store `value` in `flag` once the work before is done — with a
+/// stream memory operation, or a host function where the device has none.
+fn signal(dev: &dyn Device, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+    if dev.stream_waits() {
+        return dev.stream_write(stream, flag, value);
+    }
+    let f = flag.clone();
+    dev.host_fn(
+        stream,
+        Box::new(move || f.word().store(value, Ordering::Release)),
+    )
+}
+
+/// Enqueue on `stream`: hold later work until `flag >= value` — a stream memory operation,
+/// or a host function that blocks the stream until then. The blocking host function gives
+/// up after `timeout` (the worker reports the failed or stuck operation as the
+/// communicator's error), so a stream never hangs for good.
+fn hold(
+    dev: &dyn Device,
+    stream: StreamId,
+    flag: &Flag,
+    value: u64,
+    timeout: Duration,
+) -> Result<()> {
+    if dev.stream_waits() {
+        return dev.stream_wait(stream, flag, value);
+    }
+    let f = flag.clone();
+    dev.host_fn(
+        stream,
+        Box::new(move || {
+            let t0 = Instant::now();
+            let mut spins = 0u32;
+            while f.word().load(Ordering::Acquire) < value {
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else if t0.elapsed() < Duration::from_millis(1) {
+                    std::thread::yield_now();
+                } else if t0.elapsed() < timeout {
+                    std::thread::sleep(Duration::from_micros(20));
+                } else {
+                    crate::log::log(
+                        crate::log::Level::Warn,
+                        format_args!("a stream waited {timeout:.0?} (ROCCL_TIMEOUT) for a roccl operation and goes on without it: its buffers may hold wrong data (see the communicator's async error)"),
+                    );
+                    return;
+                }
+            }
+        }),
+    )
 }
 
 /// Memory allocated through the runtime: a staging buffer in pinned host memory, or device
@@ -280,8 +378,10 @@ pub const fn runtimes_built() -> &'static [&'static str] {
 
 /// Most streams one operation (a group) may span.
 pub const MAX_STREAMS: usize = 8;
-/// Operations that may be in flight on streams at once; more wait for a free slot.
+/// Operations (steps) that may be in flight on streams at once; more wait for a free slot.
 const SLOTS: usize = 1024;
+/// Most steps of one operation (a big call staged in chunks).
+pub const MAX_STEPS: usize = 16;
 /// Flags per slot: one ready flag per stream, the done flag, one released flag per stream
 /// (its copies after the operation are done).
 const PER_SLOT: usize = 2 * MAX_STREAMS + 1;
@@ -361,19 +461,23 @@ pub fn enqueue(
     parts: Vec<(Arc<Communicator>, Part)>,
     timeout: Duration,
 ) -> Result<()> {
-    enqueue_staged(dev, streams, parts, Staged::default(), timeout)
+    let step = Step {
+        parts,
+        ..Step::default()
+    };
+    enqueue_steps(dev, streams, vec![step], Vec::new(), timeout)
 }
 
-/// Staging of one stream-ordered operation: copies each stream does before and after it,
-/// and the buffers they go through.
+/// One step of a stream-ordered operation: copies each stream does before it (device →
+/// staging), the work of each communicator, copies after it (staging → device).
 #[derive(Default)]
-pub struct Staged {
-    /// Copies before the operation (device → staging), on their streams.
+pub struct Step {
+    /// Copies before the step, on their streams.
     pub before: Vec<StreamCopy>,
-    /// Copies after it (staging → device).
+    /// The work, one part per communicator.
+    pub parts: Vec<(Arc<Communicator>, Part)>,
+    /// Copies after the step.
     pub after: Vec<StreamCopy>,
-    /// The staging buffers, kept until the streams have passed the copies.
-    pub bufs: Vec<Arc<dyn Alloc>>,
 }
 
 /// A staging buffer of at least `bytes` bytes from the device's pool.
@@ -382,13 +486,17 @@ pub fn staging(dev: &Arc<dyn Device>, bytes: usize) -> Result<Arc<dyn Alloc>> {
     table.staging.take(table, dev.as_ref(), bytes)
 }
 
-/// [`enqueue`] with staging: each stream first does its `before` copies, then the operation
-/// runs, then the stream does its `after` copies.
-pub fn enqueue_staged(
+/// Run `steps` ordered with `streams`, pipelined: each stream does the `before` copies of
+/// every step, signalling after each step's copies that the step may start, and then, step
+/// by step, waits until the step is done and does its `after` copies. So the copies in of
+/// later steps overlap the network work of earlier ones, and the copies out of earlier
+/// steps overlap later ones. The staging buffers `bufs` go back to the pool once every
+/// stream has passed its last copy. Returns at once.
+pub fn enqueue_steps(
     dev: &Arc<dyn Device>,
     streams: &[StreamId],
-    parts: Vec<(Arc<Communicator>, Part)>,
-    staged: Staged,
+    steps: Vec<Step>,
+    bufs: Vec<Arc<dyn Alloc>>,
     timeout: Duration,
 ) -> Result<()> {
     let mut distinct: Vec<StreamId> = Vec::new();
@@ -397,7 +505,7 @@ pub fn enqueue_staged(
             distinct.push(s);
         }
     }
-    if distinct.is_empty() || parts.is_empty() {
+    if distinct.is_empty() || steps.is_empty() || steps.iter().any(|s| s.parts.is_empty()) {
         return Err(Error::Internal(
             "stream-ordered operation without streams or work".into(),
         ));
@@ -408,12 +516,17 @@ pub fn enqueue_staged(
             distinct.len()
         )));
     }
-    for c in staged.before.iter().chain(&staged.after) {
-        if !distinct.contains(&c.stream) {
-            return Err(Error::Internal(
-                "a staging copy on a stream the operation does not use".into(),
-            ));
-        }
+    if steps.len() > MAX_STEPS {
+        return Err(Error::Internal(format!(
+            "a stream-ordered operation of {} steps (at most {MAX_STEPS})",
+            steps.len()
+        )));
+    }
+    let copies = || steps.iter().flat_map(|s| s.before.iter().chain(&s.after));
+    if copies().any(|c| !distinct.contains(&c.stream)) {
+        return Err(Error::Internal(
+            "a staging copy on a stream the operation does not use".into(),
+        ));
     }
     for &s in &distinct {
         if dev.is_capturing(s)? {
@@ -423,59 +536,95 @@ pub fn enqueue_staged(
         }
     }
     let table = slots(dev.as_ref())?;
-    let (slot, g) = table.take(timeout)?;
-    let base = slot * PER_SLOT;
-    let done = table.slab.handle(base + MAX_STREAMS);
-    let mut released = Vec::new();
-    for (i, &s) in distinct.iter().enumerate() {
-        for c in staged.before.iter().filter(|c| c.stream == s) {
-            dev.copy_async(s, c.dst, c.src, c.bytes)?;
-        }
-        let ready = table.slab.handle(base + i);
-        dev.stream_write(s, &ready, g)?;
-        dev.stream_wait(s, &done, g)?;
-        for c in staged.after.iter().filter(|c| c.stream == s) {
-            dev.copy_async(s, c.dst, c.src, c.bytes)?;
-        }
-        if !staged.bufs.is_empty() {
-            let r = table.slab.handle(base + MAX_STREAMS + 1 + i);
-            dev.stream_write(s, &r, g)?;
-            released.push(r);
+    let mut taken: Vec<(usize, u64)> = Vec::with_capacity(steps.len());
+    for _ in 0..steps.len() {
+        match table.take(timeout) {
+            Ok(s) => taken.push(s),
+            Err(e) => {
+                for (slot, g) in taken {
+                    table.give(slot, g);
+                }
+                return Err(e);
+            }
         }
     }
-    let staged_bufs = !staged.bufs.is_empty();
+    let (last_slot, last_g) = *taken.last().expect("at least one step");
+    let done = |k: usize| table.slab.handle(taken[k].0 * PER_SLOT + MAX_STREAMS);
+    let ready = |k: usize, i: usize| table.slab.handle(taken[k].0 * PER_SLOT + i);
+    let mut released = Vec::new();
+    let emitted = (|| -> Result<()> {
+        for (i, &s) in distinct.iter().enumerate() {
+            for (k, step) in steps.iter().enumerate() {
+                for c in step.before.iter().filter(|c| c.stream == s) {
+                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                }
+                signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
+            }
+            for (k, step) in steps.iter().enumerate() {
+                hold(dev.as_ref(), s, &done(k), taken[k].1, timeout)?;
+                for c in step.after.iter().filter(|c| c.stream == s) {
+                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                }
+            }
+            if !bufs.is_empty() {
+                let r = table
+                    .slab
+                    .handle(last_slot * PER_SLOT + MAX_STREAMS + 1 + i);
+                signal(dev.as_ref(), s, &r, last_g)?;
+                released.push(r);
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = emitted {
+        // Streams may already wait on these steps: let them pass. The slots and buffers stay
+        // taken (a stream may still write their flags or copy through them).
+        for (k, &(_, g)) in taken.iter().enumerate() {
+            done(k).word().store(g, Ordering::Release);
+        }
+        std::mem::forget(bufs);
+        return Err(e);
+    }
+    let staged_bufs = !bufs.is_empty();
     if staged_bufs {
         table
             .staging
             .busy
             .lock()
-            .push((released, slot, g, staged.bufs));
+            .push((released, last_slot, last_g, bufs));
     }
     let nready = distinct.len();
-    let remaining = Arc::new(AtomicUsize::new(parts.len()));
-    for (comm, part) in parts {
-        let remaining = Arc::clone(&remaining);
-        let done = done.clone();
-        comm.enqueue(Box::new(move |turn: &mut Turn| {
-            let ready = (0..nready).all(|i| wait_flag(table.slab.flag(base + i), g, turn));
-            let r = if ready {
-                part(turn)
-            } else {
-                Err(Error::InvalidUsage(
-                    "communicator aborted while a stream-ordered operation waited for its stream"
-                        .into(),
-                ))
-            };
-            if let Err(e) = r {
-                turn.fail(&e);
-            }
-            if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                done.word().store(g, Ordering::Release);
-                if !staged_bufs {
-                    table.give(slot, g);
+    let nsteps = steps.len();
+    for (k, step) in steps.into_iter().enumerate() {
+        let (slot, g) = taken[k];
+        let base = slot * PER_SLOT;
+        let remaining = Arc::new(AtomicUsize::new(step.parts.len()));
+        // The last step's slot holds the release flags: it comes back with the buffers.
+        let give_back = !(staged_bufs && k + 1 == nsteps);
+        for (comm, part) in step.parts {
+            let remaining = Arc::clone(&remaining);
+            let done = done(k);
+            comm.enqueue(Box::new(move |turn: &mut Turn| {
+                let ready = (0..nready).all(|i| wait_flag(table.slab.flag(base + i), g, turn));
+                let r = if ready {
+                    part(turn)
+                } else {
+                    Err(Error::InvalidUsage(
+                        "communicator aborted while a stream-ordered operation waited for its stream"
+                            .into(),
+                    ))
+                };
+                if let Err(e) = r {
+                    turn.fail(&e);
                 }
-            }
-        }));
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    done.word().store(g, Ordering::Release);
+                    if give_back {
+                        table.give(slot, g);
+                    }
+                }
+            }));
+        }
     }
     Ok(())
 }

@@ -83,6 +83,10 @@ pub struct SimDevice {
     next: AtomicU64,
     max_delay: Duration,
     seed: AtomicU64,
+    /// `alloc_device` gives memory the CPU may access (an APU).
+    integrated: AtomicBool,
+    /// Streams cannot wait on flags: stream-ordered calls use host functions.
+    host_fn_only: AtomicBool,
 }
 
 impl SimDevice {
@@ -94,7 +98,21 @@ impl SimDevice {
             next: AtomicU64::new(0x5100_0000),
             max_delay,
             seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+            integrated: AtomicBool::new(false),
+            host_fn_only: AtomicBool::new(false),
         })
+    }
+
+    /// Pose as an integrated GPU (an APU): [`Device::alloc_device`] gives memory the CPU may
+    /// access, which collectives use in place.
+    pub fn set_integrated(&self, on: bool) {
+        self.integrated.store(on, Ordering::Relaxed);
+    }
+
+    /// Pose as a device without stream memory operations: stream-ordered calls take the
+    /// host-function fallback.
+    pub fn set_host_fn_only(&self, on: bool) {
+        self.host_fn_only.store(on, Ordering::Relaxed);
     }
 
     /// A new stream (its handle is an opaque non-zero number, like a `cudaStream_t`).
@@ -216,6 +234,16 @@ impl SimDevice {
         b
     }
 
+    /// Stream memory operations refused when posing as a device without them.
+    fn check_waits(&self, what: &str) -> Result<()> {
+        if self.host_fn_only.load(Ordering::Relaxed) {
+            return Err(Error::InvalidUsage(format!(
+                "simulated device without stream memory operations: {what} is not available"
+            )));
+        }
+        Ok(())
+    }
+
     /// The live buffer holding `addr..addr + n`, and the offset of `addr` in it.
     fn find(&self, addr: usize, n: usize) -> Result<(Arc<SimBuffer>, usize)> {
         self.buffers
@@ -279,7 +307,20 @@ impl Device for SimDevice {
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
-        Ok(Arc::new(SimAlloc(self.alloc_device_only(bytes))))
+        let host = self.integrated.load(Ordering::Relaxed);
+        Ok(Arc::new(SimAlloc(self.alloc_as(
+            bytes,
+            MemKind::Device,
+            host,
+        ))))
+    }
+
+    fn stream_waits(&self) -> bool {
+        !self.host_fn_only.load(Ordering::Relaxed)
+    }
+
+    fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        self.launch(stream, f)
     }
 
     fn create_stream(&self) -> Result<StreamId> {
@@ -291,11 +332,13 @@ impl Device for SimDevice {
     }
 
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        self.check_waits("stream_write")?;
         let f = flag.clone();
         self.launch(stream, move || f.word().store(value, Ordering::Release))
     }
 
     fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
+        self.check_waits("stream_wait")?;
         let f = flag.clone();
         // A GPU polls the flag; here: spin and yield for a while, then sleep in steps.
         self.launch(stream, move || {

@@ -13,12 +13,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
+use roccl_core::device::ops::{self, Op, RawBuf};
 use roccl_core::device::sim::SimDevice;
-use roccl_core::device::{Device, Part, Staged, StreamCopy, StreamId};
+use roccl_core::device::{Device, StreamId};
 use roccl_core::error::ErrorKind;
-use roccl_core::{
-    CallOpts, Collective, Communicator, Config, DataType, Error, P2p, RedOp, Turn, UniqueId,
-};
+use roccl_core::{Collective, Communicator, Config, DataType, Error, RedOp, UniqueId};
 
 /// `rocclResult_t`.
 pub type rocclResult_t = c_int;
@@ -225,144 +224,30 @@ fn count_bytes(count: usize, dt: DataType, name: &str) -> R<usize> {
 // ---------------------------------------------------------------------------------------
 // Buffers
 
-/// A host buffer given by C: address and length, checked but not yet borrowed.
-#[derive(Clone, Copy, Debug)]
-struct CBuf {
-    addr: usize,
-    len: usize,
-}
-
-impl CBuf {
-    fn new(p: *const c_void, len: usize, name: &str) -> R<CBuf> {
-        if len > 0 && p.is_null() {
-            return Err(arg(format!("{name} is NULL but the count is not zero")));
-        }
-        if len > 0 && (p as usize).checked_add(len).is_none() {
-            return Err(arg(format!("{name} + size overflows the address space")));
-        }
-        Ok(CBuf {
-            addr: p as usize,
-            len,
-        })
+/// A buffer given by C: address and length, checked but not yet borrowed.
+fn cbuf(p: *const c_void, len: usize, name: &str) -> R<RawBuf> {
+    if len > 0 && p.is_null() {
+        return Err(arg(format!("{name} is NULL but the count is not zero")));
     }
-    fn overlaps(&self, o: &CBuf) -> bool {
-        self.len > 0 && o.len > 0 && self.addr < o.addr + o.len && o.addr < self.addr + self.len
+    if len > 0 && (p as usize).checked_add(len).is_none() {
+        return Err(arg(format!("{name} + size overflows the address space")));
     }
-    /// # Safety
-    /// The C caller guarantees the memory is readable for `len` bytes for the whole call.
-    unsafe fn read<'a>(&self) -> &'a [u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: non-NULL (checked in `new`), readable per the API contract, and not
-        // written through another slice during the call (overlaps are refused by callers).
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
-    }
-    /// # Safety
-    /// The C caller guarantees the memory is writable for `len` bytes for the whole call.
-    unsafe fn write<'a>(&self) -> &'a mut [u8] {
-        if self.len == 0 {
-            return &mut [];
-        }
-        // SAFETY: non-NULL (checked in `new`), writable per the API contract, and callers
-        // make sure no other slice over this memory exists during the call.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
-    }
-}
-
-/// One queued or immediate operation.
-#[derive(Clone, Copy, Debug)]
-enum Work {
-    Coll {
-        coll: Collective,
-        dt: DataType,
-        send: Option<CBuf>,
-        recv: CBuf,
-    },
-    Send {
-        peer: usize,
-        buf: CBuf,
-    },
-    Recv {
-        peer: usize,
-        buf: CBuf,
-    },
-}
-
-/// What runs a communicator's share of work: the communicator itself (a blocking call), or
-/// its turn on its worker thread (a stream-ordered call).
-trait Runner {
-    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R;
-    fn p2p(&mut self, ops: &mut [P2p]) -> R;
-}
-
-impl Runner for &Communicator {
-    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R {
-        self.run_raw(coll, dt, s, r, &CallOpts::default())?;
-        Ok(())
-    }
-    fn p2p(&mut self, ops: &mut [P2p]) -> R {
-        Ok(Communicator::p2p(self, ops)?)
-    }
-}
-
-impl Runner for &mut Turn<'_> {
-    fn coll(&mut self, coll: Collective, dt: DataType, s: Option<&[u8]>, r: &mut [u8]) -> R {
-        self.run_raw(coll, dt, s, r, &CallOpts::default())?;
-        Ok(())
-    }
-    fn p2p(&mut self, ops: &mut [P2p]) -> R {
-        Ok(Turn::p2p(self, ops)?)
-    }
-}
-
-/// Run a communicator's share of work: collectives in order, then all point-to-point
-/// operations together.
-fn run_work(mut c: impl Runner, work: &[Work]) -> R {
-    let mut p2p: Vec<P2p> = Vec::new();
-    for w in work {
-        match *w {
-            Work::Coll {
-                coll,
-                dt,
-                send,
-                recv,
-            } => {
-                // SAFETY: `send` and `recv` were checked not to overlap (or `send` is None
-                // for in place) when the call was made; C keeps them valid until it returns
-                // (a blocking call) or until the stream work completes (a call with a
-                // stream, which runs this before it lets the stream continue).
-                let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
-                c.coll(coll, dt, s, r)?;
-            }
-            // SAFETY: as above; distinct operations of a group may not share receive memory
-            // (checked when they were queued).
-            Work::Send { peer, buf } => p2p.push(P2p::Send {
-                peer,
-                buf: unsafe { buf.read() },
-            }),
-            Work::Recv { peer, buf } => p2p.push(P2p::Recv {
-                peer,
-                buf: unsafe { buf.write() },
-            }),
-        }
-    }
-    if !p2p.is_empty() {
-        c.p2p(&mut p2p)?;
-    }
-    Ok(())
+    Ok(RawBuf {
+        addr: p as usize,
+        len,
+    })
 }
 
 #[derive(Default)]
 struct Group {
     depth: u32,
-    ops: Vec<(Arc<Communicator>, Work)>,
+    ops: Vec<(Arc<Communicator>, Op)>,
     /// The stream of each op (0: NULL).
     streams: Vec<StreamId>,
 }
 
 /// Run now (blocking, or ordered on `stream`), or queue when inside a group.
-fn submit(c: Arc<Communicator>, w: Work, stream: StreamId) -> R {
+fn submit(c: Arc<Communicator>, w: Op, stream: StreamId) -> R {
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
@@ -375,7 +260,8 @@ fn submit(c: Arc<Communicator>, w: Work, stream: StreamId) -> R {
     if queued {
         Ok(())
     } else if stream == 0 {
-        run_work(&*c, &[w])
+        // SAFETY: C keeps the (checked, host) buffers valid until this blocking call returns.
+        Ok(unsafe { ops::run_now(&c, &[w]) }?)
     } else {
         on_streams(vec![(c, w)], &[stream])
     }
@@ -441,131 +327,20 @@ pub fn runtime() -> Result<Arc<dyn Device>, String> {
     device().map(|(d, _)| d).map_err(|CErr(_, m)| m)
 }
 
-/// Back to a core error (of the same class, so the async error keeps its code).
-fn core_error(CErr(code, m): CErr) -> Error {
-    match code {
-        INVALID_ARGUMENT => Error::InvalidArgument(m),
-        INVALID_USAGE => Error::InvalidUsage(m),
-        REMOTE_ERROR => Error::Timeout(m),
-        SYSTEM_ERROR => Error::sys("a stream-ordered call", std::io::Error::other(m)),
-        _ => Error::Internal(m),
-    }
-}
-
 /// Run `ops` ordered with `streams` (returns once they are enqueued).
-fn on_streams(ops: Vec<(Arc<Communicator>, Work)>, streams: &[StreamId]) -> R {
+fn on_streams(ops: Vec<(Arc<Communicator>, Op)>, streams: &[StreamId]) -> R {
     let (dev, sim) = device()?;
     if let Some(sim) = &sim {
         streams.iter().for_each(|&s| sim.adopt_stream(s));
     }
-    // Buffers the CPU cannot access go through staging: copied in on the op's stream before
-    // the operation, and out after it.
-    let mut staged = Staged::default();
-    let mut ops = ops;
-    for ((c, w), &stream) in ops.iter_mut().zip(streams) {
-        stage(&dev, c.rank(), w, stream, &mut staged)?;
-    }
-    // One part per communicator, in the order of first use.
-    let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
-    for (c, w) in ops {
-        match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
-            Some((_, v)) => v.push(w),
-            None => per.push((c, vec![w])),
-        }
-    }
-    let timeout = roccl_core::comm::timeout();
-    let parts: Vec<(Arc<Communicator>, Part)> = per
+    let ops = ops
         .into_iter()
-        .map(|(c, works)| {
-            let part: Part =
-                Box::new(move |turn: &mut Turn| run_work(turn, &works).map_err(core_error));
-            (c, part)
-        })
+        .zip(streams)
+        .map(|((c, w), &s)| (c, w, s))
         .collect();
-    roccl_core::device::enqueue_staged(&dev, streams, parts, staged, timeout)?;
-    Ok(())
-}
-
-/// Replace the buffers of `w` that the CPU cannot access with staging buffers, and record
-/// the copies: inputs in before the operation, outputs out after it (not a non-root's
-/// reduce output, which NCCL leaves untouched).
-fn stage(
-    dev: &Arc<dyn Device>,
-    me: usize,
-    w: &mut Work,
-    stream: StreamId,
-    staged: &mut Staged,
-) -> R {
-    let mut swap = |b: &mut CBuf, input: bool, output: bool| -> R {
-        if b.len == 0 || dev.classify(b.addr)?.host_accessible {
-            return Ok(());
-        }
-        let st = roccl_core::device::staging(dev, b.len)?;
-        let copy = |dst: usize, src: usize| StreamCopy {
-            stream,
-            dst,
-            src,
-            bytes: b.len,
-        };
-        if input {
-            staged.before.push(copy(st.addr(), b.addr));
-        }
-        if output {
-            staged.after.push(copy(b.addr, st.addr()));
-        }
-        b.addr = st.addr();
-        staged.bufs.push(st);
-        Ok(())
-    };
-    match w {
-        Work::Coll {
-            coll, send, recv, ..
-        } => {
-            let in_place = send.is_none();
-            if let Some(s) = send {
-                swap(s, true, false)?;
-            }
-            let root_only = matches!(*coll, Collective::Reduce { root, .. } if root != me);
-            swap(recv, in_place, !root_only)?;
-        }
-        Work::Send { buf, .. } => swap(buf, true, false)?,
-        Work::Recv { buf, .. } => swap(buf, false, true)?,
-    }
-    Ok(())
-}
-
-impl Work {
-    /// (buffer, writable) pairs.
-    fn bufs(&self) -> [Option<(CBuf, bool)>; 2] {
-        match *self {
-            Work::Coll { send, recv, .. } => [send.map(|s| (s, false)), Some((recv, true))],
-            Work::Send { buf, .. } => [Some((buf, false)), None],
-            Work::Recv { buf, .. } => [Some((buf, true)), None],
-        }
-    }
-}
-
-/// Operations of a group that run at the same time (any two on different communicators;
-/// point-to-point operations of one communicator) must not write memory the other uses.
-fn check_group(ops: &[(Arc<Communicator>, Work)]) -> R {
-    for (i, (ca, a)) in ops.iter().enumerate() {
-        for (cb, b) in &ops[i + 1..] {
-            let same = Arc::ptr_eq(ca, cb);
-            let p2p = |w: &Work| !matches!(w, Work::Coll { .. });
-            if same && !(p2p(a) && p2p(b)) {
-                continue; // run one after the other
-            }
-            for (x, wx) in a.bufs().into_iter().flatten() {
-                for (y, wy) in b.bufs().into_iter().flatten() {
-                    if (wx || wy) && x.overlaps(&y) {
-                        return Err(arg(
-                            "two operations of the group that run at the same time use overlapping buffers, one of them for receiving",
-                        ));
-                    }
-                }
-            }
-        }
-    }
+    // SAFETY: C keeps the buffers valid until the streams have passed the operation (NCCL's
+    // contract for calls with a stream); overlaps within a group were refused.
+    unsafe { ops::run_on_streams(&dev, ops, roccl_core::comm::timeout()) }?;
     Ok(())
 }
 
@@ -918,7 +693,7 @@ fn coll(
     comm: rocclComm_t,
     stream: *mut c_void,
     datatype: c_int,
-    make: impl FnOnce(&Communicator, DataType) -> R<Work>,
+    make: impl FnOnce(&Communicator, DataType) -> R<Op>,
 ) -> rocclResult_t {
     guard(name, || {
         let dt = dtype(datatype)?;
@@ -929,7 +704,7 @@ fn coll(
 }
 
 /// Out of place unless `send` is exactly `recv + inplace_at` (NCCL's in-place convention).
-fn place(send: CBuf, recv: CBuf, inplace_at: usize) -> R<Option<CBuf>> {
+fn place(send: RawBuf, recv: RawBuf, inplace_at: usize) -> R<Option<RawBuf>> {
     if send.len > 0
         && send.addr == recv.addr.wrapping_add(inplace_at)
         && send.len + inplace_at <= recv.len
@@ -958,9 +733,9 @@ pub unsafe extern "C" fn rocclAllReduce(
     coll("rocclAllReduce", comm, stream, datatype, |_, dt| {
         let op = redop(op)?;
         let b = count_bytes(count, dt, "count")?;
-        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
-        let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?;
-        Ok(Work::Coll {
+        let recv = cbuf(recvbuff, b, "recvbuff")?;
+        let send = place(cbuf(sendbuff, b, "sendbuff")?, recv, 0)?;
+        Ok(Op::Coll {
             coll: Collective::AllReduce(op),
             dt,
             send,
@@ -983,13 +758,13 @@ pub unsafe extern "C" fn rocclBroadcast(
     coll("rocclBroadcast", comm, stream, datatype, |c, dt| {
         let root = check_rank(root, c, "root")?;
         let b = count_bytes(count, dt, "count")?;
-        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
+        let recv = cbuf(recvbuff, b, "recvbuff")?;
         let send = if c.rank() == root {
-            place(CBuf::new(sendbuff, b, "sendbuff")?, recv, 0)?
+            place(cbuf(sendbuff, b, "sendbuff")?, recv, 0)?
         } else {
             None
         };
-        Ok(Work::Coll {
+        Ok(Op::Coll {
             coll: Collective::Broadcast { root },
             dt,
             send,
@@ -1038,16 +813,16 @@ pub unsafe extern "C" fn rocclReduce(
         let op = redop(op)?;
         let root = check_rank(root, c, "root")?;
         let b = count_bytes(count, dt, "count")?;
-        let send = CBuf::new(sendbuff, b, "sendbuff")?;
+        let send = cbuf(sendbuff, b, "sendbuff")?;
         let is_root = c.rank() == root;
         // recvbuff matters on the root only (or as the in-place buffer anywhere).
         let recv = if is_root || std::ptr::eq(recvbuff, sendbuff) {
-            CBuf::new(recvbuff, b, "recvbuff")?
+            cbuf(recvbuff, b, "recvbuff")?
         } else {
-            CBuf { addr: 0, len: 0 }
+            RawBuf { addr: 0, len: 0 }
         };
         let send = place(send, recv, 0)?;
-        Ok(Work::Coll {
+        Ok(Op::Coll {
             coll: Collective::Reduce { op, root },
             dt,
             send,
@@ -1073,9 +848,9 @@ pub unsafe extern "C" fn rocclAllGather(
             dt,
             "sendcount * nranks",
         )?;
-        let recv = CBuf::new(recvbuff, total, "recvbuff")?;
-        let send = place(CBuf::new(sendbuff, b, "sendbuff")?, recv, c.rank() * b)?;
-        Ok(Work::Coll {
+        let recv = cbuf(recvbuff, total, "recvbuff")?;
+        let send = place(cbuf(sendbuff, b, "sendbuff")?, recv, c.rank() * b)?;
+        Ok(Op::Coll {
             coll: Collective::AllGather,
             dt,
             send,
@@ -1103,11 +878,11 @@ pub unsafe extern "C" fn rocclReduceScatter(
             dt,
             "recvcount * nranks",
         )?;
-        let send = CBuf::new(sendbuff, total, "sendbuff")?;
-        let recv = CBuf::new(recvbuff, b, "recvbuff")?;
+        let send = cbuf(sendbuff, total, "sendbuff")?;
+        let recv = cbuf(recvbuff, b, "recvbuff")?;
         // In place: recvbuff is block `rank` of sendbuff; the core then works on sendbuff.
         if b > 0 && recv.addr == send.addr.wrapping_add(c.rank() * b) {
-            return Ok(Work::Coll {
+            return Ok(Op::Coll {
                 coll: Collective::ReduceScatter(op),
                 dt,
                 send: None,
@@ -1119,7 +894,7 @@ pub unsafe extern "C" fn rocclReduceScatter(
                 "sendbuff and recvbuff overlap without being the in-place layout",
             ));
         }
-        Ok(Work::Coll {
+        Ok(Op::Coll {
             coll: Collective::ReduceScatter(op),
             dt,
             send: Some(send),
@@ -1140,9 +915,9 @@ pub unsafe extern "C" fn rocclAlltoAll(
 ) -> rocclResult_t {
     coll("rocclAlltoAll", comm, stream, datatype, |c, dt| {
         let total = count_bytes(count.saturating_mul(c.nranks()), dt, "count * nranks")?;
-        let recv = CBuf::new(recvbuff, total, "recvbuff")?;
-        let send = place(CBuf::new(sendbuff, total, "sendbuff")?, recv, 0)?;
-        Ok(Work::Coll {
+        let recv = cbuf(recvbuff, total, "recvbuff")?;
+        let send = place(cbuf(sendbuff, total, "sendbuff")?, recv, 0)?;
+        Ok(Op::Coll {
             coll: Collective::AllToAll,
             dt,
             send,
@@ -1163,8 +938,8 @@ pub unsafe extern "C" fn rocclSend(
 ) -> rocclResult_t {
     coll("rocclSend", comm, stream, datatype, |c, dt| {
         let peer = check_rank(peer, c, "peer")?;
-        let buf = CBuf::new(sendbuff, count_bytes(count, dt, "count")?, "sendbuff")?;
-        Ok(Work::Send { peer, buf })
+        let buf = cbuf(sendbuff, count_bytes(count, dt, "count")?, "sendbuff")?;
+        Ok(Op::Send { peer, buf })
     })
 }
 
@@ -1180,8 +955,8 @@ pub unsafe extern "C" fn rocclRecv(
 ) -> rocclResult_t {
     coll("rocclRecv", comm, stream, datatype, |c, dt| {
         let peer = check_rank(peer, c, "peer")?;
-        let buf = CBuf::new(recvbuff, count_bytes(count, dt, "count")?, "recvbuff")?;
-        Ok(Work::Recv { peer, buf })
+        let buf = cbuf(recvbuff, count_bytes(count, dt, "count")?, "recvbuff")?;
+        Ok(Op::Recv { peer, buf })
     })
 }
 
@@ -1210,7 +985,7 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
                 (Vec::new(), Vec::new())
             })
         })?;
-        check_group(&ops)?;
+        ops::check_group(&ops)?;
         if streams.iter().any(|&s| s != 0) {
             if streams.contains(&0) {
                 return Err(arg(
@@ -1221,20 +996,23 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
         }
         // Per communicator, in the order of first use; communicators run concurrently so
         // that one thread can drive several ranks of the same clique.
-        let mut per: Vec<(Arc<Communicator>, Vec<Work>)> = Vec::new();
+        let mut per: Vec<(Arc<Communicator>, Vec<Op>)> = Vec::new();
         for (c, w) in ops {
             match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
                 Some((_, v)) => v.push(w),
                 None => per.push((c, vec![w])),
             }
         }
+        // SAFETY: C keeps the buffers valid until this blocking call returns; overlaps were
+        // refused above.
+        let run = |c: &Communicator, w: &[Op]| -> R { Ok(unsafe { ops::run_now(c, w) }?) };
         let results: Vec<R> = if per.len() <= 1 {
-            per.iter().map(|(c, w)| run_work(&**c, w)).collect()
+            per.iter().map(|(c, w)| run(c, w)).collect()
         } else {
             std::thread::scope(|s| {
                 let hs: Vec<_> = per
                     .iter()
-                    .map(|(c, w)| s.spawn(move || run_work(&**c, w)))
+                    .map(|(c, w)| s.spawn(move || run(c, w)))
                     .collect();
                 hs.into_iter()
                     .map(|h| {

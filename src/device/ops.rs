@@ -1,0 +1,443 @@
+//! Operations on memory as an application passes it (addresses of host or device memory),
+//! run at once or in stream order: the model the C ABI, `libroccl-nccl.so` and roccl-perf's
+//! `--device` share.
+//!
+//! In stream order, buffers the CPU cannot access go through pinned staging buffers: the
+//! stream copies inputs in before the operation and outputs out after it. Element-wise
+//! collectives (all-reduce, broadcast, reduce) of at least twice [`stream_chunk`] bytes run
+//! as several steps of a pipeline, so that the copies of one chunk overlap the network work
+//! of another ([`super::enqueue_steps`]). The split depends on the size alone, never on the
+//! kind of memory, so ranks with host memory and ranks with device memory agree on it.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use super::{enqueue_steps, staging, Alloc, Device, Part, Step, StreamCopy, StreamId, MAX_STEPS};
+use crate::comm::{CallOpts, Collective, Communicator, P2p, Turn};
+use crate::error::{Error, Result};
+use crate::types::DataType;
+
+/// Memory as the application passes it: an address and a length in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawBuf {
+    /// Address (host or device memory).
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+impl RawBuf {
+    /// Whether the two share a byte.
+    pub fn overlaps(&self, o: &RawBuf) -> bool {
+        self.len > 0 && o.len > 0 && self.addr < o.addr + o.len && o.addr < self.addr + self.len
+    }
+
+    /// Bytes `off..off + len` of it.
+    fn part(&self, off: usize, len: usize) -> RawBuf {
+        debug_assert!(off + len <= self.len);
+        RawBuf {
+            addr: self.addr + off,
+            len,
+        }
+    }
+
+    /// # Safety
+    /// The memory is readable for `len` bytes while the slice lives.
+    unsafe fn read<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: non-NULL with a length (the C ABI refuses NULL with a count), readable
+        // per the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    /// # Safety
+    /// The memory is writable for `len` bytes while the slice lives, and no other slice
+    /// over it is used meanwhile.
+    unsafe fn write<'a>(&self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `read`, and callers refuse overlapping writes (`check_group`).
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+/// One operation of a communicator on raw memory.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    /// A collective; `send` is `None` in place.
+    Coll {
+        /// Which collective.
+        coll: Collective,
+        /// Element type.
+        dt: DataType,
+        /// Input (`None`: in place, the input is in `recv`).
+        send: Option<RawBuf>,
+        /// Output.
+        recv: RawBuf,
+    },
+    /// Send `buf` to `peer` (grouped with the other point-to-point operations).
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Bytes to send.
+        buf: RawBuf,
+    },
+    /// Receive `buf` from `peer`.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Where to receive.
+        buf: RawBuf,
+    },
+}
+
+impl Op {
+    /// (buffer, written) pairs.
+    pub fn bufs(&self) -> [Option<(RawBuf, bool)>; 2] {
+        match *self {
+            Op::Coll { send, recv, .. } => [send.map(|s| (s, false)), Some((recv, true))],
+            Op::Send { buf, .. } => [Some((buf, false)), None],
+            Op::Recv { buf, .. } => [Some((buf, true)), None],
+        }
+    }
+
+    fn p2p(&self) -> bool {
+        !matches!(self, Op::Coll { .. })
+    }
+}
+
+/// Operations of a group that run at the same time (any two on different communicators;
+/// point-to-point operations of one communicator) must not write memory the other uses.
+pub fn check_group(ops: &[(Arc<Communicator>, Op)]) -> Result<()> {
+    for (i, (ca, a)) in ops.iter().enumerate() {
+        for (cb, b) in &ops[i + 1..] {
+            if Arc::ptr_eq(ca, cb) && !(a.p2p() && b.p2p()) {
+                continue; // run one after the other
+            }
+            for (x, wx) in a.bufs().into_iter().flatten() {
+                for (y, wy) in b.bufs().into_iter().flatten() {
+                    if (wx || wy) && x.overlaps(&y) {
+                        return Err(Error::arg(
+                            "two operations of the group that run at the same time use overlapping buffers, one of them for receiving",
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What runs a communicator's share: the communicator itself (a blocking call), or its turn
+/// on its worker thread (a stream-ordered call).
+trait Runner {
+    fn coll(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        s: Option<&[u8]>,
+        r: &mut [u8],
+    ) -> Result<()>;
+    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()>;
+}
+
+impl Runner for &Communicator {
+    fn coll(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        s: Option<&[u8]>,
+        r: &mut [u8],
+    ) -> Result<()> {
+        self.run_raw(coll, dt, s, r, &CallOpts::default())
+            .map(|_| ())
+    }
+    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
+        Communicator::p2p(self, ops)
+    }
+}
+
+impl Runner for &mut Turn<'_> {
+    fn coll(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        s: Option<&[u8]>,
+        r: &mut [u8],
+    ) -> Result<()> {
+        self.run_raw(coll, dt, s, r, &CallOpts::default())
+            .map(|_| ())
+    }
+    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
+        Turn::p2p(self, ops)
+    }
+}
+
+/// Collectives in order, then all point-to-point operations together.
+///
+/// # Safety
+/// As [`run_now`].
+unsafe fn run(mut c: impl Runner, ops: &[Op]) -> Result<()> {
+    let mut p2p: Vec<P2p> = Vec::new();
+    for op in ops {
+        match *op {
+            Op::Coll {
+                coll,
+                dt,
+                send,
+                recv,
+            } => {
+                // SAFETY: valid per the caller's contract; `send` does not overlap `recv`
+                // (or is None, in place).
+                let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
+                c.coll(coll, dt, s, r)?;
+            }
+            // SAFETY: as above; point-to-point receive buffers do not overlap other buffers
+            // of the group (`check_group`).
+            Op::Send { peer, buf } => p2p.push(P2p::Send {
+                peer,
+                buf: unsafe { buf.read() },
+            }),
+            Op::Recv { peer, buf } => p2p.push(P2p::Recv {
+                peer,
+                buf: unsafe { buf.write() },
+            }),
+        }
+    }
+    if !p2p.is_empty() {
+        c.p2p(&mut p2p)?;
+    }
+    Ok(())
+}
+
+/// Run `ops` of one communicator now and return when they are done.
+///
+/// # Safety
+/// Every buffer is host-accessible memory, valid for its length (written ones writable)
+/// until this returns and not written by anything else meanwhile; buffers that are written
+/// do not overlap the other buffers of the same operation, nor (point-to-point) of the
+/// group ([`check_group`]).
+pub unsafe fn run_now(comm: &Communicator, ops: &[Op]) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { run(comm, ops) }
+}
+
+/// Chunk size of pipelined stream-ordered calls: `ROCCL_STREAM_CHUNK` bytes (`K`/`M`
+/// suffixes; default 4 MiB; 0: never split). Every rank must use the same value, like every
+/// `ROCCL_*` setting.
+pub fn stream_chunk() -> Result<usize> {
+    static CHUNK: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    CHUNK
+        .get_or_init(|| match std::env::var("ROCCL_STREAM_CHUNK") {
+            Err(_) => Ok(4 << 20),
+            Ok(v) => {
+                let t = v.trim();
+                let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+                    Some('K') => (&t[..t.len() - 1], 1usize << 10),
+                    Some('M') => (&t[..t.len() - 1], 1 << 20),
+                    _ => (t, 1),
+                };
+                num.parse::<usize>()
+                    .ok()
+                    .and_then(|n| n.checked_mul(mul))
+                    .ok_or_else(|| {
+                        format!("ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)")
+                    })
+            }
+        })
+        .clone()
+        .map_err(Error::arg)
+}
+
+/// The byte ranges of the steps an element-wise collective of `bytes` bytes of `dt` runs
+/// in: one range below two chunks; else about `chunk` bytes each (at most [`MAX_STEPS`]),
+/// cut at element boundaries.
+pub fn pipeline_ranges(bytes: usize, dt: DataType, chunk: usize) -> Vec<(usize, usize)> {
+    if chunk == 0 || bytes < 2 * chunk {
+        return vec![(0, bytes)];
+    }
+    let es = dt.size();
+    let n = bytes.div_ceil(chunk).min(MAX_STEPS);
+    let elems = bytes / es;
+    let per = elems.div_ceil(n);
+    (0..n)
+        .map(|k| {
+            let a = (k * per).min(elems) * es;
+            let b = ((k + 1) * per).min(elems) * es;
+            (a, b - a)
+        })
+        .filter(|&(_, l)| l > 0)
+        .collect()
+}
+
+/// Split an element-wise collective into the pipeline's steps.
+fn split(op: Op) -> Result<Vec<Op>> {
+    let Op::Coll {
+        coll,
+        dt,
+        send,
+        recv,
+    } = op
+    else {
+        return Ok(vec![op]);
+    };
+    let elementwise = matches!(
+        coll,
+        Collective::AllReduce(_) | Collective::Broadcast { .. } | Collective::Reduce { .. }
+    );
+    // A non-root's reduce output may be empty; every other buffer has the full length.
+    let total = send.map_or(recv.len, |s| s.len.max(recv.len));
+    let fits = |b: RawBuf| b.len == 0 || b.len == total;
+    if !elementwise || !fits(recv) || !send.map_or(true, fits) {
+        return Ok(vec![op]);
+    }
+    let part = |b: RawBuf, off: usize, len: usize| if b.len == 0 { b } else { b.part(off, len) };
+    Ok(pipeline_ranges(total, dt, stream_chunk()?)
+        .into_iter()
+        .map(|(off, len)| Op::Coll {
+            coll,
+            dt,
+            send: send.map(|s| part(s, off, len)),
+            recv: part(recv, off, len),
+        })
+        .collect())
+}
+
+/// Replace the buffers of `op` that the CPU cannot access with staging buffers, and record
+/// the copies: inputs in before the operation, outputs out after it (not a non-root's
+/// reduce output, which NCCL leaves untouched).
+fn stage(
+    dev: &Arc<dyn Device>,
+    me: usize,
+    op: &mut Op,
+    stream: StreamId,
+    step: &mut Step,
+    bufs: &mut Vec<Arc<dyn Alloc>>,
+) -> Result<()> {
+    let mut swap = |b: &mut RawBuf, input: bool, output: bool| -> Result<()> {
+        if b.len == 0 || dev.classify(b.addr)?.host_accessible {
+            return Ok(());
+        }
+        let st = staging(dev, b.len)?;
+        let copy = |dst: usize, src: usize| StreamCopy {
+            stream,
+            dst,
+            src,
+            bytes: b.len,
+        };
+        if input {
+            step.before.push(copy(st.addr(), b.addr));
+        }
+        if output {
+            step.after.push(copy(b.addr, st.addr()));
+        }
+        b.addr = st.addr();
+        bufs.push(st);
+        Ok(())
+    };
+    match op {
+        Op::Coll {
+            coll, send, recv, ..
+        } => {
+            let in_place = send.is_none();
+            if let Some(s) = send {
+                swap(s, true, false)?;
+            }
+            let root_only = matches!(*coll, Collective::Reduce { root, .. } if root != me);
+            swap(recv, in_place, !root_only)?;
+        }
+        Op::Send { buf, .. } => swap(buf, true, false)?,
+        Op::Recv { buf, .. } => swap(buf, false, true)?,
+    }
+    Ok(())
+}
+
+/// Run `ops` (each with its communicator and stream) ordered with their streams: after all
+/// work enqueued before on each, and before all work enqueued after. Returns at once;
+/// failures during the run become the communicators' async errors.
+///
+/// # Safety
+/// Every buffer is valid for its length (written ones writable) until the streams have
+/// passed the operation, and nothing else writes it meanwhile (the stream's order keeps the
+/// application's own kernels out); buffers that are written do not overlap other buffers
+/// of the group ([`check_group`]).
+pub unsafe fn run_on_streams(
+    dev: &Arc<dyn Device>,
+    ops: Vec<(Arc<Communicator>, Op, StreamId)>,
+    timeout: Duration,
+) -> Result<()> {
+    let streams: Vec<StreamId> = ops.iter().map(|o| o.2).collect();
+    // A single element-wise collective is pipelined; a group runs as one step.
+    let steps_ops: Vec<Vec<(Arc<Communicator>, Op, StreamId)>> = match &ops[..] {
+        [(c, op, s)] => split(*op)?
+            .into_iter()
+            .map(|o| vec![(Arc::clone(c), o, *s)])
+            .collect(),
+        _ => vec![ops],
+    };
+    let mut bufs = Vec::new();
+    let mut steps = Vec::with_capacity(steps_ops.len());
+    for step_ops in steps_ops {
+        let mut step = Step::default();
+        // One part per communicator, in the order of first use.
+        let mut per: Vec<(Arc<Communicator>, Vec<Op>)> = Vec::new();
+        for (c, mut op, s) in step_ops {
+            stage(dev, c.rank(), &mut op, s, &mut step, &mut bufs)?;
+            match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
+                Some((_, v)) => v.push(op),
+                None => per.push((c, vec![op])),
+            }
+        }
+        step.parts = per
+            .into_iter()
+            .map(|(c, ops)| {
+                // SAFETY: the caller's contract: the buffers (or their staging copies, filled
+                // before the step starts and kept until the streams passed it) stay valid
+                // until the stream has passed the operation, which waits for this part.
+                let part: Part = Box::new(move |turn: &mut Turn| unsafe { run(turn, &ops) });
+                (c, part)
+            })
+            .collect();
+        steps.push(step);
+    }
+    enqueue_steps(dev, &streams, steps, bufs, timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipeline_ranges_cover_the_buffer_at_element_boundaries() {
+        for (bytes, dt, chunk) in [
+            (0, DataType::F32, 4096),
+            (8188, DataType::F32, 4096),
+            (8192, DataType::F32, 4096),
+            (20012, DataType::F32, 4096),
+            (1 << 30, DataType::Bf16, 4 << 20),
+            (3 * 4097, DataType::F64, 4096),
+            (1 << 20, DataType::U8, 0),
+        ] {
+            let r = pipeline_ranges(bytes, dt, chunk);
+            let splits = chunk > 0 && bytes >= 2 * chunk;
+            assert_eq!(r.len() > 1, splits, "{bytes} B, chunk {chunk}: {r:?}");
+            assert!(r.len() <= MAX_STEPS);
+            let mut at = 0;
+            for &(off, len) in &r {
+                assert_eq!(off, at, "{bytes} B: ranges are contiguous");
+                assert_eq!(off % dt.size(), 0);
+                assert!(len > 0 || bytes == 0);
+                at += len;
+            }
+            assert_eq!(at, bytes / dt.size() * dt.size(), "{bytes} B covered");
+        }
+        // 20012 bytes of f32 in ~4 KiB steps: 5 steps of 1001 or 999 elements.
+        let r = pipeline_ranges(20012, DataType::F32, 4096);
+        assert_eq!(r.len(), 5);
+        assert_eq!(r[0], (0, 4004));
+        assert_eq!(r[4], (16016, 3996));
+    }
+}
