@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On a machine with a GPU: build roccl with the GPU runtime and run stream-ordered
-# collectives on device buffers (ranks as threads sharing the GPU), every result checked,
-# printing a short table. Not part of CI, which runs the same program on the simulated device.
+# On a machine with a GPU: build roccl with the GPU runtime, run stream-ordered collectives
+# on device buffers through the C ABI (ranks as threads sharing the GPU), then roccl-perf on
+# device buffers (ranks as processes sharing the GPU); every result checked, short tables.
+# Not part of CI, which runs the same programs on the simulated device.
 #   scripts/gpu-check.sh [cuda|hip|sim] [RANKS] [MAX_BYTES]
 # Default runtime: cuda when an NVIDIA driver is present, hip when /dev/kfd exists.
 set -euo pipefail
@@ -22,5 +23,8 @@ case "$rt" in
   *) echo "gpu-check: unknown runtime '$rt' (cuda, hip or sim)" >&2; exit 2 ;;
 esac
 cargo build --release --quiet -p roccl-capi-core --example gpu_check "${features[@]}"
+cargo build --release --quiet -p roccl --bin roccl-perf "${features[@]}"
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(uname -n), runtime $rt"
 ROCCL_DEVICE=$rt target/release/examples/gpu_check "$ranks" "$max"
+target/release/roccl-perf --op all_reduce,all_gather,broadcast,reduce_scatter --ranks "$ranks" \
+  --device "$rt" -b 1K -e "$max" -f 16 --iters 20 --warmup 5

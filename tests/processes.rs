@@ -321,6 +321,34 @@ fn perf_times_stream_ordered_calls() {
     assert!(text.contains("# wrong results: 0"), "{text}");
 }
 
+/// `--device sim`: every op on device memory the CPU cannot access (staged through pinned
+/// buffers), 3 rank processes over TCP, out of place; with 16 KiB chunks the 256 KiB
+/// element-wise calls run as pipelines of 16 steps. Results checked.
+#[test]
+fn perf_on_device_buffers_staged_and_pipelined() {
+    let out = Command::new(PERF)
+        .args([
+            "--op", "all", "--ranks", "3", "--net", "tcp", "-b", "8", "-e", "256K", "-f", "32",
+            "--iters", "3", "--warmup", "1", "--device", "sim",
+        ])
+        .env("ROCCL_TIMEOUT", "60")
+        .env("ROCCL_STREAM_CHUNK", "16K")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{text}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("sim device buffers, stream-ordered (chunk 16384)")
+            && text.contains("262144")
+            && text.contains("# wrong results: 0"),
+        "{text}"
+    );
+}
+
 /// roccl-info on this machine (no RDMA hardware) and on a fake ConnectX sysfs tree.
 #[test]
 fn info_reports_devices_and_the_chosen_gid() {

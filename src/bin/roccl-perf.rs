@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use roccl::algo::model::CollKind;
+use roccl::device::ops::{self, RawBuf};
 use roccl::device::sim::SimDevice;
-use roccl::device::{self, Device, Part};
+use roccl::device::{self, Alloc, Device, StreamId};
 use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
 
 #[derive(Parser, Debug, Clone)]
@@ -70,9 +71,12 @@ struct Args {
     /// Bind spawned ranks to CPUs: auto (one CPU each when there are enough), none.
     #[arg(long, default_value = "auto")]
     bind: String,
-    /// Time each call as a stream-ordered call on the simulated device (no added delay):
-    /// enqueue on a stream, then wait until the stream has passed it — what a framework
-    /// that orders collectives on GPU streams pays on top of the collective.
+    /// Buffers in GPU memory and stream-ordered calls, timed from the call until the stream
+    /// has passed it: hip, cuda, sim (the simulated device, memory the CPU cannot access:
+    /// staged through pinned buffers) or sim-apu (simulated integrated GPU: used in place).
+    #[arg(long)]
+    device: Option<String>,
+    /// Same as --device sim-apu.
     #[arg(long)]
     stream: bool,
 }
@@ -262,8 +266,8 @@ struct Bench<'a> {
     dt: DataType,
     op: RedOp,
     opts: CallOpts,
-    /// `--stream`: the simulated device and this rank's stream.
-    sim: Option<(Arc<SimDevice>, usize)>,
+    /// `--device`: the GPU runtime and this rank's stream.
+    dev: Option<(Arc<dyn Device>, StreamId)>,
 }
 
 #[derive(serde::Serialize)]
@@ -415,7 +419,14 @@ impl Bench<'_> {
         } else if inplace {
             self.place_input(o, &send, &mut recv, count);
         }
-        self.call(coll, &send, &mut recv, inplace)?;
+        match &self.dev {
+            Some((dev, stream)) => {
+                self.call_on_device(dev, *stream, coll, &send, &mut recv, inplace)?;
+            }
+            None => {
+                self.call(coll, &send, &mut recv, inplace)?;
+            }
+        }
         let es = dt.size();
         let bad = match o {
             Op::AllReduce => wrong(dt, &recv, |i| expect_reduced(dt, op, n, i)),
@@ -442,48 +453,93 @@ impl Bench<'_> {
         Ok(total[0])
     }
 
-    /// `--stream`: each timed call is enqueued on the simulated stream and timed until the
-    /// stream has passed it.
-    fn time_on_stream(
+    /// The stream-ordered operation of `coll` on device buffers.
+    fn device_op(
         &self,
-        dev: &Arc<SimDevice>,
-        stream: usize,
+        coll: Collective,
+        send: &dyn Alloc,
+        recv: &dyn Alloc,
+        inplace: bool,
+    ) -> ops::Op {
+        let raw = |b: &dyn Alloc| RawBuf {
+            addr: b.addr(),
+            len: b.len(),
+        };
+        let inplace = inplace && !matches!(coll, Collective::SendRecv { .. } | Collective::Barrier);
+        ops::Op::Coll {
+            coll,
+            dt: self.dt,
+            send: (!inplace).then(|| raw(send)),
+            recv: raw(recv),
+        }
+    }
+
+    /// `--device`: run `op` on `stream` and wait until the stream has passed it.
+    fn run_on_device(
+        &self,
+        dev: &Arc<dyn Device>,
+        stream: StreamId,
+        op: ops::Op,
+    ) -> roccl::Result<()> {
+        // SAFETY: the buffers are the runtime's allocations, alive until after the
+        // synchronize below, and written only by this operation meanwhile.
+        unsafe {
+            ops::run_on_streams(
+                dev,
+                vec![(Arc::clone(self.c), op, stream)],
+                roccl::comm::timeout(),
+            )
+        }?;
+        dev.synchronize(stream)?;
+        match self.c.async_error() {
+            Some(e) => Err(roccl::Error::InvalidUsage(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// `--device`: `call` with the data in device buffers (uploaded, run, downloaded).
+    fn call_on_device(
+        &self,
+        dev: &Arc<dyn Device>,
+        stream: StreamId,
+        coll: Collective,
+        send: &[u8],
+        recv: &mut [u8],
+        inplace: bool,
+    ) -> roccl::Result<()> {
+        let (sb, rb) = (dev.alloc_device(send.len())?, dev.alloc_device(recv.len())?);
+        ops::upload(dev, stream, sb.as_ref(), send)?;
+        ops::upload(dev, stream, rb.as_ref(), recv)?;
+        self.run_on_device(
+            dev,
+            stream,
+            self.device_op(coll, sb.as_ref(), rb.as_ref(), inplace),
+        )?;
+        recv.copy_from_slice(&ops::download(dev, stream, rb.as_ref(), recv.len())?);
+        Ok(())
+    }
+
+    /// `--device`: time each call from its enqueue until the stream has passed it.
+    fn time_on_device(
+        &self,
+        dev: &Arc<dyn Device>,
+        stream: StreamId,
         coll: Collective,
         send: &[u8],
         recv: &[u8],
         times: &mut [f64],
     ) -> roccl::Result<()> {
-        let (sb, rb) = (dev.alloc(send.len()), dev.alloc(recv.len()));
-        sb.with(|b| b.copy_from_slice(send));
-        rb.with(|b| b.copy_from_slice(recv));
-        let comm = Arc::clone(self.c);
-        let as_dev: Arc<dyn Device> = dev.clone();
-        let inplace =
-            self.a.inplace && !matches!(coll, Collective::SendRecv { .. } | Collective::Barrier);
-        let (dt, opts) = (self.dt, self.opts);
-        for t in times.iter_mut() {
-            let (s2, r2) = (Arc::clone(&sb), Arc::clone(&rb));
-            let part: Part = Box::new(move |turn| {
-                r2.with(|r| {
-                    if inplace {
-                        turn.run_raw(coll, dt, None, r, &opts).map(|_| ())
-                    } else {
-                        s2.with(|s| turn.run_raw(coll, dt, Some(s), r, &opts).map(|_| ()))
-                    }
-                })
-            });
-            let start = Instant::now();
-            device::enqueue(
-                &as_dev,
-                &[stream],
-                vec![(Arc::clone(&comm), part)],
-                roccl::comm::timeout(),
-            )?;
-            dev.synchronize(stream)?;
-            *t = start.elapsed().as_secs_f64() * 1e6;
+        let (sb, rb) = (dev.alloc_device(send.len())?, dev.alloc_device(recv.len())?);
+        ops::upload(dev, stream, sb.as_ref(), send)?;
+        ops::upload(dev, stream, rb.as_ref(), recv)?;
+        let op = self.device_op(coll, sb.as_ref(), rb.as_ref(), self.a.inplace);
+        for _ in 0..self.a.warmup {
+            self.run_on_device(dev, stream, op)?;
         }
-        if let Some(e) = self.c.async_error() {
-            return Err(roccl::Error::InvalidUsage(e));
+        for t in times.iter_mut() {
+            let start = Instant::now();
+            self.run_on_device(dev, stream, op)?;
+            *t = start.elapsed().as_secs_f64() * 1e6;
         }
         Ok(())
     }
@@ -492,13 +548,13 @@ impl Bench<'_> {
         let n = self.c.nranks();
         let (send, mut recv, coll, count) = self.setup(o, bytes);
         let mut info = None;
-        for _ in 0..self.a.warmup {
-            info = Some(self.call(coll, &send, &mut recv, self.a.inplace)?);
-        }
         let mut times = vec![0f64; self.a.iters.max(1)];
-        if let Some((dev, stream)) = &self.sim {
-            self.time_on_stream(dev, *stream, coll, &send, &recv, &mut times)?;
+        if let Some((dev, stream)) = &self.dev {
+            self.time_on_device(dev, *stream, coll, &send, &recv, &mut times)?;
         } else {
+            for _ in 0..self.a.warmup {
+                info = Some(self.call(coll, &send, &mut recv, self.a.inplace)?);
+            }
             for t in times.iter_mut() {
                 let s = Instant::now();
                 let i = self.call(coll, &send, &mut recv, self.a.inplace)?;
@@ -571,6 +627,26 @@ fn sizes(a: &Args) -> Result<Vec<usize>, String> {
     Ok(v)
 }
 
+/// `--device`: the runtime (bound to this thread) and a new stream.
+fn open_device(a: &Args) -> Result<Option<(Arc<dyn Device>, StreamId)>, String> {
+    let name = match (&a.device, a.stream) {
+        (Some(d), _) => d.as_str(),
+        (None, true) => "sim-apu",
+        (None, false) => return Ok(None),
+    };
+    let dev: Arc<dyn Device> = match name {
+        "sim" | "sim-apu" => {
+            let d = SimDevice::new(std::time::Duration::ZERO);
+            d.set_integrated(name == "sim-apu");
+            d
+        }
+        rt => device::open_runtime(rt).map_err(|e| format!("--device {rt}: {e}"))?,
+    };
+    dev.bind_thread().map_err(|e| e.to_string())?;
+    let s = dev.create_stream().map_err(|e| e.to_string())?;
+    Ok(Some((dev, s)))
+}
+
 fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     let dt: DataType = a.dtype.parse().map_err(|e: roccl::Error| e.to_string())?;
     let op: RedOp = a.redop.parse().map_err(|e: roccl::Error| e.to_string())?;
@@ -594,18 +670,22 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
         dt,
         op,
         opts: CallOpts { algo },
-        sim: a.stream.then(|| {
-            let d = SimDevice::new(std::time::Duration::ZERO);
-            let s = d.create_stream();
-            (d, s)
-        }),
+        dev: open_device(a)?,
     };
     let lead = c.rank() == 0;
     if lead {
         println!(
-            "# roccl-perf: {} ranks, net {}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}",
+            "# roccl-perf: {} ranks, net {}{}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}",
             c.nranks(),
             c.net_name(),
+            match &b.dev {
+                Some((d, _)) => format!(
+                    ", {} device buffers, stream-ordered (chunk {})",
+                    d.name(),
+                    ops::stream_chunk().map_err(|e| e.to_string())?
+                ),
+                None => String::new(),
+            },
             dt,
             op,
             a.iters,

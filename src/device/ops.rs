@@ -406,6 +406,54 @@ pub unsafe fn run_on_streams(
     enqueue_steps(dev, &streams, steps, bufs, timeout)
 }
 
+/// Copy `data` into memory of the runtime `dst` (device memory too) through a pinned
+/// staging buffer on `stream`, and wait for it.
+pub fn upload(dev: &Arc<dyn Device>, stream: StreamId, dst: &dyn Alloc, data: &[u8]) -> Result<()> {
+    if data.len() > dst.len() {
+        return Err(Error::arg(format!(
+            "upload of {} bytes into a buffer of {}",
+            data.len(),
+            dst.len()
+        )));
+    }
+    if data.is_empty() {
+        return Ok(());
+    }
+    let st = dev.alloc_staging(data.len())?;
+    // SAFETY: the staging buffer is host memory of at least `data.len()` bytes that nothing
+    // else uses until the copy below has run.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), st.addr() as *mut u8, data.len()) };
+    dev.copy_async(stream, dst.addr(), st.addr(), data.len())?;
+    dev.synchronize(stream)
+}
+
+/// The first `len` bytes of `src` (device memory too), copied through a pinned staging
+/// buffer on `stream`.
+pub fn download(
+    dev: &Arc<dyn Device>,
+    stream: StreamId,
+    src: &dyn Alloc,
+    len: usize,
+) -> Result<Vec<u8>> {
+    if len > src.len() {
+        return Err(Error::arg(format!(
+            "download of {len} bytes from a buffer of {}",
+            src.len()
+        )));
+    }
+    let mut out = vec![0u8; len];
+    if len == 0 {
+        return Ok(out);
+    }
+    let st = dev.alloc_staging(len)?;
+    dev.copy_async(stream, st.addr(), src.addr(), len)?;
+    dev.synchronize(stream)?;
+    // SAFETY: the stream has finished the copy into the staging buffer (synchronize), which
+    // holds at least `len` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(st.addr() as *const u8, out.as_mut_ptr(), len) };
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

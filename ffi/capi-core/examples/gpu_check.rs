@@ -10,41 +10,10 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use roccl_capi_core::*;
-use roccl_core::device::{Alloc, Device};
+use roccl_core::device::ops::{download, upload};
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;
-
-/// Host bytes → device buffer, through a pinned staging buffer and the stream.
-fn upload(
-    dev: &Arc<dyn Device>,
-    stream: usize,
-    dst: &dyn Alloc,
-    data: &[u8],
-) -> roccl_core::Result<()> {
-    let st = dev.alloc_staging(data.len())?;
-    // SAFETY: the staging buffer is host memory of at least `data.len()` bytes that nothing
-    // else uses until the copy below has run.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), st.addr() as *mut u8, data.len()) };
-    dev.copy_async(stream, dst.addr(), st.addr(), data.len())?;
-    dev.synchronize(stream)
-}
-
-/// Device buffer → host bytes.
-fn download(
-    dev: &Arc<dyn Device>,
-    stream: usize,
-    src: &dyn Alloc,
-    len: usize,
-) -> roccl_core::Result<Vec<u8>> {
-    let st = dev.alloc_staging(len)?;
-    dev.copy_async(stream, st.addr(), src.addr(), len)?;
-    dev.synchronize(stream)?;
-    let mut out = vec![0u8; len];
-    // SAFETY: the stream has finished the copy into the staging buffer (synchronize).
-    unsafe { std::ptr::copy_nonoverlapping(st.addr() as *const u8, out.as_mut_ptr(), len) };
-    Ok(out)
-}
 
 fn floats(v: impl Iterator<Item = f32>) -> Vec<u8> {
     v.flat_map(|x| x.to_le_bytes()).collect()
