@@ -260,6 +260,9 @@ fn wrong(dt: DataType, buf: &[u8], f: impl Fn(usize) -> f64) -> u64 {
         .count() as u64
 }
 
+/// A GPU runtime and a stream of it.
+type DevStream = (Arc<dyn Device>, StreamId);
+
 struct Bench<'a> {
     c: &'a Arc<Communicator>,
     a: &'a Args,
@@ -267,7 +270,7 @@ struct Bench<'a> {
     op: RedOp,
     opts: CallOpts,
     /// `--device`: the GPU runtime and this rank's stream.
-    dev: Option<(Arc<dyn Device>, StreamId)>,
+    dev: Option<DevStream>,
 }
 
 #[derive(serde::Serialize)]
@@ -628,7 +631,7 @@ fn sizes(a: &Args) -> Result<Vec<usize>, String> {
 }
 
 /// `--device`: the runtime (bound to this thread) and a new stream.
-fn open_device(a: &Args) -> Result<Option<(Arc<dyn Device>, StreamId)>, String> {
+fn open_device(a: &Args) -> Result<Option<DevStream>, String> {
     let name = match (&a.device, a.stream) {
         (Some(d), _) => d.as_str(),
         (None, true) => "sim-apu",
