@@ -145,6 +145,18 @@ pub trait Net: Send + Sync {
     fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)>;
     /// Start connecting to the peer that produced `handle`. Never blocks; poll the result.
     fn connect(&self, dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>>;
+    /// GPU memory may be posted from now on (a plugin that advertises `NCCL_PTR_CUDA` /
+    /// `NCCL_PTR_DMABUF`): connections made afterwards move data without CPU copies (no
+    /// eager messages through bounce buffers, no inline sends). Networks that cannot carry
+    /// GPU memory ignore it (they never advertise it).
+    fn expect_device_buffers(&self) {}
+}
+
+/// The error of a network that cannot register GPU memory.
+fn no_device_memory() -> Error {
+    Error::InvalidUsage(
+        "this network cannot register GPU memory (only RDMA on a NIC can, through dmabuf or peer memory): stage GPU buffers through host memory".into(),
+    )
 }
 
 /// A listening endpoint (`listenComm`).
@@ -168,6 +180,17 @@ pub trait SendComm: Send {
     /// Register memory for sends (no-op bookkeeping for networks that need none).
     fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         Ok(MemHandle { addr, len, key: 0 })
+    }
+    /// Register GPU memory for sends: with `dmabuf = Some((fd, offset))` through the NIC's
+    /// dmabuf support, else through its peer-memory support. Sent without CPU copies.
+    fn reg_mr_device(
+        &mut self,
+        addr: usize,
+        len: usize,
+        dmabuf: Option<(i32, u64)>,
+    ) -> Result<MemHandle> {
+        let _ = (addr, len, dmabuf);
+        Err(no_device_memory())
     }
     /// Release a registration.
     fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
@@ -197,6 +220,17 @@ pub trait RecvComm: Send {
     fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         Ok(MemHandle { addr, len, key: 0 })
     }
+    /// Register GPU memory for receives (see [`SendComm::reg_mr_device`]); receives into it
+    /// need [`RecvComm::flush`] before the GPU reads them.
+    fn reg_mr_device(
+        &mut self,
+        addr: usize,
+        len: usize,
+        dmabuf: Option<(i32, u64)>,
+    ) -> Result<MemHandle> {
+        let _ = (addr, len, dmabuf);
+        Err(no_device_memory())
+    }
     /// Release a registration.
     fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
         Ok(())
@@ -211,7 +245,9 @@ pub trait RecvComm: Send {
     /// Progress; when `req` is done, write each buffer's received size into `sizes` and
     /// return true.
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool>;
-    /// Make received data visible to the device (`iflush`); host memory needs nothing.
+    /// Make received data visible to the device (`iflush`): for buffers in GPU memory
+    /// registered with [`RecvComm::reg_mr_device`], a read through the NIC that completes
+    /// only after its earlier writes reached the GPU; host memory needs nothing.
     fn flush(&mut self, _bufs: &[RecvBuf]) -> Result<()> {
         Ok(())
     }

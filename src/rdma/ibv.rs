@@ -704,6 +704,22 @@ impl Verbs for IbvVerbs {
         self.dev.settings.reg_cache
     }
 
+    fn dmabuf_supported(&self) -> bool {
+        self.dev.dmabuf
+    }
+
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        // SAFETY: forwarded contract.
+        unsafe { IbvVerbs::reg_dmabuf_mr(self, fd, offset, len, iova, access) }
+    }
+
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
         let dev = &self.dev;
         let mut cx = dev.cx();

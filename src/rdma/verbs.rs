@@ -62,6 +62,29 @@ pub trait Verbs: Send + Sync {
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr>;
     /// Release a registration.
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
+    /// Whether the provider registers dmabuf memory (GPU memory its driver exports).
+    fn dmabuf_supported(&self) -> bool {
+        false
+    }
+    /// Register `len` bytes at `offset` of the dmabuf `fd`, addressed as `iova` in work
+    /// requests (`ibv_reg_dmabuf_mr`).
+    ///
+    /// # Safety
+    /// The dmabuf stays alive until [`Verbs::dereg_mr`].
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        let _ = (fd, offset, len, iova, access);
+        Err(crate::error::Error::InvalidUsage(format!(
+            "{}: this provider cannot register dmabuf (GPU) memory; GPU buffers must be staged through host memory",
+            self.name()
+        )))
+    }
     /// Whether registrations may be cached past the requests that use them: true when a
     /// registration pins nothing and the provider touches registered memory only while work
     /// targets it, so a buffer freed with its registration still cached is harmless (the

@@ -397,6 +397,8 @@ static int side(const char *lib, int v, int fd, int sender) {
   CHECK(n_props(n, 0, &maxRecvs, &ptr, &maxp2p, &name) == 0, "v%d getProperties failed", v);
   CHECK(name && *name && maxRecvs >= 1 && maxRecvs <= MAX_RECVS && (ptr & 1) && maxp2p >= MAXMSG,
         "v%d properties: name %s maxRecvs %d ptrSupport %d maxP2pBytes %zu", v, name ? name : "(null)", maxRecvs, ptr, maxp2p);
+  /* NCCL_PTR_DMABUF (4) comes with NCCL_PTR_CUDA (2): NCCL registers GPU buffers only then. */
+  CHECK(!(ptr & 4) || (ptr & 2), "v%d ptrSupport %d: DMABUF without CUDA", v, ptr);
   make_plan(maxRecvs);
   char handle[HANDLE_SIZE];
   char *arena = malloc((size_t)MAX_REQ * MAX_RECVS * SLOT);
@@ -416,6 +418,16 @@ static int side(const char *lib, int v, int fd, int sender) {
   void *mh2 = NULL;
   CHECK(n_regmr(n, comm, arena, span, &mh2) == 0 && mh2 == mh, "v%d regMr of the same range is not cached", v);
   CHECK(n_deregmr(n, comm, mh2) == 0, "v%d deregMr (shared) failed", v);
+  if (!(ptr & 2)) {
+    /* No GPU memory on this network: NCCL_PTR_CUDA and dmabuf registrations are refused. */
+    void *mh3 = NULL;
+    CHECK(T(net_v8_t)->regMr(comm, arena, span, 2, &mh3) != 0 && !mh3,
+          "v%d regMr of NCCL_PTR_CUDA memory succeeded without GPU support", v);
+    CHECK(T(net_v8_t)->regMrDmaBuf(comm, arena, span, 2, 0, 0, &mh3) != 0 && !mh3,
+          "v%d regMrDmaBuf succeeded without dmabuf support", v);
+    CHECK(T(net_v8_t)->regMrDmaBuf(comm, arena, span, 2, 0, -1, &mh3) != 0 && !mh3,
+          "v%d regMrDmaBuf of fd -1 succeeded", v);
+  }
   int rc = sender ? run_sender(n, comm, arena, mh) : run_receiver(n, comm, arena, mh);
   if (rc) return 1;
   CHECK(n_deregmr(n, comm, mh) == 0, "v%d deregMr failed", v);

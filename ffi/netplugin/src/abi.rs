@@ -239,8 +239,22 @@ unsafe extern "C" fn dereg_mr(c: P, mh: P) -> Res {
     guard("deregMr", || dereg_mr_impl(c, mh))
 }
 
-unsafe extern "C" fn iflush(c: P, _n: c_int, _d: PP, _s: *mut c_int, _m: PP, req: PP) -> Res {
-    guard("iflush", || iflush_impl(c, req))
+unsafe extern "C" fn reg_mr_dmabuf(
+    c: P,
+    data: P,
+    size: usize,
+    typ: c_int,
+    offset: u64,
+    fd: c_int,
+    mh: PP,
+) -> Res {
+    guard("regMrDmaBuf", || {
+        reg_mr_dmabuf_impl(c, data, size, typ, offset, fd, mh)
+    })
+}
+
+unsafe extern "C" fn iflush(c: P, n: c_int, d: PP, s: *mut c_int, _m: PP, req: PP) -> Res {
+    guard("iflush", || iflush_impl(c, n, d, s, req))
 }
 
 unsafe extern "C" fn test(req: P, done: *mut c_int, sizes: *mut c_int) -> Res {
@@ -361,7 +375,7 @@ pub static ncclNetPlugin_v8: NetV8 = NetV8 {
     connect: Some(connect_plain),
     accept: Some(accept),
     reg_mr: Some(reg_mr),
-    reg_mr_dmabuf: None,
+    reg_mr_dmabuf: Some(reg_mr_dmabuf),
     dereg_mr: Some(dereg_mr),
     isend: Some(isend_v8),
     irecv: Some(irecv_v8),
@@ -433,7 +447,7 @@ pub static ncclNetPlugin_v9: NetV9 = NetV9 {
     connect: Some(connect_plain),
     accept: Some(accept),
     reg_mr: Some(reg_mr),
-    reg_mr_dmabuf: None,
+    reg_mr_dmabuf: Some(reg_mr_dmabuf),
     dereg_mr: Some(dereg_mr),
     isend: Some(isend_v9),
     irecv: Some(irecv_v9),
@@ -511,7 +525,7 @@ pub static ncclNetPlugin_v10: NetV10 = NetV10 {
     connect: Some(connect_v10),
     accept: Some(accept),
     reg_mr: Some(reg_mr),
-    reg_mr_dmabuf: None,
+    reg_mr_dmabuf: Some(reg_mr_dmabuf),
     dereg_mr: Some(dereg_mr),
     isend: Some(isend_v10),
     irecv: Some(irecv_v10),
@@ -614,7 +628,7 @@ macro_rules! table_v11_like {
             connect: Some(connect_v11),
             accept: Some(accept),
             reg_mr: Some(reg_mr),
-            reg_mr_dmabuf: None,
+            reg_mr_dmabuf: Some(reg_mr_dmabuf),
             dereg_mr: Some(dereg_mr),
             isend: Some(isend_v10),
             irecv: Some(irecv_v10),

@@ -38,6 +38,10 @@ const REMOTE_ERROR: NcclResult = 6;
 
 /// NCCL_PTR_HOST.
 const PTR_HOST: c_int = 0x1;
+/// NCCL_PTR_CUDA (GPU memory, CUDA or HIP).
+const PTR_CUDA: c_int = 0x2;
+/// NCCL_PTR_DMABUF.
+const PTR_DMABUF: c_int = 0x4;
 /// Largest message per request: the RDMA network's immediate carries the size in 29 bits.
 const MAX_BYTES: usize = 1 << 28;
 /// Bytes of the connection handle where a connect in progress keeps its state (NCCL passes
@@ -148,6 +152,8 @@ fn set_logger(l: Logger) {
 /// The network every version's functions share, opened by the first `init`.
 struct Plugin {
     net: Arc<dyn Net>,
+    /// GPU memory is advertised (peer memory or dmabuf on some device).
+    device_ptrs: bool,
     names: Vec<CString>,
     pci: Vec<Option<CString>>,
 }
@@ -192,8 +198,10 @@ fn init_impl(logger: Logger) -> R<()> {
     }
     let mut names = Vec::new();
     let mut pci = Vec::new();
+    let mut device_ptrs = false;
     for d in 0..n {
         let pr = net.properties(d)?;
+        device_ptrs |= pr.ptr_support.device || pr.ptr_support.dmabuf;
         names.push(CString::new(pr.name.replace('\0', " ")).unwrap_or_default());
         pci.push(pr.pci_path.and_then(|s| CString::new(s).ok()));
     }
@@ -205,7 +213,16 @@ fn init_impl(logger: Logger) -> R<()> {
             names[0].to_string_lossy()
         ),
     );
-    *p = Some(Arc::new(Plugin { net, names, pci }));
+    if device_ptrs {
+        // NCCL may now post GPU memory: no CPU copies on the data path.
+        net.expect_device_buffers();
+    }
+    *p = Some(Arc::new(Plugin {
+        net,
+        device_ptrs,
+        names,
+        pci,
+    }));
     Ok(())
 }
 
@@ -245,9 +262,12 @@ fn properties_impl<P: PropsOut>(dev: c_int, out: *mut P) -> R<()> {
             ))
         })?;
     let pr = p.net.properties(d)?;
-    // NCCL_PTR_DMABUF only once regMrDmaBuf is wired to the NIC's ibv_reg_dmabuf_mr (it is
-    // NULL today): until then NCCL stages GPU buffers through host memory.
-    let ptr_support = if pr.ptr_support.host { PTR_HOST } else { 0 };
+    // GPU memory through the NIC's peer-memory support or dmabuf (ibv_reg_dmabuf_mr);
+    // without either, NCCL stages GPU buffers through host memory.
+    let ps = pr.ptr_support;
+    let ptr_support = if ps.host { PTR_HOST } else { 0 }
+        | if ps.device || ps.dmabuf { PTR_CUDA } else { 0 }
+        | if ps.dmabuf { PTR_DMABUF } else { 0 };
     let c = CommonProps {
         name: p.names[d].as_ptr() as *mut c_char,
         pci: p.pci[d]
@@ -470,19 +490,63 @@ fn reg_mr_impl(
     typ: c_int,
     mh: *mut *mut c_void,
 ) -> R<()> {
+    register(comm, data, size, typ, None, mh, "regMr")
+}
+
+fn reg_mr_dmabuf_impl(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    typ: c_int,
+    offset: u64,
+    fd: c_int,
+    mh: *mut *mut c_void,
+) -> R<()> {
+    if fd < 0 {
+        return Err(bad(format!("regMrDmaBuf: fd {fd} is not a dmabuf")));
+    }
+    register(comm, data, size, typ, Some((fd, offset)), mh, "regMrDmaBuf")
+}
+
+/// `regMr` / `regMrDmaBuf`: host memory, or GPU memory (`NCCL_PTR_CUDA`) through peer
+/// memory or the dmabuf `fd`.
+fn register(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    typ: c_int,
+    dmabuf: Option<(c_int, u64)>,
+    mh: *mut *mut c_void,
+    what: &str,
+) -> R<()> {
     out_ptr(mh, "mhandle")?;
-    if typ != PTR_HOST {
+    let device = match typ {
+        PTR_HOST if dmabuf.is_none() => false,
+        PTR_CUDA => true,
+        _ => {
+            return Err(bad(format!(
+                "{what}: memory type {typ} is not NCCL_PTR_HOST or NCCL_PTR_CUDA"
+            )))
+        }
+    };
+    if device && !plugin()?.device_ptrs {
         return Err(bad(format!(
-            "regMr: memory type {typ} is not NCCL_PTR_HOST: roccl's plugin registers host memory (GPU memory goes through host staging in NCCL)"
+            "{what}: GPU memory, but this network does not advertise it (no dmabuf or peer-memory support on the NIC, or the userspace engine): NCCL should stage it through host memory"
         )));
     }
     let (_, o) = lookup(comm, "comm")?;
     let mut g = o.lock();
     let (a, l) = (data as usize, size);
     let k = match &mut *g {
+        Obj::Send(s) if device => {
+            Mrs::reg(&mut s.mrs, |a, l| s.c.reg_mr_device(a, l, dmabuf), a, l)?
+        }
+        Obj::Recv(r) if device => {
+            Mrs::reg(&mut r.mrs, |a, l| r.c.reg_mr_device(a, l, dmabuf), a, l)?
+        }
         Obj::Send(s) => Mrs::reg(&mut s.mrs, |a, l| s.c.reg_mr(a, l), a, l)?,
         Obj::Recv(r) => Mrs::reg(&mut r.mrs, |a, l| r.c.reg_mr(a, l), a, l)?,
-        _ => return Err(bad("regMr: not a send or receive comm")),
+        _ => return Err(bad(format!("{what}: not a send or receive comm"))),
     };
     set_out(mh, k as usize as *mut c_void);
     Ok(())
@@ -661,14 +725,41 @@ fn irecv_impl(
     Ok(())
 }
 
-fn iflush_impl(comm: *mut c_void, req: *mut *mut c_void) -> R<()> {
+fn iflush_impl(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    req: *mut *mut c_void,
+) -> R<()> {
     out_ptr(req, "request")?;
-    let (_, o) = lookup(comm, "recvComm")?;
-    if !matches!(&*o.lock(), Obj::Recv(_)) {
-        return Err(bad("iflush: not a receive comm"));
+    let n = usize::try_from(n)
+        .ok()
+        .filter(|n| *n <= MAX_RECVS)
+        .ok_or_else(|| bad(format!("iflush: {n} buffers (1 to {MAX_RECVS})")))?;
+    if n > 0 && (data.is_null() || sizes.is_null()) {
+        return Err(bad("iflush: data or sizes is NULL"));
     }
-    // Host memory: received data is visible once the receive completed; nothing to flush
-    // (a NULL request tells NCCL the flush is done).
+    let mut bufs = [RecvBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        tag: 0,
+    }; MAX_RECVS];
+    for (i, b) in bufs[..n].iter_mut().enumerate() {
+        // SAFETY: NCCL passes n pointers and n sizes (non-NULL, checked).
+        let (p, l) = unsafe { (*data.add(i), *sizes.add(i)) };
+        b.ptr = p.cast();
+        b.len = usize::try_from(l).unwrap_or(0);
+    }
+    let (_, o) = lookup(comm, "recvComm")?;
+    let mut g = o.lock();
+    let Obj::Recv(r) = &mut *g else {
+        return Err(bad("iflush: not a receive comm"));
+    };
+    // GPU memory registered by this comm is read back through the NIC (synchronously: the
+    // read on a loopback QP takes a few microseconds); host memory needs nothing. A NULL
+    // request tells NCCL the flush is done.
+    r.c.flush(&bufs[..n])?;
     set_out(req, std::ptr::null_mut());
     Ok(())
 }

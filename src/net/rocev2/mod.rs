@@ -23,6 +23,7 @@ mod regcache;
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::{
@@ -34,7 +35,7 @@ use crate::rdma::udp::UserVerbs;
 use crate::rdma::verbs::{
     Access, Mr, QpEndpoint, QpId, RecvWr, SendWr, Sge, Verbs, Wc, WcOpcode, WcStatus, WrOpcode,
 };
-use regcache::RegCache;
+use regcache::{Pinned, RegCache};
 
 /// Clear-to-send slots per connection (= requests in flight).
 pub const FIFO: usize = MAX_REQUESTS;
@@ -124,6 +125,8 @@ pub struct RoceNet {
     speed_mbps: Option<u32>,
     pci_path: Option<String>,
     dmabuf: bool,
+    /// GPU memory may be posted: connections send and receive without CPU copies.
+    device_buffers: AtomicBool,
 }
 
 impl RoceNet {
@@ -135,6 +138,7 @@ impl RoceNet {
             speed_mbps: None,
             pci_path: None,
             dmabuf: false,
+            device_buffers: AtomicBool::new(false),
         })
     }
 
@@ -157,6 +161,7 @@ impl RoceNet {
             ip,
             speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
             pci_path: port.and_then(|p| p.pci.clone()),
+            device_buffers: AtomicBool::new(false),
         })
     }
 
@@ -168,13 +173,36 @@ impl RoceNet {
             speed_mbps: None,
             pci_path: None,
             dmabuf: false,
+            device_buffers: AtomicBool::new(false),
         }
+    }
+
+    /// This side's eager configuration: none where GPU memory may be posted (the receiver
+    /// would copy eager messages out of its bounce buffers with the CPU).
+    fn eager_cfg(&self) -> Result<EagerCfg> {
+        let mut e = EagerCfg::from_env()?;
+        if self.device_buffers.load(Ordering::Relaxed) {
+            e.size = 0;
+        }
+        Ok(e)
     }
 
     /// The provider's name.
     pub fn provider(&self) -> String {
         self.verbs.name()
     }
+}
+
+/// Whether a kernel module lets the NIC register GPU memory by its address (peer memory:
+/// `nvidia_peermem`, or AMD's `amdkfd` peer-memory client), as NCCL and RCCL check.
+fn peer_memory() -> bool {
+    [
+        "/sys/kernel/mm/memory_peers/nv_mem/version",
+        "/sys/module/nvidia_peermem/version",
+        "/sys/kernel/mm/memory_peers/amdkfd/version",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
 }
 
 fn put_addr(b: &mut [u8], a: SocketAddr) {
@@ -302,7 +330,7 @@ impl Net for RoceNet {
             guid: 0,
             ptr_support: PtrSupport {
                 host: true,
-                device: false,
+                device: self.verbs.hardware() && peer_memory(),
                 dmabuf: self.dmabuf,
             },
             speed_mbps: self.speed_mbps.unwrap_or(if self.ip.is_loopback() {
@@ -315,6 +343,10 @@ impl Net for RoceNet {
             max_comms: 4096,
             max_recvs: MAX_RECVS as u32,
         })
+    }
+
+    fn expect_device_buffers(&self) {
+        self.device_buffers.store(true, Ordering::Relaxed);
     }
 
     fn listen(&self, dev: usize) -> Result<(NetHandle, Box<dyn ListenComm>)> {
@@ -334,7 +366,7 @@ impl Net for RoceNet {
                 l,
                 verbs: Arc::clone(&self.verbs),
                 pending: Vec::new(),
-                eager: EagerCfg::from_env()?,
+                eager: self.eager_cfg()?,
             }),
         ))
     }
@@ -362,7 +394,7 @@ impl Net for RoceNet {
                 Access::LOCAL_WRITE | Access::REMOTE_WRITE,
             )?
         };
-        let eager = EagerCfg::from_env()?;
+        let eager = self.eager_cfg()?;
         side.queue(&encode_info(
             &ep,
             Some(&mr),
@@ -672,6 +704,7 @@ impl ListenComm for RoceListen {
                 next_first: 0,
                 eager,
                 cache: RegCache::new(&*self.verbs),
+                flusher: None,
             })));
         }
         Ok(None)
@@ -943,7 +976,8 @@ impl RoceSend {
                     return Ok(()); // a later entry brings credits
                 }
             }
-            let inline = len <= self.verbs.max_inline();
+            // GPU memory is never read by the CPU (inline copies at post time).
+            let inline = len <= self.verbs.max_inline() && !self.cache.is_device(addr, len);
             if eager {
                 // Eager: copied to staging slot `m % slots`, sent into one of the receiver's
                 // bounce buffers without a clear-to-send; complete for the caller at once
@@ -1042,7 +1076,54 @@ fn sge(addr: u64, len: usize, mr: Option<Mr>) -> Option<Sge> {
     })
 }
 
+/// An explicit registration (`regMr`, `regMrDmaBuf`), kept in `cache` until `dereg`.
+fn reg_explicit(
+    verbs: &dyn Verbs,
+    cache: &mut RegCache,
+    addr: usize,
+    len: usize,
+    device: bool,
+    dmabuf: Option<(i32, u64)>,
+) -> Result<MemHandle> {
+    if len == 0 {
+        return Err(Error::arg("registering 0 bytes"));
+    }
+    // Remote read too: receive buffers in GPU memory are flushed by reading them.
+    let access = Access::ALL;
+    // SAFETY: the registration contract (regMr): the memory, or the dmabuf, stays valid
+    // until `dereg_mr`, which the plugin's user calls before freeing it.
+    let mr = unsafe {
+        match dmabuf {
+            Some((fd, offset)) => verbs.reg_dmabuf(fd, offset, len, addr as u64, access)?,
+            None => verbs.reg_mr(addr as u64, len, access)?,
+        }
+    };
+    cache.pin(Pinned { mr, access, device });
+    Ok(MemHandle {
+        addr,
+        len,
+        key: mr.lkey as u64,
+    })
+}
+
 impl SendComm for RoceSend {
+    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
+    }
+
+    fn reg_mr_device(
+        &mut self,
+        addr: usize,
+        len: usize,
+        dmabuf: Option<(i32, u64)>,
+    ) -> Result<MemHandle> {
+        reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf)
+    }
+
+    fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
+        self.cache.unpin(&*self.verbs, mr.key as u32)
+    }
+
     unsafe fn isend(
         &mut self,
         data: *const u8,
@@ -1149,6 +1230,8 @@ struct RoceRecv {
     /// Messages up to this size come eagerly (0: none).
     eager: usize,
     cache: RegCache,
+    /// For flushes of GPU memory, made at the first one.
+    flusher: Option<Flusher>,
 }
 
 impl RoceRecv {
@@ -1297,7 +1380,129 @@ impl RoceRecv {
     }
 }
 
+/// A QP connected to itself and a scratch buffer: reads of received GPU memory through it
+/// complete only after the NIC's earlier writes to that memory (`iflush`).
+struct Flusher {
+    qp: QpId,
+    scratch: Box<[u8; 64]>,
+    mr: Mr,
+}
+
+impl RoceRecv {
+    fn flusher(&mut self) -> Result<&Flusher> {
+        if self.flusher.is_none() {
+            let (qp, ep) = self.verbs.create_qp()?;
+            if let Err(e) = self.verbs.connect_qp(qp, &ep) {
+                self.verbs.destroy_qp(qp);
+                return Err(e);
+            }
+            let mut scratch = Box::new([0u8; 64]);
+            // SAFETY: boxed (stable address), owned by this comm, deregistered in Drop
+            // before it is freed.
+            let mr = unsafe {
+                self.verbs
+                    .reg_mr(scratch.as_mut_ptr() as u64, 64, Access::LOCAL_WRITE)
+            };
+            let mr = match mr {
+                Ok(m) => m,
+                Err(e) => {
+                    self.verbs.destroy_qp(qp);
+                    return Err(e);
+                }
+            };
+            self.flusher = Some(Flusher { qp, scratch, mr });
+        }
+        Ok(self.flusher.as_ref().expect("set above"))
+    }
+
+    /// Read the first byte of each buffer in GPU memory back through the NIC, and wait.
+    fn flush_device(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+        let device = |c: &RegCache, b: &RecvBuf| {
+            c.pinned_for(b.ptr as u64, b.len.max(1), Access::default())
+                .filter(|p| p.device && b.len > 0)
+        };
+        if !bufs.iter().any(|b| device(&self.cache, b).is_some()) {
+            return Ok(());
+        }
+        let targets: [Option<(u64, u32)>; MAX_RECVS] = std::array::from_fn(|i| {
+            bufs.get(i)
+                .and_then(|b| device(&self.cache, b).map(|p| (b.ptr as u64, p.mr.rkey)))
+        });
+        let verbs = Arc::clone(&self.verbs);
+        let f = self.flusher()?;
+        let (qp, lkey, at) = (f.qp, f.mr.lkey, f.scratch.as_ptr() as u64);
+        let mut posted = 0usize;
+        for (i, &(addr, rkey)) in targets.iter().flatten().enumerate() {
+            verbs.post_send(
+                qp,
+                &SendWr {
+                    wr_id: i as u64,
+                    opcode: WrOpcode::Read,
+                    sge: Some(Sge {
+                        addr: at + i as u64,
+                        len: 1,
+                        lkey,
+                    }),
+                    inline: false,
+                    imm: 0,
+                    remote_addr: addr,
+                    rkey,
+                    signaled: true,
+                },
+            )?;
+            posted += 1;
+        }
+        let t0 = std::time::Instant::now();
+        let limit = crate::comm::timeout();
+        let mut wcs = [EMPTY_WC; MAX_RECVS];
+        while posted > 0 {
+            let n = verbs.poll_cq(qp, &mut wcs)?;
+            for wc in &wcs[..n] {
+                if wc.status != WcStatus::Success {
+                    return Err(Error::sys(
+                        "flushing received GPU memory (RDMA read through a loopback QP)",
+                        std::io::Error::other(format!("completion status {:?}", wc.status)),
+                    ));
+                }
+            }
+            posted -= n.min(posted);
+            if n == 0 {
+                if t0.elapsed() > limit {
+                    return Err(Error::Timeout(format!(
+                        "flushing received GPU memory took over {limit:.0?}: the NIC did not complete a read on its loopback QP"
+                    )));
+                }
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+}
+
 impl RecvComm for RoceRecv {
+    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
+    }
+
+    fn reg_mr_device(
+        &mut self,
+        addr: usize,
+        len: usize,
+        dmabuf: Option<(i32, u64)>,
+    ) -> Result<MemHandle> {
+        reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf)
+    }
+
+    fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
+        self.cache.unpin(&*self.verbs, mr.key as u32)
+    }
+
+    fn flush(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+        self.progress()?;
+        let r = self.flush_device(bufs);
+        super::remember_failure(&mut self.failed, r)
+    }
+
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         self.progress()?;
         let g = RecvGroup::new(bufs)?;
@@ -1391,6 +1596,10 @@ impl RecvComm for RoceRecv {
 impl Drop for RoceRecv {
     fn drop(&mut self) {
         self.verbs.destroy_qp(self.qp);
+        if let Some(f) = self.flusher.take() {
+            self.verbs.destroy_qp(f.qp);
+            let _ = self.verbs.dereg_mr(&f.mr);
+        }
         for r in &mut self.reqs {
             for m in r.mrs.iter_mut().filter_map(Option::take) {
                 self.cache.release(&*self.verbs, &m);
@@ -1795,5 +2004,147 @@ mod tests {
             }
         }
         drop(sender.join().unwrap());
+    }
+
+    /// The userspace engine, recording every send work request (opcode, inline, local
+    /// address, remote address).
+    struct Recording(
+        UserVerbs,
+        parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
+    );
+
+    impl Verbs for Recording {
+        fn name(&self) -> String {
+            self.0.name()
+        }
+        fn max_inline(&self) -> usize {
+            self.0.max_inline()
+        }
+        unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+            // SAFETY: forwarded contract.
+            unsafe { self.0.reg_mr(addr, len, access) }
+        }
+        fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+            self.0.dereg_mr(mr)
+        }
+        fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+            self.0.create_qp()
+        }
+        fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
+            self.0.connect_qp(qp, remote)
+        }
+        fn destroy_qp(&self, qp: QpId) {
+            self.0.destroy_qp(qp)
+        }
+        fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+            let local = wr.sge.map_or(0, |g| g.addr);
+            self.1
+                .lock()
+                .push((wr.opcode, wr.inline, local, wr.remote_addr));
+            self.0.post_send(qp, wr)
+        }
+        fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
+            self.0.post_recv(qp, wr)
+        }
+        fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
+            self.0.poll_cq(qp, out)
+        }
+        fn poll_fds(&self, out: &mut Vec<PollFd>) {
+            self.0.poll_fds(out)
+        }
+        fn qp_state(&self, qp: QpId) -> Result<crate::rdma::verbs::QpState> {
+            self.0.qp_state(qp)
+        }
+        fn read_registered(&self, addr: u64, out: &mut [u8]) {
+            self.0.read_registered(addr, out)
+        }
+    }
+
+    /// Memory registered as GPU memory (`regMr` with `NCCL_PTR_CUDA`; the userspace engine
+    /// takes host memory for it): once the network expects GPU buffers, a small message
+    /// moves by RDMA write straight from the registered send buffer into the registered
+    /// receive buffer — no eager bounce buffer, no inline copy — and a flush reads the
+    /// received buffer back through a loopback QP. Without it, the same message goes eagerly.
+    #[test]
+    fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        for device in [true, false] {
+            let rec = Arc::new(Recording(
+                UserVerbs::with(lo, 0, None).unwrap(),
+                parking_lot::Mutex::new(Vec::new()),
+            ));
+            let net = RoceNet::over(rec.clone(), lo);
+            if device {
+                net.expect_device_buffers();
+            }
+            let (mut s, mut r) = pair(&net);
+            let data: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
+            let mut buf = vec![0u8; 256];
+            let (sa, ra) = (data.as_ptr() as usize, buf.as_mut_ptr() as usize);
+            let (sm, rm) = if device {
+                (
+                    s.reg_mr_device(sa, data.len(), None).unwrap(),
+                    r.reg_mr_device(ra, buf.len(), None).unwrap(),
+                )
+            } else {
+                (
+                    s.reg_mr(sa, data.len()).unwrap(),
+                    r.reg_mr(ra, buf.len()).unwrap(),
+                )
+            };
+            let rb = [RecvBuf {
+                ptr: buf.as_mut_ptr(),
+                len: buf.len(),
+                tag: 7,
+            }];
+            // SAFETY: `buf` and `data` outlive the loop, which completes both requests.
+            let (rq, sq) = unsafe {
+                (
+                    r.irecv(&rb).unwrap().unwrap(),
+                    s.isend(data.as_ptr(), data.len(), 7, Some(&sm))
+                        .unwrap()
+                        .unwrap(),
+                )
+            };
+            let (mut sd, mut rd, mut size) = (false, false, [0usize]);
+            let t0 = std::time::Instant::now();
+            while !(sd && rd) {
+                assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
+                sd = sd || s.test(sq).unwrap().is_some();
+                rd = rd || r.test(rq, &mut size).unwrap();
+            }
+            assert_eq!((size[0], &buf[..64]), (64, &data[..]));
+            r.flush(&rb).unwrap();
+            let log = rec.1.lock().clone();
+            let data_wr = log.iter().find(|w| w.2 == sa as u64);
+            if device {
+                let w = data_wr.expect("the message was sent from the registered buffer");
+                assert_eq!(
+                    (w.0, w.1, w.3),
+                    (WrOpcode::WriteImm, false, ra as u64),
+                    "{log:?}"
+                );
+                assert!(!log.iter().any(|w| w.0 == WrOpcode::SendImm), "{log:?}");
+                let read = log
+                    .iter()
+                    .find(|w| w.0 == WrOpcode::Read)
+                    .expect("the flush read the received buffer");
+                assert_eq!(read.3, ra as u64);
+                let mut got = [0u8];
+                rec.read_registered(read.2, &mut got);
+                assert_eq!(got[0], buf[0], "the flush read the buffer's first byte");
+            } else {
+                assert!(data_wr.is_none(), "{log:?}");
+                assert!(log.iter().any(|w| w.0 == WrOpcode::SendImm), "{log:?}");
+                assert!(!log.iter().any(|w| w.0 == WrOpcode::Read), "{log:?}");
+            }
+            s.dereg_mr(sm).unwrap();
+            let again = MemHandle { ..rm };
+            r.dereg_mr(rm).unwrap();
+            assert!(
+                r.dereg_mr(again).is_err(),
+                "a second deregistration is refused"
+            );
+        }
     }
 }

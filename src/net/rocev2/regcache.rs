@@ -26,10 +26,24 @@ struct Entry {
     last_use: u64,
 }
 
+/// A registration the application made explicitly (`regMr`, `regMrDmaBuf`): used by every
+/// request inside it, never evicted, released by [`RegCache::unpin`].
+#[derive(Clone, Copy, Debug)]
+pub struct Pinned {
+    /// The registration.
+    pub mr: Mr,
+    /// Its access rights.
+    pub access: Access,
+    /// GPU memory the CPU must not touch: sent and received without CPU copies, flushed
+    /// after receives.
+    pub device: bool,
+}
+
 /// The cache of one comm. Dropping it does not deregister: call [`RegCache::clear`].
 pub struct RegCache {
     on: bool,
     entries: Vec<Entry>,
+    pinned: Vec<Pinned>,
     clock: u64,
     /// Lookups served from the cache, and registrations made.
     pub hits: u64,
@@ -43,6 +57,7 @@ impl RegCache {
         RegCache {
             on: verbs.cacheable_registrations(),
             entries: Vec::with_capacity(CAPACITY),
+            pinned: Vec::new(),
             clock: 0,
             hits: 0,
             misses: 0,
@@ -62,6 +77,10 @@ impl RegCache {
         access: Access,
     ) -> Result<Mr> {
         self.clock += 1;
+        if let Some(p) = self.pinned_for(addr, len, access) {
+            self.hits += 1;
+            return Ok(p.mr);
+        }
         if self.on {
             let end = addr + len as u64;
             if let Some(e) = self.entries.iter_mut().find(|e| {
@@ -105,8 +124,46 @@ impl RegCache {
         Ok(mr)
     }
 
+    /// The explicit registration covering `addr..addr+len` with `access`, if any.
+    pub fn pinned_for(&self, addr: u64, len: usize, access: Access) -> Option<Pinned> {
+        let end = addr + len as u64;
+        self.pinned
+            .iter()
+            .find(|p| {
+                p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
+            })
+            .copied()
+    }
+
+    /// Whether `addr..addr+len` lies in GPU memory registered explicitly.
+    pub fn is_device(&self, addr: u64, len: usize) -> bool {
+        self.pinned_for(addr, len, Access::default())
+            .is_some_and(|p| p.device)
+    }
+
+    /// Keep an explicit registration (see [`Pinned`]).
+    pub fn pin(&mut self, p: Pinned) {
+        self.pinned.push(p);
+    }
+
+    /// Deregister the explicit registration with local key `lkey`.
+    pub fn unpin(&mut self, verbs: &dyn Verbs, lkey: u32) -> Result<()> {
+        let i = self
+            .pinned
+            .iter()
+            .position(|p| p.mr.lkey == lkey)
+            .ok_or_else(|| {
+                crate::error::Error::arg(format!("deregistering unknown memory key {lkey:#x}"))
+            })?;
+        let p = self.pinned.swap_remove(i);
+        verbs.dereg_mr(&p.mr)
+    }
+
     /// A request is done with `mr` (from [`RegCache::acquire`]).
     pub fn release(&mut self, verbs: &dyn Verbs, mr: &Mr) {
+        if self.pinned.iter().any(|p| p.mr.lkey == mr.lkey) {
+            return;
+        }
         match self.entries.iter_mut().find(|e| e.mr.lkey == mr.lkey) {
             Some(e) => e.users = e.users.saturating_sub(1),
             None => {
@@ -119,6 +176,9 @@ impl RegCache {
     pub fn clear(&mut self, verbs: &dyn Verbs) {
         for e in self.entries.drain(..) {
             let _ = verbs.dereg_mr(&e.mr);
+        }
+        for p in self.pinned.drain(..) {
+            let _ = verbs.dereg_mr(&p.mr);
         }
     }
 }
