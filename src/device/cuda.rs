@@ -90,6 +90,9 @@ struct Api {
         unsafe extern "C" fn(*mut c_void),
         *mut c_void,
     ) -> CuResult,
+    /// `cuMemGetHandleForAddressRange` (CUDA 11.7 and later).
+    get_handle_for_address_range:
+        Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> CuResult>,
 }
 
 /// A resolved symbol as the function type `F`.
@@ -143,6 +146,9 @@ fn load() -> Result<&'static Api> {
                 mem_free: as_fn(sym(c"cuMemFree_v2")?),
                 device_get_attribute: as_fn(sym(c"cuDeviceGetAttribute")?),
                 launch_host_func: as_fn(sym(c"cuLaunchHostFunc")?),
+                get_handle_for_address_range: sym(c"cuMemGetHandleForAddressRange")
+                    .ok()
+                    .map(|p| as_fn(p)),
                 get_error_string: as_fn(sym(c"cuGetErrorString")?),
             })
         }
@@ -339,6 +345,23 @@ impl Device for CudaDevice {
             unsafe { super::host_fn_drop(data) };
         }
         check(self.api, "cuLaunchHostFunc", r)
+    }
+
+    fn dmabuf_export(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        let Some(f) = self.api.get_handle_for_address_range else {
+            return Err(Error::InvalidUsage(
+                "this CUDA driver cannot export dmabufs (needs CUDA 11.7 or later)".into(),
+            ));
+        };
+        let (base, size, off) = super::page_range(addr, len);
+        let mut fd: c_int = -1;
+        // SAFETY: valid storage for the fd; handle type 1 = CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
+        check(self.api, "cuMemGetHandleForAddressRange", unsafe {
+            f((&mut fd as *mut c_int).cast(), base as u64, size, 1, 0)
+        })?;
+        // SAFETY: a new descriptor the driver handed over to us.
+        Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, off))
     }
 
     fn is_capturing(&self, stream: StreamId) -> Result<bool> {

@@ -380,6 +380,56 @@ impl Device for HipDevice {
         }))
     }
 
+    fn dmabuf_export(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        // ROCm's own path (as RCCL): hsa_amd_portable_export_dmabuf, else (ROCm >= 6)
+        // hipMemGetHandleForAddressRange; both looked up at run time (older runtimes lack them).
+        type Hsa = unsafe extern "C" fn(*const c_void, usize, *mut c_int, *mut u64) -> c_int;
+        type Range = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, u64) -> c_int;
+        let sym = |name: &CStr| {
+            // SAFETY: dlsym on the global scope with a NUL-terminated name.
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+            (!p.is_null()).then_some(p)
+        };
+        let (mut fd, mut off): (c_int, u64) = (-1, 0);
+        if let Some(p) = sym(c"hsa_amd_portable_export_dmabuf") {
+            // SAFETY: the symbol has this signature (hsa_ext_amd.h); valid out-pointers.
+            let f: Hsa = unsafe { std::mem::transmute::<*mut c_void, Hsa>(p) };
+            // SAFETY: as above; the runtime checks the range belongs to one allocation.
+            let r = unsafe { f(addr as *const c_void, len, &mut fd, &mut off) };
+            if r != 0 || fd < 0 {
+                return Err(Error::sys(
+                    "hsa_amd_portable_export_dmabuf",
+                    std::io::Error::other(format!(
+                        "HSA status {r:#x} (is the kernel's amdgpu dmabuf export enabled?)"
+                    )),
+                ));
+            }
+        } else if let Some(p) = sym(c"hipMemGetHandleForAddressRange") {
+            // SAFETY: the symbol has this signature (hip_runtime_api.h, ROCm 6).
+            let f: Range = unsafe { std::mem::transmute::<*mut c_void, Range>(p) };
+            let (base, size, o) = super::page_range(addr, len);
+            // SAFETY: valid storage for the fd; handle type 1 = hipMemRangeHandleTypeDmaBufFd.
+            let r = unsafe {
+                f(
+                    (&mut fd as *mut c_int).cast(),
+                    base as *mut c_void,
+                    size,
+                    1,
+                    0,
+                )
+            };
+            check("hipMemGetHandleForAddressRange", r)?;
+            off = o;
+        } else {
+            return Err(Error::InvalidUsage(
+                "this HIP runtime cannot export dmabufs (needs ROCm 6 or later)".into(),
+            ));
+        }
+        // SAFETY: a new descriptor the runtime handed over to us.
+        Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, off))
+    }
+
     fn create_stream(&self) -> Result<StreamId> {
         let mut s: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the stream handle.

@@ -170,6 +170,15 @@ pub trait Device: Send + Sync {
     fn bind_thread(&self) -> Result<()> {
         Ok(())
     }
+    /// Export `addr..addr + len` of device memory as a dmabuf for NIC registration
+    /// (`ibv_reg_dmabuf_mr`): the file descriptor and `addr`'s offset in it.
+    fn dmabuf_export(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        let _ = (addr, len);
+        Err(Error::InvalidUsage(format!(
+            "the {} runtime cannot export memory as a dmabuf",
+            self.name()
+        )))
+    }
     /// Whether streams can write and wait on flags themselves (stream memory operations:
     /// `hipStreamWaitValue64`, `cuStreamWaitValue64`). Without, stream-ordered calls fall
     /// back to host functions ([`Device::host_fn`]).
@@ -186,6 +195,16 @@ pub trait Device: Send + Sync {
             self.name()
         )))
     }
+}
+
+/// The page-aligned range around `addr..addr + len` that runtimes export as a dmabuf, and
+/// `addr`'s offset in it.
+#[cfg(any(feature = "hip", feature = "cuda"))]
+fn page_range(addr: usize, len: usize) -> (usize, usize, u64) {
+    let page = 4096;
+    let base = addr & !(page - 1);
+    let end = (addr + len).div_ceil(page) * page;
+    (base, end - base, (addr - base) as u64)
 }
 
 /// A host function as the `void *` a runtime hands back to [`host_fn_trampoline`].

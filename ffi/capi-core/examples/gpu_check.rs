@@ -34,6 +34,15 @@ fn main() {
     // SAFETY: valid storage for the id.
     assert_eq!(unsafe { rocclGetUniqueId(&mut id) }, 0);
     println!("# gpu_check: {ranks} ranks as threads on one {} device; stream-ordered calls, results checked", dev.name());
+    // What a NIC would need to read and write this GPU's memory without staging (NCCL and
+    // RCCL over roccl's network plugin register it with regMrDmaBuf).
+    match dev
+        .alloc_device(1 << 20)
+        .and_then(|b| dev.dmabuf_export(b.addr() + 4096, 8192))
+    {
+        Ok((fd, off)) => println!("# dmabuf export of device memory: ok (fd {fd:?}, offset {off})"),
+        Err(e) => println!("# dmabuf export of device memory: no ({e})"),
+    }
     println!(
         "#{:>13} {:>12} {:>10} {:>9} {:>7}",
         "op", "bytes", "time (us)", "busbw", "#wrong"
