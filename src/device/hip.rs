@@ -90,11 +90,6 @@ extern "C" {
         mask: u64,
     ) -> c_int;
     fn hipStreamIsCapturing(stream: *mut c_void, status: *mut c_int) -> c_int;
-    fn hipLaunchHostFunc(
-        stream: *mut c_void,
-        f: unsafe extern "C" fn(*mut c_void),
-        data: *mut c_void,
-    ) -> c_int;
     fn hipExtMallocWithFlags(ptr: *mut *mut c_void, size: usize, flags: c_uint) -> c_int;
     fn hipFree(ptr: *mut c_void) -> c_int;
     fn hipMemcpyAsync(
@@ -322,11 +317,29 @@ impl Device for HipDevice {
     }
 
     fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        // Looked up at run time: HIP 5.2 (Debian's libamdhip64) does not have it.
+        type Launch = unsafe extern "C" fn(
+            *mut c_void,
+            unsafe extern "C" fn(*mut c_void),
+            *mut c_void,
+        ) -> c_int;
+        static LAUNCH: std::sync::OnceLock<Option<Launch>> = std::sync::OnceLock::new();
+        let launch = LAUNCH.get_or_init(|| {
+            // SAFETY: dlsym on the global scope (libamdhip64 is linked) with a NUL-terminated
+            // name.
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"hipLaunchHostFunc".as_ptr()) };
+            // SAFETY: the symbol has this signature (hip_runtime_api.h).
+            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, Launch>(p) })
+        });
+        let Some(launch) = *launch else {
+            return Err(Error::InvalidUsage(
+                "this HIP runtime has neither stream waits on this device nor hipLaunchHostFunc: stream-ordered collectives need a newer ROCm".into(),
+            ));
+        };
         let data = super::host_fn_data(f);
         // SAFETY: the trampoline takes `data` (made just above) and runs it once; `stream`
         // is the application's.
-        let r =
-            unsafe { hipLaunchHostFunc(stream as *mut c_void, super::host_fn_trampoline, data) };
+        let r = unsafe { launch(stream as *mut c_void, super::host_fn_trampoline, data) };
         if r != HIP_SUCCESS {
             // SAFETY: the launch failed, so the runtime will not call the trampoline.
             unsafe { super::host_fn_drop(data) };
