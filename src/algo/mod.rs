@@ -6,6 +6,7 @@
 //! the executor only when none can move. Machines never touch memory directly: they name
 //! regions of the call's buffers and the executor checks every access.
 
+pub mod calibrate;
 pub mod model;
 mod p2p;
 mod ring;

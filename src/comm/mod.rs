@@ -17,7 +17,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::algo::model::{self, CollKind, LinkCost, Tuning};
-use crate::algo::{self, shm, Algo, Pipeline};
+use crate::algo::{self, calibrate, shm, Algo, Pipeline};
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
@@ -211,10 +211,12 @@ impl<R> Handle<R> {
     }
 }
 
-const BLOB_VERSION: u32 = 2;
-/// Bytes of a rendezvous blob: version, host id, network name, its handle, and the
-/// shared-memory handle (flag byte, padding, handle).
-const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX;
+const BLOB_VERSION: u32 = 3;
+/// Bytes of a rendezvous blob: version, host id, network name, its handle, the
+/// shared-memory handle (flag byte, padding, handle), and the host's measured speeds.
+const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8;
+/// Where the measured speeds sit in a blob.
+const BLOB_SPEEDS: usize = BLOB_LEN - 8;
 
 fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>, node: bool) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
@@ -226,6 +228,7 @@ fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>, node: bool) -> V
     b.extend_from_slice(handle.as_bytes());
     b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
     b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
+    b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
     b
 }
 
@@ -251,7 +254,7 @@ fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<(NetHandle, Option<
     }
     let at = 28 + HANDLE_MAX;
     let shm = if b[at] != 0 {
-        Some(NetHandle::from_bytes(&b[at + 8..])?)
+        Some(NetHandle::from_bytes(&b[at + 8..BLOB_SPEEDS])?)
     } else {
         None
     };
@@ -378,6 +381,13 @@ impl Communicator {
             .count();
         let other_peers = nranks - 1 - shm_peers;
         let props = net.properties(0)?;
+        // The slowest rank's measured reduction and copy speeds (the same on every rank).
+        let measured = calibrate::slowest(
+            table
+                .iter()
+                .map(|b| calibrate::decode(b.get(BLOB_SPEEDS..).unwrap_or(&[]))),
+        );
+        let speeds = calibrate::for_model(measured);
         // Peers on this host talk through the kernel's loopback path whatever the interface.
         let all_local = local_ranks == nranks;
         // Every rank on this host with its segment: map them all (every rank decides alike).
@@ -407,7 +417,7 @@ impl Communicator {
             } else {
                 (props.speed_mbps as f64 / 8000.0).min(3.0)
             } * (cores as f64 / local_ranks as f64).min(1.0),
-            gamma_gbs: 10.0,
+            gamma_gbs: speeds.reduce_gbs,
             // Measured on 2 cores with 4 ranks: each message costs about a context switch
             // over TCP; over shared-memory rings a yield to the peer that runs next.
             msg_cpu_us: if local_ranks <= cores {
@@ -426,7 +436,7 @@ impl Communicator {
                     0.3
                 }
             }),
-            copy_gbs: 8.0,
+            copy_gbs: speeds.copy_gbs,
             cpu_share: (cores as f64 / local_ranks as f64).min(1.0),
             flat_slot: node.as_ref().map_or(256 << 10, |n| n.slot()),
             flat_cma: node.as_ref().is_some_and(|n| n.cma()),
@@ -440,7 +450,7 @@ impl Communicator {
             );
         }
         crate::info!(
-            "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs",
+            "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
             props.name,
             local,
             cfg.waiter.spin,
@@ -448,7 +458,11 @@ impl Communicator {
             cfg.waiter.timeout,
             cost.alpha_us,
             cost.beta_gbs,
-            cost.msg_cpu_us
+            cost.msg_cpu_us,
+            cost.gamma_gbs,
+            cost.copy_gbs,
+            measured.reduce_gbs,
+            measured.copy_gbs
         );
         let mut endpoints = vec![Endpoint {
             net,
