@@ -46,7 +46,7 @@ pub const BAND: f64 = 2.5;
 pub fn for_model(m: HostSpeeds) -> HostSpeeds {
     let scale = |measured: f64, reference: f64, fitted: f64| {
         let r = measured / reference;
-        if r > BAND || r < 1.0 / BAND {
+        if !(1.0 / BAND..=BAND).contains(&r) {
             fitted * r
         } else {
             fitted
