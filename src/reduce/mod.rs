@@ -173,9 +173,11 @@ fn native<T: Copy>(d: &mut [T], a: Option<&[T]>, b: &[T], f: impl Fn(T, T) -> T)
 macro_rules! elem_int {
     ($($t:ty => $w:ty),*) => {$(
         impl Elem for $t {
+            #[inline(always)]
             fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
                 with_op!(op, $t, native(d, a, b))
             }
+            #[inline(always)]
             fn avg(d: &mut [Self], n: usize) {
                 match <$t>::try_from(n) {
                     // `/` on integers truncates toward zero. `n >= 2`, so no overflow.
@@ -195,9 +197,11 @@ elem_int!(i8 => i128, u8 => u128, i32 => i128, u32 => u128, i64 => i128, u64 => 
 macro_rules! elem_float {
     ($($t:ty),*) => {$(
         impl Elem for $t {
+            #[inline(always)]
             fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
                 with_op!(op, $t, native(d, a, b))
             }
+            #[inline(always)]
             fn avg(d: &mut [Self], n: usize) {
                 let n = n as $t;
                 d.iter_mut().for_each(|x| *x /= n);
@@ -295,6 +299,7 @@ fn bf16_kernel(
 }
 
 impl Elem for bf16 {
+    #[inline(always)]
     fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
         match op {
             RedOp::Sum | RedOp::Avg => bf16_kernel(d, a, b, Origin::Arith, |x, y| x + y),
@@ -303,6 +308,7 @@ impl Elem for bf16 {
             RedOp::Min => bf16_kernel(d, a, b, Origin::Pick, f32::min),
         }
     }
+    #[inline(always)]
     fn avg(d: &mut [Self], n: usize) {
         let n = n as f32;
         d.iter_mut()
@@ -313,6 +319,7 @@ impl Elem for bf16 {
 /// f16 kernel: blocks of [`F16_BLOCK`] elements are widened into stack arrays of `f32` with
 /// `half`'s slice conversions (F16C when the CPU has it, detected at run time), combined,
 /// and rounded back to nearest-even.
+#[inline(always)]
 fn f16_kernel(d: &mut [f16], a: Option<&[f16]>, b: &[f16], f: impl Fn(f32, f32) -> f32) {
     let (mut fa, mut fb) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
     for (i, dc) in d.chunks_mut(F16_BLOCK).enumerate() {
@@ -329,9 +336,11 @@ fn f16_kernel(d: &mut [f16], a: Option<&[f16]>, b: &[f16], f: impl Fn(f32, f32) 
 }
 
 impl Elem for f16 {
+    #[inline(always)]
     fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
         with_op!(op, f32, f16_kernel(d, a, b))
     }
+    #[inline(always)]
     fn avg(d: &mut [Self], n: usize) {
         let n = n as f32;
         let mut f = [0f32; F16_BLOCK];
@@ -349,6 +358,7 @@ impl Elem for f16 {
 macro_rules! elem_fp8 {
     ($($t:ty),*) => {$(
         impl Elem for $t {
+            #[inline(always)]
             fn reduce(d: &mut [Self], a: Option<&[Self]>, b: &[Self], op: RedOp) {
                 // Closures, not function pointers: each op gets its own vectorized loop.
                 match op {
@@ -366,6 +376,7 @@ macro_rules! elem_fp8 {
                     }),
                 }
             }
+            #[inline(always)]
             fn avg(d: &mut [Self], n: usize) {
                 let n = n as f32;
                 d.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n));
@@ -386,7 +397,12 @@ impl Stage {
 }
 
 /// Byte-level driver: cast in place when aligned, else stage chunks through aligned buffers.
-/// Lengths are already checked.
+/// Lengths are already checked. Compiled also for AVX-512 and AVX2 (with F16C), chosen at
+/// run time: the kernels are element-wise, so every version gives the same bits.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c"
+))]
 fn drive<T: Elem>(dst: &mut [u8], a: Option<&[u8]>, b: &[u8], op: RedOp) {
     let aligned = |s: &[u8]| bytemuck::try_cast_slice::<u8, T>(s).is_ok();
     if aligned(dst) && a.map_or(true, aligned) && aligned(b) {
@@ -423,6 +439,10 @@ fn drive<T: Elem>(dst: &mut [u8], a: Option<&[u8]>, b: &[u8], op: RedOp) {
 }
 
 /// Byte-level driver for [`finish_avg`].
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c"
+))]
 fn drive_avg<T: Elem>(buf: &mut [u8], n: usize) {
     if let Ok(d) = bytemuck::try_cast_slice_mut::<u8, T>(buf) {
         T::avg(d, n);
@@ -440,6 +460,63 @@ fn drive_avg<T: Elem>(buf: &mut [u8], n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernels called directly, compiled for the baseline target, give the same bits as
+    /// the dispatched driver (the AVX-512 or AVX2 version where the CPU has them), so ranks
+    /// on different CPUs compute identical results. NaN inputs are left out: which NaN a
+    /// max of two NaNs returns is not specified.
+    #[test]
+    fn every_cpu_path_gives_the_same_bits() {
+        fn baseline<T: Elem>(d: &mut [u8], b: &[u8], op: RedOp) {
+            T::reduce(
+                bytemuck::cast_slice_mut(d),
+                None,
+                bytemuck::cast_slice(b),
+                op,
+            )
+        }
+        fn nan(dt: DataType, e: &[u8]) -> bool {
+            let u = |n: usize| e[..n].iter().rev().fold(0u64, |a, &x| a << 8 | x as u64);
+            match dt {
+                DataType::F16 => u(2) & 0x7c00 == 0x7c00 && u(2) & 0x3ff != 0,
+                DataType::Bf16 => u(2) & 0x7f80 == 0x7f80 && u(2) & 0x7f != 0,
+                DataType::F32 => f32::from_bits(u(4) as u32).is_nan(),
+                DataType::F64 => f64::from_bits(u(8)).is_nan(),
+                DataType::F8E4M3 => e[0] & 0x7f == 0x7f,
+                DataType::F8E5M2 => e[0] & 0x7c == 0x7c && e[0] & 3 != 0,
+                _ => false,
+            }
+        }
+        let n = 4099;
+        for dt in DataType::ALL {
+            let es = dt.size();
+            let clean = |seed: u64| -> Vec<u64> {
+                let mut v = bytes(n * es, seed);
+                for e in v.chunks_mut(es) {
+                    if nan(dt, e) {
+                        e.fill(0);
+                    }
+                }
+                let mut w = vec![0u64; (n * es).div_ceil(8)];
+                bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..n * es].copy_from_slice(&v);
+                w
+            };
+            let (a, b) = (clean(7), clean(8));
+            let bytes_of = |w: &[u64]| bytemuck::cast_slice::<u64, u8>(w)[..n * es].to_vec();
+            for op in RedOp::ALL {
+                let (mut d1, mut d2) = (a.clone(), a.clone());
+                let d1b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut d1)[..n * es];
+                reduce_into(d1b, &bytes_of(&b), dt, op).unwrap();
+                let d2b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut d2)[..n * es];
+                let bb = bytes_of(&b);
+                dispatch!(dt, baseline(d2b, &bb, op));
+                assert!(
+                    bytes_of(&d1) == bytes_of(&d2),
+                    "{dt} {op}: dispatched and baseline differ"
+                );
+            }
+        }
+    }
 
     /// Deterministic pseudo-random bytes (xorshift).
     fn bytes(n: usize, seed: u64) -> Vec<u8> {
