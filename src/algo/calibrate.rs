@@ -32,7 +32,7 @@ pub const DEFAULT: HostSpeeds = HostSpeeds {
     copy_gbs: 8.0,
 };
 
-/// What [`measure`] gives on the development machine (2 cores, fast phase, 2026-11-30):
+/// What the measurement gives on the development machine (2 cores, fast phase, 2026-11-30):
 /// reduce 32–47 GB/s, copy 41–48 GB/s.
 pub const REFERENCE: HostSpeeds = HostSpeeds {
     reduce_gbs: 42.0,

@@ -107,6 +107,36 @@ extern "C" {
     fn hipGetErrorString(err: c_int) -> *const std::ffi::c_char;
 }
 
+/// A symbol of the HIP runtime or the HSA runtime under it, looked up at run time (newer
+/// than what the build linked against). Searched in the global scope and in the libraries
+/// already loaded by name, since roccl itself may be loaded with `RTLD_LOCAL` (a plugin, or
+/// Python's ctypes), which keeps its libraries out of the global scope.
+fn runtime_sym(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: dlsym on the global scope with a NUL-terminated name.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if !p.is_null() {
+        return Some(p);
+    }
+    [
+        c"libamdhip64.so",
+        c"libamdhip64.so.6",
+        c"libamdhip64.so.5",
+        c"libhsa-runtime64.so.1",
+    ]
+    .iter()
+    .find_map(|lib| {
+        // SAFETY: RTLD_NOLOAD only returns a handle to a library that is already loaded
+        // (adding a reference, kept for the process's life); names are NUL-terminated.
+        let h = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+        if h.is_null() {
+            return None;
+        }
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { libc::dlsym(h, name.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    })
+}
+
 const HIP_SUCCESS: c_int = 0;
 /// `hipMemcpyDefault`: direction from the pointers (unified addressing).
 const MEMCPY_DEFAULT: c_int = 4;
@@ -325,11 +355,9 @@ impl Device for HipDevice {
         ) -> c_int;
         static LAUNCH: std::sync::OnceLock<Option<Launch>> = std::sync::OnceLock::new();
         let launch = LAUNCH.get_or_init(|| {
-            // SAFETY: dlsym on the global scope (libamdhip64 is linked) with a NUL-terminated
-            // name.
-            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"hipLaunchHostFunc".as_ptr()) };
             // SAFETY: the symbol has this signature (hip_runtime_api.h).
-            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, Launch>(p) })
+            runtime_sym(c"hipLaunchHostFunc")
+                .map(|p| unsafe { std::mem::transmute::<*mut c_void, Launch>(p) })
         });
         let Some(launch) = *launch else {
             return Err(Error::InvalidUsage(
@@ -399,11 +427,7 @@ impl Device for HipDevice {
         // hipMemGetHandleForAddressRange; both looked up at run time (older runtimes lack them).
         type Hsa = unsafe extern "C" fn(*const c_void, usize, *mut c_int, *mut u64) -> c_int;
         type Range = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, u64) -> c_int;
-        let sym = |name: &CStr| {
-            // SAFETY: dlsym on the global scope with a NUL-terminated name.
-            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-            (!p.is_null()).then_some(p)
-        };
+        let sym = runtime_sym;
         let (mut fd, mut off): (c_int, u64) = (-1, 0);
         if let Some(p) = sym(c"hsa_amd_portable_export_dmabuf") {
             // SAFETY: the symbol has this signature (hsa_ext_amd.h); valid out-pointers.

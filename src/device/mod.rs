@@ -201,7 +201,11 @@ pub trait Device: Send + Sync {
 /// `addr`'s offset in it.
 #[cfg(any(feature = "hip", feature = "cuda"))]
 fn page_range(addr: usize, len: usize) -> (usize, usize, u64) {
-    let page = 4096;
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096);
     let base = addr & !(page - 1);
     let end = (addr + len).div_ceil(page) * page;
     (base, end - base, (addr - base) as u64)
@@ -236,7 +240,9 @@ unsafe extern "C" fn host_fn_trampoline(data: *mut std::ffi::c_void) {
 }
 
 /// Enqueue on `stream`: store `value` in `flag` once the work before is done — with a
-/// stream memory operation, or a host function where the device has none.
+/// stream memory operation, or a host function where the device has none (it never blocks,
+/// so host functions of several streams sharing one runtime thread cannot wait on each
+/// other).
 fn signal(dev: &dyn Device, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
     if dev.stream_waits() {
         return dev.stream_write(stream, flag, value);
@@ -245,46 +251,6 @@ fn signal(dev: &dyn Device, stream: StreamId, flag: &Flag, value: u64) -> Result
     dev.host_fn(
         stream,
         Box::new(move || f.word().store(value, Ordering::Release)),
-    )
-}
-
-/// Enqueue on `stream`: hold later work until `flag >= value` — a stream memory operation,
-/// or a host function that blocks the stream until then. The blocking host function gives
-/// up after `timeout` (the worker reports the failed or stuck operation as the
-/// communicator's error), so a stream never hangs for good.
-fn hold(
-    dev: &dyn Device,
-    stream: StreamId,
-    flag: &Flag,
-    value: u64,
-    timeout: Duration,
-) -> Result<()> {
-    if dev.stream_waits() {
-        return dev.stream_wait(stream, flag, value);
-    }
-    let f = flag.clone();
-    dev.host_fn(
-        stream,
-        Box::new(move || {
-            let t0 = Instant::now();
-            let mut spins = 0u32;
-            while f.word().load(Ordering::Acquire) < value {
-                spins += 1;
-                if spins < 256 {
-                    std::hint::spin_loop();
-                } else if t0.elapsed() < Duration::from_millis(1) {
-                    std::thread::yield_now();
-                } else if t0.elapsed() < timeout {
-                    std::thread::sleep(Duration::from_micros(20));
-                } else {
-                    crate::log::log(
-                        crate::log::Level::Warn,
-                        format_args!("a stream waited {timeout:.0?} (ROCCL_TIMEOUT) for a roccl operation and goes on without it: its buffers may hold wrong data (see the communicator's async error)"),
-                    );
-                    return;
-                }
-            }
-        }),
     )
 }
 
@@ -554,6 +520,9 @@ pub fn enqueue_steps(
             )));
         }
     }
+    if !dev.stream_waits() {
+        return run_synchronously(dev, &distinct, steps, bufs);
+    }
     let table = slots(dev.as_ref())?;
     let mut taken: Vec<(usize, u64)> = Vec::with_capacity(steps.len());
     for _ in 0..steps.len() {
@@ -580,7 +549,7 @@ pub fn enqueue_steps(
                 signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
             }
             for (k, step) in steps.iter().enumerate() {
-                hold(dev.as_ref(), s, &done(k), taken[k].1, timeout)?;
+                dev.stream_wait(s, &done(k), taken[k].1)?;
                 for c in step.after.iter().filter(|c| c.stream == s) {
                     dev.copy_async(s, c.dst, c.src, c.bytes)?;
                 }
@@ -606,6 +575,9 @@ pub fn enqueue_steps(
     }
     let staged_bufs = !bufs.is_empty();
     if staged_bufs {
+        // Back to the pool once every stream has passed its copies and the worker is done
+        // with the last step.
+        released.push(done(taken.len() - 1));
         table
             .staging
             .busy
@@ -646,6 +618,90 @@ pub fn enqueue_steps(
         }
     }
     Ok(())
+}
+
+/// [`enqueue_steps`] on a device whose streams cannot wait on a flag: the calling thread
+/// does the waiting instead of the stream. The copies in are enqueued and every stream is
+/// synchronized (the work before the call is done), the steps run on the communicators'
+/// workers while the caller waits, then the copies out are enqueued and a host function per
+/// stream (which never blocks) releases the staging buffers after them. The call returns
+/// once the collective is done, not at once; work enqueued afterwards is ordered after it
+/// because it is enqueued after. Blocking host functions are not used: a runtime that runs
+/// the host functions of several streams on one thread would let a waiting one hold up the
+/// one it waits for.
+fn run_synchronously(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    steps: Vec<Step>,
+    bufs: Vec<Arc<dyn Alloc>>,
+) -> Result<()> {
+    for &s in streams {
+        for c in steps
+            .iter()
+            .flat_map(|st| &st.before)
+            .filter(|c| c.stream == s)
+        {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
+    }
+    for &s in streams {
+        dev.synchronize(s)?;
+    }
+    let after: Vec<StreamCopy> = steps
+        .iter()
+        .flat_map(|st| st.after.iter().copied())
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
+    let mut n = 0;
+    for step in steps {
+        for (comm, part) in step.parts {
+            let tx = tx.clone();
+            n += 1;
+            comm.enqueue(Box::new(move |turn: &mut Turn| {
+                let r = part(turn);
+                if let Err(e) = &r {
+                    turn.fail(e);
+                }
+                let _ = tx.send(r);
+            }));
+        }
+    }
+    drop(tx);
+    let mut first: Option<Error> = None;
+    for _ in 0..n {
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first.get_or_insert(e);
+            }
+            Err(_) => {
+                first.get_or_insert(Error::Internal(
+                    "a communicator's worker exited during a stream-ordered call".into(),
+                ));
+                break;
+            }
+        }
+    }
+    for &s in streams {
+        for c in after.iter().filter(|c| c.stream == s) {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
+    }
+    if !bufs.is_empty() {
+        let table = slots(dev.as_ref())?;
+        let (slot, g) = table.take(crate::comm::timeout())?;
+        let base = slot * PER_SLOT;
+        // The operation is done: only the streams' copies out hold the buffers now.
+        let mut released = vec![table.slab.handle(base + MAX_STREAMS)];
+        released[0].word().store(g, Ordering::Release);
+        for (i, &s) in streams.iter().enumerate() {
+            let r = table.slab.handle(base + MAX_STREAMS + 1 + i);
+            signal(dev.as_ref(), s, &r, g)?;
+            released.push(r);
+        }
+        table.staging.busy.lock().push((released, slot, g, bufs));
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Wait until `flag >= g`: spin, then yield for up to 1 ms (a collective that follows a

@@ -7,7 +7,8 @@
 //! collectives (all-reduce, broadcast, reduce) of at least twice [`stream_chunk`] bytes run
 //! as several steps of a pipeline, so that the copies of one chunk overlap the network work
 //! of another ([`super::enqueue_steps`]). The split depends on the size alone, never on the
-//! kind of memory, so ranks with host memory and ranks with device memory agree on it.
+//! kind of memory or the path: blocking calls and groups run the same parts one after the
+//! other, so every rank makes the same calls.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -176,39 +177,59 @@ impl Runner for &mut Turn<'_> {
     }
 }
 
-/// Collectives in order, then all point-to-point operations together.
+/// Collectives in order, then all point-to-point operations together. With `split`, each
+/// element-wise collective runs as its pipeline's steps one after the other, so that every
+/// rank makes the same calls whether it runs the operation blocking, in a group, or
+/// pipelined on a stream.
 ///
 /// # Safety
 /// As [`run_now`].
-unsafe fn run(mut c: impl Runner, ops: &[Op]) -> Result<()> {
+unsafe fn run(mut c: impl Runner, ops: &[Op], split_ops: bool) -> Result<()> {
     let mut p2p: Vec<P2p> = Vec::new();
     for op in ops {
-        match *op {
-            Op::Coll {
-                coll,
-                dt,
-                send,
-                recv,
-            } => {
-                // SAFETY: valid per the caller's contract; `send` does not overlap `recv`
-                // (or is None, in place).
-                let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
-                c.coll(coll, dt, s, r)?;
+        if split_ops && pipelined(op)? {
+            for part in split(*op)? {
+                // SAFETY: the caller's contract, for every part of `op`.
+                unsafe { run_one(&mut c, part, &mut p2p)? };
             }
-            // SAFETY: as above; point-to-point receive buffers do not overlap other buffers
-            // of the group (`check_group`).
-            Op::Send { peer, buf } => p2p.push(P2p::Send {
-                peer,
-                buf: unsafe { buf.read() },
-            }),
-            Op::Recv { peer, buf } => p2p.push(P2p::Recv {
-                peer,
-                buf: unsafe { buf.write() },
-            }),
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { run_one(&mut c, *op, &mut p2p)? };
         }
     }
     if !p2p.is_empty() {
         c.p2p(&mut p2p)?;
+    }
+    Ok(())
+}
+
+/// Run a collective now, or add a point-to-point operation to `p2p`.
+///
+/// # Safety
+/// As [`run_now`]; the buffers of point-to-point operations stay valid while `p2p` lives.
+unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Vec<P2p<'a>>) -> Result<()> {
+    match op {
+        Op::Coll {
+            coll,
+            dt,
+            send,
+            recv,
+        } => {
+            // SAFETY: valid per the caller's contract; `send` does not overlap `recv`
+            // (or is None, in place).
+            let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
+            c.coll(coll, dt, s, r)?;
+        }
+        // SAFETY: as above; point-to-point receive buffers do not overlap other buffers
+        // of the group (`check_group`).
+        Op::Send { peer, buf } => p2p.push(P2p::Send {
+            peer,
+            buf: unsafe { buf.read() },
+        }),
+        Op::Recv { peer, buf } => p2p.push(P2p::Recv {
+            peer,
+            buf: unsafe { buf.write() },
+        }),
     }
     Ok(())
 }
@@ -222,7 +243,7 @@ unsafe fn run(mut c: impl Runner, ops: &[Op]) -> Result<()> {
 /// group ([`check_group`]).
 pub unsafe fn run_now(comm: &Communicator, ops: &[Op]) -> Result<()> {
     // SAFETY: the caller's contract.
-    unsafe { run(comm, ops) }
+    unsafe { run(comm, ops, true) }
 }
 
 /// Chunk size of pipelined stream-ordered calls: `ROCCL_STREAM_CHUNK` bytes (`K`/`M`
@@ -271,6 +292,24 @@ pub fn pipeline_ranges(bytes: usize, dt: DataType, chunk: usize) -> Vec<(usize, 
         })
         .filter(|&(_, l)| l > 0)
         .collect()
+}
+
+/// Whether `op` runs as several parts (an element-wise collective of at least two chunks).
+fn pipelined(op: &Op) -> Result<bool> {
+    Ok(match *op {
+        Op::Coll {
+            coll:
+                Collective::AllReduce(_) | Collective::Broadcast { .. } | Collective::Reduce { .. },
+            send,
+            recv,
+            ..
+        } => {
+            let total = send.map_or(recv.len, |s| s.len.max(recv.len));
+            let chunk = stream_chunk()?;
+            chunk > 0 && total >= 2 * chunk
+        }
+        _ => false,
+    })
 }
 
 /// Split an element-wise collective into the pipeline's steps.
@@ -370,7 +409,9 @@ pub unsafe fn run_on_streams(
     timeout: Duration,
 ) -> Result<()> {
     let streams: Vec<StreamId> = ops.iter().map(|o| o.2).collect();
-    // A single element-wise collective is pipelined; a group runs as one step.
+    // A single element-wise collective is pipelined, one step per part; a group runs as one
+    // step whose collectives run their parts in order (the same calls either way).
+    let single = ops.len() == 1;
     let steps_ops: Vec<Vec<(Arc<Communicator>, Op, StreamId)>> = match &ops[..] {
         [(c, op, s)] => split(*op)?
             .into_iter()
@@ -394,10 +435,13 @@ pub unsafe fn run_on_streams(
         step.parts = per
             .into_iter()
             .map(|(c, ops)| {
-                // SAFETY: the caller's contract: the buffers (or their staging copies, filled
-                // before the step starts and kept until the streams passed it) stay valid
-                // until the stream has passed the operation, which waits for this part.
-                let part: Part = Box::new(move |turn: &mut Turn| unsafe { run(turn, &ops) });
+                let part: Part = Box::new(move |turn: &mut Turn| {
+                    // SAFETY: the caller's contract: the buffers (or their staging copies,
+                    // filled before the step starts and kept until the worker and the streams
+                    // are done with them) stay valid until the stream has passed the
+                    // operation, which waits for this part.
+                    unsafe { run(turn, &ops, !single) }
+                });
                 (c, part)
             })
             .collect();

@@ -1500,6 +1500,14 @@ impl RecvComm for RoceRecv {
     fn flush(&mut self, bufs: &[RecvBuf]) -> Result<()> {
         self.progress()?;
         let r = self.flush_device(bufs);
+        if r.is_err() {
+            // Reads may still be outstanding on the loopback QP: a later flush would count
+            // their completions as its own. Start over with a new one.
+            if let Some(f) = self.flusher.take() {
+                self.verbs.destroy_qp(f.qp);
+                let _ = self.verbs.dereg_mr(&f.mr);
+            }
+        }
         super::remember_failure(&mut self.failed, r)
     }
 

@@ -43,7 +43,8 @@ pub struct Pinned {
 pub struct RegCache {
     on: bool,
     entries: Vec<Entry>,
-    pinned: Vec<Pinned>,
+    /// Explicit registrations and the requests in flight using each.
+    pinned: Vec<(Pinned, u32)>,
     clock: u64,
     /// Lookups served from the cache, and registrations made.
     pub hits: u64,
@@ -77,7 +78,11 @@ impl RegCache {
         access: Access,
     ) -> Result<Mr> {
         self.clock += 1;
-        if let Some(p) = self.pinned_for(addr, len, access) {
+        let end = addr + len as u64;
+        if let Some((p, users)) = self.pinned.iter_mut().find(|(p, _)| {
+            p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
+        }) {
+            *users += 1;
             self.hits += 1;
             return Ok(p.mr);
         }
@@ -127,12 +132,9 @@ impl RegCache {
     /// The explicit registration covering `addr..addr+len` with `access`, if any.
     pub fn pinned_for(&self, addr: u64, len: usize, access: Access) -> Option<Pinned> {
         let end = addr + len as u64;
-        self.pinned
-            .iter()
-            .find(|p| {
-                p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
-            })
-            .copied()
+        self.pinned.iter().map(|(p, _)| *p).find(|p| {
+            p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
+        })
     }
 
     /// Whether `addr..addr+len` lies in GPU memory registered explicitly.
@@ -143,7 +145,7 @@ impl RegCache {
 
     /// Keep an explicit registration (see [`Pinned`]).
     pub fn pin(&mut self, p: Pinned) {
-        self.pinned.push(p);
+        self.pinned.push((p, 0));
     }
 
     /// Deregister the explicit registration with local key `lkey`.
@@ -151,17 +153,24 @@ impl RegCache {
         let i = self
             .pinned
             .iter()
-            .position(|p| p.mr.lkey == lkey)
+            .position(|(p, _)| p.mr.lkey == lkey)
             .ok_or_else(|| {
                 crate::error::Error::arg(format!("deregistering unknown memory key {lkey:#x}"))
             })?;
-        let p = self.pinned.swap_remove(i);
+        if self.pinned[i].1 > 0 {
+            return Err(crate::error::Error::InvalidUsage(format!(
+                "deregistering memory that {} request(s) in flight still use: deregister it after they complete",
+                self.pinned[i].1
+            )));
+        }
+        let (p, _) = self.pinned.swap_remove(i);
         verbs.dereg_mr(&p.mr)
     }
 
     /// A request is done with `mr` (from [`RegCache::acquire`]).
     pub fn release(&mut self, verbs: &dyn Verbs, mr: &Mr) {
-        if self.pinned.iter().any(|p| p.mr.lkey == mr.lkey) {
+        if let Some((_, users)) = self.pinned.iter_mut().find(|(p, _)| p.mr.lkey == mr.lkey) {
+            *users = users.saturating_sub(1);
             return;
         }
         match self.entries.iter_mut().find(|e| e.mr.lkey == mr.lkey) {
@@ -177,7 +186,7 @@ impl RegCache {
         for e in self.entries.drain(..) {
             let _ = verbs.dereg_mr(&e.mr);
         }
-        for p in self.pinned.drain(..) {
+        for (p, _) in self.pinned.drain(..) {
             let _ = verbs.dereg_mr(&p.mr);
         }
     }
