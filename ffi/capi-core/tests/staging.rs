@@ -222,3 +222,78 @@ fn device_only_buffers_are_staged_in_stream_order() {
         }
     });
 }
+
+/// Ranks may mix a blocking call on host memory with a stream call on device memory: a big
+/// all-reduce runs as the same parts on both (the blocking path runs them one after the
+/// other, the stream path pipelines them).
+#[test]
+fn blocking_and_pipelined_stream_calls_agree() {
+    std::env::set_var("ROCCL_DEVICE", "sim");
+    std::env::set_var("ROCCL_SIM_DELAY_US", "200");
+    std::env::set_var("ROCCL_STREAM_CHUNK", "4K");
+    let sim = sim_device().expect("ROCCL_DEVICE=sim gives the simulated device");
+    let mut id = rocclUniqueId { internal: [0; 128] };
+    // SAFETY: valid storage for the id.
+    assert_eq!(unsafe { rocclGetUniqueId(&mut id) }, 0);
+    let n = 6007usize;
+    std::thread::scope(|sc| {
+        for rank in 0..2usize {
+            let sim = Arc::clone(&sim);
+            sc.spawn(move || {
+                let mut comm: rocclComm_t = std::ptr::null_mut();
+                // SAFETY: valid storage for the handle; the id is by value.
+                assert_eq!(
+                    unsafe { rocclCommInitRank(&mut comm, 2, id, rank as i32) },
+                    0
+                );
+                for round in 0..3usize {
+                    let want = |i: usize| (1 + 2 * (i + round)) as f32;
+                    let got = if rank == 0 {
+                        // Blocking, host memory.
+                        let mut b: Vec<f32> = (0..n).map(|i| (i + round) as f32).collect();
+                        let p = b.as_mut_ptr() as *mut c_void;
+                        // SAFETY: a host buffer of n floats, alive for the blocking call.
+                        assert_eq!(
+                            unsafe {
+                                rocclAllReduce(p, p, n, FLOAT, SUM, comm, std::ptr::null_mut())
+                            },
+                            0
+                        );
+                        b
+                    } else {
+                        // On a stream, device memory the CPU cannot access, written late.
+                        let stream = sim.create_stream();
+                        let b = sim.alloc_device_only(4 * n);
+                        produce(&sim, stream, &b, move |i| (1 + i + round) as f32);
+                        // SAFETY: a device buffer of n floats, alive until the stream passed.
+                        assert_eq!(
+                            unsafe {
+                                rocclAllReduce(
+                                    ptr(&b),
+                                    ptr(&b),
+                                    n,
+                                    FLOAT,
+                                    SUM,
+                                    comm,
+                                    stream as *mut c_void,
+                                )
+                            },
+                            0
+                        );
+                        let snap = consume(&sim, stream, &b, &[&b]);
+                        sim.synchronize(stream).unwrap();
+                        let v = floats(&snap.lock());
+                        v
+                    };
+                    assert!(
+                        got.iter().enumerate().all(|(i, v)| *v == want(i)),
+                        "rank {rank} round {round}: {:?}",
+                        &got[..4]
+                    );
+                }
+                // SAFETY: a live handle.
+                assert_eq!(unsafe { rocclCommDestroy(comm) }, 0);
+            });
+        }
+    });
+}
