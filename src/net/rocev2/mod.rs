@@ -1806,60 +1806,11 @@ mod tests {
         }
     }
 
-    /// The userspace engine posing as a NIC, to check that both ends must agree.
-    struct PosingAsNic(UserVerbs);
-
-    impl Verbs for PosingAsNic {
-        fn name(&self) -> String {
-            self.0.name()
-        }
-        fn hardware(&self) -> bool {
-            true
-        }
-        unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
-            // SAFETY: forwarded contract.
-            unsafe { self.0.reg_mr(addr, len, access) }
-        }
-        fn dereg_mr(&self, mr: &Mr) -> Result<()> {
-            self.0.dereg_mr(mr)
-        }
-        fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
-            self.0.create_qp()
-        }
-        fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
-            self.0.connect_qp(qp, remote)
-        }
-        fn destroy_qp(&self, qp: QpId) {
-            self.0.destroy_qp(qp)
-        }
-        fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
-            self.0.post_send(qp, wr)
-        }
-        fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
-            self.0.post_recv(qp, wr)
-        }
-        fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
-            self.0.poll_cq(qp, out)
-        }
-        fn poll_fds(&self, out: &mut Vec<PollFd>) {
-            self.0.poll_fds(out)
-        }
-        fn qp_state(&self, qp: QpId) -> Result<crate::rdma::verbs::QpState> {
-            self.0.qp_state(qp)
-        }
-        fn read_registered(&self, addr: u64, out: &mut [u8]) {
-            self.0.read_registered(addr, out)
-        }
-    }
-
     #[test]
     fn a_nic_and_the_userspace_engine_refuse_each_other_clearly() {
         let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
         let user = RoceNet::over(Arc::new(UserVerbs::with(lo, 0, None).unwrap()), lo);
-        let nic = RoceNet::over(
-            Arc::new(PosingAsNic(UserVerbs::with(lo, 0, None).unwrap())),
-            lo,
-        );
+        let nic = RoceNet::over(Arc::new(Wrapped::new(lo, true)), lo);
         assert_eq!((user.name(), nic.name()), ("rocev2", "verbs"));
         let (h, mut l) = user.listen(0).unwrap();
         let mut c = nic.connect(0, &h).unwrap();
@@ -2014,16 +1965,31 @@ mod tests {
         drop(sender.join().unwrap());
     }
 
-    /// The userspace engine, recording every send work request (opcode, inline, local
-    /// address, remote address).
-    struct Recording(
+    /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
+    /// must agree), recording every send work request (opcode, inline, local address,
+    /// remote address).
+    struct Wrapped(
         UserVerbs,
         parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
+        bool,
     );
 
-    impl Verbs for Recording {
+    impl Wrapped {
+        fn new(ip: IpAddr, nic: bool) -> Wrapped {
+            Wrapped(
+                UserVerbs::with(ip, 0, None).unwrap(),
+                parking_lot::Mutex::new(Vec::new()),
+                nic,
+            )
+        }
+    }
+
+    impl Verbs for Wrapped {
         fn name(&self) -> String {
             self.0.name()
+        }
+        fn hardware(&self) -> bool {
+            self.2
         }
         fn max_inline(&self) -> usize {
             self.0.max_inline()
@@ -2077,10 +2043,7 @@ mod tests {
     fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
         let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
         for device in [true, false] {
-            let rec = Arc::new(Recording(
-                UserVerbs::with(lo, 0, None).unwrap(),
-                parking_lot::Mutex::new(Vec::new()),
-            ));
+            let rec = Arc::new(Wrapped::new(lo, false));
             let net = RoceNet::over(rec.clone(), lo);
             if device {
                 net.expect_device_buffers();
