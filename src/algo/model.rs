@@ -24,8 +24,12 @@ pub struct LinkCost {
     pub alpha_us: f64,
     /// Bandwidth in GB/s.
     pub beta_gbs: f64,
-    /// Local reduction speed in GB/s.
+    /// Local reduction speed in GB/s of the shared-memory algorithms (which reduce data
+    /// other cores just wrote).
     pub gamma_gbs: f64,
+    /// Local reduction speed in GB/s of the network algorithms (which reduce data that just
+    /// arrived in this rank's own buffers: the kernel's speed).
+    pub wire_gamma_gbs: f64,
     /// CPU cost in µs of each message a rank sends or receives when its core is shared
     /// with other ranks (0 when every rank has a core): with more ranks than cores, a
     /// message costs a context switch, so algorithms with fewer messages win.
@@ -50,6 +54,7 @@ impl Default for LinkCost {
             alpha_us: 10.0,
             beta_gbs: 2.5,
             gamma_gbs: 10.0,
+            wire_gamma_gbs: 40.0,
             msg_cpu_us: 0.0,
             flat_sync_us: None,
             copy_gbs: 8.0,
@@ -129,7 +134,7 @@ pub fn estimate(
 ) -> f64 {
     let b = bytes as f64;
     let wire = |x: f64| x / (c.beta_gbs * 1e3);
-    let red = |x: f64| x / (c.gamma_gbs * 1e3);
+    let red = |x: f64| x / (c.wire_gamma_gbs * 1e3);
     let fill = |steps: f64| (steps - 1.0).max(0.0) * wire(pl.slice.min(bytes.max(1)) as f64);
     if n <= 1 {
         return 0.0;
@@ -286,6 +291,15 @@ pub fn flat_candidates(kind: CollKind) -> &'static [Algo] {
 /// Largest message the one-shot all-reduce is considered for (its staging is `n * bytes`).
 pub const DIRECT_MAX: usize = 256 * 1024;
 
+/// Largest message recursive doubling is considered for over links with α ≥ 5 µs (TCP, RDMA;
+/// over shared memory the limit is [`DIRECT_MAX`]). The α-β terms miss both sides of it: up
+/// to here the ring's pipelined slices each pay a message's overhead that one whole-buffer
+/// exchange does not; beyond it the ring moves data faster. `scripts/algo-sweep.sh`, 2 ranks
+/// over TCP: 1 MiB doubling 218–233 µs vs ring 325–335, 2 MiB 411–446 vs 560–566, 4 MiB
+/// 1337–1375 vs 1039–1059; over shared memory 1 MiB doubling 91 vs ring 77
+/// (docs/PERFORMANCE.md).
+pub const DOUBLING_MAX: usize = 2 << 20;
+
 /// Reduction speed of `dt` relative to f32, from the kernels' throughput in cache
 /// (`cargo bench --bench reduce`, 2026-11-30 15:00 UTC, AVX-512 versions: f32 45.6 GB/s, bf16
 /// 27.1, f16 3.16, fp8 2.46): the 16-bit and 8-bit floats are widened to f32 and rounded back,
@@ -311,6 +325,7 @@ pub fn choose_for(
 ) -> (Algo, Pipeline) {
     let scaled = LinkCost {
         gamma_gbs: c.gamma_gbs * reduce_factor(dt),
+        wire_gamma_gbs: c.wire_gamma_gbs * reduce_factor(dt),
         ..*c
     };
     choose(kind, n, bytes, &scaled, forced, t)
@@ -342,10 +357,16 @@ pub fn choose(
     }
     let mut best = (candidates(kind)[0], f64::INFINITY);
     for &a in cands {
-        if matches!(a, Algo::Direct | Algo::Doubling)
-            && kind == CollKind::AllReduce
-            && bytes > DIRECT_MAX
-        {
+        let limit = match a {
+            Algo::Direct => DIRECT_MAX,
+            // Over links that pay a system call per message, one whole-buffer exchange
+            // beats the ring's pipelined slices up to a few MiB; over shared memory it does
+            // not (fitted, see DOUBLING_MAX).
+            Algo::Doubling if c.alpha_us >= 5.0 => DOUBLING_MAX,
+            Algo::Doubling => DIRECT_MAX,
+            _ => usize::MAX,
+        };
+        if kind == CollKind::AllReduce && bytes > limit {
             continue;
         }
         let e = estimate(kind, a, n, bytes, c, &pipeline(piece(a), bytes, t));
@@ -415,7 +436,7 @@ mod tests {
         let t = Tuning::default();
         let flat = shm_host();
         // Small calls go through the segments; large 2-rank all-reduce stays on the ring
-        // (measured: 1 MiB ring 78 µs, shm1 150 µs, shm2 140 µs).
+        // (measured: 1 MiB ring 77 µs, doubling 91, direct 86, shm1 151, shm2 129).
         assert_eq!(
             choose(CollKind::AllReduce, 2, 8, &flat, None, &t).0,
             Algo::ShmOneShot
@@ -450,37 +471,26 @@ mod tests {
         );
     }
 
-    /// bf16 reduces 4× slower than f32: at 16 KiB on 2 ranks over shared memory the two-shot
-    /// (which reduces half) wins for bf16 while f32 keeps the one-shot (measured: bf16 shm2
-    /// 2.96 µs vs direct 3.73; f32 direct 2.79 vs shm2 2.91).
+    /// Between the shared-memory algorithms, slow reductions favour the two-shot, which
+    /// reduces 1/n of the data per rank where the one-shot reduces all of it.
     #[test]
     fn slow_reductions_favour_two_shot() {
         let t = Tuning::default();
-        let flat = shm_host();
-        // f16 reduces at 7 % of f32's speed (no AVX-512 FP16 kernels): two-shot already at
-        // 16 KiB.
-        let f16 = choose_for(
-            CollKind::AllReduce,
-            DataType::F16,
-            2,
-            16 << 10,
-            &flat,
-            None,
-            &t,
-        )
-        .0;
-        assert_eq!(f16, Algo::ShmTwoShot);
-        let f32 = choose_for(
-            CollKind::AllReduce,
-            DataType::F32,
-            2,
-            16 << 10,
-            &flat,
-            None,
-            &t,
-        )
-        .0;
-        assert_ne!(f32, Algo::ShmTwoShot);
+        // Network algorithms priced out, so that only shm1 and shm2 compete.
+        let flat = LinkCost {
+            alpha_us: 1000.0,
+            ..shm_host()
+        };
+        let pick = |gamma: f64| {
+            let c = LinkCost {
+                gamma_gbs: gamma,
+                wire_gamma_gbs: gamma,
+                ..flat
+            };
+            choose(CollKind::AllReduce, 2, 4 << 10, &c, None, &t).0
+        };
+        assert_eq!(pick(0.5), Algo::ShmTwoShot);
+        assert_eq!(pick(100.0), Algo::ShmOneShot);
     }
 
     #[test]

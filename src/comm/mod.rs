@@ -418,6 +418,10 @@ impl Communicator {
                 (props.speed_mbps as f64 / 8000.0).min(3.0)
             } * (cores as f64 / local_ranks as f64).min(1.0),
             gamma_gbs: speeds.reduce_gbs,
+            // Network algorithms reduce what just arrived in their own buffers: about the
+            // kernel's speed, 4x the shared-memory algorithms' effective one (fitted with
+            // scripts/algo-sweep.sh; docs/PERFORMANCE.md).
+            wire_gamma_gbs: 4.0 * speeds.reduce_gbs,
             // Measured on 2 cores with 4 ranks: each message costs about a context switch
             // over TCP; over shared-memory rings a yield to the peer that runs next.
             msg_cpu_us: if local_ranks <= cores {
