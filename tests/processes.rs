@@ -368,7 +368,9 @@ fn info_reports_devices_and_the_chosen_gid() {
     assert!(
         text.contains("== locked memory")
             && text.contains("== /dev/infiniband")
-            && text.contains("roccl would listen on"),
+            && text.contains("roccl would listen on")
+            && text.contains("measured: reduce (f32 sum)")
+            && text.contains("== GPU runtimes"),
         "{text}"
     );
     let tree = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/sysfs/mlx5");

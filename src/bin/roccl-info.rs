@@ -311,6 +311,45 @@ fn main() -> ExitCode {
         }
         Err(e) => outln!("cannot list interfaces: {e}"),
     }
+    outln!("\n== host speeds (what the cost model is fed; docs/ARCHITECTURE.md)");
+    let m = roccl::algo::calibrate::host_speeds();
+    let f = roccl::algo::calibrate::for_model(m);
+    outln!(
+        "measured: reduce (f32 sum) {:.1} GB/s, copy {:.1} GB/s; model: {:.1} / {:.1} GB/s ({}), {} CPU(s) usable",
+        m.reduce_gbs,
+        m.copy_gbs,
+        f.reduce_gbs,
+        f.copy_gbs,
+        if f == roccl::algo::calibrate::DEFAULT {
+            "within the band of the machine the model was fitted on"
+        } else {
+            "scaled from the fitted figures"
+        },
+        roccl::sys::host_cores()
+    );
+    outln!(
+        "\n== GPU runtimes (ROCCL_DEVICE={})",
+        std::env::var("ROCCL_DEVICE").unwrap_or_default()
+    );
+    let built = roccl::device::runtimes_built();
+    if built.is_empty() {
+        outln!(
+            "none built in (rebuild with --features hip or cuda for device buffers; docs/GPU.md)"
+        );
+    }
+    for rt in built {
+        match roccl::device::open_runtime(rt) {
+            Ok(d) => outln!(
+                "{rt}: device present; stream memory operations: {}",
+                if d.stream_waits() {
+                    "yes"
+                } else {
+                    "no (calls on streams wait on the host)"
+                }
+            ),
+            Err(e) => outln!("{rt}: {e}"),
+        }
+    }
     // One write, ignoring a closed pipe (`roccl-info | head`).
     let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
     ExitCode::SUCCESS
