@@ -145,37 +145,29 @@ trait Runner {
     fn p2p(&mut self, ops: &mut [P2p]) -> Result<()>;
 }
 
-impl Runner for &Communicator {
-    fn coll(
-        &mut self,
-        coll: Collective,
-        dt: DataType,
-        s: Option<&[u8]>,
-        r: &mut [u8],
-    ) -> Result<()> {
-        self.run_raw(coll, dt, s, r, &CallOpts::default())
-            .map(|_| ())
-    }
-    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
-        Communicator::p2p(self, ops)
-    }
+/// A communicator and its turn on the worker run collectives and point-to-point batches
+/// with the same calls.
+macro_rules! runner {
+    ($t:ty, $p2p:path) => {
+        impl Runner for $t {
+            fn coll(
+                &mut self,
+                coll: Collective,
+                dt: DataType,
+                s: Option<&[u8]>,
+                r: &mut [u8],
+            ) -> Result<()> {
+                self.run_raw(coll, dt, s, r, &CallOpts::default())
+                    .map(|_| ())
+            }
+            fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
+                $p2p(self, ops)
+            }
+        }
+    };
 }
-
-impl Runner for &mut Turn<'_> {
-    fn coll(
-        &mut self,
-        coll: Collective,
-        dt: DataType,
-        s: Option<&[u8]>,
-        r: &mut [u8],
-    ) -> Result<()> {
-        self.run_raw(coll, dt, s, r, &CallOpts::default())
-            .map(|_| ())
-    }
-    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
-        Turn::p2p(self, ops)
-    }
-}
+runner!(&Communicator, Communicator::p2p);
+runner!(&mut Turn<'_>, Turn::p2p);
 
 /// Collectives in order, then all point-to-point operations together. With `split`, each
 /// element-wise collective runs as its pipeline's steps one after the other, so that every
