@@ -86,6 +86,28 @@ fn pipelined() -> Tuning {
     }
 }
 
+/// The deepest pipeline and most channels the tuning allows, many slices per call: the
+/// machines' fixed-size queues and slot sets at their fullest.
+#[test]
+fn deepest_pipeline() {
+    let t = Tuning {
+        slice: Some(1024),
+        depth: Some(64),
+        channels: Some(64),
+    };
+    run_ranks(3, config(t), |c| {
+        for k in KINDS {
+            for &algo in algos(k) {
+                for (dt, op) in [(DataType::F32, RedOp::Sum), (DataType::Bf16, RedOp::Max)] {
+                    for in_place in [false, true] {
+                        one(&c, k, dt, op, 50_001, algo, in_place, 1);
+                    }
+                }
+            }
+        }
+    });
+}
+
 #[test]
 fn ranks_1() {
     small_matrix(1, Tuning::default());

@@ -13,7 +13,6 @@ mod ring;
 pub(crate) mod shm;
 mod tree;
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::str::FromStr;
 
@@ -140,32 +139,37 @@ pub(crate) fn slice_of(len: usize, s: usize, k: usize) -> (usize, usize) {
     (a, b - a)
 }
 
-/// A connection: (peer rank, channel).
-pub(crate) type Link = (usize, usize);
-
-/// Fixed staging slots handed out and returned (no allocation while running).
+/// Fixed staging slots handed out and returned, as a bit set (no allocation while running).
 pub(crate) struct Slots {
     base: usize,
     size: usize,
-    free: Vec<usize>,
+    free: u64,
 }
 
 impl Slots {
+    /// `n` slots of `size` bytes from `base`; at most 64 (the pipeline depth is at most 16).
     pub fn new(base: usize, size: usize, n: usize) -> Self {
+        debug_assert!(n <= 64, "{n} staging slots");
         Slots {
             base,
             size,
-            free: (0..n).rev().collect(),
+            free: if n >= 64 { u64::MAX } else { (1u64 << n) - 1 },
         }
     }
+    /// The lowest free slot.
     pub fn get(&mut self) -> Option<usize> {
-        self.free.pop()
+        if self.free == 0 {
+            return None;
+        }
+        let s = self.free.trailing_zeros() as usize;
+        self.free &= self.free - 1;
+        Some(s)
     }
     pub fn put(&mut self, s: usize) {
-        self.free.push(s);
+        self.free |= 1 << s;
     }
     pub fn available(&self) -> usize {
-        self.free.len()
+        self.free.count_ones() as usize
     }
     /// The first `len` bytes of slot `s`.
     pub fn reg(&self, s: usize, len: usize) -> Reg {
@@ -173,27 +177,99 @@ impl Slots {
     }
 }
 
+/// Most entries a [`Fifo`] holds: twice the deepest pipeline.
+pub(crate) const FIFO_CAP: usize = 32;
+
+/// First in, first out, of fixed capacity (lives in the machine: no allocation per call).
+pub(crate) struct Fifo<T> {
+    buf: [Option<T>; FIFO_CAP],
+    head: usize,
+    len: usize,
+}
+
+impl<T: Copy> Fifo<T> {
+    pub fn new() -> Self {
+        Fifo {
+            buf: [None; FIFO_CAP],
+            head: 0,
+            len: 0,
+        }
+    }
+    pub fn push(&mut self, v: T) -> Result<()> {
+        if self.len == FIFO_CAP {
+            return Err(Error::Internal(format!(
+                "more than {FIFO_CAP} pipeline entries in flight on one connection"
+            )));
+        }
+        self.buf[(self.head + self.len) % FIFO_CAP] = Some(v);
+        self.len += 1;
+        Ok(())
+    }
+    pub fn front(&self) -> Option<T> {
+        if self.len == 0 {
+            None
+        } else {
+            self.buf[self.head]
+        }
+    }
+    pub fn pop(&mut self) -> Option<T> {
+        let v = self.front()?;
+        self.head = (self.head + 1) % FIFO_CAP;
+        self.len -= 1;
+        Some(v)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Requests completed in post order, with a value per request.
 pub(crate) struct InOrder<T> {
-    q: VecDeque<(Tok, T)>,
+    q: Fifo<(Tok, T)>,
 }
 
 impl<T: Copy> InOrder<T> {
-    pub fn new(cap: usize) -> Self {
-        InOrder {
-            q: VecDeque::with_capacity(cap),
-        }
+    pub fn new() -> Self {
+        InOrder { q: Fifo::new() }
     }
-    pub fn push(&mut self, t: Tok, v: T) {
-        self.q.push_back((t, v));
+    pub fn push(&mut self, t: Tok, v: T) -> Result<()> {
+        self.q.push((t, v))
     }
     /// Pop the oldest request if it has completed.
     pub fn pop_done(&mut self, ex: &mut Exec) -> Option<T> {
-        let (t, v) = *self.q.front()?;
+        let (t, v) = self.q.front()?;
         ex.take(t)?;
-        self.q.pop_front();
+        self.q.pop();
         Some(v)
     }
+}
+
+/// The machines of one call: one per channel or tree, on the stack.
+pub(crate) type Machines<M> = arrayvec::ArrayVec<M, MAX_MACHINES>;
+
+/// Most machines one call runs (channels of a ring; trees of a double tree).
+pub(crate) const MAX_MACHINES: usize = crate::comm::links::MAX_CHANNELS;
+
+/// Run every machine of `ms` to completion.
+pub(crate) fn drive_all<M: Machine>(ex: &mut Exec, ms: &mut [M]) -> Result<()> {
+    let mut refs: arrayvec::ArrayVec<&mut dyn Machine, MAX_MACHINES> = arrayvec::ArrayVec::new();
+    for m in ms.iter_mut() {
+        refs.try_push(m as &mut dyn Machine).map_err(|_| {
+            Error::Internal(format!("more than {MAX_MACHINES} machines in one call"))
+        })?;
+    }
+    drive(ex, &mut refs)
+}
+
+/// Collect `it` into [`Machines`], failing (not panicking) past its capacity.
+pub(crate) fn machines<M>(it: impl IntoIterator<Item = M>) -> Result<Machines<M>> {
+    let mut ms = Machines::new();
+    for m in it {
+        ms.try_push(m).map_err(|_| {
+            Error::Internal(format!("more than {MAX_MACHINES} machines in one call"))
+        })?;
+    }
+    Ok(ms)
 }
 
 /// Number of slices of `s` elements needed for `len` elements (at least one, so that every

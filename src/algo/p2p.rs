@@ -31,9 +31,10 @@ pub(crate) fn all_reduce_direct(
     if n == 1 {
         return ex.copy(dst, input);
     }
-    let peers: Vec<(usize, usize)> = (1..n).map(|s| ((r + s) % n, 0)).collect();
-    let from: Vec<(usize, usize)> = (1..n).map(|s| ((r + n - s) % n, 0)).collect();
-    ex.ensure(&peers, &from)?;
+    ex.ensure(
+        (1..n).map(|s| ((r + s) % n, 0)),
+        (1..n).map(|s| ((r + n - s) % n, 0)),
+    )?;
     let slot = |p: usize| Reg::new(Buf::Stage, p * stride, bytes);
     for s in 1..n {
         let from = (r + n - s) % n;
@@ -76,24 +77,21 @@ pub(crate) fn all_reduce_doubling(
     let dst = Reg::new(Buf::Dst, 0, bytes);
     let other = Reg::new(Buf::Stage, 0, bytes);
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let mut sends = Vec::with_capacity(8);
-    let mut recvs = Vec::with_capacity(8);
+    // Every peer of this rank, on channel 0 both ways (at most 1 + log2(n) of them).
+    let mut peers = arrayvec::ArrayVec::<(usize, usize), { 1 + usize::BITS as usize }>::new();
     if r >= p {
-        sends.push((r - p, 0));
-        recvs.push((r - p, 0));
+        peers.push((r - p, 0));
     } else {
         if r + p < n {
-            sends.push((r + p, 0));
-            recvs.push((r + p, 0));
+            peers.push((r + p, 0));
         }
         let mut k = 1;
         while k < p {
-            sends.push((r ^ k, 0));
-            recvs.push((r ^ k, 0));
+            peers.push((r ^ k, 0));
             k <<= 1;
         }
     }
-    ex.ensure(&sends, &recvs)?;
+    ex.ensure(peers.iter().copied(), peers.iter().copied())?;
     if r >= p {
         ex.send(r - p, 0, dst)?;
         ex.finish()?;
@@ -140,9 +138,10 @@ pub(crate) fn all_to_all_pairwise(ex: &mut Exec, block: usize) -> Result<()> {
     if n == 1 {
         return Ok(());
     }
-    let to: Vec<(usize, usize)> = (1..n).map(|s| ((r + s) % n, 0)).collect();
-    let from: Vec<(usize, usize)> = (1..n).map(|s| ((r + n - s) % n, 0)).collect();
-    ex.ensure(&to, &from)?;
+    ex.ensure(
+        (1..n).map(|s| ((r + s) % n, 0)),
+        (1..n).map(|s| ((r + n - s) % n, 0)),
+    )?;
     for s in 1..n {
         let (t, f) = ((r + s) % n, (r + n - s) % n);
         ex.recv(f, 0, blk(Buf::Dst, f))?;
@@ -158,7 +157,7 @@ pub(crate) fn barrier_dissemination(ex: &mut Exec) -> Result<()> {
     let mut d = 1;
     while d < n {
         let (to, from) = ((r + d) % n, (r + n - d) % n);
-        ex.ensure(&[(to, 0)], &[(from, 0)])?;
+        ex.ensure([(to, 0)], [(from, 0)])?;
         ex.recv(from, 0, empty)?;
         ex.send(to, 0, empty)?;
         ex.finish()?;
@@ -192,9 +191,7 @@ pub(crate) fn sendrecv(
         }
         return ex.copy(rreg, sreg);
     }
-    let sends: Vec<(usize, usize)> = to.map(|p| (p, P2P_CHANNEL)).into_iter().collect();
-    let recvs: Vec<(usize, usize)> = from.map(|p| (p, P2P_CHANNEL)).into_iter().collect();
-    ex.ensure(&sends, &recvs)?;
+    ex.ensure(to.map(|p| (p, P2P_CHANNEL)), from.map(|p| (p, P2P_CHANNEL)))?;
     if let Some(p) = from {
         ex.recv(p, P2P_CHANNEL, rreg)?;
     }

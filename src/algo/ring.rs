@@ -7,7 +7,9 @@
 //! consecutive steps are on the wire at once. Several channels split the buffer and run as
 //! independent rings over separate connections.
 
-use super::{drive, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots};
+use super::{
+    drive, drive_all, machines, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots,
+};
 use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::Result;
 use crate::types::{DataType, RedOp};
@@ -151,7 +153,7 @@ impl Machine for RingAllReduce {
                 (d, usize::MAX)
             };
             let tok = ex.recv(self.g.prev(), self.g.ch, reg)?;
-            self.recvs.push(tok, slot);
+            self.recvs.push(tok, slot)?;
             self.next_recv += 1;
             moved = true;
         }
@@ -164,7 +166,7 @@ impl Machine for RingAllReduce {
             let (sc, _) = self.chunks(t);
             let reg = self.g.reg(if t == 0 { Buf::Src } else { Buf::Dst }, sc, k);
             let tok = ex.send(self.g.next(), self.g.ch, reg)?;
-            self.sends.push(tok, ());
+            self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
         }
@@ -193,12 +195,11 @@ pub(crate) fn all_reduce_ring(
     if n == 1 {
         return ex.copy_input(count * dt.size());
     }
-    let mut ms: Vec<RingAllReduce> = Vec::new();
-    for (c, base, cnt) in channel_ranges(count, pl) {
+    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
         let g = Geo::new(ex, c, base, cnt, cnt.div_ceil(n), dt, pl);
         let units = 2 * (n - 1) * g.k;
         let slot = g.s * g.esz;
-        ms.push(RingAllReduce {
+        RingAllReduce {
             g,
             dt,
             op,
@@ -208,16 +209,16 @@ pub(crate) fn all_reduce_ring(
             send_done: 0,
             next_recv: 0,
             done_recv: 0,
-            sends: InOrder::new(pl.depth),
-            recvs: InOrder::new(pl.depth),
+            sends: InOrder::new(),
+            recvs: InOrder::new(),
             slots: Slots::new(c * pl.depth * pl.slice, slot, pl.depth),
-        });
-    }
-    let peers: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
-    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
-    ex.ensure(&peers, &prevs)?;
-    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
-    drive(ex, &mut refs)
+        }
+    }))?;
+    ex.ensure(
+        ms.iter().map(|m| (m.g.next(), m.g.ch)),
+        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    )?;
+    drive_all(ex, &mut ms)
 }
 
 /// Ring all-gather over one channel range: `n-1` steps, each forwarding the slice received
@@ -264,7 +265,7 @@ impl Machine for RingAllGather {
             let (t, k) = (self.next_recv / self.g.k, self.next_recv % self.g.k);
             let rc = md(r - t as isize - 1, n);
             let tok = ex.recv(self.g.prev(), self.g.ch, self.reg(rc, k))?;
-            self.recvs.push(tok, ());
+            self.recvs.push(tok, ())?;
             self.next_recv += 1;
             moved = true;
         }
@@ -275,7 +276,7 @@ impl Machine for RingAllGather {
             let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
             let sc = md(r - t as isize, n);
             let tok = ex.send(self.g.next(), self.g.ch, self.reg(sc, k))?;
-            self.sends.push(tok, ());
+            self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
         }
@@ -305,31 +306,29 @@ pub(crate) fn all_gather_ring(
     if n == 1 {
         return Ok(());
     }
-    let mut ms: Vec<RingAllGather> = channel_ranges(count, pl)
-        .map(|(c, base, cnt)| {
-            // Slices cut the channel's share of each rank's block.
-            let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
-            g.k = nslices(cnt, g.s);
-            let units = (n - 1) * g.k;
-            RingAllGather {
-                g,
-                depth: pl.depth,
-                units,
-                next_send: 0,
-                send_done: 0,
-                next_recv: 0,
-                done_recv: 0,
-                sends: InOrder::new(pl.depth),
-                recvs: InOrder::new(pl.depth),
-                per: count,
-            }
-        })
-        .collect();
-    let nexts: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
-    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
-    ex.ensure(&nexts, &prevs)?;
-    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
-    drive(ex, &mut refs)
+    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
+        // Slices cut the channel's share of each rank's block.
+        let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
+        g.k = nslices(cnt, g.s);
+        let units = (n - 1) * g.k;
+        RingAllGather {
+            g,
+            depth: pl.depth,
+            units,
+            next_send: 0,
+            send_done: 0,
+            next_recv: 0,
+            done_recv: 0,
+            sends: InOrder::new(),
+            recvs: InOrder::new(),
+            per: count,
+        }
+    }))?;
+    ex.ensure(
+        ms.iter().map(|m| (m.g.next(), m.g.ch)),
+        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    )?;
+    drive_all(ex, &mut ms)
 }
 
 /// Ring reduce-scatter over one channel range. Partial sums of step `t` live in one of two
@@ -434,7 +433,7 @@ impl Machine for RingReduceScatter {
             let Some(slot) = self.slots.get() else { break };
             let len = slice_of(self.g.cnt, self.g.s, k).1 * self.g.esz;
             let tok = ex.recv(self.g.prev(), self.g.ch, self.slots.reg(slot, len))?;
-            self.recvs.push(tok, slot);
+            self.recvs.push(tok, slot)?;
             self.next_recv += 1;
             moved = true;
         }
@@ -450,7 +449,7 @@ impl Machine for RingReduceScatter {
                 self.partial(t - 1, k)
             };
             let tok = ex.send(self.g.next(), self.g.ch, reg)?;
-            self.sends.push(tok, ());
+            self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
         }
@@ -492,8 +491,8 @@ impl RingReduceScatter {
             send_done: 0,
             next_recv: 0,
             done_recv: 0,
-            sends: InOrder::new(pl.depth),
-            recvs: InOrder::new(pl.depth),
+            sends: InOrder::new(),
+            recvs: InOrder::new(),
             per: count,
             in_place: ex.in_place(),
         }
@@ -525,16 +524,14 @@ pub(crate) fn reduce_scatter_ring(
     let chans = pl.channels.clamp(1, count.max(1));
     let per = count.div_ceil(chans) * esz;
     let chan_stage = pl.depth * pl.slice.next_multiple_of(esz) + 2 * per;
-    let mut ms: Vec<RingReduceScatter> = channel_ranges(count, pl)
-        .map(|(c, base, cnt)| {
-            RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage)
-        })
-        .collect();
-    let nexts: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.next(), m.g.ch)).collect();
-    let prevs: Vec<(usize, usize)> = ms.iter().map(|m| (m.g.prev(), m.g.ch)).collect();
-    ex.ensure(&nexts, &prevs)?;
-    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
-    drive(ex, &mut refs)
+    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
+        RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage)
+    }))?;
+    ex.ensure(
+        ms.iter().map(|m| (m.g.next(), m.g.ch)),
+        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    )?;
+    drive_all(ex, &mut ms)
 }
 
 /// Chain from the root around the ring: broadcast (root first) or reduce (root last).
@@ -646,7 +643,7 @@ impl Machine for Chain {
                     (self.reg(Buf::Dst, k), usize::MAX)
                 };
                 let tok = ex.recv(prev, self.ch, reg)?;
-                self.recvs.push(tok, slot);
+                self.recvs.push(tok, slot)?;
                 self.next_recv += 1;
                 moved = true;
             }
@@ -654,7 +651,7 @@ impl Machine for Chain {
         if let Some(next) = self.next {
             while self.next_send < self.ready() && self.next_send - self.send_done < self.depth {
                 let tok = ex.send(next, self.ch, self.send_reg(self.next_send))?;
-                self.sends.push(tok, ());
+                self.sends.push(tok, ())?;
                 self.next_send += 1;
                 moved = true;
             }
@@ -710,15 +707,12 @@ fn run_chain(
         send_done: 0,
         next_recv: 0,
         done_recv: 0,
-        sends: InOrder::new(depth),
-        recvs: InOrder::new(depth),
+        sends: InOrder::new(),
+        recvs: InOrder::new(),
         slots: Slots::new(0, slot, depth),
         pbase: depth * slot,
     };
-    ex.ensure(
-        &next.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(),
-        &prev.map(|p| (p, 0)).into_iter().collect::<Vec<_>>(),
-    )?;
+    ex.ensure(next.map(|p| (p, 0)), prev.map(|p| (p, 0)))?;
     drive(ex, &mut [&mut m])
 }
 

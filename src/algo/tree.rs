@@ -9,29 +9,38 @@
 //! one tree and an inner node in the other and the two halves of the data load every link
 //! evenly. Slices are reduced up and broadcast down in a pipeline.
 
-use super::{drive, nslices, part, slice_of, InOrder, Link, Machine, Pipeline, Slots};
+use super::{
+    drive_all, machines, nslices, part, slice_of, Fifo, InOrder, Machine, Pipeline, Slots,
+};
 use crate::comm::exec::{Buf, Exec, Reg};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::types::{DataType, RedOp};
 
 /// Messages from this size use both trees of the double tree; smaller ones use one.
 pub(crate) const TWO_TREES_FROM: usize = 256 * 1024;
 
+/// Children of a node in a binary tree.
+pub(crate) type Kids = arrayvec::ArrayVec<usize, 2>;
+
 /// Parent and children of `label` in the binary tree over `0..n`.
-pub(crate) fn btree(n: usize, label: usize) -> (Option<usize>, Vec<usize>) {
+pub(crate) fn btree(n: usize, label: usize) -> (Option<usize>, Kids) {
     if label == 0 {
         let mut bit = 1;
         while bit < n {
             bit <<= 1;
         }
-        return (None, if n > 1 { vec![bit >> 1] } else { vec![] });
+        let mut kids = Kids::new();
+        if n > 1 {
+            kids.push(bit >> 1);
+        }
+        return (None, kids);
     }
     let bit = 1usize << label.trailing_zeros();
     let mut up = (label ^ bit) | (bit << 1);
     if up >= n {
         up = label ^ bit;
     }
-    let mut kids = Vec::with_capacity(2);
+    let mut kids = Kids::new();
     let mut low = bit >> 1;
     if low > 0 {
         kids.push(label - low);
@@ -51,13 +60,13 @@ fn mapped(
     rank: usize,
     to_label: impl Fn(usize) -> usize,
     from_label: impl Fn(usize) -> usize,
-) -> (Option<usize>, Vec<usize>) {
+) -> (Option<usize>, Kids) {
     let (p, k) = btree(n, to_label(rank));
     (p.map(&from_label), k.into_iter().map(&from_label).collect())
 }
 
 /// The two trees of the double binary tree, as (parent, children) of `rank`.
-pub(crate) fn double_tree(n: usize, rank: usize) -> [(Option<usize>, Vec<usize>); 2] {
+pub(crate) fn double_tree(n: usize, rank: usize) -> [(Option<usize>, Kids); 2] {
     let a = btree(n, rank);
     let b = if n % 2 == 0 {
         mapped(n, rank, |r| n - 1 - r, |l| n - 1 - l)
@@ -72,7 +81,7 @@ struct TreeM {
     ch: usize,
     n: usize,
     parent: Option<usize>,
-    kids: Vec<usize>,
+    kids: Kids,
     up: bool,
     down: bool,
     dt: DataType,
@@ -90,7 +99,7 @@ struct TreeM {
     // up phase
     crecv_posted: [usize; 2],
     crecvs: [InOrder<usize>; 2],
-    arrived: [Vec<usize>; 2],
+    arrived: [Fifo<usize>; 2],
     reduced: usize,
     usend_posted: usize,
     usend_done: usize,
@@ -149,7 +158,7 @@ impl Machine for TreeM {
         if self.up {
             for c in 0..nk {
                 while let Some(slot) = self.crecvs[c].pop_done(ex) {
-                    self.arrived[c].push(slot);
+                    self.arrived[c].push(slot)?;
                     moved = true;
                 }
             }
@@ -167,7 +176,9 @@ impl Machine for TreeM {
                     {
                         break;
                     }
-                    let s0 = self.arrived[0].remove(0);
+                    let Some(s0) = self.arrived[0].pop() else {
+                        break;
+                    };
                     ex.reduce(
                         acc,
                         self.reg(Buf::Src, k),
@@ -177,7 +188,11 @@ impl Machine for TreeM {
                     )?;
                     self.cslots.put(s0);
                     if nk > 1 {
-                        let s1 = self.arrived[1].remove(0);
+                        let Some(s1) = self.arrived[1].pop() else {
+                            return Err(Error::Internal(
+                                "tree: second child's slice vanished".into(),
+                            ));
+                        };
                         ex.reduce(acc, acc, self.cslots.reg(s1, acc.len), self.dt, self.op)?;
                         self.cslots.put(s1);
                     }
@@ -200,7 +215,7 @@ impl Machine for TreeM {
                     let slot = self.cslots.get().expect("checked");
                     let k = self.crecv_posted[c];
                     let tok = ex.recv(self.kids[c], self.ch, self.cslots.reg(slot, self.len(k)))?;
-                    self.crecvs[c].push(tok, slot);
+                    self.crecvs[c].push(tok, slot)?;
                     self.crecv_posted[c] += 1;
                     moved = true;
                 }
@@ -214,7 +229,7 @@ impl Machine for TreeM {
                     && self.usend_posted - self.usend_done < self.depth
                 {
                     let tok = ex.send(p, self.ch, self.up_reg(self.usend_posted))?;
-                    self.usends.push(tok, ());
+                    self.usends.push(tok, ())?;
                     self.usend_posted += 1;
                     moved = true;
                 }
@@ -233,7 +248,7 @@ impl Machine for TreeM {
                         break; // this slice still has to go up (from this very memory)
                     }
                     let tok = ex.recv(p, self.ch, r)?;
-                    self.drecvs.push(tok, ());
+                    self.drecvs.push(tok, ())?;
                     self.drecv_posted += 1;
                     moved = true;
                 }
@@ -252,7 +267,7 @@ impl Machine for TreeM {
                         self.ch,
                         self.reg(Buf::Dst, self.dsend_posted[c]),
                     )?;
-                    self.dsends[c].push(tok, ());
+                    self.dsends[c].push(tok, ())?;
                     self.dsend_posted[c] += 1;
                     moved = true;
                 }
@@ -276,7 +291,7 @@ impl Machine for TreeM {
 fn tree_machine(
     ch: usize,
     n: usize,
-    (parent, kids): (Option<usize>, Vec<usize>),
+    (parent, kids): (Option<usize>, Kids),
     up: bool,
     down: bool,
     dt: DataType,
@@ -309,21 +324,18 @@ fn tree_machine(
         cslots: Slots::new(sbase, slot, 2 * pl.depth),
         pbase: sbase + 2 * pl.depth * slot,
         crecv_posted: [0; 2],
-        crecvs: [InOrder::new(pl.depth), InOrder::new(pl.depth)],
-        arrived: [
-            Vec::with_capacity(2 * pl.depth),
-            Vec::with_capacity(2 * pl.depth),
-        ],
+        crecvs: [InOrder::new(), InOrder::new()],
+        arrived: [Fifo::new(), Fifo::new()],
         reduced: 0,
         usend_posted: 0,
         usend_done: 0,
-        usends: InOrder::new(pl.depth),
+        usends: InOrder::new(),
         drecv_posted: 0,
         drecv_done: 0,
-        drecvs: InOrder::new(pl.depth),
+        drecvs: InOrder::new(),
         dsend_posted: [0; 2],
         dsend_done: [0; 2],
-        dsends: [InOrder::new(pl.depth), InOrder::new(pl.depth)],
+        dsends: [InOrder::new(), InOrder::new()],
     }
 }
 
@@ -332,35 +344,20 @@ pub(crate) fn tree_stage(pl: &Pipeline) -> usize {
     4 * pl.depth * pl.slice + 64
 }
 
-fn links_of(ms: &[TreeM]) -> (Vec<Link>, Vec<Link>) {
-    let mut sends = Vec::new();
-    let mut recvs = Vec::new();
-    for m in ms {
-        if let Some(p) = m.parent {
-            if m.up {
-                sends.push((p, m.ch));
-            }
-            if m.down {
-                recvs.push((p, m.ch));
-            }
-        }
-        for &c in &m.kids {
-            if m.up {
-                recvs.push((c, m.ch));
-            }
-            if m.down {
-                sends.push((c, m.ch));
-            }
-        }
-    }
-    (sends, recvs)
-}
-
 fn run(ex: &mut Exec, ms: &mut [TreeM]) -> Result<()> {
-    let (s, r) = links_of(ms);
-    ex.ensure(&s, &r)?;
-    let mut refs: Vec<&mut dyn Machine> = ms.iter_mut().map(|m| m as &mut dyn Machine).collect();
-    drive(ex, &mut refs)
+    // Up: send to the parent, receive from the children; down: the reverse.
+    let links = |to_parent: bool| {
+        ms.iter().flat_map(move |m| {
+            let parent = m.parent.filter(|_| if to_parent { m.up } else { m.down });
+            let kids = if to_parent { m.down } else { m.up };
+            parent
+                .into_iter()
+                .chain(m.kids.iter().copied().filter(move |_| kids))
+                .map(move |p| (p, m.ch))
+        })
+    };
+    ex.ensure(links(true), links(false))?;
+    drive_all(ex, ms)
 }
 
 /// Double binary tree all-reduce: each half of the data is reduced up one tree and
@@ -383,31 +380,32 @@ pub(crate) fn all_reduce_tree(
     } else {
         1
     };
-    let mut ms: Vec<TreeM> = trees
-        .into_iter()
-        .take(ntrees)
-        .enumerate()
-        .map(|(t, shape)| {
-            let (base, cnt) = part(count, ntrees, t);
-            tree_machine(
-                t,
-                n,
-                shape,
-                true,
-                true,
-                dt,
-                op,
-                base,
-                cnt,
-                pl,
-                t * tree_stage(pl),
-            )
-        })
-        .collect();
+    let mut ms = machines(
+        trees
+            .into_iter()
+            .take(ntrees)
+            .enumerate()
+            .map(|(t, shape)| {
+                let (base, cnt) = part(count, ntrees, t);
+                tree_machine(
+                    t,
+                    n,
+                    shape,
+                    true,
+                    true,
+                    dt,
+                    op,
+                    base,
+                    cnt,
+                    pl,
+                    t * tree_stage(pl),
+                )
+            }),
+    )?;
     run(ex, &mut ms)
 }
 
-fn rooted(n: usize, rank: usize, root: usize) -> (Option<usize>, Vec<usize>) {
+fn rooted(n: usize, rank: usize, root: usize) -> (Option<usize>, Kids) {
     mapped(n, rank, |r| (r + n - root) % n, |l| (l + root) % n)
 }
 
@@ -475,7 +473,7 @@ pub(crate) fn reduce_tree(
 mod tests {
     use super::*;
 
-    fn check_tree(n: usize, f: impl Fn(usize) -> (Option<usize>, Vec<usize>)) {
+    fn check_tree(n: usize, f: impl Fn(usize) -> (Option<usize>, Kids)) {
         let shapes: Vec<_> = (0..n).map(&f).collect();
         let roots: Vec<usize> = (0..n).filter(|&r| shapes[r].0.is_none()).collect();
         assert_eq!(roots.len(), 1, "n={n}: one root");

@@ -118,8 +118,18 @@ impl<'a> Exec<'a> {
     }
 
     /// Connect what the algorithm is about to use.
-    pub fn ensure(&mut self, sends: &[(usize, usize)], recvs: &[(usize, usize)]) -> Result<()> {
-        self.links.ensure(sends, recvs, self.waiter)
+    /// Checks without allocating when they all exist (every call after the first).
+    pub fn ensure<I, J>(&mut self, sends: I, recvs: J) -> Result<()>
+    where
+        I: IntoIterator<Item = (usize, usize)> + Clone,
+        J: IntoIterator<Item = (usize, usize)> + Clone,
+    {
+        if self.links.has_all(sends.clone(), recvs.clone()) {
+            return Ok(());
+        }
+        let s: Vec<_> = sends.into_iter().collect();
+        let r: Vec<_> = recvs.into_iter().collect();
+        self.links.ensure(&s, &r, self.waiter)
     }
 
     /// True for in-place calls (Src and Dst are the same memory).

@@ -146,6 +146,21 @@ impl Links {
         self.spare.clear();
     }
 
+    /// Whether every connection of `sends` and `recvs` is open already.
+    pub fn has_all(
+        &self,
+        sends: impl IntoIterator<Item = (usize, usize)>,
+        recvs: impl IntoIterator<Item = (usize, usize)>,
+    ) -> bool {
+        let ok = |p: usize, c: usize| p == self.rank || (p < self.nranks && c < MAX_CHANNELS);
+        sends
+            .into_iter()
+            .all(|(p, c)| ok(p, c) && (p == self.rank || self.send[p][c].is_some()))
+            && recvs
+                .into_iter()
+                .all(|(p, c)| ok(p, c) && (p == self.rank || self.recv[p][c].is_some()))
+    }
+
     /// Make sure the connections `sends` (to peer, channel) and `recvs` (from peer, channel)
     /// exist, opening the missing ones together.
     pub fn ensure(
@@ -154,14 +169,7 @@ impl Links {
         recvs: &[(usize, usize)],
         waiter: &Waiter,
     ) -> Result<()> {
-        let ok = |p: usize, c: usize| p == self.rank || (p < self.nranks && c < MAX_CHANNELS);
-        let has_send = sends
-            .iter()
-            .all(|&(p, c)| ok(p, c) && (p == self.rank || self.send[p][c].is_some()));
-        let has_recv = recvs
-            .iter()
-            .all(|&(p, c)| ok(p, c) && (p == self.rank || self.recv[p][c].is_some()));
-        if has_send && has_recv {
+        if self.has_all(sends.iter().copied(), recvs.iter().copied()) {
             return Ok(()); // the common case: no allocation
         }
         let need_send: Vec<(usize, usize)> = sends

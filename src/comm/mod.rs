@@ -1035,7 +1035,7 @@ impl State {
                 }
             }
         }
-        ex.ensure(&sends, &recvs)?;
+        ex.ensure(sends.iter().copied(), recvs.iter().copied())?;
         let mut self_sends = posts.iter().filter(|p| p.0 && p.1 == me).map(|p| p.2);
         for &(send, peer, reg) in &posts {
             match (send, peer == me) {

@@ -143,14 +143,21 @@ impl WaitState<'_> {
             std::thread::sleep(Duration::from_micros(50));
             return Ok(true);
         }
-        let mut pfds: Vec<libc::pollfd> = fds
-            .iter()
-            .map(|f| libc::pollfd {
-                fd: f.fd,
-                events: f.events,
-                revents: 0,
-            })
-            .collect();
+        let pollfd = |f: &PollFd| libc::pollfd {
+            fd: f.fd,
+            events: f.events,
+            revents: 0,
+        };
+        // On the stack for the usual few connections; no allocation per wait.
+        let mut small = arrayvec::ArrayVec::<libc::pollfd, 64>::new();
+        let mut large = Vec::new();
+        let pfds: &mut [libc::pollfd] = if fds.len() <= small.capacity() {
+            small.extend(fds.iter().map(pollfd));
+            &mut small
+        } else {
+            large.extend(fds.iter().map(pollfd));
+            &mut large
+        };
         // SAFETY: `pfds` is a valid array of pollfd for the duration of the call.
         unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         Ok(true)

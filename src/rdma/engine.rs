@@ -31,6 +31,10 @@ pub type CqId = usize;
 pub const ACK_EVERY: u32 = 32;
 /// Largest payload copied into the work request at post time.
 pub const MAX_INLINE: usize = 256;
+
+/// Work requests a queue holds before it grows: queues are sized once, so the data path
+/// does not allocate while a connection stays within this many requests in flight.
+const QUEUE_HINT: usize = 256;
 /// A responder repeats its sequence-error NAK after this many out-of-sequence packets.
 const NAK_REPEAT: u32 = 64;
 /// A responder acknowledges a packet that asks for it at once, and others (the last
@@ -460,7 +464,7 @@ impl Engine {
 
     /// Create a completion queue.
     pub fn create_cq(&mut self) -> CqId {
-        self.cqs.push(VecDeque::new());
+        self.cqs.push(VecDeque::with_capacity(4 * QUEUE_HINT));
         self.cqs.len() - 1
     }
 
@@ -503,7 +507,7 @@ impl Engine {
             recv_cq,
             src_port,
             attr: QpAttr::default(),
-            sq: VecDeque::new(),
+            sq: VecDeque::with_capacity(QUEUE_HINT),
             next_psn: 0,
             tx_wqe: 0,
             tx_pkt: 0,
@@ -515,7 +519,7 @@ impl Engine {
             acked: 0,
             last_nak: None,
             cwnd: WINDOW,
-            rq: VecDeque::new(),
+            rq: VecDeque::with_capacity(QUEUE_HINT),
             epsn: 0,
             msn: 0,
             in_send: None,
@@ -809,9 +813,19 @@ impl Engine {
 
     /// Complete finished send WQEs at the head of the queue, in order.
     fn reap(&mut self, qpn: Qpn) {
-        let Ok(qp) = self.qp(qpn) else { return };
-        let cq = qp.send_cq;
-        let mut out = Vec::new();
+        // The QP and the completion queues are borrowed apart: completions go straight to
+        // the queue (no allocation per acknowledgement).
+        let Some(qp) = self
+            .qps
+            .get_mut((qpn & 0xfff) as usize)
+            .and_then(|q| q.as_mut())
+            .filter(|q| q.qpn == qpn)
+        else {
+            return;
+        };
+        let Some(out) = self.cqs.get_mut(qp.send_cq) else {
+            return;
+        };
         while qp.sq.front().is_some_and(|w| w.done) {
             let w = qp.sq.pop_front().expect("front exists");
             if qp.tx_wqe == 0 {
@@ -822,7 +836,7 @@ impl Engine {
                 qp.tx_wqe -= 1;
             }
             if w.wr.signaled {
-                out.push(Wc {
+                out.push_back(Wc {
                     wr_id: w.wr.wr_id,
                     status: WcStatus::Success,
                     opcode: wc_op(w.wr.opcode),
@@ -835,7 +849,6 @@ impl Engine {
         if !qp.outstanding() {
             qp.rto = None;
         }
-        self.cqs[cq].extend(out);
     }
 
     /// One line per QP with its protocol state (for debugging stalls).
@@ -880,8 +893,10 @@ impl Engine {
 
     /// Advance timers to `now`: retransmit after a timeout or an RNR wait.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let qpns: Vec<Qpn> = self.qps.iter().flatten().map(|q| q.qpn).collect();
-        for qpn in qpns {
+        for i in 0..self.qps.len() {
+            let Some(qpn) = self.qps[i].as_ref().map(|q| q.qpn) else {
+                continue;
+            };
             let Ok(qp) = self.qp(qpn) else { continue };
             if qp.rnr_until.is_some_and(|t| now >= t) {
                 qp.rnr_until = None;
