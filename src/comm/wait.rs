@@ -108,6 +108,12 @@ impl WaitState<'_> {
     /// Errors once the timeout has passed without progress.
     pub fn pause(&mut self) -> Result<bool, TimedOut> {
         self.spins += 1;
+        // Sharing cores (no spin phase): the peer we wait for may need this very core, and
+        // a PAUSE costs ~40 ns on recent x86: yield at once.
+        if self.w.spin.is_zero() && self.spins < 16 {
+            std::thread::yield_now();
+            return Ok(false);
+        }
         // Read the clock only every few spins: it costs more than a poll pass of TCP.
         if self.spins < 16 {
             std::hint::spin_loop();
