@@ -65,6 +65,8 @@ pub(crate) fn all_reduce_direct(
 /// `r ^ 2^k` for k = 0..log2(p) and reduce; finally ranks `r - p` send the result back.
 /// Every rank evaluates the same expression tree (reductions are commutative), so results
 /// are bit-identical. log2(p) (+2) steps, each of the whole buffer. Staging: one buffer.
+/// The input is never copied: the first exchange sends it from where it is and the first
+/// reduction writes the output (`dst = src ⊕ peer`).
 pub(crate) fn all_reduce_doubling(
     ex: &mut Exec,
     dt: DataType,
@@ -73,7 +75,10 @@ pub(crate) fn all_reduce_doubling(
 ) -> Result<()> {
     let (n, r) = (ex.nranks(), ex.rank());
     let bytes = count * dt.size();
-    ex.copy_input(bytes)?;
+    if n == 1 {
+        return ex.copy_input(bytes);
+    }
+    let src = Reg::new(Buf::Src, 0, bytes);
     let dst = Reg::new(Buf::Dst, 0, bytes);
     let other = Reg::new(Buf::Stage, 0, bytes);
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
@@ -93,22 +98,26 @@ pub(crate) fn all_reduce_doubling(
     }
     ex.ensure(peers.iter().copied(), peers.iter().copied())?;
     if r >= p {
-        ex.send(r - p, 0, dst)?;
+        ex.send(r - p, 0, src)?;
         ex.finish()?;
         ex.recv(r - p, 0, dst)?;
         return ex.finish();
     }
+    // Where this rank's running result is: its input until the first reduction.
+    let mut acc = src;
     if r + p < n {
         ex.recv(r + p, 0, other)?;
         ex.finish()?;
-        ex.reduce(dst, dst, other, dt, op)?;
+        ex.reduce(dst, acc, other, dt, op)?;
+        acc = dst;
     }
     let mut k = 1;
     while k < p {
         ex.recv(r ^ k, 0, other)?;
-        ex.send(r ^ k, 0, dst)?;
+        ex.send(r ^ k, 0, acc)?;
         ex.finish()?;
-        ex.reduce(dst, dst, other, dt, op)?;
+        ex.reduce(dst, acc, other, dt, op)?;
+        acc = dst;
         k <<= 1;
     }
     if op == RedOp::Avg {
