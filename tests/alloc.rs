@@ -101,6 +101,7 @@ fn shapes(n: usize, b: usize) -> Vec<(Collective, Algo, usize, usize)> {
     for algo in [
         Algo::Direct,
         Algo::Doubling,
+        Algo::TwoShot,
         Algo::Ring,
         Algo::Tree,
         Algo::ShmOneShot,

@@ -141,7 +141,13 @@ fn deterministic(net: roccl::net::NetKind) {
                 ((x >> 40) as f32 / 1e4 - 800.0) * 1.000_123
             })
             .collect();
-        let mut algos = vec![Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree];
+        let mut algos = vec![
+            Algo::Direct,
+            Algo::Doubling,
+            Algo::TwoShot,
+            Algo::Ring,
+            Algo::Tree,
+        ];
         if c.shm_collectives() {
             algos.extend([Algo::ShmOneShot, Algo::ShmTwoShot]);
         }

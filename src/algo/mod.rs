@@ -18,8 +18,8 @@ use std::str::FromStr;
 
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
-    all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_to_all_pairwise,
-    barrier_dissemination, sendrecv,
+    all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_reduce_twoshot,
+    all_reduce_twoshot_stage, all_to_all_pairwise, barrier_dissemination, sendrecv,
 };
 pub(crate) use ring::{
     all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage,
@@ -41,6 +41,9 @@ pub enum Algo {
     Direct,
     /// Recursive doubling: log2(n) pairwise exchanges of the whole buffer (small messages).
     Doubling,
+    /// Two steps: a direct reduce-scatter then a direct all-gather, a block per peer in
+    /// each (small and middle messages on few ranks).
+    TwoShot,
     /// Through the host's shared-memory segments, one synchronisation per piece: every rank
     /// reads every input (all ranks on one host; every collective).
     ShmOneShot,
@@ -57,6 +60,7 @@ impl Algo {
             Algo::Tree => "tree",
             Algo::Direct => "direct",
             Algo::Doubling => "doubling",
+            Algo::TwoShot => "twoshot",
             Algo::ShmOneShot => "shm1",
             Algo::ShmTwoShot => "shm2",
         }
@@ -77,10 +81,11 @@ impl FromStr for Algo {
             "tree" => Ok(Algo::Tree),
             "direct" | "oneshot" | "one-shot" => Ok(Algo::Direct),
             "doubling" | "rd" | "recursive-doubling" => Ok(Algo::Doubling),
+            "twoshot" | "two-shot" | "2shot" => Ok(Algo::TwoShot),
             "shm1" | "shm" | "shm-oneshot" => Ok(Algo::ShmOneShot),
             "shm2" | "shm-twoshot" => Ok(Algo::ShmTwoShot),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, shm1 or shm2"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1 or shm2"
             ))),
         }
     }

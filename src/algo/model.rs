@@ -207,6 +207,7 @@ fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
         (CollKind::AllReduce, Algo::ShmOneShot | Algo::ShmTwoShot) => 0.0,
         (CollKind::AllReduce, Algo::Direct) | (CollKind::AllToAll, _) => 2.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Doubling) => 2.0 * doubling_steps(n),
+        (CollKind::AllReduce, Algo::TwoShot) => 4.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Ring) => 4.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Tree) => 2.0 * tree_edges * trees,
         (CollKind::Broadcast | CollKind::Reduce, _) => tree_edges,
@@ -233,6 +234,9 @@ fn estimate_wire(
         }
         (CollKind::AllReduce, Algo::Direct | Algo::ShmOneShot | Algo::ShmTwoShot) => {
             c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
+        }
+        (CollKind::AllReduce, Algo::TwoShot) => {
+            2.0 * c.alpha_us + wire(2.0 * (nf - 1.0) / nf * b) + red((nf - 1.0) / nf * b)
         }
         (CollKind::AllReduce, Algo::Ring) => {
             let steps = 2.0 * (nf - 1.0);
@@ -273,7 +277,13 @@ fn estimate_wire(
 /// Algorithms that exist for `kind` over the network.
 pub fn candidates(kind: CollKind) -> &'static [Algo] {
     match kind {
-        CollKind::AllReduce => &[Algo::Direct, Algo::Doubling, Algo::Ring, Algo::Tree],
+        CollKind::AllReduce => &[
+            Algo::Direct,
+            Algo::Doubling,
+            Algo::TwoShot,
+            Algo::Ring,
+            Algo::Tree,
+        ],
         CollKind::Broadcast | CollKind::Reduce => &[Algo::Ring, Algo::Tree],
         CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring],
         CollKind::AllToAll => &[Algo::Direct],
@@ -362,8 +372,10 @@ pub fn choose(
             // Over links that pay a system call per message, one whole-buffer exchange
             // beats the ring's pipelined slices up to a few MiB; over shared memory it does
             // not (fitted, see DOUBLING_MAX).
-            Algo::Doubling if c.alpha_us >= 5.0 => DOUBLING_MAX,
+            Algo::Doubling | Algo::TwoShot if c.alpha_us >= 5.0 => DOUBLING_MAX,
             Algo::Doubling => DIRECT_MAX,
+            // Over shared memory the flat two-shot (`shm2`) does this job.
+            Algo::TwoShot => 0,
             _ => usize::MAX,
         };
         if kind == CollKind::AllReduce && bytes > limit {
@@ -491,6 +503,34 @@ mod tests {
         };
         assert_eq!(pick(0.5), Algo::ShmTwoShot);
         assert_eq!(pick(100.0), Algo::ShmOneShot);
+    }
+
+    #[test]
+    fn two_shot_between_one_shot_and_ring_over_the_network() {
+        // A 25 GbE RoCE link between hosts: α ≈ 8 µs with the software, β ≈ 3 GB/s.
+        let c = LinkCost {
+            alpha_us: 8.0,
+            beta_gbs: 3.0,
+            ..LinkCost::default()
+        };
+        let t = Tuning::default();
+        let pick = |n, b| choose(CollKind::AllReduce, n, b, &c, None, &t).0;
+        assert_eq!(pick(4, 1024), Algo::Direct);
+        // Middle sizes on few ranks: two steps, 2(n-1)/n of the data (one-shot: n-1 times).
+        assert_eq!(pick(4, 256 << 10), Algo::TwoShot);
+        assert_eq!(pick(8, 1 << 20), Algo::TwoShot);
+        assert_eq!(pick(4, 64 << 20), Algo::Ring);
+        // Over shared memory the flat two-shot does its job.
+        let shm = LinkCost {
+            alpha_us: 1.0,
+            ..shm_host()
+        };
+        for b in [1024, 64 << 10, 1 << 20] {
+            assert_ne!(
+                choose(CollKind::AllReduce, 4, b, &shm, None, &t).0,
+                Algo::TwoShot
+            );
+        }
     }
 
     #[test]

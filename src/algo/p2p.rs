@@ -1,6 +1,7 @@
 //! Algorithms made of direct exchanges: one-shot all-reduce for small messages, pairwise
 //! all-to-all, the dissemination barrier, and point-to-point send/receive.
 
+use super::part;
 use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::{Error, Result};
 use crate::types::{DataType, RedOp};
@@ -58,6 +59,79 @@ pub(crate) fn all_reduce_direct(
         ex.finish_avg(dst, dt, n)?;
     }
     Ok(())
+}
+
+/// Staging of the two-shot all-reduce: a block-sized slot per rank.
+pub(crate) fn all_reduce_twoshot_stage(n: usize, count: usize, dt: DataType) -> usize {
+    n * (count.div_ceil(n) * dt.size()).next_multiple_of(64)
+}
+
+/// Two-shot all-reduce: a direct reduce-scatter, then a direct all-gather. The buffer is cut
+/// in `n` blocks; every rank sends block `p` of its input to rank `p` and receives its own
+/// block from everyone (all at once), reduces its block in rank order into the output, then
+/// sends the reduced block to everyone and receives theirs straight into the output. Two
+/// steps, `2(n-1)/n · B` sent per rank (the one-shot sends `(n-1) · B`), each block reduced
+/// once, by its owner, so every rank gets the same bits. Staging: a block per rank.
+pub(crate) fn all_reduce_twoshot(
+    ex: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+) -> Result<()> {
+    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    if n == 1 {
+        return ex.copy_input(count * esz);
+    }
+    let stride = (count.div_ceil(n) * esz).next_multiple_of(64);
+    let block = |b: Buf, i: usize| {
+        let (start, len) = part(count, n, i);
+        Reg::new(b, start * esz, len * esz)
+    };
+    let slot = |p: usize| Reg::new(Buf::Stage, p * stride, block(Buf::Dst, r).len);
+    ex.ensure(
+        (1..n).map(|s| ((r + s) % n, 0)),
+        (1..n).map(|s| ((r + n - s) % n, 0)),
+    )?;
+    // Empty blocks (count < n) are skipped by both sides alike.
+    let mine = block(Buf::Dst, r).len;
+    for s in 1..n {
+        let (to, from) = ((r + s) % n, (r + n - s) % n);
+        if mine > 0 {
+            ex.recv(from, 0, slot(from))?;
+        }
+        if block(Buf::Src, to).len > 0 {
+            ex.send(to, 0, block(Buf::Src, to))?;
+        }
+    }
+    ex.finish()?;
+    if mine > 0 {
+        // In place, the output block is also our input: keep the input in our own slot.
+        let own = if ex.in_place() {
+            ex.copy(slot(r), block(Buf::Src, r))?;
+            slot(r)
+        } else {
+            block(Buf::Src, r)
+        };
+        let data = |p: usize| if p == r { own } else { slot(p) };
+        let out = block(Buf::Dst, r);
+        ex.reduce(out, data(0), data(1), dt, op)?;
+        for p in 2..n {
+            ex.reduce(out, out, data(p), dt, op)?;
+        }
+        if op == RedOp::Avg {
+            ex.finish_avg(out, dt, n)?;
+        }
+    }
+    for s in 1..n {
+        let (to, from) = ((r + s) % n, (r + n - s) % n);
+        if block(Buf::Dst, from).len > 0 {
+            ex.recv(from, 0, block(Buf::Dst, from))?;
+        }
+        if mine > 0 {
+            ex.send(to, 0, block(Buf::Dst, r))?;
+        }
+    }
+    ex.finish()
 }
 
 /// Recursive-doubling all-reduce: with `p` the largest power of two ≤ n, ranks `p..n` first

@@ -1187,6 +1187,7 @@ impl State {
                 let need = match a {
                     Algo::Direct => algo::all_reduce_direct_stage(n, recv.len()),
                     Algo::Doubling => recv.len(),
+                    Algo::TwoShot => algo::all_reduce_twoshot_stage(n, count, dt),
                     Algo::Ring => algo::all_reduce_ring_stage(&pl),
                     Algo::Tree => 2 * algo::tree_stage(&pl),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
@@ -1194,6 +1195,7 @@ impl State {
                 self.run_exec(send, recv, need, |ex| match a {
                     Algo::Direct => algo::all_reduce_direct(ex, dt, op, count),
                     Algo::Doubling => algo::all_reduce_doubling(ex, dt, op, count),
+                    Algo::TwoShot => algo::all_reduce_twoshot(ex, dt, op, count),
                     Algo::Ring => algo::all_reduce_ring(ex, dt, op, count, &pl),
                     Algo::Tree => algo::all_reduce_tree(ex, dt, op, count, &pl),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),

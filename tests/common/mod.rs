@@ -183,6 +183,7 @@ pub fn algos(k: Kind) -> &'static [Algo] {
         Kind::AllReduce => &[
             Algo::Direct,
             Algo::Doubling,
+            Algo::TwoShot,
             Algo::Ring,
             Algo::Tree,
             Algo::ShmOneShot,
