@@ -248,8 +248,30 @@ pub trait RecvComm: Send {
     /// Make received data visible to the device (`iflush`): for buffers in GPU memory
     /// registered with [`RecvComm::reg_mr_device`], a read through the NIC that completes
     /// only after its earlier writes reached the GPU; host memory needs nothing.
-    fn flush(&mut self, _bufs: &[RecvBuf]) -> Result<()> {
+    fn flush(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+        if let Some(id) = self.iflush(bufs)? {
+            let (t0, limit) = (std::time::Instant::now(), crate::comm::timeout());
+            while !self.test_flush(id)? {
+                if t0.elapsed() > limit {
+                    return Err(Error::Timeout(format!(
+                        "flushing received GPU memory took over {limit:.0?} (ROCCL_TIMEOUT): the NIC did not complete the flush"
+                    )));
+                }
+                std::thread::yield_now();
+            }
+        }
         Ok(())
+    }
+    /// Start a [`RecvComm::flush`] and return at once: `Ok(None)` when there is nothing to
+    /// wait for (host memory), else an id for [`RecvComm::test_flush`].
+    fn iflush(&mut self, _bufs: &[RecvBuf]) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// Progress; true once flush `id` (from [`RecvComm::iflush`]) has completed. Flushes
+    /// complete in the order they were started.
+    fn test_flush(&mut self, id: u64) -> Result<bool> {
+        let _ = id;
+        Ok(true)
     }
     /// Descriptors to poll while waiting for progress.
     fn poll_fds(&self, out: &mut Vec<PollFd>);

@@ -209,7 +209,10 @@ static res_t n_connect(net_t *n, void *h, void **s) {
 }
 /* accept/regMr/regMrDmaBuf/deregMr sit at the same place in every table. */
 static res_t n_accept(net_t *n, void *l, void **c) { void *d = (void *)1; res_t r = T(net_v8_t)->accept(l, c, &d); return r == 0 && d ? 99 : r; }
-static res_t n_regmr(net_t *n, void *c, void *p, size_t sz, void **mh) { return T(net_v8_t)->regMr(c, p, sz, 1, mh); }
+/* Buffers are registered as host memory, or as GPU memory (NCCL_PTR_CUDA) when the network
+ * advertises it (ROCCL_ROCEV2_SIM_GPU=1: the userspace engine takes host memory for it). */
+static int reg_type = 1;
+static res_t n_regmr(net_t *n, void *c, void *p, size_t sz, void **mh) { return T(net_v8_t)->regMr(c, p, sz, reg_type, mh); }
 static res_t n_deregmr(net_t *n, void *c, void *mh) { return T(net_v8_t)->deregMr(c, mh); }
 static res_t n_isend(net_t *n, void *c, void *p, size_t sz, int tag, void *mh, void **req) {
   switch (n->v) {
@@ -306,6 +309,7 @@ static int run_sender(net_t *n, void *s, char *arena, void *mh) {
 }
 
 static int run_receiver(net_t *n, void *r, char *arena, void *mh) {
+  int flushes = 0; /* iflush calls that returned a request to test */
   void *req[MAX_REQ] = {0};
   int grp[MAX_REQ], busy[MAX_REQ] = {0};
   int g = 0, done = 0;
@@ -350,6 +354,7 @@ static int run_receiver(net_t *n, void *r, char *arena, void *mh) {
       /* iflush as NCCL does after a receive to GPU memory; for host memory it completes. */
       void *f = (void *)1;
       CHECK(TAIL(n, iflush)(r, plan[gi].n, ptrs, isz, mhs, &f) == 0, "v%d iflush failed", n->v);
+      if (f) flushes++;
       while (f) {
         int fd = 0;
         CHECK(TAIL(n, test)(f, &fd, NULL) == 0, "v%d flush test failed", n->v);
@@ -359,6 +364,9 @@ static int run_receiver(net_t *n, void *r, char *arena, void *mh) {
       busy[i] = 0; done++;
     }
   }
+  /* GPU memory is flushed by reads through the NIC that complete later; host memory never. */
+  CHECK(reg_type == 2 ? flushes > 0 : flushes == 0, "v%d %d of the flushes returned a request (memory type %d)",
+        n->v, flushes, reg_type);
   return 0;
 }
 
@@ -399,6 +407,7 @@ static int side(const char *lib, int v, int fd, int sender) {
         "v%d properties: name %s maxRecvs %d ptrSupport %d maxP2pBytes %zu", v, name ? name : "(null)", maxRecvs, ptr, maxp2p);
   /* NCCL_PTR_DMABUF (4) comes with NCCL_PTR_CUDA (2): NCCL registers GPU buffers only then. */
   CHECK(!(ptr & 4) || (ptr & 2), "v%d ptrSupport %d: DMABUF without CUDA", v, ptr);
+  reg_type = (ptr & 2) ? 2 : 1;
   make_plan(maxRecvs);
   char handle[HANDLE_SIZE];
   char *arena = malloc((size_t)MAX_REQ * MAX_RECVS * SLOT);

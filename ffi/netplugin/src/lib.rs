@@ -306,9 +306,16 @@ struct SendW {
     mrs: Mrs,
 }
 
+/// A request on a receive comm: a grouped receive of `n` buffers, or a flush.
+#[derive(Clone, Copy)]
+enum RecvReq {
+    Recv(ReqId, u8),
+    Flush(u64),
+}
+
 struct RecvW {
     c: Box<dyn RecvComm>,
-    reqs: [Option<(ReqId, u8)>; MAX_REQUESTS],
+    reqs: [Option<RecvReq>; MAX_REQUESTS],
     mrs: Mrs,
 }
 
@@ -716,7 +723,7 @@ fn irecv_impl(
     }
     // SAFETY: NCCL keeps the buffers valid until the request completes.
     if let Some(q) = unsafe { r.c.irecv(&bufs[..n]) }? {
-        r.reqs[slot] = Some((q, n as u8));
+        r.reqs[slot] = Some(RecvReq::Recv(q, n as u8));
         set_out(
             req,
             (((id << 8) | (slot as u64 + 1)) as usize) as *mut c_void,
@@ -751,16 +758,27 @@ fn iflush_impl(
         b.ptr = p.cast();
         b.len = usize::try_from(l).unwrap_or(0);
     }
-    let (_, o) = lookup(comm, "recvComm")?;
+    let (id, o) = lookup(comm, "recvComm")?;
     let mut g = o.lock();
     let Obj::Recv(r) = &mut *g else {
         return Err(bad("iflush: not a receive comm"));
     };
-    // GPU memory registered by this comm is read back through the NIC (synchronously: the
-    // read on a loopback QP takes a few microseconds); host memory needs nothing. A NULL
-    // request tells NCCL the flush is done.
-    r.c.flush(&bufs[..n])?;
-    set_out(req, std::ptr::null_mut());
+    // GPU memory registered by this comm is read back through the NIC: the reads are posted
+    // and the request completes with them (test). Host memory needs nothing: a NULL request
+    // tells NCCL the flush is done. With every request slot taken, flush before returning.
+    match r.reqs.iter().position(Option::is_none) {
+        Some(slot) => match r.c.iflush(&bufs[..n])? {
+            Some(f) => {
+                r.reqs[slot] = Some(RecvReq::Flush(f));
+                set_out(req, ((id << 8) | (slot as u64 + 1)) as usize as *mut c_void);
+            }
+            None => set_out(req, std::ptr::null_mut()),
+        },
+        None => {
+            r.c.flush(&bufs[..n])?;
+            set_out(req, std::ptr::null_mut());
+        }
+    }
     Ok(())
 }
 
@@ -795,20 +813,27 @@ fn test_impl(req: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> R<()> {
                 unsafe { *done = 1 };
             }
         }
-        Obj::Recv(r) => {
-            let Some((id, n)) = r.reqs[slot - 1] else {
-                return Err(bad(format!("test: request {req:?} already completed")));
-            };
-            let mut got = [0usize; MAX_RECVS];
-            if r.c.test(id, &mut got[..n as usize])? {
-                r.reqs[slot - 1] = None;
-                for (i, v) in got[..n as usize].iter().enumerate() {
-                    put(i, *v);
+        Obj::Recv(r) => match r.reqs[slot - 1] {
+            None => return Err(bad(format!("test: request {req:?} already completed"))),
+            Some(RecvReq::Recv(id, n)) => {
+                let mut got = [0usize; MAX_RECVS];
+                if r.c.test(id, &mut got[..n as usize])? {
+                    r.reqs[slot - 1] = None;
+                    for (i, v) in got[..n as usize].iter().enumerate() {
+                        put(i, *v);
+                    }
+                    // SAFETY: checked non-null.
+                    unsafe { *done = 1 };
                 }
-                // SAFETY: checked non-null.
-                unsafe { *done = 1 };
             }
-        }
+            Some(RecvReq::Flush(f)) => {
+                if r.c.test_flush(f)? {
+                    r.reqs[slot - 1] = None;
+                    // SAFETY: checked non-null.
+                    unsafe { *done = 1 };
+                }
+            }
+        },
         _ => return Err(bad(format!("test: {req:?} is not a request"))),
     }
     Ok(())

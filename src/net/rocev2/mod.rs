@@ -195,6 +195,13 @@ impl RoceNet {
 
 /// Whether a kernel module lets the NIC register GPU memory by its address (peer memory:
 /// `nvidia_peermem`, or AMD's `amdkfd` peer-memory client), as NCCL and RCCL check.
+/// `ROCCL_ROCEV2_SIM_GPU=1`: the userspace engine advertises GPU memory (NCCL_PTR_CUDA) and
+/// takes host memory registered as such, so the GPU-direct path of the plugin (no eager or
+/// inline copies, flushes through the NIC) runs without a GPU (tests/plugin/run.sh).
+fn sim_gpu() -> bool {
+    std::env::var("ROCCL_ROCEV2_SIM_GPU").is_ok_and(|v| v.trim() == "1")
+}
+
 fn peer_memory() -> bool {
     [
         "/sys/kernel/mm/memory_peers/nv_mem/version",
@@ -330,7 +337,11 @@ impl Net for RoceNet {
             guid: 0,
             ptr_support: PtrSupport {
                 host: true,
-                device: self.verbs.hardware() && peer_memory(),
+                device: if self.verbs.hardware() {
+                    peer_memory()
+                } else {
+                    sim_gpu()
+                },
                 dmabuf: self.dmabuf,
             },
             speed_mbps: self.speed_mbps.unwrap_or(if self.ip.is_loopback() {
@@ -1386,10 +1397,20 @@ struct Flusher {
     qp: QpId,
     scratch: Box<[u8; 64]>,
     mr: Mr,
+    /// Id of the next flush.
+    next: u64,
+    /// Flushes in flight, oldest first: (id, reads not yet completed).
+    pending: VecDeque<(u64, usize)>,
+    /// Reads in flight over all of them (bounded by [`FLUSH_READS`]).
+    reads: usize,
 }
 
+/// Most flush reads in flight on the loopback QP (NCCL keeps at most 8 receives per
+/// connection, each of up to `MAX_RECVS` buffers).
+const FLUSH_READS: usize = 8 * MAX_RECVS;
+
 impl RoceRecv {
-    fn flusher(&mut self) -> Result<&Flusher> {
+    fn flusher(&mut self) -> Result<&mut Flusher> {
         if self.flusher.is_none() {
             let (qp, ep) = self.verbs.create_qp()?;
             if let Err(e) = self.verbs.connect_qp(qp, &ep) {
@@ -1410,33 +1431,94 @@ impl RoceRecv {
                     return Err(e);
                 }
             };
-            self.flusher = Some(Flusher { qp, scratch, mr });
+            self.flusher = Some(Flusher {
+                qp,
+                scratch,
+                mr,
+                next: 1,
+                pending: VecDeque::with_capacity(FLUSH_READS),
+                reads: 0,
+            });
         }
-        Ok(self.flusher.as_ref().expect("set above"))
+        Ok(self.flusher.as_mut().expect("set above"))
     }
 
-    /// Read the first byte of each buffer in GPU memory back through the NIC, and wait.
-    fn flush_device(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+    /// Take the loopback QP's completions: each finished read counts down its flush.
+    fn reap_flushes(&mut self) -> Result<()> {
+        let Some(f) = self.flusher.as_mut() else {
+            return Ok(());
+        };
+        let mut wcs = [EMPTY_WC; MAX_RECVS];
+        loop {
+            let n = self.verbs.poll_cq(f.qp, &mut wcs)?;
+            for wc in &wcs[..n] {
+                if wc.status != WcStatus::Success {
+                    return Err(Error::sys(
+                        "flushing received GPU memory (RDMA read through a loopback QP)",
+                        std::io::Error::other(format!("completion status {:?}", wc.status)),
+                    ));
+                }
+                let Some(front) = f.pending.front_mut().filter(|p| p.0 == wc.wr_id) else {
+                    return Err(Error::Internal(format!(
+                        "flush read {} completed out of order",
+                        wc.wr_id
+                    )));
+                };
+                front.1 -= 1;
+                f.reads -= 1;
+                if front.1 == 0 {
+                    f.pending.pop_front();
+                }
+            }
+            if n < wcs.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Post a 1-byte read of each buffer in GPU memory through the NIC; the id to test.
+    fn iflush_device(&mut self, bufs: &[RecvBuf]) -> Result<Option<u64>> {
         let device = |c: &RegCache, b: &RecvBuf| {
             c.pinned_for(b.ptr as u64, b.len.max(1), Access::default())
                 .filter(|p| p.device && b.len > 0)
         };
-        if !bufs.iter().any(|b| device(&self.cache, b).is_some()) {
-            return Ok(());
-        }
         let targets: [Option<(u64, u32)>; MAX_RECVS] = std::array::from_fn(|i| {
             bufs.get(i)
                 .and_then(|b| device(&self.cache, b).map(|p| (b.ptr as u64, p.mr.rkey)))
         });
+        let count = targets.iter().flatten().count();
+        if count == 0 {
+            return Ok(None);
+        }
+        // Room on the loopback QP: wait for older flushes if NCCL ran far ahead.
+        self.flusher()?;
+        let t0 = std::time::Instant::now();
+        let limit = crate::comm::timeout();
+        while self
+            .flusher
+            .as_ref()
+            .is_some_and(|f| f.reads + count > FLUSH_READS)
+        {
+            self.reap_flushes()?;
+            if t0.elapsed() > limit {
+                return Err(Error::Timeout(format!(
+                    "flushing received GPU memory took over {limit:.0?}: the NIC did not complete reads on its loopback QP"
+                )));
+            }
+            std::thread::yield_now();
+        }
         let verbs = Arc::clone(&self.verbs);
         let f = self.flusher()?;
-        let (qp, lkey, at) = (f.qp, f.mr.lkey, f.scratch.as_ptr() as u64);
-        let mut posted = 0usize;
+        let (qp, lkey, at, id) = (f.qp, f.mr.lkey, f.scratch.as_ptr() as u64, f.next);
+        f.next += 1;
+        // Counted as posted before the posts: a failed post fails the comm (and its flusher).
+        f.pending.push_back((id, count));
+        f.reads += count;
         for (i, &(addr, rkey)) in targets.iter().flatten().enumerate() {
             verbs.post_send(
                 qp,
                 &SendWr {
-                    wr_id: i as u64,
+                    wr_id: id,
                     opcode: WrOpcode::Read,
                     sge: Some(Sge {
                         addr: at + i as u64,
@@ -1450,32 +1532,27 @@ impl RoceRecv {
                     signaled: true,
                 },
             )?;
-            posted += 1;
         }
-        let t0 = std::time::Instant::now();
-        let limit = crate::comm::timeout();
-        let mut wcs = [EMPTY_WC; MAX_RECVS];
-        while posted > 0 {
-            let n = verbs.poll_cq(qp, &mut wcs)?;
-            for wc in &wcs[..n] {
-                if wc.status != WcStatus::Success {
-                    return Err(Error::sys(
-                        "flushing received GPU memory (RDMA read through a loopback QP)",
-                        std::io::Error::other(format!("completion status {:?}", wc.status)),
-                    ));
-                }
-            }
-            posted -= n.min(posted);
-            if n == 0 {
-                if t0.elapsed() > limit {
-                    return Err(Error::Timeout(format!(
-                        "flushing received GPU memory took over {limit:.0?}: the NIC did not complete a read on its loopback QP"
-                    )));
-                }
-                std::thread::yield_now();
-            }
+        Ok(Some(id))
+    }
+
+    /// Whether flush `id` completed: flushes before the oldest one in flight have.
+    fn flush_done(&mut self, id: u64) -> Result<bool> {
+        self.reap_flushes()?;
+        Ok(self
+            .flusher
+            .as_ref()
+            .and_then(|f| f.pending.front())
+            .map_or(true, |p| p.0 > id))
+    }
+
+    /// After a failed flush: reads may still be outstanding on the loopback QP, so a later
+    /// flush would count their completions as its own. Start over with a new one.
+    fn drop_flusher(&mut self) {
+        if let Some(f) = self.flusher.take() {
+            self.verbs.destroy_qp(f.qp);
+            let _ = self.verbs.dereg_mr(&f.mr);
         }
-        Ok(())
     }
 }
 
@@ -1497,16 +1574,23 @@ impl RecvComm for RoceRecv {
         self.cache.unpin(&*self.verbs, mr.key as u32)
     }
 
-    fn flush(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+    fn iflush(&mut self, bufs: &[RecvBuf]) -> Result<Option<u64>> {
         self.progress()?;
-        let r = self.flush_device(bufs);
+        let r = self.iflush_device(bufs);
         if r.is_err() {
-            // Reads may still be outstanding on the loopback QP: a later flush would count
-            // their completions as its own. Start over with a new one.
-            if let Some(f) = self.flusher.take() {
-                self.verbs.destroy_qp(f.qp);
-                let _ = self.verbs.dereg_mr(&f.mr);
-            }
+            self.drop_flusher();
+        }
+        super::remember_failure(&mut self.failed, r)
+    }
+
+    fn test_flush(&mut self, id: u64) -> Result<bool> {
+        super::refuse_if_failed(&self.failed, "RoCE v2 receive comm")?;
+        if id == 0 || self.flusher.as_ref().map_or(true, |f| id >= f.next) {
+            return Err(Error::InvalidUsage(format!("test on unknown flush {id}")));
+        }
+        let r = self.flush_done(id);
+        if r.is_err() {
+            self.drop_flusher();
         }
         super::remember_failure(&mut self.failed, r)
     }
@@ -2117,5 +2201,66 @@ mod tests {
                 "a second deregistration is refused"
             );
         }
+    }
+
+    /// `iflush` returns at once with an id; flushes complete in order through `test_flush`
+    /// and their reads; more flushes than the loopback QP takes at once wait for older ones;
+    /// host memory needs none; an id never handed out is refused.
+    #[test]
+    fn flushes_are_asynchronous_and_complete_in_order() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let rec = Arc::new(Wrapped::new(lo, false));
+        let net = RoceNet::over(rec.clone(), lo);
+        net.expect_device_buffers();
+        let (_s, mut r) = pair(&net);
+        let mut gpu = vec![0u8; 4096];
+        let mut host = vec![0u8; 64];
+        let rm = r
+            .reg_mr_device(gpu.as_mut_ptr() as usize, gpu.len(), None)
+            .unwrap();
+        let bufs: Vec<RecvBuf> = (0..MAX_RECVS)
+            .map(|i| RecvBuf {
+                // SAFETY: inside `gpu`.
+                ptr: unsafe { gpu.as_mut_ptr().add(i * 512) },
+                len: 512,
+                tag: 0,
+            })
+            .collect();
+        let hb = [RecvBuf {
+            ptr: host.as_mut_ptr(),
+            len: host.len(),
+            tag: 0,
+        }];
+        assert_eq!(r.iflush(&hb).unwrap(), None, "host memory needs no flush");
+        // Twice the reads the QP takes at once, MAX_RECVS buffers per flush.
+        let ids: Vec<u64> = (0..2 * FLUSH_READS / MAX_RECVS)
+            .map(|_| r.iflush(&bufs).unwrap().expect("GPU memory is flushed"))
+            .collect();
+        assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+        let t0 = std::time::Instant::now();
+        let mut done = vec![false; ids.len()];
+        while !done.iter().all(|d| *d) {
+            assert!(t0.elapsed().as_secs() < 10, "flushes stalled");
+            for (i, &id) in ids.iter().enumerate() {
+                if !done[i] && r.test_flush(id).unwrap() {
+                    assert!(
+                        done[..i].iter().all(|d| *d),
+                        "flush {id} finished before older ones"
+                    );
+                    done[i] = true;
+                }
+            }
+        }
+        let reads = rec
+            .1
+            .lock()
+            .iter()
+            .filter(|w| w.0 == WrOpcode::Read)
+            .count();
+        assert_eq!(reads, ids.len() * MAX_RECVS, "one read per buffer");
+        let next = ids.last().unwrap() + 1;
+        assert!(r.test_flush(next).is_err(), "an unknown flush is refused");
+        assert!(r.test_flush(0).is_err());
+        r.dereg_mr(rm).unwrap();
     }
 }
