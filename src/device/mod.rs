@@ -708,8 +708,13 @@ fn run_synchronously(
 /// short kernel should not pay a sleep), then sleep in 20 µs steps (a stream may run long GPU
 /// work first). False if the communicator was aborted meanwhile.
 fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
-    let mut spins = 0u32;
-    let mut since: Option<Instant> = None;
+    // The ready flag is on the critical path of every stream-ordered call: spin while the
+    // waiting policy allows (a core per rank), then yield for up to YIELD_FOR (the stream
+    // may still run long kernels before it), then sleep in short steps.
+    const YIELD_FOR: Duration = Duration::from_millis(10);
+    let spin = turn.spin();
+    let t0 = Instant::now();
+    let mut n = 0u32;
     loop {
         if flag.load(Ordering::Acquire) >= g {
             return true;
@@ -717,13 +722,13 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
         if turn.aborted() {
             return false;
         }
-        spins += 1;
-        if spins < 256 {
+        n = n.wrapping_add(1);
+        // The clock only every 64 polls while spinning.
+        if !spin.is_zero() && (n % 64 != 0 || t0.elapsed() < spin) {
             std::hint::spin_loop();
             continue;
         }
-        let t = *since.get_or_insert_with(Instant::now);
-        if t.elapsed() < Duration::from_millis(1) {
+        if t0.elapsed() < spin + YIELD_FOR {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(20));
