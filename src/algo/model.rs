@@ -386,7 +386,13 @@ pub fn choose(
             best = (a, e);
         }
     }
-    (best.0, pipeline(piece(best.0), bytes, t))
+    let mut pl = pipeline(piece(best.0), bytes, t);
+    if kind == CollKind::Broadcast && n == 2 && best.0 == Algo::Ring && t.slice.is_none() {
+        // A chain of two has nothing to overlap: one message (TCP, 2 ranks, 1 MiB: 204 µs
+        // as one slice vs 322 µs as four; docs/PERFORMANCE.md). Broadcast stages nothing.
+        pl.slice = bytes.max(64);
+    }
+    (best.0, pl)
 }
 
 #[cfg(test)]
@@ -503,6 +509,31 @@ mod tests {
         };
         assert_eq!(pick(0.5), Algo::ShmTwoShot);
         assert_eq!(pick(100.0), Algo::ShmOneShot);
+    }
+
+    #[test]
+    fn a_broadcast_between_two_ranks_is_one_message() {
+        let (c, t) = (LinkCost::default(), Tuning::default());
+        let (a, pl) = choose(CollKind::Broadcast, 2, 1 << 20, &c, None, &t);
+        assert_eq!((a, pl.slice), (Algo::Ring, 1 << 20));
+        // With a rank in the middle of the chain, slices pipeline.
+        assert!(
+            choose(CollKind::Broadcast, 3, 1 << 20, &c, None, &t)
+                .1
+                .slice
+                < 1 << 20
+        );
+        // A slice the user set stays.
+        let forced = Tuning {
+            slice: Some(4096),
+            ..Tuning::default()
+        };
+        assert_eq!(
+            choose(CollKind::Broadcast, 2, 1 << 20, &c, None, &forced)
+                .1
+                .slice,
+            4096
+        );
     }
 
     #[test]
