@@ -295,8 +295,8 @@ fn properties_impl<P: PropsOut>(dev: c_int, out: *mut P) -> R<()> {
 enum Obj {
     Listen(Box<dyn ListenComm>),
     Connecting(Box<dyn Connecting>),
-    Send(SendW),
-    Recv(RecvW),
+    Send(Box<SendW>),
+    Recv(Box<RecvW>),
     Context,
 }
 
@@ -456,11 +456,11 @@ fn connect_impl(dev: c_int, handle: *mut c_void, send: *mut *mut c_void) -> R<()
         h[STAGE_AT..].fill(0);
         set_out(
             send,
-            insert(Obj::Send(SendW {
+            insert(Obj::Send(Box::new(SendW {
                 c: s,
                 reqs: [None; MAX_REQUESTS],
                 mrs: Mrs::default(),
-            })),
+            }))),
         );
     }
     Ok(())
@@ -480,11 +480,11 @@ fn accept_impl(listen: *mut c_void, recv: *mut *mut c_void) -> R<()> {
     if let Some(r) = r {
         set_out(
             recv,
-            insert(Obj::Recv(RecvW {
+            insert(Obj::Recv(Box::new(RecvW {
                 c: r,
                 reqs: [None; MAX_REQUESTS],
                 mrs: Mrs::default(),
-            })),
+            }))),
         );
     }
     Ok(())
