@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use half::{bf16, f16};
 use roccl::algo::model::Tuning;
-use roccl::{Collective, RedOp};
+use roccl::{Algo, CallOpts, Collective, DataType, RedOp};
 
 #[test]
 fn typed_calls_with_half_types() {
@@ -122,7 +122,6 @@ fn float_results_are_deterministic_over_shared_memory() {
 }
 
 fn deterministic(net: roccl::net::NetKind) {
-    use roccl::{Algo, CallOpts, DataType};
     let mut cfg = config(Tuning {
         slice: Some(4096),
         depth: Some(3),
@@ -275,4 +274,34 @@ fn abort_from_another_thread_unblocks_a_collective() {
         assert!(c.barrier().is_err());
         assert!(c.async_error().is_some());
     });
+}
+
+/// `ROCCL_CONNECT=all` (`Config::connect_all`): every rank is connected to and from every
+/// peer when init returns, and a one-shot all-reduce opens nothing more; by default nothing is
+/// open until a call needs it.
+#[test]
+fn connect_all_opens_the_mesh_during_init() {
+    for connect_all in [false, true] {
+        let mut cfg = config(Tuning::default());
+        cfg.connect_all = connect_all;
+        run_ranks(4, cfg, |c| {
+            let n = c.nranks();
+            let at_init = c.open_connections();
+            let want = if connect_all { (n - 1, n - 1) } else { (0, 0) };
+            assert_eq!(at_init, want, "connect_all={connect_all}");
+            let mut out = [0f32; 4];
+            c.run_raw(
+                Collective::AllReduce(RedOp::Sum),
+                DataType::F32,
+                Some(bytemuck::cast_slice(&[1f32; 4])),
+                bytemuck::cast_slice_mut(&mut out),
+                &CallOpts {
+                    algo: Some(Algo::Direct),
+                },
+            )
+            .unwrap();
+            assert_eq!(out, [n as f32; 4]);
+            assert_eq!(c.open_connections(), (n - 1, n - 1));
+        });
+    }
 }

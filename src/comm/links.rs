@@ -103,6 +103,14 @@ impl Links {
         }
     }
 
+    /// Connections open: (sends, receives), over every peer and channel.
+    pub fn open(&self) -> (usize, usize) {
+        let count = |v: &[bool]| v.iter().filter(|b| **b).count();
+        let sends: Vec<bool> = self.send.iter().flatten().map(Option::is_some).collect();
+        let recvs: Vec<bool> = self.recv.iter().flatten().map(Option::is_some).collect();
+        (count(&sends), count(&recvs))
+    }
+
     /// Name of the network used toward `peer`.
     pub fn net_name(&self, peer: usize) -> &'static str {
         self.endpoints[self.peer_net[peer]].net.name()

@@ -41,6 +41,9 @@ pub struct Config {
     /// Bytes per slot of the shared-memory collectives (`ROCCL_SHM_SLOT`, a multiple of 4096;
     /// `None` = 256 KiB); every rank of a host must use the same.
     pub shm_slot: Option<usize>,
+    /// Open a connection to and from every peer during init (`ROCCL_CONNECT=all`), so that
+    /// no call pays for connection setup; by default connections open when first used.
+    pub connect_all: bool,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -73,6 +76,18 @@ impl Config {
             shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {
                 Some(_) => Some(net::shm::node::slot_size()?),
                 None => None,
+            },
+            connect_all: match std::env::var("ROCCL_CONNECT") {
+                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                    "all" | "init" => true,
+                    "" | "lazy" | "first-use" => false,
+                    other => {
+                        return Err(Error::arg(format!(
+                            "ROCCL_CONNECT={other}: expected all (connect every peer during init) or lazy (when first used)"
+                        )))
+                    }
+                },
+                Err(_) => false,
             },
         })
     }
@@ -506,7 +521,8 @@ impl Communicator {
         links.timeout_grace =
             (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
         let abort_flag = Arc::clone(&links.abort);
-        Ok(Communicator {
+        let connect_all = cfg.connect_all;
+        let comm = Communicator {
             shared: Arc::new(Shared {
                 rank,
                 nranks,
@@ -528,7 +544,11 @@ impl Communicator {
                 worker_wait,
                 abort: abort_flag,
             }),
-        })
+        };
+        if connect_all {
+            comm.connect_all()?;
+        }
+        Ok(comm)
     }
 
     /// Join from the launcher's environment: `ROCCL_UNIQUE_ID`, or `ROCCL_ROOT` /
@@ -835,6 +855,26 @@ impl Communicator {
             &CallOpts::default(),
         )
         .map(|_| ())
+    }
+
+    /// Open a connection to and from every peer on the first channel now (what
+    /// `ROCCL_CONNECT=all` does during init): a collective call; every rank must make it.
+    pub fn connect_all(&self) -> Result<()> {
+        self.with_turn(|st| {
+            let (n, me) = (st.links.nranks, st.links.rank);
+            let peers: Vec<(usize, usize)> = (0..n).filter(|&p| p != me).map(|p| (p, 0)).collect();
+            st.usable()?;
+            let r = st.links.ensure(&peers, &peers, &st.cfg.waiter);
+            if let Err(e) = &r {
+                st.failed(e);
+            }
+            r
+        })
+    }
+
+    /// Connections this rank has open: (sends, receives) over every peer and channel.
+    pub fn open_connections(&self) -> (usize, usize) {
+        self.with_turn(|st| st.links.open())
     }
 
     fn worker(&self) -> mpsc::Sender<Job> {

@@ -23,6 +23,7 @@ pub fn config(tuning: Tuning) -> Config {
             fixed: true,
         },
         shm_slot: None,
+        connect_all: false,
     }
 }
 
