@@ -140,6 +140,18 @@ fn runtime_sym(name: &CStr) -> Option<*mut c_void> {
 const HIP_SUCCESS: c_int = 0;
 /// `hipMemcpyDefault`: direction from the pointers (unified addressing).
 const MEMCPY_DEFAULT: c_int = 4;
+
+/// `ROCCL_APU_DEVICE_MEMORY=in-place`: on an integrated GPU, device memory (`hipMalloc`) that
+/// the CPU can read (a probe that cannot crash) is used in place like host memory instead of
+/// being staged. Experimental and off: no source confirms that this memory is coherent for
+/// the CPU at the points roccl reads and writes it on gfx1151; check with
+/// `scripts/gpu-check.sh` (0 wrong results) before relying on it (docs/GPU.md).
+fn apu_in_place() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("ROCCL_APU_DEVICE_MEMORY").is_ok_and(|v| v.trim() == "in-place")
+    })
+}
 const HIP_ERROR_NO_DEVICE: c_int = 100;
 const HIP_ERROR_INVALID_VALUE: c_int = 1;
 /// `hipDeviceAttributeCanUseStreamWaitValue` (same number in HIP 5 and 6).
@@ -302,7 +314,10 @@ impl Device for HipDevice {
         // memory counts as host-accessible only when the runtime gives a host pointer for it.
         let host_accessible = match kind {
             MemKind::Host | MemKind::PinnedHost | MemKind::Managed => true,
-            MemKind::Device => a.host_pointer as usize == addr,
+            MemKind::Device => {
+                a.host_pointer as usize == addr
+                    || (self.integrated && apu_in_place() && crate::sys::cpu_readable(addr, 64))
+            }
         };
         Ok(PtrInfo {
             kind,

@@ -19,25 +19,6 @@ fn floats(v: impl Iterator<Item = f32>) -> Vec<u8> {
     v.flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Whether the CPU can read `len` bytes at `addr`: `write(2)` them into a pipe, which fails
-/// with EFAULT (instead of a fault in this process) when the range is not mapped readable.
-fn cpu_readable(addr: usize, len: usize) -> bool {
-    let mut fds = [0i32; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-        return false;
-    }
-    // SAFETY: write(2) only reads `addr` in the kernel, which reports EFAULT for memory the
-    // CPU cannot read; the pipe is ours and holds 64 KiB, more than `len` (≤ 4 KiB here).
-    let n = unsafe { libc::write(fds[1], addr as *const libc::c_void, len) };
-    // SAFETY: closing the descriptors pipe2 gave us.
-    unsafe {
-        libc::close(fds[0]);
-        libc::close(fds[1]);
-    }
-    n == len as isize
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let ranks: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(2);
@@ -67,7 +48,7 @@ fn main() {
     // Readable is not enough to use it (coherence with the GPU's caches is not checked here).
     match dev.alloc_device(1 << 20).and_then(|b| {
         let info = dev.classify(b.addr())?;
-        Ok((info, cpu_readable(b.addr(), 4096)))
+        Ok((info, roccl_core::sys::cpu_readable(b.addr(), 4096)))
     }) {
         Ok((info, readable)) => println!(
             "# device memory: {:?}, host-accessible per the runtime: {}, CPU read probe: {}",
