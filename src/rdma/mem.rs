@@ -32,10 +32,15 @@ impl std::ops::BitOr for Access {
 
 #[derive(Clone, Copy, Debug)]
 struct Region {
+    /// The address work requests use (for a dmabuf: the registrant's I/O virtual address).
     addr: usize,
     len: usize,
     access: Access,
     key: u32,
+    /// Where the bytes of `addr` are for this process: `addr` itself, or inside `mapping`.
+    host: usize,
+    /// This table's own mapping of a dmabuf (address, length), unmapped with the region.
+    mapping: Option<(usize, usize)>,
 }
 
 /// Why a memory access was refused.
@@ -88,7 +93,71 @@ impl MrTable {
             len,
             access,
             key,
+            host: addr,
+            mapping: None,
         });
+        Ok(key)
+    }
+
+    /// Register `len` bytes at `offset` of the dmabuf `fd`, addressed as `iova` in work
+    /// requests: the engine maps the buffer itself (as a NIC maps it for DMA) and never
+    /// touches `iova`, which need not be readable by this process at all (GPU memory).
+    /// Works for any file the kernel lets us map shared (a memfd posing as GPU memory in
+    /// tests; a GPU driver's dmabuf only where its exporter allows CPU mappings).
+    pub fn register_dmabuf(
+        &mut self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: usize,
+        access: Access,
+    ) -> Result<u32> {
+        if len == 0 || iova == 0 {
+            return Err(Error::arg("registering an empty or NULL dmabuf range"));
+        }
+        if iova.checked_add(len).is_none() {
+            return Err(Error::arg("memory region wraps around the address space"));
+        }
+        let page = 4096u64;
+        let start = offset - offset % page;
+        let delta = (offset - start) as usize;
+        let map_len = (len + delta).next_multiple_of(page as usize);
+        let off = libc::off_t::try_from(start)
+            .map_err(|_| Error::arg(format!("dmabuf offset {offset} is too large")))?;
+        // SAFETY: a new shared mapping chosen by the kernel; it aliases no Rust object and is
+        // unmapped only when the region is removed (or the table dropped).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                off,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::sys(
+                format!(
+                    "mmap of dmabuf fd {fd} ({len} bytes at offset {offset}) by the userspace RoCE engine: it maps registered dmabufs as a NIC would; the exporter must allow CPU mappings"
+                ),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let host = p as usize + delta;
+        // SAFETY: the mapping stays until the region goes (deregister / drop unmap it).
+        let key = match unsafe { self.register(iova, len, access) } {
+            Ok(k) => k,
+            Err(e) => {
+                // SAFETY: the mapping made above, not yet shared with any region.
+                unsafe { libc::munmap(p, map_len) };
+                return Err(e);
+            }
+        };
+        if let Some(Some(r)) = self.regions.get_mut((key >> 8) as usize) {
+            r.host = host;
+            r.mapping = Some((p as usize, map_len));
+        }
         Ok(key)
     }
 
@@ -96,7 +165,15 @@ impl MrTable {
     pub fn deregister(&mut self, key: u32) -> Result<()> {
         match self.regions.get_mut((key >> 8) as usize) {
             Some(r @ Some(_)) if r.as_ref().is_some_and(|x| x.key == key) => {
-                *r = None;
+                if let Some(Region {
+                    mapping: Some((a, l)),
+                    ..
+                }) = r.take()
+                {
+                    // SAFETY: the region's own mapping (register_dmabuf); the region is gone,
+                    // so nothing can reach it any more.
+                    unsafe { libc::munmap(a as *mut libc::c_void, l) };
+                }
                 Ok(())
             }
             _ => Err(Error::arg(format!("no memory region with key {key:#x}"))),
@@ -124,7 +201,7 @@ impl MrTable {
         if !r.access.has(need) {
             return Err(AccessError::Denied);
         }
-        Ok(addr)
+        Ok(r.host + (addr - r.addr))
     }
 
     /// Check that `[addr, addr+len)` is inside region `key` with rights `need`.
@@ -171,6 +248,15 @@ impl MrTable {
         // SAFETY: inside a registered region (checked), valid until deregistration; the slice
         // lives only while the table is borrowed, i.e. while a packet is being encoded.
         Ok(unsafe { std::slice::from_raw_parts(a as *const u8, len) })
+    }
+}
+
+impl Drop for MrTable {
+    fn drop(&mut self) {
+        for (a, l) in self.regions.iter().flatten().filter_map(|r| r.mapping) {
+            // SAFETY: mappings made by register_dmabuf; the table and its regions are gone.
+            unsafe { libc::munmap(a as *mut libc::c_void, l) };
+        }
     }
 }
 

@@ -146,6 +146,8 @@ pub struct UserVerbs {
     fd: i32,
     local: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// Pose as a NIC that reaches GPU memory (`ROCCL_ROCEV2_SIM_GPU=1`; see `rdma::sim_gpu`).
+    sim_gpu: AtomicBool,
 }
 
 /// The background progress thread: what a NIC does without the host. It receives,
@@ -374,7 +376,18 @@ impl UserVerbs {
             .name("roccl-rocev2".into())
             .spawn(move || progress_thread(d2, fd, s2))
             .map_err(|e| Error::sys("spawning the RoCE v2 progress thread", e))?;
-        Ok(UserVerbs { d, fd, local, stop })
+        Ok(UserVerbs {
+            d,
+            fd,
+            local,
+            stop,
+            sim_gpu: AtomicBool::new(super::sim_gpu()),
+        })
+    }
+
+    /// Take dmabufs and advertise them (what `ROCCL_ROCEV2_SIM_GPU=1` turns on), for tests.
+    pub fn set_sim_gpu(&self, on: bool) {
+        self.sim_gpu.store(on, Ordering::Relaxed);
     }
 
     /// Local address (IP and RoCE port).
@@ -864,6 +877,38 @@ impl Verbs for UserVerbs {
 
     fn dereg_mr(&self, mr: &Mr) -> Result<()> {
         self.d.lock().engine.mrs.deregister(mr.lkey)
+    }
+
+    fn dmabuf_supported(&self) -> bool {
+        self.sim_gpu.load(Ordering::Relaxed)
+    }
+
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        if !self.dmabuf_supported() {
+            return Err(Error::InvalidUsage(
+                "the userspace RoCE engine takes dmabufs only with ROCCL_ROCEV2_SIM_GPU=1 (to test the GPU-direct path); GPU buffers must be staged through host memory".into(),
+            ));
+        }
+        let iova = usize::try_from(iova).map_err(|_| Error::arg("dmabuf iova out of range"))?;
+        let key = self
+            .d
+            .lock()
+            .engine
+            .mrs
+            .register_dmabuf(fd, offset, len, iova, access)?;
+        Ok(Mr {
+            addr: iova as u64,
+            len,
+            lkey: key,
+            rkey: key,
+        })
     }
 
     fn cacheable_registrations(&self) -> bool {

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -212,7 +213,15 @@ static res_t n_accept(net_t *n, void *l, void **c) { void *d = (void *)1; res_t 
 /* Buffers are registered as host memory, or as GPU memory (NCCL_PTR_CUDA) when the network
  * advertises it (ROCCL_ROCEV2_SIM_GPU=1: the userspace engine takes host memory for it). */
 static int reg_type = 1;
-static res_t n_regmr(net_t *n, void *c, void *p, size_t sz, void **mh) { return T(net_v8_t)->regMr(c, p, sz, reg_type, mh); }
+/* With NCCL_PTR_DMABUF too, the arena is a memfd mapping registered through regMrDmaBuf: the
+ * userspace engine maps the fd itself, as a NIC maps GPU memory. */
+static int dmabuf_fd = -1;
+static char *dmabuf_base;
+static res_t n_regmr(net_t *n, void *c, void *p, size_t sz, void **mh) {
+  if (dmabuf_fd >= 0)
+    return T(net_v8_t)->regMrDmaBuf(c, p, sz, reg_type, (uint64_t)((char *)p - dmabuf_base), dmabuf_fd, mh);
+  return T(net_v8_t)->regMr(c, p, sz, reg_type, mh);
+}
 static res_t n_deregmr(net_t *n, void *c, void *mh) { return T(net_v8_t)->deregMr(c, mh); }
 static res_t n_isend(net_t *n, void *c, void *p, size_t sz, int tag, void *mh, void **req) {
   switch (n->v) {
@@ -410,7 +419,18 @@ static int side(const char *lib, int v, int fd, int sender) {
   reg_type = (ptr & 2) ? 2 : 1;
   make_plan(maxRecvs);
   char handle[HANDLE_SIZE];
-  char *arena = malloc((size_t)MAX_REQ * MAX_RECVS * SLOT);
+  size_t arena_len = (size_t)MAX_REQ * MAX_RECVS * SLOT;
+  char *arena;
+  if (ptr & 4) {
+    dmabuf_fd = memfd_create("harness-dmabuf", MFD_CLOEXEC);
+    CHECK(dmabuf_fd >= 0 && ftruncate(dmabuf_fd, (off_t)arena_len) == 0, "memfd for the dmabuf arena");
+    arena = mmap(NULL, arena_len, PROT_READ | PROT_WRITE, MAP_SHARED, dmabuf_fd, 0);
+    CHECK(arena != MAP_FAILED, "mmap of the dmabuf arena");
+    dmabuf_base = arena;
+    if (!sender) { printf("   v%d: buffers are GPU memory registered through regMrDmaBuf (memfd)\n", v); fflush(stdout); }
+  } else {
+    arena = malloc(arena_len);
+  }
   CHECK(arena, "out of memory");
   void *comm = NULL, *lcomm = NULL, *mh = NULL;
   if (!sender) {
@@ -456,7 +476,13 @@ static int side(const char *lib, int v, int fd, int sender) {
     CHECK(T(net_v11_t)->finalize(n->ctx) != 0, "v%d finalize twice succeeded", v);
   }
   CHECK(logged > 0, "v%d: nothing came through NCCL's logger", v);
-  free(arena);
+  if (dmabuf_fd >= 0) {
+    munmap(arena, arena_len);
+    close(dmabuf_fd);
+    dmabuf_fd = -1;
+  } else {
+    free(arena);
+  }
   return 0;
 }
 

@@ -28,7 +28,7 @@ for net in tcp rocev2; do
   echo "-- NCCL_NET_PLUGIN=roccl (libnccl-net-roccl.so), ROCCL_NET=$net"
   ROCCL_NET=$net timeout -k 5 300 "$out/harness" libnccl-net-roccl.so
 done
-echo "-- GPU memory (NCCL_PTR_CUDA) on the userspace engine: no eager copies, asynchronous iflush"
+echo "-- GPU memory (NCCL_PTR_CUDA, regMrDmaBuf) on the userspace engine: no eager copies, asynchronous iflush"
 ROCCL_NET=rocev2 ROCCL_ROCEV2_SIM_GPU=1 timeout -k 5 300 "$out/harness" libnccl-net-roccl.so
 echo "-- RCCL's file name (librccl-net-roccl.so), ROCCL_NET=rocev2"
 ROCCL_NET=rocev2 timeout -k 5 300 "$out/harness" librccl-net-roccl.so

@@ -132,12 +132,13 @@ pub struct RoceNet {
 impl RoceNet {
     /// The userspace RoCE v2 engine on `ip` (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`).
     pub fn userspace(ip: IpAddr) -> Result<RoceNet> {
+        let verbs = UserVerbs::open(ip)?;
         Ok(RoceNet {
-            verbs: Arc::new(UserVerbs::open(ip)?),
+            dmabuf: verbs.dmabuf_supported(),
+            verbs: Arc::new(verbs),
             ip,
             speed_mbps: None,
             pci_path: None,
-            dmabuf: false,
             device_buffers: AtomicBool::new(false),
         })
     }
@@ -195,13 +196,6 @@ impl RoceNet {
 
 /// Whether a kernel module lets the NIC register GPU memory by its address (peer memory:
 /// `nvidia_peermem`, or AMD's `amdkfd` peer-memory client), as NCCL and RCCL check.
-/// `ROCCL_ROCEV2_SIM_GPU=1`: the userspace engine advertises GPU memory (NCCL_PTR_CUDA) and
-/// takes host memory registered as such, so the GPU-direct path of the plugin (no eager or
-/// inline copies, flushes through the NIC) runs without a GPU (tests/plugin/run.sh).
-fn sim_gpu() -> bool {
-    std::env::var("ROCCL_ROCEV2_SIM_GPU").is_ok_and(|v| v.trim() == "1")
-}
-
 fn peer_memory() -> bool {
     [
         "/sys/kernel/mm/memory_peers/nv_mem/version",
@@ -340,7 +334,7 @@ impl Net for RoceNet {
                 device: if self.verbs.hardware() {
                     peer_memory()
                 } else {
-                    sim_gpu()
+                    self.dmabuf
                 },
                 dmabuf: self.dmabuf,
             },
@@ -2072,6 +2066,20 @@ mod tests {
         fn name(&self) -> String {
             self.0.name()
         }
+        fn dmabuf_supported(&self) -> bool {
+            self.0.dmabuf_supported()
+        }
+        unsafe fn reg_dmabuf(
+            &self,
+            fd: i32,
+            offset: u64,
+            len: usize,
+            iova: u64,
+            access: Access,
+        ) -> Result<Mr> {
+            // SAFETY: forwarded contract.
+            unsafe { self.0.reg_dmabuf(fd, offset, len, iova, access) }
+        }
         fn hardware(&self) -> bool {
             self.2
         }
@@ -2200,6 +2208,140 @@ mod tests {
                 r.dereg_mr(again).is_err(),
                 "a second deregistration is refused"
             );
+        }
+    }
+
+    /// "GPU memory" for the dmabuf test: a memfd (the dmabuf), a PROT_NONE reservation whose
+    /// addresses stand for the GPU's (any CPU access through them faults), and a mapping of
+    /// the memfd for the test itself to fill and check.
+    struct FakeGpu {
+        fd: std::os::fd::OwnedFd,
+        iova: usize,
+        view: usize,
+        len: usize,
+        offset: u64,
+    }
+
+    impl FakeGpu {
+        fn new(len: usize, offset: u64) -> FakeGpu {
+            use std::os::fd::FromRawFd;
+            let total = len + offset as usize;
+            // SAFETY: plain system calls on memory and descriptors this function owns.
+            unsafe {
+                let fd = libc::memfd_create(c"roccl-fake-gpu".as_ptr(), libc::MFD_CLOEXEC);
+                assert!(fd >= 0);
+                assert_eq!(libc::ftruncate(fd, total as libc::off_t), 0);
+                let none = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                let view = libc::mmap(
+                    std::ptr::null_mut(),
+                    total,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                );
+                assert!(none != libc::MAP_FAILED && view != libc::MAP_FAILED);
+                FakeGpu {
+                    fd: std::os::fd::OwnedFd::from_raw_fd(fd),
+                    iova: none as usize,
+                    view: view as usize + offset as usize,
+                    len,
+                    offset,
+                }
+            }
+        }
+        fn bytes(&self) -> &[u8] {
+            // SAFETY: the test's own shared mapping of the memfd, alive while `self` is.
+            unsafe { std::slice::from_raw_parts(self.view as *const u8, self.len) }
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            // SAFETY: as `bytes`, borrowed mutably through `self`.
+            unsafe { std::slice::from_raw_parts_mut(self.view as *mut u8, self.len) }
+        }
+        fn dmabuf(&self) -> Option<(i32, u64)> {
+            use std::os::fd::AsRawFd;
+            Some((self.fd.as_raw_fd(), self.offset))
+        }
+    }
+
+    impl Drop for FakeGpu {
+        fn drop(&mut self) {
+            // SAFETY: the mappings made in `new`.
+            unsafe {
+                libc::munmap(self.iova as *mut libc::c_void, self.len);
+                libc::munmap(
+                    (self.view - self.offset as usize) as *mut libc::c_void,
+                    self.len + self.offset as usize,
+                );
+            }
+        }
+    }
+
+    /// dmabufs registered through `reg_mr_device(.., Some((fd, offset)))` (what NCCL's
+    /// `regMrDmaBuf` does): the engine maps them itself, as a NIC maps GPU memory, and the
+    /// data moves between them while the addresses in the work requests are never touched
+    /// by the CPU (they are PROT_NONE: a touch would crash this test); small and large
+    /// messages, then a flush read through the registration. Refused without GPU support.
+    #[test]
+    fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let rec = Arc::new(Wrapped::new(lo, false));
+        let net = RoceNet::over(rec.clone(), lo);
+        net.expect_device_buffers();
+        let (mut s, mut r) = pair(&net);
+        let probe = FakeGpu::new(4096, 0);
+        assert!(
+            s.reg_mr_device(probe.iova, 4096, probe.dmabuf()).is_err(),
+            "a dmabuf taken without ROCCL_ROCEV2_SIM_GPU"
+        );
+        rec.0.set_sim_gpu(true);
+        for (len, offset) in [(64usize, 4096u64), ((1 << 20) + 3, 100)] {
+            let (mut a, b) = (FakeGpu::new(len, offset), FakeGpu::new(len + 61, 8192));
+            for (i, x) in a.bytes_mut().iter_mut().enumerate() {
+                *x = (i % 251) as u8 ^ 0x3c;
+            }
+            let sm = s.reg_mr_device(a.iova, len, a.dmabuf()).unwrap();
+            let rm = r.reg_mr_device(b.iova, b.len, b.dmabuf()).unwrap();
+            let rb = [RecvBuf {
+                ptr: b.iova as *mut u8,
+                len: b.len,
+                tag: 3,
+            }];
+            // SAFETY: the registered ranges outlive the loop, which completes both requests.
+            let (rq, sq) = unsafe {
+                (
+                    r.irecv(&rb).unwrap().unwrap(),
+                    s.isend(a.iova as *const u8, len, 3, Some(&sm))
+                        .unwrap()
+                        .unwrap(),
+                )
+            };
+            let (mut sd, mut rd, mut size) = (false, false, [0usize]);
+            let t0 = std::time::Instant::now();
+            while !(sd && rd) {
+                assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
+                sd = sd || s.test(sq).unwrap().is_some();
+                rd = rd || r.test(rq, &mut size).unwrap();
+            }
+            assert_eq!(size[0], len);
+            assert!(
+                b.bytes()[..len] == a.bytes()[..],
+                "{len} bytes arrived intact"
+            );
+            assert!(
+                b.bytes()[len..].iter().all(|x| *x == 0),
+                "nothing past the message"
+            );
+            r.flush(&rb).unwrap();
+            s.dereg_mr(sm).unwrap();
+            r.dereg_mr(rm).unwrap();
         }
     }
 
