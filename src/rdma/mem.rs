@@ -118,6 +118,26 @@ impl MrTable {
         if iova.checked_add(len).is_none() {
             return Err(Error::arg("memory region wraps around the address space"));
         }
+        // A range past the end of the file would map, then fault (SIGBUS) on first use.
+        // SAFETY: fstat fills the zeroed struct; `fd` is only inspected.
+        let size = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 {
+                return Err(Error::sys(
+                    format!("fstat of dmabuf fd {fd}"),
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            st.st_size as u64
+        };
+        if offset
+            .checked_add(len as u64)
+            .map_or(true, |end| end > size)
+        {
+            return Err(Error::arg(format!(
+                "dmabuf range {offset}+{len} exceeds the {size}-byte buffer of fd {fd}"
+            )));
+        }
         let page = 4096u64;
         let start = offset - offset % page;
         let delta = (offset - start) as usize;

@@ -2302,6 +2302,11 @@ mod tests {
             "a dmabuf taken without ROCCL_ROCEV2_SIM_GPU"
         );
         rec.0.set_sim_gpu(true);
+        // A range past the end of the dmabuf is refused (mapped, it would fault on use).
+        let e = s
+            .reg_mr_device(probe.iova, 8192, probe.dmabuf())
+            .unwrap_err();
+        assert!(e.to_string().contains("exceeds"), "{e}");
         for (len, offset) in [(64usize, 4096u64), ((1 << 20) + 3, 100)] {
             let (mut a, b) = (FakeGpu::new(len, offset), FakeGpu::new(len + 61, 8192));
             for (i, x) in a.bytes_mut().iter_mut().enumerate() {
