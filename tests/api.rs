@@ -276,32 +276,45 @@ fn abort_from_another_thread_unblocks_a_collective() {
     });
 }
 
-/// `ROCCL_CONNECT=all` (`Config::connect_all`): every rank is connected to and from every
-/// peer when init returns, and a one-shot all-reduce opens nothing more; by default nothing is
-/// open until a call needs it.
+/// `ROCCL_CONNECT=all` (`Config::connect_all`): when init returns every rank is connected to
+/// and from every peer on the channels the default pipeline uses and the point-to-point one,
+/// and a one-shot all-reduce, a two-channel ring and a send/receive open nothing more; by
+/// default nothing is open until a call needs it.
 #[test]
 fn connect_all_opens_the_mesh_during_init() {
     for connect_all in [false, true] {
-        let mut cfg = config(Tuning::default());
+        let mut cfg = config(Tuning {
+            channels: Some(2),
+            ..Tuning::default()
+        });
         cfg.connect_all = connect_all;
         run_ranks(4, cfg, |c| {
-            let n = c.nranks();
-            let at_init = c.open_connections();
-            let want = if connect_all { (n - 1, n - 1) } else { (0, 0) };
-            assert_eq!(at_init, want, "connect_all={connect_all}");
-            let mut out = [0f32; 4];
-            c.run_raw(
-                Collective::AllReduce(RedOp::Sum),
-                DataType::F32,
-                Some(bytemuck::cast_slice(&[1f32; 4])),
-                bytemuck::cast_slice_mut(&mut out),
-                &CallOpts {
-                    algo: Some(Algo::Direct),
-                },
-            )
-            .unwrap();
-            assert_eq!(out, [n as f32; 4]);
-            assert_eq!(c.open_connections(), (n - 1, n - 1));
+            let (n, me) = (c.nranks(), c.rank());
+            let all = (3 * (n - 1), 3 * (n - 1));
+            assert_eq!(
+                c.open_connections(),
+                if connect_all { all } else { (0, 0) },
+                "connect_all={connect_all}"
+            );
+            for algo in [Algo::Direct, Algo::Ring] {
+                let mut out = [0f32; 4096];
+                c.run_raw(
+                    Collective::AllReduce(RedOp::Sum),
+                    DataType::F32,
+                    Some(bytemuck::cast_slice(&[1f32; 4096])),
+                    bytemuck::cast_slice_mut(&mut out),
+                    &CallOpts { algo: Some(algo) },
+                )
+                .unwrap();
+                assert!(out.iter().all(|x| *x == n as f32));
+            }
+            let mut got = [0u32; 8];
+            c.sendrecv(&[me as u32; 8], (me + 1) % n, &mut got, (me + n - 1) % n)
+                .unwrap();
+            assert_eq!(got, [((me + n - 1) % n) as u32; 8]);
+            if connect_all {
+                assert_eq!(c.open_connections(), all, "a call opened a connection");
+            }
         });
     }
 }

@@ -389,8 +389,10 @@ pub fn choose(
     let mut pl = pipeline(piece(best.0), bytes, t);
     if kind == CollKind::Broadcast && n == 2 && best.0 == Algo::Ring && t.slice.is_none() {
         // A chain of two has nothing to overlap: one message (TCP, 2 ranks, 1 MiB: 204 µs
-        // as one slice vs 322 µs as four; docs/PERFORMANCE.md). Broadcast stages nothing.
-        pl.slice = bytes.max(64);
+        // as one slice vs 322 µs as four; docs/PERFORMANCE.md), up to 16 MiB (measured up
+        // to there; networks also bound a message, e.g. RoCE at 512 MiB). Broadcast stages
+        // nothing.
+        pl.slice = bytes.clamp(64, 16 << 20);
     }
     (best.0, pl)
 }
@@ -516,6 +518,13 @@ mod tests {
         let (c, t) = (LinkCost::default(), Tuning::default());
         let (a, pl) = choose(CollKind::Broadcast, 2, 1 << 20, &c, None, &t);
         assert_eq!((a, pl.slice), (Algo::Ring, 1 << 20));
+        // Bounded: a network bounds its messages (RoCE: 512 MiB).
+        assert_eq!(
+            choose(CollKind::Broadcast, 2, 1 << 30, &c, None, &t)
+                .1
+                .slice,
+            16 << 20
+        );
         // With a rank in the middle of the chain, slices pipeline.
         assert!(
             choose(CollKind::Broadcast, 3, 1 << 20, &c, None, &t)

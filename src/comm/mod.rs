@@ -41,8 +41,9 @@ pub struct Config {
     /// Bytes per slot of the shared-memory collectives (`ROCCL_SHM_SLOT`, a multiple of 4096;
     /// `None` = 256 KiB); every rank of a host must use the same.
     pub shm_slot: Option<usize>,
-    /// Open a connection to and from every peer during init (`ROCCL_CONNECT=all`), so that
-    /// no call pays for connection setup; by default connections open when first used.
+    /// Open the connections calls use with the default pipeline, to and from every peer,
+    /// during init (`ROCCL_CONNECT=all`; see [`Communicator::connect_all`]); by default
+    /// connections open when first used.
     pub connect_all: bool,
 }
 
@@ -176,6 +177,8 @@ struct State {
     cfg: Config,
     cost: LinkCost,
     serving: u64,
+    /// The worker thread's spin time (see `worker_wait`).
+    worker_spin: Duration,
 }
 
 struct Shared {
@@ -537,6 +540,7 @@ impl Communicator {
                     cfg,
                     cost,
                     serving: 0,
+                    worker_spin: worker_wait.spin,
                 }),
                 turn: Condvar::new(),
                 tickets: AtomicU64::new(0),
@@ -857,12 +861,18 @@ impl Communicator {
         .map(|_| ())
     }
 
-    /// Open a connection to and from every peer on the first channel now (what
-    /// `ROCCL_CONNECT=all` does during init): a collective call; every rank must make it.
+    /// Open now, to and from every peer, the connections calls use with the default
+    /// pipeline: channels 0 and 1 (one-shot, two-shot, doubling, rings of up to two
+    /// channels, both trees of the double tree) and the point-to-point channel. What
+    /// `ROCCL_CONNECT=all` does during init; a collective call: every rank must make it.
+    /// (Rings forced to more channels, `ROCCL_NCHANNELS`, still open those when first used.)
     pub fn connect_all(&self) -> Result<()> {
         self.with_turn(|st| {
             let (n, me) = (st.links.nranks, st.links.rank);
-            let peers: Vec<(usize, usize)> = (0..n).filter(|&p| p != me).map(|p| (p, 0)).collect();
+            let peers: Vec<(usize, usize)> = (0..n)
+                .filter(|&p| p != me)
+                .flat_map(|p| [(p, 0), (p, 1), (p, crate::algo::P2P_CHANNEL)])
+                .collect();
             st.usable()?;
             let r = st.links.ensure(&peers, &peers, &st.cfg.waiter);
             if let Err(e) = &r {
@@ -1002,10 +1012,10 @@ impl Turn<'_> {
         }
     }
 
-    /// How long to spin before yielding, by the communicator's waiting policy (zero when
-    /// ranks share cores).
+    /// How long the worker thread spins before yielding (zero unless every rank of this
+    /// host has a spare core for its worker).
     pub fn spin(&self) -> Duration {
-        self.st.cfg.waiter.spin
+        self.st.worker_spin
     }
 
     /// Whether the application aborted the communicator.

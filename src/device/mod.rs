@@ -704,9 +704,10 @@ fn run_synchronously(
     first.map_or(Ok(()), Err)
 }
 
-/// Wait until `flag >= g`: spin, then yield for up to 1 ms (a collective that follows a
-/// short kernel should not pay a sleep), then sleep in 20 µs steps (a stream may run long GPU
-/// work first). False if the communicator was aborted meanwhile.
+/// Wait until `flag >= g`: spin for the worker's spin time (none when ranks share cores),
+/// then yield for up to 10 ms (a collective that follows GPU work should not pay a sleep),
+/// then sleep in 20 µs steps (a stream may run long work first). False if the communicator
+/// was aborted meanwhile.
 fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
     // The ready flag is on the critical path of every stream-ordered call: spin while the
     // waiting policy allows (a core per rank), then yield for up to YIELD_FOR (the stream
@@ -715,6 +716,7 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
     let spin = turn.spin();
     let t0 = Instant::now();
     let mut n = 0u32;
+    let mut spinning = !spin.is_zero();
     loop {
         if flag.load(Ordering::Acquire) >= g {
             return true;
@@ -722,11 +724,14 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
         if turn.aborted() {
             return false;
         }
-        n = n.wrapping_add(1);
-        // The clock only every 64 polls while spinning.
-        if !spin.is_zero() && (n % 64 != 0 || t0.elapsed() < spin) {
-            std::hint::spin_loop();
-            continue;
+        if spinning {
+            // The clock only every 64 polls.
+            n = n.wrapping_add(1);
+            if n % 64 != 0 || t0.elapsed() < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            spinning = false;
         }
         if t0.elapsed() < spin + YIELD_FOR {
             std::thread::yield_now();

@@ -138,7 +138,8 @@ impl MrTable {
                 "dmabuf range {offset}+{len} exceeds the {size}-byte buffer of fd {fd}"
             )));
         }
-        let page = 4096u64;
+        // SAFETY: sysconf reads a constant of the system.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as u64;
         let start = offset - offset % page;
         let delta = (offset - start) as usize;
         let map_len = (len + delta).next_multiple_of(page as usize);

@@ -141,9 +141,11 @@ fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
 /// a long fat link needs.
 const LOCAL_SNDBUF: usize = 256 * 1024;
 
-/// Whether `ip` is an address of this host (binding to it succeeds only then).
+/// Whether `ip` is an address of this host: loopback, or assigned to one of its interfaces
+/// (not "bindable": with `ip_nonlocal_bind` every address binds).
 fn is_local(ip: IpAddr) -> bool {
-    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+    ip.is_loopback()
+        || crate::bootstrap::ifaces::list().is_ok_and(|l| l.iter().any(|i| i.addr == ip))
 }
 
 fn tune(s: &Socket) -> Result<()> {
