@@ -42,11 +42,91 @@ struct SimStream {
     capturing: AtomicBool,
 }
 
-/// Device memory of the simulated GPU: a host buffer the collectives may use directly.
+/// Where the bytes of a simulated buffer are.
+enum Backing {
+    /// Host memory at the buffer's own address (pinned host memory; APU device memory).
+    Heap(Vec<u64>),
+    /// Device-only memory: the bytes are in a memfd (exported as the buffer's "dmabuf"),
+    /// mapped at `alias` for the simulated device's own copies, while the buffer's address
+    /// is a PROT_NONE reservation: any CPU access through it faults, as on a discrete GPU.
+    Guarded {
+        fd: std::os::fd::OwnedFd,
+        alias: usize,
+        map_len: usize,
+    },
+}
+
+/// Device memory of the simulated GPU.
 pub struct SimBuffer {
-    data: Mutex<Vec<u64>>,
+    data: Mutex<Backing>,
     len: usize,
     addr: usize,
+}
+
+impl Drop for SimBuffer {
+    fn drop(&mut self) {
+        if let Backing::Guarded { alias, map_len, .. } = *self.data.get_mut() {
+            // SAFETY: the two mappings made by `Backing::guarded`, used by nothing else.
+            unsafe {
+                libc::munmap(alias as *mut libc::c_void, map_len);
+                libc::munmap(self.addr as *mut libc::c_void, map_len);
+            }
+        }
+    }
+}
+
+impl Backing {
+    /// Device-only memory of `bytes` (zeroed): (backing, the address programs use).
+    fn guarded(bytes: usize) -> Result<(Backing, usize)> {
+        use std::os::fd::FromRawFd;
+        let map_len = bytes.max(1).next_multiple_of(4096);
+        // SAFETY: system calls on a descriptor and mappings this function owns; each failure
+        // releases what was made before it.
+        unsafe {
+            let fd = libc::memfd_create(c"roccl-sim-device".as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 {
+                return Err(Error::last_os("memfd_create for simulated device memory"));
+            }
+            let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+            use std::os::fd::AsRawFd;
+            if libc::ftruncate(fd.as_raw_fd(), map_len as libc::off_t) != 0 {
+                return Err(Error::last_os("ftruncate for simulated device memory"));
+            }
+            let alias = libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            );
+            if alias == libc::MAP_FAILED {
+                return Err(Error::last_os("mmap of simulated device memory"));
+            }
+            let addr = libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if addr == libc::MAP_FAILED {
+                libc::munmap(alias, map_len);
+                return Err(Error::last_os(
+                    "reserving addresses for simulated device memory",
+                ));
+            }
+            Ok((
+                Backing::Guarded {
+                    fd,
+                    alias: alias as usize,
+                    map_len,
+                },
+                addr as usize,
+            ))
+        }
+    }
 }
 
 impl SimBuffer {
@@ -65,10 +145,25 @@ impl SimBuffer {
         self.len == 0
     }
 
-    /// Read or write its bytes (what a kernel or a host copy would do).
+    /// Read or write its bytes (what a kernel or a device copy would do).
     pub fn with<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let mut d = self.data.lock();
-        f(&mut bytemuck::cast_slice_mut(&mut d[..])[..self.len])
+        match &mut *d {
+            Backing::Heap(v) => f(&mut bytemuck::cast_slice_mut(&mut v[..])[..self.len]),
+            Backing::Guarded { alias, .. } => {
+                // SAFETY: our own mapping of at least `len` bytes, accessed only under the
+                // lock held here.
+                f(unsafe { std::slice::from_raw_parts_mut(*alias as *mut u8, self.len) })
+            }
+        }
+    }
+
+    /// The memfd holding a device-only buffer (its "dmabuf"), if it is one.
+    fn dmabuf(&self) -> Option<std::os::fd::OwnedFd> {
+        match &*self.data.lock() {
+            Backing::Guarded { fd, .. } => fd.try_clone().ok(),
+            Backing::Heap(_) => None,
+        }
     }
 }
 
@@ -213,16 +308,30 @@ impl SimDevice {
     }
 
     /// Device memory the CPU may not access (as on a discrete GPU): collectives on it go
-    /// through staging copies on the stream. (It is host memory underneath, so a collective
-    /// that used it directly would still see the right bytes; only the staging path's order
-    /// shows in the results.)
+    /// through staging copies on the stream. Its address faults on any CPU access (the
+    /// bytes live in a memfd the simulated device maps for itself), so a path that touched
+    /// it would crash the test instead of passing.
     pub fn alloc_device_only(&self, bytes: usize) -> Arc<SimBuffer> {
         self.alloc_as(bytes, MemKind::Device, false)
     }
 
     fn alloc_as(&self, bytes: usize, kind: MemKind, host: bool) -> Arc<SimBuffer> {
-        let data = vec![0u64; bytes.div_ceil(8).max(1)];
-        let addr = data.as_ptr() as usize;
+        let heap = || {
+            let data = vec![0u64; bytes.div_ceil(8).max(1)];
+            let addr = data.as_ptr() as usize;
+            (Backing::Heap(data), addr)
+        };
+        let (data, addr) = if host {
+            heap()
+        } else {
+            Backing::guarded(bytes).unwrap_or_else(|e| {
+                crate::log::log(
+                    crate::log::Level::Warn,
+                    format_args!("simulated device-only memory as plain host memory: {e}"),
+                );
+                heap()
+            })
+        };
         let b = Arc::new(SimBuffer {
             data: Mutex::new(data),
             len: bytes,
@@ -319,6 +428,16 @@ impl Device for SimDevice {
         !self.host_fn_only.load(Ordering::Relaxed)
     }
 
+    fn dmabuf_export(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        let (b, off) = self.find(addr, len)?;
+        let fd = b.dmabuf().ok_or_else(|| {
+            Error::InvalidUsage(format!(
+                "{addr:#x} is not device-only memory of the simulated device: only that exports as a dmabuf"
+            ))
+        })?;
+        Ok((fd, off as u64))
+    }
+
     fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
         self.launch(stream, f)
     }
@@ -359,5 +478,50 @@ impl Device for SimDevice {
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {
         Ok(FlagSlab::host(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Device-only memory faults on CPU access (the read probe says so without faulting),
+    /// moves through the device's copies, and exports as a dmabuf whose mapping holds its
+    /// bytes at the offset given; APU memory is ordinary host memory.
+    #[test]
+    fn device_only_memory_is_out_of_the_cpus_reach() {
+        use std::os::fd::AsRawFd;
+        let dev = SimDevice::new(Duration::ZERO);
+        let d: Arc<dyn Device> = dev.clone();
+        let s = dev.create_stream();
+        let b = dev.alloc_device_only(10_000);
+        let apu = dev.alloc(64);
+        assert!(!crate::sys::cpu_readable(b.addr(), 64));
+        assert!(crate::sys::cpu_readable(apu.addr(), 64));
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let alloc = SimAlloc(Arc::clone(&b));
+        crate::device::ops::upload(&d, s, &alloc, &data).unwrap();
+        assert_eq!(
+            crate::device::ops::download(&d, s, &alloc, 10_000).unwrap(),
+            data
+        );
+        let (fd, off) = d.dmabuf_export(b.addr() + 5000, 100).unwrap();
+        assert_eq!(off, 5000);
+        let mut got = [0u8; 100];
+        // SAFETY: reading 100 bytes of the memfd into our buffer.
+        let n = unsafe {
+            libc::pread(
+                fd.as_raw_fd(),
+                got.as_mut_ptr().cast(),
+                100,
+                off as libc::off_t,
+            )
+        };
+        assert_eq!(n, 100);
+        assert_eq!(&got[..], &data[5000..5100]);
+        assert!(
+            d.dmabuf_export(apu.addr(), 8).is_err(),
+            "host memory is no dmabuf"
+        );
     }
 }
