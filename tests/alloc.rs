@@ -228,3 +228,76 @@ fn the_counter_sees_allocations() {
     });
     assert_eq!(n, 1);
 }
+
+/// The path of the C ABI and `libroccl-nccl.so` for host memory (`device::ops::run_now`: a
+/// blocking call on raw buffers) allocates nothing per call either: small all-reduces and
+/// a send/receive pair, over shared memory (the default between local ranks) and TCP.
+#[test]
+fn no_allocation_per_call_on_raw_buffers() {
+    use roccl::device::ops::{run_now, Op, RawBuf};
+    for net in [NetKind::Auto, NetKind::Tcp] {
+        let mut cfg = config(Tuning::default());
+        cfg.net = net;
+        let failures = std::sync::Mutex::new(Vec::new());
+        run_ranks(2, cfg, |c| {
+            park_once();
+            let (me, n) = (c.rank(), c.nranks());
+            let send = vec![1u8; 4096];
+            let mut recv = vec![0u8; 4096];
+            let mut inbox = vec![0u8; 64];
+            let raw = |b: &[u8]| RawBuf {
+                addr: b.as_ptr() as usize,
+                len: b.len(),
+            };
+            // Receive buffers by a pointer from a mutable borrow (roccl writes through it).
+            let raw_mut = |b: &mut [u8]| RawBuf {
+                addr: b.as_mut_ptr() as usize,
+                len: b.len(),
+            };
+            let ops = [
+                Op::Coll {
+                    coll: Collective::AllReduce(RedOp::Sum),
+                    dt: DataType::F32,
+                    send: Some(raw(&send)),
+                    recv: raw_mut(&mut recv),
+                },
+                Op::Send {
+                    peer: (me + 1) % n,
+                    buf: raw(&send[..64]),
+                },
+                Op::Recv {
+                    peer: (me + n - 1) % n,
+                    buf: raw_mut(&mut inbox),
+                },
+            ];
+            let call = || {
+                // SAFETY: host buffers valid and not otherwise used during the call; the
+                // receive does not overlap the send (different vectors).
+                unsafe { run_now(&c, &ops) }.unwrap();
+            };
+            for _ in 0..3 {
+                call();
+            }
+            c.barrier().unwrap();
+            let allocs = count_allocs(|| {
+                for _ in 0..10 {
+                    call();
+                }
+            });
+            c.barrier().unwrap();
+            if allocs > 0 {
+                let first = FIRST.with(|f| f.borrow().clone());
+                failures.lock().unwrap().push(format!(
+                    "rank {} over {net:?}: {allocs} allocations in 10 calls; the first from:\n{first}",
+                    c.rank()
+                ));
+            }
+        });
+        let f = failures.into_inner().unwrap();
+        assert!(
+            f.is_empty(),
+            "allocations on the raw-buffer path:\n{}",
+            f.join("\n")
+        );
+    }
+}

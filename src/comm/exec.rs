@@ -95,11 +95,12 @@ impl<'a> Exec<'a> {
         // Reuse the vectors of the previous call: no allocation per call.
         let ops = std::mem::take(&mut links.scratch_ops);
         let fds = std::mem::take(&mut links.scratch_fds);
+        let users = std::mem::take(&mut links.scratch_users);
         Exec {
             src: s,
             dst: d,
             stage: (stage.as_mut_ptr() as usize, stage.len()),
-            users: Vec::new(),
+            users,
             _borrow: PhantomData,
             links,
             waiter,
@@ -555,5 +556,8 @@ impl Drop for Exec<'_> {
         let mut fds = std::mem::take(&mut self.fds);
         fds.clear();
         self.links.scratch_fds = fds;
+        let mut users = std::mem::take(&mut self.users);
+        users.clear();
+        self.links.scratch_users = users;
     }
 }

@@ -71,6 +71,7 @@ pub(crate) struct Links {
     /// Vectors the executor reuses from call to call.
     pub scratch_ops: Vec<super::exec::Op>,
     pub scratch_fds: Vec<PollFd>,
+    pub scratch_users: Vec<(usize, usize, bool)>,
 }
 
 impl Links {
@@ -100,6 +101,7 @@ impl Links {
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
+            scratch_users: Vec::with_capacity(64),
         }
     }
 

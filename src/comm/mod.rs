@@ -1109,27 +1109,35 @@ impl State {
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];
         let mut dst: [u8; 0] = [];
         let mut ex = Exec::new(None, &mut dst, stage, &mut self.links, &self.cfg.waiter);
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        let mut posts = Vec::with_capacity(ops.len());
+        // Each operation's buffer becomes caller buffer `i`; (send, peer, region) per
+        // operation on the stack for the usual few (no allocation per call).
+        let mut small = arrayvec::ArrayVec::<(bool, usize, Reg), 64>::new();
+        let mut large = Vec::new();
         for o in ops.iter_mut() {
-            match o {
-                P2p::Send { peer, buf } => {
-                    let b = ex.add_read(buf);
-                    sends.push((*peer, P2P_CHANNEL));
-                    posts.push((true, *peer, Reg::new(b, 0, buf.len())));
-                }
+            let post = match o {
+                P2p::Send { peer, buf } => (true, *peer, Reg::new(ex.add_read(buf), 0, buf.len())),
                 P2p::Recv { peer, buf } => {
                     let len = buf.len();
-                    let b = ex.add_write(buf);
-                    recvs.push((*peer, P2P_CHANNEL));
-                    posts.push((false, *peer, Reg::new(b, 0, len)));
+                    (false, *peer, Reg::new(ex.add_write(buf), 0, len))
                 }
+            };
+            if !large.is_empty() {
+                large.push(post);
+            } else if let Err(e) = small.try_push(post) {
+                large.extend(small.drain(..));
+                large.push(e.element());
             }
         }
-        ex.ensure(sends.iter().copied(), recvs.iter().copied())?;
+        let posts: &[(bool, usize, Reg)] = if large.is_empty() { &small } else { &large };
+        let links = |send: bool| {
+            posts
+                .iter()
+                .filter(move |p| p.0 == send && p.1 != me)
+                .map(|p| (p.1, P2P_CHANNEL))
+        };
+        ex.ensure(links(true), links(false))?;
         let mut self_sends = posts.iter().filter(|p| p.0 && p.1 == me).map(|p| p.2);
-        for &(send, peer, reg) in &posts {
+        for &(send, peer, reg) in posts {
             match (send, peer == me) {
                 (true, false) => {
                     ex.send(peer, P2P_CHANNEL, reg)?;

@@ -177,7 +177,7 @@ runner!(&mut Turn<'_>, Turn::p2p);
 /// # Safety
 /// As [`run_now`].
 unsafe fn run(mut c: impl Runner, ops: &[Op], split_ops: bool) -> Result<()> {
-    let mut p2p: Vec<P2p> = Vec::new();
+    let mut p2p = Batch::default();
     for op in ops {
         if split_ops && pipelined(op)? {
             for part in split(*op)? {
@@ -189,17 +189,44 @@ unsafe fn run(mut c: impl Runner, ops: &[Op], split_ops: bool) -> Result<()> {
             unsafe { run_one(&mut c, *op, &mut p2p)? };
         }
     }
+    let p2p = p2p.as_mut_slice();
     if !p2p.is_empty() {
-        c.p2p(&mut p2p)?;
+        c.p2p(p2p)?;
     }
     Ok(())
+}
+
+/// The point-to-point operations of a call, on the stack for the usual few (no allocation
+/// per call), in a vector beyond.
+#[derive(Default)]
+struct Batch<'a> {
+    small: arrayvec::ArrayVec<P2p<'a>, 32>,
+    large: Vec<P2p<'a>>,
+}
+
+impl<'a> Batch<'a> {
+    fn push(&mut self, o: P2p<'a>) {
+        if !self.large.is_empty() {
+            self.large.push(o);
+        } else if let Err(e) = self.small.try_push(o) {
+            self.large.extend(self.small.drain(..));
+            self.large.push(e.element());
+        }
+    }
+    fn as_mut_slice(&mut self) -> &mut [P2p<'a>] {
+        if self.large.is_empty() {
+            &mut self.small
+        } else {
+            &mut self.large
+        }
+    }
 }
 
 /// Run a collective now, or add a point-to-point operation to `p2p`.
 ///
 /// # Safety
 /// As [`run_now`]; the buffers of point-to-point operations stay valid while `p2p` lives.
-unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Vec<P2p<'a>>) -> Result<()> {
+unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Batch<'a>) -> Result<()> {
     match op {
         Op::Coll {
             coll,
