@@ -95,38 +95,29 @@ fn call(c: &Communicator, coll: Collective, algo: Algo, send: &[u8], recv: &mut 
         .unwrap_or_else(|e| panic!("{coll:?} {algo}: {e}"));
 }
 
-/// (collective, algorithm, send bytes, recv bytes) for `b` bytes per rank.
+/// (collective, algorithm, send bytes, recv bytes) for `b` bytes per rank: every collective
+/// with every algorithm it has (`common::algos`, as the correctness matrix).
 fn shapes(n: usize, b: usize) -> Vec<(Collective, Algo, usize, usize)> {
     let mut v = Vec::new();
-    for algo in [
-        Algo::Direct,
-        Algo::Doubling,
-        Algo::TwoShot,
-        Algo::Ring,
-        Algo::Tree,
-        Algo::ShmOneShot,
-        Algo::ShmTwoShot,
-    ] {
-        v.push((Collective::AllReduce(RedOp::Sum), algo, b, b));
-    }
-    for algo in [Algo::Ring, Algo::Tree, Algo::ShmOneShot] {
-        v.push((Collective::Broadcast { root: 0 }, algo, b, b));
-        v.push((
-            Collective::Reduce {
-                op: RedOp::Sum,
-                root: n - 1,
-            },
-            algo,
-            b,
-            b,
-        ));
-    }
-    for algo in [Algo::Ring, Algo::ShmOneShot] {
-        v.push((Collective::AllGather, algo, b, n * b));
-        v.push((Collective::ReduceScatter(RedOp::Sum), algo, n * b, b));
-    }
-    for algo in [Algo::Direct, Algo::ShmOneShot] {
-        v.push((Collective::AllToAll, algo, n * b, n * b));
+    for k in KINDS {
+        let (coll, sb, rb) = match k {
+            Kind::AllReduce => (Collective::AllReduce(RedOp::Sum), b, b),
+            Kind::Broadcast => (Collective::Broadcast { root: 0 }, b, b),
+            Kind::Reduce => (
+                Collective::Reduce {
+                    op: RedOp::Sum,
+                    root: n - 1,
+                },
+                b,
+                b,
+            ),
+            Kind::AllGather => (Collective::AllGather, b, n * b),
+            Kind::ReduceScatter => (Collective::ReduceScatter(RedOp::Sum), n * b, b),
+            Kind::AllToAll => (Collective::AllToAll, n * b, n * b),
+        };
+        for &algo in algos(k) {
+            v.push((coll, algo, sb, rb));
+        }
     }
     v
 }
@@ -234,7 +225,7 @@ fn the_counter_sees_allocations() {
 /// a send/receive pair, over shared memory (the default between local ranks) and TCP.
 #[test]
 fn no_allocation_per_call_on_raw_buffers() {
-    use roccl::device::ops::{run_now, Op, RawBuf};
+    use roccl::device::ops::{run_now, Op};
     for net in [NetKind::Auto, NetKind::Tcp] {
         let mut cfg = config(Tuning::default());
         cfg.net = net;
@@ -245,15 +236,6 @@ fn no_allocation_per_call_on_raw_buffers() {
             let send = vec![1u8; 4096];
             let mut recv = vec![0u8; 4096];
             let mut inbox = vec![0u8; 64];
-            let raw = |b: &[u8]| RawBuf {
-                addr: b.as_ptr() as usize,
-                len: b.len(),
-            };
-            // Receive buffers by a pointer from a mutable borrow (roccl writes through it).
-            let raw_mut = |b: &mut [u8]| RawBuf {
-                addr: b.as_mut_ptr() as usize,
-                len: b.len(),
-            };
             let ops = [
                 Op::Coll {
                     coll: Collective::AllReduce(RedOp::Sum),

@@ -324,7 +324,7 @@ fn connect_all_opens_the_mesh_during_init() {
 /// order, and sends to oneself pair with receives from oneself.
 #[test]
 fn large_point_to_point_batches() {
-    use roccl::device::ops::{run_now, Op, RawBuf};
+    use roccl::device::ops::{run_now, Op};
     run_ranks(2, config(Tuning::default()), |c| {
         let (me, peer) = (c.rank(), 1 - c.rank());
         let k = 40;
@@ -332,15 +332,6 @@ fn large_point_to_point_batches() {
         let mine = vec![0xabu8; 8];
         let mut inb: Vec<Vec<u8>> = vec![vec![0u8; 16]; k];
         let mut selfb = vec![0u8; 8];
-        let raw = |b: &[u8]| RawBuf {
-            addr: b.as_ptr() as usize,
-            len: b.len(),
-        };
-        // Receive buffers by a pointer from a mutable borrow (roccl writes through it).
-        let raw_mut = |b: &mut [u8]| RawBuf {
-            addr: b.as_mut_ptr() as usize,
-            len: b.len(),
-        };
         let mut ops = Vec::new();
         for i in 0..k {
             ops.push(Op::Send {

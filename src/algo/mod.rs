@@ -228,6 +228,47 @@ impl<T: Copy> Fifo<T> {
     }
 }
 
+/// A list kept on the stack up to `N` items and moved to the heap beyond: the usual few
+/// items of a call cost no allocation, and a large call still works.
+pub(crate) struct StackVec<T, const N: usize> {
+    small: arrayvec::ArrayVec<T, N>,
+    large: Vec<T>,
+}
+
+impl<T, const N: usize> Default for StackVec<T, N> {
+    fn default() -> Self {
+        StackVec {
+            small: arrayvec::ArrayVec::new(),
+            large: Vec::new(),
+        }
+    }
+}
+
+impl<T, const N: usize> StackVec<T, N> {
+    pub fn push(&mut self, v: T) {
+        if !self.large.is_empty() {
+            self.large.push(v);
+        } else if let Err(e) = self.small.try_push(v) {
+            self.large.extend(self.small.drain(..));
+            self.large.push(e.element());
+        }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        if self.large.is_empty() {
+            &mut self.small
+        } else {
+            &mut self.large
+        }
+    }
+    pub fn as_slice(&self) -> &[T] {
+        if self.large.is_empty() {
+            &self.small
+        } else {
+            &self.large
+        }
+    }
+}
+
 /// Requests completed in post order, with a value per request.
 pub(crate) struct InOrder<T> {
     q: Fifo<(Tok, T)>,

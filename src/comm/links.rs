@@ -107,10 +107,10 @@ impl Links {
 
     /// Connections open: (sends, receives), over every peer and channel.
     pub fn open(&self) -> (usize, usize) {
-        let count = |v: &[bool]| v.iter().filter(|b| **b).count();
-        let sends: Vec<bool> = self.send.iter().flatten().map(Option::is_some).collect();
-        let recvs: Vec<bool> = self.recv.iter().flatten().map(Option::is_some).collect();
-        (count(&sends), count(&recvs))
+        (
+            self.send.iter().flatten().filter(|c| c.is_some()).count(),
+            self.recv.iter().flatten().filter(|c| c.is_some()).count(),
+        )
     }
 
     /// Name of the network used toward `peer`.

@@ -1111,8 +1111,7 @@ impl State {
         let mut ex = Exec::new(None, &mut dst, stage, &mut self.links, &self.cfg.waiter);
         // Each operation's buffer becomes caller buffer `i`; (send, peer, region) per
         // operation on the stack for the usual few (no allocation per call).
-        let mut small = arrayvec::ArrayVec::<(bool, usize, Reg), 64>::new();
-        let mut large = Vec::new();
+        let mut posts = crate::algo::StackVec::<(bool, usize, Reg), 64>::default();
         for o in ops.iter_mut() {
             let post = match o {
                 P2p::Send { peer, buf } => (true, *peer, Reg::new(ex.add_read(buf), 0, buf.len())),
@@ -1121,14 +1120,9 @@ impl State {
                     (false, *peer, Reg::new(ex.add_write(buf), 0, len))
                 }
             };
-            if !large.is_empty() {
-                large.push(post);
-            } else if let Err(e) = small.try_push(post) {
-                large.extend(small.drain(..));
-                large.push(e.element());
-            }
+            posts.push(post);
         }
-        let posts: &[(bool, usize, Reg)] = if large.is_empty() { &small } else { &large };
+        let posts = posts.as_slice();
         let links = |send: bool| {
             posts
                 .iter()

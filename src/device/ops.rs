@@ -196,31 +196,8 @@ unsafe fn run(mut c: impl Runner, ops: &[Op], split_ops: bool) -> Result<()> {
     Ok(())
 }
 
-/// The point-to-point operations of a call, on the stack for the usual few (no allocation
-/// per call), in a vector beyond.
-#[derive(Default)]
-struct Batch<'a> {
-    small: arrayvec::ArrayVec<P2p<'a>, 32>,
-    large: Vec<P2p<'a>>,
-}
-
-impl<'a> Batch<'a> {
-    fn push(&mut self, o: P2p<'a>) {
-        if !self.large.is_empty() {
-            self.large.push(o);
-        } else if let Err(e) = self.small.try_push(o) {
-            self.large.extend(self.small.drain(..));
-            self.large.push(e.element());
-        }
-    }
-    fn as_mut_slice(&mut self) -> &mut [P2p<'a>] {
-        if self.large.is_empty() {
-            &mut self.small
-        } else {
-            &mut self.large
-        }
-    }
-}
+/// The point-to-point operations of a call (no allocation for up to 32).
+type Batch<'a> = crate::algo::StackVec<P2p<'a>, 32>;
 
 /// Run a collective now, or add a point-to-point operation to `p2p`.
 ///

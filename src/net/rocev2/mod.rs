@@ -1706,6 +1706,35 @@ mod tests {
         crate::net::connect_pair(net)
     }
 
+    /// Post the receive `rb` and a send of `len` bytes at `src` (registered as `mh`, if
+    /// given), and drive both to completion; the size received.
+    ///
+    /// # Safety
+    /// `src` is readable for `len` bytes and `rb`'s buffer writable until this returns.
+    unsafe fn transfer(
+        s: &mut dyn SendComm,
+        r: &mut dyn RecvComm,
+        src: *const u8,
+        len: usize,
+        tag: u32,
+        mh: Option<&MemHandle>,
+        rb: &RecvBuf,
+    ) -> Result<usize> {
+        // SAFETY: the caller's contract; both requests complete before this returns.
+        let (rq, sq) = unsafe {
+            let rq = r.irecv(std::slice::from_ref(rb))?.unwrap();
+            (rq, s.isend(src, len, tag, mh)?.unwrap())
+        };
+        let (mut sd, mut rd, mut size) = (false, false, [0usize]);
+        let t0 = std::time::Instant::now();
+        while !(sd && rd) {
+            assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
+            sd = sd || s.test(sq)?.is_some();
+            rd = rd || r.test(rq, &mut size)?;
+        }
+        Ok(size[0])
+    }
+
     fn exchange(
         s: &mut dyn SendComm,
         r: &mut dyn RecvComm,
@@ -1714,28 +1743,14 @@ mod tests {
         tag: u32,
     ) -> Result<(Vec<u8>, usize)> {
         let mut buf = vec![0u8; cap];
-        // SAFETY: `buf` and `data` outlive the loop, which completes both requests.
-        let (rq, sq) = unsafe {
-            let rq = r
-                .irecv(&[RecvBuf {
-                    ptr: buf.as_mut_ptr(),
-                    len: cap,
-                    tag: 1,
-                }])?
-                .unwrap();
-            let sq = s.isend(data.as_ptr(), data.len(), tag, None)?.unwrap();
-            (rq, sq)
+        let rb = RecvBuf {
+            ptr: buf.as_mut_ptr(),
+            len: cap,
+            tag: 1,
         };
-        let (mut sd, mut rd, mut size) = (false, false, [0usize]);
-        while !(sd && rd) {
-            if !sd {
-                sd = s.test(sq)?.is_some();
-            }
-            if !rd {
-                rd = r.test(rq, &mut size)?;
-            }
-        }
-        Ok((buf, size[0]))
+        // SAFETY: `buf` and `data` outlive the call.
+        let n = unsafe { transfer(s, r, data.as_ptr(), data.len(), tag, None, &rb)? };
+        Ok((buf, n))
     }
 
     #[test]
@@ -2160,23 +2175,20 @@ mod tests {
                 len: buf.len(),
                 tag: 7,
             }];
-            // SAFETY: `buf` and `data` outlive the loop, which completes both requests.
-            let (rq, sq) = unsafe {
-                (
-                    r.irecv(&rb).unwrap().unwrap(),
-                    s.isend(data.as_ptr(), data.len(), 7, Some(&sm))
-                        .unwrap()
-                        .unwrap(),
+            // SAFETY: `buf` and `data` outlive the call.
+            let size = unsafe {
+                transfer(
+                    &mut *s,
+                    &mut *r,
+                    data.as_ptr(),
+                    data.len(),
+                    7,
+                    Some(&sm),
+                    &rb[0],
                 )
-            };
-            let (mut sd, mut rd, mut size) = (false, false, [0usize]);
-            let t0 = std::time::Instant::now();
-            while !(sd && rd) {
-                assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
-                sd = sd || s.test(sq).unwrap().is_some();
-                rd = rd || r.test(rq, &mut size).unwrap();
             }
-            assert_eq!((size[0], &buf[..64]), (64, &data[..]));
+            .unwrap();
+            assert_eq!((size, &buf[..64]), (64, &data[..]));
             r.flush(&rb).unwrap();
             let log = rec.1.lock().clone();
             let data_wr = log.iter().find(|w| w.2 == sa as u64);
@@ -2211,77 +2223,23 @@ mod tests {
         }
     }
 
-    /// "GPU memory" for the dmabuf test: a memfd (the dmabuf), a PROT_NONE reservation whose
-    /// addresses stand for the GPU's (any CPU access through them faults), and a mapping of
-    /// the memfd for the test itself to fill and check.
-    struct FakeGpu {
-        fd: std::os::fd::OwnedFd,
-        iova: usize,
-        view: usize,
+    /// "GPU memory" for the dmabuf test: device-only memory of the simulated device (its
+    /// address is PROT_NONE, its bytes a memfd), `len` bytes at `offset` of a buffer, with
+    /// the dmabuf (fd, offset) it exports.
+    fn fake_gpu(
+        dev: &Arc<crate::device::sim::SimDevice>,
         len: usize,
-        offset: u64,
-    }
-
-    impl FakeGpu {
-        fn new(len: usize, offset: u64) -> FakeGpu {
-            use std::os::fd::FromRawFd;
-            let total = len + offset as usize;
-            // SAFETY: plain system calls on memory and descriptors this function owns.
-            unsafe {
-                let fd = libc::memfd_create(c"roccl-fake-gpu".as_ptr(), libc::MFD_CLOEXEC);
-                assert!(fd >= 0);
-                assert_eq!(libc::ftruncate(fd, total as libc::off_t), 0);
-                let none = libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                );
-                let view = libc::mmap(
-                    std::ptr::null_mut(),
-                    total,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd,
-                    0,
-                );
-                assert!(none != libc::MAP_FAILED && view != libc::MAP_FAILED);
-                FakeGpu {
-                    fd: std::os::fd::OwnedFd::from_raw_fd(fd),
-                    iova: none as usize,
-                    view: view as usize + offset as usize,
-                    len,
-                    offset,
-                }
-            }
-        }
-        fn bytes(&self) -> &[u8] {
-            // SAFETY: the test's own shared mapping of the memfd, alive while `self` is.
-            unsafe { std::slice::from_raw_parts(self.view as *const u8, self.len) }
-        }
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            // SAFETY: as `bytes`, borrowed mutably through `self`.
-            unsafe { std::slice::from_raw_parts_mut(self.view as *mut u8, self.len) }
-        }
-        fn dmabuf(&self) -> Option<(i32, u64)> {
-            use std::os::fd::AsRawFd;
-            Some((self.fd.as_raw_fd(), self.offset))
-        }
-    }
-
-    impl Drop for FakeGpu {
-        fn drop(&mut self) {
-            // SAFETY: the mappings made in `new`.
-            unsafe {
-                libc::munmap(self.iova as *mut libc::c_void, self.len);
-                libc::munmap(
-                    (self.view - self.offset as usize) as *mut libc::c_void,
-                    self.len + self.offset as usize,
-                );
-            }
-        }
+        offset: usize,
+    ) -> (
+        Arc<crate::device::sim::SimBuffer>,
+        usize,
+        (std::os::fd::OwnedFd, u64),
+    ) {
+        use crate::device::Device;
+        let b = dev.alloc_device_only(offset + len);
+        let iova = b.addr() + offset;
+        let exported = dev.dmabuf_export(iova, len).unwrap();
+        (b, iova, exported)
     }
 
     /// dmabufs registered through `reg_mr_device(.., Some((fd, offset)))` (what NCCL's
@@ -2291,60 +2249,48 @@ mod tests {
     /// messages, then a flush read through the registration. Refused without GPU support.
     #[test]
     fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
+        use std::os::fd::AsRawFd;
         let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
         let rec = Arc::new(Wrapped::new(lo, false));
         let net = RoceNet::over(rec.clone(), lo);
         net.expect_device_buffers();
         let (mut s, mut r) = pair(&net);
-        let probe = FakeGpu::new(4096, 0);
+        let dev = crate::device::sim::SimDevice::new(std::time::Duration::ZERO);
+        let dmabuf = |e: &(std::os::fd::OwnedFd, u64)| Some((e.0.as_raw_fd(), e.1));
+        let (_probe, piova, pbuf) = fake_gpu(&dev, 4096, 0);
         assert!(
-            s.reg_mr_device(probe.iova, 4096, probe.dmabuf()).is_err(),
+            s.reg_mr_device(piova, 4096, dmabuf(&pbuf)).is_err(),
             "a dmabuf taken without ROCCL_ROCEV2_SIM_GPU"
         );
         rec.0.set_sim_gpu(true);
         // A range past the end of the dmabuf is refused (mapped, it would fault on use).
-        let e = s
-            .reg_mr_device(probe.iova, 8192, probe.dmabuf())
-            .unwrap_err();
+        let e = s.reg_mr_device(piova, 8192, dmabuf(&pbuf)).unwrap_err();
         assert!(e.to_string().contains("exceeds"), "{e}");
-        for (len, offset) in [(64usize, 4096u64), ((1 << 20) + 3, 100)] {
-            let (mut a, b) = (FakeGpu::new(len, offset), FakeGpu::new(len + 61, 8192));
-            for (i, x) in a.bytes_mut().iter_mut().enumerate() {
-                *x = (i % 251) as u8 ^ 0x3c;
-            }
-            let sm = s.reg_mr_device(a.iova, len, a.dmabuf()).unwrap();
-            let rm = r.reg_mr_device(b.iova, b.len, b.dmabuf()).unwrap();
-            let rb = [RecvBuf {
-                ptr: b.iova as *mut u8,
-                len: b.len,
+        for (len, offset) in [(64usize, 4096usize), ((1 << 20) + 3, 100)] {
+            let (a, aiova, abuf) = fake_gpu(&dev, len, offset);
+            let rlen = len + 61;
+            let (b, biova, bbuf) = fake_gpu(&dev, rlen, 8192);
+            let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ 0x3c).collect();
+            a.with(|x| x[offset..].copy_from_slice(&pattern));
+            let sm = s.reg_mr_device(aiova, len, dmabuf(&abuf)).unwrap();
+            let rm = r.reg_mr_device(biova, rlen, dmabuf(&bbuf)).unwrap();
+            let rb = RecvBuf {
+                ptr: biova as *mut u8,
+                len: rlen,
                 tag: 3,
-            }];
-            // SAFETY: the registered ranges outlive the loop, which completes both requests.
-            let (rq, sq) = unsafe {
-                (
-                    r.irecv(&rb).unwrap().unwrap(),
-                    s.isend(a.iova as *const u8, len, 3, Some(&sm))
-                        .unwrap()
-                        .unwrap(),
-                )
             };
-            let (mut sd, mut rd, mut size) = (false, false, [0usize]);
-            let t0 = std::time::Instant::now();
-            while !(sd && rd) {
-                assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
-                sd = sd || s.test(sq).unwrap().is_some();
-                rd = rd || r.test(rq, &mut size).unwrap();
-            }
-            assert_eq!(size[0], len);
+            // SAFETY: the registered ranges outlive the call.
+            let size =
+                unsafe { transfer(&mut *s, &mut *r, aiova as *const u8, len, 3, Some(&sm), &rb) }
+                    .unwrap();
+            assert_eq!(size, len);
+            let got = b.with(|x| x[8192..].to_vec());
+            assert!(got[..len] == pattern[..], "{len} bytes arrived intact");
             assert!(
-                b.bytes()[..len] == a.bytes()[..],
-                "{len} bytes arrived intact"
-            );
-            assert!(
-                b.bytes()[len..].iter().all(|x| *x == 0),
+                got[len..].iter().all(|x| *x == 0),
                 "nothing past the message"
             );
-            r.flush(&rb).unwrap();
+            r.flush(std::slice::from_ref(&rb)).unwrap();
             s.dereg_mr(sm).unwrap();
             r.dereg_mr(rm).unwrap();
         }
