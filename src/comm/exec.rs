@@ -11,9 +11,12 @@
 //! addresses into memory.
 
 use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::net::{PollFd, RecvBuf, ReqId};
+use crate::net::{MemHandle, PollFd, RecvBuf, ReqId};
 use crate::reduce;
 use crate::types::{DataType, RedOp};
 
@@ -47,6 +50,145 @@ impl Reg {
     }
 }
 
+/// A caller buffer of one call, read only: host memory borrowed as a slice, or GPU memory
+/// by its address (never turned into a slice: the CPU may not be able to touch it).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Mem<'a> {
+    addr: usize,
+    len: usize,
+    device: bool,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+impl<'a> Mem<'a> {
+    /// Host memory.
+    pub fn host(b: &'a [u8]) -> Self {
+        Mem {
+            addr: b.as_ptr() as usize,
+            len: b.len(),
+            device: false,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// GPU memory by address.
+    ///
+    /// # Safety
+    /// `addr..addr + len` is memory of the GPU runtime the call is given, valid for `'a`,
+    /// not written by anything else meanwhile.
+    pub unsafe fn device(addr: usize, len: usize) -> Self {
+        Mem {
+            addr,
+            len,
+            device: true,
+            _borrow: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes, for code that reads with the CPU (host memory only).
+    pub fn slice(&self) -> Result<&'a [u8]> {
+        if self.device {
+            return Err(gpu_memory_on_cpu_path());
+        }
+        if self.len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: host memory borrowed as a slice for 'a by `Mem::host`.
+        Ok(unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) })
+    }
+}
+
+/// A caller buffer of one call that the call writes (see [`Mem`]).
+#[derive(Debug)]
+pub(crate) struct MemMut<'a> {
+    addr: usize,
+    len: usize,
+    device: bool,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> MemMut<'a> {
+    /// Host memory.
+    pub fn host(b: &'a mut [u8]) -> Self {
+        MemMut {
+            addr: b.as_mut_ptr() as usize,
+            len: b.len(),
+            device: false,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// GPU memory by address.
+    ///
+    /// # Safety
+    /// As [`Mem::device`], and nothing else reads or writes it meanwhile.
+    pub unsafe fn device(addr: usize, len: usize) -> Self {
+        MemMut {
+            addr,
+            len,
+            device: true,
+            _borrow: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Move the buffer out, leaving an empty one.
+    pub fn take(&mut self) -> MemMut<'a> {
+        std::mem::replace(
+            self,
+            MemMut {
+                addr: 0,
+                len: 0,
+                device: false,
+                _borrow: PhantomData,
+            },
+        )
+    }
+
+    /// The bytes, for code that writes with the CPU (host memory only).
+    pub fn into_slice(self) -> Result<&'a mut [u8]> {
+        if self.device {
+            return Err(gpu_memory_on_cpu_path());
+        }
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: host memory borrowed mutably for 'a by `MemMut::host`, consumed here.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) })
+    }
+}
+
+fn gpu_memory_on_cpu_path() -> Error {
+    Error::Internal(
+        "GPU memory reached a path that reads it with the CPU (shared-memory algorithm or reduction): such calls must be staged".into(),
+    )
+}
+
+/// A caller buffer as the executor holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct UserBuf {
+    addr: usize,
+    len: usize,
+    write: bool,
+    device: bool,
+}
+
+/// A registration of a GPU buffer on one connection, for one call.
+struct DevReg {
+    peer: usize,
+    ch: usize,
+    send: bool,
+    buf: Buf,
+    mr: Option<MemHandle>,
+}
+
 /// Token of a request in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tok(u32);
@@ -68,11 +210,17 @@ const MAX_OPS: usize = 128;
 
 /// One call's buffers and requests.
 pub(crate) struct Exec<'a> {
-    src: (usize, usize),
-    dst: (usize, usize),
+    src: UserBuf,
+    dst: UserBuf,
     stage: (usize, usize),
-    /// Extra caller buffers: address, length, writable.
-    users: Vec<(usize, usize, bool)>,
+    /// Extra caller buffers.
+    users: Vec<UserBuf>,
+    /// The GPU runtime of device buffers (copies between them), when there are any.
+    dev: Option<&'a Arc<dyn Device>>,
+    /// GPU buffers registered on connections during the call, released at its end.
+    dregs: Vec<DevReg>,
+    /// Each GPU buffer's dmabuf, exported once per call.
+    dmabufs: Vec<(Buf, OwnedFd, u64)>,
     _borrow: PhantomData<(&'a [u8], &'a mut [u8])>,
     links: &'a mut Links,
     waiter: &'a Waiter,
@@ -83,15 +231,27 @@ pub(crate) struct Exec<'a> {
 
 impl<'a> Exec<'a> {
     /// Borrow the buffers of one call. `src == None` means in place (`Src` is `Dst`).
+    /// `dev`: the GPU runtime of device buffers (needed when any buffer is one).
     pub fn new(
-        src: Option<&'a [u8]>,
-        dst: &'a mut [u8],
+        src: Option<Mem<'a>>,
+        dst: MemMut<'a>,
         stage: &'a mut [u8],
         links: &'a mut Links,
         waiter: &'a Waiter,
+        dev: Option<&'a Arc<dyn Device>>,
     ) -> Self {
-        let d = (dst.as_mut_ptr() as usize, dst.len());
-        let s = src.map_or(d, |s| (s.as_ptr() as usize, s.len()));
+        let d = UserBuf {
+            addr: dst.addr,
+            len: dst.len,
+            write: true,
+            device: dst.device,
+        };
+        let s = src.map_or(d, |s| UserBuf {
+            addr: s.addr,
+            len: s.len,
+            write: false,
+            device: s.device,
+        });
         // Reuse the vectors of the previous call: no allocation per call.
         let ops = std::mem::take(&mut links.scratch_ops);
         let fds = std::mem::take(&mut links.scratch_fds);
@@ -101,6 +261,9 @@ impl<'a> Exec<'a> {
             dst: d,
             stage: (stage.as_mut_ptr() as usize, stage.len()),
             users,
+            dev,
+            dregs: Vec::new(),
+            dmabufs: Vec::new(),
             _borrow: PhantomData,
             links,
             waiter,
@@ -135,33 +298,55 @@ impl<'a> Exec<'a> {
 
     /// True for in-place calls (Src and Dst are the same memory).
     pub fn in_place(&self) -> bool {
-        self.src == self.dst
+        (self.src.addr, self.src.len) == (self.dst.addr, self.dst.len)
     }
 
     /// Borrow a caller buffer for reading only, for the whole call.
-    pub fn add_read(&mut self, b: &'a [u8]) -> Buf {
-        self.users.push((b.as_ptr() as usize, b.len(), false));
+    pub fn add_read(&mut self, b: Mem<'a>) -> Buf {
+        self.users.push(UserBuf {
+            addr: b.addr,
+            len: b.len,
+            write: false,
+            device: b.device,
+        });
         Buf::User(self.users.len() as u16 - 1)
     }
 
     /// Borrow a caller buffer for writing, for the whole call.
-    pub fn add_write(&mut self, b: &'a mut [u8]) -> Buf {
-        self.users.push((b.as_mut_ptr() as usize, b.len(), true));
+    pub fn add_write(&mut self, b: MemMut<'a>) -> Buf {
+        self.users.push(UserBuf {
+            addr: b.addr,
+            len: b.len,
+            write: true,
+            device: b.device,
+        });
         Buf::User(self.users.len() as u16 - 1)
     }
 
-    fn resolve(&self, r: Reg) -> Result<(usize, usize)> {
-        let (base, len) = match r.buf {
-            Buf::Src => self.src,
-            Buf::Dst => self.dst,
-            Buf::Stage => self.stage,
-            Buf::User(i) => {
-                let &(a, l, _) = self
+    /// The caller buffer `b` (None: the staging area).
+    fn user(&self, b: Buf) -> Result<Option<UserBuf>> {
+        Ok(match b {
+            Buf::Src => Some(self.src),
+            Buf::Dst => Some(self.dst),
+            Buf::Stage => None,
+            Buf::User(i) => Some(
+                *self
                     .users
                     .get(i as usize)
-                    .ok_or_else(|| Error::Internal(format!("no caller buffer {i}")))?;
-                (a, l)
-            }
+                    .ok_or_else(|| Error::Internal(format!("no caller buffer {i}")))?,
+            ),
+        })
+    }
+
+    /// Whether `b` is GPU memory.
+    fn on_device(&self, b: Buf) -> Result<bool> {
+        Ok(self.user(b)?.is_some_and(|u| u.device))
+    }
+
+    fn resolve(&self, r: Reg) -> Result<(usize, usize)> {
+        let (base, len) = match self.user(r.buf)? {
+            Some(u) => (u.addr, u.len),
+            None => self.stage,
         };
         match r.off.checked_add(r.len) {
             Some(end) if end <= len => Ok((base + r.off, r.len)),
@@ -244,7 +429,7 @@ impl<'a> Exec<'a> {
 
     fn post(&mut self, peer: usize, ch: usize, r: Reg, send: bool) -> Result<Tok> {
         if let (false, Buf::User(i)) = (send, r.buf) {
-            if !self.users.get(i as usize).is_some_and(|u| u.2) {
+            if !self.users.get(i as usize).is_some_and(|u| u.write) {
                 return Err(Error::Internal(format!(
                     "receive into read-only caller buffer {i}"
                 )));
@@ -254,6 +439,9 @@ impl<'a> Exec<'a> {
         let m = self.resolve(r)?;
         self.check(m, !send, if send { "send" } else { "receive" })?;
         let i = self.slot()?;
+        if r.len > 0 && self.on_device(r.buf)? {
+            self.register_device(peer, ch, send, r.buf)?;
+        }
         let mut w = self.waiter.start();
         let req = loop {
             // SAFETY: `m` lies inside a buffer borrowed for 'a (checked by `resolve`); no
@@ -299,6 +487,126 @@ impl<'a> Exec<'a> {
         };
         self.inflight += 1;
         Ok(Tok(i as u32))
+    }
+
+    /// Register GPU buffer `buf` on the connection `(peer, ch)` for the rest of the call
+    /// (once): through its dmabuf where the network takes dmabufs, else by address (peer
+    /// memory). The network then moves it without the CPU.
+    fn register_device(&mut self, peer: usize, ch: usize, send: bool, buf: Buf) -> Result<()> {
+        if self
+            .dregs
+            .iter()
+            .any(|d| (d.peer, d.ch, d.send, d.buf) == (peer, ch, send, buf))
+        {
+            return Ok(());
+        }
+        let u = self
+            .user(buf)?
+            .ok_or_else(|| Error::Internal("the staging area is not GPU memory".into()))?;
+        let dmabuf = match self.links.device_memory(peer) {
+            None => {
+                return Err(Error::Internal(format!(
+                    "GPU memory posted to rank {peer} over {}, which cannot carry it: the call should have been staged",
+                    self.links.net_name(peer)
+                )))
+            }
+            Some(false) => None,
+            Some(true) => {
+                if !self.dmabufs.iter().any(|d| d.0 == buf) {
+                    let dev = self.dev.ok_or_else(|| {
+                        Error::Internal("GPU buffers without their runtime".into())
+                    })?;
+                    let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
+                    self.dmabufs.push((buf, fd, off));
+                }
+                self.dmabufs
+                    .iter()
+                    .find(|d| d.0 == buf)
+                    .map(|d| (d.1.as_raw_fd(), d.2))
+            }
+        };
+        let mr = if send {
+            self.links
+                .send_comm(peer, ch)?
+                .reg_mr_device(u.addr, u.len, dmabuf)
+        } else {
+            self.links
+                .recv_comm(peer, ch)?
+                .reg_mr_device(u.addr, u.len, dmabuf)
+        };
+        let mr = mr.map_err(|e| Error::Remote {
+            rank: peer,
+            msg: format!(
+                "registering {} bytes of GPU memory on the connection {} rank {peer} over {}{} failed: {e}; set ROCCL_GPU_DIRECT=0 to stage GPU buffers through host memory instead",
+                u.len,
+                if send { "to" } else { "from" },
+                self.links.net_name(peer),
+                if dmabuf.is_some() { " (dmabuf)" } else { " (peer memory)" },
+            ),
+        })?;
+        self.dregs.push(DevReg {
+            peer,
+            ch,
+            send,
+            buf,
+            mr: Some(mr),
+        });
+        Ok(())
+    }
+
+    /// End a call that moved GPU memory: make what the network wrote into it visible to the
+    /// GPU (flush), then release the call's registrations. Every request must be done.
+    pub fn device_done(&mut self) -> Result<()> {
+        if self.dregs.is_empty() {
+            return Ok(());
+        }
+        if self.inflight > 0 {
+            return Err(Error::Internal(
+                "GPU registrations released with requests in flight".into(),
+            ));
+        }
+        let mut first = None;
+        for i in 0..self.dregs.len() {
+            let (peer, ch, send, buf) = {
+                let d = &self.dregs[i];
+                (d.peer, d.ch, d.send, d.buf)
+            };
+            if !send {
+                let u = self
+                    .user(buf)?
+                    .expect("registered buffers are caller buffers");
+                let b = RecvBuf {
+                    ptr: u.addr as *mut u8,
+                    len: u.len,
+                    tag: 0,
+                };
+                if let Err(e) = self.links.recv_comm(peer, ch)?.flush(&[b]) {
+                    first.get_or_insert(self.remote(peer, e));
+                }
+            }
+        }
+        self.release_device();
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Release the call's GPU registrations (those whose connection still exists).
+    fn release_device(&mut self) {
+        for mut d in std::mem::take(&mut self.dregs) {
+            let Some(mr) = d.mr.take() else { continue };
+            let r = if d.send {
+                self.links
+                    .send_comm(d.peer, d.ch)
+                    .and_then(|c| c.dereg_mr(mr))
+            } else {
+                self.links
+                    .recv_comm(d.peer, d.ch)
+                    .and_then(|c| c.dereg_mr(mr))
+            };
+            if let Err(e) = r {
+                crate::info!("releasing a GPU registration toward rank {}: {e}", d.peer);
+            }
+        }
+        self.dmabufs.clear();
     }
 
     /// Test every request in flight; true if any completed.
@@ -488,8 +796,19 @@ impl<'a> Exec<'a> {
         Ok((d, s))
     }
 
+    /// Refuse CPU work on GPU memory.
+    fn cpu_only(&self, regs: &[Reg]) -> Result<()> {
+        for r in regs {
+            if r.len > 0 && self.on_device(r.buf)? {
+                return Err(gpu_memory_on_cpu_path());
+            }
+        }
+        Ok(())
+    }
+
     /// `dst = a op b`, or `dst op= b` when `a` is `dst` itself.
     pub fn reduce(&mut self, dst: Reg, a: Reg, b: Reg, dt: DataType, op: RedOp) -> Result<()> {
+        self.cpu_only(&[dst, a, b])?;
         let (d, bm) = self.slices(dst, b)?;
         let (_, am) = self.slices(dst, a)?;
         if d.1 == 0 {
@@ -518,11 +837,21 @@ impl<'a> Exec<'a> {
         self.copy(Reg::new(Buf::Dst, 0, bytes), Reg::new(Buf::Src, 0, bytes))
     }
 
-    /// `dst = src` (no-op when they are the same memory).
+    /// `dst = src` (no-op when they are the same memory). A copy from or to GPU memory
+    /// runs on the GPU (and is done when this returns).
     pub fn copy(&mut self, dst: Reg, src: Reg) -> Result<()> {
         let (d, s) = self.slices(dst, src)?;
         if d == s || d.1 == 0 {
             return Ok(());
+        }
+        if self.on_device(dst.buf)? || self.on_device(src.buf)? {
+            let dev = self
+                .dev
+                .ok_or_else(|| Error::Internal("GPU buffers without their runtime".into()))?;
+            if Self::overlaps(d, s) {
+                return Err(Error::Internal("overlapping copy in GPU memory".into()));
+            }
+            return crate::device::copy_now(dev, d.0, s.0, d.1);
         }
         // SAFETY: both ranges lie in borrowed buffers and are free of requests (slices);
         // `copy` handles overlap.
@@ -532,6 +861,7 @@ impl<'a> Exec<'a> {
 
     /// Divide `r` by `n` (the end of an average).
     pub fn finish_avg(&mut self, r: Reg, dt: DataType, n: usize) -> Result<()> {
+        self.cpu_only(&[r])?;
         let m = self.resolve(r)?;
         self.check(m, true, "average")?;
         if m.1 == 0 {
@@ -550,6 +880,7 @@ impl Drop for Exec<'_> {
             // never touches the caller's memory after the borrow ends.
             self.links.close_all();
         }
+        self.release_device();
         let mut ops = std::mem::take(&mut self.ops);
         ops.clear();
         self.links.scratch_ops = ops;

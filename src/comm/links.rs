@@ -71,7 +71,11 @@ pub(crate) struct Links {
     /// Vectors the executor reuses from call to call.
     pub scratch_ops: Vec<super::exec::Op>,
     pub scratch_fds: Vec<PollFd>,
-    pub scratch_users: Vec<(usize, usize, bool)>,
+    pub scratch_users: Vec<super::exec::UserBuf>,
+    /// Per peer, whether GPU memory may be posted toward it and how it is registered:
+    /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
+    /// all (the default; set at init with `ROCCL_GPU_DIRECT`).
+    pub device_mem: Vec<Option<bool>>,
 }
 
 impl Links {
@@ -102,6 +106,7 @@ impl Links {
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
             scratch_users: Vec::with_capacity(64),
+            device_mem: vec![None; nranks],
         }
     }
 
@@ -111,6 +116,11 @@ impl Links {
             self.send.iter().flatten().filter(|c| c.is_some()).count(),
             self.recv.iter().flatten().filter(|c| c.is_some()).count(),
         )
+    }
+
+    /// How GPU memory is registered toward `peer` (see `device_mem`).
+    pub fn device_memory(&self, peer: usize) -> Option<bool> {
+        self.device_mem.get(peer).copied().flatten()
     }
 
     /// Name of the network used toward `peer`.

@@ -23,7 +23,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
 use crate::types::{DataType, Element, RedOp};
 
+use crate::device::Device;
 use exec::Exec;
+pub(crate) use exec::{Mem, MemMut};
 use links::{Endpoint, Links};
 pub use wait::Waiter;
 
@@ -45,6 +47,12 @@ pub struct Config {
     /// during init (`ROCCL_CONNECT=all`; see [`Communicator::connect_all`]); by default
     /// connections open when first used.
     pub connect_all: bool,
+    /// Move GPU memory without staging where the network can (`ROCCL_GPU_DIRECT=1`): the
+    /// network registers device buffers (dmabuf or peer memory) and sends and receives them
+    /// directly; collectives that reduce still stage. Turns eager messages off on such
+    /// networks (their bounce buffers are copied with the CPU), so small host-memory
+    /// messages pay a rendezvous. Every rank must use the same value.
+    pub gpu_direct: bool,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -85,6 +93,18 @@ impl Config {
                     other => {
                         return Err(Error::arg(format!(
                             "ROCCL_CONNECT={other}: expected all (connect every peer during init) or lazy (when first used)"
+                        )))
+                    }
+                },
+                Err(_) => false,
+            },
+            gpu_direct: match std::env::var("ROCCL_GPU_DIRECT") {
+                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                    "1" | "on" | "true" | "yes" => true,
+                    "" | "0" | "off" | "false" | "no" => false,
+                    other => {
+                        return Err(Error::arg(format!(
+                            "ROCCL_GPU_DIRECT={other}: expected 1 (move GPU memory without staging where the network can) or 0"
                         )))
                     }
                 },
@@ -163,6 +183,26 @@ pub enum P2p<'a> {
     },
 }
 
+/// A point-to-point operation on a caller buffer that may be GPU memory.
+pub(crate) enum P2pMem<'a> {
+    Send { peer: usize, buf: Mem<'a> },
+    Recv { peer: usize, buf: MemMut<'a> },
+}
+
+impl P2pMem<'_> {
+    fn peer(&self) -> usize {
+        match self {
+            P2pMem::Send { peer, .. } | P2pMem::Recv { peer, .. } => *peer,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            P2pMem::Send { buf, .. } => buf.len(),
+            P2pMem::Recv { buf, .. } => buf.len(),
+        }
+    }
+}
+
 /// What the cost model chose for a call.
 type Choice = (Algo, Pipeline);
 
@@ -186,6 +226,8 @@ struct Shared {
     nranks: usize,
     net: &'static str,
     flat: bool,
+    /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
+    device_mem: Vec<Option<bool>>,
     state: Mutex<State>,
     turn: Condvar,
     tickets: AtomicU64,
@@ -321,6 +363,23 @@ impl Communicator {
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
         let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
+        // Before listening: a network that may be given GPU memory sets up its connections
+        // without eager messages.
+        let net_gpu = if cfg.gpu_direct {
+            let p = net.properties(0)?.ptr_support;
+            if p.dmabuf || p.device {
+                net.expect_device_buffers();
+                Some(p.dmabuf)
+            } else {
+                crate::info!(
+                    "ROCCL_GPU_DIRECT=1, but {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
+                    net.name()
+                );
+                None
+            }
+        } else {
+            None
+        };
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
         let shm = if cfg.net == NetKind::Auto
@@ -521,6 +580,11 @@ impl Communicator {
             handles,
         );
         let mut links = links;
+        // Peers reached over the network that takes GPU memory (not over shared memory).
+        links.device_mem = (0..nranks)
+            .map(|p| net_gpu.filter(|_| links.peer_net[p] == 0))
+            .collect();
+        let device_mem = links.device_mem.clone();
         links.timeout_grace =
             (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
         let abort_flag = Arc::clone(&links.abort);
@@ -531,6 +595,7 @@ impl Communicator {
                 nranks,
                 net: name,
                 flat: node.is_some(),
+                device_mem,
                 state: Mutex::new(State {
                     links,
                     node,
@@ -644,6 +709,52 @@ impl Communicator {
             algo.or(st.cfg.algo),
             &st.cfg.tuning,
         )
+    }
+
+    /// Whether a call of `coll` on GPU memory moves it without staging: `ROCCL_GPU_DIRECT`
+    /// is on, the collective moves data without reducing it (broadcast, all-gather,
+    /// all-to-all, send/receive), and every peer it may talk to is reached over a network
+    /// that takes GPU memory (so no algorithm runs through the host's shared-memory
+    /// segments). `peer`: the one peer of a send or receive.
+    pub fn gpu_direct(&self, coll: &Collective, peer: Option<usize>) -> bool {
+        let moves_only = matches!(
+            coll,
+            Collective::Broadcast { .. }
+                | Collective::AllGather
+                | Collective::AllToAll
+                | Collective::SendRecv { .. }
+        );
+        let me = self.shared.rank;
+        let reach =
+            |p: usize| p == me || self.shared.device_mem.get(p).copied().flatten().is_some();
+        moves_only
+            && !self.shared.flat
+            && match peer {
+                Some(p) => reach(p),
+                None => (0..self.shared.nranks).all(reach),
+            }
+    }
+
+    /// [`Communicator::run_raw`] on buffers that may be GPU memory (`dev`: its runtime;
+    /// only collectives that [`Communicator::gpu_direct`] allows).
+    pub(crate) fn run_mem(
+        &self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
+        self.with_turn(|st| st.execute_mem(coll, dt, send, recv, &CallOpts::default(), dev))
+    }
+
+    /// [`Communicator::p2p`] on buffers that may be GPU memory.
+    pub(crate) fn p2p_mem(
+        &self,
+        ops: &mut [P2pMem<'_>],
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<()> {
+        self.with_turn(|st| st.p2p_mem(ops, dev))
     }
 
     fn with_turn<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
@@ -1001,6 +1112,28 @@ impl Turn<'_> {
         self.st.p2p(ops)
     }
 
+    /// [`Communicator::run_mem`], within this turn.
+    pub(crate) fn run_mem(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
+        self.st
+            .execute_mem(coll, dt, send, recv, &CallOpts::default(), dev)
+    }
+
+    /// [`Communicator::p2p_mem`], within this turn.
+    pub(crate) fn p2p_mem(
+        &mut self,
+        ops: &mut [P2pMem<'_>],
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<()> {
+        self.st.p2p_mem(ops, dev)
+    }
+
     /// Record `e` as the communicator's error (nobody waits for this call's result: the
     /// application learns it from [`Communicator::async_error`]); argument errors too.
     pub fn fail(&mut self, e: &Error) {
@@ -1051,6 +1184,11 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
         .ok_or_else(|| Error::arg(format!("root host '{host}' has no address")))
 }
 
+/// The bytes of a read-only caller buffer, for code that reads with the CPU.
+fn host<'a>(m: Option<Mem<'a>>) -> Result<Option<&'a [u8]>> {
+    m.map(|m| m.slice()).transpose()
+}
+
 fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
     if len % dt.size() != 0 {
         return Err(Error::arg(format!(
@@ -1063,61 +1201,78 @@ fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
 
 impl State {
     fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let mut m = crate::algo::StackVec::<P2pMem, 64>::default();
+        for o in ops.iter_mut() {
+            m.push(match o {
+                P2p::Send { peer, buf } => P2pMem::Send {
+                    peer: *peer,
+                    buf: Mem::host(buf),
+                },
+                P2p::Recv { peer, buf } => P2pMem::Recv {
+                    peer: *peer,
+                    buf: MemMut::host(buf),
+                },
+            });
+        }
+        self.p2p_mem(m.as_mut_slice(), None)
+    }
+
+    /// [`State::p2p`] on caller buffers that may be GPU memory (`dev`: its runtime).
+    fn p2p_mem(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
         self.usable()?;
         let (n, me) = (self.links.nranks, self.links.rank);
         for o in ops.iter() {
-            let p = match o {
-                P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
-            };
+            let p = o.peer();
             if p >= n {
                 return Err(Error::arg(format!(
                     "peer {p} is out of range for {n} ranks"
                 )));
             }
         }
-        let self_sends: Vec<usize> = ops
-            .iter()
-            .filter_map(|o| match o {
-                P2p::Send { peer, buf } if *peer == me => Some(buf.len()),
-                _ => None,
-            })
-            .collect();
-        let self_recvs: Vec<usize> = ops
-            .iter()
-            .filter_map(|o| match o {
-                P2p::Recv { peer, buf } if *peer == me => Some(buf.len()),
-                _ => None,
-            })
-            .collect();
+        let self_lens = |send: bool| -> Vec<usize> {
+            ops.iter()
+                .filter(|o| o.peer() == me && matches!(o, P2pMem::Send { .. }) == send)
+                .map(|o| o.len())
+                .collect()
+        };
+        let (self_sends, self_recvs) = (self_lens(true), self_lens(false));
         if self_sends != self_recvs {
             return Err(Error::arg(format!(
                 "sends to self ({self_sends:?} bytes) do not match receives from self ({self_recvs:?} bytes)"
             )));
         }
-        let r = self.p2p_inner(ops);
+        let r = self.p2p_inner(ops, dev);
         if let Err(e) = &r {
             self.failed(e);
         }
         r
     }
 
-    fn p2p_inner(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+    fn p2p_inner(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
         use crate::algo::P2P_CHANNEL;
         use exec::Reg;
         let me = self.links.rank;
         self.stage(64);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];
-        let mut dst: [u8; 0] = [];
-        let mut ex = Exec::new(None, &mut dst, stage, &mut self.links, &self.cfg.waiter);
+        let mut ex = Exec::new(
+            None,
+            MemMut::host(&mut []),
+            stage,
+            &mut self.links,
+            &self.cfg.waiter,
+            dev,
+        );
         // Each operation's buffer becomes caller buffer `i`; (send, peer, region) per
         // operation on the stack for the usual few (no allocation per call).
         let mut posts = crate::algo::StackVec::<(bool, usize, Reg), 64>::default();
         for o in ops.iter_mut() {
             let post = match o {
-                P2p::Send { peer, buf } => (true, *peer, Reg::new(ex.add_read(buf), 0, buf.len())),
-                P2p::Recv { peer, buf } => {
+                P2pMem::Send { peer, buf } => {
+                    (true, *peer, Reg::new(ex.add_read(*buf), 0, buf.len()))
+                }
+                P2pMem::Recv { peer, buf } => {
                     let len = buf.len();
-                    (false, *peer, Reg::new(ex.add_write(buf), 0, len))
+                    (false, *peer, Reg::new(ex.add_write(buf.take()), 0, len))
                 }
             };
             posts.push(post);
@@ -1148,7 +1303,8 @@ impl State {
                 (true, true) => {}
             }
         }
-        ex.finish()
+        ex.finish()?;
+        ex.device_done()
     }
 
     fn stage(&mut self, bytes: usize) -> &mut [u8] {
@@ -1194,8 +1350,28 @@ impl State {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
+        self.execute_mem(
+            coll,
+            dt,
+            send.map(Mem::host),
+            MemMut::host(recv),
+            opts,
+            None,
+        )
+    }
+
+    /// [`State::execute`] on caller buffers that may be GPU memory (`dev`: its runtime).
+    fn execute_mem(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        opts: &CallOpts,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
         self.usable()?;
-        let r = self.execute_inner(coll, dt, send, recv, opts);
+        let r = self.execute_inner(coll, dt, send, recv, opts, dev);
         if let Err(e) = &r {
             self.failed(e);
         }
@@ -1238,9 +1414,10 @@ impl State {
         &mut self,
         coll: Collective,
         dt: DataType,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
         opts: &CallOpts,
+        dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
         let (n, me) = (self.links.nranks, self.links.rank);
         let check_root = |root: usize| {
@@ -1252,7 +1429,7 @@ impl State {
                 Ok(())
             }
         };
-        let same_len = |s: Option<&[u8]>, want: usize, what: &str| match s {
+        let same_len = |s: Option<Mem>, want: usize, what: &str| match s {
             Some(s) if s.len() != want => Err(Error::arg(format!(
                 "{what}: send buffer has {} bytes but {want} are expected",
                 s.len()
@@ -1273,6 +1450,7 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, recv.len(), |f| {
                         shm::all_reduce_shm(f, dt, op, send, recv, a == Algo::ShmTwoShot)
                     })?;
@@ -1286,7 +1464,7 @@ impl State {
                     Algo::Tree => 2 * algo::tree_stage(&pl),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 };
-                self.run_exec(send, recv, need, |ex| match a {
+                self.run_exec(send, recv, dev, need, |ex| match a {
                     Algo::Direct => algo::all_reduce_direct(ex, dt, op, count),
                     Algo::Doubling => algo::all_reduce_doubling(ex, dt, op, count),
                     Algo::TwoShot => algo::all_reduce_twoshot(ex, dt, op, count),
@@ -1306,6 +1484,7 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, recv.len(), |f| {
                         shm::broadcast_shm(f, root, send, recv)
                     })?;
@@ -1316,7 +1495,7 @@ impl State {
                 } else {
                     64
                 };
-                self.run_exec(send, recv, need, |ex| match a {
+                self.run_exec(send, recv, dev, need, |ex| match a {
                     Algo::Tree => algo::broadcast_tree(ex, root, dt, count, &pl),
                     _ => algo::broadcast_ring(ex, root, dt, count, &pl),
                 })?;
@@ -1337,6 +1516,7 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, input_len, |f| {
                         shm::reduce_shm(f, root, dt, op, send, recv)
                     })?;
@@ -1347,7 +1527,7 @@ impl State {
                 } else {
                     algo::chain_stage(&pl)
                 };
-                self.run_exec(send, recv, need, |ex| match a {
+                self.run_exec(send, recv, dev, need, |ex| match a {
                     Algo::Tree => algo::reduce_tree(ex, root, dt, op, count, &pl),
                     _ => algo::reduce_ring(ex, root, dt, op, count, &pl),
                 })?;
@@ -1378,12 +1558,13 @@ impl State {
                 }
                 if a == Algo::ShmOneShot {
                     let block = count * esz;
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, block, |f| {
                         shm::all_gather_shm(f, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, 64, |ex| {
+                self.run_exec(send, recv, dev, 64, |ex| {
                     algo::all_gather_ring(ex, dt, count, &pl)
                 })?;
                 Ok(info(a, pl))
@@ -1416,13 +1597,14 @@ impl State {
                 }
                 if a == Algo::ShmOneShot {
                     let block = count * esz;
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, block, |f| {
                         shm::reduce_scatter_shm(f, dt, op, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
                 }
                 let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                self.run_exec(send, recv, need, |ex| {
+                self.run_exec(send, recv, dev, need, |ex| {
                     algo::reduce_scatter_ring(ex, dt, op, count, &pl)
                 })?;
                 Ok(info(a, pl))
@@ -1441,20 +1623,29 @@ impl State {
                 }
                 let block = recv.len() / n;
                 if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
                     self.run_flat(coll, dt, block, |f| {
                         shm::all_to_all_shm(f, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
                 }
                 let need = if send.is_none() { recv.len() } else { 64 };
-                self.run_exec(send, recv, need, |ex| algo::all_to_all_pairwise(ex, block))?;
+                self.run_exec(send, recv, dev, need, |ex| {
+                    algo::all_to_all_pairwise(ex, block)
+                })?;
                 Ok(info(a, pl))
             }
             Collective::Barrier => {
                 if self.node.is_some() {
                     self.run_flat(coll, dt, 0, shm::barrier_shm)?;
                 } else {
-                    self.run_exec(None, &mut [], 64, algo::barrier_dissemination)?;
+                    self.run_exec(
+                        None,
+                        MemMut::host(&mut []),
+                        None,
+                        64,
+                        algo::barrier_dissemination,
+                    )?;
                 }
                 Ok(CallInfo {
                     algo: None,
@@ -1473,8 +1664,8 @@ impl State {
                 elems("send buffer", slen, dt)?;
                 elems("receive buffer", recv.len(), dt)?;
                 let rlen = recv.len();
-                let src: &[u8] = send.unwrap_or(&[]);
-                self.run_exec(Some(src), recv, 64, |ex| {
+                let src = send.unwrap_or(Mem::host(&[]));
+                self.run_exec(Some(src), recv, dev, 64, |ex| {
                     algo::sendrecv(ex, to, slen, from, rlen)
                 })?;
                 Ok(CallInfo {
@@ -1520,15 +1711,17 @@ impl State {
 
     fn run_exec(
         &mut self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
         stage_bytes: usize,
         f: impl FnOnce(&mut Exec) -> Result<()>,
     ) -> Result<()> {
         self.stage(stage_bytes);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
-        let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter);
-        f(&mut ex)
+        let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter, dev);
+        f(&mut ex)?;
+        ex.device_done()
     }
 }
 

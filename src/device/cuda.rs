@@ -182,6 +182,7 @@ pub struct CudaDevice {
     ctx: usize,
     /// 64-bit stream memory operations work (else: host functions).
     can_wait: bool,
+    copy_stream: std::sync::OnceLock<StreamId>,
 }
 
 impl CudaDevice {
@@ -222,6 +223,7 @@ impl CudaDevice {
             api,
             ctx: ctx as usize,
             can_wait: can_wait != 0,
+            copy_stream: std::sync::OnceLock::new(),
         };
         d.bind_thread()?;
         Ok(d)
@@ -416,6 +418,19 @@ impl Device for CudaDevice {
             (self.api.stream_create)(&mut s, 0)
         })?;
         Ok(s as StreamId)
+    }
+
+    fn copy_stream(&self) -> Result<StreamId> {
+        if let Some(s) = self.copy_stream.get() {
+            return Ok(*s);
+        }
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the stream handle; 1 is CU_STREAM_NON_BLOCKING.
+        check(self.api, "cuStreamCreate", unsafe {
+            (self.api.stream_create)(&mut s, 1)
+        })?;
+        // Two threads may race here: one stream wins, the other stays unused.
+        Ok(*self.copy_stream.get_or_init(|| s as StreamId))
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<()> {

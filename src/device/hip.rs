@@ -103,6 +103,7 @@ extern "C" {
     fn hipHostFree(ptr: *mut c_void) -> c_int;
     fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> c_int;
     fn hipStreamCreate(stream: *mut *mut c_void) -> c_int;
+    fn hipStreamCreateWithFlags(stream: *mut *mut c_void, flags: c_uint) -> c_int;
     fn hipStreamSynchronize(stream: *mut c_void) -> c_int;
     fn hipGetErrorString(err: c_int) -> *const std::ffi::c_char;
 }
@@ -182,6 +183,7 @@ pub struct HipDevice {
     device: c_int,
     integrated: bool,
     can_wait: bool,
+    copy_stream: std::sync::OnceLock<StreamId>,
 }
 
 impl HipDevice {
@@ -223,6 +225,7 @@ impl HipDevice {
             device,
             integrated: attr(ATTR_INTEGRATED)? != 0,
             can_wait: attr(ATTR_CAN_USE_STREAM_WAIT_VALUE)? != 0,
+            copy_stream: std::sync::OnceLock::new(),
         })
     }
 
@@ -489,6 +492,19 @@ impl Device for HipDevice {
         Ok(s as StreamId)
     }
 
+    fn copy_stream(&self) -> Result<StreamId> {
+        if let Some(s) = self.copy_stream.get() {
+            return Ok(*s);
+        }
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid storage for the stream handle; 1 is hipStreamNonBlocking.
+        check("hipStreamCreateWithFlags", unsafe {
+            hipStreamCreateWithFlags(&mut s, 1)
+        })?;
+        // Two threads may race here: one stream wins, the other stays unused.
+        Ok(*self.copy_stream.get_or_init(|| s as StreamId))
+    }
+
     fn synchronize(&self, stream: StreamId) -> Result<()> {
         // SAFETY: `stream` is a stream handle of this runtime.
         check("hipStreamSynchronize", unsafe {
@@ -544,12 +560,14 @@ mod tests {
             device: 0,
             integrated: false,
             can_wait: true,
+            copy_stream: std::sync::OnceLock::new(),
         };
         let v6 = HipDevice {
             version: 60_443_484,
             device: 0,
             integrated: true,
             can_wait: true,
+            copy_stream: std::sync::OnceLock::new(),
         };
         assert_eq!(v5.kind(0, false), MemKind::PinnedHost);
         assert_eq!(v5.kind(1, false), MemKind::Device);

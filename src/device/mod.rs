@@ -166,6 +166,15 @@ pub trait Device: Send + Sync {
     fn create_stream(&self) -> Result<StreamId>;
     /// Block until everything enqueued on `stream` so far has run.
     fn synchronize(&self, stream: StreamId) -> Result<()>;
+    /// roccl's own stream for copies inside an operation, created on first use; it does
+    /// not wait for the runtime's NULL stream (an application stream that waits for roccl
+    /// must not hold it up).
+    fn copy_stream(&self) -> Result<StreamId> {
+        Err(Error::InvalidUsage(format!(
+            "the {} runtime has no stream for roccl's own copies",
+            self.name()
+        )))
+    }
     /// Make the runtime usable from the calling thread (CUDA: the device's primary context).
     fn bind_thread(&self) -> Result<()> {
         Ok(())
@@ -399,6 +408,19 @@ fn slots(dev: &dyn Device) -> Result<&'static Slots> {
     }));
     t.push((dev.name(), s));
     Ok(s)
+}
+
+/// Copy `bytes` bytes from `src` to `dst` (device or host memory) on the device, on
+/// roccl's own non-blocking stream, and wait for it: a copy inside a GPU-direct operation
+/// (the root's own block of a broadcast, a rank's own block of an all-gather).
+pub fn copy_now(dev: &Arc<dyn Device>, dst: usize, src: usize, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    dev.bind_thread()?;
+    let s = dev.copy_stream()?;
+    dev.copy_async(s, dst, src, bytes)?;
+    dev.synchronize(s)
 }
 
 impl Slots {

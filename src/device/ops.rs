@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::{enqueue_steps, staging, Alloc, Device, Part, Step, StreamCopy, StreamId, MAX_STEPS};
-use crate::comm::{CallOpts, Collective, Communicator, P2p, Turn};
+use crate::comm::{Collective, Communicator, Mem, MemMut, P2pMem, Turn};
 use crate::error::{Error, Result};
 use crate::types::DataType;
 
@@ -132,6 +132,16 @@ pub fn check_group(ops: &[(Arc<Communicator>, Op)]) -> Result<()> {
     Ok(())
 }
 
+/// Which buffers of an operation are GPU memory that moves without staging (see
+/// [`Communicator::gpu_direct`]); the others are host-accessible memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Direct {
+    /// The send buffer (a collective's input, a send).
+    send: bool,
+    /// The receive buffer (a collective's output, a receive).
+    recv: bool,
+}
+
 /// What runs a communicator's share: the communicator itself (a blocking call), or its turn
 /// on its worker thread (a stream-ordered call).
 trait Runner {
@@ -139,71 +149,100 @@ trait Runner {
         &mut self,
         coll: Collective,
         dt: DataType,
-        s: Option<&[u8]>,
-        r: &mut [u8],
+        s: Option<Mem<'_>>,
+        r: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
     ) -> Result<()>;
-    fn p2p(&mut self, ops: &mut [P2p]) -> Result<()>;
+    fn p2p(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()>;
 }
 
 /// A communicator and its turn on the worker run collectives and point-to-point batches
 /// with the same calls.
 macro_rules! runner {
-    ($t:ty, $p2p:path) => {
+    ($t:ty) => {
         impl Runner for $t {
             fn coll(
                 &mut self,
                 coll: Collective,
                 dt: DataType,
-                s: Option<&[u8]>,
-                r: &mut [u8],
+                s: Option<Mem<'_>>,
+                r: MemMut<'_>,
+                dev: Option<&Arc<dyn Device>>,
             ) -> Result<()> {
-                self.run_raw(coll, dt, s, r, &CallOpts::default())
-                    .map(|_| ())
+                self.run_mem(coll, dt, s, r, dev).map(|_| ())
             }
-            fn p2p(&mut self, ops: &mut [P2p]) -> Result<()> {
-                $p2p(self, ops)
+            fn p2p(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
+                self.p2p_mem(ops, dev)
             }
         }
     };
 }
-runner!(&Communicator, Communicator::p2p);
-runner!(&mut Turn<'_>, Turn::p2p);
+runner!(&Communicator);
+runner!(&mut Turn<'_>);
 
 /// Collectives in order, then all point-to-point operations together. With `split`, each
 /// element-wise collective runs as its pipeline's steps one after the other, so that every
 /// rank makes the same calls whether it runs the operation blocking, in a group, or
-/// pipelined on a stream.
+/// pipelined on a stream. `dev`: the runtime of the GPU buffers that move without staging.
 ///
 /// # Safety
-/// As [`run_now`].
-unsafe fn run(mut c: impl Runner, ops: &[Op], split_ops: bool) -> Result<()> {
+/// As [`run_now`]; buffers marked [`Direct`] are GPU memory of `dev`, valid as there.
+unsafe fn run(
+    mut c: impl Runner,
+    ops: impl IntoIterator<Item = (Op, Direct)>,
+    split_ops: bool,
+    dev: Option<&Arc<dyn Device>>,
+) -> Result<()> {
     let mut p2p = Batch::default();
-    for op in ops {
-        if split_ops && pipelined(op)? {
-            for part in split(*op)? {
+    for (op, direct) in ops {
+        if split_ops && pipelined(&op)? {
+            for part in split(op)? {
                 // SAFETY: the caller's contract, for every part of `op`.
-                unsafe { run_one(&mut c, part, &mut p2p)? };
+                unsafe { run_one(&mut c, part, direct, dev, &mut p2p)? };
             }
         } else {
             // SAFETY: the caller's contract.
-            unsafe { run_one(&mut c, *op, &mut p2p)? };
+            unsafe { run_one(&mut c, op, direct, dev, &mut p2p)? };
         }
     }
     let p2p = p2p.as_mut_slice();
     if !p2p.is_empty() {
-        c.p2p(p2p)?;
+        c.p2p(p2p, dev)?;
     }
     Ok(())
 }
 
 /// The point-to-point operations of a call (no allocation for up to 32).
-type Batch<'a> = crate::algo::StackVec<P2p<'a>, 32>;
+type Batch<'a> = crate::algo::StackVec<P2pMem<'a>, 32>;
 
 /// Run a collective now, or add a point-to-point operation to `p2p`.
 ///
 /// # Safety
-/// As [`run_now`]; the buffers of point-to-point operations stay valid while `p2p` lives.
-unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Batch<'a>) -> Result<()> {
+/// As [`run`]; the buffers of point-to-point operations stay valid while `p2p` lives.
+unsafe fn run_one<'a>(
+    c: &mut impl Runner,
+    op: Op,
+    direct: Direct,
+    dev: Option<&Arc<dyn Device>>,
+    p2p: &mut Batch<'a>,
+) -> Result<()> {
+    // SAFETY (all four): valid per the caller's contract, GPU memory of `dev` where marked,
+    // host memory otherwise; a written buffer overlaps no other buffer of its operation,
+    // nor (point-to-point) of the group (`check_group`).
+    let read = |b: RawBuf, gpu: bool| unsafe {
+        if gpu {
+            Mem::device(b.addr, b.len)
+        } else {
+            Mem::host(b.read())
+        }
+    };
+    let write = |b: RawBuf, gpu: bool| unsafe {
+        if gpu {
+            MemMut::device(b.addr, b.len)
+        } else {
+            MemMut::host(b.write())
+        }
+    };
     match op {
         Op::Coll {
             coll,
@@ -211,20 +250,16 @@ unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Batch<'a>) -> Resul
             send,
             recv,
         } => {
-            // SAFETY: valid per the caller's contract; `send` does not overlap `recv`
-            // (or is None, in place).
-            let (s, r) = unsafe { (send.map(|s| s.read()), recv.write()) };
-            c.coll(coll, dt, s, r)?;
+            let s = send.map(|s| read(s, direct.send));
+            c.coll(coll, dt, s, write(recv, direct.recv), dev)?;
         }
-        // SAFETY: as above; point-to-point receive buffers do not overlap other buffers
-        // of the group (`check_group`).
-        Op::Send { peer, buf } => p2p.push(P2p::Send {
+        Op::Send { peer, buf } => p2p.push(P2pMem::Send {
             peer,
-            buf: unsafe { buf.read() },
+            buf: read(buf, direct.send),
         }),
-        Op::Recv { peer, buf } => p2p.push(P2p::Recv {
+        Op::Recv { peer, buf } => p2p.push(P2pMem::Recv {
             peer,
-            buf: unsafe { buf.write() },
+            buf: write(buf, direct.recv),
         }),
     }
     Ok(())
@@ -238,8 +273,15 @@ unsafe fn run_one<'a>(c: &mut impl Runner, op: Op, p2p: &mut Batch<'a>) -> Resul
 /// do not overlap the other buffers of the same operation, nor (point-to-point) of the
 /// group ([`check_group`]).
 pub unsafe fn run_now(comm: &Communicator, ops: &[Op]) -> Result<()> {
-    // SAFETY: the caller's contract.
-    unsafe { run(comm, ops, true) }
+    // SAFETY: the caller's contract (host memory only).
+    unsafe {
+        run(
+            comm,
+            ops.iter().map(|o| (*o, Direct::default())),
+            true,
+            None,
+        )
+    }
 }
 
 /// Chunk size of pipelined stream-ordered calls: `ROCCL_STREAM_CHUNK` bytes (`K`/`M`
@@ -341,17 +383,79 @@ fn split(op: Op) -> Result<Vec<Op>> {
         .collect())
 }
 
+/// Bytes copied through staging buffers by stream-ordered calls since the process started
+/// (both directions; see [`staged_bytes`]).
+static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes that stream-ordered calls have copied through pinned staging buffers so far, in
+/// and out: tools and tests tell staged calls from GPU-direct ones with it.
+pub fn staged_bytes() -> u64 {
+    STAGED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Replace the buffers of `op` that the CPU cannot access with staging buffers, and record
 /// the copies: inputs in before the operation, outputs out after it (not a non-root's
-/// reduce output, which NCCL leaves untouched).
+/// reduce output, which NCCL leaves untouched). Where the communicator moves the operation's
+/// GPU memory without staging ([`Communicator::gpu_direct`]), nothing is staged and the
+/// GPU buffers are marked instead.
 fn stage(
     dev: &Arc<dyn Device>,
-    me: usize,
+    comm: &Communicator,
     op: &mut Op,
     stream: StreamId,
     step: &mut Step,
     bufs: &mut Vec<Arc<dyn Alloc>>,
-) -> Result<()> {
+) -> Result<Direct> {
+    let me = comm.rank();
+    let gpu =
+        |b: &RawBuf| -> Result<bool> { Ok(b.len > 0 && !dev.classify(b.addr)?.host_accessible) };
+    let (coll, peer) = match *op {
+        Op::Coll { coll, .. } => (coll, None),
+        Op::Send { peer, .. } => (
+            Collective::SendRecv {
+                to: Some(peer),
+                from: None,
+            },
+            Some(peer),
+        ),
+        Op::Recv { peer, .. } => (
+            Collective::SendRecv {
+                to: None,
+                from: Some(peer),
+            },
+            Some(peer),
+        ),
+    };
+    let [a, b] = op.bufs();
+    let any_gpu = [a, b]
+        .into_iter()
+        .flatten()
+        .try_fold(false, |acc, (x, _)| Ok::<_, Error>(acc || gpu(&x)?))?;
+    // In place, an all-to-all first copies the whole buffer aside: staging does that.
+    let in_place_a2a = matches!(
+        *op,
+        Op::Coll {
+            coll: Collective::AllToAll,
+            send: None,
+            ..
+        }
+    );
+    if any_gpu && !in_place_a2a && comm.gpu_direct(&coll, peer) {
+        return Ok(match *op {
+            Op::Coll { send, recv, .. } => Direct {
+                send: send.map_or(Ok(false), |s| gpu(&s))?,
+                recv: gpu(&recv)?,
+            },
+            Op::Send { buf, .. } => Direct {
+                send: gpu(&buf)?,
+                recv: false,
+            },
+            Op::Recv { buf, .. } => Direct {
+                send: false,
+                recv: gpu(&buf)?,
+            },
+        });
+    }
     let mut swap = |b: &mut RawBuf, input: bool, output: bool| -> Result<()> {
         if b.len == 0 || dev.classify(b.addr)?.host_accessible {
             return Ok(());
@@ -369,6 +473,8 @@ fn stage(
         if output {
             step.after.push(copy(b.addr, st.addr()));
         }
+        let n = u64::from(input) + u64::from(output);
+        STAGED.fetch_add(n * b.len as u64, std::sync::atomic::Ordering::Relaxed);
         b.addr = st.addr();
         bufs.push(st);
         Ok(())
@@ -387,7 +493,7 @@ fn stage(
         Op::Send { buf, .. } => swap(buf, true, false)?,
         Op::Recv { buf, .. } => swap(buf, false, true)?,
     }
-    Ok(())
+    Ok(Direct::default())
 }
 
 /// Run `ops` (each with its communicator and stream) ordered with their streams: after all
@@ -420,23 +526,24 @@ pub unsafe fn run_on_streams(
     for step_ops in steps_ops {
         let mut step = Step::default();
         // One part per communicator, in the order of first use.
-        let mut per: Vec<(Arc<Communicator>, Vec<Op>)> = Vec::new();
+        let mut per: Vec<(Arc<Communicator>, Vec<(Op, Direct)>)> = Vec::new();
         for (c, mut op, s) in step_ops {
-            stage(dev, c.rank(), &mut op, s, &mut step, &mut bufs)?;
+            let direct = stage(dev, &c, &mut op, s, &mut step, &mut bufs)?;
             match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
-                Some((_, v)) => v.push(op),
-                None => per.push((c, vec![op])),
+                Some((_, v)) => v.push((op, direct)),
+                None => per.push((c, vec![(op, direct)])),
             }
         }
         step.parts = per
             .into_iter()
             .map(|(c, ops)| {
+                let dev = Arc::clone(dev);
                 let part: Part = Box::new(move |turn: &mut Turn| {
                     // SAFETY: the caller's contract: the buffers (or their staging copies,
                     // filled before the step starts and kept until the worker and the streams
                     // are done with them) stay valid until the stream has passed the
                     // operation, which waits for this part.
-                    unsafe { run(turn, &ops, !single) }
+                    unsafe { run(turn, ops, !single, Some(&dev)) }
                 });
                 (c, part)
             })

@@ -182,6 +182,8 @@ pub struct SimDevice {
     integrated: AtomicBool,
     /// Streams cannot wait on flags: stream-ordered calls use host functions.
     host_fn_only: AtomicBool,
+    /// roccl's own copy stream ([`Device::copy_stream`]).
+    copy_stream: std::sync::OnceLock<StreamId>,
 }
 
 impl SimDevice {
@@ -195,6 +197,7 @@ impl SimDevice {
             seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
             integrated: AtomicBool::new(false),
             host_fn_only: AtomicBool::new(false),
+            copy_stream: std::sync::OnceLock::new(),
         })
     }
 
@@ -448,6 +451,12 @@ impl Device for SimDevice {
 
     fn synchronize(&self, stream: StreamId) -> Result<()> {
         SimDevice::synchronize(self, stream)
+    }
+
+    fn copy_stream(&self) -> Result<StreamId> {
+        Ok(*self
+            .copy_stream
+            .get_or_init(|| SimDevice::create_stream(self)))
     }
 
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {

@@ -24,6 +24,7 @@ pub fn config(tuning: Tuning) -> Config {
         },
         shm_slot: None,
         connect_all: false,
+        gpu_direct: false,
     }
 }
 

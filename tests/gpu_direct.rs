@@ -1,0 +1,340 @@
+//! GPU-direct collectives: with `ROCCL_GPU_DIRECT`, stream-ordered broadcasts, all-gathers,
+//! all-to-alls and sends/receives on device memory move it through the network without
+//! staging copies. Here the device memory is the simulated device's device-only memory (its
+//! addresses are PROT_NONE: any CPU touch kills the test) and the network is the userspace
+//! RoCE v2 engine posing as a NIC that takes dmabufs (`ROCCL_ROCEV2_SIM_GPU=1`): every byte
+//! moves by RDMA from and into the exported dmabufs. Producers write inputs late on each
+//! rank's stream and consumers snapshot outputs and scribble over the buffers after the call,
+//! so a call out of stream order shows as wrong bytes; the process-wide count of staged
+//! bytes tells a GPU-direct call from a staged one.
+//!
+//! One test function: the engine reads `ROCCL_ROCEV2_SIM_GPU` from the environment, which
+//! is set once here before any thread starts.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use common::*;
+use parking_lot::Mutex;
+use roccl::algo::model::Tuning;
+use roccl::device::ops::{self, Op, RawBuf};
+use roccl::device::sim::{SimBuffer, SimDevice};
+use roccl::device::{Device, StreamId};
+use roccl::net::NetKind;
+use roccl::{Algo, Collective, Communicator, DataType, RedOp, UniqueId};
+
+const DT: DataType = DataType::F32;
+
+fn raw_of(b: &SimBuffer) -> RawBuf {
+    RawBuf {
+        addr: b.addr(),
+        len: b.len(),
+    }
+}
+
+/// Write `v(i)` into element `i` of `b` late on `stream`.
+fn produce(
+    sim: &SimDevice,
+    stream: StreamId,
+    b: &Arc<SimBuffer>,
+    v: impl Fn(usize) -> f64 + Send + 'static,
+) {
+    let b = Arc::clone(b);
+    sim.launch(stream, move || {
+        b.with(|x| {
+            for (i, e) in x.chunks_mut(4).enumerate() {
+                put(DT, v(i), e);
+            }
+        })
+    })
+    .unwrap();
+}
+
+/// Snapshot `b` on `stream`, then scribble over `scribble`.
+fn consume(
+    sim: &SimDevice,
+    stream: StreamId,
+    b: &Arc<SimBuffer>,
+    scribble: &[&Arc<SimBuffer>],
+) -> Arc<Mutex<Vec<u8>>> {
+    let snap = Arc::new(Mutex::new(Vec::new()));
+    let (s, b) = (Arc::clone(&snap), Arc::clone(b));
+    let bs: Vec<_> = scribble.iter().map(|x| Arc::clone(x)).collect();
+    sim.launch(stream, move || {
+        *s.lock() = b.with(|x| x.to_vec());
+        for x in &bs {
+            x.with(|y| y.fill(0xee));
+        }
+    })
+    .unwrap();
+    snap
+}
+
+/// Run `ops` of this rank on `stream` (one group).
+fn on_stream(dev: &Arc<dyn Device>, c: &Arc<Communicator>, stream: StreamId, ops: Vec<Op>) {
+    let ops = ops
+        .into_iter()
+        .map(|o| (Arc::clone(c), o, stream))
+        .collect();
+    // SAFETY: every buffer is a live SimBuffer kept until the stream is synchronized.
+    unsafe { ops::run_on_streams(dev, ops, Duration::from_secs(60)) }.unwrap();
+}
+
+fn coll(c: Collective, send: Option<&Arc<SimBuffer>>, recv: &Arc<SimBuffer>) -> Op {
+    Op::Coll {
+        coll: c,
+        dt: DT,
+        send: send.map(|s| raw_of(s)),
+        recv: raw_of(recv),
+    }
+}
+
+/// One rank's round of every GPU-direct collective; returns what to check.
+fn direct_round(
+    sim: &Arc<SimDevice>,
+    c: &Arc<Communicator>,
+    stream: StreamId,
+    count: usize,
+    round: usize,
+) -> Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)> {
+    let dev: Arc<dyn Device> = sim.clone();
+    let (n, me) = (c.nranks(), c.rank());
+    let alloc = |elems: usize| sim.alloc_device_only(4 * elems);
+    let mut checks: Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)> = Vec::new();
+    let v = move |r: usize, i: usize| (1000 * r + i + 7 * round) as f64 % 65536.0;
+
+    // Broadcast from each root, out of place at the root.
+    for root in 0..n {
+        let (s, r) = (alloc(count), alloc(count));
+        if me == root {
+            produce(sim, stream, &s, move |i| v(root, i));
+        }
+        let send = (me == root).then_some(&s);
+        on_stream(
+            &dev,
+            c,
+            stream,
+            vec![coll(Collective::Broadcast { root }, send, &r)],
+        );
+        checks.push((
+            format!("broadcast from {root}"),
+            consume(sim, stream, &r, &[&s, &r]),
+            Box::new(move |i| v(root, i)),
+        ));
+    }
+    // In-place broadcast.
+    let b = alloc(count);
+    produce(
+        sim,
+        stream,
+        &b,
+        move |i| if me == 1 { v(1, i) } else { -1.0 },
+    );
+    on_stream(
+        &dev,
+        c,
+        stream,
+        vec![coll(Collective::Broadcast { root: 1 }, None, &b)],
+    );
+    checks.push((
+        "in-place broadcast".into(),
+        consume(sim, stream, &b, &[&b]),
+        Box::new(move |i| v(1, i)),
+    ));
+    // All-gather, out of place and in place.
+    let (s, r) = (alloc(count), alloc(count * n));
+    produce(sim, stream, &s, move |i| v(me, i));
+    on_stream(
+        &dev,
+        c,
+        stream,
+        vec![coll(Collective::AllGather, Some(&s), &r)],
+    );
+    checks.push((
+        "all_gather".into(),
+        consume(sim, stream, &r, &[&s, &r]),
+        Box::new(move |i| v(i / count, i % count)),
+    ));
+    let g = alloc(count * n);
+    produce(sim, stream, &g, move |i| {
+        if i / count == me {
+            v(me, i % count)
+        } else {
+            -2.0
+        }
+    });
+    on_stream(&dev, c, stream, vec![coll(Collective::AllGather, None, &g)]);
+    checks.push((
+        "in-place all_gather".into(),
+        consume(sim, stream, &g, &[&g]),
+        Box::new(move |i| v(i / count, i % count)),
+    ));
+    // All-to-all, out of place and in place: block j of rank r goes to rank j.
+    let a2a = move |from: usize, to: usize, i: usize| v(from, 100 * to + i);
+    let (s, r) = (alloc(count * n), alloc(count * n));
+    produce(sim, stream, &s, move |i| a2a(me, i / count, i % count));
+    on_stream(
+        &dev,
+        c,
+        stream,
+        vec![coll(Collective::AllToAll, Some(&s), &r)],
+    );
+    checks.push((
+        "all_to_all".into(),
+        consume(sim, stream, &r, &[&s, &r]),
+        Box::new(move |i| a2a(i / count, me, i % count)),
+    ));
+    let t = alloc(count * n);
+    produce(sim, stream, &t, move |i| a2a(me, i / count, i % count));
+    on_stream(&dev, c, stream, vec![coll(Collective::AllToAll, None, &t)]);
+    checks.push((
+        "in-place all_to_all".into(),
+        consume(sim, stream, &t, &[&t]),
+        Box::new(move |i| a2a(i / count, me, i % count)),
+    ));
+    // A ring of sends and receives in one group, plus a send to self.
+    let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+    let (ps, pr, ss, sr) = (alloc(count), alloc(count), alloc(3), alloc(3));
+    produce(sim, stream, &ps, move |i| v(me, i) + 0.5);
+    produce(sim, stream, &ss, move |i| v(me, i) + 0.25);
+    on_stream(
+        &dev,
+        c,
+        stream,
+        vec![
+            Op::Send {
+                peer: to,
+                buf: raw_of(&ps),
+            },
+            Op::Recv {
+                peer: from,
+                buf: raw_of(&pr),
+            },
+            Op::Send {
+                peer: me,
+                buf: raw_of(&ss),
+            },
+            Op::Recv {
+                peer: me,
+                buf: raw_of(&sr),
+            },
+        ],
+    );
+    checks.push((
+        format!("receive from {from}"),
+        consume(sim, stream, &pr, &[&ps, &pr]),
+        Box::new(move |i| v(from, i) + 0.5),
+    ));
+    checks.push((
+        "receive from self".into(),
+        consume(sim, stream, &sr, &[&ss, &sr]),
+        Box::new(move |i| v(me, i) + 0.25),
+    ));
+    checks
+}
+
+fn check_all(what: &str, checks: Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)>) {
+    for (name, snap, want) in checks {
+        let got = snap.lock();
+        assert!(!got.is_empty(), "{what} {name}: the consumer never ran");
+        check(&format!("{what} {name}"), DT, &got, &want);
+    }
+}
+
+/// One simulated device for the process (roccl keeps one table of flags per runtime and
+/// process, as with a real GPU runtime).
+fn run(
+    sim: &Arc<SimDevice>,
+    n: usize,
+    net: NetKind,
+    algo: Option<Algo>,
+    counts: &[usize],
+    expect_direct: bool,
+) {
+    let id = UniqueId::new().unwrap();
+    let gate = Barrier::new(n);
+    let mut cfg = config(Tuning::default());
+    cfg.net = net;
+    cfg.algo = algo;
+    cfg.gpu_direct = true;
+    std::thread::scope(|sc| {
+        for rank in 0..n {
+            let (sim, cfg, id, gate) = (Arc::clone(sim), cfg.clone(), &id, &gate);
+            sc.spawn(move || {
+                let c = Arc::new(Communicator::init_with(id, n, rank, cfg).unwrap());
+                let stream = sim.create_stream();
+                let what = format!("{n} ranks over {net:?}, algorithm {algo:?}, rank {rank}");
+                for (round, &count) in counts.iter().enumerate() {
+                    gate.wait();
+                    let before = ops::staged_bytes();
+                    gate.wait();
+                    let checks = direct_round(&sim, &c, stream, count, round);
+                    sim.synchronize(stream).unwrap();
+                    gate.wait();
+                    let staged = ops::staged_bytes() - before;
+                    gate.wait();
+                    assert_eq!(c.async_error(), None, "{what}");
+                    check_all(&format!("{what}, {count} elements:"), checks);
+                    // Only the in-place all-to-all is staged (it copies the whole buffer
+                    // aside first): in and out, n × count elements, on every rank.
+                    let a2a = (2 * 4 * count * n * n) as u64;
+                    if expect_direct {
+                        assert_eq!(staged, a2a, "{what}: GPU-direct calls were staged");
+                    } else {
+                        assert!(
+                            staged > a2a,
+                            "{what}: nothing else was staged over a network without GPU memory"
+                        );
+                    }
+                }
+                // A reduction on device memory still goes through staging, in stream order.
+                gate.wait();
+                let before = ops::staged_bytes();
+                let dev: Arc<dyn Device> = sim.clone();
+                let (s, r) = (
+                    sim.alloc_device_only(4 * 1001),
+                    sim.alloc_device_only(4 * 1001),
+                );
+                produce(&sim, stream, &s, move |i| (rank + i) as f64);
+                on_stream(
+                    &dev,
+                    &c,
+                    stream,
+                    vec![coll(Collective::AllReduce(RedOp::Sum), Some(&s), &r)],
+                );
+                let snap = consume(&sim, stream, &r, &[&s, &r]);
+                sim.synchronize(stream).unwrap();
+                assert!(
+                    ops::staged_bytes() > before,
+                    "{what}: the all-reduce was not staged"
+                );
+                let nn = n;
+                check_all(
+                    &what,
+                    vec![(
+                        "staged all_reduce".into(),
+                        snap,
+                        Box::new(move |i| (nn * i + nn * (nn - 1) / 2) as f64),
+                    )],
+                );
+                gate.wait();
+            });
+        }
+    });
+}
+
+#[test]
+fn gpu_memory_moves_without_staging_over_rdma() {
+    std::env::set_var("ROCCL_ROCEV2_SIM_GPU", "1");
+    // Broadcasts of 300 KiB and more run as pipelined steps (two chunks or more).
+    std::env::set_var("ROCCL_STREAM_CHUNK", "128K");
+    // Odd counts, one element, and a pipelined broadcast; ring and tree broadcasts.
+    let sim = SimDevice::new(Duration::from_micros(200));
+    run(&sim, 2, NetKind::RoceV2, None, &[1, 5003, 80_001], true);
+    run(&sim, 3, NetKind::RoceV2, None, &[777, 80_001], true);
+    run(&sim, 3, NetKind::RoceV2, Some(Algo::Tree), &[4099], true);
+    // ROCCL_GPU_DIRECT over a network that cannot take GPU memory: staged, still right.
+    run(&sim, 2, NetKind::Tcp, None, &[5003], false);
+}
