@@ -27,6 +27,9 @@ use roccl::{Algo, Collective, Communicator, DataType, RedOp, UniqueId};
 
 const DT: DataType = DataType::F32;
 
+/// What to check after the stream ran: name, snapshot of the output, expected element `i`.
+type Checks = Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)>;
+
 fn raw_of(b: &SimBuffer) -> RawBuf {
     RawBuf {
         addr: b.addr(),
@@ -98,11 +101,11 @@ fn direct_round(
     stream: StreamId,
     count: usize,
     round: usize,
-) -> Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)> {
+) -> Checks {
     let dev: Arc<dyn Device> = sim.clone();
     let (n, me) = (c.nranks(), c.rank());
     let alloc = |elems: usize| sim.alloc_device_only(4 * elems);
-    let mut checks: Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)> = Vec::new();
+    let mut checks: Checks = Vec::new();
     let v = move |r: usize, i: usize| (1000 * r + i + 7 * round) as f64 % 65536.0;
 
     // Broadcast from each root, out of place at the root.
@@ -235,7 +238,7 @@ fn direct_round(
     checks
 }
 
-fn check_all(what: &str, checks: Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)>) {
+fn check_all(what: &str, checks: Checks) {
     for (name, snap, want) in checks {
         let got = snap.lock();
         assert!(!got.is_empty(), "{what} {name}: the consumer never ran");

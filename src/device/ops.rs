@@ -496,6 +496,9 @@ fn stage(
     Ok(Direct::default())
 }
 
+/// One communicator's operations of a step, each with its GPU-direct buffers.
+type OpsOf = Vec<(Op, Direct)>;
+
 /// Run `ops` (each with its communicator and stream) ordered with their streams: after all
 /// work enqueued before on each, and before all work enqueued after. Returns at once;
 /// failures during the run become the communicators' async errors.
@@ -526,7 +529,7 @@ pub unsafe fn run_on_streams(
     for step_ops in steps_ops {
         let mut step = Step::default();
         // One part per communicator, in the order of first use.
-        let mut per: Vec<(Arc<Communicator>, Vec<(Op, Direct)>)> = Vec::new();
+        let mut per: Vec<(Arc<Communicator>, OpsOf)> = Vec::new();
         for (c, mut op, s) in step_ops {
             let direct = stage(dev, &c, &mut op, s, &mut step, &mut bufs)?;
             match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
