@@ -333,9 +333,18 @@ fn gpu_memory_moves_without_staging_over_rdma() {
     std::env::set_var("ROCCL_ROCEV2_SIM_GPU", "1");
     // Broadcasts of 300 KiB and more run as pipelined steps (two chunks or more).
     std::env::set_var("ROCCL_STREAM_CHUNK", "128K");
-    // Odd counts, one element, and a pipelined broadcast; ring and tree broadcasts.
+    // Odd counts, one element, and a pipelined broadcast; ring and tree broadcasts. The
+    // repeated count allocates buffers where the last round's were freed: registrations kept
+    // from that round must not be taken for the new memory (it would never see the data).
     let sim = SimDevice::new(Duration::from_micros(200));
-    run(&sim, 2, NetKind::RoceV2, None, &[1, 5003, 80_001], true);
+    run(
+        &sim,
+        2,
+        NetKind::RoceV2,
+        None,
+        &[1, 5003, 5003, 80_001],
+        true,
+    );
     run(&sim, 3, NetKind::RoceV2, None, &[777, 80_001], true);
     run(&sim, 3, NetKind::RoceV2, Some(Algo::Tree), &[4099], true);
     // ROCCL_GPU_DIRECT over a network that cannot take GPU memory: staged, still right.

@@ -11,7 +11,8 @@
 //! addresses into memory.
 
 use std::marker::PhantomData;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
 use crate::device::Device;
@@ -219,8 +220,8 @@ pub(crate) struct Exec<'a> {
     dev: Option<&'a Arc<dyn Device>>,
     /// GPU buffers registered on connections during the call, released at its end.
     dregs: Vec<DevReg>,
-    /// Each GPU buffer's dmabuf, exported once per call.
-    dmabufs: Vec<(Buf, OwnedFd, u64)>,
+    /// Each GPU buffer's dmabuf, exported once per call, and its identity.
+    dmabufs: Vec<(Buf, std::fs::File, u64, (u64, u64))>,
     _borrow: PhantomData<(&'a [u8], &'a mut [u8])>,
     links: &'a mut Links,
     waiter: &'a Waiter,
@@ -441,6 +442,10 @@ impl<'a> Exec<'a> {
         let i = self.slot()?;
         if r.len > 0 && self.on_device(r.buf)? {
             self.register_device(peer, ch, send, r.buf)?;
+        } else if !self.links.dev_cache.is_empty() {
+            // Host memory where a cached GPU registration was (freed GPU memory whose
+            // address came back as host memory): the network must not find that one.
+            self.forget_device(peer, ch, send, m);
         }
         let mut w = self.waiter.start();
         let req = loop {
@@ -503,28 +508,69 @@ impl<'a> Exec<'a> {
         let u = self
             .user(buf)?
             .ok_or_else(|| Error::Internal("the staging area is not GPU memory".into()))?;
-        let dmabuf = match self.links.device_memory(peer) {
+        let (dmabuf, ino) = match self.links.device_memory(peer) {
             None => {
                 return Err(Error::Internal(format!(
                     "GPU memory posted to rank {peer} over {}, which cannot carry it: the call should have been staged",
                     self.links.net_name(peer)
                 )))
             }
-            Some(false) => None,
+            Some(false) => (None, None),
             Some(true) => {
                 if !self.dmabufs.iter().any(|d| d.0 == buf) {
                     let dev = self.dev.ok_or_else(|| {
                         Error::Internal("GPU buffers without their runtime".into())
                     })?;
                     let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
-                    self.dmabufs.push((buf, fd, off));
+                    let file = std::fs::File::from(fd);
+                    let m = file
+                        .metadata()
+                        .map_err(|e| Error::sys("fstat of an exported dmabuf", e))?;
+                    self.dmabufs.push((buf, file, off, (m.dev(), m.ino())));
                 }
-                self.dmabufs
+                let d = self
+                    .dmabufs
                     .iter()
                     .find(|d| d.0 == buf)
-                    .map(|d| (d.1.as_raw_fd(), d.2))
+                    .expect("exported above");
+                (Some((d.1.as_raw_fd(), d.2)), Some(d.3))
             }
         };
+        if let Some(ino) = ino {
+            // Registered by an earlier call: reuse it. Registrations of this range from a
+            // dmabuf that is not this one are stale (the memory was freed and allocated
+            // again): release them before the network could find them by address.
+            self.links.dev_clock += 1;
+            let clock = self.links.dev_clock;
+            let mut i = 0;
+            let mut hit = false;
+            while i < self.links.dev_cache.len() {
+                let e = &mut self.links.dev_cache[i];
+                let same_conn = (e.peer, e.ch, e.send) == (peer, ch, send);
+                let overlaps = e.addr < u.addr + u.len && u.addr < e.addr + e.len;
+                if same_conn && overlaps && e.ino == ino {
+                    if e.addr <= u.addr && u.addr + u.len <= e.addr + e.len {
+                        e.used = clock;
+                        hit = true;
+                    }
+                    i += 1;
+                } else if same_conn && overlaps {
+                    self.links.drop_cached(i);
+                } else {
+                    i += 1;
+                }
+            }
+            if hit {
+                self.dregs.push(DevReg {
+                    peer,
+                    ch,
+                    send,
+                    buf,
+                    mr: None,
+                });
+                return Ok(());
+            }
+        }
         let mr = if send {
             self.links
                 .send_comm(peer, ch)?
@@ -544,14 +590,58 @@ impl<'a> Exec<'a> {
                 if dmabuf.is_some() { " (dmabuf)" } else { " (peer memory)" },
             ),
         })?;
-        self.dregs.push(DevReg {
-            peer,
-            ch,
-            send,
-            buf,
-            mr: Some(mr),
-        });
+        match ino {
+            // Kept for later calls (least recently used out beyond DEV_CACHE).
+            Some(ino) => {
+                if self.links.dev_cache.len() >= super::links::DEV_CACHE {
+                    let lru = (0..self.links.dev_cache.len())
+                        .min_by_key(|&i| self.links.dev_cache[i].used)
+                        .expect("the cache is full");
+                    self.links.drop_cached(lru);
+                }
+                let used = self.links.dev_clock;
+                self.links.dev_cache.push(super::links::DevCached {
+                    peer,
+                    ch,
+                    send,
+                    addr: u.addr,
+                    len: u.len,
+                    ino,
+                    mr,
+                    used,
+                });
+                self.dregs.push(DevReg {
+                    peer,
+                    ch,
+                    send,
+                    buf,
+                    mr: None,
+                });
+            }
+            // By address (peer memory): nothing tells reused addresses apart, so only for
+            // this call.
+            None => self.dregs.push(DevReg {
+                peer,
+                ch,
+                send,
+                buf,
+                mr: Some(mr),
+            }),
+        }
         Ok(())
+    }
+
+    /// Release cached GPU registrations of the connection that overlap `m`.
+    fn forget_device(&mut self, peer: usize, ch: usize, send: bool, m: (usize, usize)) {
+        let mut i = 0;
+        while i < self.links.dev_cache.len() {
+            let e = &self.links.dev_cache[i];
+            if (e.peer, e.ch, e.send) == (peer, ch, send) && Self::overlaps((e.addr, e.len), m) {
+                self.links.drop_cached(i);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// End a call that moved GPU memory: make what the network wrote into it visible to the

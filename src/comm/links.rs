@@ -76,6 +76,28 @@ pub(crate) struct Links {
     /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
     /// all (the default; set at init with `ROCCL_GPU_DIRECT`).
     pub device_mem: Vec<Option<bool>>,
+    /// GPU buffers registered through their dmabufs, kept across calls (see [`DevCached`]).
+    pub dev_cache: Vec<DevCached>,
+    /// Clock of `dev_cache` uses (least recently used goes first).
+    pub dev_clock: u64,
+}
+
+/// Most GPU registrations kept across calls, over all connections.
+pub(crate) const DEV_CACHE: usize = 64;
+
+/// A GPU buffer registered on one connection through its dmabuf, kept after the call: the
+/// next call on the same memory reuses it. The dmabuf's identity (device and inode of its
+/// file) tells memory freed and allocated again at the same address apart, since the
+/// registration keeps the old dmabuf, and so its inode, alive.
+pub(crate) struct DevCached {
+    pub peer: usize,
+    pub ch: usize,
+    pub send: bool,
+    pub addr: usize,
+    pub len: usize,
+    pub ino: (u64, u64),
+    pub mr: crate::net::MemHandle,
+    pub used: u64,
 }
 
 impl Links {
@@ -107,6 +129,8 @@ impl Links {
             scratch_fds: Vec::with_capacity(64),
             scratch_users: Vec::with_capacity(64),
             device_mem: vec![None; nranks],
+            dev_cache: Vec::new(),
+            dev_clock: 0,
         }
     }
 
@@ -164,6 +188,24 @@ impl Links {
         }
         self.incoming.clear();
         self.spare.clear();
+        // Their registrations went with the connections.
+        self.dev_cache.clear();
+    }
+
+    /// Release cached GPU registration `i`.
+    pub fn drop_cached(&mut self, i: usize) {
+        let e = self.dev_cache.swap_remove(i);
+        let r = if e.send {
+            self.send_comm(e.peer, e.ch).and_then(|c| c.dereg_mr(e.mr))
+        } else {
+            self.recv_comm(e.peer, e.ch).and_then(|c| c.dereg_mr(e.mr))
+        };
+        if let Err(err) = r {
+            crate::info!(
+                "releasing a cached GPU registration toward rank {}: {err}",
+                e.peer
+            );
+        }
     }
 
     /// Whether every connection of `sends` and `recvs` is open already.
