@@ -89,6 +89,19 @@ pub fn cpu_readable(addr: usize, len: usize) -> bool {
     n == len as isize
 }
 
+/// Bytes written as a number with an optional `K`, `M` or `G` suffix (powers of 1024), as
+/// the `ROCCL_*` size settings and the tools take them; `None` when it is not one.
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mul)
+}
+
 #[cfg(test)]
 mod probe_tests {
     use super::cpu_readable;

@@ -254,6 +254,7 @@ fn run(
     net: NetKind,
     algo: Option<Algo>,
     counts: &[usize],
+    direct_min: usize,
     expect_direct: bool,
 ) {
     let id = UniqueId::new().unwrap();
@@ -262,6 +263,7 @@ fn run(
     cfg.net = net;
     cfg.algo = algo;
     cfg.gpu_direct = true;
+    cfg.gpu_direct_min = direct_min;
     std::thread::scope(|sc| {
         for rank in 0..n {
             let (sim, cfg, id, gate) = (Arc::clone(sim), cfg.clone(), &id, &gate);
@@ -281,14 +283,21 @@ fn run(
                     assert_eq!(c.async_error(), None, "{what}");
                     check_all(&format!("{what}, {count} elements:"), checks);
                     // Only the in-place all-to-all is staged (it copies the whole buffer
-                    // aside first): in and out, n × count elements, on every rank.
+                    // aside first): in and out, n × count elements, on every rank; and
+                    // messages below the GPU-direct minimum (the 12-byte send to self, or
+                    // all of them).
                     let a2a = (2 * 4 * count * n * n) as u64;
-                    if expect_direct {
-                        assert_eq!(staged, a2a, "{what}: GPU-direct calls were staged");
+                    let self_exchange = if direct_min > 12 { 24 * n as u64 } else { 0 };
+                    if expect_direct && 4 * count >= direct_min {
+                        assert_eq!(
+                            staged,
+                            a2a + self_exchange,
+                            "{what}: GPU-direct calls were staged"
+                        );
                     } else {
                         assert!(
-                            staged > a2a,
-                            "{what}: nothing else was staged over a network without GPU memory"
+                            staged > a2a + self_exchange,
+                            "{what}: calls that should be staged were not"
                         );
                     }
                 }
@@ -343,10 +352,14 @@ fn gpu_memory_moves_without_staging_over_rdma() {
         NetKind::RoceV2,
         None,
         &[1, 5003, 5003, 80_001],
+        0,
         true,
     );
-    run(&sim, 3, NetKind::RoceV2, None, &[777, 80_001], true);
-    run(&sim, 3, NetKind::RoceV2, Some(Algo::Tree), &[4099], true);
+    run(&sim, 3, NetKind::RoceV2, None, &[777, 80_001], 0, true);
+    run(&sim, 3, NetKind::RoceV2, Some(Algo::Tree), &[4099], 0, true);
+    // With the default minimum: small calls staged, large ones GPU-direct.
+    let min = roccl::comm::GPU_DIRECT_MIN;
+    run(&sim, 2, NetKind::RoceV2, None, &[5003, 80_001], min, true);
     // ROCCL_GPU_DIRECT over a network that cannot take GPU memory: staged, still right.
-    run(&sim, 2, NetKind::Tcp, None, &[5003], false);
+    run(&sim, 2, NetKind::Tcp, None, &[5003], 0, false);
 }

@@ -82,16 +82,7 @@ struct Args {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1usize << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
+    roccl::sys::parse_bytes(s).ok_or_else(|| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -571,14 +571,22 @@ impl<'a> Exec<'a> {
                 return Ok(());
             }
         }
+        // Messages small enough to go eagerly pass through the network's host buffers: the
+        // GPU copies them there or out of them.
+        let dev = Arc::clone(
+            self.dev
+                .ok_or_else(|| Error::Internal("GPU buffers without their runtime".into()))?,
+        );
+        let copy: crate::net::DeviceCopy =
+            Arc::new(move |d, s, n| crate::device::copy_now(&dev, d, s, n));
         let mr = if send {
-            self.links
-                .send_comm(peer, ch)?
-                .reg_mr_device(u.addr, u.len, dmabuf)
+            let c = self.links.send_comm(peer, ch)?;
+            c.set_device_copy(copy);
+            c.reg_mr_device(u.addr, u.len, dmabuf)
         } else {
-            self.links
-                .recv_comm(peer, ch)?
-                .reg_mr_device(u.addr, u.len, dmabuf)
+            let c = self.links.recv_comm(peer, ch)?;
+            c.set_device_copy(copy);
+            c.reg_mr_device(u.addr, u.len, dmabuf)
         };
         let mr = mr.map_err(|e| Error::Remote {
             rank: peer,

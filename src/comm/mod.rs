@@ -49,10 +49,13 @@ pub struct Config {
     pub connect_all: bool,
     /// Move GPU memory without staging where the network can (`ROCCL_GPU_DIRECT=1`): the
     /// network registers device buffers (dmabuf or peer memory) and sends and receives them
-    /// directly; collectives that reduce still stage. Turns eager messages off on such
-    /// networks (their bounce buffers are copied with the CPU), so small host-memory
-    /// messages pay a rendezvous. Every rank must use the same value.
+    /// directly; collectives that reduce still stage. Small messages keep going eagerly
+    /// (the GPU copies them into and out of the network's bounce buffers).
     pub gpu_direct: bool,
+    /// Smallest message that moves GPU-direct (`ROCCL_GPU_DIRECT_MIN` bytes, `K`/`M`
+    /// suffixes; default 64 KiB): below, staging's copies on the stream cost less than the
+    /// synchronous GPU copies of eager messages and the registration lookups.
+    pub gpu_direct_min: usize,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -110,9 +113,21 @@ impl Config {
                 },
                 Err(_) => false,
             },
+            gpu_direct_min: match std::env::var("ROCCL_GPU_DIRECT_MIN") {
+                Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+                    Error::arg(format!(
+                        "ROCCL_GPU_DIRECT_MIN={v}: expected bytes such as 64K, 1M or 0"
+                    ))
+                })?,
+                Err(_) => GPU_DIRECT_MIN,
+            },
         })
     }
 }
+
+/// Default of [`Config::gpu_direct_min`]: on the simulated device over the userspace RoCE
+/// engine, GPU-direct broadcasts overtake staged ones between 32 KiB and 512 KiB.
+pub const GPU_DIRECT_MIN: usize = 64 << 10;
 
 /// Per-call options.
 #[derive(Clone, Copy, Debug, Default)]
@@ -226,6 +241,8 @@ struct Shared {
     nranks: usize,
     net: &'static str,
     flat: bool,
+    /// Smallest message of a GPU-direct call ([`Config::gpu_direct_min`]).
+    gpu_direct_min: usize,
     /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
     device_mem: Vec<Option<bool>>,
     state: Mutex<State>,
@@ -363,12 +380,11 @@ impl Communicator {
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
         let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
-        // Before listening: a network that may be given GPU memory sets up its connections
-        // without eager messages.
+        // Whether GPU memory can go to peers over this network. Connections keep eager
+        // messages: the executor hands the network a GPU copy for those.
         let net_gpu = if cfg.gpu_direct {
             let p = net.properties(0)?.ptr_support;
             if p.dmabuf || p.device {
-                net.expect_device_buffers();
                 Some(p.dmabuf)
             } else {
                 crate::info!(
@@ -595,6 +611,7 @@ impl Communicator {
                 nranks,
                 net: name,
                 flat: node.is_some(),
+                gpu_direct_min: cfg.gpu_direct_min,
                 device_mem,
                 state: Mutex::new(State {
                     links,
@@ -713,10 +730,15 @@ impl Communicator {
 
     /// Whether a call of `coll` on GPU memory moves it without staging: `ROCCL_GPU_DIRECT`
     /// is on, the collective moves data without reducing it (broadcast, all-gather,
-    /// all-to-all, send/receive), and every peer it may talk to is reached over a network
+    /// all-to-all, send/receive), its messages (`message_bytes`: a broadcast's buffer, a
+    /// rank's block of an all-gather or all-to-all) are at least
+    /// [`Config::gpu_direct_min`], and every peer it may talk to is reached over a network
     /// that takes GPU memory (so no algorithm runs through the host's shared-memory
     /// segments). `peer`: the one peer of a send or receive.
-    pub fn gpu_direct(&self, coll: &Collective, peer: Option<usize>) -> bool {
+    pub fn gpu_direct(&self, coll: &Collective, peer: Option<usize>, message_bytes: usize) -> bool {
+        if message_bytes < self.shared.gpu_direct_min {
+            return false;
+        }
         let moves_only = matches!(
             coll,
             Collective::Broadcast { .. }

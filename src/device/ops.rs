@@ -292,20 +292,11 @@ pub fn stream_chunk() -> Result<usize> {
     CHUNK
         .get_or_init(|| match std::env::var("ROCCL_STREAM_CHUNK") {
             Err(_) => Ok(4 << 20),
-            Ok(v) => {
-                let t = v.trim();
-                let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-                    Some('K') => (&t[..t.len() - 1], 1usize << 10),
-                    Some('M') => (&t[..t.len() - 1], 1 << 20),
-                    _ => (t, 1),
-                };
-                num.parse::<usize>()
-                    .ok()
-                    .and_then(|n| n.checked_mul(mul))
-                    .ok_or_else(|| {
-                        format!("ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)")
-                    })
-            }
+            Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+                format!(
+                    "ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)"
+                )
+            }),
         })
         .clone()
         .map_err(Error::arg)
@@ -440,7 +431,17 @@ fn stage(
             ..
         }
     );
-    if any_gpu && !in_place_a2a && comm.gpu_direct(&coll, peer) {
+    // The size of its messages: a rank's block of an all-gather or all-to-all.
+    let message = match *op {
+        Op::Coll {
+            coll: Collective::AllGather | Collective::AllToAll,
+            recv,
+            ..
+        } => recv.len / comm.nranks().max(1),
+        Op::Coll { send, recv, .. } => recv.len.max(send.map_or(0, |s| s.len)),
+        Op::Send { buf, .. } | Op::Recv { buf, .. } => buf.len,
+    };
+    if any_gpu && !in_place_a2a && comm.gpu_direct(&coll, peer, message) {
         return Ok(match *op {
             Op::Coll { send, recv, .. } => Direct {
                 send: send.map_or(Ok(false), |s| gpu(&s))?,

@@ -402,12 +402,40 @@ impl Device for SimDevice {
     }
 
     fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
-        let (d, doff) = self.find(dst, bytes)?;
-        let (s, soff) = self.find(src, bytes)?;
-        self.launch(stream, move || {
-            let tmp = s.with(|x| x[soff..soff + bytes].to_vec());
-            d.with(|x| x[doff..doff + bytes].copy_from_slice(&tmp));
-        })
+        // One end may be ordinary host memory of the process (pageable memory, which real
+        // runtimes copy too: a network's bounce buffers), never both.
+        let (d, s) = (self.find(dst, bytes), self.find(src, bytes));
+        let host = |a: usize, e: Error| -> Result<usize> {
+            if crate::sys::cpu_readable(a, bytes) {
+                Ok(a)
+            } else {
+                Err(e)
+            }
+        };
+        match (d, s) {
+            (Ok((d, doff)), Ok((s, soff))) => self.launch(stream, move || {
+                let tmp = s.with(|x| x[soff..soff + bytes].to_vec());
+                d.with(|x| x[doff..doff + bytes].copy_from_slice(&tmp));
+            }),
+            (Ok((d, doff)), Err(e)) => {
+                let src = host(src, e)?;
+                self.launch(stream, move || {
+                    // SAFETY: the caller keeps host memory `src..src + bytes` readable until
+                    // the stream has run the copy (the contract of an async copy).
+                    let from = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
+                    d.with(|x| x[doff..doff + bytes].copy_from_slice(from));
+                })
+            }
+            (Err(e), Ok((s, soff))) => {
+                let dst = host(dst, e)?;
+                self.launch(stream, move || {
+                    // SAFETY: as above, writable, and nothing else uses it meanwhile.
+                    let to = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, bytes) };
+                    s.with(|x| to.copy_from_slice(&x[soff..soff + bytes]));
+                })
+            }
+            (Err(e), Err(_)) => Err(e),
+        }
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {

@@ -133,6 +133,11 @@ pub struct RecvBuf {
     pub tag: u32,
 }
 
+/// A copy on the GPU that a network's own host buffers need when GPU memory meets them
+/// (eager messages sent from or received into GPU memory): `(dst, src, bytes)`, done when
+/// it returns.
+pub type DeviceCopy = Arc<dyn Fn(usize, usize, usize) -> Result<()> + Send + Sync>;
+
 /// A network: TCP, shared memory, RDMA... (`ncclNet_t`).
 pub trait Net: Send + Sync {
     /// Short name (`tcp`, ...).
@@ -196,6 +201,10 @@ pub trait SendComm: Send {
     fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
         Ok(())
     }
+    /// How to copy GPU memory registered with [`SendComm::reg_mr_device`] into the
+    /// network's own host buffers (eager messages), on a connection set up without
+    /// [`Net::expect_device_buffers`]. Networks without such buffers ignore it.
+    fn set_device_copy(&mut self, _copy: DeviceCopy) {}
     /// Post a send of `len` bytes at `data` with `tag`. `Ok(None)` when out of request slots.
     ///
     /// # Safety
@@ -235,6 +244,9 @@ pub trait RecvComm: Send {
     fn dereg_mr(&mut self, _mr: MemHandle) -> Result<()> {
         Ok(())
     }
+    /// How to copy from the network's own host buffers (eager messages) into GPU memory
+    /// registered with [`RecvComm::reg_mr_device`] (see [`SendComm::set_device_copy`]).
+    fn set_device_copy(&mut self, _copy: DeviceCopy) {}
     /// Post a grouped receive: the next `bufs.len()` messages, each matched to the buffer
     /// with its tag. `Ok(None)` when out of request slots.
     ///

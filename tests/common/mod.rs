@@ -25,6 +25,7 @@ pub fn config(tuning: Tuning) -> Config {
         shm_slot: None,
         connect_all: false,
         gpu_direct: false,
+        gpu_direct_min: 0,
     }
 }
 

@@ -482,6 +482,7 @@ impl Connecting for RoceConnecting {
         let fifo = self.fifo.take().expect("checked above");
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
+            device_copy: None,
             qp: self.qp,
             peer: self
                 .peer_addr
@@ -689,6 +690,7 @@ impl ListenComm for RoceListen {
             };
             return Ok(Some(Box::new(RoceRecv {
                 verbs: Arc::clone(&self.verbs),
+                device_copy: None,
                 qp,
                 peer,
                 live: Liveness::new(a.side.s, "RoCE v2"),
@@ -785,6 +787,8 @@ struct SReq {
 
 struct RoceSend {
     verbs: Arc<dyn Verbs>,
+    /// Copies GPU memory into eager staging slots (set by the caller that posts GPU memory).
+    device_copy: Option<super::DeviceCopy>,
     qp: QpId,
     /// The peer's address (its GID).
     peer: SocketAddr,
@@ -989,7 +993,11 @@ impl RoceSend {
                 // (an error still surfaces as an error completion of the QP).
                 let slot = m as usize % self.slots as usize;
                 let at = self.staging.slot(slot);
-                if len > 0 {
+                if len > 0 && self.cache.is_device(addr, len) {
+                    // GPU memory: the GPU copies it (the CPU may not reach it).
+                    let copy = self.device_copy.as_ref().ok_or_else(no_device_copy)?;
+                    copy(at as usize, addr as usize, len)?;
+                } else if len > 0 {
                     // SAFETY: the isend contract keeps `addr..addr+len` readable; the staging
                     // slot holds eager_size >= len bytes and is ours (see `staging`).
                     unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, at, len) };
@@ -1111,6 +1119,14 @@ fn reg_explicit(
     })
 }
 
+/// An eager message met GPU memory on a connection nobody told how to copy it.
+fn no_device_copy() -> Error {
+    Error::InvalidUsage(
+        "an eager message met GPU memory, but this RoCE v2 connection has no way to copy GPU memory (it was set up for host memory): announce GPU buffers before connecting (Net::expect_device_buffers), or set a device copy"
+            .into(),
+    )
+}
+
 impl SendComm for RoceSend {
     fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
@@ -1127,6 +1143,10 @@ impl SendComm for RoceSend {
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
         self.cache.unpin(&*self.verbs, mr.key as u32)
+    }
+
+    fn set_device_copy(&mut self, copy: super::DeviceCopy) {
+        self.device_copy = Some(copy);
     }
 
     unsafe fn isend(
@@ -1209,6 +1229,8 @@ enum Arrival {
 
 struct RoceRecv {
     verbs: Arc<dyn Verbs>,
+    /// Copies eager messages out of bounce buffers into GPU memory.
+    device_copy: Option<super::DeviceCopy>,
     qp: QpId,
     /// The peer's address (its GID).
     peer: SocketAddr,
@@ -1344,7 +1366,11 @@ impl RoceRecv {
                 Arrival::Eager { slot, tag, len } => {
                     let e = r.g.buffer_for(tag, len)?;
                     let addr = r.g.bufs[e].0;
-                    if len > 0 {
+                    if len > 0 && self.cache.is_device(addr as u64, len) {
+                        // Into GPU memory: the GPU copies it.
+                        let copy = self.device_copy.as_ref().ok_or_else(no_device_copy)?;
+                        copy(addr as usize, self.bounce.slot(slot) as usize, len)?;
+                    } else if len > 0 {
                         // SAFETY: the irecv contract keeps the buffer valid (and writable for
                         // `size >= len` bytes) until the receive completes; the bounce buffer
                         // holds `len <= bounce.size` bytes, complete since its receive
@@ -1566,6 +1592,10 @@ impl RecvComm for RoceRecv {
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
         self.cache.unpin(&*self.verbs, mr.key as u32)
+    }
+
+    fn set_device_copy(&mut self, copy: super::DeviceCopy) {
+        self.device_copy = Some(copy);
     }
 
     fn iflush(&mut self, bufs: &[RecvBuf]) -> Result<Option<u64>> {
