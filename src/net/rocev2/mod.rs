@@ -1369,7 +1369,7 @@ impl RoceRecv {
                     if len > 0 && self.cache.is_device(addr as u64, len) {
                         // Into GPU memory: the GPU copies it.
                         let copy = self.device_copy.as_ref().ok_or_else(no_device_copy)?;
-                        copy(addr as usize, self.bounce.slot(slot) as usize, len)?;
+                        copy(addr, self.bounce.slot(slot) as usize, len)?;
                     } else if len > 0 {
                         // SAFETY: the irecv contract keeps the buffer valid (and writable for
                         // `size >= len` bytes) until the receive completes; the bounce buffer
