@@ -19,6 +19,7 @@ use std::time::Duration;
 use common::*;
 use parking_lot::Mutex;
 use roccl::algo::model::Tuning;
+use roccl::comm::GpuDirect;
 use roccl::device::ops::{self, Op, RawBuf};
 use roccl::device::sim::{SimBuffer, SimDevice};
 use roccl::device::{Device, StreamId};
@@ -255,6 +256,7 @@ fn run(
     algo: Option<Algo>,
     counts: &[usize],
     direct_min: usize,
+    mode: GpuDirect,
     expect_direct: bool,
 ) {
     let id = UniqueId::new().unwrap();
@@ -262,7 +264,7 @@ fn run(
     let mut cfg = config(Tuning::default());
     cfg.net = net;
     cfg.algo = algo;
-    cfg.gpu_direct = true;
+    cfg.gpu_direct = mode;
     cfg.gpu_direct_min = direct_min;
     std::thread::scope(|sc| {
         for rank in 0..n {
@@ -346,6 +348,7 @@ fn gpu_memory_moves_without_staging_over_rdma() {
     // repeated count allocates buffers where the last round's were freed: registrations kept
     // from that round must not be taken for the new memory (it would never see the data).
     let sim = SimDevice::new(Duration::from_micros(200));
+    let auto = GpuDirect::Auto;
     run(
         &sim,
         2,
@@ -353,13 +356,65 @@ fn gpu_memory_moves_without_staging_over_rdma() {
         None,
         &[1, 5003, 5003, 80_001],
         0,
+        auto,
         true,
     );
-    run(&sim, 3, NetKind::RoceV2, None, &[777, 80_001], 0, true);
-    run(&sim, 3, NetKind::RoceV2, Some(Algo::Tree), &[4099], 0, true);
+    run(
+        &sim,
+        3,
+        NetKind::RoceV2,
+        None,
+        &[777, 80_001],
+        0,
+        auto,
+        true,
+    );
+    run(
+        &sim,
+        3,
+        NetKind::RoceV2,
+        Some(Algo::Tree),
+        &[4099],
+        0,
+        auto,
+        true,
+    );
     // With the default minimum: small calls staged, large ones GPU-direct.
     let min = roccl::comm::GPU_DIRECT_MIN;
-    run(&sim, 2, NetKind::RoceV2, None, &[5003, 80_001], min, true);
-    // ROCCL_GPU_DIRECT over a network that cannot take GPU memory: staged, still right.
-    run(&sim, 2, NetKind::Tcp, None, &[5003], 0, false);
+    run(
+        &sim,
+        2,
+        NetKind::RoceV2,
+        None,
+        &[5003, 80_001],
+        min,
+        auto,
+        true,
+    );
+    // Integrated GPUs (APUs) stage by default; ROCCL_GPU_DIRECT=1 takes them too.
+    sim.set_integrated(true);
+    run(&sim, 2, NetKind::RoceV2, None, &[5003], 0, auto, false);
+    run(
+        &sim,
+        2,
+        NetKind::RoceV2,
+        None,
+        &[5003],
+        0,
+        GpuDirect::On,
+        true,
+    );
+    sim.set_integrated(false);
+    // Off, and a network that cannot take GPU memory: staged, still right.
+    run(
+        &sim,
+        2,
+        NetKind::RoceV2,
+        None,
+        &[5003],
+        0,
+        GpuDirect::Off,
+        false,
+    );
+    run(&sim, 2, NetKind::Tcp, None, &[5003], 0, auto, false);
 }

@@ -47,11 +47,11 @@ pub struct Config {
     /// during init (`ROCCL_CONNECT=all`; see [`Communicator::connect_all`]); by default
     /// connections open when first used.
     pub connect_all: bool,
-    /// Move GPU memory without staging where the network can (`ROCCL_GPU_DIRECT=1`): the
-    /// network registers device buffers (dmabuf or peer memory) and sends and receives them
-    /// directly; collectives that reduce still stage. Small messages keep going eagerly
+    /// When GPU memory moves without staging where the network can (`ROCCL_GPU_DIRECT`):
+    /// the network registers device buffers (dmabuf or peer memory) and sends and receives
+    /// them directly; collectives that reduce still stage. Small messages keep going eagerly
     /// (the GPU copies them into and out of the network's bounce buffers).
-    pub gpu_direct: bool,
+    pub gpu_direct: GpuDirect,
     /// Smallest message that moves GPU-direct (`ROCCL_GPU_DIRECT_MIN` bytes, `K`/`M`
     /// suffixes; default 64 KiB): below, staging's copies on the stream cost less than the
     /// synchronous GPU copies of eager messages and the registration lookups.
@@ -103,15 +103,16 @@ impl Config {
             },
             gpu_direct: match std::env::var("ROCCL_GPU_DIRECT") {
                 Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                    "1" | "on" | "true" | "yes" => true,
-                    "" | "0" | "off" | "false" | "no" => false,
+                    "1" | "on" | "true" | "yes" => GpuDirect::On,
+                    "" | "auto" => GpuDirect::Auto,
+                    "0" | "off" | "false" | "no" => GpuDirect::Off,
                     other => {
                         return Err(Error::arg(format!(
-                            "ROCCL_GPU_DIRECT={other}: expected 1 (move GPU memory without staging where the network can) or 0"
+                            "ROCCL_GPU_DIRECT={other}: expected auto (discrete GPUs, where the network takes GPU memory), 1 (integrated GPUs too) or 0 (always stage)"
                         )))
                     }
                 },
-                Err(_) => false,
+                Err(_) => GpuDirect::Auto,
             },
             gpu_direct_min: match std::env::var("ROCCL_GPU_DIRECT_MIN") {
                 Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
@@ -123,6 +124,19 @@ impl Config {
             },
         })
     }
+}
+
+/// When stream-ordered calls move GPU memory the CPU cannot reach without staging it
+/// ([`Config::gpu_direct`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuDirect {
+    /// Always stage.
+    Off,
+    /// Discrete GPUs, where every peer is reached over a network that takes GPU memory (an
+    /// RDMA NIC with dmabuf or peer-memory support). The default.
+    Auto,
+    /// Integrated GPUs too.
+    On,
 }
 
 /// Default of [`Config::gpu_direct_min`]: on the simulated device over the userspace RoCE
@@ -243,6 +257,8 @@ struct Shared {
     flat: bool,
     /// Smallest message of a GPU-direct call ([`Config::gpu_direct_min`]).
     gpu_direct_min: usize,
+    /// Integrated GPUs go GPU-direct too ([`GpuDirect::On`]).
+    gpu_direct_integrated: bool,
     /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
     device_mem: Vec<Option<bool>>,
     state: Mutex<State>,
@@ -382,13 +398,13 @@ impl Communicator {
         let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
         // Whether GPU memory can go to peers over this network. Connections keep eager
         // messages: the executor hands the network a GPU copy for those.
-        let net_gpu = if cfg.gpu_direct {
+        let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
             let p = net.properties(0)?.ptr_support;
             if p.dmabuf || p.device {
                 Some(p.dmabuf)
             } else {
                 crate::info!(
-                    "ROCCL_GPU_DIRECT=1, but {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
+                    "GPU-direct (ROCCL_GPU_DIRECT) is not possible: {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
                     net.name()
                 );
                 None
@@ -612,6 +628,7 @@ impl Communicator {
                 net: name,
                 flat: node.is_some(),
                 gpu_direct_min: cfg.gpu_direct_min,
+                gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
                 device_mem,
                 state: Mutex::new(State {
                     links,
@@ -734,9 +751,18 @@ impl Communicator {
     /// rank's block of an all-gather or all-to-all) are at least
     /// [`Config::gpu_direct_min`], and every peer it may talk to is reached over a network
     /// that takes GPU memory (so no algorithm runs through the host's shared-memory
-    /// segments). `peer`: the one peer of a send or receive.
-    pub fn gpu_direct(&self, coll: &Collective, peer: Option<usize>, message_bytes: usize) -> bool {
-        if message_bytes < self.shared.gpu_direct_min {
+    /// segments). `peer`: the one peer of a send or receive. `integrated`: the memory
+    /// belongs to an integrated GPU (GPU-direct only with [`GpuDirect::On`]).
+    pub fn gpu_direct(
+        &self,
+        coll: &Collective,
+        peer: Option<usize>,
+        message_bytes: usize,
+        integrated: bool,
+    ) -> bool {
+        if message_bytes < self.shared.gpu_direct_min
+            || (integrated && !self.shared.gpu_direct_integrated)
+        {
             return false;
         }
         let moves_only = matches!(

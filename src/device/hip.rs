@@ -492,6 +492,10 @@ impl Device for HipDevice {
         Ok(s as StreamId)
     }
 
+    fn integrated(&self) -> bool {
+        self.integrated
+    }
+
     fn copy_stream(&self) -> Result<StreamId> {
         if let Some(s) = self.copy_stream.get() {
             return Ok(*s);

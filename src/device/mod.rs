@@ -175,6 +175,10 @@ pub trait Device: Send + Sync {
             self.name()
         )))
     }
+    /// Whether the GPU is integrated (an APU sharing the host's memory).
+    fn integrated(&self) -> bool {
+        false
+    }
     /// Make the runtime usable from the calling thread (CUDA: the device's primary context).
     fn bind_thread(&self) -> Result<()> {
         Ok(())

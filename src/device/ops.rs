@@ -441,7 +441,7 @@ fn stage(
         Op::Coll { send, recv, .. } => recv.len.max(send.map_or(0, |s| s.len)),
         Op::Send { buf, .. } | Op::Recv { buf, .. } => buf.len,
     };
-    if any_gpu && !in_place_a2a && comm.gpu_direct(&coll, peer, message) {
+    if any_gpu && !in_place_a2a && comm.gpu_direct(&coll, peer, message, dev.integrated()) {
         return Ok(match *op {
             Op::Coll { send, recv, .. } => Direct {
                 send: send.map_or(Ok(false), |s| gpu(&s))?,

@@ -481,6 +481,10 @@ impl Device for SimDevice {
         SimDevice::synchronize(self, stream)
     }
 
+    fn integrated(&self) -> bool {
+        self.integrated.load(Ordering::Relaxed)
+    }
+
     fn copy_stream(&self) -> Result<StreamId> {
         Ok(*self
             .copy_stream

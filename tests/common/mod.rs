@@ -24,7 +24,7 @@ pub fn config(tuning: Tuning) -> Config {
         },
         shm_slot: None,
         connect_all: false,
-        gpu_direct: false,
+        gpu_direct: roccl::comm::GpuDirect::Auto,
         gpu_direct_min: 0,
     }
 }
