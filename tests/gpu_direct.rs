@@ -24,7 +24,17 @@ use roccl::device::ops::{self, Op, RawBuf};
 use roccl::device::sim::{SimBuffer, SimDevice};
 use roccl::device::{Device, StreamId};
 use roccl::net::NetKind;
-use roccl::{Algo, Collective, Communicator, DataType, RedOp, UniqueId};
+use roccl::{Algo, Collective, Communicator, Config, DataType, RedOp, UniqueId};
+
+/// Test settings with GPU-direct `mode` down to `min` bytes.
+fn cfg(net: NetKind, algo: Option<Algo>, min: usize, mode: GpuDirect) -> Config {
+    let mut c = config(Tuning::default());
+    c.net = net;
+    c.algo = algo;
+    c.gpu_direct = mode;
+    c.gpu_direct_min = min;
+    c
+}
 
 const DT: DataType = DataType::F32;
 
@@ -249,23 +259,10 @@ fn check_all(what: &str, checks: Checks) {
 
 /// One simulated device for the process (roccl keeps one table of flags per runtime and
 /// process, as with a real GPU runtime).
-fn run(
-    sim: &Arc<SimDevice>,
-    n: usize,
-    net: NetKind,
-    algo: Option<Algo>,
-    counts: &[usize],
-    direct_min: usize,
-    mode: GpuDirect,
-    expect_direct: bool,
-) {
+fn run(sim: &Arc<SimDevice>, n: usize, cfg: Config, counts: &[usize], expect_direct: bool) {
     let id = UniqueId::new().unwrap();
     let gate = Barrier::new(n);
-    let mut cfg = config(Tuning::default());
-    cfg.net = net;
-    cfg.algo = algo;
-    cfg.gpu_direct = mode;
-    cfg.gpu_direct_min = direct_min;
+    let (net, algo, direct_min) = (cfg.net, cfg.algo, cfg.gpu_direct_min);
     std::thread::scope(|sc| {
         for rank in 0..n {
             let (sim, cfg, id, gate) = (Arc::clone(sim), cfg.clone(), &id, &gate);
@@ -348,73 +345,26 @@ fn gpu_memory_moves_without_staging_over_rdma() {
     // repeated count allocates buffers where the last round's were freed: registrations kept
     // from that round must not be taken for the new memory (it would never see the data).
     let sim = SimDevice::new(Duration::from_micros(200));
-    let auto = GpuDirect::Auto;
+    let (auto, rdma) = (GpuDirect::Auto, NetKind::RoceV2);
+    let tree = Some(Algo::Tree);
     run(
         &sim,
         2,
-        NetKind::RoceV2,
-        None,
+        cfg(rdma, None, 0, auto),
         &[1, 5003, 5003, 80_001],
-        0,
-        auto,
         true,
     );
-    run(
-        &sim,
-        3,
-        NetKind::RoceV2,
-        None,
-        &[777, 80_001],
-        0,
-        auto,
-        true,
-    );
-    run(
-        &sim,
-        3,
-        NetKind::RoceV2,
-        Some(Algo::Tree),
-        &[4099],
-        0,
-        auto,
-        true,
-    );
+    run(&sim, 3, cfg(rdma, None, 0, auto), &[777, 80_001], true);
+    run(&sim, 3, cfg(rdma, tree, 0, auto), &[4099], true);
     // With the default minimum: small calls staged, large ones GPU-direct.
     let min = roccl::comm::GPU_DIRECT_MIN;
-    run(
-        &sim,
-        2,
-        NetKind::RoceV2,
-        None,
-        &[5003, 80_001],
-        min,
-        auto,
-        true,
-    );
+    run(&sim, 2, cfg(rdma, None, min, auto), &[5003, 80_001], true);
     // Integrated GPUs (APUs) stage by default; ROCCL_GPU_DIRECT=1 takes them too.
     sim.set_integrated(true);
-    run(&sim, 2, NetKind::RoceV2, None, &[5003], 0, auto, false);
-    run(
-        &sim,
-        2,
-        NetKind::RoceV2,
-        None,
-        &[5003],
-        0,
-        GpuDirect::On,
-        true,
-    );
+    run(&sim, 2, cfg(rdma, None, 0, auto), &[5003], false);
+    run(&sim, 2, cfg(rdma, None, 0, GpuDirect::On), &[5003], true);
     sim.set_integrated(false);
     // Off, and a network that cannot take GPU memory: staged, still right.
-    run(
-        &sim,
-        2,
-        NetKind::RoceV2,
-        None,
-        &[5003],
-        0,
-        GpuDirect::Off,
-        false,
-    );
-    run(&sim, 2, NetKind::Tcp, None, &[5003], 0, auto, false);
+    run(&sim, 2, cfg(rdma, None, 0, GpuDirect::Off), &[5003], false);
+    run(&sim, 2, cfg(NetKind::Tcp, None, 0, auto), &[5003], false);
 }

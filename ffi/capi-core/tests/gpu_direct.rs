@@ -11,7 +11,6 @@ use parking_lot::Mutex;
 use roccl_capi_core::*;
 use roccl_core::device::ops::staged_bytes;
 use roccl_core::device::sim::{SimBuffer, SimDevice};
-use roccl_core::device::Device;
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;
