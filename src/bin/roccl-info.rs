@@ -350,6 +350,15 @@ fn main() -> ExitCode {
             Err(e) => outln!("{rt}: {e}"),
         }
     }
+    let gd = std::env::var("ROCCL_GPU_DIRECT").unwrap_or_else(|_| "auto".into());
+    outln!(
+        "GPU-direct (ROCCL_GPU_DIRECT={gd}): broadcast, all-gather, all-to-all and send/receive of at least ROCCL_GPU_DIRECT_MIN (64K) on a discrete GPU's memory go through the NIC without staging when the RDMA network takes GPU memory: dmabuf registration (ibv_reg_dmabuf_mr: Linux >= 5.12 and a NIC driver with dmabuf support) or peer memory (loaded here: {}); otherwise, and for reductions, staged through pinned host buffers",
+        if roccl::net::rocev2::peer_memory() {
+            "yes"
+        } else {
+            "no: nvidia_peermem / amdkfd peer-memory client absent"
+        }
+    );
     // One write, ignoring a closed pipe (`roccl-info | head`).
     let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
     ExitCode::SUCCESS

@@ -196,7 +196,7 @@ impl RoceNet {
 
 /// Whether a kernel module lets the NIC register GPU memory by its address (peer memory:
 /// `nvidia_peermem`, or AMD's `amdkfd` peer-memory client), as NCCL and RCCL check.
-fn peer_memory() -> bool {
+pub fn peer_memory() -> bool {
     [
         "/sys/kernel/mm/memory_peers/nv_mem/version",
         "/sys/module/nvidia_peermem/version",
