@@ -249,6 +249,47 @@ fn direct_round(
     checks
 }
 
+/// One group of 40 sends and 40 receives of distinct buffers with the next and previous
+/// rank, twice: more GPU registrations in one call than the cache keeps (64), so a call's own
+/// registrations must not be evicted while it runs, and the second call reuses some.
+fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -> Checks {
+    let dev: Arc<dyn Device> = sim.clone();
+    let (n, me) = (c.nranks(), c.rank());
+    let (to, from) = ((me + 1) % n, (me + n - 1) % n);
+    let mut checks: Checks = Vec::new();
+    for round in 0..2usize {
+        let mut ops = Vec::new();
+        let mut keep = Vec::new();
+        for k in 0..40usize {
+            let (s, r) = (
+                sim.alloc_device_only(4 * 1000),
+                sim.alloc_device_only(4 * 1000),
+            );
+            produce(sim, stream, &s, move |i| {
+                (me * 100_000 + k * 1000 + i + round) as f64
+            });
+            ops.push(Op::Send {
+                peer: to,
+                buf: raw_of(&s),
+            });
+            ops.push(Op::Recv {
+                peer: from,
+                buf: raw_of(&r),
+            });
+            keep.push((k, s, r));
+        }
+        on_stream(&dev, c, stream, ops);
+        for (k, s, r) in keep {
+            checks.push((
+                format!("round {round}, receive {k} of 40"),
+                consume(sim, stream, &r, &[&s, &r]),
+                Box::new(move |i| (from * 100_000 + k * 1000 + i + round) as f64),
+            ));
+        }
+    }
+    checks
+}
+
 fn check_all(what: &str, checks: Checks) {
     for (name, snap, want) in checks {
         let got = snap.lock();
@@ -281,24 +322,31 @@ fn run(sim: &Arc<SimDevice>, n: usize, cfg: Config, counts: &[usize], expect_dir
                     gate.wait();
                     assert_eq!(c.async_error(), None, "{what}");
                     check_all(&format!("{what}, {count} elements:"), checks);
-                    // Only the in-place all-to-all is staged (it copies the whole buffer
-                    // aside first): in and out, n × count elements, on every rank; and
-                    // messages below the GPU-direct minimum (the 12-byte send to self, or
-                    // all of them).
-                    let a2a = (2 * 4 * count * n * n) as u64;
-                    let self_exchange = if direct_min > 12 { 24 * n as u64 } else { 0 };
-                    if expect_direct && 4 * count >= direct_min {
-                        assert_eq!(
-                            staged,
-                            a2a + self_exchange,
-                            "{what}: GPU-direct calls were staged"
-                        );
+                    // Bytes a round stages on each rank, in and out (4-byte elements):
+                    // everything when nothing goes GPU-direct — n + 1 broadcasts (a non-root's
+                    // output is its input: in and out), all-gathers (4c + 4cn, 8cn), all-to-
+                    // alls (8cn, 8cn), the exchange (8c) and the 12-byte self exchange (24);
+                    // else only the in-place all-to-all (it copies the whole buffer aside
+                    // first) and messages below the GPU-direct minimum.
+                    let (c, nn) = (count as u64, n as u64);
+                    let all = 8 * c * (nn + 1)
+                        + (4 * c + 4 * c * nn + 8 * c * nn)
+                        + 16 * c * nn
+                        + 8 * c
+                        + 24;
+                    let small = if direct_min > 12 { 24 } else { 0 };
+                    let want = if expect_direct && 4 * count >= direct_min {
+                        8 * c * nn + small
                     } else {
-                        assert!(
-                            staged > a2a + self_exchange,
-                            "{what}: calls that should be staged were not"
-                        );
-                    }
+                        all
+                    };
+                    assert_eq!(staged, want * nn, "{what}: bytes staged");
+                }
+                if direct_min == 0 && expect_direct {
+                    let checks = many_buffers(&sim, &c, stream);
+                    sim.synchronize(stream).unwrap();
+                    assert_eq!(c.async_error(), None, "{what}");
+                    check_all(&format!("{what}, 80 buffers in one call:"), checks);
                 }
                 // A reduction on device memory still goes through staging, in stream order.
                 gate.wait();

@@ -257,6 +257,8 @@ impl<'a> Exec<'a> {
         let ops = std::mem::take(&mut links.scratch_ops);
         let fds = std::mem::take(&mut links.scratch_fds);
         let users = std::mem::take(&mut links.scratch_users);
+        // Calls are told apart for the GPU registration cache.
+        links.dev_epoch += 1;
         Exec {
             src: s,
             dst: d,
@@ -496,7 +498,8 @@ impl<'a> Exec<'a> {
 
     /// Register GPU buffer `buf` on the connection `(peer, ch)` for the rest of the call
     /// (once): through its dmabuf where the network takes dmabufs, else by address (peer
-    /// memory). The network then moves it without the CPU.
+    /// memory). The network then moves it without the CPU. Registrations of memory whose
+    /// allocation can be told apart are kept for later calls (`Links::dev_cache`).
     fn register_device(&mut self, peer: usize, ch: usize, send: bool, buf: Buf) -> Result<()> {
         if self
             .dregs
@@ -508,55 +511,61 @@ impl<'a> Exec<'a> {
         let u = self
             .user(buf)?
             .ok_or_else(|| Error::Internal("the staging area is not GPU memory".into()))?;
-        let (dmabuf, ino) = match self.links.device_memory(peer) {
+        let dev = Arc::clone(
+            self.dev
+                .ok_or_else(|| Error::Internal("GPU buffers without their runtime".into()))?,
+        );
+        let use_dmabuf = match self.links.device_memory(peer) {
             None => {
                 return Err(Error::Internal(format!(
                     "GPU memory posted to rank {peer} over {}, which cannot carry it: the call should have been staged",
                     self.links.net_name(peer)
                 )))
             }
-            Some(false) => (None, None),
-            Some(true) => {
-                if !self.dmabufs.iter().any(|d| d.0 == buf) {
-                    let dev = self.dev.ok_or_else(|| {
-                        Error::Internal("GPU buffers without their runtime".into())
-                    })?;
-                    let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
-                    let file = std::fs::File::from(fd);
-                    let m = file
-                        .metadata()
-                        .map_err(|e| Error::sys("fstat of an exported dmabuf", e))?;
-                    self.dmabufs.push((buf, file, off, (m.dev(), m.ino())));
-                }
-                let d = self
-                    .dmabufs
-                    .iter()
-                    .find(|d| d.0 == buf)
-                    .expect("exported above");
-                (Some((d.1.as_raw_fd(), d.2)), Some(d.3))
-            }
+            Some(d) => d,
         };
-        if let Some(ino) = ino {
-            // Registered by an earlier call: reuse it. Registrations of this range from a
-            // dmabuf that is not this one are stale (the memory was freed and allocated
-            // again): release them before the network could find them by address.
+        let mut ident = dev.allocation_id(u.addr).map(|id| (u64::MAX, id));
+        let dmabuf = if use_dmabuf {
+            if !self.dmabufs.iter().any(|d| d.0 == buf) {
+                let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
+                let file = std::fs::File::from(fd);
+                let m = file
+                    .metadata()
+                    .map_err(|e| Error::sys("fstat of an exported dmabuf", e))?;
+                self.dmabufs.push((buf, file, off, (m.dev(), m.ino())));
+            }
+            let d = self
+                .dmabufs
+                .iter()
+                .find(|d| d.0 == buf)
+                .expect("exported above");
+            // Without an allocation id, the dmabuf's inode: the registration keeps the
+            // dmabuf, so its inode is not reused while the entry lives.
+            ident = ident.or(Some(d.3));
+            Some((d.1.as_raw_fd(), d.2))
+        } else {
+            None
+        };
+        let epoch = self.links.dev_epoch;
+        if let Some(ident) = ident {
+            // Registered by an earlier call: reuse it. Entries of other memory that overlap
+            // this range are stale (freed and allocated again): release them before the
+            // network could find them by address, unless this call uses them.
             self.links.dev_clock += 1;
             let clock = self.links.dev_clock;
-            let mut i = 0;
-            let mut hit = false;
+            let (mut i, mut hit) = (0, false);
             while i < self.links.dev_cache.len() {
                 let e = &mut self.links.dev_cache[i];
                 let same_conn = (e.peer, e.ch, e.send) == (peer, ch, send);
                 let overlaps = e.addr < u.addr + u.len && u.addr < e.addr + e.len;
-                if same_conn && overlaps && e.ino == ino {
-                    if e.addr <= u.addr && u.addr + u.len <= e.addr + e.len {
-                        e.used = clock;
-                        hit = true;
+                if !same_conn || !overlaps {
+                    i += 1;
+                } else if e.ident == ident {
+                    if !hit && e.addr <= u.addr && u.addr + u.len <= e.addr + e.len {
+                        (e.used, e.call, hit) = (clock, epoch, true);
                     }
                     i += 1;
-                } else if same_conn && overlaps {
-                    self.links.drop_cached(i);
-                } else {
+                } else if e.call == epoch || !self.links.drop_cached(i) {
                     i += 1;
                 }
             }
@@ -573,12 +582,9 @@ impl<'a> Exec<'a> {
         }
         // Messages small enough to go eagerly pass through the network's host buffers: the
         // GPU copies them there or out of them.
-        let dev = Arc::clone(
-            self.dev
-                .ok_or_else(|| Error::Internal("GPU buffers without their runtime".into()))?,
-        );
+        let copy_dev = Arc::clone(&dev);
         let copy: crate::net::DeviceCopy =
-            Arc::new(move |d, s, n| crate::device::copy_now(&dev, d, s, n));
+            Arc::new(move |d, s, n| crate::device::copy_now(&copy_dev, d, s, n));
         let mr = if send {
             let c = self.links.send_comm(peer, ch)?;
             c.set_device_copy(copy);
@@ -588,25 +594,30 @@ impl<'a> Exec<'a> {
             c.set_device_copy(copy);
             c.reg_mr_device(u.addr, u.len, dmabuf)
         };
-        let mr = mr.map_err(|e| Error::Remote {
-            rank: peer,
-            msg: format!(
+        // A local failure (the NIC or its driver): no peer to blame.
+        let mr = mr.map_err(|e| {
+            Error::InvalidUsage(format!(
                 "registering {} bytes of GPU memory on the connection {} rank {peer} over {}{} failed: {e}; set ROCCL_GPU_DIRECT=0 to stage GPU buffers through host memory instead",
                 u.len,
                 if send { "to" } else { "from" },
                 self.links.net_name(peer),
                 if dmabuf.is_some() { " (dmabuf)" } else { " (peer memory)" },
-            ),
+            ))
         })?;
-        match ino {
-            // Kept for later calls (least recently used out beyond DEV_CACHE).
-            Some(ino) => {
-                if self.links.dev_cache.len() >= super::links::DEV_CACHE {
-                    let lru = (0..self.links.dev_cache.len())
-                        .min_by_key(|&i| self.links.dev_cache[i].used)
-                        .expect("the cache is full");
-                    self.links.drop_cached(lru);
-                }
+        // Kept for later calls when its memory can be told apart and there is room (the
+        // least recently used entry that this call does not use goes); else for this call.
+        let keep = ident.filter(|_| {
+            let cache = &self.links.dev_cache;
+            if cache.len() < super::links::DEV_CACHE {
+                return true;
+            }
+            let lru = (0..cache.len())
+                .filter(|&i| cache[i].call != epoch)
+                .min_by_key(|&i| cache[i].used);
+            lru.is_some_and(|i| self.links.drop_cached(i))
+        });
+        let mr = match keep {
+            Some(ident) => {
                 let used = self.links.dev_clock;
                 self.links.dev_cache.push(super::links::DevCached {
                     peer,
@@ -614,39 +625,36 @@ impl<'a> Exec<'a> {
                     send,
                     addr: u.addr,
                     len: u.len,
-                    ino,
+                    ident,
                     mr,
                     used,
+                    call: epoch,
                 });
-                self.dregs.push(DevReg {
-                    peer,
-                    ch,
-                    send,
-                    buf,
-                    mr: None,
-                });
+                None
             }
-            // By address (peer memory): nothing tells reused addresses apart, so only for
-            // this call.
-            None => self.dregs.push(DevReg {
-                peer,
-                ch,
-                send,
-                buf,
-                mr: Some(mr),
-            }),
-        }
+            None => Some(mr),
+        };
+        self.dregs.push(DevReg {
+            peer,
+            ch,
+            send,
+            buf,
+            mr,
+        });
         Ok(())
     }
 
-    /// Release cached GPU registrations of the connection that overlap `m`.
+    /// Release cached GPU registrations of the connection that overlap `m` (not those this
+    /// call uses).
     fn forget_device(&mut self, peer: usize, ch: usize, send: bool, m: (usize, usize)) {
+        let epoch = self.links.dev_epoch;
         let mut i = 0;
         while i < self.links.dev_cache.len() {
             let e = &self.links.dev_cache[i];
-            if (e.peer, e.ch, e.send) == (peer, ch, send) && Self::overlaps((e.addr, e.len), m) {
-                self.links.drop_cached(i);
-            } else {
+            let stale = (e.peer, e.ch, e.send) == (peer, ch, send)
+                && e.call != epoch
+                && Self::overlaps((e.addr, e.len), m);
+            if !stale || !self.links.drop_cached(i) {
                 i += 1;
             }
         }

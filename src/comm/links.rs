@@ -80,24 +80,28 @@ pub(crate) struct Links {
     pub dev_cache: Vec<DevCached>,
     /// Clock of `dev_cache` uses (least recently used goes first).
     pub dev_clock: u64,
+    /// Number of the executor's current call (entries it uses are never released).
+    pub dev_epoch: u64,
 }
 
 /// Most GPU registrations kept across calls, over all connections.
 pub(crate) const DEV_CACHE: usize = 64;
 
-/// A GPU buffer registered on one connection through its dmabuf, kept after the call: the
-/// next call on the same memory reuses it. The dmabuf's identity (device and inode of its
-/// file) tells memory freed and allocated again at the same address apart, since the
-/// registration keeps the old dmabuf, and so its inode, alive.
+/// A GPU buffer registered on one connection, kept after the call: the next call on the same
+/// memory reuses it. `ident` tells memory freed and allocated again at the same address
+/// apart: the runtime's allocation id (`(u64::MAX, id)`), else the dmabuf's device and inode
+/// (the registration keeps the old dmabuf, and so its inode, alive).
 pub(crate) struct DevCached {
     pub peer: usize,
     pub ch: usize,
     pub send: bool,
     pub addr: usize,
     pub len: usize,
-    pub ino: (u64, u64),
+    pub ident: (u64, u64),
     pub mr: crate::net::MemHandle,
     pub used: u64,
+    /// The last call that used it.
+    pub call: u64,
 }
 
 impl Links {
@@ -131,6 +135,7 @@ impl Links {
             device_mem: vec![None; nranks],
             dev_cache: Vec::new(),
             dev_clock: 0,
+            dev_epoch: 0,
         }
     }
 
@@ -192,19 +197,30 @@ impl Links {
         self.dev_cache.clear();
     }
 
-    /// Release cached GPU registration `i`.
-    pub fn drop_cached(&mut self, i: usize) {
-        let e = self.dev_cache.swap_remove(i);
-        let r = if e.send {
-            self.send_comm(e.peer, e.ch).and_then(|c| c.dereg_mr(e.mr))
-        } else {
-            self.recv_comm(e.peer, e.ch).and_then(|c| c.dereg_mr(e.mr))
+    /// Release cached GPU registration `i`; false (and kept) when the network refuses,
+    /// e.g. while a request still uses it. An entry whose connection is gone just goes.
+    pub fn drop_cached(&mut self, i: usize) -> bool {
+        let e = &self.dev_cache[i];
+        let (peer, ch, send) = (e.peer, e.ch, e.send);
+        let mr = crate::net::MemHandle {
+            addr: e.mr.addr,
+            len: e.mr.len,
+            key: e.mr.key,
         };
-        if let Err(err) = r {
-            crate::info!(
-                "releasing a cached GPU registration toward rank {}: {err}",
-                e.peer
-            );
+        let r = if send {
+            self.send_comm(peer, ch).map(|c| c.dereg_mr(mr))
+        } else {
+            self.recv_comm(peer, ch).map(|c| c.dereg_mr(mr))
+        };
+        match r {
+            Ok(Err(err)) => {
+                crate::info!("keeping a cached GPU registration toward rank {peer}: {err}");
+                false
+            }
+            Ok(Ok(())) | Err(_) => {
+                self.dev_cache.swap_remove(i);
+                true
+            }
         }
     }
 

@@ -259,6 +259,8 @@ struct Shared {
     gpu_direct_min: usize,
     /// Integrated GPUs go GPU-direct too ([`GpuDirect::On`]).
     gpu_direct_integrated: bool,
+    /// GPU-direct is on and the network takes GPU memory.
+    gpu_direct_net: bool,
     /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
     device_mem: Vec<Option<bool>>,
     state: Mutex<State>,
@@ -629,6 +631,7 @@ impl Communicator {
                 flat: node.is_some(),
                 gpu_direct_min: cfg.gpu_direct_min,
                 gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
+                gpu_direct_net: net_gpu.is_some(),
                 device_mem,
                 state: Mutex::new(State {
                     links,
@@ -760,7 +763,8 @@ impl Communicator {
         message_bytes: usize,
         integrated: bool,
     ) -> bool {
-        if message_bytes < self.shared.gpu_direct_min
+        if !self.shared.gpu_direct_net
+            || message_bytes < self.shared.gpu_direct_min
             || (integrated && !self.shared.gpu_direct_integrated)
         {
             return false;

@@ -420,6 +420,16 @@ impl Device for CudaDevice {
         Ok(s as StreamId)
     }
 
+    fn allocation_id(&self, addr: usize) -> Option<u64> {
+        let mut id: u64 = 0;
+        // SAFETY: valid storage for the attribute (an unsigned long long); 7 is
+        // CU_POINTER_ATTRIBUTE_BUFFER_ID; the driver only looks `addr` up.
+        let r = unsafe {
+            (self.api.pointer_get_attribute)((&mut id as *mut u64).cast(), 7, addr as u64)
+        };
+        (r == CUDA_SUCCESS && id != 0).then_some(id)
+    }
+
     fn copy_stream(&self) -> Result<StreamId> {
         if let Some(s) = self.copy_stream.get() {
             return Ok(*s);

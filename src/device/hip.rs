@@ -76,6 +76,7 @@ extern "C" {
     fn hipGetDevice(device: *mut c_int) -> c_int;
     fn hipDeviceGetAttribute(value: *mut c_int, attr: c_int, device: c_int) -> c_int;
     fn hipPointerGetAttributes(attr: *mut PointerAttributes, ptr: *const c_void) -> c_int;
+    fn hipPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: *mut c_void) -> c_int;
     fn hipStreamWriteValue64(
         stream: *mut c_void,
         ptr: *mut c_void,
@@ -494,6 +495,15 @@ impl Device for HipDevice {
 
     fn integrated(&self) -> bool {
         self.integrated
+    }
+
+    fn allocation_id(&self, addr: usize) -> Option<u64> {
+        let mut id: u64 = 0;
+        // SAFETY: valid storage for the attribute (an unsigned 64-bit integer); 7 is
+        // HIP_POINTER_ATTRIBUTE_BUFFER_ID; the runtime only looks `addr` up.
+        let r =
+            unsafe { hipPointerGetAttribute((&mut id as *mut u64).cast(), 7, addr as *mut c_void) };
+        (r == HIP_SUCCESS && id != 0).then_some(id)
     }
 
     fn copy_stream(&self) -> Result<StreamId> {

@@ -175,6 +175,13 @@ pub trait Device: Send + Sync {
             self.name()
         )))
     }
+    /// An identifier of the allocation that holds `addr`, unique for the process's lifetime
+    /// (`CU_POINTER_ATTRIBUTE_BUFFER_ID`, `HIP_POINTER_ATTRIBUTE_BUFFER_ID`): memory freed and
+    /// allocated again at the same address gets a new one. `None` when the runtime cannot say.
+    fn allocation_id(&self, addr: usize) -> Option<u64> {
+        let _ = addr;
+        None
+    }
     /// Whether the GPU is integrated (an APU sharing the host's memory).
     fn integrated(&self) -> bool {
         false

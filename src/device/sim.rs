@@ -61,6 +61,8 @@ pub struct SimBuffer {
     data: Mutex<Backing>,
     len: usize,
     addr: usize,
+    /// Unique for the process's lifetime (`Device::allocation_id`).
+    id: u64,
 }
 
 impl Drop for SimBuffer {
@@ -335,10 +337,12 @@ impl SimDevice {
                 heap()
             })
         };
+        static IDS: AtomicU64 = AtomicU64::new(1);
         let b = Arc::new(SimBuffer {
             data: Mutex::new(data),
             len: bytes,
             addr,
+            id: IDS.fetch_add(1, Ordering::Relaxed),
         });
         let mut all = self.buffers.lock();
         all.retain(|e| e.4.strong_count() > 0);
@@ -483,6 +487,10 @@ impl Device for SimDevice {
 
     fn integrated(&self) -> bool {
         self.integrated.load(Ordering::Relaxed)
+    }
+
+    fn allocation_id(&self, addr: usize) -> Option<u64> {
+        self.find(addr, 1).ok().map(|(b, _)| b.id)
     }
 
     fn copy_stream(&self) -> Result<StreamId> {
