@@ -77,6 +77,37 @@ fn large(n: usize) {
     );
 }
 
+/// Ring all-reduces split into windows (a 4 KiB window, so ten and a bit of them: the last
+/// one partial), in and out of place, each data type's window cut at element boundaries.
+#[test]
+fn ring_all_reduce_in_windows() {
+    let mut cfg = config(Tuning::default());
+    cfg.ring_window = 4096;
+    for n in [2, 3] {
+        run_ranks(n, cfg.clone(), |c| {
+            for (dt, op) in [
+                (DataType::F32, RedOp::Sum),
+                (DataType::Bf16, RedOp::Max),
+                (DataType::F64, RedOp::Avg),
+                (DataType::I8, RedOp::Min),
+            ] {
+                for in_place in [false, true] {
+                    one(
+                        &c,
+                        Kind::AllReduce,
+                        dt,
+                        op,
+                        41_003 / dt.size(),
+                        Algo::Ring,
+                        in_place,
+                        0,
+                    );
+                }
+            }
+        });
+    }
+}
+
 /// Small slices, shallow pipeline, two channels: many units per call at small counts.
 fn pipelined() -> Tuning {
     Tuning {
@@ -151,6 +182,41 @@ fn ranks_16_f32() {
                     one(&c, k, DataType::F32, RedOp::Sum, count, algo, false, 15);
                 }
             }
+        }
+    });
+}
+
+/// A windowed ring all-reduce with values unique per element (the usual patterns repeat
+/// every few elements, so a window at the wrong offset could pass them): 16 windows.
+#[test]
+fn windowed_ring_keeps_every_element_in_place() {
+    let mut cfg = config(Tuning::default());
+    cfg.ring_window = 4096;
+    run_ranks(2, cfg, |c| {
+        let me = c.rank();
+        let send: Vec<f32> = (0..16384).map(|i| (i + me) as f32).collect();
+        let mut recv = vec![0f32; 16384];
+        let opts = roccl::CallOpts {
+            algo: Some(Algo::Ring),
+        };
+        for _ in 0..3 {
+            c.run_raw(
+                roccl::Collective::AllReduce(RedOp::Sum),
+                DataType::F32,
+                Some(bytemuck::cast_slice(&send)),
+                bytemuck::cast_slice_mut(&mut recv),
+                &opts,
+            )
+            .unwrap();
+            let bad: Vec<(usize, f32)> = recv
+                .iter()
+                .enumerate()
+                .filter(|(i, v)| **v != (2 * i + 1) as f32)
+                .map(|(i, v)| (i, *v))
+                .take(5)
+                .collect();
+            assert!(bad.is_empty(), "rank {me}: wrong elements {bad:?}");
+            recv.fill(0.0);
         }
     });
 }

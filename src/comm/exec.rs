@@ -90,6 +90,16 @@ impl<'a> Mem<'a> {
         self.len
     }
 
+    /// Bytes `off..off + len` of it.
+    pub fn part(&self, off: usize, len: usize) -> Mem<'a> {
+        assert!(off + len <= self.len, "part outside the buffer");
+        Mem {
+            addr: self.addr + off,
+            len,
+            ..*self
+        }
+    }
+
     /// The bytes, for code that reads with the CPU (host memory only).
     pub fn slice(&self) -> Result<&'a [u8]> {
         if self.device {
@@ -138,6 +148,17 @@ impl<'a> MemMut<'a> {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes `off..off + len` of it, borrowed from it.
+    pub fn part(&mut self, off: usize, len: usize) -> MemMut<'_> {
+        assert!(off + len <= self.len, "part outside the buffer");
+        MemMut {
+            addr: self.addr + off,
+            len,
+            device: self.device,
+            _borrow: PhantomData,
+        }
     }
 
     /// Move the buffer out, leaving an empty one.

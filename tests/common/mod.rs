@@ -26,6 +26,7 @@ pub fn config(tuning: Tuning) -> Config {
         connect_all: false,
         gpu_direct: roccl::comm::GpuDirect::Auto,
         gpu_direct_min: 0,
+        ring_window: roccl::comm::RING_WINDOW,
     }
 }
 
