@@ -85,7 +85,16 @@ impl Config {
             net: env_parse("ROCCL_NET")?.unwrap_or(NetKind::Auto),
             algo,
             tuning: Tuning {
-                slice: env_parse("ROCCL_SLICE")?,
+                slice: match std::env::var("ROCCL_SLICE") {
+                    Ok(v) if !v.trim().is_empty() => {
+                        Some(crate::sys::parse_bytes(&v).ok_or_else(|| {
+                            Error::arg(format!(
+                                "ROCCL_SLICE={v}: expected bytes such as 256K or 1M"
+                            ))
+                        })?)
+                    }
+                    _ => None,
+                },
                 depth: env_parse("ROCCL_DEPTH")?,
                 channels: env_parse("ROCCL_NCHANNELS")?,
             },
