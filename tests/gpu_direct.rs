@@ -251,7 +251,8 @@ fn direct_round(
 
 /// One group of 40 sends and 40 receives of distinct buffers with the next and previous
 /// rank, twice: more GPU registrations in one call than the cache keeps (64), so a call's own
-/// registrations must not be evicted while it runs, and the second call reuses some.
+/// registrations must not be evicted while it runs, and the second call reuses some. Every
+/// other buffer is above the eager size (16 KiB), so RDMA writes use the registrations too.
 fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -> Checks {
     let dev: Arc<dyn Device> = sim.clone();
     let (n, me) = (c.nranks(), c.rank());
@@ -261,9 +262,10 @@ fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -
         let mut ops = Vec::new();
         let mut keep = Vec::new();
         for k in 0..40usize {
+            let elems = if k % 2 == 0 { 1000 } else { 5000 };
             let (s, r) = (
-                sim.alloc_device_only(4 * 1000),
-                sim.alloc_device_only(4 * 1000),
+                sim.alloc_device_only(4 * elems),
+                sim.alloc_device_only(4 * elems),
             );
             produce(sim, stream, &s, move |i| {
                 (me * 100_000 + k * 1000 + i + round) as f64

@@ -92,7 +92,10 @@ impl<'a> Mem<'a> {
 
     /// Bytes `off..off + len` of it.
     pub fn part(&self, off: usize, len: usize) -> Mem<'a> {
-        assert!(off + len <= self.len, "part outside the buffer");
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "part outside the buffer"
+        );
         Mem {
             addr: self.addr + off,
             len,
@@ -152,7 +155,10 @@ impl<'a> MemMut<'a> {
 
     /// Bytes `off..off + len` of it, borrowed from it.
     pub fn part(&mut self, off: usize, len: usize) -> MemMut<'_> {
-        assert!(off + len <= self.len, "part outside the buffer");
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "part outside the buffer"
+        );
         MemMut {
             addr: self.addr + off,
             len,
@@ -545,8 +551,22 @@ impl<'a> Exec<'a> {
             }
             Some(d) => d,
         };
-        let mut ident = dev.allocation_id(u.addr).map(|id| (u64::MAX, id));
-        let dmabuf = if use_dmabuf {
+        // Registered by an earlier call? Looked up by allocation id before exporting
+        // anything; without one, by the dmabuf's inode once exported.
+        let alloc = dev.allocation_id(u.addr).map(|id| (u64::MAX, id));
+        if let Some(id) = alloc {
+            if self.cached(peer, ch, send, u, id) {
+                self.dregs.push(DevReg {
+                    peer,
+                    ch,
+                    send,
+                    buf,
+                    mr: None,
+                });
+                return Ok(());
+            }
+        }
+        let (dmabuf, inode) = if use_dmabuf {
             if !self.dmabufs.iter().any(|d| d.0 == buf) {
                 let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
                 let file = std::fs::File::from(fd);
@@ -560,37 +580,15 @@ impl<'a> Exec<'a> {
                 .iter()
                 .find(|d| d.0 == buf)
                 .expect("exported above");
-            // Without an allocation id, the dmabuf's inode: the registration keeps the
-            // dmabuf, so its inode is not reused while the entry lives.
-            ident = ident.or(Some(d.3));
-            Some((d.1.as_raw_fd(), d.2))
+            (Some((d.1.as_raw_fd(), d.2)), Some(d.3))
         } else {
-            None
+            (None, None)
         };
-        let epoch = self.links.dev_epoch;
-        if let Some(ident) = ident {
-            // Registered by an earlier call: reuse it. Entries of other memory that overlap
-            // this range are stale (freed and allocated again): release them before the
-            // network could find them by address, unless this call uses them.
-            self.links.dev_clock += 1;
-            let clock = self.links.dev_clock;
-            let (mut i, mut hit) = (0, false);
-            while i < self.links.dev_cache.len() {
-                let e = &mut self.links.dev_cache[i];
-                let same_conn = (e.peer, e.ch, e.send) == (peer, ch, send);
-                let overlaps = e.addr < u.addr + u.len && u.addr < e.addr + e.len;
-                if !same_conn || !overlaps {
-                    i += 1;
-                } else if e.ident == ident {
-                    if !hit && e.addr <= u.addr && u.addr + u.len <= e.addr + e.len {
-                        (e.used, e.call, hit) = (clock, epoch, true);
-                    }
-                    i += 1;
-                } else if e.call == epoch || !self.links.drop_cached(i) {
-                    i += 1;
-                }
-            }
-            if hit {
+        // Without an allocation id, the dmabuf's inode: the registration keeps the dmabuf,
+        // so its inode is not reused while the entry lives.
+        let ident = alloc.or(inode);
+        if let (None, Some(id)) = (alloc, ident) {
+            if self.cached(peer, ch, send, u, id) {
                 self.dregs.push(DevReg {
                     peer,
                     ch,
@@ -601,6 +599,7 @@ impl<'a> Exec<'a> {
                 return Ok(());
             }
         }
+        let epoch = self.links.dev_epoch;
         // Messages small enough to go eagerly pass through the network's host buffers: the
         // GPU copies them there or out of them.
         let copy_dev = Arc::clone(&dev);
@@ -663,6 +662,40 @@ impl<'a> Exec<'a> {
             mr,
         });
         Ok(())
+    }
+
+    /// Whether a kept registration of memory `ident` on the connection covers `u` (then
+    /// marked as used by this call). Kept registrations of other memory that overlap `u`
+    /// are stale (freed and allocated again): released before the network could find them
+    /// by address, unless this call uses them.
+    fn cached(
+        &mut self,
+        peer: usize,
+        ch: usize,
+        send: bool,
+        u: UserBuf,
+        ident: (u64, u64),
+    ) -> bool {
+        let epoch = self.links.dev_epoch;
+        self.links.dev_clock += 1;
+        let clock = self.links.dev_clock;
+        let (mut i, mut hit) = (0, false);
+        while i < self.links.dev_cache.len() {
+            let e = &mut self.links.dev_cache[i];
+            let same_conn = (e.peer, e.ch, e.send) == (peer, ch, send);
+            let overlaps = e.addr < u.addr + u.len && u.addr < e.addr + e.len;
+            if !same_conn || !overlaps {
+                i += 1;
+            } else if e.ident == ident {
+                if !hit && e.addr <= u.addr && u.addr + u.len <= e.addr + e.len {
+                    (e.used, e.call, hit) = (clock, epoch, true);
+                }
+                i += 1;
+            } else if e.call == epoch || !self.links.drop_cached(i) {
+                i += 1;
+            }
+        }
+        hit
     }
 
     /// Release cached GPU registrations of the connection that overlap `m` (not those this

@@ -213,11 +213,13 @@ impl Links {
             self.recv_comm(peer, ch).map(|c| c.dereg_mr(mr))
         };
         match r {
-            Ok(Err(err)) => {
+            // Still used by a request in flight: kept (and tried again later).
+            Ok(Err(err @ crate::error::Error::InvalidUsage(_))) => {
                 crate::info!("keeping a cached GPU registration toward rank {peer}: {err}");
                 false
             }
-            Ok(Ok(())) | Err(_) => {
+            // Released, gone with its connection, or unknown to the network: forgotten.
+            Ok(_) | Err(_) => {
                 self.dev_cache.swap_remove(i);
                 true
             }

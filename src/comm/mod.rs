@@ -337,14 +337,38 @@ impl<R> Handle<R> {
     }
 }
 
-const BLOB_VERSION: u32 = 3;
+const BLOB_VERSION: u32 = 4;
 /// Bytes of a rendezvous blob: version, host id, network name, its handle, the
 /// shared-memory handle (flag byte, padding, handle), and the host's measured speeds.
 const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8;
 /// Where the measured speeds sit in a blob.
 const BLOB_SPEEDS: usize = BLOB_LEN - 8;
 
-fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>, node: bool) -> Vec<u8> {
+/// A fingerprint of the settings that decide how calls cut their messages, which every rank
+/// must share (`ROCCL_RING_WINDOW`, `ROCCL_SLICE`, `ROCCL_DEPTH`, `ROCCL_NCHANNELS`): a
+/// mismatch could pair messages of equal size at different offsets, silently.
+fn settings_print(cfg: &Config) -> u32 {
+    let words = [
+        cfg.ring_window as u64,
+        cfg.tuning.slice.map_or(u64::MAX, |v| v as u64),
+        cfg.tuning.depth.map_or(u64::MAX, |v| v as u64),
+        cfg.tuning.channels.map_or(u64::MAX, |v| v as u64),
+    ];
+    // FNV-1a over the words' bytes.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in words.iter().flat_map(|w| w.to_le_bytes()) {
+        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+fn blob(
+    handle: &NetHandle,
+    net: &str,
+    shm: Option<&NetHandle>,
+    node: bool,
+    settings: u32,
+) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
     b.extend_from_slice(&BLOB_VERSION.to_le_bytes());
     b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
@@ -352,7 +376,8 @@ fn blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>, node: bool) -> V
     name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
     b.extend_from_slice(&name);
     b.extend_from_slice(handle.as_bytes());
-    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
+    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0]);
+    b.extend_from_slice(&settings.to_le_bytes());
     b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
     b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
     b
@@ -364,7 +389,12 @@ fn blob_has_node(b: &[u8]) -> bool {
 }
 
 /// A rank's handles: its network's, and its shared-memory network's if it has one.
-fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<(NetHandle, Option<NetHandle>)> {
+fn parse_blob(
+    rank: usize,
+    b: &[u8],
+    my_net: &str,
+    settings: u32,
+) -> Result<(NetHandle, Option<NetHandle>)> {
     if b.len() != BLOB_LEN || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION {
         return Err(Error::InvalidUsage(format!(
             "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
@@ -379,6 +409,11 @@ fn parse_blob(rank: usize, b: &[u8], my_net: &str) -> Result<(NetHandle, Option<
         )));
     }
     let at = 28 + HANDLE_MAX;
+    if u32::from_le_bytes(b[at + 4..at + 8].try_into().unwrap()) != settings {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank} runs with other pipeline settings than this rank (ROCCL_RING_WINDOW, ROCCL_SLICE, ROCCL_DEPTH or ROCCL_NCHANNELS differ): set them the same on every rank"
+        )));
+    }
     let shm = if b[at] != 0 {
         Some(NetHandle::from_bytes(&b[at + 8..BLOB_SPEEDS])?)
     } else {
@@ -488,6 +523,7 @@ impl Communicator {
                 net.name(),
                 shm.as_ref().map(|s| &s.1),
                 node_seg.is_some(),
+                settings_print(&cfg),
             ),
             cfg.waiter.timeout,
         )?;
@@ -514,7 +550,7 @@ impl Communicator {
         let parsed = table
             .iter()
             .enumerate()
-            .map(|(r, b)| parse_blob(r, b, net.name()))
+            .map(|(r, b)| parse_blob(r, b, net.name(), settings_print(&cfg)))
             .collect::<Result<Vec<_>>>()?;
         // Peers on this host that offer shared memory are reached through it.
         let peer_net: Vec<usize> = (0..nranks)
@@ -1836,21 +1872,41 @@ mod tests {
 
     #[test]
     fn rendezvous_blob_carries_both_handles() {
-        let b = blob(&handle(7), "tcp", Some(&handle(9)), true);
+        let b = blob(&handle(7), "tcp", Some(&handle(9)), true, 42);
         assert!(blob_has_node(&b));
         assert_eq!(b.len(), BLOB_LEN);
-        let (h, s) = parse_blob(3, &b, "tcp").unwrap();
+        let (h, s) = parse_blob(3, &b, "tcp", 42).unwrap();
         assert_eq!(h.as_bytes()[..40], [7u8; 40]);
         assert_eq!(s.unwrap().as_bytes()[..40], [9u8; 40]);
-        let (_, none) = parse_blob(3, &blob(&handle(7), "tcp", None, false), "tcp").unwrap();
+        let plain = blob(&handle(7), "tcp", None, false, 42);
+        let (_, none) = parse_blob(3, &plain, "tcp", 42).unwrap();
         assert!(none.is_none());
-        let e = parse_blob(3, &b, "rocev2").unwrap_err().to_string();
+        let e = parse_blob(3, &b, "rocev2", 42).unwrap_err().to_string();
         assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");
-        let e = parse_blob(5, &b[..100], "tcp").unwrap_err().to_string();
+        let e = parse_blob(5, &b[..100], "tcp", 42).unwrap_err().to_string();
         assert!(
             e.contains("rank 5") && e.contains("same roccl version"),
             "{e}"
         );
+    }
+
+    /// Ranks with different ring windows (or slices, depths, channels) could pair equal-sized
+    /// messages at different offsets: init refuses them, naming the settings.
+    #[test]
+    fn ranks_with_other_pipeline_settings_are_refused() {
+        let mut cfg = Config::from_env().unwrap();
+        let mine = settings_print(&cfg);
+        cfg.ring_window = 0;
+        let other = settings_print(&cfg);
+        assert_ne!(mine, other);
+        let b = blob(&handle(7), "tcp", None, false, other);
+        let e = parse_blob(2, &b, "tcp", mine).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 2") && e.contains("ROCCL_RING_WINDOW"),
+            "{e}"
+        );
+        cfg.tuning.slice = Some(1 << 20);
+        assert_ne!(settings_print(&cfg), other);
     }
 
     #[test]
