@@ -324,6 +324,40 @@ fn perf_on_device_buffers_staged_and_pipelined() {
     );
 }
 
+/// `--device sim` over the userspace RoCE v2 engine posing as a NIC that takes dmabufs:
+/// broadcasts, all-gathers and sends/receives of device memory go GPU-direct between
+/// processes (each registers its own dmabufs; the NIC moves the bytes), so nothing is staged;
+/// an all-reduce of the same memory is staged. Results checked.
+#[test]
+fn perf_on_device_buffers_gpu_direct_between_processes() {
+    let env = [
+        ("ROCCL_TIMEOUT", "60"),
+        ("ROCCL_ROCEV2_SIM_GPU", "1"),
+        ("ROCCL_GPU_DIRECT_MIN", "0"),
+    ];
+    for op in ["broadcast", "all_gather", "sendrecv", "all_reduce"] {
+        let text = perf(
+            &[
+                "--op", op, "--ranks", "3", "--net", "rocev2", "-b", "8", "-e", "256K", "-f", "64",
+                "--iters", "3", "--warmup", "1", "--device", "sim",
+            ],
+            &env,
+        );
+        let staged = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("# bytes staged through pinned host buffers (rank 0, in and out): ")
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no staged-bytes line:\n{text}"));
+        if op == "all_reduce" {
+            assert!(staged > 0, "the all-reduce was not staged:\n{text}");
+        } else {
+            assert_eq!(staged, 0, "{op} was staged:\n{text}");
+        }
+    }
+}
+
 /// roccl-info on this machine (no RDMA hardware) and on a fake ConnectX sysfs tree.
 #[test]
 fn info_reports_devices_and_the_chosen_gid() {

@@ -739,6 +739,13 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             "# wrong results: {total}{}",
             if total == 0 { "" } else { "  <-- FAILED" }
         );
+        if a.device.is_some() || a.stream {
+            // Device memory the CPU cannot reach is staged, except what went GPU-direct.
+            println!(
+                "# bytes staged through pinned host buffers (rank 0, in and out): {}",
+                roccl::device::ops::staged_bytes()
+            );
+        }
         if let Some(path) = &a.json {
             let text = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
             std::fs::write(path, text).map_err(|e| format!("writing {path}: {e}"))?;
