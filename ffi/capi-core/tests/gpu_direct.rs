@@ -4,56 +4,17 @@
 //! staged), an all-reduce still stages. The simulated device's device-only memory is a
 //! PROT_NONE reservation, so a CPU touch would crash the test.
 
+mod common;
+
 use std::ffi::c_void;
 use std::sync::{Arc, Barrier};
 
-use parking_lot::Mutex;
+use common::*;
 use roccl_capi_core::*;
 use roccl_core::device::ops::staged_bytes;
-use roccl_core::device::sim::{SimBuffer, SimDevice};
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;
-
-fn ptr(b: &SimBuffer) -> *mut c_void {
-    b.addr() as *mut c_void
-}
-
-/// Write `v(i)` into float `i` of `b` late on `stream`.
-fn produce(
-    sim: &SimDevice,
-    stream: usize,
-    b: &Arc<SimBuffer>,
-    v: impl Fn(usize) -> f32 + Send + 'static,
-) {
-    let b = Arc::clone(b);
-    sim.launch(stream, move || {
-        b.with(|x| {
-            for (i, e) in x.chunks_mut(4).enumerate() {
-                e.copy_from_slice(&v(i).to_le_bytes());
-            }
-        })
-    })
-    .unwrap();
-}
-
-/// Snapshot `b` as floats on `stream`, then scribble over it.
-fn consume(sim: &SimDevice, stream: usize, b: &Arc<SimBuffer>) -> Arc<Mutex<Vec<f32>>> {
-    let snap = Arc::new(Mutex::new(Vec::new()));
-    let (s, b) = (Arc::clone(&snap), Arc::clone(b));
-    sim.launch(stream, move || {
-        *s.lock() = b.with(|x| {
-            let v = x
-                .chunks(4)
-                .map(|e| f32::from_le_bytes(e.try_into().unwrap()))
-                .collect();
-            x.fill(0xee);
-            v
-        });
-    })
-    .unwrap();
-    snap
-}
 
 #[test]
 fn c_stream_calls_move_device_memory_gpu_direct() {
@@ -98,7 +59,7 @@ fn c_stream_calls_move_device_memory_gpu_direct() {
                     unsafe { rocclBroadcast(send, ptr(&br), count, FLOAT, 1, comm, sp) },
                     0
                 );
-                let bsnap = consume(&sim, stream, &br);
+                let bsnap = consume(&sim, stream, &br, &[&br]);
                 // All-gather.
                 let (gs, gr) = (alloc(count), alloc(n * count));
                 produce(&sim, stream, &gs, move |i| (rank * 10_000 + i) as f32);
@@ -107,7 +68,7 @@ fn c_stream_calls_move_device_memory_gpu_direct() {
                     unsafe { rocclAllGather(ptr(&gs), ptr(&gr), count, FLOAT, comm, sp) },
                     0
                 );
-                let gsnap = consume(&sim, stream, &gr);
+                let gsnap = consume(&sim, stream, &gr, &[&gr]);
                 // A grouped exchange with the other rank.
                 let (ps, pr) = (alloc(count), alloc(count));
                 produce(&sim, stream, &ps, move |i| (rank * 7 + i) as f32);
@@ -119,23 +80,24 @@ fn c_stream_calls_move_device_memory_gpu_direct() {
                     assert_eq!(rocclRecv(ptr(&pr), count, FLOAT, peer, comm, sp), 0);
                 }
                 assert_eq!(rocclGroupEnd(), 0);
-                let psnap = consume(&sim, stream, &pr);
+                let psnap = consume(&sim, stream, &pr, &[&pr]);
                 sim.synchronize(stream).unwrap();
                 gate.wait();
                 let staged = staged_bytes() - before;
                 gate.wait();
                 assert_eq!(staged, 0, "rank {rank}: GPU-direct calls were staged");
-                let want = |s: &Arc<Mutex<Vec<f32>>>, f: &dyn Fn(usize) -> f32, what: &str| {
-                    let got = s.lock();
-                    assert_eq!(
-                        got.len() % count,
-                        0,
-                        "rank {rank} {what}: consumer never ran"
-                    );
-                    for (i, v) in got.iter().enumerate() {
-                        assert_eq!(*v, f(i), "rank {rank} {what}: element {i}");
-                    }
-                };
+                let want =
+                    |s: &Arc<parking_lot::Mutex<Vec<u8>>>, f: &dyn Fn(usize) -> f32, what: &str| {
+                        let got = floats(&s.lock());
+                        assert_eq!(
+                            got.len() % count,
+                            0,
+                            "rank {rank} {what}: consumer never ran"
+                        );
+                        for (i, v) in got.iter().enumerate() {
+                            assert_eq!(*v, f(i), "rank {rank} {what}: element {i}");
+                        }
+                    };
                 want(&bsnap, &|i| (3 * i) as f32, "broadcast");
                 want(
                     &gsnap,
@@ -156,7 +118,7 @@ fn c_stream_calls_move_device_memory_gpu_direct() {
                     staged_bytes() > before,
                     "rank {rank}: the all-reduce was not staged"
                 );
-                let rsnap = consume(&sim, stream, &rr);
+                let rsnap = consume(&sim, stream, &rr, &[&rr]);
                 sim.synchronize(stream).unwrap();
                 want(&rsnap, &|i| (1 + 2 * i) as f32, "all_reduce");
                 let mut err = 0;
