@@ -292,6 +292,60 @@ fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -
     checks
 }
 
+/// Three broadcasts of 80 KB (RDMA, not eager), each into buffers allocated after the last
+/// ones were freed: the simulated device maps new memory where the old was, so a registration
+/// kept from the previous round is stale and must not be used for the new memory (its bytes
+/// would go to the freed buffer). Returns whether any address came back.
+fn reallocated(
+    sim: &Arc<SimDevice>,
+    c: &Arc<Communicator>,
+    stream: StreamId,
+    gate: &Barrier,
+) -> bool {
+    // One rank at a time frees its buffers and allocates the next ones, so the addresses it
+    // just gave back are the free ones.
+    static TURN: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    let dev: Arc<dyn Device> = sim.clone();
+    let me = c.rank();
+    let mut seen = Vec::new();
+    let mut reused = false;
+    let mut bufs: Option<(Arc<SimBuffer>, Arc<SimBuffer>)> = None;
+    for round in 0..4usize {
+        for turn in 0..c.nranks() {
+            gate.wait();
+            if turn == me {
+                let _t = TURN.lock();
+                drop(bufs.take());
+                let b = (
+                    sim.alloc_device_only(4 * 20_000),
+                    sim.alloc_device_only(4 * 20_000),
+                );
+                reused |= seen.contains(&b.0.addr()) || seen.contains(&b.1.addr());
+                seen.extend([b.0.addr(), b.1.addr()]);
+                bufs = Some(b);
+            }
+        }
+        let (s, r) = bufs.clone().expect("allocated above");
+        produce(sim, stream, &s, move |i| (i + 1000 * round) as f64);
+        let send = (me == 0).then_some(&s);
+        on_stream(
+            &dev,
+            c,
+            stream,
+            vec![coll(Collective::Broadcast { root: 0 }, send, &r)],
+        );
+        let snap = consume(sim, stream, &r, &[&s, &r]);
+        sim.synchronize(stream).unwrap();
+        check(
+            &format!("rank {me}: broadcast into reallocated memory, round {round}"),
+            DT,
+            &snap.lock(),
+            |i| (i + 1000 * round) as f64,
+        );
+    }
+    reused
+}
+
 fn check_all(what: &str, checks: Checks) {
     for (name, snap, want) in checks {
         let got = snap.lock();
@@ -343,6 +397,13 @@ fn run(sim: &Arc<SimDevice>, n: usize, cfg: Config, counts: &[usize], expect_dir
                         all
                     };
                     assert_eq!(staged, want * nn, "{what}: bytes staged");
+                }
+                if direct_min == 0 && expect_direct && n == 2 {
+                    let reused = reallocated(&sim, &c, stream, gate);
+                    assert!(
+                        reused,
+                        "{what}: no address came back: the stale-registration case did not run"
+                    );
                 }
                 if direct_min == 0 && expect_direct {
                     let checks = many_buffers(&sim, &c, stream);

@@ -554,19 +554,8 @@ impl<'a> Exec<'a> {
         // Registered by an earlier call? Looked up by allocation id before exporting
         // anything; without one, by the dmabuf's inode once exported.
         let alloc = dev.allocation_id(u.addr).map(|id| (u64::MAX, id));
-        if let Some(id) = alloc {
-            if self.cached(peer, ch, send, u, id) {
-                self.dregs.push(DevReg {
-                    peer,
-                    ch,
-                    send,
-                    buf,
-                    mr: None,
-                });
-                return Ok(());
-            }
-        }
-        let (dmabuf, inode) = if use_dmabuf {
+        let mut hit = alloc.is_some_and(|id| self.cached(peer, ch, send, u, id));
+        let (dmabuf, inode) = if use_dmabuf && !hit {
             if !self.dmabufs.iter().any(|d| d.0 == buf) {
                 let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
                 let file = std::fs::File::from(fd);
@@ -587,17 +576,18 @@ impl<'a> Exec<'a> {
         // Without an allocation id, the dmabuf's inode: the registration keeps the dmabuf,
         // so its inode is not reused while the entry lives.
         let ident = alloc.or(inode);
-        if let (None, Some(id)) = (alloc, ident) {
-            if self.cached(peer, ch, send, u, id) {
-                self.dregs.push(DevReg {
-                    peer,
-                    ch,
-                    send,
-                    buf,
-                    mr: None,
-                });
-                return Ok(());
-            }
+        if let (false, None, Some(id)) = (hit, alloc, ident) {
+            hit = self.cached(peer, ch, send, u, id);
+        }
+        if hit {
+            self.dregs.push(DevReg {
+                peer,
+                ch,
+                send,
+                buf,
+                mr: None,
+            });
+            return Ok(());
         }
         let epoch = self.links.dev_epoch;
         // Messages small enough to go eagerly pass through the network's host buffers: the
