@@ -12,7 +12,9 @@
 # Installs openmpi-bin, libopenmpi-dev and python3-torch with apt-get when missing (needs
 # root). Prints one table: time (µs) and busbw (GB/s) per size for roccl (default network:
 # shared memory between the local ranks), roccl over TCP, Open MPI over vader (shared
-# memory), Open MPI over TCP, and Gloo.
+# memory), Open MPI over TCP, and Gloo. For all_reduce it adds `tcp-floor`: a bare ring
+# exchange over loopback TCP of the bytes a ring all-reduce puts on the wire, with no
+# reduction and no library (examples/tcp_floor.rs); no all-reduce over TCP here can beat it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,7 +52,7 @@ fi
 
 out=target/compare
 mkdir -p "$out"
-cargo build --release --quiet --bin roccl-perf
+cargo build --release --quiet --bin roccl-perf --example tcp_floor
 mpicc -O2 scripts/compare/mpi_allreduce.c -o "$out/mpi_bench"
 
 common=(--op "$op" --ranks "$ranks" -b "$min" -e "$max" -f "$factor" --iters "$iters" --warmup "$warmup")
@@ -65,6 +67,11 @@ mpi() { # label, btl list
     --mca btl_tcp_if_include lo "$out/mpi_bench" "$op" "$min" "$max" "$factor" "$iters" "$warmup" 2>/dev/null |
     awk -v l="$1" '{print l, $2, $3, $4}'
 }
+floor() {
+  if [ "$op" != all_reduce ]; then return; fi
+  target/release/examples/tcp_floor --ranks "$ranks" -b "$min" -e "$max" -f "$factor" \
+    -i "$iters" -w "$warmup"
+}
 gloo() {
   if [ "$op" = reduce_scatter ]; then return; fi
   local port=$((29000 + RANDOM % 1000))
@@ -77,6 +84,7 @@ gloo() {
 for _ in $(seq "$rounds"); do
   roccl roccl
   roccl roccl-tcp --net tcp
+  floor
   mpi ompi-shm self,vader
   mpi ompi-tcp self,tcp
   gloo
@@ -87,10 +95,10 @@ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores"
 awk '
   { key = $1 SUBSEP $2; if (!(key in t) || $3 < t[key]) { t[key] = $3; bw[key] = $4 }; sizes[$2] = 1 }
   END {
-    n = split("roccl roccl-tcp ompi-shm ompi-tcp gloo", cols, " ")
+    n = split("roccl roccl-tcp tcp-floor ompi-shm ompi-tcp gloo", cols, " ")
     printf "%10s", "bytes"
     for (i = 1; i <= n; i++) printf " %21s", cols[i]
-    printf "   %s\n", "roccl vs ompi-shm"
+    printf "   %s   %s\n", "roccl vs ompi-shm", "roccl-tcp vs gloo"
     m = 0
     for (s in sizes) list[++m] = s + 0
     for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (list[j] < list[i]) { x = list[i]; list[i] = list[j]; list[j] = x }
@@ -102,7 +110,9 @@ awk '
         if (key in t) printf " %10.2f (%7.3f)", t[key], bw[key]; else printf " %21s", "-"
       }
       a = cols[1] SUBSEP s; b = "ompi-shm" SUBSEP s
-      if ((a in t) && (b in t) && t[a] > 0) printf "   %.2fx", t[b] / t[a]
+      if ((a in t) && (b in t) && t[a] > 0) printf "   %16.2fx", t[b] / t[a]; else printf "   %17s", "-"
+      a = "roccl-tcp" SUBSEP s; b = "gloo" SUBSEP s
+      if ((a in t) && (b in t) && t[a] > 0) printf "   %16.2fx", t[b] / t[a]
       printf "\n"
     }
   }' "$out/results.txt"
