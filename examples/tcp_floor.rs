@@ -1,6 +1,6 @@
 //! The floor under any all-reduce over TCP on this host: a bare ring exchange of the bytes a
 //! ring all-reduce puts on the wire, with nothing else (no reduction, no protocol, no
-//! library). Each of N threads (one per CPU, pinned like `roccl-perf` pins its ranks) sends
+//! library). Each of N threads (at most one per CPU, pinned like `roccl-perf` pins its ranks) sends
 //! 2(N−1)/N·B bytes to the next and receives as many from the previous over loopback TCP,
 //! with non-blocking sockets in a busy loop.
 //!
@@ -80,11 +80,9 @@ fn run(n: usize, wire: usize, iters: usize, warmup: usize, sndbuf: Option<usize>
         .map(|(i, listener)| {
             let next = addrs[(i + 1) % n];
             let (times, barrier) = (times.clone(), barrier.clone());
-            let cpu = (n <= cpus.len()).then(|| cpus[i]);
+            let cpu = cpus[i];
             std::thread::spawn(move || {
-                if let Some(c) = cpu {
-                    roccl::sys::bind_to_cpu(c).expect("pin the thread");
-                }
+                roccl::sys::bind_to_cpu(cpu).expect("pin the thread");
                 let mut tx = TcpStream::connect(next).expect("connect to the next thread");
                 let (mut rx, _) = listener.accept().expect("accept the previous thread");
                 for s in [&tx, &rx] {
@@ -123,6 +121,13 @@ fn main() {
     let parse = |s: &str| roccl::sys::parse_bytes(s).expect("a size such as 4096, 64K or 16M");
     let (mut b, max) = (parse(&a.min), parse(&a.max));
     let n = a.ranks.max(2);
+    let cpus = roccl::sys::allowed_cpus().expect("sched_getaffinity").len();
+    if n > cpus {
+        eprintln!(
+            "tcp_floor: {n} threads on {cpus} CPUs: busy loops that share CPUs measure the scheduler, not the floor; use at most {cpus}"
+        );
+        std::process::exit(2);
+    }
     while b <= max {
         // Per rank and direction, a ring all-reduce puts 2(n-1)/n of the buffer on the wire.
         let wire = (2 * (n - 1) * b / n).max(1);
