@@ -1,8 +1,8 @@
 //! The floor under any all-reduce over TCP on this host: a bare ring exchange of the bytes a
 //! ring all-reduce puts on the wire, with nothing else (no reduction, no protocol, no
-//! library). Each of N threads (at most one per CPU, pinned like `roccl-perf` pins its ranks) sends
-//! 2(N−1)/N·B bytes to the next and receives as many from the previous over loopback TCP,
-//! with non-blocking sockets in a busy loop.
+//! library). Each of N threads (at most one per CPU, pinned like `roccl-perf` pins its
+//! ranks) sends 2(N−1)/N·B bytes to the next and receives as many from the previous over
+//! loopback TCP, with non-blocking sockets in a busy loop.
 //!
 //! ```text
 //! cargo run --release --example tcp_floor -- [--ranks N] [-b MIN] [-e MAX] [-f F] [-i ITERS]
