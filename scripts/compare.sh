@@ -14,7 +14,7 @@
 # shared memory between the local ranks), roccl over TCP, Open MPI over vader (shared
 # memory), Open MPI over TCP, and Gloo. For all_reduce it adds `tcp-floor`: a bare ring
 # exchange over loopback TCP of the bytes a ring all-reduce puts on the wire, with no
-# reduction and no library (examples/tcp_floor.rs); no all-reduce over TCP here can beat it.
+# reduction and no library (examples/tcp_floor.rs): what merely moving the bytes costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
