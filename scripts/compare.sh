@@ -98,7 +98,7 @@ awk '
   END {
     n = split("roccl roccl-tcp tcp-floor ompi-shm ompi-tcp gloo", cols, " ")
     printf "%10s", "bytes"
-    for (i = 1; i <= n; i++) printf " %21s", cols[i]
+    for (i = 1; i <= n; i++) printf " %20s", cols[i]
     printf "   %s   %s\n", "roccl vs ompi-shm", "roccl-tcp vs gloo"
     m = 0
     for (s in sizes) list[++m] = s + 0
@@ -108,7 +108,7 @@ awk '
       printf "%10d", s
       for (i = 1; i <= n; i++) {
         key = cols[i] SUBSEP s
-        if (key in t) printf " %10.2f (%7.3f)", t[key], bw[key]; else printf " %21s", "-"
+        if (key in t) printf " %10.2f (%7.3f)", t[key], bw[key]; else printf " %20s", "-"
       }
       a = cols[1] SUBSEP s; b = "ompi-shm" SUBSEP s
       if ((a in t) && (b in t) && t[a] > 0) printf "   %16.2fx", t[b] / t[a]; else printf "   %17s", "-"
