@@ -475,6 +475,11 @@ fn gpu_memory_moves_without_staging_over_rdma() {
     run(&sim, 2, cfg(rdma, None, 0, auto), &[5003], false);
     run(&sim, 2, cfg(rdma, None, 0, GpuDirect::On), &[5003], true);
     sim.set_integrated(false);
+    // A runtime without allocation ids: kept registrations are told apart by the dmabuf's
+    // inode (the reallocated-memory round runs here too).
+    sim.set_allocation_ids(false);
+    run(&sim, 2, cfg(rdma, None, 0, auto), &[5003, 80_001], true);
+    sim.set_allocation_ids(true);
     // Off, and a network that cannot take GPU memory: staged, still right.
     run(&sim, 2, cfg(rdma, None, 0, GpuDirect::Off), &[5003], false);
     run(&sim, 2, cfg(NetKind::Tcp, None, 0, auto), &[5003], false);

@@ -305,6 +305,45 @@ fn perf_times_stream_ordered_calls() {
     );
 }
 
+/// Single-copy all-gathers and broadcasts between processes: from 128 KiB per rank each rank
+/// copies the others' blocks straight out of their memory (process_vm_readv), in place and
+/// out of place, 3 rank processes. Results checked.
+#[test]
+fn perf_single_copy_all_gather_between_processes() {
+    for inplace in [false, true] {
+        let mut args = vec![
+            "--op",
+            "all_gather",
+            "--ranks",
+            "3",
+            "-b",
+            "96K",
+            "-e",
+            "6M",
+            "-f",
+            "8",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+        ];
+        if inplace {
+            args.push("--inplace");
+        }
+        let text = perf(&args, &[("ROCCL_TIMEOUT", "60")]);
+        let algo = |bytes: &str| {
+            text.lines()
+                .find(|l| l.split_whitespace().nth(1) == Some(bytes))
+                .and_then(|l| l.split_whitespace().nth(6).map(str::to_string))
+                .unwrap_or_else(|| panic!("no row for {bytes} bytes:\n{text}"))
+        };
+        // 96 KiB is 32 KiB per rank: through the shared segments; 768 KiB and 6 MiB (256 KiB
+        // and 2 MiB per rank) copy once.
+        assert_eq!(algo("786432"), "shm1", "{text}");
+        assert_eq!(algo("6291456"), "shm1", "{text}");
+    }
+}
+
 /// `--device sim`: every op on device memory the CPU cannot access (staged through pinned
 /// buffers), 3 rank processes over TCP, out of place; with 16 KiB chunks the 256 KiB
 /// element-wise calls run as pipelines of 16 steps. Results checked.

@@ -188,6 +188,12 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
         (CollKind::Broadcast, _) => {
             pieces * sync * nf + copy(2.0 * b + per_piece.min(c.flat_slot as f64))
         }
+        // One copy per byte, out of the other ranks' buffers (no slot shared between cores).
+        (CollKind::AllGather, _)
+            if c.flat_cma && per_piece >= crate::algo::shm::DIRECT_GATHER_MIN as f64 =>
+        {
+            sync * nf + copy((nf - 1.0) / nf * b) / 2.0
+        }
         (CollKind::AllGather | CollKind::AllToAll, _) => pieces * sync + copy(b / nf + 2.0 * b),
     }
 }

@@ -238,6 +238,9 @@ pub(crate) fn all_gather_shm(
     block: usize,
 ) -> Result<()> {
     let me = f.rank;
+    if f.node.cma() && block >= DIRECT_GATHER_MIN {
+        return all_gather_direct(f, send, recv, block);
+    }
     for (off, len) in Flat::pieces(block, f.node.slot(), 1) {
         let k = f.begin()?;
         let src = match send {
@@ -256,6 +259,41 @@ pub(crate) fn all_gather_shm(
         }
     }
     Ok(())
+}
+
+/// All-gathers from this many bytes per rank on copy once, each rank straight out of the
+/// others' buffers (process_vm_readv), when every rank can read every other.
+pub(crate) const DIRECT_GATHER_MIN: usize = 128 << 10;
+
+/// Single-copy all-gather: every rank publishes where its block is, copies each peer's block
+/// out of the peer's memory, and keeps its own buffer as it is until every peer has copied
+/// it. One copy per byte and no shared slot whose cache lines travel between the cores twice
+/// per call (written by one, read by the other, written again): when the ranks' cores do not
+/// share a cache, copying through slots is several times slower (docs/PERFORMANCE.md).
+fn all_gather_direct(
+    f: &mut Flat,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+    block: usize,
+) -> Result<()> {
+    let (n, me) = (f.nranks, f.rank);
+    let k = f.begin()?;
+    let mine = me * block..(me + 1) * block;
+    f.node.set_direct(k, send.unwrap_or(&recv[mine.clone()]));
+    f.node.publish(Counter::Arrive, k);
+    if let Some(s) = send {
+        recv[mine].copy_from_slice(s);
+    }
+    // Peers in a different order on each rank, so that no rank's memory is read by all at once.
+    for i in 1..n {
+        let r = (me + i) % n;
+        f.wait_one(r, k)?;
+        f.node
+            .read_direct(r, k, &mut recv[r * block..(r + 1) * block])?;
+    }
+    // Our block must stay as it is until every peer has copied it.
+    f.node.publish(Counter::Result, k);
+    f.wait_all(Counter::Result, k)
 }
 
 /// Reduce-scatter into blocks of `block` bytes (in place: the result is block `rank` of

@@ -184,6 +184,8 @@ pub struct SimDevice {
     integrated: AtomicBool,
     /// Streams cannot wait on flags: stream-ordered calls use host functions.
     host_fn_only: AtomicBool,
+    /// [`Device::allocation_id`] answers (as CUDA and HIP do); off, it answers `None`.
+    allocation_ids: AtomicBool,
     /// roccl's own copy stream ([`Device::copy_stream`]).
     copy_stream: std::sync::OnceLock<StreamId>,
 }
@@ -199,6 +201,7 @@ impl SimDevice {
             seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
             integrated: AtomicBool::new(false),
             host_fn_only: AtomicBool::new(false),
+            allocation_ids: AtomicBool::new(true),
             copy_stream: std::sync::OnceLock::new(),
         })
     }
@@ -213,6 +216,12 @@ impl SimDevice {
     /// host-function fallback.
     pub fn set_host_fn_only(&self, on: bool) {
         self.host_fn_only.store(on, Ordering::Relaxed);
+    }
+
+    /// Pose as a runtime that cannot tell allocations apart ([`Device::allocation_id`] is
+    /// `None`): kept GPU-direct registrations are then told apart by their dmabuf's inode.
+    pub fn set_allocation_ids(&self, on: bool) {
+        self.allocation_ids.store(on, Ordering::Relaxed);
     }
 
     /// A new stream (its handle is an opaque non-zero number, like a `cudaStream_t`).
@@ -490,6 +499,9 @@ impl Device for SimDevice {
     }
 
     fn allocation_id(&self, addr: usize) -> Option<u64> {
+        if !self.allocation_ids.load(Ordering::Relaxed) {
+            return None;
+        }
         self.find(addr, 1).ok().map(|(b, _)| b.id)
     }
 

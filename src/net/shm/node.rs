@@ -419,7 +419,7 @@ impl Node {
         self.cma
     }
 
-    /// Publish `buf` as the source of call `k`'s single-copy broadcast.
+    /// Publish `buf` as this rank's source of call `k`'s single-copy broadcast or all-gather.
     pub(crate) fn set_direct(&self, k: u32, buf: &[u8]) {
         let d = &header(&self.own.seg).direct[k as usize & 1];
         d[0].store(buf.as_ptr() as u64, Ordering::Relaxed);
@@ -432,14 +432,14 @@ impl Node {
         let (addr, len) = (d[0].load(Ordering::Relaxed), d[1].load(Ordering::Relaxed));
         if len as usize != out.len() {
             return Err(Error::Internal(format!(
-                "rank {r} published {len} bytes for a broadcast of {}",
+                "rank {r} published {len} bytes for a single-copy transfer of {}",
                 out.len()
             )));
         }
         super::cma_read(self.cma_pids[r] as i32, addr, out.as_mut_ptr(), out.len()).map_err(|e| {
             Error::sys(
                 format!(
-                    "process_vm_readv from rank {r} (pid {}) for a broadcast",
+                    "process_vm_readv from rank {r} (pid {}) for a single-copy broadcast or all-gather",
                     self.cma_pids[r]
                 ),
                 e,
