@@ -305,11 +305,12 @@ fn perf_times_stream_ordered_calls() {
     );
 }
 
-/// Single-copy all-gathers and broadcasts between processes: from 128 KiB per rank each rank
-/// copies the others' blocks straight out of their memory (process_vm_readv), in place and
-/// out of place, 3 rank processes. Results checked.
+/// Single copies between processes: all-gathers from 128 KiB per rank (each rank copies the
+/// others' blocks straight out of their memory with process_vm_readv) and all-reduces from
+/// 8 MiB (shares read out of the others' inputs, reduced shares out of their outputs), in
+/// place and out of place, 3 rank processes. Results checked.
 #[test]
-fn perf_single_copy_all_gather_between_processes() {
+fn perf_single_copies_between_processes() {
     for inplace in [false, true] {
         let mut args = vec![
             "--op",
@@ -341,6 +342,31 @@ fn perf_single_copy_all_gather_between_processes() {
         // and 2 MiB per rank) copy once.
         assert_eq!(algo("786432"), "shm1", "{text}");
         assert_eq!(algo("6291456"), "shm1", "{text}");
+        // All-reduces from 8 MiB: single-copy two-shot.
+        let mut args = vec![
+            "--op",
+            "all_reduce",
+            "--ranks",
+            "3",
+            "-b",
+            "8M",
+            "-e",
+            "8M",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+        ];
+        if inplace {
+            args.push("--inplace");
+        }
+        let text = perf(&args, &[("ROCCL_TIMEOUT", "60")]);
+        assert!(
+            text.lines()
+                .any(|l| l.split_whitespace().nth(1) == Some("8388608")
+                    && l.split_whitespace().nth(6) == Some("shm2")),
+            "{text}"
+        );
     }
 }
 

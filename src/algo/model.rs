@@ -166,6 +166,13 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
     };
     let pieces = (per_piece / c.flat_slot as f64).ceil().max(1.0);
     match (kind, algo) {
+        // Single copy: each rank reads its share of the others' inputs, then their reduced
+        // shares, straight out of their buffers.
+        (CollKind::AllReduce, Algo::ShmTwoShot)
+            if c.flat_cma && bytes >= crate::algo::shm::DIRECT_REDUCE_MIN =>
+        {
+            3.0 * sync + copy(2.0 * (nf - 1.0) / nf * b) / 2.0 + red((nf - 1.0) / nf * b)
+        }
         (CollKind::AllReduce, Algo::ShmTwoShot) => {
             2.0 * pieces * sync
                 + copy(b)
@@ -495,6 +502,36 @@ mod tests {
             choose(CollKind::AllReduce, 2, 8, &net, Some(Algo::ShmTwoShot), &t).0,
             Algo::Direct
         );
+    }
+
+    /// With single copies (process_vm_readv between the ranks), large all-gathers and
+    /// all-reduces go through them; below their minimums, and without them, the ring stays.
+    #[test]
+    fn single_copies_for_large_shared_memory_calls() {
+        let t = Tuning::default();
+        let cma = LinkCost {
+            flat_cma: true,
+            ..shm_host()
+        };
+        let ag_min = crate::algo::shm::DIRECT_GATHER_MIN;
+        let ar_min = crate::algo::shm::DIRECT_REDUCE_MIN;
+        for n in [2, 4] {
+            let pick = |k, bytes, c: &LinkCost| choose(k, n, bytes, c, None, &t).0;
+            assert_eq!(
+                pick(CollKind::AllGather, n * ag_min, &cma),
+                Algo::ShmOneShot
+            );
+            assert_eq!(pick(CollKind::AllGather, 64 << 20, &cma), Algo::ShmOneShot);
+            assert_eq!(
+                pick(CollKind::AllGather, n * (ag_min / 4), &cma),
+                Algo::Ring
+            );
+            assert_eq!(pick(CollKind::AllGather, 64 << 20, &shm_host()), Algo::Ring);
+            assert_eq!(pick(CollKind::AllReduce, ar_min, &cma), Algo::ShmTwoShot);
+            assert_eq!(pick(CollKind::AllReduce, 64 << 20, &cma), Algo::ShmTwoShot);
+            assert_eq!(pick(CollKind::AllReduce, ar_min / 2, &cma), Algo::Ring);
+            assert_eq!(pick(CollKind::AllReduce, 64 << 20, &shm_host()), Algo::Ring);
+        }
     }
 
     /// Between the shared-memory algorithms, slow reductions favour the two-shot, which

@@ -66,12 +66,21 @@ struct NodeHeader {
     /// bounces between the writer and the spinning readers (2-rank 8 B all-reduce: 0.55 µs
     /// that way, 0.42 µs apart).
     meta: [[AtomicU64; 2]; 2],
-    /// Single-copy broadcast of each input slot set's call: the root's buffer address and
-    /// length, which the others read with process_vm_readv.
+    /// Single-copy calls (broadcast, all-gather, all-reduce) of each input slot set's call:
+    /// this rank's source buffer address and length, which the others read with
+    /// process_vm_readv.
     direct: [[AtomicU64; 2]; 2],
+    /// Single-copy all-reduce: this rank's output buffer address and length (the others read
+    /// its reduced share there).
+    direct_out: [[AtomicU64; 2]; 2],
+    _p4: [u8; 32],
+    /// Single-copy all-reduce: calls in which every peer may have read this rank's buffers
+    /// and this rank has finished reading theirs (low 32 bits).
+    done: AtomicU64,
+    _p5: [u8; 56],
 }
 
-const _: () = assert!(std::mem::size_of::<NodeHeader>() == 320);
+const _: () = assert!(std::mem::size_of::<NodeHeader>() == 448);
 
 /// Which counter of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +89,8 @@ pub(crate) enum Counter {
     Arrive,
     /// Reduced chunk published.
     Result,
+    /// Done with every peer's buffers (single-copy all-reduce).
+    Done,
 }
 
 /// Which area of a segment.
@@ -426,20 +437,53 @@ impl Node {
         d[1].store(buf.len() as u64, Ordering::Relaxed);
     }
 
+    /// Publish `buf` as this rank's output of call `k`'s single-copy all-reduce.
+    pub(crate) fn set_direct_out(&self, k: u32, buf: &[u8]) {
+        let d = &header(&self.own.seg).direct_out[k as usize & 1];
+        d[0].store(buf.as_ptr() as u64, Ordering::Relaxed);
+        d[1].store(buf.len() as u64, Ordering::Relaxed);
+    }
+
     /// Copy rank `r`'s published source of call `k` into `out` with process_vm_readv.
     pub(crate) fn read_direct(&self, r: usize, k: u32, out: &mut [u8]) -> Result<()> {
-        let d = &header(self.seg(r)).direct[k as usize & 1];
-        let (addr, len) = (d[0].load(Ordering::Relaxed), d[1].load(Ordering::Relaxed));
+        let len = header(self.seg(r)).direct[k as usize & 1][1].load(Ordering::Relaxed);
         if len as usize != out.len() {
             return Err(Error::Internal(format!(
                 "rank {r} published {len} bytes for a single-copy transfer of {}",
                 out.len()
             )));
         }
+        self.read_direct_at(r, k, false, 0, out)
+    }
+
+    /// Copy bytes `off..off + out.len()` of rank `r`'s published source (`output`: its
+    /// published output) of call `k` into `out` with process_vm_readv.
+    pub(crate) fn read_direct_at(
+        &self,
+        r: usize,
+        k: u32,
+        output: bool,
+        off: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let h = header(self.seg(r));
+        let d = if output {
+            &h.direct_out[k as usize & 1]
+        } else {
+            &h.direct[k as usize & 1]
+        };
+        let (addr, len) = (d[0].load(Ordering::Relaxed), d[1].load(Ordering::Relaxed));
+        if off.checked_add(out.len()).map_or(true, |e| e as u64 > len) {
+            return Err(Error::Internal(format!(
+                "rank {r} published {len} bytes; a single-copy read of {} at {off} is past them",
+                out.len()
+            )));
+        }
+        let addr = addr + off as u64;
         super::cma_read(self.cma_pids[r] as i32, addr, out.as_mut_ptr(), out.len()).map_err(|e| {
             Error::sys(
                 format!(
-                    "process_vm_readv from rank {r} (pid {}) for a single-copy broadcast or all-gather",
+                    "process_vm_readv from rank {r} (pid {}) for a single-copy collective",
                     self.cma_pids[r]
                 ),
                 e,
@@ -460,6 +504,7 @@ impl Node {
         match c {
             Counter::Arrive => &h.arrive,
             Counter::Result => &h.result,
+            Counter::Done => &h.done,
         }
     }
 
@@ -477,6 +522,7 @@ impl Node {
         h.broken.store(1, Ordering::SeqCst);
         futex_wake(&h.arrive);
         futex_wake(&h.result);
+        futex_wake(&h.done);
     }
 
     /// Begin the next flat call, described by `meta` (bytes per rank, collective code):
