@@ -14,6 +14,15 @@
 //! | reduce-scatter | 1 | n·B / n·B (B = output block) |
 //! | all-to-all | 1 | n·B / n·B (B = block) |
 //!
+//! With process_vm_readv between every pair of ranks, large broadcasts, all-gathers and
+//! all-reduces copy once, straight out of the other ranks' buffers (no slots):
+//!
+//! | single copy | from | syncs | bytes a rank reads from the others |
+//! |---|---|---|---|
+//! | broadcast | 256 KiB | 1 | B (root: none) |
+//! | all-gather | 128 KiB per rank | 2 | (n−1)·B (B = block) |
+//! | all-reduce (two-shot) | 8 MiB | 3 | 2(n−1)/n·B |
+//!
 //! Every rank reduces the inputs in rank order, so results are bit-identical everywhere.
 
 use std::sync::atomic::AtomicBool;

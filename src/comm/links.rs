@@ -490,8 +490,14 @@ impl Links {
 
     /// Decide which rank failed. `own` is the peer this rank saw fail (a broken connection
     /// or a wait that timed out), if any. Abort notices from other ranks are collected for up
-    /// to `grace` (50 ms more once one has arrived). Every rank that sent a notice is alive,
-    /// so the culprit is a rank that is blamed but has not reported; the most blamed wins.
+    /// to `grace`; once one has arrived, 50 ms more suffice when the notices settle `own`
+    /// (it reported, so it is alive, or another rank blames it too). Every rank that sent a
+    /// notice is alive, so the culprit is a rank that is blamed but has not reported; the
+    /// most blamed wins.
+    ///
+    /// Waiting for `own` matters in chains of waits: rank 2 waits on rank 0, which waits on
+    /// the hung rank 1, which rank 3 blames too. Should rank 0's notice come late (a loaded
+    /// machine), rank 0 and rank 1 would have one vote each and rank 2 would blame rank 0.
     pub fn blame(&mut self, own: Option<usize>, grace: Duration) -> Option<usize> {
         let start = Instant::now();
         let mut first: Option<Instant> = None;
@@ -500,8 +506,11 @@ impl Links {
             if first.is_none() && self.aborted() {
                 first = Some(Instant::now());
             }
+            let settled = own.map_or(true, |o| self.notices.iter().any(|n| n.0 == o || n.1 == o));
             let now = Instant::now();
-            if now >= start + grace || first.is_some_and(|f| now >= f + Duration::from_millis(50)) {
+            if now >= start + grace
+                || (settled && first.is_some_and(|f| now >= f + Duration::from_millis(50)))
+            {
                 break;
             }
             std::thread::sleep(Duration::from_micros(500));
@@ -613,5 +622,46 @@ impl Links {
 impl Drop for Links {
     fn drop(&mut self) {
         self.close_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn links(rank: usize, nranks: usize) -> Links {
+        Links::new(
+            rank,
+            nranks,
+            0,
+            Vec::new(),
+            vec![0; nranks],
+            vec![Vec::new(); nranks],
+        )
+    }
+
+    /// Rank 2 waited on rank 0, which waits on the hung rank 1; rank 3 blames rank 1. Until
+    /// rank 0 reports, rank 2 keeps listening (here: the whole grace), then blames by votes;
+    /// once rank 0 has reported, rank 1 is the culprit.
+    #[test]
+    fn blame_waits_for_the_rank_it_suspects() {
+        let mut l = links(2, 4);
+        l.notices.push((3, 1));
+        let t = Instant::now();
+        let (grace, long) = (Duration::from_millis(300), Duration::from_secs(10));
+        // Rank 0 (own suspect) and rank 1 have a vote each: a tie, settled by rank order,
+        // but only after the grace period, waiting for rank 0 to speak.
+        assert_eq!(l.blame(Some(0), grace), Some(0));
+        assert!(t.elapsed() >= grace, "{:?}", t.elapsed());
+        l.notices.push((0, 1));
+        let t = Instant::now();
+        assert_eq!(l.blame(Some(0), long), Some(1));
+        assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
+        // Others blaming our own suspect too settle it at once.
+        let mut l = links(2, 4);
+        l.notices.push((3, 1));
+        let t = Instant::now();
+        assert_eq!(l.blame(Some(1), long), Some(1));
+        assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
     }
 }
