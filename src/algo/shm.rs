@@ -29,7 +29,7 @@ use std::sync::atomic::AtomicBool;
 
 use crate::comm::Waiter;
 use crate::error::Result;
-use crate::net::shm::node::{Area, Counter, Node};
+use crate::net::shm::node::{Area, Counter, Node, INLINE};
 use crate::reduce::{finish_avg, reduce_into, reduce_to};
 use crate::types::{DataType, RedOp};
 
@@ -130,6 +130,9 @@ pub(crate) fn all_reduce_shm(
     if two_shot && f.node.cma() && recv.len() >= DIRECT_REDUCE_MIN && recv.len() >= n * esz {
         return all_reduce_direct(f, dt, op, send, recv);
     }
+    if !two_shot && recv.len() <= INLINE {
+        return all_reduce_inline(f, dt, op, send, recv);
+    }
     for (off, len) in Flat::pieces(recv.len(), f.node.slot(), esz) {
         let k = f.begin()?;
         let src = match send {
@@ -157,6 +160,38 @@ pub(crate) fn all_reduce_shm(
             let (o, l) = share(r);
             out[o..o + l].copy_from_slice(f.node.read(r, k, Area::Result, o, l));
         }
+    }
+    Ok(())
+}
+
+/// One-shot all-reduce of at most [`INLINE`] bytes: the input travels in the arrive line,
+/// so each peer's input reaches a rank with the one cache-line transfer that tells it the
+/// input is there (no slot, no second line). Reduced in rank order like the slot path.
+fn all_reduce_inline(
+    f: &mut Flat,
+    dt: DataType,
+    op: RedOp,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
+    let len = recv.len();
+    let k = f.begin()?;
+    f.node.set_inline(k, send.unwrap_or(recv));
+    f.node.publish(Counter::Arrive, k);
+    f.wait_all(Counter::Arrive, k)?;
+    let (mut a, mut b) = ([0u8; INLINE], [0u8; INLINE]);
+    let input = |r: usize, buf: &mut [u8; INLINE]| {
+        f.node.get_inline(r, k, &mut buf[..len]);
+    };
+    input(0, &mut a);
+    input(1, &mut b);
+    reduce_to(recv, &a[..len], &b[..len], dt, op)?;
+    for r in 2..f.nranks {
+        input(r, &mut a);
+        reduce_into(recv, &a[..len], dt, op)?;
+    }
+    if op == RedOp::Avg {
+        finish_avg(recv, dt, f.nranks)?;
     }
     Ok(())
 }

@@ -33,12 +33,26 @@ use crate::types::{DataType, RedOp};
 /// Bytes before the slots (a page, so slots start page-aligned).
 const NODE_HDR: usize = 4096;
 
+/// Bytes of input a call can carry in its arrive line ([`Node::set_inline`]).
+pub(crate) const INLINE: usize = 56;
+
+/// One cache line: a call's arrive word and, for the smallest calls, its input, so that a
+/// reader gets both with one cache-line transfer.
+#[repr(C, align(64))]
+struct ArriveLine {
+    /// Flat calls of this parity whose input this rank has published (low 32 bits) and a
+    /// hash of what the call is (high 32 bits): one store publishes both, one load checks
+    /// both.
+    word: AtomicU64,
+    /// Up to [`INLINE`] bytes of the call's input (little-endian words).
+    data: [AtomicU64; INLINE / 8],
+}
+
 #[repr(C)]
 struct NodeHeader {
-    /// Flat calls whose input this rank has published (low 32 bits) and a hash of what the
-    /// latest call is (high 32 bits): one store publishes both, one load checks both.
-    arrive: AtomicU64,
-    _p0: [u8; 56],
+    /// Arrive lines of even and odd calls: call k publishes in line k mod 2, which peers
+    /// last read in call k − 2 (they have begun call k − 1, so they are done with it).
+    arrive: [ArriveLine; 2],
     /// Flat calls whose reduced chunk this rank has published (two-shot; low 32 bits).
     result: AtomicU64,
     _p1: [u8; 56],
@@ -80,7 +94,7 @@ struct NodeHeader {
     _p5: [u8; 56],
 }
 
-const _: () = assert!(std::mem::size_of::<NodeHeader>() == 448);
+const _: () = assert!(std::mem::size_of::<NodeHeader>() == 512);
 
 /// Which counter of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -437,6 +451,27 @@ impl Node {
         d[1].store(buf.len() as u64, Ordering::Relaxed);
     }
 
+    /// Put `input` (at most [`INLINE`] bytes) into this rank's arrive line of call `k`, to
+    /// be published with it.
+    pub(crate) fn set_inline(&self, k: u32, input: &[u8]) {
+        let line = &header(&self.own.seg).arrive[k as usize & 1];
+        for (w, chunk) in line.data.iter().zip(input.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            w.store(u64::from_le_bytes(b), Ordering::Relaxed);
+        }
+    }
+
+    /// Rank `r`'s input of call `k` from its arrive line (after waiting for its arrive):
+    /// the first `out.len()` (at most [`INLINE`]) bytes.
+    pub(crate) fn get_inline(&self, r: usize, k: u32, out: &mut [u8]) {
+        let line = &header(self.seg(r)).arrive[k as usize & 1];
+        for (w, chunk) in line.data.iter().zip(out.chunks_mut(8)) {
+            let b = w.load(Ordering::Relaxed).to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+    }
+
     /// Publish `buf` as this rank's output of call `k`'s single-copy all-reduce.
     pub(crate) fn set_direct_out(&self, k: u32, buf: &[u8]) {
         let d = &header(&self.own.seg).direct_out[k as usize & 1];
@@ -499,10 +534,10 @@ impl Node {
         }
     }
 
-    fn counter(&self, r: usize, c: Counter) -> &AtomicU64 {
+    fn counter(&self, r: usize, c: Counter, k: u32) -> &AtomicU64 {
         let h = header(self.seg(r));
         match c {
-            Counter::Arrive => &h.arrive,
+            Counter::Arrive => &h.arrive[k as usize & 1].word,
             Counter::Result => &h.result,
             Counter::Done => &h.done,
         }
@@ -520,7 +555,8 @@ impl Node {
     pub(crate) fn mark_broken(&self) {
         let h = header(&self.own.seg);
         h.broken.store(1, Ordering::SeqCst);
-        futex_wake(&h.arrive);
+        futex_wake(&h.arrive[0].word);
+        futex_wake(&h.arrive[1].word);
         futex_wake(&h.result);
         futex_wake(&h.done);
     }
@@ -565,7 +601,7 @@ impl Node {
 
     /// Publish counter `c` = `k` (with the call's hash for `Arrive`) and wake sleepers.
     pub(crate) fn publish(&self, c: Counter, k: u32) {
-        let word = self.counter(self.me, c);
+        let word = self.counter(self.me, c, k);
         let tag = if c == Counter::Arrive { self.tag } else { 0 };
         word.store(u64::from(k) | u64::from(tag) << 32, Ordering::SeqCst);
         if header(&self.own.seg).sleepers.load(Ordering::SeqCst) > 0 {
@@ -618,7 +654,7 @@ impl Node {
         w: &Waiter,
         abort: &AtomicBool,
     ) -> Result<()> {
-        let word = self.counter(r, c);
+        let word = self.counter(r, c, k);
         // The input of our current call arrived: the peer's hash must match ours (when it is
         // already further, compare the full descriptions of call k instead).
         let done = |v: u64| {
@@ -682,7 +718,7 @@ impl Node {
     fn stuck(&self, r: usize, c: Counter, k: u32, w: &Waiter) -> Error {
         let behind: Vec<String> = (0..self.pids.len())
             .filter(|&p| {
-                p != self.me && !reached(self.counter(p, c).load(Ordering::Acquire) as u32, k)
+                p != self.me && !reached(self.counter(p, c, k).load(Ordering::Acquire) as u32, k)
             })
             .map(|p| p.to_string())
             .collect();
