@@ -318,12 +318,18 @@ pub(crate) fn broadcast_shm(
     }
     for (off, len) in Flat::pieces(recv.len(), f.node.slot(), 1) {
         let k = f.begin()?;
+        // Up to INLINE bytes travel in the root's arrive line (one cache-line transfer).
+        let inline = len <= INLINE;
         if f.rank == root {
             let src = match send {
                 Some(s) => &s[off..off + len],
                 None => &recv[off..off + len],
             };
-            f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+            if inline {
+                f.node.set_inline(k, src);
+            } else {
+                f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+            }
             f.node.publish(Counter::Arrive, k);
             if let Some(s) = send {
                 recv[off..off + len].copy_from_slice(&s[off..off + len]);
@@ -331,7 +337,12 @@ pub(crate) fn broadcast_shm(
         } else {
             f.node.publish(Counter::Arrive, k);
             f.wait_one(root, k)?;
-            recv[off..off + len].copy_from_slice(f.node.read(root, k, Area::Input, 0, len));
+            let out = &mut recv[off..off + len];
+            if inline {
+                f.node.get_inline(root, k, out);
+            } else {
+                out.copy_from_slice(f.node.read(root, k, Area::Input, 0, len));
+            }
         }
     }
     Ok(())
