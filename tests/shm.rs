@@ -127,3 +127,35 @@ fn single_copy_buffers_are_free_when_the_call_returns() {
         }
     });
 }
+
+/// Ranks that force different shared-memory all-reduce variants (one-shot against two-shot)
+/// get an error naming both calls, never each other's stale bytes: the variant is part of
+/// the call's description that ranks compare. Small (input in the arrive line) and large.
+#[test]
+fn different_shared_memory_variants_are_refused() {
+    use roccl::{Algo, CallOpts, Collective, DataType, RedOp};
+    for count in [7usize, 300_001] {
+        let mut cfg = config(Tuning::default());
+        cfg.net = NetKind::Shm;
+        cfg.waiter.timeout = std::time::Duration::from_secs(5);
+        run_ranks(2, cfg, |c| {
+            let opts = CallOpts {
+                algo: Some(if c.rank() == 0 {
+                    Algo::ShmOneShot
+                } else {
+                    Algo::ShmTwoShot
+                }),
+            };
+            let mut buf = vec![0u8; count * 4];
+            let r = c.run_raw(
+                Collective::AllReduce(RedOp::Sum),
+                DataType::F32,
+                None,
+                &mut buf,
+                &opts,
+            );
+            let e = r.expect_err("mismatched variants must fail").to_string();
+            assert!(e.contains("two-shot"), "rank {}: {e}", c.rank());
+        });
+    }
+}

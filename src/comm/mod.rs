@@ -1568,8 +1568,9 @@ impl State {
                 }
                 if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, recv.len(), |f| {
-                        shm::all_reduce_shm(f, dt, op, send, recv, a == Algo::ShmTwoShot)
+                    let two_shot = a == Algo::ShmTwoShot;
+                    self.run_flat(coll, dt, recv.len(), u8::from(two_shot), |f| {
+                        shm::all_reduce_shm(f, dt, op, send, recv, two_shot)
                     })?;
                     return Ok(info(a, pl));
                 }
@@ -1617,7 +1618,7 @@ impl State {
                 }
                 if a == Algo::ShmOneShot {
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, recv.len(), |f| {
+                    self.run_flat(coll, dt, recv.len(), 0, |f| {
                         shm::broadcast_shm(f, root, send, recv)
                     })?;
                     return Ok(info(a, pl));
@@ -1649,7 +1650,7 @@ impl State {
                 }
                 if a == Algo::ShmOneShot {
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, input_len, |f| {
+                    self.run_flat(coll, dt, input_len, 0, |f| {
                         shm::reduce_shm(f, root, dt, op, send, recv)
                     })?;
                     return Ok(info(a, pl));
@@ -1691,7 +1692,7 @@ impl State {
                 if a == Algo::ShmOneShot {
                     let block = count * esz;
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, |f| {
+                    self.run_flat(coll, dt, block, 0, |f| {
                         shm::all_gather_shm(f, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
@@ -1730,7 +1731,7 @@ impl State {
                 if a == Algo::ShmOneShot {
                     let block = count * esz;
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, |f| {
+                    self.run_flat(coll, dt, block, 0, |f| {
                         shm::reduce_scatter_shm(f, dt, op, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
@@ -1756,7 +1757,7 @@ impl State {
                 let block = recv.len() / n;
                 if a == Algo::ShmOneShot {
                     let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, |f| {
+                    self.run_flat(coll, dt, block, 0, |f| {
                         shm::all_to_all_shm(f, send, recv, block)
                     })?;
                     return Ok(info(a, pl));
@@ -1769,7 +1770,7 @@ impl State {
             }
             Collective::Barrier => {
                 if self.node.is_some() {
-                    self.run_flat(coll, dt, 0, shm::barrier_shm)?;
+                    self.run_flat(coll, dt, 0, 0, shm::barrier_shm)?;
                 } else {
                     self.run_exec(
                         None,
@@ -1815,6 +1816,7 @@ impl State {
         coll: Collective,
         dt: DataType,
         bytes: usize,
+        variant: u8,
         f: impl FnOnce(&mut shm::Flat) -> Result<()>,
     ) -> Result<()> {
         let (kind, op, root) = match coll {
@@ -1826,7 +1828,8 @@ impl State {
             Collective::AllToAll => (6, None, None),
             Collective::Barrier | Collective::SendRecv { .. } => (7, None, None),
         };
-        let code = net::shm::node::code(kind, dt as u8, op.map_or(0xff, |o| o as u8), root);
+        let code =
+            net::shm::node::code(kind, dt as u8, op.map_or(0xff, |o| o as u8), variant, root);
         let node = self.node.as_mut().ok_or_else(|| {
             Error::Internal("shared-memory algorithm chosen without segments".into())
         })?;

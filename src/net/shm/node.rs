@@ -116,11 +116,14 @@ pub(crate) enum Area {
     Result,
 }
 
-/// A collective's code for [`Node::begin`]: kind, data type, op and root in one word.
-pub(crate) fn code(kind: u8, dtype: u8, op: u8, root: Option<usize>) -> u64 {
+/// A collective's code for [`Node::begin`]: kind, data type, op, algorithm variant (0
+/// one-shot, 1 two-shot: ranks that would run different protocols must not pair up) and
+/// root in one word.
+pub(crate) fn code(kind: u8, dtype: u8, op: u8, variant: u8, root: Option<usize>) -> u64 {
     u64::from(kind)
         | u64::from(dtype) << 8
         | u64::from(op) << 16
+        | u64::from(variant) << 24
         | root.map_or(0xffff_ffff, |r| r as u64 & 0xffff_ffff) << 32
 }
 
@@ -146,10 +149,21 @@ fn describe(code: u64) -> String {
         .iter()
         .find(|o| **o as u64 == (code >> 16) & 0xff)
         .map_or("?", |o| o.name());
+    let variant = if (code >> 24) & 0xff == 1 {
+        ", two-shot"
+    } else {
+        ""
+    };
     match code >> 32 {
-        0xffff_ffff => format!("{kind} ({dt}, {op})"),
-        root => format!("{kind} ({dt}, {op}, root {root})"),
+        0xffff_ffff => format!("{kind} ({dt}, {op}{variant})"),
+        root => format!("{kind} ({dt}, {op}, root {root}{variant})"),
     }
+}
+
+/// The 64-bit number of 32-bit call `k`, given the current call's numbers in both widths
+/// (`k` is the current call or one shortly before it).
+fn full_call(calls64: u64, calls: u32, k: u32) -> u64 {
+    calls64.wrapping_sub(u64::from(calls.wrapping_sub(k)))
 }
 
 /// Whether counter value `v` has reached call `k` (counters wrap).
@@ -299,6 +313,9 @@ pub(crate) struct Node {
     cma: bool,
     /// Flat calls begun so far.
     calls: u32,
+    /// The same, not wrapping: `result` and `done` carry it (not every call publishes them,
+    /// so a 32-bit value could fall 2^31 calls behind and read as ahead).
+    calls64: u64,
     /// Hash of the current call's description (published with `arrive`).
     tag: u32,
 }
@@ -430,6 +447,7 @@ impl Node {
             cma,
             slot,
             calls: 0,
+            calls64: 0,
             tag: 0,
         }))
     }
@@ -566,6 +584,7 @@ impl Node {
     /// slot set is free).
     pub(crate) fn begin(&mut self, meta: [u64; 2], w: &Waiter, abort: &AtomicBool) -> Result<u32> {
         self.calls = self.calls.wrapping_add(1);
+        self.calls64 += 1;
         let k = self.calls;
         self.wait_all(Counter::Arrive, k.wrapping_sub(1), w, abort)?;
         let m = &header(&self.own.seg).meta[k as usize & 1];
@@ -602,8 +621,11 @@ impl Node {
     /// Publish counter `c` = `k` (with the call's hash for `Arrive`) and wake sleepers.
     pub(crate) fn publish(&self, c: Counter, k: u32) {
         let word = self.counter(self.me, c, k);
-        let tag = if c == Counter::Arrive { self.tag } else { 0 };
-        word.store(u64::from(k) | u64::from(tag) << 32, Ordering::SeqCst);
+        let v = match c {
+            Counter::Arrive => u64::from(k) | u64::from(self.tag) << 32,
+            _ => self.full(k),
+        };
+        word.store(v, Ordering::SeqCst);
         if header(&self.own.seg).sleepers.load(Ordering::SeqCst) > 0 {
             futex_wake(word);
         }
@@ -627,6 +649,21 @@ impl Node {
         // SAFETY: inside our own mapping (checked above); by the slot-reuse protocol no peer
         // reads this range until we publish it, and callers hold no other slice of it.
         unsafe { std::slice::from_raw_parts_mut(self.own.seg.base.add(at), len) }
+    }
+
+    /// The 64-bit number of call `k` (the current call or one shortly before it).
+    fn full(&self, k: u32) -> u64 {
+        full_call(self.calls64, self.calls, k)
+    }
+
+    /// Whether value `v` of counter `c` says call `k` is reached. Every call publishes
+    /// `arrive` (its line holds call k or k − 2): 32 bits with wrap-around suffice there;
+    /// `result` and `done` hold 64-bit call numbers.
+    fn passed(&self, c: Counter, v: u64, k: u32) -> bool {
+        match c {
+            Counter::Arrive => reached(v as u32, k),
+            _ => v >= self.full(k),
+        }
     }
 
     /// Wait until counter `c` of every peer has reached `k`.
@@ -668,13 +705,13 @@ impl Node {
             }
         };
         let v = word.load(Ordering::Acquire);
-        if reached(v as u32, k) {
+        if self.passed(c, v, k) {
             return done(v);
         }
         let mut ws = w.start();
         loop {
             let v = word.load(Ordering::Acquire);
-            if reached(v as u32, k) {
+            if self.passed(c, v, k) {
                 return done(v);
             }
             match ws.pause() {
@@ -686,7 +723,7 @@ impl Node {
             let sleepers = &header(self.seg(r)).sleepers;
             sleepers.fetch_add(1, Ordering::SeqCst);
             let v = word.load(Ordering::SeqCst);
-            if !reached(v as u32, k) {
+            if !self.passed(c, v, k) {
                 futex_wait(word, v as u32, Duration::from_millis(10));
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -718,7 +755,7 @@ impl Node {
     fn stuck(&self, r: usize, c: Counter, k: u32, w: &Waiter) -> Error {
         let behind: Vec<String> = (0..self.pids.len())
             .filter(|&p| {
-                p != self.me && !reached(self.counter(p, c, k).load(Ordering::Acquire) as u32, k)
+                p != self.me && !self.passed(c, self.counter(p, c, k).load(Ordering::Acquire), k)
             })
             .map(|p| p.to_string())
             .collect();
@@ -742,6 +779,20 @@ impl Drop for Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_numbers_widen_across_wrap() {
+        let base = 1u64 << 32;
+        assert_eq!(full_call(base + 5, 5, 5), base + 5);
+        assert_eq!(full_call(base + 5, 5, 3), base + 3);
+        // The call before the 32-bit counter wrapped.
+        assert_eq!(full_call(base + 1, 1, u32::MAX), base - 1);
+        // A `result` never published (0) has not reached a call past 2^31, where the 32-bit
+        // comparison would say it had.
+        let k = (1u32 << 31) + 7;
+        assert!(reached(0, k));
+        assert!(0 < full_call(u64::from(k), k, k));
+    }
 
     #[test]
     fn counters_compare_across_wrap() {
