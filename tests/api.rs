@@ -360,3 +360,50 @@ fn large_point_to_point_batches() {
         assert_eq!(selfb, mine);
     });
 }
+
+/// Several messages to one peer in one batch open one connection per (peer, channel), not
+/// one per message: a second connection used to replace the first after the peer had taken
+/// it, and the peer then read end-of-file (seen as a rare failure of the batch above). The
+/// peer's connections are counted after a barrier, which accepts whatever arrived.
+#[test]
+fn a_batch_opens_each_connection_once() {
+    use roccl::device::ops::{run_now, Op};
+    let counts = |k: usize| {
+        let seen = parking_lot::Mutex::new(Vec::new());
+        run_ranks(2, config(Tuning::default()), |c| {
+            let peer = 1 - c.rank();
+            let out = vec![7u8; 16];
+            let mut inb: Vec<Vec<u8>> = vec![vec![0u8; 16]; k];
+            let mut ops = Vec::new();
+            for b in inb.iter_mut() {
+                ops.push(Op::Send {
+                    peer,
+                    buf: raw(&out),
+                });
+                ops.push(Op::Recv {
+                    peer,
+                    buf: raw_mut(b),
+                });
+            }
+            // SAFETY: host buffers, valid and otherwise unused during the call; receive
+            // buffers are distinct.
+            unsafe { run_now(&c, &ops) }.unwrap();
+            assert!(inb.iter().all(|b| b == &out));
+            for _ in 0..3 {
+                c.barrier().unwrap();
+            }
+            seen.lock().push((c.rank(), c.open_connections()));
+        });
+        let mut v = seen.into_inner();
+        v.sort();
+        v
+    };
+    let one = counts(1);
+    for _ in 0..3 {
+        assert_eq!(
+            counts(4),
+            one,
+            "connections after 4 messages each way vs after 1"
+        );
+    }
+}

@@ -143,7 +143,8 @@ impl Links {
     pub fn open(&self) -> (usize, usize) {
         (
             self.send.iter().flatten().filter(|c| c.is_some()).count(),
-            self.recv.iter().flatten().filter(|c| c.is_some()).count(),
+            // Accepted connections not (yet) in use count too.
+            self.recv.iter().flatten().filter(|c| c.is_some()).count() + self.spare.len(),
         )
     }
 
@@ -252,16 +253,23 @@ impl Links {
         if self.has_all(sends.iter().copied(), recvs.iter().copied()) {
             return Ok(()); // the common case: no allocation
         }
-        let need_send: Vec<(usize, usize)> = sends
+        // Each missing connection once: a batch with several messages to one peer lists it
+        // several times, and a second connection to the same (peer, channel) would replace
+        // the first after the peer had taken it (it then read end-of-file).
+        let mut need_send: Vec<(usize, usize)> = sends
             .iter()
             .copied()
             .filter(|&(p, c)| p != self.rank && self.send[p][c].is_none())
             .collect();
-        let need_recv: Vec<(usize, usize)> = recvs
+        need_send.sort_unstable();
+        need_send.dedup();
+        let mut need_recv: Vec<(usize, usize)> = recvs
             .iter()
             .copied()
             .filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none())
             .collect();
+        need_recv.sort_unstable();
+        need_recv.dedup();
         if need_send.is_empty() && need_recv.is_empty() {
             return Ok(());
         }
