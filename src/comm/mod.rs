@@ -600,8 +600,11 @@ impl Communicator {
             },
             // TCP is bound by one core's copy speed long before the link on fast NICs.
             // Ranks sharing cores also share the CPU that copies the bytes.
+            // Over shared memory the rings' bandwidth is a memory copy's: scaled with the
+            // measured copy speed like the shared-memory algorithms' costs, so that a host
+            // measured slow (or loaded at init) does not tip the choice between them.
             beta_gbs: if all_shm {
-                8.0
+                speeds.copy_gbs
             } else if all_local {
                 3.0
             } else {
