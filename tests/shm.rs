@@ -159,3 +159,63 @@ fn different_shared_memory_variants_are_refused() {
         });
     }
 }
+
+/// A rank asleep in futex(2) on a peer's counter is woken by the peer's publish, not by its
+/// nap running out. Publishing looks for sleepers only at the end of a call or once the
+/// publisher stops spinning in a wait of its own; here one rank comes late to each call
+/// while the other sleeps, and then both meet outside roccl (nothing else wakes the
+/// sleeper): with naps of 20 s, a lost wake-up makes the test take 20 s more. Spinning
+/// before sleeping and not (ranks sharing cores), each flat collective shape.
+#[test]
+fn sleeping_ranks_are_woken_by_the_publish() {
+    use roccl::{Algo, CallOpts, Collective, DataType, RedOp};
+    use std::time::{Duration, Instant};
+    for spin in [Duration::ZERO, Duration::from_micros(200)] {
+        let mut cfg = config(Tuning::default());
+        cfg.net = NetKind::Shm;
+        cfg.waiter.spin = spin;
+        cfg.waiter.yield_for = Duration::ZERO;
+        cfg.waiter.nap = Duration::from_secs(20);
+        let calls: [(Collective, usize, Algo); 5] = [
+            (Collective::AllReduce(RedOp::Sum), 2, Algo::ShmOneShot),
+            (Collective::AllReduce(RedOp::Sum), 1000, Algo::ShmOneShot),
+            (Collective::AllReduce(RedOp::Sum), 100_000, Algo::ShmTwoShot),
+            (Collective::Broadcast { root: 1 }, 3, Algo::ShmOneShot),
+            (Collective::AllGather, 2000, Algo::ShmOneShot),
+        ];
+        let meet = std::sync::Barrier::new(2);
+        run_ranks(2, cfg, |c| {
+            let me = c.rank();
+            let start = Instant::now();
+            for (i, &(coll, count, algo)) in calls.iter().enumerate() {
+                for late in 0..2 {
+                    if me == late {
+                        std::thread::sleep(Duration::from_millis(30));
+                    }
+                    let mut buf = vec![0u8; count * 4];
+                    for (j, x) in buf.chunks_exact_mut(4).enumerate() {
+                        x.copy_from_slice(&((me + 1) as f32 * (j % 7) as f32).to_le_bytes());
+                    }
+                    let opts = CallOpts { algo: Some(algo) };
+                    c.run_raw(coll, DataType::F32, None, &mut buf, &opts)
+                        .unwrap_or_else(|e| panic!("rank {me}, call {i}: {e}"));
+                    let want = |j: usize| match coll {
+                        Collective::AllReduce(_) => 3.0 * (j % 7) as f32,
+                        Collective::Broadcast { .. } => 2.0 * (j % 7) as f32,
+                        _ => (j / (count / 2) + 1) as f32 * (j % 7) as f32,
+                    };
+                    for (j, x) in buf.chunks_exact(4).enumerate() {
+                        let got = f32::from_le_bytes(x.try_into().unwrap());
+                        assert_eq!(got, want(j), "rank {me}, call {i}, element {j}");
+                    }
+                    meet.wait();
+                }
+            }
+            let took = start.elapsed();
+            assert!(
+                took < Duration::from_secs(10),
+                "rank {me} (spin {spin:?}): 10 calls took {took:?}: a sleeping rank was not woken by its peer's publish"
+            );
+        });
+    }
+}

@@ -1844,7 +1844,9 @@ impl State {
             rank: self.links.rank,
             meta: [bytes as u64, code],
         };
-        f(&mut flat)
+        let r = f(&mut flat);
+        flat.node.flush_wakes();
+        r
     }
 
     fn run_exec(

@@ -19,6 +19,9 @@ pub struct Waiter {
     pub yield_for: Duration,
     /// Give up after this long without progress.
     pub timeout: Duration,
+    /// Longest single sleep on a shared-memory counter before looking at the peers again
+    /// (a peer's publish wakes the sleeper earlier). 10 ms.
+    pub nap: Duration,
     /// Spin and yield times were set by the user; [`Waiter::fit`] leaves them alone.
     pub fixed: bool,
 }
@@ -41,6 +44,7 @@ impl Waiter {
             spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
             yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),
             timeout: Duration::from_secs_f64(timeout),
+            nap: Duration::from_millis(10),
             fixed: std::env::var_os("ROCCL_SPIN_US").is_some()
                 || std::env::var_os("ROCCL_YIELD_US").is_some(),
         }

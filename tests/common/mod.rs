@@ -20,6 +20,7 @@ pub fn config(tuning: Tuning) -> Config {
             spin: Duration::from_micros(5),
             yield_for: Duration::from_micros(50),
             timeout: Duration::from_secs(60),
+            nap: Duration::from_millis(10),
             fixed: true,
         },
         shm_slot: None,
