@@ -540,7 +540,14 @@ impl Bench<'_> {
 
     fn run(&self, o: Op, bytes: usize) -> roccl::Result<Row> {
         let n = self.c.nranks();
-        let (send, mut recv, coll, count) = self.setup(o, bytes);
+        let (mut send, mut recv, coll, count) = self.setup(o, bytes);
+        // Time on real data, as nccl-tests does: buffers left as allocated would be read from
+        // the kernel's shared zero page (one 4 KiB page in cache, however large the buffer).
+        let me = self.c.rank();
+        fill(self.dt, &mut send, |i| pattern(self.dt, self.op, me, i));
+        if self.a.inplace {
+            self.place_input(o, &send, &mut recv, count);
+        }
         let mut info = None;
         let mut times = vec![0f64; self.a.iters.max(1)];
         if let Some((dev, stream)) = &self.dev {
