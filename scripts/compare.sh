@@ -56,6 +56,9 @@ cargo build --release --quiet --bin roccl-perf --example tcp_floor
 mpicc -O2 scripts/compare/mpi_allreduce.c -o "$out/mpi_bench"
 
 common=(--op "$op" --ranks "$ranks" -b "$min" -e "$max" -f "$factor" --iters "$iters" --warmup "$warmup")
+# MPI_Bcast and Gloo's broadcast work in place: so does roccl's here (out of place, its root
+# also copies its input to its output).
+if [ "$op" = broadcast ]; then common+=(--inplace); fi
 roccl() { # label, extra args
   local label=$1
   shift

@@ -370,6 +370,35 @@ fn perf_single_copies_between_processes() {
                     && l.split_whitespace().nth(6) == Some("shm2")),
             "{text}"
         );
+        // Broadcasts from 256 KiB: the readers read the head, the root writes the tail into
+        // their buffers (not page multiples; past 4 MiB out of place the root writes less).
+        let mut args = vec![
+            "--op",
+            "broadcast",
+            "--ranks",
+            "3",
+            "--root",
+            "2",
+            "-b",
+            "300K",
+            "-e",
+            "5M",
+            "-f",
+            "4",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+        ];
+        if inplace {
+            args.push("--inplace");
+        }
+        let text = perf(&args, &[("ROCCL_TIMEOUT", "60"), ("ROCCL_ALGO", "shm1")]);
+        let rows = text
+            .lines()
+            .filter(|l| l.split_whitespace().nth(6) == Some("shm1"))
+            .count();
+        assert_eq!(rows, 3, "{text}");
     }
 }
 

@@ -37,8 +37,9 @@ fn auto_uses_shared_memory_between_local_ranks() {
     net_matrix(NetKind::Auto, "shm", 3, Tuning::default());
 }
 
-/// Single copies between the ranks (process_vm_readv): all-reduces from 8 MiB and
-/// all-gathers from 128 KiB per rank read straight out of the other ranks' buffers. Odd
+/// Single copies between the ranks (process_vm_readv): all-reduces from 8 MiB,
+/// all-gathers from 128 KiB per rank and broadcasts from 256 KiB read straight out of the
+/// other ranks' buffers (broadcast roots also write into the readers', process_vm_writev). Odd
 /// counts (shares of unequal size), several data types and ops including avg, in place and
 /// out of place, 2, 3 and 5 ranks.
 #[test]
@@ -81,13 +82,32 @@ fn single_copy_all_reduce_and_all_gather() {
                     );
                 }
             }
+            // Broadcasts: at the minimum, odd (the cut between the readers' and the root's
+            // share is page-aligned, the end is not), and past 4 MiB (out of place, the root
+            // writes only the last partial page).
+            for count in [(256 << 10) / 4, 300_007, (5 << 20) / 4 + 3] {
+                for in_place in [false, true] {
+                    for root in [0, n - 1] {
+                        one(
+                            &c,
+                            Kind::Broadcast,
+                            DataType::F32,
+                            RedOp::Sum,
+                            count,
+                            Algo::ShmOneShot,
+                            in_place,
+                            root,
+                        );
+                    }
+                }
+            }
             c.barrier().unwrap();
         });
     }
 }
 
-/// A rank may reuse its buffers the moment a single-copy all-reduce returns: the others have
-/// finished reading them. Each rank scribbles over its buffer right after the call and only
+/// A rank may reuse its buffers the moment a single-copy all-reduce or broadcast returns:
+/// the others have finished reading them (and, for a broadcast reader, the root writing). Each rank scribbles over its buffer right after the call and only
 /// then checks the copy it took; a peer still reading would get the scribble (NaN).
 #[test]
 fn single_copy_buffers_are_free_when_the_call_returns() {
@@ -125,7 +145,44 @@ fn single_copy_buffers_are_free_when_the_call_returns() {
                 assert_eq!(have, want, "rank {} round {round} element {i}", c.rank());
             }
         }
+        // Broadcast: the root's buffer is free once it returns (the readers read it), and a
+        // reader's buffer is complete once it returns (the root wrote its tail into it).
+        let count = (1 << 20) / 4 + 3;
+        let mut buf = vec![0u8; count * 4];
+        for round in 0..20u32 {
+            let root = round as usize % n;
+            let val = |i: usize| (round * 1000 + (i % 89) as u32) as f32;
+            for (i, v) in buf.chunks_exact_mut(4).enumerate() {
+                let x = if c.rank() == root { val(i) } else { f32::NAN };
+                v.copy_from_slice(&x.to_ne_bytes());
+            }
+            c.run_raw(
+                Collective::Broadcast { root },
+                DataType::F32,
+                None,
+                &mut buf[..count * 4],
+                &opts_one(),
+            )
+            .unwrap();
+            got[..count * 4].copy_from_slice(&buf);
+            buf.fill(0xff);
+            for (i, v) in got[..count * 4].chunks_exact(4).enumerate() {
+                let have = f32::from_ne_bytes(v.try_into().unwrap());
+                assert_eq!(
+                    have,
+                    val(i),
+                    "broadcast: rank {} round {round} element {i}",
+                    c.rank()
+                );
+            }
+        }
     });
+}
+
+fn opts_one() -> roccl::CallOpts {
+    roccl::CallOpts {
+        algo: Some(roccl::Algo::ShmOneShot),
+    }
 }
 
 /// Ranks that force different shared-memory all-reduce variants (one-shot against two-shot)

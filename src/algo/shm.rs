@@ -335,6 +335,71 @@ fn all_reduce_direct(
 /// (process_vm_readv), when every rank can read every other.
 pub(crate) const DIRECT_BROADCAST_MIN: usize = 256 << 10;
 
+/// Single-copy broadcast, the copying shared between the root and the readers: each reader
+/// copies the head of the root's buffer into its own (process_vm_readv) while the root copies
+/// the tail into each reader's buffer (process_vm_writev). In place, the root writes 1/n of
+/// the buffer to each of the n − 1 readers and each reader reads the other (n − 1)/n, so
+/// every core copies (n − 1)/n of it instead of the readers copying all of it while the root
+/// waits (2 ranks: 1 MiB 78 → 40 µs, 64 MiB 11.8 → 5.9 ms). Out of place the root also
+/// copies its input to its output and takes a smaller share ([`root_share`]). The root
+/// publishes the head as its source, so readers learn where the cut is; it publishes `done`
+/// when its writes are over (readers return then) and returns once every reader published
+/// `result` (done reading its buffer).
+fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+    let (n, len) = (f.nranks, recv.len());
+    let k = f.begin()?;
+    if f.rank == root {
+        // Page-aligned, so that no page is pinned by both copies.
+        let cut = (len - root_share(len, n, send.is_some())) & !4095;
+        let push = |f: &mut Flat, src: &[u8]| -> Result<()> {
+            f.node.set_direct(k, &src[..cut]);
+            f.node.publish(Counter::Arrive, k);
+            if cut < len {
+                for i in 1..n {
+                    let r = (root + i) % n;
+                    f.wait_one(r, k)?;
+                    f.node.write_direct_at(r, k, cut, &src[cut..])?;
+                }
+            }
+            f.node.publish(Counter::Done, k);
+            Ok(())
+        };
+        match send {
+            Some(s) => {
+                push(f, s)?;
+                recv.copy_from_slice(s);
+            }
+            None => push(f, recv)?,
+        }
+        // The buffer must stay as it is until every reader has copied it.
+        return f.wait_all(Counter::Result, k);
+    }
+    f.node.set_direct_out(k, recv);
+    f.node.publish(Counter::Arrive, k);
+    f.wait_one(root, k)?;
+    let cut = f.node.published_len(root, k).min(len);
+    f.node.read_direct_at(root, k, false, 0, &mut recv[..cut])?;
+    f.node.publish(Counter::Result, k);
+    // Our buffer must stay ours until the root has written its tail.
+    f.node.wait_one(root, Counter::Done, k, f.waiter, f.abort)
+}
+
+/// Bytes at the end of a `len`-byte broadcast that the root writes into each of the other
+/// `n − 1` ranks' buffers (the rest they read): balanced so that the root's copying
+/// (`n − 1` writes, and its own input to its output when `out_of_place`) takes as long as
+/// each reader's. An in-cache memcpy costs about a third of a process_vm_readv of the same
+/// size; past 4 MiB both run at memory speed (2 ranks, 64 MiB out of place: the root
+/// writing half made the call 17.4–19.7 ms against 13.3–14.8 writing nothing).
+fn root_share(len: usize, n: usize, out_of_place: bool) -> usize {
+    // Reader: len − x; root: (n − 1) x + c·len  ⇒  x = (1 − c) len / n.
+    let c = match (out_of_place, len <= 4 << 20) {
+        (false, _) => 0.0,
+        (true, true) => 1.0 / 3.0,
+        (true, false) => 1.0,
+    };
+    ((1.0 - c) * len as f64 / n as f64) as usize
+}
+
 /// Broadcast from `root`: the root fills its slot, the others copy it out; or, for large
 /// messages, the others copy straight out of the root's buffer (one copy instead of two) and
 /// the root waits until they have.
@@ -345,21 +410,7 @@ pub(crate) fn broadcast_shm(
     recv: &mut [u8],
 ) -> Result<()> {
     if f.node.cma() && recv.len() >= DIRECT_BROADCAST_MIN {
-        let k = f.begin()?;
-        if f.rank == root {
-            f.node.set_direct(k, send.unwrap_or(recv));
-            f.node.publish(Counter::Arrive, k);
-            if let Some(s) = send {
-                recv.copy_from_slice(s);
-            }
-            // The buffer must stay as it is until every reader has copied it.
-            return f.wait_all(Counter::Result, k);
-        }
-        f.node.publish(Counter::Arrive, k);
-        f.wait_one(root, k)?;
-        f.node.read_direct(root, k, recv)?;
-        f.node.publish(Counter::Result, k);
-        return Ok(());
+        return broadcast_direct(f, root, send, recv);
     }
     for (off, len) in Flat::pieces(recv.len(), f.node.slot(), 1) {
         let k = f.begin()?;

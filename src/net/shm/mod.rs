@@ -88,6 +88,13 @@ fn cma_threshold() -> usize {
 
 /// Copy `len` bytes at `remote` in process `pid` to `local` (one or more process_vm_readv).
 fn cma_read(pid: i32, remote: u64, local: *mut u8, len: usize) -> std::io::Result<()> {
+    cma_copy(pid, remote, local, len, false)
+}
+
+/// Copy `len` bytes between `remote` in process `pid` and `local`: into `local`
+/// (process_vm_readv), or out of it when `write` (process_vm_writev); several calls when
+/// the kernel copies less at once.
+fn cma_copy(pid: i32, remote: u64, local: *mut u8, len: usize, write: bool) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
         let l = libc::iovec {
@@ -99,9 +106,15 @@ fn cma_read(pid: i32, remote: u64, local: *mut u8, len: usize) -> std::io::Resul
             iov_base: (remote as usize + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        // SAFETY: `l` describes writable memory the caller owns; the kernel checks `r`
-        // against the other process.
-        let n = unsafe { libc::process_vm_readv(pid, &l, 1, &r, 1, 0) };
+        // SAFETY: `l` describes memory the caller owns (writable when reading into it); the
+        // kernel checks `r` against the other process.
+        let n = unsafe {
+            if write {
+                libc::process_vm_writev(pid, &l, 1, &r, 1, 0)
+            } else {
+                libc::process_vm_readv(pid, &l, 1, &r, 1, 0)
+            }
+        };
         if n <= 0 {
             return Err(if n == 0 {
                 std::io::ErrorKind::UnexpectedEof.into()

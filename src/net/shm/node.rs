@@ -542,29 +542,57 @@ impl Node {
         off: usize,
         out: &mut [u8],
     ) -> Result<()> {
+        let addr = self.published(r, k, output, off, out.len())?;
+        super::cma_read(self.cma_pids[r] as i32, addr, out.as_mut_ptr(), out.len())
+            .map_err(|e| self.cma_error(r, "process_vm_readv", e))
+    }
+
+    /// Length of the source rank `r` published for call `k` ([`Node::set_direct`]).
+    pub(crate) fn published_len(&self, r: usize, k: u32) -> usize {
+        header(self.seg(r)).direct[k as usize & 1][1].load(Ordering::Relaxed) as usize
+    }
+
+    /// Copy `data` into bytes `off..off + data.len()` of rank `r`'s published output of
+    /// call `k` with process_vm_writev.
+    pub(crate) fn write_direct_at(&self, r: usize, k: u32, off: usize, data: &[u8]) -> Result<()> {
+        let addr = self.published(r, k, true, off, data.len())?;
+        // The kernel only reads through the local pointer when writing to the other process.
+        super::cma_copy(
+            self.cma_pids[r] as i32,
+            addr,
+            data.as_ptr().cast_mut(),
+            data.len(),
+            true,
+        )
+        .map_err(|e| self.cma_error(r, "process_vm_writev", e))
+    }
+
+    /// Address of bytes `off..off + len` of the buffer rank `r` published for call `k`
+    /// (`output`: its output), checked against the published length.
+    fn published(&self, r: usize, k: u32, output: bool, off: usize, len: usize) -> Result<u64> {
         let h = header(self.seg(r));
         let d = if output {
             &h.direct_out[k as usize & 1]
         } else {
             &h.direct[k as usize & 1]
         };
-        let (addr, len) = (d[0].load(Ordering::Relaxed), d[1].load(Ordering::Relaxed));
-        if off.checked_add(out.len()).map_or(true, |e| e as u64 > len) {
+        let (addr, total) = (d[0].load(Ordering::Relaxed), d[1].load(Ordering::Relaxed));
+        if off.checked_add(len).map_or(true, |e| e as u64 > total) {
             return Err(Error::Internal(format!(
-                "rank {r} published {len} bytes; a single-copy read of {} at {off} is past them",
-                out.len()
+                "rank {r} published {total} bytes; a single-copy transfer of {len} at {off} is past them"
             )));
         }
-        let addr = addr + off as u64;
-        super::cma_read(self.cma_pids[r] as i32, addr, out.as_mut_ptr(), out.len()).map_err(|e| {
-            Error::sys(
-                format!(
-                    "process_vm_readv from rank {r} (pid {}) for a single-copy collective",
-                    self.cma_pids[r]
-                ),
-                e,
-            )
-        })
+        Ok(addr + off as u64)
+    }
+
+    fn cma_error(&self, r: usize, call: &str, e: std::io::Error) -> Error {
+        Error::sys(
+            format!(
+                "{call} with rank {r} (pid {}) for a single-copy collective",
+                self.cma_pids[r]
+            ),
+            e,
+        )
     }
 
     fn seg(&self, r: usize) -> &Segment {
