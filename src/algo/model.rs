@@ -407,6 +407,19 @@ pub fn choose(
         // nothing.
         pl.slice = bytes.clamp(64, 16 << 20);
     }
+    if kind == CollKind::AllGather
+        && n == 2
+        && best.0 == Algo::Ring
+        && t.slice.is_none()
+        && c.alpha_us >= 5.0
+    {
+        // Likewise a 2-rank ring all-gather is one exchange with nothing to forward, and
+        // over links that pay system calls per message each slice costs (TCP, 1 MiB: 118–123
+        // µs in 256 KiB slices, 102–109 as one; 64 MiB: 14.4–15.4 ms in 512 KiB slices,
+        // 12.8–13.1 in 32 MiB; docs/PERFORMANCE.md): each rank's block in one message, up to
+        // 16 MiB as above.
+        pl.slice = (bytes / 2).clamp(64, 16 << 20);
+    }
     (best.0, pl)
 }
 
@@ -502,6 +515,29 @@ mod tests {
             choose(CollKind::AllReduce, 2, 8, &net, Some(Algo::ShmTwoShot), &t).0,
             Algo::Direct
         );
+    }
+
+    /// A 2-rank ring all-gather over a network link sends each block as one message (up to
+    /// 16 MiB); with more ranks (slices are forwarded), over shared memory or with a slice
+    /// set by the user, the usual slices stay.
+    #[test]
+    fn two_rank_all_gather_over_a_network_is_one_message() {
+        let (c, t) = (LinkCost::default(), Tuning::default());
+        assert!(c.alpha_us >= 5.0, "the default cost is a network's");
+        let (a, pl) = choose(CollKind::AllGather, 2, 1 << 20, &c, None, &t);
+        assert_eq!((a, pl.slice), (Algo::Ring, 512 << 10));
+        let (_, pl) = choose(CollKind::AllGather, 2, 64 << 20, &c, None, &t);
+        assert_eq!(pl.slice, 16 << 20);
+        let (_, pl) = choose(CollKind::AllGather, 3, 3 << 20, &c, None, &t);
+        assert!(pl.slice < 1 << 20, "{pl:?}");
+        let (_, pl) = choose(CollKind::AllGather, 2, 1 << 20, &shm_host(), None, &t);
+        assert!(pl.slice < 512 << 10, "{pl:?}");
+        let user = Tuning {
+            slice: Some(64 << 10),
+            ..Tuning::default()
+        };
+        let (_, pl) = choose(CollKind::AllGather, 2, 1 << 20, &c, None, &user);
+        assert_eq!(pl.slice, 64 << 10);
     }
 
     /// With single copies (process_vm_readv between the ranks), large all-gathers and
