@@ -380,7 +380,7 @@ fn perf_single_copies_between_processes() {
             "--root",
             "2",
             "-b",
-            "300K",
+            "307212",
             "-e",
             "5M",
             "-f",

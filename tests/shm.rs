@@ -233,12 +233,20 @@ fn sleeping_ranks_are_woken_by_the_publish() {
         cfg.waiter.spin = spin;
         cfg.waiter.yield_for = Duration::ZERO;
         cfg.waiter.nap = Duration::from_secs(20);
-        let calls: [(Collective, usize, Algo); 5] = [
+        // Inline, slot and single-copy (process_vm_readv/writev) shapes of each.
+        let calls: [(Collective, usize, Algo); 8] = [
             (Collective::AllReduce(RedOp::Sum), 2, Algo::ShmOneShot),
             (Collective::AllReduce(RedOp::Sum), 1000, Algo::ShmOneShot),
             (Collective::AllReduce(RedOp::Sum), 100_000, Algo::ShmTwoShot),
+            (
+                Collective::AllReduce(RedOp::Sum),
+                2_100_000,
+                Algo::ShmTwoShot,
+            ),
             (Collective::Broadcast { root: 1 }, 3, Algo::ShmOneShot),
+            (Collective::Broadcast { root: 1 }, 70_003, Algo::ShmOneShot),
             (Collective::AllGather, 2000, Algo::ShmOneShot),
+            (Collective::AllGather, 80_000, Algo::ShmOneShot),
         ];
         let meet = std::sync::Barrier::new(2);
         run_ranks(2, cfg, |c| {
@@ -271,8 +279,69 @@ fn sleeping_ranks_are_woken_by_the_publish() {
             let took = start.elapsed();
             assert!(
                 took < Duration::from_secs(10),
-                "rank {me} (spin {spin:?}): 10 calls took {took:?}: a sleeping rank was not woken by its peer's publish"
+                "rank {me} (spin {spin:?}): 16 calls took {took:?}: a sleeping rank was not woken by its peer's publish"
             );
         });
     }
+}
+
+/// A broadcast reader that gave up on the call (its timeout passed before the root came) has
+/// its buffer back untouched: the root, coming late, finds the reader's communicator broken
+/// or its output withdrawn and fails instead of writing its share into the reader's memory.
+#[test]
+fn a_broadcast_reader_that_gave_up_is_not_written_to() {
+    use roccl::{Algo, CallOpts, Collective, Communicator, DataType, UniqueId};
+    use std::time::Duration;
+    let id = UniqueId::new().expect("unique id");
+    let len = 1 << 20;
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let id = &id;
+            s.spawn(move || {
+                let mut cfg = config(Tuning::default());
+                cfg.net = NetKind::Shm;
+                cfg.waiter.timeout = Duration::from_millis(if rank == 0 { 30_000 } else { 500 });
+                let c = Communicator::init_with(id, 2, rank, cfg).expect("init");
+                c.barrier().unwrap();
+                let opts = CallOpts {
+                    algo: Some(Algo::ShmOneShot),
+                };
+                let mut buf = vec![rank as u8 + 1; len];
+                if rank == 0 {
+                    // Come after the reader gave up.
+                    std::thread::sleep(Duration::from_millis(1500));
+                    let r = c.run_raw(
+                        Collective::Broadcast { root: 0 },
+                        DataType::U8,
+                        None,
+                        &mut buf,
+                        &opts,
+                    );
+                    let e = r
+                        .expect_err("the reader gave up: the root must fail")
+                        .to_string();
+                    assert!(e.contains("rank 1"), "{e}");
+                } else {
+                    let r = c.run_raw(
+                        Collective::Broadcast { root: 0 },
+                        DataType::U8,
+                        None,
+                        &mut buf,
+                        &opts,
+                    );
+                    assert!(
+                        r.is_err(),
+                        "the reader's timeout passed before the root came"
+                    );
+                    buf.fill(0x5a);
+                    // The root comes and leaves meanwhile.
+                    std::thread::sleep(Duration::from_millis(2500));
+                    assert!(
+                        buf.iter().all(|&b| b == 0x5a),
+                        "the root wrote into the buffer of a reader that had given up"
+                    );
+                }
+            });
+        }
+    });
 }

@@ -278,6 +278,8 @@ fn all_reduce_direct(
     f.node.set_direct(k, send.unwrap_or(recv));
     f.node.set_direct_out(k, recv);
     f.node.publish(Counter::Arrive, k);
+    // Peers asleep on our arrive must copy while we do, not after.
+    f.node.flush_wakes();
     // Every peer has begun this call, so it is done with our slots of the last one: they
     // serve as scratch space.
     f.wait_all(Counter::Arrive, k)?;
@@ -321,6 +323,7 @@ fn all_reduce_direct(
         at += len;
     }
     f.node.publish(Counter::Result, k);
+    f.node.flush_wakes();
     for i in 1..n {
         let r = (me + i) % n;
         let (o, l) = share(recv.len() / esz, n, r, esz);
@@ -349,11 +352,14 @@ fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [
     let (n, len) = (f.nranks, recv.len());
     let k = f.begin()?;
     if f.rank == root {
-        // Page-aligned, so that no page is pinned by both copies.
+        // A multiple of 4 KiB from the start of the buffer: whole pages when the buffer is
+        // page-aligned (large allocations are, give or take a malloc header).
         let cut = (len - root_share(len, n, send.is_some())) & !4095;
         let push = |f: &mut Flat, src: &[u8]| -> Result<()> {
             f.node.set_direct(k, &src[..cut]);
             f.node.publish(Counter::Arrive, k);
+            // Readers asleep on our arrive must copy while we do, not after.
+            f.node.flush_wakes();
             if cut < len {
                 for i in 1..n {
                     let r = (root + i) % n;
@@ -362,6 +368,7 @@ fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [
                 }
             }
             f.node.publish(Counter::Done, k);
+            f.node.flush_wakes();
             Ok(())
         };
         match send {
@@ -376,12 +383,20 @@ fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [
     }
     f.node.set_direct_out(k, recv);
     f.node.publish(Counter::Arrive, k);
-    f.wait_one(root, k)?;
-    let cut = f.node.published_len(root, k).min(len);
-    f.node.read_direct_at(root, k, false, 0, &mut recv[..cut])?;
-    f.node.publish(Counter::Result, k);
-    // Our buffer must stay ours until the root has written its tail.
-    f.node.wait_one(root, Counter::Done, k, f.waiter, f.abort)
+    f.node.flush_wakes();
+    let r = (|| {
+        f.wait_one(root, k)?;
+        let cut = f.node.published_len(root, k).min(len);
+        f.node.read_direct_at(root, k, false, 0, &mut recv[..cut])?;
+        f.node.publish(Counter::Result, k);
+        // Our buffer must stay ours until the root has written its tail.
+        f.node.wait_one(root, Counter::Done, k, f.waiter, f.abort)
+    })();
+    if r.is_err() {
+        // Giving up: the root must not write into the buffer once the caller has it back.
+        f.node.withdraw_output(root, k, f.waiter);
+    }
+    r
 }
 
 /// Bytes at the end of a `len`-byte broadcast that the root writes into each of the other
@@ -521,6 +536,8 @@ fn all_gather_direct(
     let mine = me * block..(me + 1) * block;
     f.node.set_direct(k, send.unwrap_or(&recv[mine.clone()]));
     f.node.publish(Counter::Arrive, k);
+    // Peers asleep on our arrive must copy while we do, not after.
+    f.node.flush_wakes();
     if let Some(s) = send {
         recv[mine].copy_from_slice(s);
     }

@@ -86,19 +86,26 @@ fn cma_threshold() -> usize {
         .unwrap_or(usize::MAX)
 }
 
-/// Copy `len` bytes at `remote` in process `pid` to `local` (one or more process_vm_readv).
-fn cma_read(pid: i32, remote: u64, local: *mut u8, len: usize) -> std::io::Result<()> {
-    cma_copy(pid, remote, local, len, false)
+/// Copy `local.len()` bytes at `remote` in process `pid` into `local` (process_vm_readv).
+fn cma_read(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
+    cma_copy(pid, remote, local.as_mut_ptr(), local.len(), false)
 }
 
-/// Copy `len` bytes between `remote` in process `pid` and `local`: into `local`
-/// (process_vm_readv), or out of it when `write` (process_vm_writev); several calls when
-/// the kernel copies less at once.
+/// Copy `local` to `remote` in process `pid` (process_vm_writev).
+fn cma_write(pid: i32, remote: u64, local: &[u8]) -> std::io::Result<()> {
+    // The kernel only reads through the local pointer when writing to the other process.
+    cma_copy(pid, remote, local.as_ptr().cast_mut(), local.len(), true)
+}
+
+/// Copy `len` bytes between `remote` in process `pid` and `local` (into `local` unless
+/// `write`), in several calls when the kernel copies less at once. Callers pass a `local`
+/// range they own (writable when reading); the kernel checks `remote` against the other
+/// process and fails with EFAULT outside its mappings.
 fn cma_copy(pid: i32, remote: u64, local: *mut u8, len: usize, write: bool) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
         let l = libc::iovec {
-            // SAFETY (pointer arithmetic): `done < len` keeps it inside the buffer.
+            // SAFETY (pointer arithmetic): `done < len` keeps it inside the caller's range.
             iov_base: unsafe { local.add(done) }.cast(),
             iov_len: len - done,
         };
@@ -106,8 +113,8 @@ fn cma_copy(pid: i32, remote: u64, local: *mut u8, len: usize, write: bool) -> s
             iov_base: (remote as usize + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        // SAFETY: `l` describes memory the caller owns (writable when reading into it); the
-        // kernel checks `r` against the other process.
+        // SAFETY: `l` is inside the range the caller owns (a slice in `cma_read`/`cma_write`,
+        // writable when reading into it); the kernel checks `r` against the other process.
         let n = unsafe {
             if write {
                 libc::process_vm_writev(pid, &l, 1, &r, 1, 0)
@@ -545,7 +552,7 @@ impl ListenComm for ShmListen {
                 u64::from_le_bytes(side.inb[NAME_MSG - 16..NAME_MSG - 8].try_into().unwrap());
             let mut word = 0u64;
             let cma = self.cma != usize::MAX
-                && cma_read(pid as i32, probe, (&mut word as *mut u64).cast(), 8).is_ok()
+                && cma_read(pid as i32, probe, bytemuck::bytes_of_mut(&mut word)).is_ok()
                 && word == CMA_PROBE;
             side.queue(&[if cma { 2 } else { 1 }]);
             while !side.pump()? {}
@@ -817,7 +824,12 @@ impl ShmRecv {
                 if direct {
                     let src = u64::from_le_bytes(hdr[16..24].try_into().unwrap());
                     let seq = u32::from_le_bytes(hdr[28..32].try_into().unwrap());
-                    cma_read(self.pid, src, r.g.bufs[e].0 as *mut u8, len).map_err(|err| {
+                    // SAFETY: `buffer_for` returned a posted receive buffer of at least `len`
+                    // bytes, which the caller keeps valid and unaliased until the receive
+                    // completes.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(r.g.bufs[e].0 as *mut u8, len) };
+                    cma_read(self.pid, src, dst).map_err(|err| {
                         Error::sys(
                             format!(
                                 "shared memory receive: reading {len} bytes from process {} (process_vm_readv)",

@@ -5,11 +5,12 @@
 //! input into its own slot, bumps its `arrive` counter, waits for the counters of the ranks
 //! it reads, and reduces or copies straight out of their slots (see `algo::shm`).
 //!
-//! Layout of a rank's segment: five cache lines (`arrive`; `result`; the number of ranks
-//! sleeping on this segment's counters; fixed facts: pid and its namespace, slot size, the
-//! attach and broken flags; what each of the two latest calls is, so ranks that called
-//! different things fail instead of reading each other's bytes), then, from 4 KiB, two
-//! input slot sets and one result area of `slot` bytes each.
+//! Layout of a rank's segment: eight cache lines ([`NodeHeader`]: two `arrive` lines;
+//! `result`; the number of ranks sleeping on this segment's counters; fixed facts: pid and
+//! its namespace, slot size, the attach and broken flags; what each of the two latest calls
+//! is, so ranks that called different things fail instead of reading each other's bytes;
+//! single-copy addresses; `done`), then, from 4 KiB, two input slot sets and one result area
+//! of `slot` bytes each.
 //!
 //! Slot reuse needs no extra step: flat call `k` writes input set `k % 2`, and before that it
 //! waits until every peer has begun call `k − 1`, which a peer does only after it finished
@@ -17,7 +18,9 @@
 //! `k` only after all peers began call `k`, so they are done with call `k − 1`'s results.
 //!
 //! Waiting follows the communicator's [`Waiter`]: spin, yield, then sleep in `futex(2)` on
-//! the counter awaited (the writer wakes sleepers only when the segment says there are any).
+//! the counter awaited (the writer looks for sleepers after its own wait, at the end of the
+//! call or before a long copy — [`Node::flush_wakes`] — and wakes them only when the segment
+//! says there are any).
 //! While sleeping, the waiter checks that the lagging peers' processes exist and have not
 //! marked their communicator broken, so a dead peer is named within ~10 ms.
 
@@ -92,7 +95,10 @@ struct NodeHeader {
     /// Single-copy all-reduce: this rank's output buffer address and length (the others read
     /// its reduced share there).
     direct_out: [[AtomicU64; 2]; 2],
-    _p4: [u8; 32],
+    /// Single-copy broadcast root: the call whose shares it may be writing into the
+    /// readers' outputs (64-bit call number; see [`Node::write_direct_at`]).
+    writing: AtomicU64,
+    _p4: [u8; 24],
     /// Single-copy all-reduce: calls in which every peer may have read this rank's buffers
     /// and this rank has finished reading theirs (low 32 bits).
     done: AtomicU64,
@@ -108,7 +114,8 @@ pub(crate) enum Counter {
     Arrive,
     /// Reduced chunk published.
     Result,
-    /// Done with every peer's buffers (single-copy all-reduce).
+    /// Done with every peer's buffers (single-copy all-reduce), or done writing into them
+    /// (single-copy broadcast root).
     Done,
 }
 
@@ -404,8 +411,7 @@ impl Node {
                 && super::cma_read(
                     cma_pids[r] as i32,
                     header(s).probe.load(Ordering::Relaxed),
-                    (&mut word as *mut u64).cast(),
-                    8,
+                    bytemuck::bytes_of_mut(&mut word),
                 )
                 .is_ok()
                 && word == super::CMA_PROBE
@@ -543,7 +549,7 @@ impl Node {
         out: &mut [u8],
     ) -> Result<()> {
         let addr = self.published(r, k, output, off, out.len())?;
-        super::cma_read(self.cma_pids[r] as i32, addr, out.as_mut_ptr(), out.len())
+        super::cma_read(self.cma_pids[r] as i32, addr, out)
             .map_err(|e| self.cma_error(r, "process_vm_readv", e))
     }
 
@@ -553,18 +559,61 @@ impl Node {
     }
 
     /// Copy `data` into bytes `off..off + data.len()` of rank `r`'s published output of
-    /// call `k` with process_vm_writev.
+    /// call `k` with process_vm_writev. Writing into another process needs its consent for
+    /// the whole time of the write: this rank first raises its `writing` mark for call `k`,
+    /// then reads the output `r` published (both sequentially consistent); a rank that gives
+    /// up on the call withdraws its output and then looks at the mark
+    /// ([`Node::withdraw_output`]), so either the write sees the output gone or the rank
+    /// waits until the write is over. A rank that marked its communicator broken is not
+    /// written to.
     pub(crate) fn write_direct_at(&self, r: usize, k: u32, off: usize, data: &[u8]) -> Result<()> {
-        let addr = self.published(r, k, true, off, data.len())?;
-        // The kernel only reads through the local pointer when writing to the other process.
-        super::cma_copy(
-            self.cma_pids[r] as i32,
-            addr,
-            data.as_ptr().cast_mut(),
-            data.len(),
-            true,
-        )
-        .map_err(|e| self.cma_error(r, "process_vm_writev", e))
+        header(&self.own.seg)
+            .writing
+            .store(self.full(k), Ordering::SeqCst);
+        let h = header(self.seg(r));
+        if h.broken.load(Ordering::SeqCst) != 0 {
+            return Err(Error::Remote {
+                rank: r,
+                msg: "its communicator failed before this rank wrote its share of a broadcast into it".into(),
+            });
+        }
+        let d = &h.direct_out[k as usize & 1];
+        let (addr, total) = (d[0].load(Ordering::SeqCst), d[1].load(Ordering::SeqCst));
+        if off
+            .checked_add(data.len())
+            .map_or(true, |e| e as u64 > total)
+        {
+            return Err(Error::Remote {
+                rank: r,
+                msg: format!(
+                    "it withdrew its output ({total} bytes published) before this rank wrote {} bytes at {off} of a broadcast into it: it gave up on the call",
+                    data.len()
+                ),
+            });
+        }
+        super::cma_write(self.cma_pids[r] as i32, addr + off as u64, data)
+            .map_err(|e| self.cma_error(r, "process_vm_writev", e))
+    }
+
+    /// This rank gives up on call `k` after publishing its output for `root` to write into
+    /// ([`Node::write_direct_at`]): withdraw the output, and if the root may be writing,
+    /// wait (up to the timeout) until its writes are over (`done`), it failed or its process
+    /// is gone, so that the caller may reuse the buffer once this returns.
+    pub(crate) fn withdraw_output(&self, root: usize, k: u32, w: &Waiter) {
+        header(&self.own.seg).direct_out[k as usize & 1][1].store(0, Ordering::SeqCst);
+        let h = header(self.seg(root));
+        let full = self.full(k);
+        if h.writing.load(Ordering::SeqCst) < full {
+            return;
+        }
+        let start = Instant::now();
+        while h.done.load(Ordering::SeqCst) < full
+            && h.broken.load(Ordering::SeqCst) == 0
+            && !(self.pids[root] != 0 && process_gone(self.pids[root]))
+            && start.elapsed() < w.timeout
+        {
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 
     /// Address of bytes `off..off + len` of the buffer rank `r` published for call `k`
