@@ -307,28 +307,24 @@ fn a_broadcast_reader_that_gave_up_is_not_written_to() {
                     algo: Some(Algo::ShmOneShot),
                 };
                 let mut buf = vec![rank as u8 + 1; len];
-                if rank == 0 {
-                    // Come after the reader gave up.
-                    std::thread::sleep(Duration::from_millis(1500));
-                    let r = c.run_raw(
+                let bcast = |buf: &mut [u8]| {
+                    c.run_raw(
                         Collective::Broadcast { root: 0 },
                         DataType::U8,
                         None,
-                        &mut buf,
+                        buf,
                         &opts,
-                    );
-                    let e = r
+                    )
+                };
+                if rank == 0 {
+                    // Come after the reader gave up.
+                    std::thread::sleep(Duration::from_millis(1500));
+                    let e = bcast(&mut buf)
                         .expect_err("the reader gave up: the root must fail")
                         .to_string();
                     assert!(e.contains("rank 1"), "{e}");
                 } else {
-                    let r = c.run_raw(
-                        Collective::Broadcast { root: 0 },
-                        DataType::U8,
-                        None,
-                        &mut buf,
-                        &opts,
-                    );
+                    let r = bcast(&mut buf);
                     assert!(
                         r.is_err(),
                         "the reader's timeout passed before the root came"

@@ -528,8 +528,8 @@ impl Node {
 
     /// Copy rank `r`'s published source of call `k` into `out` with process_vm_readv.
     pub(crate) fn read_direct(&self, r: usize, k: u32, out: &mut [u8]) -> Result<()> {
-        let len = header(self.seg(r)).direct[k as usize & 1][1].load(Ordering::Relaxed);
-        if len as usize != out.len() {
+        let len = self.published_len(r, k);
+        if len != out.len() {
             return Err(Error::Internal(format!(
                 "rank {r} published {len} bytes for a single-copy transfer of {}",
                 out.len()
