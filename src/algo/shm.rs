@@ -374,7 +374,7 @@ fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [
         match send {
             Some(s) => {
                 push(f, s)?;
-                recv.copy_from_slice(s);
+                copy_large(recv, s);
             }
             None => push(f, recv)?,
         }
@@ -538,9 +538,6 @@ fn all_gather_direct(
     f.node.publish(Counter::Arrive, k);
     // Peers asleep on our arrive must copy while we do, not after.
     f.node.flush_wakes();
-    if let Some(s) = send {
-        recv[mine].copy_from_slice(s);
-    }
     // Peers in a different order on each rank, so that no rank's memory is read by all at once.
     for i in 1..n {
         let r = (me + i) % n;
@@ -548,10 +545,23 @@ fn all_gather_direct(
         f.node
             .read_direct(r, k, &mut recv[r * block..(r + 1) * block])?;
     }
+    if let Some(s) = send {
+        copy_large(&mut recv[mine], s);
+    }
     // Our block must stay as it is until every peer has copied it.
     f.node.publish(Counter::Result, k);
     f.wait_all(Counter::Result, k)
 }
+
+/// Copy `src` into `dst` in pieces of [`COPY_PIECE`] bytes.
+pub(crate) fn copy_large(dst: &mut [u8], src: &[u8]) {
+    for (d, s) in dst.chunks_mut(COPY_PIECE).zip(src.chunks(COPY_PIECE)) {
+        d.copy_from_slice(s);
+    }
+}
+
+/// Piece of [`copy_large`].
+pub(crate) const COPY_PIECE: usize = 512 << 10;
 
 /// Reduce-scatter into blocks of `block` bytes (in place: the result is block `rank` of
 /// `recv`, which holds every rank's input).

@@ -10,6 +10,7 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytemuck::{Pod, Zeroable};
 use clap::Parser;
 use roccl::algo::model::CollKind;
 use roccl::device::ops::{self, RawBuf};
@@ -283,7 +284,7 @@ struct Row {
 
 impl Bench<'_> {
     /// Buffers and collective for `op` at total size `bytes`; returns (send, recv, coll, count).
-    fn setup(&self, o: Op, bytes: usize) -> (Vec<u8>, Vec<u8>, Collective, usize) {
+    fn setup(&self, o: Op, bytes: usize) -> (Buf, Buf, Collective, usize) {
         let (n, es) = (self.c.nranks(), self.dt.size());
         let root = self.a.root;
         let me = self.c.rank();
@@ -291,8 +292,8 @@ impl Bench<'_> {
             Op::AllReduce => {
                 let count = bytes / es;
                 (
-                    vec![0; count * es],
-                    vec![0; count * es],
+                    Buf::zeroed(count * es),
+                    Buf::zeroed(count * es),
                     Collective::AllReduce(self.op),
                     count,
                 )
@@ -300,8 +301,8 @@ impl Bench<'_> {
             Op::Broadcast => {
                 let count = bytes / es;
                 (
-                    vec![0; count * es],
-                    vec![0; count * es],
+                    Buf::zeroed(count * es),
+                    Buf::zeroed(count * es),
                     Collective::Broadcast { root },
                     count,
                 )
@@ -309,8 +310,8 @@ impl Bench<'_> {
             Op::Reduce => {
                 let count = bytes / es;
                 (
-                    vec![0; count * es],
-                    vec![0; count * es],
+                    Buf::zeroed(count * es),
+                    Buf::zeroed(count * es),
                     Collective::Reduce { op: self.op, root },
                     count,
                 )
@@ -318,8 +319,8 @@ impl Bench<'_> {
             Op::AllGather => {
                 let count = (bytes / es / n).max(1);
                 (
-                    vec![0; count * es],
-                    vec![0; n * count * es],
+                    Buf::zeroed(count * es),
+                    Buf::zeroed(n * count * es),
                     Collective::AllGather,
                     count,
                 )
@@ -329,8 +330,8 @@ impl Bench<'_> {
                 // In place, the output is block `rank` of the n-block input buffer.
                 let out = if self.a.inplace { n * count } else { count };
                 (
-                    vec![0; n * count * es],
-                    vec![0; out * es],
+                    Buf::zeroed(n * count * es),
+                    Buf::zeroed(out * es),
                     Collective::ReduceScatter(self.op),
                     count,
                 )
@@ -338,8 +339,8 @@ impl Bench<'_> {
             Op::AllToAll => {
                 let count = (bytes / es / n).max(1);
                 (
-                    vec![0; n * count * es],
-                    vec![0; n * count * es],
+                    Buf::zeroed(n * count * es),
+                    Buf::zeroed(n * count * es),
                     Collective::AllToAll,
                     count,
                 )
@@ -349,8 +350,8 @@ impl Bench<'_> {
                 let to = (me + 1) % n;
                 let from = (me + n - 1) % n;
                 (
-                    vec![0; count * es],
-                    vec![0; count * es],
+                    Buf::zeroed(count * es),
+                    Buf::zeroed(count * es),
                     Collective::SendRecv {
                         to: Some(to),
                         from: Some(from),
@@ -358,7 +359,7 @@ impl Bench<'_> {
                     count,
                 )
             }
-            Op::Barrier => (vec![], vec![], Collective::Barrier, 0),
+            Op::Barrier => (Buf::zeroed(0), Buf::zeroed(0), Collective::Barrier, 0),
         }
     }
 
@@ -857,4 +858,42 @@ fn launch(a: &Args) -> Result<bool, String> {
         return Err(failed.join("; "));
     }
     Ok(ok)
+}
+
+/// One page of a [`Buf`].
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+
+/// A page-aligned byte buffer, as device memory and tensors are. A collective's speed depends
+/// on how its buffers are aligned against each other: a process_vm_readv between a source and
+/// a destination that sit at different offsets within a cache line copies much slower (2
+/// ranks, all-gather of 4 MiB over shared memory: 250–333 µs on heap buffers at arbitrary
+/// offsets against 205–216 page-aligned; docs/PERFORMANCE.md).
+#[derive(Clone)]
+struct Buf {
+    pages: Vec<Page>,
+    len: usize,
+}
+
+impl Buf {
+    fn zeroed(len: usize) -> Buf {
+        Buf {
+            pages: vec![Page::zeroed(); len.div_ceil(4096)],
+            len,
+        }
+    }
+}
+
+impl std::ops::Deref for Buf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.pages)[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Buf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.pages)[..self.len]
+    }
 }
