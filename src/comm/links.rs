@@ -20,6 +20,9 @@ use super::wait::Waiter;
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 /// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
 const ABORT: u32 = 0x8000_0000;
+/// Channel bit of a hello that opens a duplex connection: it carries both directions of
+/// its (peer, channel).
+const DUPLEX: u32 = 0x4000_0000;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
 
@@ -54,10 +57,15 @@ pub(crate) struct Links {
     pub handles: Vec<Vec<NetHandle>>,
     send: Vec<[Option<Box<dyn SendComm>>; MAX_CHANNELS]>,
     recv: Vec<[Option<Box<dyn RecvComm>>; MAX_CHANNELS]>,
+    /// Per peer: one connection carries both directions of each channel ([`Net::duplex`]);
+    /// the lower rank of the pair opens it, whichever direction it needs first.
+    duplex: Vec<bool>,
+    /// Connections this rank opened (not accepted).
+    pub dialed: usize,
     /// Accepted connections whose hello has not arrived yet.
     incoming: Vec<HelloIn>,
-    /// Identified connections not yet asked for.
-    spare: Vec<(usize, usize, Box<dyn RecvComm>)>,
+    /// Identified connections not yet asked for (peer, channel, duplex, comm).
+    spare: Vec<(usize, usize, bool, Box<dyn RecvComm>)>,
     /// The peer last waited on in vain (blamed when a wait times out).
     pub suspect: Option<usize>,
     /// Abort notices received: (reporting rank, blamed rank).
@@ -113,10 +121,24 @@ impl Links {
         peer_net: Vec<usize>,
         handles: Vec<Vec<NetHandle>>,
     ) -> Self {
+        let duplex = (0..nranks)
+            .map(|p| {
+                let e = peer_net[p];
+                let h = |r: usize| handles.get(r).and_then(|h| h.get(e));
+                match (endpoints.get(e), h(rank), h(p)) {
+                    (Some(ep), Some(mine), Some(theirs)) if p != rank => {
+                        ep.net.duplex(mine, theirs)
+                    }
+                    _ => false,
+                }
+            })
+            .collect();
         Links {
             rank,
             nranks,
             comm_id,
+            duplex,
+            dialed: 0,
             endpoints,
             peer_net,
             handles,
@@ -280,8 +302,24 @@ impl Links {
                 )));
             }
         }
+        // What this rank dials: its sends, except to duplex peers, where the lower rank of the
+        // pair opens the connection that carries both ways, for whichever way it needs.
+        let mut dial: Vec<(usize, usize)> = need_send
+            .iter()
+            .chain(&need_recv)
+            .copied()
+            .filter(|&(p, c)| {
+                if self.duplex[p] {
+                    self.rank < p && self.send[p][c].is_none() && self.recv[p][c].is_none()
+                } else {
+                    need_send.contains(&(p, c))
+                }
+            })
+            .collect();
+        dial.sort_unstable();
+        dial.dedup();
         let mut connecting: Vec<(usize, usize, Box<dyn Connecting>)> = Vec::new();
-        for &(p, c) in &need_send {
+        for &(p, c) in &dial {
             let e = self.peer_net[p];
             let ep = &self.endpoints[e];
             let conn =
@@ -292,6 +330,7 @@ impl Links {
                         msg: format!("connecting over {}: {err}", ep.net.name()),
                     })?;
             connecting.push((p, c, conn));
+            self.dialed += 1;
         }
         let mut hellos: Vec<(usize, usize, HelloOut)> = Vec::new();
         let mut fds = Vec::new();
@@ -310,7 +349,8 @@ impl Links {
                     let mut buf = Box::new([0u8; 16]);
                     buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
                     buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
-                    buf[8..12].copy_from_slice(&(c as u32).to_le_bytes());
+                    let flag = if self.duplex[p] { DUPLEX } else { 0 };
+                    buf[8..12].copy_from_slice(&(c as u32 | flag).to_le_bytes());
                     buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
                     // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
                     // send completes; the comm is declared first so it drops first.
@@ -349,7 +389,16 @@ impl Links {
                     })?
                     .is_some()
                 {
-                    let (_, _, h) = hellos.swap_remove(i);
+                    let (_, _, mut h) = hellos.swap_remove(i);
+                    if self.duplex[p] {
+                        let back = h.comm.reverse().ok_or_else(|| {
+                            Error::Internal(format!(
+                                "{} offered duplex connections but gave no receiving side",
+                                self.net_name(p)
+                            ))
+                        })?;
+                        self.recv[p][c] = Some(back);
+                    }
                     self.send[p][c] = Some(h.comm);
                     progressed = true;
                 } else {
@@ -357,10 +406,18 @@ impl Links {
                 }
             }
             progressed |= self.accept_pending()?;
+            // Receives arrive as accepted connections, and so do sends to the duplex peers
+            // that open the connection.
             let missing_recv: Vec<(usize, usize)> = need_recv
                 .iter()
                 .copied()
                 .filter(|&(p, c)| self.recv[p][c].is_none())
+                .chain(
+                    need_send
+                        .iter()
+                        .copied()
+                        .filter(|&(p, c)| self.send[p][c].is_none() && !dial.contains(&(p, c))),
+                )
                 .collect();
             if connecting.is_empty() && hellos.is_empty() && missing_recv.is_empty() {
                 return Ok(());
@@ -463,16 +520,26 @@ impl Links {
                 progressed = true;
                 continue;
             }
-            if (c as usize) < MAX_CHANNELS {
-                self.spare.push((p, c as usize, h.comm));
+            let duplex = c & DUPLEX != 0;
+            let c = (c & !DUPLEX) as usize;
+            if c < MAX_CHANNELS {
+                self.spare.push((p, c, duplex, h.comm));
                 progressed = true;
             }
         }
         let mut i = 0;
         while i < self.spare.len() {
-            let (p, c) = (self.spare[i].0, self.spare[i].1);
-            if self.recv[p][c].is_none() {
-                let (_, _, comm) = self.spare.swap_remove(i);
+            let (p, c, duplex) = (self.spare[i].0, self.spare[i].1, self.spare[i].2);
+            if self.recv[p][c].is_none() && !(duplex && self.send[p][c].is_some()) {
+                let (_, _, _, mut comm) = self.spare.swap_remove(i);
+                if duplex {
+                    self.send[p][c] = Some(comm.reverse().ok_or_else(|| {
+                        Error::Internal(format!(
+                            "rank {p} opened a duplex connection over {}, which gave no sending side",
+                            self.net_name(p)
+                        ))
+                    })?);
+                }
                 self.recv[p][c] = Some(comm);
             } else {
                 i += 1;
@@ -678,5 +745,120 @@ mod tests {
         let t = Instant::now();
         assert_eq!(l.blame(Some(0), long), Some(1));
         assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
+    }
+
+    /// Ranks over TCP: `duplex` per rank decides what its handle offers.
+    fn tcp_links(duplex: [bool; 3]) -> Vec<Links> {
+        let nets: Vec<Arc<dyn Net>> = duplex
+            .iter()
+            .map(|&d| {
+                let n = crate::net::tcp::TcpNet::with_addr(std::net::Ipv4Addr::LOCALHOST.into());
+                Arc::new(n.unwrap().with_duplex(d)) as Arc<dyn Net>
+            })
+            .collect();
+        let eps: Vec<(NetHandle, Box<dyn ListenComm>)> =
+            nets.iter().map(|n| n.listen(0).unwrap()).collect();
+        let handles: Vec<Vec<NetHandle>> = eps.iter().map(|(h, _)| vec![h.clone()]).collect();
+        nets.into_iter()
+            .zip(eps)
+            .enumerate()
+            .map(|(r, (net, (_, listen)))| {
+                let ep = Endpoint {
+                    net,
+                    dev: 0,
+                    listen,
+                };
+                Links::new(r, 3, 7, vec![ep], vec![0; 3], handles.clone())
+            })
+            .collect()
+    }
+
+    /// Each rank opens send and receive connections to every other on channels 0 and 2,
+    /// then sends each a message on channel 2 and receives theirs.
+    fn all_pairs(l: &mut Links) -> Vec<u64> {
+        let w = Waiter {
+            timeout: Duration::from_secs(20),
+            ..Waiter::from_env()
+        };
+        let me = l.rank;
+        let peers: Vec<(usize, usize)> = (0..3)
+            .filter(|&p| p != me)
+            .flat_map(|p| [(p, 0), (p, 2)])
+            .collect();
+        l.ensure(&peers, &peers, &w).unwrap();
+        let mine = [me as u64 + 100];
+        let mut got = vec![0u64; 3];
+        let mut reqs = Vec::new();
+        for p in (0..3).filter(|&p| p != me) {
+            let b = RecvBuf {
+                ptr: got[p..].as_mut_ptr().cast(),
+                len: 8,
+                tag: 1,
+            };
+            // SAFETY: `mine` and `got` outlive the loop below, which completes every request.
+            unsafe {
+                let s = l
+                    .send_comm(p, 2)
+                    .unwrap()
+                    .isend(mine.as_ptr().cast(), 8, 1, None);
+                let r = l.recv_comm(p, 2).unwrap().irecv(&[b]);
+                reqs.push((p, s.unwrap().unwrap(), r.unwrap().unwrap(), false, false));
+            }
+        }
+        let t0 = Instant::now();
+        while !reqs.is_empty() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "messages stuck");
+            for (p, s, r, sent, recvd) in &mut reqs {
+                if !*sent {
+                    *sent = l.send_comm(*p, 2).unwrap().test(*s).unwrap().is_some();
+                }
+                if !*recvd {
+                    *recvd = l.recv_comm(*p, 2).unwrap().test(*r, &mut [0]).unwrap();
+                }
+            }
+            reqs.retain(|q| !(q.3 && q.4));
+        }
+        got
+    }
+
+    /// A rank's number, connections dialed, connections open and messages received.
+    type Outcome = (usize, usize, (usize, usize), Vec<u64>);
+
+    /// Over TCP each pair shares one connection per channel, opened by its lower rank; a rank
+    /// whose handle does not offer duplex connections gets one connection each way.
+    #[test]
+    fn duplex_pairs_dial_one_connection_per_channel() {
+        for duplex in [[true; 3], [true, true, false]] {
+            let links = tcp_links(duplex);
+            let results: Vec<Outcome> = std::thread::scope(|s| {
+                let hs: Vec<_> = links
+                    .into_iter()
+                    .map(|mut l| {
+                        s.spawn(move || {
+                            let got = all_pairs(&mut l);
+                            (l.rank, l.dialed, l.open(), got)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, dialed, open, got) in results {
+                for p in (0..3).filter(|&p| p != rank) {
+                    assert_eq!(got[p], p as u64 + 100, "{duplex:?}: rank {rank} from {p}");
+                }
+                // Two channels per peer: a duplex pair dials once per channel, at its lower
+                // rank; otherwise each rank dials its own sends.
+                let both = |a: usize, b: usize| duplex[a] && duplex[b];
+                let expect: usize = (0..3)
+                    .filter(|&p| p != rank)
+                    .map(|p| match (both(rank, p), rank < p) {
+                        (true, true) | (false, _) => 2,
+                        (true, false) => 0,
+                    })
+                    .sum();
+                assert_eq!(dialed, expect, "{duplex:?}: connections rank {rank} opened");
+                assert_eq!(open, (4, 4), "{duplex:?}: rank {rank} has every way open");
+            }
+        }
     }
 }

@@ -155,6 +155,14 @@ pub trait Net: Send + Sync {
     /// eager messages through bounce buffers, no inline sends). Networks that cannot carry
     /// GPU memory ignore it (they never advertise it).
     fn expect_device_buffers(&self) {}
+    /// Whether a connection between the owners of handles `mine` and `theirs` can carry
+    /// messages both ways ([`SendComm::reverse`], [`RecvComm::reverse`]). Both sides must
+    /// answer alike, so it depends on the two handles only. An extension of `ncclNet_t`
+    /// (whose connections go one way): over TCP the peer's data then carries the
+    /// acknowledgements of ours instead of separate packets.
+    fn duplex(&self, _mine: &NetHandle, _theirs: &NetHandle) -> bool {
+        false
+    }
 }
 
 /// The error of a network that cannot register GPU memory.
@@ -221,6 +229,12 @@ pub trait SendComm: Send {
     fn test(&mut self, req: ReqId) -> Result<Option<usize>>;
     /// Descriptors to poll while waiting for progress (empty when nothing is pending).
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// The receiving side of this connection for messages the peer sends back through its
+    /// [`RecvComm::reverse`] (on networks where [`Net::duplex`] says so; once per
+    /// connection, else `None`).
+    fn reverse(&mut self) -> Option<Box<dyn RecvComm>> {
+        None
+    }
 }
 
 /// The receiving side of a connection (`recvComm`).
@@ -287,6 +301,11 @@ pub trait RecvComm: Send {
     }
     /// Descriptors to poll while waiting for progress.
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// The sending side of this connection back to the peer that opened it, received by its
+    /// [`SendComm::reverse`] (see there).
+    fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
+        None
+    }
 }
 
 /// A comm that failed stays failed: refuse further work, naming the first error.

@@ -17,6 +17,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use socket2::{Domain, Protocol, Socket, Type};
 
@@ -50,6 +51,9 @@ pub struct TcpNet {
     split: usize,
     /// `SO_SNDBUF` for sockets to a peer on this host (None: the kernel's autotuning).
     local_sndbuf: Option<usize>,
+    /// Connections carry messages both ways (`ROCCL_TCP_DUPLEX`, default on; see
+    /// [`Net::duplex`]).
+    duplex: bool,
 }
 
 impl TcpNet {
@@ -79,6 +83,7 @@ impl TcpNet {
                 0 => None,
                 b => Some(b),
             },
+            duplex: env_usize("ROCCL_TCP_DUPLEX", 1) != 0,
         })
     }
 
@@ -87,13 +92,22 @@ impl TcpNet {
         self.local_sndbuf.filter(|_| is_local(peer))
     }
 
+    /// Whether this network's handles offer duplex connections (`ROCCL_TCP_DUPLEX`).
+    pub fn with_duplex(mut self, duplex: bool) -> Self {
+        self.duplex = duplex;
+        self
+    }
+
     /// Local address this network listens on.
     pub fn addr(&self) -> IpAddr {
         self.addr
     }
 }
 
-fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize) -> Result<NetHandle> {
+/// Byte of the handle that says whether its listener takes duplex connections.
+const HANDLE_DUPLEX: usize = 32;
+
+fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize, duplex: bool) -> Result<NetHandle> {
     let mut b = [0u8; 48];
     b[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
     b[4] = nsocks as u8;
@@ -109,6 +123,7 @@ fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize) -> Result<NetHandl
     }
     b[6..8].copy_from_slice(&sa.port().to_le_bytes());
     b[24..32].copy_from_slice(&(split as u64).to_le_bytes());
+    b[HANDLE_DUPLEX] = u8::from(duplex);
     NetHandle::from_bytes(&b)
 }
 
@@ -217,16 +232,26 @@ impl Net for TcpNet {
             .ok()
             .and_then(|a| a.as_socket())
             .ok_or_else(|| Error::Internal("listener has no local address".into()))?;
-        let handle = encode_handle(local, self.nsocks, self.split)?;
+        let handle = encode_handle(local, self.nsocks, self.split, self.duplex)?;
         Ok((
             handle,
             Box::new(TcpListen {
                 sock: s,
                 split: self.split,
+                local_sndbuf: self.local_sndbuf,
                 pending: Vec::new(),
                 groups: HashMap::new(),
             }),
         ))
+    }
+
+    /// Both listeners take duplex connections: one connection per pair and channel carries
+    /// both directions, so each side's data carries the acknowledgements of the other's
+    /// (2 ranks, 8 B all-reduce over loopback: one segment per message instead of a data
+    /// segment and a pure ACK; docs/PERFORMANCE.md).
+    fn duplex(&self, mine: &NetHandle, theirs: &NetHandle) -> bool {
+        let ok = |h: &NetHandle| decode_handle(h).is_ok() && h.as_bytes()[HANDLE_DUPLEX] == 1;
+        ok(mine) && ok(theirs)
     }
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
@@ -331,7 +356,7 @@ impl Connecting for TcpConnecting {
         if !all {
             return Ok(None);
         }
-        let socks: Vec<Socket> = self.socks.drain(..).map(|p| p.sock).collect();
+        let socks: Vec<Arc<Socket>> = self.socks.drain(..).map(|p| Arc::new(p.sock)).collect();
         Ok(Some(Box::new(TcpSendComm::new(
             socks, self.split, self.peer,
         ))))
@@ -355,8 +380,11 @@ struct Incoming {
 
 struct TcpListen {
     sock: Socket,
-    /// Split threshold published in our handle; senders cut messages with it.
+    /// Split threshold published in our handle; senders cut messages with it (both ways on
+    /// a duplex connection).
     split: usize,
+    /// `SO_SNDBUF` for sending back to a peer on this host ([`RecvComm::reverse`]).
+    local_sndbuf: Option<usize>,
     pending: Vec<Incoming>,
     groups: HashMap<u64, Vec<Option<Socket>>>,
 }
@@ -427,14 +455,17 @@ impl ListenComm for TcpListen {
                 g[idx] = Some(inc.sock);
             }
             if g.iter().all(Option::is_some) {
-                let socks: Vec<Socket> = self
+                let socks: Vec<Arc<Socket>> = self
                     .groups
                     .remove(&id)
                     .unwrap_or_default()
                     .into_iter()
                     .flatten()
+                    .map(Arc::new)
                     .collect();
-                return Ok(Some(Box::new(TcpRecvComm::new(socks, self.split))));
+                let mut comm = TcpRecvComm::new(socks, self.split);
+                comm.local_sndbuf = self.local_sndbuf;
+                return Ok(Some(Box::new(comm)));
             }
         }
         Ok(None)
@@ -548,8 +579,22 @@ struct SendMsg {
     reaped: bool,
 }
 
+/// Shut a connection's sockets down when one of its sides goes: the peer then reads the end
+/// of the stream instead of waiting. A side whose other side (on a duplex connection) is
+/// still in use shuts down only its own direction.
+fn shut(socks: &[Arc<Socket>], own: std::net::Shutdown) {
+    for s in socks {
+        let how = if Arc::strong_count(s) > 1 {
+            own
+        } else {
+            std::net::Shutdown::Both
+        };
+        let _ = s.shutdown(how);
+    }
+}
+
 struct TcpSendComm {
-    socks: Vec<Socket>,
+    socks: Vec<Arc<Socket>>,
     fds: Vec<i32>,
     split: usize,
     peer: SocketAddr,
@@ -559,10 +604,12 @@ struct TcpSendComm {
     /// Per socket: the message it is sending (absolute sequence number).
     cur: [u64; MAX_SOCKS],
     failed: Option<String>,
+    /// The receiving side was handed out ([`SendComm::reverse`]).
+    reversed: bool,
 }
 
 impl TcpSendComm {
-    fn new(socks: Vec<Socket>, split: usize, peer: SocketAddr) -> Self {
+    fn new(socks: Vec<Arc<Socket>>, split: usize, peer: SocketAddr) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
         TcpSendComm {
             socks,
@@ -573,6 +620,7 @@ impl TcpSendComm {
             base: 0,
             cur: [0; MAX_SOCKS],
             failed: None,
+            reversed: false,
         }
     }
 
@@ -675,13 +723,20 @@ impl SendComm for TcpSendComm {
             }
         }
     }
+
+    /// The same sockets read: the peer's messages back, cut with the split of the peer's
+    /// handle (the one this side cuts with too).
+    fn reverse(&mut self) -> Option<Box<dyn RecvComm>> {
+        if std::mem::replace(&mut self.reversed, true) {
+            return None;
+        }
+        Some(Box::new(TcpRecvComm::new(self.socks.clone(), self.split)))
+    }
 }
 
 impl Drop for TcpSendComm {
     fn drop(&mut self) {
-        for s in &self.socks {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        shut(&self.socks, std::net::Shutdown::Write);
     }
 }
 
@@ -713,7 +768,7 @@ struct Slot {
 }
 
 struct TcpRecvComm {
-    socks: Vec<Socket>,
+    socks: Vec<Arc<Socket>>,
     fds: Vec<i32>,
     split: usize,
     rx: Box<[u8]>,
@@ -726,10 +781,14 @@ struct TcpRecvComm {
     cur: [u64; MAX_SOCKS],
     failed: Option<String>,
     peer: Option<SocketAddr>,
+    /// `SO_SNDBUF` for the sending side back to a peer on this host.
+    local_sndbuf: Option<usize>,
+    /// The sending side was handed out ([`RecvComm::reverse`]).
+    reversed: bool,
 }
 
 impl TcpRecvComm {
-    fn new(socks: Vec<Socket>, split: usize) -> Self {
+    fn new(socks: Vec<Arc<Socket>>, split: usize) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
         let peer = socks
             .first()
@@ -749,6 +808,8 @@ impl TcpRecvComm {
             cur: [0; MAX_SOCKS],
             failed: None,
             peer,
+            local_sndbuf: None,
+            reversed: false,
         }
     }
 
@@ -1018,13 +1079,31 @@ impl RecvComm for TcpRecvComm {
             }
         }
     }
+
+    /// The same sockets written: messages back to the peer that connected, cut with this
+    /// listener's split (the one the peer's side reads with).
+    fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
+        let peer = self.peer?;
+        if std::mem::replace(&mut self.reversed, true) {
+            return None;
+        }
+        if let Some(b) = self.local_sndbuf.filter(|_| is_local(peer.ip())) {
+            for s in &self.socks {
+                // Best effort: the kernel's autotuned buffer also works, a bit slower.
+                let _ = s.set_send_buffer_size(b);
+            }
+        }
+        Some(Box::new(TcpSendComm::new(
+            self.socks.clone(),
+            self.split,
+            peer,
+        )))
+    }
 }
 
 impl Drop for TcpRecvComm {
     fn drop(&mut self) {
-        for s in &self.socks {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        shut(&self.socks, std::net::Shutdown::Read);
     }
 }
 
@@ -1045,7 +1124,84 @@ mod tests {
             nsocks,
             split: 64 * 1024,
             local_sndbuf: Some(LOCAL_SNDBUF),
+            duplex: true,
         }
+    }
+
+    /// Post `sizes` as messages from `s` to `r` (tag 4) and check what arrives.
+    fn exchange(s: &mut dyn SendComm, r: &mut dyn RecvComm, sizes: &[usize], seed: usize) {
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&l| (0..l).map(|i| (i * 7 + l + seed) as u8).collect())
+            .collect();
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&l| vec![0u8; l]).collect();
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        for (d, b) in data.iter().zip(bufs.iter_mut()) {
+            let rb = RecvBuf {
+                ptr: b.as_mut_ptr(),
+                len: b.len(),
+                tag: 4,
+            };
+            // SAFETY: `bufs` and `data` outlive `settle`, which completes every request.
+            unsafe {
+                recvs.push((r.irecv(&[rb]).unwrap().unwrap(), 1));
+                sends.push(s.isend(d.as_ptr(), d.len(), 4, None).unwrap().unwrap());
+            }
+        }
+        let got = settle(s, r, &sends, &recvs);
+        for (i, l) in sizes.iter().enumerate() {
+            assert_eq!(got[i], vec![*l], "size reported");
+            assert!(bufs[i] == data[i], "{l}-byte payload");
+        }
+    }
+
+    #[test]
+    fn a_duplex_connection_carries_messages_both_ways() {
+        let on = net(2);
+        let off = TcpNet {
+            duplex: false,
+            ..net(2)
+        };
+        let (h_on, _l1) = on.listen(0).unwrap();
+        let (h_off, _l2) = off.listen(0).unwrap();
+        assert!(on.duplex(&h_on, &h_on));
+        assert!(!on.duplex(&h_on, &h_off) && !off.duplex(&h_off, &h_on));
+
+        let (mut s, mut r) = pair(&on);
+        let mut back_s = r.reverse().expect("a sending side back");
+        let mut back_r = s.reverse().expect("a receiving side back");
+        assert!(
+            r.reverse().is_none() && s.reverse().is_none(),
+            "each side once"
+        );
+        // Both ways at once, with messages split over both sockets.
+        let sizes = [1usize, 4096, 300_001, 0, 70_000];
+        exchange(&mut *s, &mut *r, &sizes, 1);
+        exchange(&mut *back_s, &mut *back_r, &sizes, 2);
+
+        // The first side gone: the way back still works, and its peer reads the end.
+        drop(s);
+        exchange(&mut *back_s, &mut *back_r, &[5, 200_000], 3);
+        let mut b = [0u8; 8];
+        let rb = RecvBuf {
+            ptr: b.as_mut_ptr(),
+            len: 8,
+            tag: 4,
+        };
+        // SAFETY: `b` outlives the request, which fails below.
+        let q = unsafe { r.irecv(&[rb]) }.unwrap().unwrap();
+        let t0 = std::time::Instant::now();
+        let err = loop {
+            match r.test(q, &mut [0]) {
+                Err(e) => break e.to_string(),
+                Ok(done) => assert!(!done, "nothing was sent"),
+            }
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "the end of the stream never came"
+            );
+        };
+        assert!(err.contains("closed by the peer"), "{err}");
     }
 
     #[test]
