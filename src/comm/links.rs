@@ -322,13 +322,16 @@ impl Links {
         for &(p, c) in &dial {
             let e = self.peer_net[p];
             let ep = &self.endpoints[e];
+            let open = if self.duplex[p] {
+                Net::connect_duplex
+            } else {
+                Net::connect
+            };
             let conn =
-                ep.net
-                    .connect(ep.dev, &self.handles[p][e])
-                    .map_err(|err| Error::Remote {
-                        rank: p,
-                        msg: format!("connecting over {}: {err}", ep.net.name()),
-                    })?;
+                open(&*ep.net, ep.dev, &self.handles[p][e]).map_err(|err| Error::Remote {
+                    rank: p,
+                    msg: format!("connecting over {}: {err}", ep.net.name()),
+                })?;
             connecting.push((p, c, conn));
             self.dialed += 1;
         }

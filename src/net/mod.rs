@@ -163,6 +163,11 @@ pub trait Net: Send + Sync {
     fn duplex(&self, _mine: &NetHandle, _theirs: &NetHandle) -> bool {
         false
     }
+    /// Like [`Net::connect`], for a connection whose sides will be reversed (where
+    /// [`Net::duplex`] says so; other networks connect one way).
+    fn connect_duplex(&self, dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+        self.connect(dev, handle)
+    }
 }
 
 /// The error of a network that cannot register GPU memory.

@@ -35,6 +35,20 @@ const RXBUF: usize = 64 * 1024;
 /// Payload bytes of socket 0 read straight into the destination rather than via the buffer.
 const RX_DIRECT: usize = 16 * 1024;
 const MAX_SOCKS: usize = 8;
+/// Sockets one side of a connection uses: a duplex connection's shared socket and its bulk
+/// sockets of that direction.
+const MAX_FDS: usize = MAX_SOCKS + 1;
+/// Bit of the hello's socket count: the connection is duplex (see [`Layout`]).
+const HELLO_DUPLEX: u16 = 0x8000;
+/// On a duplex connection, payloads up to this size travel with their header on the shared
+/// socket; larger ones on the direction's own sockets (`ROCCL_TCP_DUPLEX_INLINE`). 2 ranks
+/// over loopback: sharing the socket halves the segments of small exchanges (8 B–16 KiB
+/// all-reduce 15–25 % faster) but bulk both ways on one socket is slower (256 KiB–1 MiB
+/// 6–12 %), and a 32 KiB payload away from its header costs 20 µs instead of 12–14;
+/// docs/PERFORMANCE.md.
+fn duplex_inline() -> usize {
+    env_usize("ROCCL_TCP_DUPLEX_INLINE", 64 * 1024)
+}
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -255,7 +269,21 @@ impl Net for TcpNet {
     }
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
-        let (sa, nsocks, split) = decode_handle(handle)?;
+        self.dial(handle, false)
+    }
+
+    fn connect_duplex(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+        self.dial(handle, self.duplex && handle.as_bytes()[HANDLE_DUPLEX] == 1)
+    }
+}
+
+impl TcpNet {
+    /// Open a connection to `handle`'s listener; `duplex`: the shared socket, then each
+    /// direction's own (see [`Layout`]).
+    fn dial(&self, handle: &NetHandle, duplex: bool) -> Result<Box<dyn Connecting>> {
+        let (sa, per_way, split) = decode_handle(handle)?;
+        let nsocks = if duplex { 1 + 2 * per_way } else { per_way };
+        let count = nsocks as u16 | if duplex { HELLO_DUPLEX } else { 0 };
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -281,7 +309,7 @@ impl Net for TcpNet {
             hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
             hello[4..12].copy_from_slice(&id.to_le_bytes());
             hello[12..14].copy_from_slice(&(i as u16).to_le_bytes());
-            hello[14..16].copy_from_slice(&(nsocks as u16).to_le_bytes());
+            hello[14..16].copy_from_slice(&count.to_le_bytes());
             socks.push(PendingSock {
                 sock: s,
                 hello,
@@ -292,7 +320,10 @@ impl Net for TcpNet {
         Ok(Box::new(TcpConnecting {
             peer: sa,
             socks,
-            split,
+            layout: Layout {
+                split,
+                inline: duplex.then(duplex_inline),
+            },
         }))
     }
 }
@@ -307,7 +338,17 @@ struct PendingSock {
 struct TcpConnecting {
     peer: SocketAddr,
     socks: Vec<PendingSock>,
-    split: usize,
+    layout: Layout,
+}
+
+/// A connection's sockets: those of the direction of its opener (the shared one first) and,
+/// on a duplex connection, those of the way back.
+fn ways(mut socks: Vec<Arc<Socket>>, duplex: bool) -> (Vec<Arc<Socket>>, Vec<Arc<Socket>>) {
+    if !duplex {
+        return (socks, Vec::new());
+    }
+    let back = socks.split_off(1 + (socks.len() - 1) / 2);
+    (socks, back)
 }
 
 fn poll_one(fd: i32, events: i16) -> bool {
@@ -357,8 +398,12 @@ impl Connecting for TcpConnecting {
             return Ok(None);
         }
         let socks: Vec<Arc<Socket>> = self.socks.drain(..).map(|p| Arc::new(p.sock)).collect();
+        let (own, back) = ways(socks, self.layout.inline.is_some());
         Ok(Some(Box::new(TcpSendComm::new(
-            socks, self.split, self.peer,
+            own,
+            back,
+            self.layout,
+            self.peer,
         ))))
     }
 
@@ -386,7 +431,8 @@ struct TcpListen {
     /// `SO_SNDBUF` for sending back to a peer on this host ([`RecvComm::reverse`]).
     local_sndbuf: Option<usize>,
     pending: Vec<Incoming>,
-    groups: HashMap<u64, Vec<Option<Socket>>>,
+    /// Sockets of connections still arriving, by connection id, and whether it is duplex.
+    groups: HashMap<u64, (bool, Vec<Option<Socket>>)>,
 }
 
 impl ListenComm for TcpListen {
@@ -443,27 +489,37 @@ impl ListenComm for TcpListen {
             }
             let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
             let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
-            let n = u16::from_le_bytes([h[14], h[15]]) as usize;
-            if n == 0 || n > MAX_SOCKS || idx >= n {
+            let count = u16::from_le_bytes([h[14], h[15]]);
+            let duplex = count & HELLO_DUPLEX != 0;
+            let n = (count & !HELLO_DUPLEX) as usize;
+            let per_way = if duplex { n.saturating_sub(1) / 2 } else { n };
+            let shape_ok = !duplex || n % 2 == 1;
+            if per_way == 0 || per_way > MAX_SOCKS || idx >= n || !shape_ok {
                 continue;
             }
             let g = self
                 .groups
                 .entry(id)
-                .or_insert_with(|| (0..n).map(|_| None).collect());
-            if g.len() == n {
-                g[idx] = Some(inc.sock);
+                .or_insert_with(|| (duplex, (0..n).map(|_| None).collect()));
+            if g.1.len() == n && g.0 == duplex {
+                g.1[idx] = Some(inc.sock);
             }
-            if g.iter().all(Option::is_some) {
+            if g.1.iter().all(Option::is_some) {
                 let socks: Vec<Arc<Socket>> = self
                     .groups
                     .remove(&id)
+                    .map(|g| g.1)
                     .unwrap_or_default()
                     .into_iter()
                     .flatten()
                     .map(Arc::new)
                     .collect();
-                let mut comm = TcpRecvComm::new(socks, self.split);
+                let (own, back) = ways(socks, duplex);
+                let layout = Layout {
+                    split: self.split,
+                    inline: duplex.then(duplex_inline),
+                };
+                let mut comm = TcpRecvComm::new(own, back, layout);
                 comm.local_sndbuf = self.local_sndbuf;
                 return Ok(Some(Box::new(comm)));
             }
@@ -545,6 +601,34 @@ fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
     }
 }
 
+/// Where one direction of a connection puts a message's bytes. Socket 0 carries every
+/// header, in post order. One-way connections: payloads of at least `split` bytes are cut
+/// over all sockets, smaller ones ride with their header. Duplex connections: socket 0 is
+/// shared by both directions and carries payloads up to `inline` bytes; larger payloads go
+/// on the direction's own sockets 1.. (cut over them from `split`).
+#[derive(Clone, Copy)]
+struct Layout {
+    split: usize,
+    /// `Some(inline)` on a duplex connection.
+    inline: Option<usize>,
+}
+
+impl Layout {
+    /// Byte range of part `j` of a `len`-byte payload over `n` sockets.
+    fn part(&self, len: usize, j: usize, n: usize) -> (usize, usize) {
+        match self.inline {
+            Some(max) if n > 1 && len > max => {
+                if j == 0 {
+                    (0, 0)
+                } else {
+                    part(len, j - 1, n - 1, self.split)
+                }
+            }
+            _ => part(len, j, n, self.split),
+        }
+    }
+}
+
 /// Byte range of part `j` of a `len`-byte payload split over `n` sockets.
 fn part(len: usize, j: usize, n: usize, split: usize) -> (usize, usize) {
     if n == 1 || len < split {
@@ -574,7 +658,7 @@ struct SendMsg {
     len: usize,
     hdr: [u8; HDR],
     /// Bytes sent on each socket (socket 0 counts the header).
-    off: [usize; MAX_SOCKS],
+    off: [usize; MAX_FDS],
     parts_left: u8,
     reaped: bool,
 }
@@ -595,32 +679,37 @@ fn shut(socks: &[Arc<Socket>], own: std::net::Shutdown) {
 
 struct TcpSendComm {
     socks: Vec<Arc<Socket>>,
+    /// A duplex connection's sockets of the way back, until [`SendComm::reverse`].
+    back: Vec<Arc<Socket>>,
     fds: Vec<i32>,
-    split: usize,
+    layout: Layout,
     peer: SocketAddr,
     msgs: VecDeque<SendMsg>,
     /// Sequence number of `msgs[0]`.
     base: u64,
     /// Per socket: the message it is sending (absolute sequence number).
-    cur: [u64; MAX_SOCKS],
+    cur: [u64; MAX_FDS],
     failed: Option<String>,
-    /// The receiving side was handed out ([`SendComm::reverse`]).
-    reversed: bool,
 }
 
 impl TcpSendComm {
-    fn new(socks: Vec<Arc<Socket>>, split: usize, peer: SocketAddr) -> Self {
+    fn new(
+        socks: Vec<Arc<Socket>>,
+        back: Vec<Arc<Socket>>,
+        layout: Layout,
+        peer: SocketAddr,
+    ) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
         TcpSendComm {
             socks,
+            back,
             fds,
-            split,
+            layout,
             peer,
             msgs: VecDeque::with_capacity(MAX_REQUESTS),
             base: 0,
-            cur: [0; MAX_SOCKS],
+            cur: [0; MAX_FDS],
             failed: None,
-            reversed: false,
         }
     }
 
@@ -636,7 +725,7 @@ impl TcpSendComm {
         for j in 0..n {
             while self.cur[j] < end {
                 let m = &mut self.msgs[(self.cur[j] - self.base) as usize];
-                let (s, e) = part(m.len, j, n, self.split);
+                let (s, e) = self.layout.part(m.len, j, n);
                 let hdr = if j == 0 { HDR } else { 0 };
                 let total = hdr + (e - s);
                 if m.off[j] < total {
@@ -689,7 +778,7 @@ impl SendComm for TcpSendComm {
             addr: data as usize,
             len,
             hdr,
-            off: [0; MAX_SOCKS],
+            off: [0; MAX_FDS],
             parts_left: self.fds.len() as u8,
             reaped: false,
         });
@@ -724,19 +813,22 @@ impl SendComm for TcpSendComm {
         }
     }
 
-    /// The same sockets read: the peer's messages back, cut with the split of the peer's
-    /// handle (the one this side cuts with too).
+    /// The shared socket and the sockets of the way back read: the peer's messages back,
+    /// laid out as this side lays out its own.
     fn reverse(&mut self) -> Option<Box<dyn RecvComm>> {
-        if std::mem::replace(&mut self.reversed, true) {
+        if self.back.is_empty() {
             return None;
         }
-        Some(Box::new(TcpRecvComm::new(self.socks.clone(), self.split)))
+        let mut socks = vec![Arc::clone(&self.socks[0])];
+        socks.append(&mut self.back);
+        Some(Box::new(TcpRecvComm::new(socks, Vec::new(), self.layout)))
     }
 }
 
 impl Drop for TcpSendComm {
     fn drop(&mut self) {
         shut(&self.socks, std::net::Shutdown::Write);
+        shut(&self.back, std::net::Shutdown::Both);
     }
 }
 
@@ -763,14 +855,16 @@ struct Slot {
     len: usize,
     dst: usize,
     known: bool,
-    off: [usize; MAX_SOCKS],
+    off: [usize; MAX_FDS],
     parts_left: u8,
 }
 
 struct TcpRecvComm {
     socks: Vec<Arc<Socket>>,
+    /// A duplex connection's sockets of the way back, until [`RecvComm::reverse`].
+    back: Vec<Arc<Socket>>,
     fds: Vec<i32>,
-    split: usize,
+    layout: Layout,
     rx: Box<[u8]>,
     rx_start: usize,
     rx_end: usize,
@@ -778,17 +872,15 @@ struct TcpRecvComm {
     req_base: u64,
     slots: VecDeque<Slot>,
     slot_base: u64,
-    cur: [u64; MAX_SOCKS],
+    cur: [u64; MAX_FDS],
     failed: Option<String>,
     peer: Option<SocketAddr>,
     /// `SO_SNDBUF` for the sending side back to a peer on this host.
     local_sndbuf: Option<usize>,
-    /// The sending side was handed out ([`RecvComm::reverse`]).
-    reversed: bool,
 }
 
 impl TcpRecvComm {
-    fn new(socks: Vec<Arc<Socket>>, split: usize) -> Self {
+    fn new(socks: Vec<Arc<Socket>>, back: Vec<Arc<Socket>>, layout: Layout) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
         let peer = socks
             .first()
@@ -796,8 +888,9 @@ impl TcpRecvComm {
             .and_then(|a| a.as_socket());
         TcpRecvComm {
             socks,
+            back,
             fds,
-            split,
+            layout,
             rx: vec![0u8; RXBUF].into_boxed_slice(),
             rx_start: 0,
             rx_end: 0,
@@ -805,11 +898,10 @@ impl TcpRecvComm {
             req_base: 0,
             slots: VecDeque::with_capacity(MAX_REQUESTS * 2),
             slot_base: 0,
-            cur: [0; MAX_SOCKS],
+            cur: [0; MAX_FDS],
             failed: None,
             peer,
             local_sndbuf: None,
-            reversed: false,
         }
     }
 
@@ -885,7 +977,7 @@ impl TcpRecvComm {
         slot.known = true;
         slot.parts_left = (0..n)
             .filter(|&j| {
-                let (s, e) = part(len, j, n, self.split);
+                let (s, e) = self.layout.part(len, j, n);
                 e > s || j == 0
             })
             .count() as u8;
@@ -921,7 +1013,7 @@ impl TcpRecvComm {
                 }
                 self.take_header(si)?;
             }
-            let (s, e) = part(self.slots[si].len, 0, n, self.split);
+            let (s, e) = self.layout.part(self.slots[si].len, 0, n);
             loop {
                 let slot = &mut self.slots[si];
                 let want = (e - s) - slot.off[0];
@@ -967,7 +1059,7 @@ impl TcpRecvComm {
                 if !slot.known {
                     break;
                 }
-                let (s, e) = part(slot.len, j, n, self.split);
+                let (s, e) = self.layout.part(slot.len, j, n);
                 if e == s {
                     self.cur[j] += 1;
                     continue;
@@ -1034,7 +1126,7 @@ impl RecvComm for TcpRecvComm {
                 len: 0,
                 dst: 0,
                 known: false,
-                off: [0; MAX_SOCKS],
+                off: [0; MAX_FDS],
                 parts_left: 0,
             });
         }
@@ -1080,22 +1172,25 @@ impl RecvComm for TcpRecvComm {
         }
     }
 
-    /// The same sockets written: messages back to the peer that connected, cut with this
-    /// listener's split (the one the peer's side reads with).
+    /// The shared socket and the sockets of the way back written: messages back to the
+    /// peer that connected, laid out as it lays out its own.
     fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
         let peer = self.peer?;
-        if std::mem::replace(&mut self.reversed, true) {
+        if self.back.is_empty() {
             return None;
         }
+        let mut socks = vec![Arc::clone(&self.socks[0])];
+        socks.append(&mut self.back);
         if let Some(b) = self.local_sndbuf.filter(|_| is_local(peer.ip())) {
-            for s in &self.socks {
+            for s in &socks {
                 // Best effort: the kernel's autotuned buffer also works, a bit slower.
                 let _ = s.set_send_buffer_size(b);
             }
         }
         Some(Box::new(TcpSendComm::new(
-            self.socks.clone(),
-            self.split,
+            socks,
+            Vec::new(),
+            self.layout,
             peer,
         )))
     }
@@ -1104,6 +1199,7 @@ impl RecvComm for TcpRecvComm {
 impl Drop for TcpRecvComm {
     fn drop(&mut self) {
         shut(&self.socks, std::net::Shutdown::Read);
+        shut(&self.back, std::net::Shutdown::Both);
     }
 }
 
@@ -1167,7 +1263,24 @@ mod tests {
         assert!(on.duplex(&h_on, &h_on));
         assert!(!on.duplex(&h_on, &h_off) && !off.duplex(&h_off, &h_on));
 
+        // A plain connection goes one way.
         let (mut s, mut r) = pair(&on);
+        assert!(
+            r.reverse().is_none() && s.reverse().is_none(),
+            "one-way connection"
+        );
+        let (h, mut l) = on.listen(0).unwrap();
+        let mut c = on.connect_duplex(0, &h).unwrap();
+        let (mut s, mut r) = loop {
+            if let Some(s) = c.poll().unwrap() {
+                break loop {
+                    if let Some(r) = l.accept().unwrap() {
+                        break (s, r);
+                    }
+                };
+            }
+            assert!(l.accept().unwrap().is_none());
+        };
         let mut back_s = r.reverse().expect("a sending side back");
         let mut back_r = s.reverse().expect("a receiving side back");
         assert!(
