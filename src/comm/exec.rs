@@ -1003,9 +1003,21 @@ impl<'a> Exec<'a> {
             }
             return crate::device::copy_now(dev, d.0, s.0, d.1);
         }
-        // SAFETY: both ranges lie in borrowed buffers and are free of requests (slices);
-        // `copy` handles overlap.
-        unsafe { std::ptr::copy(s.0 as *const u8, d.0 as *mut u8, d.1) };
+        if Self::overlaps(d, s) {
+            // SAFETY: both ranges lie in borrowed buffers and are free of requests (slices);
+            // `copy` handles overlap.
+            unsafe { std::ptr::copy(s.0 as *const u8, d.0 as *mut u8, d.1) };
+        } else {
+            // SAFETY: both ranges lie in borrowed buffers, are free of requests (slices) and
+            // do not overlap, so one may be written while the other is read.
+            let (dst, src) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(d.0 as *mut u8, d.1),
+                    std::slice::from_raw_parts(s.0 as *const u8, d.1),
+                )
+            };
+            crate::algo::shm::copy_large(dst, src);
+        }
         Ok(())
     }
 
