@@ -550,7 +550,19 @@ impl Node {
     ) -> Result<()> {
         let addr = self.published(r, k, output, off, out.len())?;
         super::cma_read(self.cma_pids[r] as i32, addr, out)
-            .map_err(|e| self.cma_error(r, "process_vm_readv", e))
+            .map_err(|e| self.cma_error(r, "process_vm_readv", e))?;
+        // Rank `r` may have given up on this call (a timeout) and handed its buffer back to
+        // the application while we copied out of it. A failing rank marks its communicator
+        // broken before its call returns, so a copy that may have seen the buffer change
+        // sees the mark here and is not reported as data.
+        fence(Ordering::SeqCst);
+        if header(self.seg(r)).broken.load(Ordering::SeqCst) != 0 {
+            return Err(Error::Remote {
+                rank: r,
+                msg: "its communicator failed while this rank copied from its buffer, so the copy may hold what the application wrote there afterwards".into(),
+            });
+        }
+        Ok(())
     }
 
     /// Length of the source rank `r` published for call `k` ([`Node::set_direct`]).
@@ -940,6 +952,60 @@ mod tests {
         assert!(!reached(4, 5));
         assert!(reached(2, u32::MAX));
         assert!(!reached(u32::MAX, 2));
+    }
+
+    /// Two ranks' nodes in this process (process_vm_readv reads our own memory).
+    fn pair(w: &Waiter) -> (Node, Node) {
+        let tag = u64::from(std::process::id()) << 20 ^ 0x5eed;
+        let segs: Vec<NodeSeg> = (0..2)
+            .map(|r| NodeSeg::create(tag, r, 4096).unwrap())
+            .collect();
+        let mut nodes: Vec<Node> = std::thread::scope(|s| {
+            let hs: Vec<_> = segs
+                .into_iter()
+                .enumerate()
+                .map(|(r, seg)| s.spawn(move || Node::attach(seg, tag, r, 2, w)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap().unwrap().expect("attached"))
+                .collect()
+        });
+        let b = nodes.pop().unwrap();
+        (nodes.pop().unwrap(), b)
+    }
+
+    #[test]
+    fn a_copy_from_a_rank_that_failed_meanwhile_is_an_error() {
+        let w = Waiter {
+            timeout: Duration::from_secs(10),
+            ..Waiter::from_env()
+        };
+        let abort = AtomicBool::new(false);
+        let (mut a, mut b) = pair(&w);
+        assert!(a.cma() && b.cma(), "process_vm_readv on our own process");
+        let src: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let mut out = vec![0u8; src.len()];
+        for fail in [false, true] {
+            let k = a.begin([5000, 1], &w, &abort).unwrap();
+            assert_eq!(b.begin([5000, 1], &w, &abort).unwrap(), k);
+            a.set_direct(k, &src);
+            a.publish(Counter::Arrive, k);
+            if fail {
+                // Rank 0 gives up after publishing its buffer, before rank 1 copies it.
+                a.mark_broken();
+            }
+            b.publish(Counter::Arrive, k);
+            b.wait_one(0, Counter::Arrive, k, &w, &abort).unwrap();
+            let r = b.read_direct(0, k, &mut out);
+            if fail {
+                let e = r.expect_err("copied from a rank that failed").to_string();
+                assert!(e.contains("rank 0") && e.contains("failed"), "{e}");
+            } else {
+                r.unwrap();
+                assert_eq!(out, src);
+                a.wait_one(1, Counter::Arrive, k, &w, &abort).unwrap();
+            }
+        }
     }
 
     #[test]
