@@ -31,6 +31,9 @@ const HANDLE_MAGIC: u32 = 0x5043_5452; // "RTCP"
 const HELLO_MAGIC: u32 = 0x4f4c_4548; // "HELO"
 const MSG_MAGIC: u32 = 0x4753_4d52; // "RMSG"
 const HDR: usize = 16;
+/// Bits of a header's first word that hold the payload length (the top 16 hold the message's
+/// number).
+const LEN_MASK: u64 = (1 << 48) - 1;
 const RXBUF: usize = 64 * 1024;
 /// Payload bytes of socket 0 read straight into the destination rather than via the buffer.
 const RX_DIRECT: usize = 16 * 1024;
@@ -614,6 +617,16 @@ struct Layout {
 }
 
 impl Layout {
+    /// The socket that carries a `len`-byte message's header (and its part there): on a
+    /// duplex connection a payload too large to share socket 0 travels with its header on
+    /// the direction's first own socket, so it costs one segment there, not one on each.
+    fn head(&self, len: usize, n: usize) -> usize {
+        match self.inline {
+            Some(max) if n > 1 && len > max => 1,
+            _ => 0,
+        }
+    }
+
     /// Byte range of part `j` of a `len`-byte payload over `n` sockets.
     fn part(&self, len: usize, j: usize, n: usize) -> (usize, usize) {
         match self.inline {
@@ -624,7 +637,9 @@ impl Layout {
                     part(len, j - 1, n - 1, self.split)
                 }
             }
-            _ => part(len, j, n, self.split),
+            // Whole on the shared socket, however `split` compares.
+            Some(_) => part(len, j, 1, self.split),
+            None => part(len, j, n, self.split),
         }
     }
 }
@@ -726,7 +741,11 @@ impl TcpSendComm {
             while self.cur[j] < end {
                 let m = &mut self.msgs[(self.cur[j] - self.base) as usize];
                 let (s, e) = self.layout.part(m.len, j, n);
-                let hdr = if j == 0 { HDR } else { 0 };
+                let hdr = if j == self.layout.head(m.len, n) {
+                    HDR
+                } else {
+                    0
+                };
                 let total = hdr + (e - s);
                 if m.off[j] < total {
                     let o = m.off[j];
@@ -769,11 +788,18 @@ impl SendComm for TcpSendComm {
         if self.msgs.len() >= MAX_REQUESTS {
             return Ok(None);
         }
+        if len as u64 > LEN_MASK {
+            return Err(Error::arg(format!(
+                "a TCP message of {len} bytes: at most {LEN_MASK} bytes per message"
+            )));
+        }
         let mut hdr = [0u8; HDR];
-        hdr[0..8].copy_from_slice(&(len as u64).to_le_bytes());
+        // The message's number (mod 2^16) in the top bits of the length: on a duplex
+        // connection messages arrive on two sockets and the receiver takes them in order.
+        let seq = self.base + self.msgs.len() as u64;
+        hdr[0..8].copy_from_slice(&(len as u64 & LEN_MASK | seq << 48).to_le_bytes());
         hdr[8..12].copy_from_slice(&tag.to_le_bytes());
         hdr[12..16].copy_from_slice(&MSG_MAGIC.to_le_bytes());
-        let seq = self.base + self.msgs.len() as u64;
         self.msgs.push_back(SendMsg {
             addr: data as usize,
             len,
@@ -855,6 +881,8 @@ struct Slot {
     len: usize,
     dst: usize,
     known: bool,
+    /// The socket that carried the header (see [`Layout::head`]).
+    head: u8,
     off: [usize; MAX_FDS],
     parts_left: u8,
 }
@@ -877,6 +905,16 @@ struct TcpRecvComm {
     peer: Option<SocketAddr>,
     /// `SO_SNDBUF` for the sending side back to a peer on this host.
     local_sndbuf: Option<usize>,
+    /// Duplex connection: the header read so far from socket 1 (`hdr1_got` bytes).
+    hdr1: [u8; HDR],
+    hdr1_got: usize,
+    /// Socket 1 reached the end of the peer's stream.
+    hdr1_end: bool,
+    /// Socket 0 reached the end of the peer's stream (duplex: socket 1 may still hold
+    /// messages).
+    rx_end_seen: bool,
+    /// Number (mod 2^16) of the next message to take.
+    seq: u16,
 }
 
 impl TcpRecvComm {
@@ -902,6 +940,11 @@ impl TcpRecvComm {
             failed: None,
             peer,
             local_sndbuf: None,
+            hdr1: [0; HDR],
+            hdr1_got: 0,
+            hdr1_end: false,
+            rx_end_seen: false,
+            seq: 0,
         }
     }
 
@@ -920,6 +963,11 @@ impl TcpRecvComm {
 
     /// Fill the socket-0 buffer; returns bytes read (0 = would block).
     fn fill_rx(&mut self) -> Result<usize> {
+        self.fill_rx_or_end()?.ok_or_else(|| self.eof())
+    }
+
+    /// [`TcpRecvComm::fill_rx`], with the end of the peer's stream as `None`.
+    fn fill_rx_or_end(&mut self) -> Result<Option<usize>> {
         if self.rx_start == self.rx_end {
             self.rx_start = 0;
             self.rx_end = 0;
@@ -931,29 +979,119 @@ impl TcpRecvComm {
         let free = RXBUF - self.rx_end;
         let ptr = self.rx[self.rx_end..].as_mut_ptr();
         match recv_raw(self.fds[0], ptr, free) {
-            Ok(0) => Err(self.eof()),
+            Ok(0) => Ok(None),
             Ok(n) => {
                 self.rx_end += n;
-                Ok(n)
+                Ok(Some(n))
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Some(0)),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Some(0)),
             Err(e) => Err(io_err("TCP receive", self.peer, e)),
         }
     }
 
-    /// Parse a header for slot `si` from the buffer.
-    fn take_header(&mut self, si: usize) -> Result<()> {
-        let h = &self.rx[self.rx_start..self.rx_start + HDR];
-        let len = u64::from_le_bytes(h[0..8].try_into().unwrap()) as usize;
+    /// Find the header of the next message: in the buffer of socket 0, or (duplex) read
+    /// from socket 1, whichever carries the message numbered `seq`. `Some(socket)` with
+    /// the header taken into slot `si`; `None` when it has not arrived.
+    fn next_header(&mut self, si: usize) -> Result<Option<usize>> {
+        let number = |h: &[u8]| (u64::from_le_bytes(h[0..8].try_into().unwrap()) >> 48) as u16;
+        loop {
+            let buffered = self.rx_end - self.rx_start >= HDR;
+            if self.layout.inline.is_none() || self.fds.len() < 2 {
+                if !buffered {
+                    if self.fill_rx()? == 0 {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+                let h: [u8; HDR] = self.rx[self.rx_start..self.rx_start + HDR]
+                    .try_into()
+                    .unwrap();
+                self.rx_start += HDR;
+                self.take_header(si, &h, false)?;
+                return Ok(Some(0));
+            }
+            if buffered && number(&self.rx[self.rx_start..self.rx_start + HDR]) == self.seq {
+                let h: [u8; HDR] = self.rx[self.rx_start..self.rx_start + HDR]
+                    .try_into()
+                    .unwrap();
+                self.rx_start += HDR;
+                self.take_header(si, &h, true)?;
+                return Ok(Some(0));
+            }
+            if self.hdr1_got == HDR {
+                if number(&self.hdr1) != self.seq && buffered {
+                    return Err(Error::Internal(format!(
+                        "TCP stream out of sync: message {} due, sockets 0 and 1 hold {} and {}",
+                        self.seq,
+                        number(&self.rx[self.rx_start..self.rx_start + HDR]),
+                        number(&self.hdr1)
+                    )));
+                }
+                if number(&self.hdr1) == self.seq {
+                    let h = self.hdr1;
+                    self.hdr1_got = 0;
+                    self.take_header(si, &h, true)?;
+                    return Ok(Some(1));
+                }
+            }
+            // Read on: socket 0 into its buffer, socket 1 only up to the end of a header. The
+            // end of the peer's stream on one socket is an error only mid-header or once the
+            // other has ended too: messages it sent on the other before it left may still be
+            // coming.
+            let mut moved = false;
+            if !buffered && !self.rx_end_seen {
+                match self.fill_rx_or_end()? {
+                    Some(k) => moved = k > 0,
+                    None if self.rx_end > self.rx_start => return Err(self.eof()),
+                    None => self.rx_end_seen = true,
+                }
+            }
+            if self.hdr1_got < HDR && !self.hdr1_end {
+                let at = self.hdr1[self.hdr1_got..].as_mut_ptr();
+                match recv_raw(self.fds[1], at, HDR - self.hdr1_got) {
+                    Ok(0) if self.hdr1_got == 0 => self.hdr1_end = true,
+                    Ok(0) => return Err(self.eof()),
+                    Ok(k) => {
+                        self.hdr1_got += k;
+                        moved = true;
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                        ) => {}
+                    Err(e) => return Err(io_err("TCP receive", self.peer, e)),
+                }
+            }
+            if self.rx_end_seen && self.hdr1_end {
+                return Err(self.eof());
+            }
+            if !moved {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Take header `h` into slot `si` (`numbered`: check its number against `seq`).
+    fn take_header(&mut self, si: usize, h: &[u8; HDR], numbered: bool) -> Result<()> {
+        let word = u64::from_le_bytes(h[0..8].try_into().unwrap());
+        let len = (word & LEN_MASK) as usize;
         let tag = u32::from_le_bytes(h[8..12].try_into().unwrap());
         let magic = u32::from_le_bytes(h[12..16].try_into().unwrap());
-        self.rx_start += HDR;
         if magic != MSG_MAGIC {
             return Err(Error::Internal(
                 "TCP stream out of sync (bad message magic): the peer speaks another protocol version".into(),
             ));
         }
+        if numbered && (word >> 48) as u16 != self.seq {
+            return Err(Error::Internal(format!(
+                "TCP stream out of sync: message {} arrived where {} was due",
+                word >> 48,
+                self.seq
+            )));
+        }
+        self.seq = self.seq.wrapping_add(1);
         let n = self.fds.len();
         let slot = &mut self.slots[si];
         let r = &mut self.reqs[(slot.req - self.req_base) as usize];
@@ -1002,16 +1140,40 @@ impl TcpRecvComm {
     fn progress_inner(&mut self) -> Result<()> {
         let n = self.fds.len();
         let end = self.slot_base + self.slots.len() as u64;
-        // Socket 0: headers and part 0, through the buffer for small pieces.
+        // Messages in order: each one's header, then its part on socket 0 (through the buffer
+        // for small pieces) or, on a duplex connection, the part that came with the header
+        // on socket 1; further parts are read below.
         'sock0: while self.cur[0] < end {
             let si = (self.cur[0] - self.slot_base) as usize;
             if !self.slots[si].known {
-                while self.rx_end - self.rx_start < HDR {
-                    if self.fill_rx()? == 0 {
-                        break 'sock0;
+                let Some(head) = self.next_header(si)? else {
+                    break 'sock0;
+                };
+                self.slots[si].head = head as u8;
+            }
+            if self.slots[si].head == 1 {
+                // Socket 0 carries nothing of this message: its empty part is done once
+                // (`off[0]` = 1 marks it).
+                if self.slots[si].off[0] == 0 {
+                    self.slots[si].off[0] = 1;
+                    self.finish_part(si);
+                }
+                let (s, e) = self.layout.part(self.slots[si].len, 1, n);
+                while self.slots[si].off[1] < e - s {
+                    let slot = &mut self.slots[si];
+                    let want = (e - s) - slot.off[1];
+                    let dst = slot.dst + s + slot.off[1];
+                    match recv_raw(self.fds[1], dst as *mut u8, want) {
+                        Ok(0) => return Err(self.eof()),
+                        Ok(k) => slot.off[1] += k,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(io_err("TCP receive", self.peer, e)),
                     }
                 }
-                self.take_header(si)?;
+                self.finish_part(si);
+                self.cur[0] += 1;
+                continue;
             }
             let (s, e) = self.layout.part(self.slots[si].len, 0, n);
             loop {
@@ -1051,8 +1213,10 @@ impl TcpRecvComm {
             self.finish_part(si);
             self.cur[0] += 1;
         }
-        // Sockets 1..n: large parts straight into the destination.
-        for j in 1..n {
+        // Sockets 1..n: large parts straight into the destination (on a duplex connection,
+        // socket 1's parts come with their headers, above).
+        let first = if self.layout.inline.is_some() { 2 } else { 1 };
+        for j in first..n {
             while self.cur[j] < end {
                 let si = (self.cur[j] - self.slot_base) as usize;
                 let slot = &mut self.slots[si];
@@ -1126,6 +1290,7 @@ impl RecvComm for TcpRecvComm {
                 len: 0,
                 dst: 0,
                 known: false,
+                head: 0,
                 off: [0; MAX_FDS],
                 parts_left: 0,
             });
@@ -1287,13 +1452,61 @@ mod tests {
             r.reverse().is_none() && s.reverse().is_none(),
             "each side once"
         );
-        // Both ways at once, with messages split over both sockets.
-        let sizes = [1usize, 4096, 300_001, 0, 70_000];
+        // Both ways at once; small payloads share socket 0, larger ones come with their
+        // header on the direction's first own socket (split over both from 64 KiB), in
+        // any interleaving.
+        let inline = duplex_inline();
+        let sizes = [
+            1usize,
+            4096,
+            300_001,
+            0,
+            70_000,
+            inline,
+            inline + 1,
+            5,
+            200_000,
+            3,
+        ];
         exchange(&mut *s, &mut *r, &sizes, 1);
         exchange(&mut *back_s, &mut *back_r, &sizes, 2);
 
-        // The first side gone: the way back still works, and its peer reads the end.
+        // Messages sent just before the first side goes, the last ones on its own socket:
+        // all arrive although the shared socket ends first.
+        let last: Vec<Vec<u8>> = [7usize, 100_000, 90_000]
+            .iter()
+            .map(|&l| (0..l).map(|i| (i % 251) as u8).collect())
+            .collect();
+        // SAFETY: `last` outlives the sends, which complete before `s` goes.
+        let reqs: Vec<ReqId> = last
+            .iter()
+            .map(|d| {
+                unsafe { s.isend(d.as_ptr(), d.len(), 4, None) }
+                    .unwrap()
+                    .unwrap()
+            })
+            .collect();
+        for q in reqs {
+            while s.test(q).unwrap().is_none() {}
+        }
         drop(s);
+        for d in &last {
+            let mut b = vec![0u8; d.len()];
+            let rb = RecvBuf {
+                ptr: b.as_mut_ptr(),
+                len: b.len(),
+                tag: 4,
+            };
+            // SAFETY: `b` outlives the request, completed below.
+            let q = unsafe { r.irecv(&[rb]) }.unwrap().unwrap();
+            while !r.test(q, &mut [0]).unwrap() {}
+            assert!(
+                &b == d,
+                "{}-byte message sent before the side went",
+                d.len()
+            );
+        }
+        // The way back still works, and the first side's peer reads the end.
         exchange(&mut *back_s, &mut *back_r, &[5, 200_000], 3);
         let mut b = [0u8; 8];
         let rb = RecvBuf {
