@@ -44,13 +44,13 @@ const MAX_FDS: usize = MAX_SOCKS + 1;
 /// Bit of the hello's socket count: the connection is duplex (see [`Layout`]).
 const HELLO_DUPLEX: u16 = 0x8000;
 /// On a duplex connection, payloads up to this size travel with their header on the shared
-/// socket; larger ones on the direction's own sockets (`ROCCL_TCP_DUPLEX_INLINE`). 2 ranks
-/// over loopback: sharing the socket halves the segments of small exchanges (8 B–16 KiB
-/// all-reduce 15–25 % faster) but bulk both ways on one socket is slower (256 KiB–1 MiB
-/// 6–12 %), and a 32 KiB payload away from its header costs 20 µs instead of 12–14;
-/// docs/PERFORMANCE.md.
+/// socket, where the peer's data carries their acknowledgement; larger ones with their header
+/// on the direction's own sockets (`ROCCL_TCP_DUPLEX_INLINE`). 2 ranks over loopback: 8 B–8
+/// KiB all-reduces 10–17 % faster than over one-way connections, 32 KiB–1 MiB the same or
+/// better; bulk both ways on the shared socket is slower (the directions contend for it), and
+/// so is 32 KiB there (13.6–14.4 µs against 11.8); docs/PERFORMANCE.md.
 fn duplex_inline() -> usize {
-    env_usize("ROCCL_TCP_DUPLEX_INLINE", 64 * 1024)
+    env_usize("ROCCL_TCP_DUPLEX_INLINE", 16 * 1024)
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -915,6 +915,8 @@ struct TcpRecvComm {
     rx_end_seen: bool,
     /// Number (mod 2^16) of the next message to take.
     seq: u16,
+    /// The socket that carried the last header.
+    last_head: u8,
 }
 
 impl TcpRecvComm {
@@ -944,6 +946,7 @@ impl TcpRecvComm {
             hdr1_got: 0,
             hdr1_end: false,
             rx_end_seen: false,
+            last_head: 0,
             seq: 0,
         }
     }
@@ -1039,29 +1042,39 @@ impl TcpRecvComm {
             // end of the peer's stream on one socket is an error only mid-header or once the
             // other has ended too: messages it sent on the other before it left may still be
             // coming.
+            // The socket of the last message first: a run of large (or small) messages then
+            // costs no system call on the other socket.
             let mut moved = false;
-            if !buffered && !self.rx_end_seen {
-                match self.fill_rx_or_end()? {
-                    Some(k) => moved = k > 0,
-                    None if self.rx_end > self.rx_start => return Err(self.eof()),
-                    None => self.rx_end_seen = true,
-                }
-            }
-            if self.hdr1_got < HDR && !self.hdr1_end {
-                let at = self.hdr1[self.hdr1_got..].as_mut_ptr();
-                match recv_raw(self.fds[1], at, HDR - self.hdr1_got) {
-                    Ok(0) if self.hdr1_got == 0 => self.hdr1_end = true,
-                    Ok(0) => return Err(self.eof()),
-                    Ok(k) => {
-                        self.hdr1_got += k;
-                        moved = true;
+            for sock in if self.last_head == 1 { [1, 0] } else { [0, 1] } {
+                if sock == 0 && !buffered && !self.rx_end_seen {
+                    match self.fill_rx_or_end()? {
+                        Some(k) => moved |= k > 0,
+                        None if self.rx_end > self.rx_start => return Err(self.eof()),
+                        None => self.rx_end_seen = true,
                     }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                        ) => {}
-                    Err(e) => return Err(io_err("TCP receive", self.peer, e)),
+                }
+                if sock == 1 && self.hdr1_got < HDR && !self.hdr1_end {
+                    let at = self.hdr1[self.hdr1_got..].as_mut_ptr();
+                    match recv_raw(self.fds[1], at, HDR - self.hdr1_got) {
+                        Ok(0) if self.hdr1_got == 0 => self.hdr1_end = true,
+                        Ok(0) => return Err(self.eof()),
+                        Ok(k) => {
+                            self.hdr1_got += k;
+                            moved = true;
+                            if self.hdr1_got == HDR && number(&self.hdr1) == self.seq {
+                                break;
+                            }
+                        }
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                            ) => {}
+                        Err(e) => return Err(io_err("TCP receive", self.peer, e)),
+                    }
+                }
+                if moved && sock == 0 && self.rx_end - self.rx_start >= HDR {
+                    break;
                 }
             }
             if self.rx_end_seen && self.hdr1_end {
@@ -1150,6 +1163,7 @@ impl TcpRecvComm {
                     break 'sock0;
                 };
                 self.slots[si].head = head as u8;
+                self.last_head = head as u8;
             }
             if self.slots[si].head == 1 {
                 // Socket 0 carries nothing of this message: its empty part is done once
