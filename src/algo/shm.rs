@@ -30,7 +30,7 @@ use std::sync::atomic::AtomicBool;
 use crate::comm::Waiter;
 use crate::error::Result;
 use crate::net::shm::node::{Area, Counter, Node, INLINE};
-use crate::reduce::{finish_avg, reduce_into, reduce_to};
+use crate::reduce::{copy_large, finish_avg, reduce_into, reduce_to};
 use crate::types::{DataType, RedOp};
 
 /// A flat call's context: the segments, the waiting policy and the abort flag.
@@ -552,20 +552,6 @@ fn all_gather_direct(
     f.node.publish(Counter::Result, k);
     f.wait_all(Counter::Result, k)
 }
-
-/// Copy `src` into `dst` in pieces of [`COPY_PIECE`] bytes. glibc's memcpy uses `rep movsb`
-/// only below its `rep_movsb_stop_threshold` (the L2 size, 1 MiB, on AMD) and a loop of
-/// vector moves above it, backwards when source and destination sit at the same page offset;
-/// on this machine the pieces copy a 32 MiB block 12 % faster inside a 2-rank all-gather
-/// (docs/PERFORMANCE.md, "Aligned buffers").
-pub(crate) fn copy_large(dst: &mut [u8], src: &[u8]) {
-    for (d, s) in dst.chunks_mut(COPY_PIECE).zip(src.chunks(COPY_PIECE)) {
-        d.copy_from_slice(s);
-    }
-}
-
-/// Piece of [`copy_large`].
-pub(crate) const COPY_PIECE: usize = 512 << 10;
 
 /// Reduce-scatter into blocks of `block` bytes (in place: the result is block `rank` of
 /// `recv`, which holds every rank's input).

@@ -1016,7 +1016,7 @@ impl<'a> Exec<'a> {
                     std::slice::from_raw_parts(s.0 as *const u8, d.1),
                 )
             };
-            crate::algo::shm::copy_large(dst, src);
+            crate::reduce::copy_large(dst, src);
         }
         Ok(())
     }

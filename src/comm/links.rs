@@ -411,7 +411,7 @@ impl Links {
             progressed |= self.accept_pending()?;
             // Receives arrive as accepted connections, and so do sends to the duplex peers
             // that open the connection.
-            let missing_recv: Vec<(usize, usize)> = need_recv
+            let awaited: Vec<(usize, usize)> = need_recv
                 .iter()
                 .copied()
                 .filter(|&(p, c)| self.recv[p][c].is_none())
@@ -422,7 +422,7 @@ impl Links {
                         .filter(|&(p, c)| self.send[p][c].is_none() && !dial.contains(&(p, c))),
                 )
                 .collect();
-            if connecting.is_empty() && hellos.is_empty() && missing_recv.is_empty() {
+            if connecting.is_empty() && hellos.is_empty() && awaited.is_empty() {
                 return Ok(());
             }
             if progressed {
@@ -455,7 +455,7 @@ impl Links {
                     .map(|x| x.0)
                     .chain(hellos.iter().map(|x| x.0))
                     .collect();
-                who.extend(missing_recv.iter().map(|x| x.0));
+                who.extend(awaited.iter().map(|x| x.0));
                 who.sort_unstable();
                 who.dedup();
                 let detail = format!(

@@ -1,16 +1,19 @@
-//! TCP network: each connection is `nsocks` TCP sockets (`ROCCL_NSOCKS`, default 2).
+//! TCP network: each connection is `nsocks` TCP sockets (`ROCCL_NSOCKS`, default 2), or on
+//! a duplex connection `1 + 2·nsocks` (see [`Layout`]).
 //!
-//! Wire format, per message: a 16-byte header on socket 0 — `len: u64 LE`, `tag: u32 LE`,
-//! `magic: u32 LE` — then the payload. Payloads of at least `ROCCL_TCP_SPLIT` bytes
-//! (default 256 KiB) are cut into `nsocks` contiguous parts of equal size (rounded up to
-//! 4 KiB); part `j` travels on socket `j`, so both sides know the layout from the length.
-//! Messages on a socket are in post order. The sender writes the header and the first part
-//! with one `sendmsg`; the receiver reads socket 0 through a 64 KiB buffer, so a small
-//! message costs one `recv`, and reads large parts straight into the destination (no copy).
+//! Wire format, per message: a 16-byte header — `len: u48 | number: u16 << 48` (u64 LE; the
+//! message's number mod 2^16), `tag: u32 LE`, `magic: u32 LE` — then the payload. One-way
+//! connections: headers on socket 0; payloads of at least `ROCCL_TCP_SPLIT` bytes (default
+//! 256 KiB) are cut into `nsocks` contiguous parts of equal size (rounded up to 4 KiB), part
+//! `j` on socket `j`, so both sides know the layout from the length. Messages on a socket are
+//! in post order. The sender writes a header and its part with one `sendmsg`; the receiver
+//! reads socket 0 through a 64 KiB buffer, so a small message costs one `recv`, and reads
+//! large parts straight into the destination (no copy).
 //!
 //! A new connection opens its sockets and sends a 16-byte hello on each
-//! (`magic`, `conn id: u64`, `index: u16`, `nsocks: u16`); the listener groups sockets by
-//! connection id and hands out the receive comm once all have arrived.
+//! (`magic`, `conn id: u64`, `index: u16`, `count: u16`, bit 15 of the count set on a duplex
+//! connection); the listener groups sockets by connection id and hands out the receive comm
+//! once all have arrived.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -604,11 +607,12 @@ fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
     }
 }
 
-/// Where one direction of a connection puts a message's bytes. Socket 0 carries every
-/// header, in post order. One-way connections: payloads of at least `split` bytes are cut
-/// over all sockets, smaller ones ride with their header. Duplex connections: socket 0 is
-/// shared by both directions and carries payloads up to `inline` bytes; larger payloads go
-/// on the direction's own sockets 1.. (cut over them from `split`).
+/// Where one direction of a connection puts a message's bytes. One-way connections: every
+/// header on socket 0; payloads of at least `split` bytes are cut over all sockets, smaller
+/// ones ride with their header. Duplex connections: socket 0 is shared by both directions
+/// and carries messages of up to `inline` bytes with their headers; a larger message goes
+/// with its header on the direction's first own socket (socket 1 of this side), cut over its
+/// own sockets 1.. from `split`. The receiver takes messages in order by their numbers.
 #[derive(Clone, Copy)]
 struct Layout {
     split: usize,
