@@ -1,5 +1,5 @@
 //! TCP network: each connection is `nsocks` TCP sockets (`ROCCL_NSOCKS`, default 2), or on
-//! a duplex connection `1 + 2·nsocks` (see [`Layout`]).
+//! a duplex connection `1 + 2·nsocks` (see `Layout`).
 //!
 //! Wire format, per message: a 16-byte header — `len: u48 | number: u16 << 48` (u64 LE; the
 //! message's number mod 2^16), `tag: u32 LE`, `magic: u32 LE` — then the payload. One-way
