@@ -44,11 +44,21 @@ pub fn log(l: Level, msg: std::fmt::Arguments) {
         return;
     }
     if l <= level() {
-        eprintln!(
+        // Never `eprintln!`: it panics when stderr is a closed pipe (EPIPE with SIGPIPE
+        // ignored, as under Python), and a log line must never end a call.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
             "roccl {}: {msg}",
             if l == Level::Warn { "WARN" } else { "INFO" }
         );
     }
+}
+
+/// `warn!(...)`: log at WARN.
+#[macro_export]
+macro_rules! warn {
+    ($($t:tt)*) => { $crate::log::log($crate::log::Level::Warn, format_args!($($t)*)) };
 }
 
 /// `info!(...)`: log at INFO.

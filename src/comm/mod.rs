@@ -271,7 +271,9 @@ struct State {
     /// The model's last answer: collective, data type, bytes, forced algorithm → choice.
     last_choice: Option<(CollKind, DataType, usize, Option<Algo>, Choice)>,
     stage: Vec<u64>,
-    broken: Option<(ErrorKind, String)>,
+    /// The error that made the communicator unusable; shared with [`Shared::broken`] so that
+    /// readers never wait for the call that holds the state.
+    broken: Arc<Broken>,
     cfg: Config,
     cost: LinkCost,
     serving: u64,
@@ -293,7 +295,12 @@ struct Shared {
     /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
     device_mem: Vec<Option<bool>>,
     state: Mutex<State>,
+    /// Set once, read without a lock ([`Communicator::async_error`]).
+    broken: Arc<Broken>,
     turn: Condvar,
+    /// The next ticket. Tickets of non-blocking calls are taken with the worker's queue
+    /// locked and queued before it is unlocked, so the worker receives its jobs in ticket
+    /// order (see [`Communicator::submit`]).
     tickets: AtomicU64,
     worker: Mutex<Option<mpsc::Sender<Job>>>,
     /// How the worker thread waits for its next job (see [`Communicator::worker`]).
@@ -302,7 +309,40 @@ struct Shared {
     abort: Arc<std::sync::atomic::AtomicBool>,
 }
 
-type Job = (u64, Box<dyn FnOnce(&mut State) + Send>);
+/// Work for the worker thread, as it runs in a turn.
+type Work = Box<dyn FnOnce(&mut State) + Send>;
+type Job = (u64, Work);
+
+/// The error that made a communicator unusable: set once (the first error wins), read
+/// without waiting by any thread.
+#[derive(Default)]
+struct Broken(std::sync::OnceLock<(ErrorKind, String)>);
+
+impl Broken {
+    fn get(&self) -> Option<&(ErrorKind, String)> {
+        self.0.get()
+    }
+    /// Record `kind`/`msg` unless an earlier error is recorded; true if this one was.
+    fn set(&self, kind: ErrorKind, msg: String) -> bool {
+        self.0.set((kind, msg)).is_ok()
+    }
+    /// The error later calls get.
+    fn error(&self) -> Option<Error> {
+        self.get().map(|(_, b)| {
+            Error::InvalidUsage(format!(
+                "communicator is unusable after an earlier error: {b}"
+            ))
+        })
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
 
 /// A group of ranks that run collectives together.
 pub struct Communicator {
@@ -313,14 +353,23 @@ pub struct Communicator {
 pub struct Handle<R> {
     rx: mpsc::Receiver<Result<R>>,
     got: Option<Result<R>>,
+    /// What the call ended with when it never answered (it panicked): the communicator's
+    /// error.
+    broken: Arc<Broken>,
 }
 
 impl<R> Handle<R> {
     /// True once the operation has finished (successfully or not).
     pub fn test(&mut self) -> bool {
         if self.got.is_none() {
-            if let Ok(r) = self.rx.try_recv() {
-                self.got = Some(r);
+            match self.rx.try_recv() {
+                Ok(r) => self.got = Some(r),
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.got = Some(Err(self.broken.error().unwrap_or_else(|| {
+                        Error::Internal("the call ended without an answer".into())
+                    })))
+                }
+                Err(mpsc::TryRecvError::Empty) => {}
             }
         }
         self.got.is_some()
@@ -331,9 +380,13 @@ impl<R> Handle<R> {
         if let Some(r) = self.got.take() {
             return r;
         }
-        self.rx
-            .recv()
-            .unwrap_or_else(|_| Err(Error::Internal("communicator worker exited".into())))
+        self.rx.recv().unwrap_or_else(|_| {
+            Err(self.broken.error().unwrap_or_else(|| {
+                Error::Internal(
+                    "the call ended without an answer (communicator worker exited)".into(),
+                )
+            }))
+        })
     }
 }
 
@@ -691,6 +744,7 @@ impl Communicator {
             (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
         let abort_flag = Arc::clone(&links.abort);
         let connect_all = cfg.connect_all;
+        let broken = Arc::new(Broken::default());
         let comm = Communicator {
             shared: Arc::new(Shared {
                 rank,
@@ -706,12 +760,13 @@ impl Communicator {
                     node,
                     last_choice: None,
                     stage: Vec::new(),
-                    broken: None,
+                    broken: Arc::clone(&broken),
                     cfg,
                     cost,
                     serving: 0,
                     worker_spin: worker_wait.spin,
                 }),
+                broken,
                 turn: Condvar::new(),
                 tickets: AtomicU64::new(0),
                 worker: Mutex::new(None),
@@ -771,9 +826,10 @@ impl Communicator {
         self.async_error_kind().map(|e| e.1)
     }
 
-    /// The error that made this communicator unusable, with its class.
+    /// The error that made this communicator unusable, with its class. Never waits: a call
+    /// in progress on another thread does not hold it.
     pub fn async_error_kind(&self) -> Option<(ErrorKind, String)> {
-        self.shared.state.lock().broken.clone()
+        self.shared.broken.get().cloned()
     }
 
     /// Close all connections now; pending and later calls fail.
@@ -783,13 +839,11 @@ impl Communicator {
     /// sleeping) and returns an error; then the connections are closed.
     pub fn abort(&self) {
         self.shared.abort.store(true, Ordering::SeqCst);
+        self.shared.broken.set(
+            ErrorKind::InvalidUsage,
+            "communicator aborted by the application".into(),
+        );
         let mut st = self.shared.state.lock();
-        st.broken.get_or_insert_with(|| {
-            (
-                ErrorKind::InvalidUsage,
-                "communicator aborted by the application".into(),
-            )
-        });
         if let Some(node) = &st.node {
             node.mark_broken();
         }
@@ -1118,14 +1172,47 @@ impl Communicator {
         self.with_turn(|st| st.links.open())
     }
 
-    fn worker(&self) -> mpsc::Sender<Job> {
+    /// Queue `job` for the worker thread with the next ticket. The ticket is taken and the
+    /// job queued with the queue locked, so the worker receives jobs in ticket order (a job
+    /// queued after a later ticket's would wait for its turn forever). The worker thread is
+    /// started, if need be, before a ticket is taken: when it cannot start, no ticket is
+    /// lost and the job comes back with the error.
+    fn submit(&self, job: Work) -> std::result::Result<(), (Work, Error)> {
         let mut w = self.shared.worker.lock();
-        if let Some(tx) = w.as_ref() {
-            return tx.clone();
+        if w.is_none() {
+            match self.spawn_worker() {
+                Ok(tx) => *w = Some(tx),
+                Err(e) => return Err((job, e)),
+            }
+        }
+        let tx = w.as_ref().expect("worker started above");
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        if let Err(mpsc::SendError((t, job))) = tx.send((t, job)) {
+            // The worker is gone (it only ends when the queue closes, which needs the
+            // communicator dropped): run the job here, in its turn.
+            drop(w);
+            run_turn(&self.shared, t, job);
+        }
+        Ok(())
+    }
+
+    fn spawn_worker(&self) -> Result<mpsc::Sender<Job>> {
+        #[cfg(test)]
+        if tests::SPAWN_FAILS.with(|f| f.get()) {
+            return Err(Error::sys(
+                "starting the communicator's worker thread",
+                std::io::Error::from_raw_os_error(libc::EAGAIN),
+            ));
         }
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::clone(&self.shared);
         let waiter = self.shared.worker_wait.clone();
+        // A job that panics has broken the communicator (see `run_turn`); the worker goes on
+        // with the next, which fails at once, rather than leaving queued tickets unserved.
+        let run = move |shared: &Shared, (t, job): Job| {
+            let _ =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turn(shared, t, job)));
+        };
         std::thread::Builder::new()
             .name(format!("roccl-r{}", self.shared.rank))
             .spawn(move || {
@@ -1136,15 +1223,15 @@ impl Communicator {
                 let mut ws = waiter.start();
                 loop {
                     match rx.try_recv() {
-                        Ok((t, job)) => {
-                            run_turn(&shared, t, job);
+                        Ok(job) => {
+                            run(&shared, job);
                             ws.progressed();
                         }
                         Err(mpsc::TryRecvError::Disconnected) => return,
                         Err(mpsc::TryRecvError::Empty) => {
                             if matches!(ws.pause(), Ok(true) | Err(_)) {
                                 match rx.recv() {
-                                    Ok((t, job)) => run_turn(&shared, t, job),
+                                    Ok(job) => run(&shared, job),
                                     Err(_) => return,
                                 }
                                 ws.progressed();
@@ -1153,9 +1240,8 @@ impl Communicator {
                     }
                 }
             })
-            .expect("spawning the communicator worker thread");
-        *w = Some(tx.clone());
-        tx
+            .map_err(|e| Error::sys("starting the communicator's worker thread", e))
+            .map(|_| tx)
     }
 
     /// Run `coll` in the background on owned buffers; `send == None` means in place. The
@@ -1167,7 +1253,7 @@ impl Communicator {
         mut recv: Vec<T>,
     ) -> Handle<Vec<T>> {
         let (tx, rx) = mpsc::channel();
-        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        let answer = tx.clone();
         let job = Box::new(move |st: &mut State| {
             let s = send.as_deref().map(bytemuck::cast_slice::<T, u8>);
             let r = st.execute(
@@ -1179,11 +1265,16 @@ impl Communicator {
             );
             let _ = tx.send(r.map(|_| recv));
         });
-        if let Err(mpsc::SendError((t, job))) = self.worker().send((t, job)) {
-            // The worker is gone (cannot happen while we hold the communicator); run here.
-            run_turn(&self.shared, t, job);
+        if let Err((job, e)) = self.submit(job) {
+            // Not started, no ticket taken: the call fails alone.
+            drop(job);
+            let _ = answer.send(Err(e));
         }
-        Handle { rx, got: None }
+        Handle {
+            rx,
+            got: None,
+            broken: Arc::clone(&self.shared.broken),
+        }
     }
 
     /// Non-blocking in-place all-reduce.
@@ -1195,14 +1286,19 @@ impl Communicator {
     /// by issue time; returns at once. The job gets the communicator's [`Turn`]: what the
     /// stream-ordered collectives of [`crate::device`] run their work with.
     pub fn enqueue(&self, job: Box<dyn FnOnce(&mut Turn) + Send>) {
-        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
         let abort = Arc::clone(&self.shared.abort);
         let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |st: &mut State| {
             let mut turn = Turn { st, abort: &abort };
             job(&mut turn)
         });
-        if let Err(mpsc::SendError((t, job))) = self.worker().send((t, job)) {
-            run_turn(&self.shared, t, job);
+        if let Err((job, e)) = self.submit(job) {
+            // No worker: run it on this thread in its turn (streams may wait on what it
+            // signals, so it must run).
+            crate::warn!(
+                "rank {}: {e}; running a stream-ordered call on the calling thread",
+                self.shared.rank
+            );
+            self.with_turn(job);
         }
     }
 }
@@ -1257,8 +1353,7 @@ impl Turn<'_> {
     /// Record `e` as the communicator's error (nobody waits for this call's result: the
     /// application learns it from [`Communicator::async_error`]); argument errors too.
     pub fn fail(&mut self, e: &Error) {
-        if self.st.broken.is_none() {
-            self.st.broken = Some((e.kind(), e.to_string()));
+        if self.st.broken.set(e.kind(), e.to_string()) {
             if let Some(node) = &self.st.node {
                 node.mark_broken();
             }
@@ -1269,6 +1364,11 @@ impl Turn<'_> {
     /// host has a spare core for its worker).
     pub fn spin(&self) -> Duration {
         self.st.worker_spin
+    }
+
+    /// How long a wait may go without progress before it fails (`ROCCL_TIMEOUT`).
+    pub fn timeout(&self) -> Duration {
+        self.st.cfg.waiter.timeout
     }
 
     /// Whether the application aborted the communicator.
@@ -1284,15 +1384,31 @@ impl Drop for Communicator {
     }
 }
 
+/// Run `f` in turn `t`. The turn always advances, also when `f` panics: the communicator is
+/// then broken with the panic's text as its error, and the panic goes on to the caller.
 fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
     let mut st = shared.state.lock();
     while st.serving != t {
         shared.turn.wait(&mut st);
     }
-    let r = f(&mut st);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut st)));
+    if let Err(p) = &r {
+        let msg = format!(
+            "a call on rank {} panicked: {} (a bug in roccl or in a job given to enqueue)",
+            shared.rank,
+            panic_text(&**p)
+        );
+        if st.broken.set(ErrorKind::Internal, msg) {
+            if let Some(node) = &st.node {
+                node.mark_broken();
+            }
+        }
+        st.links.close_all();
+    }
     st.serving += 1;
     shared.turn.notify_all();
-    r
+    drop(st);
+    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
 }
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
@@ -1500,12 +1616,7 @@ impl State {
 
     /// Refuse work once the communicator is broken.
     fn usable(&self) -> Result<()> {
-        match &self.broken {
-            Some((_, b)) => Err(Error::InvalidUsage(format!(
-                "communicator is unusable after an earlier error: {b}"
-            ))),
-            None => Ok(()),
-        }
+        self.broken.error().map_or(Ok(()), Err)
     }
 
     /// After a failed call: argument errors are caught before any data moves; anything
@@ -1515,7 +1626,7 @@ impl State {
         if matches!(e, Error::InvalidArgument(_)) {
             return;
         }
-        self.broken = Some((e.kind(), e.to_string()));
+        self.broken.set(e.kind(), e.to_string());
         if let Some(node) = &self.node {
             node.mark_broken();
         }
@@ -1873,6 +1984,61 @@ pub fn timeout() -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes the worker thread fail to start when this thread submits a job.
+        pub(super) static SPAWN_FAILS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// A worker thread that cannot start takes no ticket: the non-blocking call fails
+    /// alone, an enqueued job runs on the calling thread in its turn, and later calls run.
+    #[test]
+    fn a_worker_that_cannot_start_loses_no_turn() {
+        let mut cfg = Config::from_env().unwrap();
+        cfg.net = NetKind::Tcp;
+        cfg.waiter.timeout = Duration::from_secs(20);
+        let c = Arc::new(Communicator::init_with(&UniqueId::new().unwrap(), 1, 0, cfg).unwrap());
+        SPAWN_FAILS.with(|f| f.set(true));
+        let e = c
+            .all_reduce_async(vec![1i32], RedOp::Sum)
+            .wait()
+            .unwrap_err();
+        assert!(e.to_string().contains("worker thread"), "{e}");
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r2 = Arc::clone(&ran);
+        c.enqueue(Box::new(move |t| {
+            let mut x = [3u8];
+            t.run_raw(
+                Collective::AllReduce(RedOp::Sum),
+                DataType::U8,
+                None,
+                &mut x,
+                &CallOpts::default(),
+            )
+            .unwrap();
+            r2.store(true, Ordering::SeqCst);
+        }));
+        assert!(
+            ran.load(Ordering::SeqCst),
+            "the job ran on the calling thread"
+        );
+        SPAWN_FAILS.with(|f| f.set(false));
+        // The next turn is served: a blocking call on another thread returns.
+        let (tx, rx) = mpsc::channel();
+        let c2 = Arc::clone(&c);
+        std::thread::spawn(move || {
+            let mut x = [5i32];
+            let _ = tx.send(c2.all_reduce_in_place(&mut x, RedOp::Sum).map(|_| x[0]));
+        });
+        let got = rx
+            .recv_timeout(Duration::from_secs(15))
+            .expect("the call after a failed worker start hung");
+        assert_eq!(got.unwrap(), 5);
+        assert_eq!(
+            c.all_reduce_async(vec![2i32], RedOp::Sum).wait().unwrap(),
+            [2]
+        );
+    }
 
     fn handle(b: u8) -> NetHandle {
         NetHandle::from_bytes(&[b; 40]).unwrap()

@@ -629,15 +629,9 @@ pub fn enqueue_steps(
             let remaining = Arc::clone(&remaining);
             let done = done(k);
             comm.enqueue(Box::new(move |turn: &mut Turn| {
-                let ready = (0..nready).all(|i| wait_flag(table.slab.flag(base + i), g, turn));
-                let r = if ready {
-                    part(turn)
-                } else {
-                    Err(Error::InvalidUsage(
-                        "communicator aborted while a stream-ordered operation waited for its stream"
-                            .into(),
-                    ))
-                };
+                let r = (0..nready)
+                    .try_for_each(|i| wait_flag(table.slab.flag(base + i), g, turn))
+                    .and_then(|()| part(turn));
                 if let Err(e) = r {
                     turn.fail(&e);
                 }
@@ -739,9 +733,10 @@ fn run_synchronously(
 
 /// Wait until `flag >= g`: spin for the worker's spin time (none when ranks share cores),
 /// then yield for up to 10 ms (a collective that follows GPU work should not pay a sleep),
-/// then sleep in 20 µs steps (a stream may run long work first). False if the communicator
-/// was aborted meanwhile.
-fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
+/// then sleep in 20 µs steps (a stream may run long work first). An error if the
+/// communicator was aborted meanwhile, or when the stream has not come to the call within
+/// the communicator's timeout (`ROCCL_TIMEOUT`).
+fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> Result<()> {
     // The ready flag is on the critical path of every stream-ordered call: spin while the
     // waiting policy allows (a core per rank), then yield for up to YIELD_FOR (the stream
     // may still run long kernels before it), then sleep in short steps.
@@ -752,10 +747,13 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
     let mut spinning = !spin.is_zero();
     loop {
         if flag.load(Ordering::Acquire) >= g {
-            return true;
+            return Ok(());
         }
         if turn.aborted() {
-            return false;
+            return Err(Error::InvalidUsage(
+                "communicator aborted while a stream-ordered operation waited for its stream"
+                    .into(),
+            ));
         }
         if spinning {
             // The clock only every 64 polls.
@@ -766,8 +764,13 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> bool {
             }
             spinning = false;
         }
-        if t0.elapsed() < spin + YIELD_FOR {
+        let waited = t0.elapsed();
+        if waited < spin + YIELD_FOR {
             std::thread::yield_now();
+        } else if waited > turn.timeout() {
+            return Err(Error::Timeout(format!(
+                "a stream-ordered call waited {waited:?} (ROCCL_TIMEOUT) for its stream to reach it: the work queued on the stream before it has not finished (a kernel that does not end, or a stream that waits on this call)"
+            )));
         } else {
             std::thread::sleep(Duration::from_micros(20));
         }
