@@ -255,6 +255,8 @@ pub(crate) struct Exec<'a> {
     ops: Vec<Op>,
     inflight: usize,
     fds: Vec<PollFd>,
+    /// The tag every message of the call carries (see [`Exec::set_tag`]).
+    tag: u32,
 }
 
 impl<'a> Exec<'a> {
@@ -300,6 +302,7 @@ impl<'a> Exec<'a> {
             ops,
             inflight: 0,
             fds,
+            tag: 0,
         }
     }
 
@@ -457,6 +460,12 @@ impl<'a> Exec<'a> {
         self.post(peer, ch, r, false)
     }
 
+    /// Tag every message of this call with `tag` (what the call is): a peer in another
+    /// call fails the first exchange with a tag mismatch instead of pairing bytes.
+    pub fn set_tag(&mut self, tag: u32) {
+        self.tag = tag;
+    }
+
     fn post(&mut self, peer: usize, ch: usize, r: Reg, send: bool) -> Result<Tok> {
         if let (false, Buf::User(i)) = (send, r.buf) {
             if !self.users.get(i as usize).is_some_and(|u| u.write) {
@@ -486,12 +495,12 @@ impl<'a> Exec<'a> {
                 if send {
                     self.links
                         .send_comm(peer, ch)?
-                        .isend(m.0 as *const u8, m.1, 0, None)
+                        .isend(m.0 as *const u8, m.1, self.tag, None)
                 } else {
                     let b = RecvBuf {
                         ptr: m.0 as *mut u8,
                         len: m.1,
-                        tag: 0,
+                        tag: self.tag,
                     };
                     self.links.recv_comm(peer, ch)?.irecv(&[b])
                 }

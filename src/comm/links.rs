@@ -20,6 +20,11 @@ use super::wait::Waiter;
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 /// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
 const ABORT: u32 = 0x8000_0000;
+/// With [`ABORT`]: the sender found this rank in another call than its own; the 4 bytes
+/// after the hello are the sender's call tag.
+const MISMATCH: u32 = 0x4000_0000;
+/// Bytes of a hello (16) or of a mismatch notice (20).
+const HELLO_MAX: usize = 20;
 /// Channel bit of a hello that opens a duplex connection: it carries both directions of
 /// its (peer, channel).
 const DUPLEX: u32 = 0x4000_0000;
@@ -36,13 +41,13 @@ pub(crate) struct Endpoint {
 struct HelloOut {
     comm: Box<dyn SendComm>,
     req: ReqId,
-    _buf: Box<[u8; 16]>,
+    _buf: Box<[u8; HELLO_MAX]>,
 }
 
 struct HelloIn {
     comm: Box<dyn RecvComm>,
     req: ReqId,
-    buf: Box<[u8; 16]>,
+    buf: Box<[u8; HELLO_MAX]>,
 }
 
 /// All of one rank's connections.
@@ -72,6 +77,8 @@ pub(crate) struct Links {
     pub notices: Vec<(usize, usize)>,
     /// This rank has sent its abort notices.
     pub notified: bool,
+    /// A peer that found this rank in another call: (its rank, its call's tag).
+    pub mismatch: Option<(usize, u32)>,
     /// How long a rank that timed out listens for other ranks' notices before blaming.
     pub timeout_grace: Duration,
     /// Set by `Communicator::abort` from any thread; every wait checks it.
@@ -148,6 +155,7 @@ impl Links {
             spare: Vec::new(),
             suspect: None,
             notices: Vec::new(),
+            mismatch: None,
             notified: false,
             timeout_grace: Duration::from_millis(500),
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -349,7 +357,7 @@ impl Links {
                     msg: err.to_string(),
                 })?;
                 if let Some(mut comm) = polled {
-                    let mut buf = Box::new([0u8; 16]);
+                    let mut buf = Box::new([0u8; HELLO_MAX]);
                     buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
                     buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
                     let flag = if self.duplex[p] { DUPLEX } else { 0 };
@@ -478,10 +486,10 @@ impl Links {
         let mut progressed = false;
         for e in 0..self.endpoints.len() {
             while let Some(mut comm) = self.endpoints[e].listen.accept()? {
-                let mut buf = Box::new([0u8; 16]);
+                let mut buf = Box::new([0u8; HELLO_MAX]);
                 let rb = RecvBuf {
                     ptr: buf.as_mut_ptr(),
-                    len: 16,
+                    len: HELLO_MAX,
                     tag: 0,
                 };
                 // SAFETY: `buf` is boxed and kept in `HelloIn` with the comm (declared first,
@@ -515,8 +523,20 @@ impl Links {
             let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
             let c = u32::from_le_bytes(b[8..12].try_into().unwrap());
             let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
-            if sizes[0] != 16 || magic != HELLO_MAGIC || id != self.comm_id || p >= self.nranks {
+            let long = sizes[0] == HELLO_MAX && c & MISMATCH != 0;
+            if (sizes[0] != 16 && !long)
+                || magic != HELLO_MAGIC
+                || id != self.comm_id
+                || p >= self.nranks
+            {
                 continue; // not one of ours
+            }
+            if long {
+                let tag = u32::from_le_bytes(b[16..20].try_into().unwrap());
+                self.mismatch = Some((p, tag));
+                self.notices.push((p, self.rank));
+                progressed = true;
+                continue;
             }
             if c & ABORT != 0 {
                 self.notices.push((p, (c & !ABORT) as usize));
@@ -628,6 +648,14 @@ impl Links {
             Duration::from_millis(300)
         };
         let culprit = self.blame(own, grace);
+        if let Some((p, tag)) = self.mismatch.filter(|m| own.map_or(true, |o| o == m.0)) {
+            // The peer closed because it found us in another call: say so (the
+            // communicator names both calls).
+            return Error::Remote {
+                rank: p,
+                msg: crate::net::unexpected_tag(tag).to_string(),
+            };
+        }
         let reporters: Vec<usize> = self
             .notices
             .iter()
@@ -654,18 +682,34 @@ impl Links {
             return;
         }
         self.notified = true;
+        let others: Vec<usize> = (0..self.nranks)
+            .filter(|&p| p != self.rank && p != cause)
+            .collect();
+        self.send_notices(&others, ABORT | cause as u32, None, budget);
+    }
+
+    /// Best effort: tell `peer` that it is in another call than this rank's (tag `tag`), so
+    /// that its error names both calls too. Bounded to about `budget`.
+    pub fn notify_mismatch(&mut self, peer: usize, tag: u32, budget: Duration) {
+        self.send_notices(
+            &[peer],
+            ABORT | MISMATCH | self.rank as u32,
+            Some(tag),
+            budget,
+        );
+    }
+
+    fn send_notices(&mut self, to: &[usize], word: u32, tag: Option<u32>, budget: Duration) {
         let end = Instant::now() + budget;
         let mut pending = Vec::new();
-        for p in 0..self.nranks {
-            if p == self.rank || p == cause {
-                continue;
-            }
+        for &p in to {
             let e = self.peer_net[p];
             let ep = &self.endpoints[e];
             if let Ok(c) = ep.net.connect(ep.dev, &self.handles[p][e]) {
                 pending.push((c, None::<HelloOut>));
             }
         }
+        let len = if tag.is_some() { HELLO_MAX } else { 16 };
         while !pending.is_empty() && Instant::now() < end {
             pending.retain_mut(|(conn, sent)| {
                 if let Some(h) = sent {
@@ -673,13 +717,14 @@ impl Links {
                 }
                 match conn.poll() {
                     Ok(Some(mut comm)) => {
-                        let mut buf = Box::new([0u8; 16]);
+                        let mut buf = Box::new([0u8; HELLO_MAX]);
                         buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
                         buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
-                        buf[8..12].copy_from_slice(&(ABORT | cause as u32).to_le_bytes());
+                        buf[8..12].copy_from_slice(&word.to_le_bytes());
                         buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+                        buf[16..20].copy_from_slice(&tag.unwrap_or(0).to_le_bytes());
                         // SAFETY: `buf` is boxed and kept with the comm (dropped after it).
-                        match unsafe { comm.isend(buf.as_ptr(), 16, 0, None) } {
+                        match unsafe { comm.isend(buf.as_ptr(), len, 0, None) } {
                             Ok(Some(req)) => {
                                 *sent = Some(HelloOut {
                                     comm,

@@ -5,6 +5,7 @@
 //! ticket when issued and runs when its turn comes. After an error the communicator is
 //! unusable (its connections are closed) and every later call says why.
 
+mod agree;
 pub(crate) mod exec;
 pub(crate) mod links;
 pub mod wait;
@@ -17,10 +18,10 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::algo::model::{self, CollKind, LinkCost, Tuning};
-use crate::algo::{self, calibrate, shm, Algo, Pipeline};
+use crate::algo::{self, shm, Algo, Pipeline};
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
-use crate::net::{self, NetHandle, NetKind, HANDLE_MAX};
+use crate::net::{self, NetHandle, NetKind};
 use crate::types::{DataType, Element, RedOp};
 
 use crate::device::Device;
@@ -261,6 +262,10 @@ impl P2pMem<'_> {
     }
 }
 
+/// The end of every error about ranks in different calls.
+const MISMATCH_TEXT: &str =
+    ": every rank must make the same collective calls, with the same arguments, in the same order";
+
 /// What the cost model chose for a call.
 type Choice = (Algo, Pipeline);
 
@@ -268,6 +273,8 @@ struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<net::shm::node::Node>,
+    /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
+    call_tag: u32,
     /// The model's last answer: collective, data type, bytes, forced algorithm → choice.
     last_choice: Option<(CollKind, DataType, usize, Option<Algo>, Choice)>,
     stage: Vec<u64>,
@@ -390,91 +397,6 @@ impl<R> Handle<R> {
     }
 }
 
-const BLOB_VERSION: u32 = 4;
-/// Bytes of a rendezvous blob: version, host id, network name, its handle, the
-/// shared-memory handle (flag byte, padding, handle), and the host's measured speeds.
-const BLOB_LEN: usize = 4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8;
-/// Where the measured speeds sit in a blob.
-const BLOB_SPEEDS: usize = BLOB_LEN - 8;
-
-/// A fingerprint of the settings that decide how calls cut their messages, which every rank
-/// must share (`ROCCL_RING_WINDOW`, `ROCCL_SLICE`, `ROCCL_DEPTH`, `ROCCL_NCHANNELS`): a
-/// mismatch could pair messages of equal size at different offsets, silently.
-fn settings_print(cfg: &Config) -> u32 {
-    let words = [
-        cfg.ring_window as u64,
-        cfg.tuning.slice.map_or(u64::MAX, |v| v as u64),
-        cfg.tuning.depth.map_or(u64::MAX, |v| v as u64),
-        cfg.tuning.channels.map_or(u64::MAX, |v| v as u64),
-    ];
-    // FNV-1a over the words' bytes.
-    let mut h: u32 = 0x811c_9dc5;
-    for b in words.iter().flat_map(|w| w.to_le_bytes()) {
-        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
-    }
-    h
-}
-
-fn blob(
-    handle: &NetHandle,
-    net: &str,
-    shm: Option<&NetHandle>,
-    node: bool,
-    settings: u32,
-) -> Vec<u8> {
-    let mut b = Vec::with_capacity(BLOB_LEN);
-    b.extend_from_slice(&BLOB_VERSION.to_le_bytes());
-    b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
-    let mut name = [0u8; 16];
-    name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
-    b.extend_from_slice(&name);
-    b.extend_from_slice(handle.as_bytes());
-    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0]);
-    b.extend_from_slice(&settings.to_le_bytes());
-    b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
-    b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
-    b
-}
-
-/// Whether a rank's blob says it created its flat shared-memory segment.
-fn blob_has_node(b: &[u8]) -> bool {
-    b.len() == BLOB_LEN && b[28 + HANDLE_MAX + 1] != 0
-}
-
-/// A rank's handles: its network's, and its shared-memory network's if it has one.
-fn parse_blob(
-    rank: usize,
-    b: &[u8],
-    my_net: &str,
-    settings: u32,
-) -> Result<(NetHandle, Option<NetHandle>)> {
-    if b.len() != BLOB_LEN || u32::from_le_bytes(b[0..4].try_into().unwrap()) != BLOB_VERSION {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
-        )));
-    }
-    let name = std::str::from_utf8(&b[12..28])
-        .unwrap_or("?")
-        .trim_end_matches('\0');
-    if name != my_net {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank} uses network '{name}' but this rank uses '{my_net}': set the same ROCCL_NET everywhere"
-        )));
-    }
-    let at = 28 + HANDLE_MAX;
-    if u32::from_le_bytes(b[at + 4..at + 8].try_into().unwrap()) != settings {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank} runs with other pipeline settings than this rank (ROCCL_RING_WINDOW, ROCCL_SLICE, ROCCL_DEPTH or ROCCL_NCHANNELS differ): set them the same on every rank"
-        )));
-    }
-    let shm = if b[at] != 0 {
-        Some(NetHandle::from_bytes(&b[at + 8..BLOB_SPEEDS])?)
-    } else {
-        None
-    };
-    Ok((NetHandle::from_bytes(&b[28..at])?, shm))
-}
-
 /// The name a communicator reports: its network, or shared memory when every peer is on this
 /// host, or both.
 fn combined_name(net: &'static str, shm_peers: usize, other_peers: usize) -> &'static str {
@@ -567,24 +489,33 @@ impl Communicator {
         } else {
             None
         };
+        let props = net.properties(0)?;
+        let mine = agree::settings(&cfg, crate::device::ops::stream_chunk()?);
         let table = bootstrap::rendezvous(
             id,
             rank,
             nranks,
-            &blob(
+            &agree::blob(
                 &handle,
                 net.name(),
                 shm.as_ref().map(|s| &s.1),
                 node_seg.is_some(),
-                settings_print(&cfg),
+                &mine,
+                agree::HostInputs {
+                    cores: crate::sys::host_cores() as u32,
+                    latency_us: props.latency_us,
+                    speed_mbps: props.speed_mbps,
+                },
             ),
             cfg.waiter.timeout,
         )?;
-        let my_host = &table[rank][4..12];
-        let local_ranks = table
+        let blobs = table
             .iter()
-            .filter(|b| b.len() >= 12 && &b[4..12] == my_host)
-            .count();
+            .enumerate()
+            .map(|(r, b)| agree::parse_blob(r, b, rank, net.name(), &mine))
+            .collect::<Result<Vec<_>>>()?;
+        let my_host = blobs[rank].host;
+        let local_ranks = blobs.iter().filter(|b| b.host == my_host).count();
         let cores = crate::sys::host_cores();
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
@@ -600,97 +531,38 @@ impl Communicator {
             },
             ..cfg.waiter.clone()
         };
-        let parsed = table
-            .iter()
-            .enumerate()
-            .map(|(r, b)| parse_blob(r, b, net.name(), settings_print(&cfg)))
-            .collect::<Result<Vec<_>>>()?;
         // Peers on this host that offer shared memory are reached through it.
         let peer_net: Vec<usize> = (0..nranks)
             .map(|p| {
-                let same_host = table[p].len() >= 12 && &table[p][4..12] == my_host;
-                usize::from(shm.is_some() && same_host && parsed[p].1.is_some())
+                let same_host = blobs[p].host == my_host;
+                usize::from(shm.is_some() && same_host && blobs[p].shm.is_some())
             })
             .collect();
-        let handles: Vec<Vec<NetHandle>> = parsed
-            .into_iter()
-            .map(|(h, s)| {
-                let s = s.unwrap_or_else(|| h.clone());
-                vec![h, s]
+        let all_have_node = blobs.iter().all(|b| b.node);
+        let measured = agree::slowest_speeds(&blobs);
+        let shm_net = net.name() == "shm";
+        let handles: Vec<Vec<NetHandle>> = blobs
+            .iter()
+            .map(|b| {
+                let s = b.shm.clone().unwrap_or_else(|| b.handle.clone());
+                vec![b.handle.clone(), s]
             })
             .collect();
         let shm_peers = (0..nranks)
             .filter(|&p| p != rank && peer_net[p] == 1)
             .count();
         let other_peers = nranks - 1 - shm_peers;
-        let props = net.properties(0)?;
-        // The slowest rank's measured reduction and copy speeds (the same on every rank).
-        let measured = calibrate::slowest(
-            table
-                .iter()
-                .map(|b| calibrate::decode(b.get(BLOB_SPEEDS..).unwrap_or(&[]))),
-        );
-        let speeds = calibrate::for_model(measured);
         // Peers on this host talk through the kernel's loopback path whatever the interface.
         let all_local = local_ranks == nranks;
         // Every rank on this host with its segment: map them all (every rank decides alike).
         let node = match node_seg {
-            Some(own) if all_local && table.iter().all(|b| blob_has_node(b)) => {
+            Some(own) if all_local && all_have_node => {
                 net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter)?
             }
             _ => None,
         };
-        // Every peer over shared memory: no system call per message, copies at memory speed.
-        let all_shm = (shm_peers > 0 && other_peers == 0) || net.name() == "shm";
-        let cost = LinkCost {
-            // Software overhead of a TCP message on top of the wire: two syscalls and a wakeup.
-            alpha_us: if all_shm {
-                1.0
-            } else if all_local {
-                10.0
-            } else {
-                props.latency_us as f64 + 5.0
-            },
-            // TCP is bound by one core's copy speed long before the link on fast NICs.
-            // Ranks sharing cores also share the CPU that copies the bytes.
-            // Over shared memory the rings' bandwidth is a memory copy's: scaled with the
-            // measured copy speed like the shared-memory algorithms' costs, so that a host
-            // measured slow (or loaded at init) does not tip the choice between them.
-            beta_gbs: if all_shm {
-                speeds.copy_gbs
-            } else if all_local {
-                3.0
-            } else {
-                (props.speed_mbps as f64 / 8000.0).min(3.0)
-            } * (cores as f64 / local_ranks as f64).min(1.0),
-            gamma_gbs: speeds.reduce_gbs,
-            // Network algorithms reduce what just arrived in their own buffers: about the
-            // kernel's speed, 4x the shared-memory algorithms' effective one (fitted with
-            // scripts/algo-sweep.sh; docs/PERFORMANCE.md).
-            wire_gamma_gbs: 4.0 * speeds.reduce_gbs,
-            // Measured on 2 cores with 4 ranks: each message costs about a context switch
-            // over TCP; over shared-memory rings a yield to the peer that runs next.
-            msg_cpu_us: if local_ranks <= cores {
-                0.0
-            } else if all_shm {
-                local_ranks as f64 / cores as f64
-            } else {
-                10.0 * local_ranks as f64 / cores as f64
-            },
-            // With a core per rank a synchronisation is a cache-line transfer; with ranks
-            // sharing cores it costs a context switch.
-            flat_sync_us: node.as_ref().map(|_| {
-                if local_ranks > cores {
-                    local_ranks as f64 / cores as f64
-                } else {
-                    0.3
-                }
-            }),
-            copy_gbs: speeds.copy_gbs,
-            cpu_share: (cores as f64 / local_ranks as f64).min(1.0),
-            flat_slot: node.as_ref().map_or(256 << 10, |n| n.slot()),
-            flat_cma: node.as_ref().is_some_and(|n| n.cma()),
-        };
+        // The same cost inputs on every rank, however the hosts differ (agree.rs).
+        let cost = agree::agreed_cost(&blobs, shm_net, node.as_ref().map(|n| (n.slot(), n.cma())));
         let name = combined_name(net.name(), shm_peers, other_peers);
         if let Some(n) = &node {
             crate::info!(
@@ -758,6 +630,7 @@ impl Communicator {
                 state: Mutex::new(State {
                     links,
                     node,
+                    call_tag: 0,
                     last_choice: None,
                     stage: Vec::new(),
                     broken: Arc::clone(&broken),
@@ -1562,6 +1435,7 @@ impl State {
         // Calls repeat (one all-reduce per layer): the last choice is kept.
         if let Some((k, d, b, f, choice)) = self.last_choice {
             if k == kind && d == dt && b == bytes && f == forced {
+                self.call_tag = agree::with_algo(self.call_tag, choice.0);
                 return choice;
             }
         }
@@ -1575,6 +1449,7 @@ impl State {
             &self.cfg.tuning,
         );
         self.last_choice = Some((kind, dt, bytes, forced, choice));
+        self.call_tag = agree::with_algo(self.call_tag, choice.0);
         choice
     }
 
@@ -1607,11 +1482,40 @@ impl State {
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
         self.usable()?;
-        let r = self.execute_inner(coll, dt, send, recv, opts, dev);
+        // The buffer every rank passes alike: a reduce's output may be empty off the root.
+        let bytes = match (coll, send) {
+            (Collective::Reduce { .. }, Some(s)) => s.len(),
+            _ => recv.len(),
+        };
+        self.call_tag = agree::call_tag(&coll, dt, bytes);
+        let r = self
+            .execute_inner(coll, dt, send, recv, opts, dev)
+            .map_err(|e| self.explain_mismatch(e));
         if let Err(e) = &r {
             self.failed(e);
         }
+        self.call_tag = 0;
         r
+    }
+
+    /// A tag mismatch with a peer (the networks' error) as an error naming both ranks and
+    /// both calls.
+    fn explain_mismatch(&self, e: Error) -> Error {
+        let Error::Remote { rank, msg } = &e else {
+            return e;
+        };
+        match net::unexpected_tag_of(msg) {
+            Some(theirs) => Error::Remote {
+                rank: *rank,
+                msg: format!(
+                    "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
+                    self.links.rank,
+                    agree::describe(self.call_tag),
+                    agree::differ(self.call_tag, theirs)
+                ),
+            },
+            None => e,
+        }
     }
 
     /// Refuse work once the communicator is broken.
@@ -1635,6 +1539,13 @@ impl State {
             _ => self.links.suspect,
         };
         let by_app = self.links.abort.load(Ordering::Relaxed);
+        if let (Error::Remote { rank, msg }, false) = (e, by_app) {
+            if msg.contains(MISMATCH_TEXT) && self.links.mismatch.is_none() {
+                // The peer would only see its connection close: tell it which call we are in.
+                self.links
+                    .notify_mismatch(*rank, self.call_tag, Duration::from_millis(300));
+            }
+        }
         if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
             self.links.notify_abort(c, Duration::from_millis(500));
         }
@@ -1971,6 +1882,7 @@ impl State {
         self.stage(stage_bytes);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
         let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter, dev);
+        ex.set_tag(self.call_tag);
         f(&mut ex)?;
         ex.device_done()
     }
@@ -2038,49 +1950,6 @@ mod tests {
             c.all_reduce_async(vec![2i32], RedOp::Sum).wait().unwrap(),
             [2]
         );
-    }
-
-    fn handle(b: u8) -> NetHandle {
-        NetHandle::from_bytes(&[b; 40]).unwrap()
-    }
-
-    #[test]
-    fn rendezvous_blob_carries_both_handles() {
-        let b = blob(&handle(7), "tcp", Some(&handle(9)), true, 42);
-        assert!(blob_has_node(&b));
-        assert_eq!(b.len(), BLOB_LEN);
-        let (h, s) = parse_blob(3, &b, "tcp", 42).unwrap();
-        assert_eq!(h.as_bytes()[..40], [7u8; 40]);
-        assert_eq!(s.unwrap().as_bytes()[..40], [9u8; 40]);
-        let plain = blob(&handle(7), "tcp", None, false, 42);
-        let (_, none) = parse_blob(3, &plain, "tcp", 42).unwrap();
-        assert!(none.is_none());
-        let e = parse_blob(3, &b, "rocev2", 42).unwrap_err().to_string();
-        assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");
-        let e = parse_blob(5, &b[..100], "tcp", 42).unwrap_err().to_string();
-        assert!(
-            e.contains("rank 5") && e.contains("same roccl version"),
-            "{e}"
-        );
-    }
-
-    /// Ranks with different ring windows (or slices, depths, channels) could pair equal-sized
-    /// messages at different offsets: init refuses them, naming the settings.
-    #[test]
-    fn ranks_with_other_pipeline_settings_are_refused() {
-        let mut cfg = Config::from_env().unwrap();
-        let mine = settings_print(&cfg);
-        cfg.ring_window = 0;
-        let other = settings_print(&cfg);
-        assert_ne!(mine, other);
-        let b = blob(&handle(7), "tcp", None, false, other);
-        let e = parse_blob(2, &b, "tcp", mine).unwrap_err().to_string();
-        assert!(
-            e.contains("rank 2") && e.contains("ROCCL_RING_WINDOW"),
-            "{e}"
-        );
-        cfg.tuning.slice = Some(1 << 20);
-        assert_ne!(settings_print(&cfg), other);
     }
 
     #[test]

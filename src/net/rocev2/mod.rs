@@ -907,9 +907,11 @@ impl RoceSend {
             k = k.wrapping_add(1);
         }
         let Some(e) = pick(used, tag) else {
-            return Err(Error::InvalidUsage(format!(
-                "sent a message with tag {tag} but the receiver posted no buffer with that tag"
-            )));
+            // The receiver's call is what its first buffer not yet taken says.
+            let theirs = (0..n)
+                .find(|&e| used & (1 << e) == 0)
+                .map_or(0, |e| cts.elems[e].tag);
+            return Err(crate::net::unexpected_tag(theirs));
         };
         let size = cts.elems[e].size as usize;
         if len > size {

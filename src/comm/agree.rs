@@ -1,0 +1,609 @@
+//! What every rank must agree on at init, and the rendezvous blob that carries it.
+//!
+//! Each rank registers one blob with the root: its network and handles, the settings that
+//! decide how a call is cut into messages, and the inputs of the cost model that differ by
+//! host (cores, the NIC's speed and latency, the measured reduction and copy speeds). After
+//! the rendezvous every rank holds every blob, so:
+//! - a setting that differs from this rank's is refused at init, naming the setting, both
+//!   values and both ranks (two ranks that cut a call differently could pair messages of
+//!   equal size at different offsets and sum the wrong bytes, silently);
+//! - the cost model's inputs are computed for every rank from the table and combined the
+//!   same way on all of them ([`agreed_cost`]), so every rank picks the same algorithm and
+//!   pipeline for the same call, however the hosts differ.
+
+use super::{Collective, Config};
+use crate::algo::calibrate::{self, HostSpeeds};
+use crate::algo::model::LinkCost;
+use crate::algo::Algo;
+use crate::bootstrap;
+use crate::error::{Error, Result};
+use crate::net::{NetHandle, HANDLE_MAX};
+use crate::types::{DataType, RedOp};
+
+const VERSION: u32 = 5;
+
+/// The settings every rank must share, in blob order.
+const SETTINGS: [&str; 9] = [
+    "ROCCL_ALGO",
+    "ROCCL_RING_WINDOW",
+    "ROCCL_SLICE",
+    "ROCCL_DEPTH",
+    "ROCCL_NCHANNELS",
+    "ROCCL_STREAM_CHUNK",
+    "ROCCL_SHM_SLOT",
+    "ROCCL_GPU_DIRECT",
+    "ROCCL_GPU_DIRECT_MIN",
+];
+/// An unset setting (the cost model decides).
+const UNSET: u64 = u64::MAX;
+
+/// Algorithms by their number in the blob.
+const ALGOS: [Algo; 7] = [
+    Algo::Ring,
+    Algo::Tree,
+    Algo::Direct,
+    Algo::Doubling,
+    Algo::TwoShot,
+    Algo::ShmOneShot,
+    Algo::ShmTwoShot,
+];
+
+/// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
+/// segment), padding, the shared-memory handle, measured speeds, settings, host inputs.
+pub(super) const BLOB_LEN: usize =
+    4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8 + 8 * SETTINGS.len() + HOST_LEN;
+const AT_FLAGS: usize = 28 + HANDLE_MAX;
+const AT_SHM: usize = AT_FLAGS + 8;
+const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
+const AT_SETTINGS: usize = AT_SPEEDS + 8;
+const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
+const HOST_LEN: usize = 12;
+
+/// The values of [`SETTINGS`] for `cfg`.
+pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len()] {
+    let opt = |v: Option<usize>| v.map_or(UNSET, |v| v as u64);
+    [
+        cfg.algo
+            .and_then(|a| ALGOS.iter().position(|&x| x == a))
+            .map_or(UNSET, |i| i as u64),
+        cfg.ring_window as u64,
+        opt(cfg.tuning.slice),
+        opt(cfg.tuning.depth),
+        opt(cfg.tuning.channels),
+        stream_chunk as u64,
+        opt(cfg.shm_slot),
+        cfg.gpu_direct as u64,
+        cfg.gpu_direct_min as u64,
+    ]
+}
+
+/// A setting's value as a user would write it.
+fn show(setting: usize, v: u64) -> String {
+    match (setting, v) {
+        (0, UNSET) => "auto (unset)".into(),
+        (0, i) => ALGOS
+            .get(i as usize)
+            .map_or("?".into(), |a| a.name().into()),
+        (7, 0) => "0".into(),
+        (7, 1) => "auto".into(),
+        (7, _) => "1".into(),
+        (_, UNSET) => "unset".into(),
+        (_, v) => v.to_string(),
+    }
+}
+
+/// What differs by host among the cost model's inputs (besides the measured speeds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct HostInputs {
+    /// CPU cores of the host.
+    pub cores: u32,
+    /// The network's one-way latency of a small message, µs.
+    pub latency_us: f32,
+    /// The network's link speed, Mbit/s.
+    pub speed_mbps: u32,
+}
+
+/// One rank's registration, as every rank reads it.
+#[derive(Debug)]
+pub(super) struct Blob {
+    pub host: u64,
+    pub handle: NetHandle,
+    pub shm: Option<NetHandle>,
+    pub node: bool,
+    pub speeds: HostSpeeds,
+    pub inputs: HostInputs,
+}
+
+/// This rank's blob.
+pub(super) fn blob(
+    handle: &NetHandle,
+    net: &str,
+    shm: Option<&NetHandle>,
+    node: bool,
+    settings: &[u64; SETTINGS.len()],
+    inputs: HostInputs,
+) -> Vec<u8> {
+    let mut b = Vec::with_capacity(BLOB_LEN);
+    b.extend_from_slice(&VERSION.to_le_bytes());
+    b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
+    let mut name = [0u8; 16];
+    name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
+    b.extend_from_slice(&name);
+    b.extend_from_slice(handle.as_bytes());
+    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
+    b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
+    b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
+    for v in settings {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b.extend_from_slice(&inputs.cores.to_le_bytes());
+    b.extend_from_slice(&inputs.latency_us.to_le_bytes());
+    b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
+    debug_assert_eq!(b.len(), BLOB_LEN);
+    b
+}
+
+fn word(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Rank `rank`'s blob, checked against this rank (`me`, network `my_net`, `mine`: this
+/// rank's settings).
+pub(super) fn parse_blob(
+    rank: usize,
+    b: &[u8],
+    me: usize,
+    my_net: &str,
+    mine: &[u64; SETTINGS.len()],
+) -> Result<Blob> {
+    if b.len() != BLOB_LEN || word(b, 0) != VERSION {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
+        )));
+    }
+    let name = std::str::from_utf8(&b[12..28])
+        .unwrap_or("?")
+        .trim_end_matches('\0');
+    if name != my_net {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank} uses network '{name}' but rank {me} uses '{my_net}': set the same ROCCL_NET everywhere"
+        )));
+    }
+    for (i, setting) in SETTINGS.iter().enumerate() {
+        let at = AT_SETTINGS + 8 * i;
+        let theirs = u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        if theirs != mine[i] {
+            return Err(Error::InvalidUsage(format!(
+                "rank {rank} runs with {setting}={} but rank {me} with {setting}={}: it decides how calls are cut into messages, so it must be the same on every rank",
+                show(i, theirs),
+                show(i, mine[i])
+            )));
+        }
+    }
+    let shm = if b[AT_FLAGS] != 0 {
+        Some(NetHandle::from_bytes(&b[AT_SHM..AT_SPEEDS])?)
+    } else {
+        None
+    };
+    Ok(Blob {
+        host: u64::from_le_bytes(b[4..12].try_into().expect("8 bytes")),
+        handle: NetHandle::from_bytes(&b[28..AT_FLAGS])?,
+        shm,
+        node: b[AT_FLAGS + 1] != 0,
+        speeds: calibrate::decode(&b[AT_SPEEDS..AT_SETTINGS]),
+        inputs: HostInputs {
+            cores: word(b, AT_HOST),
+            latency_us: f32::from_le_bytes(b[AT_HOST + 4..AT_HOST + 8].try_into().expect("4")),
+            speed_mbps: word(b, AT_HOST + 8),
+        },
+    })
+}
+
+/// How one rank sees the job, from the table alone.
+struct View {
+    local_ranks: usize,
+    cores: usize,
+    all_local: bool,
+    all_shm: bool,
+}
+
+fn view(blobs: &[Blob], r: usize, shm_net: bool) -> View {
+    let n = blobs.len();
+    let same_host = |p: usize| blobs[p].host == blobs[r].host;
+    let local_ranks = (0..n).filter(|&p| same_host(p)).count();
+    // A pair of one host talks through shared memory when both offer it.
+    let shm_peers = (0..n)
+        .filter(|&p| p != r && same_host(p) && blobs[r].shm.is_some() && blobs[p].shm.is_some())
+        .count();
+    View {
+        local_ranks,
+        cores: blobs[r].inputs.cores.max(1) as usize,
+        all_local: local_ranks == n,
+        all_shm: (shm_peers > 0 && shm_peers == n - 1) || shm_net,
+    }
+}
+
+/// The cost model's inputs, the same on every rank: each rank's own view (its host's cores
+/// and ranks, its network's latency and speed) is worked out for every rank from the table,
+/// and the views are combined pessimistically (the highest latency and per-message cost, the
+/// lowest bandwidth and core share) with the slowest measured speeds. `shm_net`: the network
+/// is shared memory itself; `node`: the shared-memory segments' slot size and whether
+/// single copies work (agreed by every rank when the segments were mapped).
+pub(super) fn agreed_cost(blobs: &[Blob], shm_net: bool, node: Option<(usize, bool)>) -> LinkCost {
+    let measured = calibrate::slowest(blobs.iter().map(|b| b.speeds));
+    let speeds = calibrate::for_model(measured);
+    let mut cost: Option<LinkCost> = None;
+    for r in 0..blobs.len() {
+        let v = view(blobs, r, shm_net);
+        let inputs = blobs[r].inputs;
+        let share = (v.cores as f64 / v.local_ranks as f64).min(1.0);
+        let mine = LinkCost {
+            // Software overhead of a TCP message on top of the wire: two syscalls and a wakeup.
+            alpha_us: if v.all_shm {
+                1.0
+            } else if v.all_local {
+                10.0
+            } else {
+                inputs.latency_us as f64 + 5.0
+            },
+            // TCP is bound by one core's copy speed long before the link on fast NICs.
+            // Ranks sharing cores also share the CPU that copies the bytes.
+            // Over shared memory the rings' bandwidth is a memory copy's: scaled with the
+            // measured copy speed like the shared-memory algorithms' costs, so that a host
+            // measured slow (or loaded at init) does not tip the choice between them.
+            beta_gbs: if v.all_shm {
+                speeds.copy_gbs
+            } else if v.all_local {
+                3.0
+            } else {
+                (inputs.speed_mbps as f64 / 8000.0).min(3.0)
+            } * share,
+            gamma_gbs: speeds.reduce_gbs,
+            // Network algorithms reduce what just arrived in their own buffers: about the
+            // kernel's speed, 4x the shared-memory algorithms' effective one (fitted with
+            // scripts/algo-sweep.sh; docs/PERFORMANCE.md).
+            wire_gamma_gbs: 4.0 * speeds.reduce_gbs,
+            // Measured on 2 cores with 4 ranks: each message costs about a context switch
+            // over TCP; over shared-memory rings a yield to the peer that runs next.
+            msg_cpu_us: if v.local_ranks <= v.cores {
+                0.0
+            } else if v.all_shm {
+                v.local_ranks as f64 / v.cores as f64
+            } else {
+                10.0 * v.local_ranks as f64 / v.cores as f64
+            },
+            // With a core per rank a synchronisation is a cache-line transfer; with ranks
+            // sharing cores it costs a context switch.
+            flat_sync_us: node.map(|_| {
+                if v.local_ranks > v.cores {
+                    v.local_ranks as f64 / v.cores as f64
+                } else {
+                    0.3
+                }
+            }),
+            copy_gbs: speeds.copy_gbs,
+            cpu_share: share,
+            flat_slot: node.map_or(256 << 10, |n| n.0),
+            flat_cma: node.is_some_and(|n| n.1),
+        };
+        cost = Some(match cost {
+            None => mine,
+            Some(c) => LinkCost {
+                alpha_us: c.alpha_us.max(mine.alpha_us),
+                beta_gbs: c.beta_gbs.min(mine.beta_gbs),
+                msg_cpu_us: c.msg_cpu_us.max(mine.msg_cpu_us),
+                flat_sync_us: c.flat_sync_us.zip(mine.flat_sync_us).map(|(a, b)| a.max(b)),
+                cpu_share: c.cpu_share.min(mine.cpu_share),
+                ..c
+            },
+        });
+    }
+    cost.unwrap_or_default()
+}
+
+/// The measured speeds the model uses (the slowest rank's), for the log.
+pub(super) fn slowest_speeds(blobs: &[Blob]) -> HostSpeeds {
+    calibrate::slowest(blobs.iter().map(|b| b.speeds))
+}
+
+/// The tag every message of a call carries: what the call is, so that a rank in another
+/// call is found out by the first message it exchanges (each network matches a message to a
+/// posted buffer by tag and fails on a tag nobody posted). Bit 31 is set (tags below are
+/// point-to-point exchanges and connection set-up); bits 27–30: the collective; 23–26: the
+/// data type of reductions (moves are checked by size only); 20–22: the reduction; 16–19:
+/// the algorithm (added by [`with_algo`]); 8–15: a hash of the call's byte count (`bytes`:
+/// the buffer every rank passes alike), so that calls whose messages happen to have equal
+/// sizes still differ; 0–7: the root, mod 256.
+pub(super) fn call_tag(coll: &Collective, dt: DataType, bytes: usize) -> u32 {
+    let (kind, op, root): (u32, Option<RedOp>, usize) = match *coll {
+        Collective::AllReduce(op) => (0, Some(op), 0),
+        Collective::Broadcast { root } => (1, None, root),
+        Collective::Reduce { op, root } => (2, Some(op), root),
+        Collective::AllGather => (3, None, 0),
+        Collective::ReduceScatter(op) => (4, Some(op), 0),
+        Collective::AllToAll => (5, None, 0),
+        Collective::Barrier => (6, None, 0),
+        Collective::SendRecv { .. } => return 0,
+    };
+    let (dt, op) = op.map_or((0, 0), |op| (dt as u32 + 1, op as u32 + 1));
+    let b = bytes as u64;
+    let count = (b ^ b >> 8 ^ b >> 16 ^ b >> 24 ^ b >> 32 ^ b >> 40) as u32 & 0xff;
+    1 << 31 | kind << 27 | (dt & 0xf) << 23 | (op & 7) << 20 | count << 8 | (root as u32 & 0xff)
+}
+
+/// The bits of a call tag that hold its byte count.
+const COUNT_BITS: u32 = 0xff << 8;
+
+/// `tag` with the algorithm that runs the call.
+pub(super) fn with_algo(tag: u32, algo: Algo) -> u32 {
+    if tag == 0 {
+        return 0;
+    }
+    let a = ALGOS.iter().position(|&x| x == algo).unwrap_or(15) as u32 + 1;
+    (tag & !(0xf << 16)) | (a & 0xf) << 16
+}
+
+/// How the call of tag `theirs` differs from this rank's (`mine`), for errors.
+pub(super) fn differ(mine: u32, theirs: u32) -> String {
+    if mine & 1 << 31 != 0 && (mine ^ theirs) & !COUNT_BITS == 0 {
+        format!("{} with another count of bytes", describe(theirs))
+    } else {
+        describe(theirs)
+    }
+}
+
+/// What a call tag says, for errors: `all_reduce(sum, f32) by ring`.
+pub(super) fn describe(tag: u32) -> String {
+    if tag & 1 << 31 == 0 {
+        return "a point-to-point exchange (send/receive), not a collective".into();
+    }
+    let kind = match (tag >> 27) & 0xf {
+        0 => "all_reduce",
+        1 => "broadcast",
+        2 => "reduce",
+        3 => "all_gather",
+        4 => "reduce_scatter",
+        5 => "all_to_all",
+        6 => "barrier",
+        _ => "an unknown collective",
+    };
+    let mut args = Vec::new();
+    if let Some(op) = ((tag >> 20) & 7).checked_sub(1) {
+        args.push(
+            [RedOp::Sum, RedOp::Prod, RedOp::Max, RedOp::Min, RedOp::Avg]
+                .get(op as usize)
+                .map_or("?".to_string(), |o| o.to_string()),
+        );
+    }
+    if let Some(dt) = ((tag >> 23) & 0xf).checked_sub(1) {
+        args.push(
+            DataType::ALL
+                .get(dt as usize)
+                .map_or("?".to_string(), |d| d.to_string()),
+        );
+    }
+    if matches!(kind, "broadcast" | "reduce") {
+        args.push(format!("root {}", tag & 0xff));
+    }
+    let algo = ((tag >> 16) & 0xf)
+        .checked_sub(1)
+        .and_then(|a| ALGOS.get(a as usize))
+        .map_or(String::new(), |a| format!(" by {a}"));
+    format!("{kind}({}){algo}", args.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::model::{self, CollKind, Tuning};
+    use crate::types::DataType;
+
+    fn handle(b: u8) -> NetHandle {
+        NetHandle::from_bytes(&[b; 40]).unwrap()
+    }
+
+    fn inputs(cores: u32, latency_us: f32, speed_mbps: u32) -> HostInputs {
+        HostInputs {
+            cores,
+            latency_us,
+            speed_mbps,
+        }
+    }
+
+    fn cfg() -> Config {
+        Config::from_env().unwrap()
+    }
+
+    #[test]
+    fn rendezvous_blob_carries_both_handles_and_the_host_inputs() {
+        let s = settings(&cfg(), 4 << 20);
+        let host = inputs(16, 2.5, 100_000);
+        let b = blob(&handle(7), "tcp", Some(&handle(9)), true, &s, host);
+        assert_eq!(b.len(), BLOB_LEN);
+        let p = parse_blob(3, &b, 0, "tcp", &s).unwrap();
+        assert!(p.node);
+        assert_eq!(p.handle.as_bytes()[..40], [7u8; 40]);
+        assert_eq!(p.shm.unwrap().as_bytes()[..40], [9u8; 40]);
+        assert_eq!(p.inputs, host);
+        let plain = blob(&handle(7), "tcp", None, false, &s, host);
+        assert!(parse_blob(3, &plain, 0, "tcp", &s).unwrap().shm.is_none());
+        let e = parse_blob(3, &b, 0, "rocev2", &s).unwrap_err().to_string();
+        assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");
+        let e = parse_blob(5, &b[..100], 0, "tcp", &s)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 5") && e.contains("same roccl version"),
+            "{e}"
+        );
+    }
+
+    /// Every setting that cuts calls is compared, and the error names it, both values and
+    /// both ranks.
+    #[test]
+    fn ranks_with_other_settings_are_refused_naming_the_setting() {
+        let base = cfg();
+        let mine = settings(&base, 4 << 20);
+        let host = inputs(2, 10.0, 0);
+        let mut cases: Vec<(Config, usize, &str)> = Vec::new();
+        let mut c = base.clone();
+        c.algo = Some(Algo::Doubling);
+        cases.push((c, 4 << 20, "ROCCL_ALGO=doubling"));
+        let mut c = base.clone();
+        c.ring_window = 0;
+        cases.push((c, 4 << 20, "ROCCL_RING_WINDOW=0"));
+        let mut c = base.clone();
+        c.tuning.slice = Some(1 << 20);
+        cases.push((c, 4 << 20, "ROCCL_SLICE=1048576"));
+        cases.push((base.clone(), 1 << 20, "ROCCL_STREAM_CHUNK=1048576"));
+        let mut c = base.clone();
+        c.gpu_direct_min = 1;
+        cases.push((c, 4 << 20, "ROCCL_GPU_DIRECT_MIN=1"));
+        for (c, chunk, want) in cases {
+            let theirs = settings(&c, chunk);
+            let b = blob(&handle(1), "tcp", None, false, &theirs, host);
+            let e = parse_blob(2, &b, 1, "tcp", &mine)
+                .expect_err("refused")
+                .to_string();
+            assert!(
+                e.contains("rank 2") && e.contains("rank 1") && e.contains(want),
+                "{e}"
+            );
+        }
+        // Direct against doubling (both unset on one side): named too.
+        let mut c = base.clone();
+        c.algo = Some(Algo::Direct);
+        let b = blob(&handle(1), "tcp", None, false, &settings(&c, 4 << 20), host);
+        let e = parse_blob(0, &b, 1, "tcp", &mine).unwrap_err().to_string();
+        assert!(e.contains("ROCCL_ALGO=direct") && e.contains("auto"), "{e}");
+    }
+
+    fn blobs(hosts: &[(u64, HostInputs)], shm: bool) -> Vec<Blob> {
+        hosts
+            .iter()
+            .map(|&(host, inputs)| Blob {
+                host,
+                handle: handle(0),
+                shm: shm.then(|| handle(1)),
+                node: false,
+                speeds: HostSpeeds {
+                    reduce_gbs: 10.0,
+                    copy_gbs: 8.0,
+                },
+                inputs,
+            })
+            .collect()
+    }
+
+    /// Hosts with other core counts and NICs: every rank gets the same cost inputs, hence
+    /// the same choice, whichever rank computes them (the table is the same on all).
+    #[test]
+    fn hosts_that_differ_give_every_rank_the_same_choice() {
+        // Rank 0 alone on a 32-core host with a 100 Gbit/s, 2 µs NIC; ranks 1-3 share a
+        // 2-core host with a 10 Gbit/s, 20 µs one.
+        let big = inputs(32, 2.0, 100_000);
+        let small = inputs(2, 20.0, 10_000);
+        let t = blobs(&[(1, big), (2, small), (2, small), (2, small)], false);
+        let cost = agreed_cost(&t, false, None);
+        assert_eq!(cost.alpha_us, 25.0);
+        assert!(
+            (cost.beta_gbs - 1.25 * 2.0 / 3.0).abs() < 1e-9,
+            "{}",
+            cost.beta_gbs
+        );
+        assert!(cost.msg_cpu_us > 0.0);
+        // What each host would have picked alone differs; the agreed pick is one.
+        let alone_big = agreed_cost(&t[..1], false, None);
+        let choose = |c: &LinkCost, bytes| {
+            model::choose_for(
+                CollKind::AllReduce,
+                DataType::F32,
+                4,
+                bytes,
+                c,
+                None,
+                &Tuning::default(),
+            )
+        };
+        let differs = [8usize, 4096, 1 << 16, 1 << 20, 16 << 20]
+            .iter()
+            .any(|&b| choose(&alone_big, b).0 != choose(&cost, b).0);
+        assert!(
+            differs,
+            "the test's hosts should disagree when each decides alone"
+        );
+        // The order of the table does not matter to the pessimistic combination.
+        let mut rev = blobs(&[(2, small), (2, small), (2, small), (1, big)], false);
+        rev.swap(0, 1);
+        let c2 = agreed_cost(&rev, false, None);
+        assert_eq!(
+            (c2.alpha_us, c2.beta_gbs, c2.msg_cpu_us),
+            (cost.alpha_us, cost.beta_gbs, cost.msg_cpu_us)
+        );
+    }
+
+    /// Every collective, reduction, type and root gives its own tag, and the description
+    /// reads back what was encoded.
+    #[test]
+    fn call_tags_tell_calls_apart() {
+        let mut seen = std::collections::HashSet::new();
+        let mut calls = vec![
+            Collective::AllGather,
+            Collective::AllToAll,
+            Collective::Barrier,
+        ];
+        for op in [RedOp::Sum, RedOp::Prod, RedOp::Max, RedOp::Min, RedOp::Avg] {
+            calls.push(Collective::AllReduce(op));
+            calls.push(Collective::ReduceScatter(op));
+            calls.push(Collective::Reduce { op, root: 3 });
+        }
+        calls.push(Collective::Broadcast { root: 0 });
+        calls.push(Collective::Broadcast { root: 1 });
+        for c in &calls {
+            for dt in DataType::ALL {
+                let t = call_tag(c, dt, 4096);
+                assert!(t & 1 << 31 != 0);
+                let moves = matches!(
+                    c,
+                    Collective::AllGather
+                        | Collective::AllToAll
+                        | Collective::Barrier
+                        | Collective::Broadcast { .. }
+                );
+                // Moves are the same call whatever the element type.
+                if !moves || dt == DataType::U8 {
+                    assert!(seen.insert(t), "{c:?} {dt}: tag {t:#x} taken");
+                }
+                for a in ALGOS {
+                    assert!(describe(with_algo(t, a)).ends_with(&format!(" by {a}")));
+                }
+            }
+        }
+        let t = with_algo(
+            call_tag(&Collective::AllReduce(RedOp::Avg), DataType::Bf16, 64),
+            Algo::Ring,
+        );
+        assert_eq!(describe(t), "all_reduce(avg, bf16) by ring");
+        let t = call_tag(&Collective::Broadcast { root: 7 }, DataType::F32, 64);
+        assert_eq!(describe(t), "broadcast(root 7)");
+        assert_eq!(
+            call_tag(
+                &Collective::SendRecv {
+                    to: Some(1),
+                    from: None
+                },
+                DataType::U8,
+                8
+            ),
+            0
+        );
+        // Counts that differ by one element, or by a power of two, give other tags.
+        let ar = |b| call_tag(&Collective::AllReduce(RedOp::Sum), DataType::F32, b);
+        for b in [4usize, 400, 4096, 1 << 20, 3 << 30] {
+            assert_ne!(ar(b), ar(b + 4), "{b}");
+            assert_ne!(ar(b), ar(2 * b), "{b}");
+            assert!(differ(ar(b), ar(b + 4)).ends_with("with another count of bytes"));
+        }
+        assert!(describe(0).contains("point-to-point"));
+    }
+}
