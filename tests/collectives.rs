@@ -12,7 +12,7 @@ use roccl::{Algo, DataType, RedOp};
 fn small_matrix(n: usize, tuning: Tuning) {
     run_ranks(n, config(tuning), |c| {
         for k in KINDS {
-            for &algo in algos(k) {
+            for algo in algos_on(&c, k) {
                 for dt in DataType::ALL {
                     for op in RedOp::ALL {
                         let reducing =
@@ -50,7 +50,7 @@ fn large(n: usize) {
                 } else {
                     1_000_003
                 };
-                for &algo in algos(k) {
+                for algo in algos_on(&c, k) {
                     // The one-shot stages n copies; doubling (sliced first exchange) stays.
                     if algo == Algo::Direct {
                         continue;
@@ -128,7 +128,7 @@ fn deepest_pipeline() {
     };
     run_ranks(3, config(t), |c| {
         for k in KINDS {
-            for &algo in algos(k) {
+            for algo in algos_on(&c, k) {
                 for (dt, op) in [(DataType::F32, RedOp::Sum), (DataType::Bf16, RedOp::Max)] {
                     for in_place in [false, true] {
                         one(&c, k, dt, op, 50_001, algo, in_place, 1);
@@ -177,7 +177,7 @@ fn ranks_8() {
 fn ranks_16_f32() {
     run_ranks(16, config(Tuning::default()), |c| {
         for k in KINDS {
-            for &algo in algos(k) {
+            for algo in algos_on(&c, k) {
                 for count in [0usize, 1, 7, 1000] {
                     one(&c, k, DataType::F32, RedOp::Sum, count, algo, false, 15);
                 }

@@ -21,7 +21,7 @@ fn collectives_survive_a_lossy_network() {
     cfg.waiter.timeout = std::time::Duration::from_secs(20);
     run_ranks(3, cfg, |c| {
         for k in KINDS {
-            for &algo in algos(k) {
+            for algo in algos_on(&c, k) {
                 for count in [1usize, 1000, 200_003] {
                     one(&c, k, DataType::F32, RedOp::Sum, count, algo, false, 1);
                     one(&c, k, DataType::I32, RedOp::Max, count, algo, true, 2);

@@ -666,7 +666,13 @@ pub(crate) fn connect_pair(net: &dyn Net) -> (Box<dyn SendComm>, Box<dyn RecvCom
     let (h, mut l) = net.listen(0).unwrap();
     let mut c = net.connect(0, &h).unwrap();
     let (mut s, mut r) = (None, None);
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while s.is_none() || r.is_none() {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "{}: connecting a pair took over 20 s (broken handshake?)",
+            net.name()
+        );
         if s.is_none() {
             s = c.poll().unwrap();
         }
