@@ -167,18 +167,23 @@ fn killed_rank_is_named() {
         ("auto", "auto"),
         ("shm", "shm2"),
     ] {
-        killed_rank_is_named_over(net, algo);
+        killed_rank_is_named_over(net, algo, "all_reduce");
+    }
+    // Single copies out of peers' buffers: a survivor that stopped because rank 1 died is
+    // not blamed by the other survivor (it used to be, in about 3 runs of 7).
+    for _ in 0..4 {
+        killed_rank_is_named_over("shm", "auto", "all_gather");
     }
 }
 
-fn killed_rank_is_named_over(net: &str, algo: &str) {
+fn killed_rank_is_named_over(net: &str, algo: &str, op: &str) {
     let id = roccl::UniqueId::new().unwrap();
     let mut kids: Vec<_> = (0..3)
         .map(|r| {
             Command::new(PERF)
                 .args([
                     "--op",
-                    "all_reduce",
+                    op,
                     "-b",
                     "1M",
                     "-e",
@@ -215,9 +220,10 @@ fn killed_rank_is_named_over(net: &str, algo: &str) {
         }
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{net} {algo} rank {r}: {err}");
+        // The error blames rank 1 itself (not a survivor that mentions it).
         assert!(
-            err.contains("rank 1 ") || err.contains("rank 1:") || err.contains("rank 1;"),
-            "{net} {algo} rank {r}: {err}"
+            err.contains("remote error: rank 1:"),
+            "{net} {algo} {op} rank {r}: {err}"
         );
     }
     assert!(

@@ -1631,13 +1631,13 @@ impl State {
             return;
         }
         self.broken.set(e.kind(), e.to_string());
-        if let Some(node) = &self.node {
-            node.mark_broken();
-        }
         let cause = match e {
             Error::Remote { rank, .. } => Some(*rank),
             _ => self.links.suspect,
         };
+        if let Some(node) = &self.node {
+            node.mark_broken_by(cause);
+        }
         let by_app = self.links.abort.load(Ordering::Relaxed);
         if let (Error::Remote { rank, msg }, false) = (e, by_app) {
             if msg.contains(MISMATCH_TEXT) && self.links.mismatch.is_none() {

@@ -557,10 +557,10 @@ impl Node {
         // sees the mark here and is not reported as data.
         fence(Ordering::SeqCst);
         if header(self.seg(r)).broken.load(Ordering::SeqCst) != 0 {
-            return Err(Error::Remote {
-                rank: r,
-                msg: "its communicator failed while this rank copied from its buffer, so the copy may hold what the application wrote there afterwards".into(),
-            });
+            return Err(self.broken_peer(
+                r,
+                "its communicator failed while this rank copied from its buffer, so the copy may hold what the application wrote there afterwards",
+            ));
         }
         Ok(())
     }
@@ -647,6 +647,21 @@ impl Node {
     }
 
     fn cma_error(&self, r: usize, call: &str, e: std::io::Error) -> Error {
+        let pid = self.cma_pids[r];
+        if e.raw_os_error() == Some(libc::ESRCH) || process_gone(pid) {
+            return Error::Remote {
+                rank: r,
+                msg: format!(
+                    "its process {pid} exited during a single-copy collective ({call}: {e})"
+                ),
+            };
+        }
+        if header(self.seg(r)).broken.load(Ordering::SeqCst) != 0 {
+            return self.broken_peer(
+                r,
+                &format!("its buffer went away during a single-copy collective ({call}: {e})"),
+            );
+        }
         Error::sys(
             format!(
                 "{call} with rank {r} (pid {}) for a single-copy collective",
@@ -683,8 +698,23 @@ impl Node {
 
     /// Mark this rank's communicator broken, so that peers waiting on it stop.
     pub(crate) fn mark_broken(&self) {
+        self.mark_broken_by(None);
+    }
+
+    /// [`Node::mark_broken`], naming the rank this rank blames (`culprit`): a peer that then
+    /// finds this rank broken blames the culprit, not this survivor. The flag holds 1
+    /// (broken, nobody named) or 2 + the culprit's rank; a name replaces a 1, never another
+    /// name.
+    pub(crate) fn mark_broken_by(&self, culprit: Option<usize>) {
         let h = header(&self.own.seg);
-        h.broken.store(1, Ordering::SeqCst);
+        let v = culprit
+            .filter(|&c| c != self.me)
+            .map_or(1, |c| 2 + c as u32);
+        let _ = h
+            .broken
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |old| {
+                (old < 2).then_some(v.max(old))
+            });
         futex_wake(&h.arrive[0].word);
         futex_wake(&h.arrive[1].word);
         futex_wake(&h.result);
@@ -888,10 +918,10 @@ impl Node {
             ));
         }
         if header(self.seg(r)).broken.load(Ordering::Acquire) != 0 {
-            return Err(Error::Remote {
-                rank: r,
-                msg: "its communicator failed or was aborted while this rank waited on it".into(),
-            });
+            return Err(self.broken_peer(
+                r,
+                "its communicator failed or was aborted while this rank waited on it",
+            ));
         }
         let pid = self.pids[r];
         if pid != 0 && process_gone(pid) {
@@ -901,6 +931,33 @@ impl Node {
             });
         }
         Ok(())
+    }
+
+    /// The error for peer `r` found broken (`what` happened): the rank that failed first is
+    /// named — a peer whose process is gone, else the rank `r` blamed when it broke, else
+    /// `r` itself — so that a survivor is never blamed for another rank's death.
+    fn broken_peer(&self, r: usize, what: &str) -> Error {
+        for (p, &pid) in self.pids.iter().enumerate() {
+            if p != self.me && pid != 0 && process_gone(pid) {
+                return Error::Remote {
+                    rank: p,
+                    msg: format!(
+                        "its process {pid} exited (rank {r} stopped because of it: {what})"
+                    ),
+                };
+            }
+        }
+        let v = header(self.seg(r)).broken.load(Ordering::Acquire);
+        match (v as usize).checked_sub(2) {
+            Some(c) if c != r && c < self.pids.len() => Error::Remote {
+                rank: c,
+                msg: format!("rank {r} stopped because rank {c} failed ({what})"),
+            },
+            _ => Error::Remote {
+                rank: r,
+                msg: what.into(),
+            },
+        }
     }
 
     fn stuck(&self, r: usize, c: Counter, k: u32, w: &Waiter) -> Error {
