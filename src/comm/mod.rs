@@ -8,6 +8,8 @@
 mod agree;
 pub(crate) mod exec;
 pub(crate) mod links;
+#[cfg(test)]
+mod tickets_model;
 pub mod wait;
 
 use std::net::{SocketAddr, ToSocketAddrs};
