@@ -18,6 +18,7 @@ pub mod net;
 pub mod rdma;
 pub mod reduce;
 pub mod sys;
+pub mod tool;
 pub mod types;
 
 pub use algo::Algo;

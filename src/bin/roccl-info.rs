@@ -9,6 +9,20 @@ use std::process::ExitCode;
 use roccl::bootstrap::ifaces;
 use roccl::rdma::select::{self, Criteria};
 
+/// A line on standard output; a closed standard output ends the program quietly.
+macro_rules! say {
+    ($($t:tt)*) => {
+        roccl::tool::print_line(format_args!($($t)*))
+    };
+}
+
+/// A line on standard error, in one write.
+macro_rules! errln {
+    ($($t:tt)*) => {
+        roccl::tool::print_error(format_args!($($t)*))
+    };
+}
+
 fn rdma_core_version() -> String {
     // Debian/Ubuntu package names, then RPM.
     let queries: [(&str, &[&str]); 3] = [
@@ -98,9 +112,12 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         .next()
         .ok_or_else(|| format!("{addr} has no address"))?;
     let rank = usize::from(!listen);
-    println!(
+    say!(
         "{:<8} {:>14} {:>16} {:>16}",
-        "net", "8 B RTT (us)", "1 MiB (Gb/s)", "16 MiB (Gb/s)"
+        "net",
+        "8 B RTT (us)",
+        "1 MiB (Gb/s)",
+        "16 MiB (Gb/s)"
     );
     let mut kinds = vec![(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")];
     if cfg!(feature = "verbs") && nic_present() {
@@ -144,9 +161,9 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
             }
             bw.push((size * reps) as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9);
         }
-        println!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
+        say!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
     }
-    println!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
+    say!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
     Ok(())
 }
 
@@ -226,13 +243,13 @@ fn main() -> ExitCode {
             return match link_test(args[0] == "--listen", a) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("roccl-info: error: {e}");
+                    errln!("roccl-info: error: {e}");
                     ExitCode::from(2)
                 }
             };
         }
         _ => {
-            eprintln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
+            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
             return ExitCode::from(2);
         }
     }
@@ -249,7 +266,7 @@ fn main() -> ExitCode {
     let ports = match select::scan(Path::new(&root)) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("roccl-info: error: {e}");
+            errln!("roccl-info: error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -359,7 +376,7 @@ fn main() -> ExitCode {
             "no: nvidia_peermem / amdkfd peer-memory client absent"
         }
     );
-    // One write, ignoring a closed pipe (`roccl-info | head`).
-    let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
+    // A closed pipe (`roccl-info | head`) ends it quietly.
+    roccl::tool::print_line(format_args!("{}", out.trim_end()));
     ExitCode::SUCCESS
 }

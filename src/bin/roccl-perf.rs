@@ -5,7 +5,6 @@
 //! Sizes are total buffer bytes as in nccl-tests. `time_us` is the median over iterations
 //! of the slowest rank's time; busbw uses nccl-tests' factors.
 
-use std::io::Write;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +15,25 @@ use roccl::algo::model::CollKind;
 use roccl::device::ops::{self, RawBuf};
 use roccl::device::sim::SimDevice;
 use roccl::device::{self, Alloc, Device, StreamId};
+use roccl::tool::launch::{self, Outcome};
 use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
+
+/// Set in the environment of the ranks `--ranks N` starts.
+const LAUNCHED: &str = "ROCCL_PERF_LAUNCHED";
+
+/// A line on standard output; a closed standard output ends the program quietly.
+macro_rules! outln {
+    ($($t:tt)*) => {
+        roccl::tool::print_line(format_args!($($t)*))
+    };
+}
+
+/// A line on standard error, in one write (the ranks of a job share it).
+macro_rules! errln {
+    ($($t:tt)*) => {
+        roccl::tool::print_error(format_args!($($t)*))
+    };
+}
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -676,7 +693,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     };
     let lead = c.rank() == 0;
     if lead {
-        println!(
+        outln!(
             "# roccl-perf: {} ranks, net {}{}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}",
             c.nranks(),
             c.net_name(),
@@ -699,13 +716,31 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             },
             if a.check { "on" } else { "off" }
         );
-        println!(
+        outln!(
             "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
-            "op", "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw"
+            "op",
+            "size",
+            "count",
+            "type",
+            "redop",
+            "root",
+            "algo",
+            "time",
+            "algbw",
+            "busbw"
         );
-        println!(
+        outln!(
             "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
-            "", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "#wrong"
+            "",
+            "(B)",
+            "(elements)",
+            "",
+            "",
+            "",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            "#wrong"
         );
     }
     let mut rows = Vec::new();
@@ -722,7 +757,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
                 .map_err(|e| format!("{} at {s} bytes: {e}", o.name()))?;
             ok &= row.wrong == 0;
             if lead {
-                println!(
+                outln!(
                     "{:>16} {:>12} {:>12} {:>6} {:>5} {:>5} {:>7} {:>11.2} {:>8.3} {:>8.3} {:>7}",
                     row.op,
                     row.bytes,
@@ -736,20 +771,19 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
                     row.busbw_gbs,
                     row.wrong
                 );
-                let _ = std::io::stdout().flush();
             }
             rows.push(row);
         }
     }
     if lead {
         let total: u64 = rows.iter().map(|r| r.wrong).sum();
-        println!(
+        outln!(
             "# wrong results: {total}{}",
             if total == 0 { "" } else { "  <-- FAILED" }
         );
         if a.device.is_some() || a.stream {
             // Device memory the CPU cannot reach is staged, except what went GPU-direct.
-            println!(
+            outln!(
                 "# bytes staged through pinned host buffers (rank 0, in and out): {}",
                 roccl::device::ops::staged_bytes()
             );
@@ -784,16 +818,28 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string())
             .and_then(|c| roccl::sys::bind_to_cpu(c).map_err(|e| e.to_string()))
         {
-            eprintln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
+            errln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
         }
     }
     if a.net != "auto" {
         std::env::set_var("ROCCL_NET", &a.net);
     }
+    if std::env::var_os(LAUNCHED).is_some() {
+        // Our launcher ends the job quietly when rank 0 finds standard output closed.
+        roccl::tool::set_closed_stdout_status(roccl::tool::EXIT_STDOUT_CLOSED);
+    }
+    // Errors of a rank of several name it: the ranks of a job share standard error.
     let res = if launched_by_env() {
-        Communicator::from_env()
-            .map_err(|e| e.to_string())
-            .and_then(|c| rank_main(c, &a))
+        match Communicator::from_env() {
+            Ok(c) => {
+                let who = format!("rank {} of {}: ", c.rank(), c.nranks());
+                rank_main(c, &a).map_err(|e| format!("{who}{e}"))
+            }
+            Err(e) => Err(match std::env::var("ROCCL_RANK") {
+                Ok(r) => format!("rank {r}: {e}"),
+                Err(_) => e.to_string(),
+            }),
+        }
     } else if a.ranks <= 1 {
         UniqueId::new()
             .and_then(|id| Communicator::init(&id, 1, 0))
@@ -806,14 +852,14 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("roccl-perf: error: {e}");
+            errln!("roccl-perf: error: {e}");
             ExitCode::from(2)
         }
     }
 }
 
 /// Spawn `--ranks` copies of this program as the ranks of one communicator whose root runs
-/// here; rank 0 prints.
+/// here; rank 0 prints. The job ends as soon as one rank fails (`roccl::tool::launch`).
 fn launch(a: &Args) -> Result<bool, String> {
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
@@ -824,14 +870,14 @@ fn launch(a: &Args) -> Result<bool, String> {
         "none" => false,
         other => return Err(format!("--bind {other}: expected auto or none")),
     };
-    let mut kids = Vec::new();
+    let mut cmds = Vec::new();
     for r in 0..a.ranks {
         let mut cmd = Command::new(&exe);
         if let Some(cpu) = cpus.get(r).filter(|_| bind) {
             cmd.env("ROCCL_PERF_CPU", cpu.to_string());
         }
-        let child = cmd
-            .args(&args)
+        cmd.args(&args)
+            .env(LAUNCHED, "1")
             .env("ROCCL_UNIQUE_ID", id.to_hex())
             .env("ROCCL_RANK", r.to_string())
             .env("ROCCL_NRANKS", a.ranks.to_string())
@@ -839,25 +885,15 @@ fn launch(a: &Args) -> Result<bool, String> {
                 std::process::Stdio::inherit()
             } else {
                 std::process::Stdio::null()
-            })
-            .spawn()
-            .map_err(|e| format!("spawning rank {r}: {e}"))?;
-        kids.push(child);
+            });
+        cmds.push(cmd);
     }
-    let mut ok = true;
-    let mut failed = Vec::new();
-    for (r, mut k) in kids.into_iter().enumerate() {
-        match k.wait() {
-            Ok(s) if s.success() => {}
-            Ok(s) if s.code() == Some(1) => ok = false,
-            Ok(s) => failed.push(format!("rank {r} exited with {s}")),
-            Err(e) => failed.push(format!("rank {r}: {e}")),
-        }
+    match launch::run(cmds)? {
+        Outcome::Done { all_ok } => Ok(all_ok),
+        Outcome::StdoutClosed => std::process::exit(0),
+        Outcome::Failed(e) => Err(e),
+        Outcome::Signalled(sig) => std::process::exit(128 + sig),
     }
-    if !failed.is_empty() {
-        return Err(failed.join("; "));
-    }
-    Ok(ok)
 }
 
 /// One page of a [`Buf`].
