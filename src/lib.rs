@@ -12,6 +12,7 @@ pub mod algo;
 pub mod bootstrap;
 pub mod comm;
 pub mod device;
+pub mod envvar;
 pub mod error;
 pub mod log;
 pub mod net;

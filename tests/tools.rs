@@ -238,3 +238,245 @@ fn signals_to_the_launcher_end_every_rank() {
         assert!(!status.unwrap().success());
     }
 }
+
+/// Run roccl-perf; (status, stdout, stderr).
+fn perf(args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String, String) {
+    let mut child = Command::new(PERF)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut s);
+        s
+    });
+    let status = wait_for(&mut child, Duration::from_secs(120))
+        .unwrap_or_else(|| panic!("roccl-perf {args:?} hung"));
+    let err = stderr_of(&mut child);
+    (status, reader.join().unwrap(), err)
+}
+
+/// roccl-perf fails at once, with exit status 2, printing `want` once.
+fn refused(args: &[&str], env: &[(&str, &str)], want: &[&str]) {
+    let (status, out, err) = perf(args, env);
+    assert_eq!(
+        status.code(),
+        Some(2),
+        "{args:?} {env:?}: {status}\n{out}\n{err}"
+    );
+    assert!(
+        want.iter().all(|w| err.contains(w)),
+        "{args:?} {env:?}: expected {want:?} in:\n{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "the error is printed once:\n{err}");
+    assert!(!out.contains("# wrong results"), "{out}");
+}
+
+#[test]
+fn bad_arguments_are_refused_once() {
+    refused(&["--ranks", "0"], &[], &["--ranks 0"]);
+    refused(
+        &["--ranks", "2", "-b", "1M", "-e", "1K"],
+        &[],
+        &["-b 1M", "-e 1K"],
+    );
+    refused(&["-b", "1M", "-e", "1K"], &[], &["-b 1M", "-e 1K"]);
+    refused(&["--ranks", "2", "-i", "0"], &[], &["--iters 0"]);
+    refused(&["-e", "100000G"], &[], &["-e 100000G", "available"]);
+    refused(
+        &["--ranks", "3", "-e", "100000G"],
+        &[],
+        &["-e 100000G", "available"],
+    );
+    refused(&["--ranks", "2", "--root", "5"], &[], &["--root 5"]);
+}
+
+#[test]
+fn bad_environment_settings_are_refused_naming_them() {
+    for (k, v, accepts) in [
+        ("ROCCL_TIMEOUT", "abc", "seconds"),
+        ("ROCCL_SPIN_US", "fast", "whole number"),
+        ("ROCCL_NSOCKS", "lots", "sockets"),
+        ("ROCCL_SHM", "maybe", "0 or 1"),
+    ] {
+        let want = format!("{k}=\"{v}\"");
+        refused(&["--ranks", "2", "-e", "1K"], &[(k, v)], &[&want, accepts]);
+        refused(&["-e", "1K"], &[(k, v)], &[&want, accepts]);
+    }
+}
+
+#[test]
+fn errors_of_ranks_name_the_rank_and_do_not_interleave() {
+    // Joined as ranks of a launcher-less job whose root nobody serves: every rank fails on
+    // its own; each line is one whole message naming its rank.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let root = format!("127.0.0.1:{port}");
+    let kids: Vec<Child> = (1..4)
+        .map(|r| {
+            Command::new(PERF)
+                .args(["-e", "1K"])
+                .env("ROCCL_RANK", r.to_string())
+                .env("ROCCL_NRANKS", "4")
+                .env("ROCCL_ROOT", &root)
+                .env("ROCCL_TIMEOUT", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, mut k) in kids.into_iter().enumerate() {
+        let status = wait_for(&mut k, Duration::from_secs(60)).expect("a rank hung");
+        let err = stderr_of(&mut k);
+        assert!(!status.success());
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with(&format!("roccl-perf: error: rank {}: ", i + 1))
+                && last.matches("roccl-perf: error:").count() == 1,
+            "{err}"
+        );
+    }
+}
+
+/// The values `--help` lists for `flag` ("[possible values: a, b]").
+fn help_values(help: &str, flag: &str) -> Vec<String> {
+    let start = help
+        .find(&format!("{flag} <"))
+        .unwrap_or_else(|| panic!("{flag} not in --help:\n{help}"));
+    let rest = &help[start..];
+    let open = rest.find("[possible values: ").expect(flag) + "[possible values: ".len();
+    let close = rest[open..].find(']').unwrap();
+    rest[open..open + close]
+        .split(',')
+        .map(|v| v.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn help_lists_what_the_parsers_accept() {
+    use roccl::net::NetKind;
+    use roccl::{Algo, DataType, RedOp};
+    let out = Command::new(PERF).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout).into_owned();
+    let algos: Vec<String> = std::iter::once("auto".to_string())
+        .chain(Algo::ALL.iter().map(|a| a.name().to_string()))
+        .collect();
+    assert_eq!(help_values(&help, "--algo"), algos);
+    for a in &algos[1..] {
+        assert!(a.parse::<Algo>().is_ok(), "{a}");
+    }
+    let dts: Vec<String> = DataType::ALL.iter().map(|d| d.name().to_string()).collect();
+    assert_eq!(help_values(&help, "--dtype"), dts);
+    let ops: Vec<String> = RedOp::ALL.iter().map(|o| o.name().to_string()).collect();
+    assert_eq!(help_values(&help, "--redop"), ops);
+    // Every network, each named once (a new kind fails to compile here until it is listed).
+    let nets = help_values(&help, "--net");
+    let mut seen = [false; 5];
+    for n in &nets {
+        let k: NetKind = n.parse().unwrap_or_else(|e| panic!("--net {n}: {e}"));
+        let i = match k {
+            NetKind::Auto => 0,
+            NetKind::Tcp => 1,
+            NetKind::RoceV2 => 2,
+            NetKind::Verbs => 3,
+            NetKind::Shm => 4,
+        };
+        assert!(!seen[i], "{n} twice");
+        seen[i] = true;
+    }
+    assert!(seen.iter().all(|s| *s), "--net lists {nets:?}");
+    let colls = help_values(&help, "--op");
+    for c in [
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+        "reduce_scatter",
+        "reduce",
+        "all_to_all",
+        "sendrecv",
+        "barrier",
+        "all",
+    ] {
+        assert!(colls.iter().any(|x| x == c), "--op lacks {c}: {colls:?}");
+    }
+}
+
+#[test]
+fn table_headers_sit_over_their_columns() {
+    let (status, out, err) = perf(
+        &[
+            "--ranks", "2", "-b", "8", "-e", "1K", "-f", "128", "-i", "2", "-w", "1",
+        ],
+        &[],
+    );
+    assert!(status.success(), "{err}");
+    // Right edges of the cells of a line.
+    let edges = |l: &str| -> Vec<usize> {
+        let b = l.as_bytes();
+        (0..b.len())
+            .filter(|&i| b[i] != b' ' && (i + 1 == b.len() || b[i + 1] == b' '))
+            .collect()
+    };
+    let lines: Vec<&str> = out.lines().collect();
+    let names = lines.iter().find(|l| l.contains(" busbw")).expect(&out);
+    let data = lines
+        .iter()
+        .find(|l| l.trim_start().starts_with("all_reduce"))
+        .expect(&out);
+    let mut head = edges(names);
+    head.remove(0); // the leading '#'
+    assert_eq!(head, edges(data), "\n{names}\n{data}");
+}
+
+#[test]
+fn an_algorithm_that_does_not_apply_is_not_replaced_silently() {
+    let (status, _out, err) = perf(
+        &[
+            "--ranks",
+            "2",
+            "--algo",
+            "tree",
+            "--op",
+            "all_gather",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+            "-i",
+            "2",
+        ],
+        &[],
+    );
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("algorithm tree") && err.contains("does not apply"),
+        "{err}"
+    );
+}
+
+#[test]
+fn info_says_what_auto_picks() {
+    let out = Command::new(INFO)
+        .env("ROCCL_SYSFS_ROOT", "/nonexistent-sysfs")
+        .env_remove("ROCCL_NET")
+        .env_remove("ROCCL_SHM")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("shared memory between ranks of this host"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("roccl will use tcp (ROCCL_NET=auto)"),
+        "{text}"
+    );
+}

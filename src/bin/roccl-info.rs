@@ -271,8 +271,22 @@ fn main() -> ExitCode {
         }
     };
     let net_hint = std::env::var("ROCCL_NET").unwrap_or_else(|_| "auto".into());
+    // What ROCCL_NET=auto picks: shared memory between ranks of one host unless ROCCL_SHM=0,
+    // `remote` to other hosts.
+    let will_use = |remote: &str| match net_hint.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => {
+            let shm = roccl::envvar::raw("ROCCL_SHM").and_then(|v| roccl::envvar::parse_switch(&v))
+                != Some(false);
+            if shm {
+                format!("roccl will use shared memory between ranks of this host and {remote} to other hosts (ROCCL_NET=auto; ROCCL_SHM=0 turns shared memory off)")
+            } else {
+                format!("roccl will use {remote} (ROCCL_NET=auto, ROCCL_SHM=0)")
+            }
+        }
+        other => format!("roccl will use {other} (ROCCL_NET={other})"),
+    };
     if ports.is_empty() {
-        outln!("no RDMA device: roccl will use tcp (ROCCL_NET={net_hint}); ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP");
+        outln!("no RDMA device: {}; ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP", will_use("tcp"));
         if let Some(v) = libibverbs_view() {
             outln!("libibverbs: {v}");
         }
@@ -290,7 +304,7 @@ fn main() -> ExitCode {
                 } else {
                     "tcp: built without the verbs feature"
                 };
-                outln!("roccl will use {net} (ROCCL_NET={net_hint})");
+                outln!("{}", will_use(net));
             }
             Err(e) => {
                 outln!("{}", select::describe(&ports, None));

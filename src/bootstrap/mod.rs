@@ -168,11 +168,8 @@ impl UniqueId {
 
 /// `ROCCL_TIMEOUT` in seconds (default 300).
 pub fn timeout_from_env() -> Duration {
-    let s = std::env::var("ROCCL_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|t| *t > 0.0)
-        .unwrap_or(300.0);
+    // A bad value is refused at init (crate::envvar::check).
+    let s = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
     Duration::from_secs_f64(s)
 }
 
