@@ -72,7 +72,7 @@ fn info_into_a_closed_pipe_ends_quietly() {
         .port();
     for args in [
         vec![],
-        vec!["--peer".to_string(), format!("127.0.0.1:{port}")],
+        vec!["--listen".to_string(), format!("127.0.0.1:{port}")],
     ] {
         let mut child = Command::new(INFO)
             .args(&args)
@@ -479,4 +479,93 @@ fn info_says_what_auto_picks() {
         !text.contains("roccl will use tcp (ROCCL_NET=auto)"),
         "{text}"
     );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A rank of a job joined from the environment (`ROCCL_RANK` of `nranks`, root at `root`).
+fn env_rank(rank: usize, nranks: usize, root: &str, timeout: &str) -> Child {
+    Command::new(PERF)
+        .args(["-e", "1K", "-i", "1", "-w", "0"])
+        .env("ROCCL_RANK", rank.to_string())
+        .env("ROCCL_NRANKS", nranks.to_string())
+        .env("ROCCL_ROOT", root)
+        .env("ROCCL_TIMEOUT", timeout)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn a_waiting_bootstrap_says_who_has_joined() {
+    let root = format!("127.0.0.1:{}", free_port());
+    // Rank 2 of 3 never starts; rank 0 serves the root.
+    let mut r0 = env_rank(0, 3, &root, "4");
+    let mut r1 = env_rank(1, 3, &root, "4");
+    let s0 = wait_for(&mut r0, Duration::from_secs(60)).expect("rank 0 hung");
+    let s1 = wait_for(&mut r1, Duration::from_secs(60)).expect("rank 1 hung");
+    let (e0, e1) = (stderr_of(&mut r0), stderr_of(&mut r1));
+    assert!(!s0.success() && !s1.success());
+    let progress: Vec<&str> = e0
+        .lines()
+        .filter(|l| l.contains("2 of 3 ranks joined (ranks 0, 1); waiting for rank 2"))
+        .collect();
+    assert!(
+        !progress.is_empty(),
+        "no progress report from the root:\n{e0}"
+    );
+    assert!(e1.contains("rank 2 never arrived"), "{e1}");
+}
+
+#[test]
+fn a_rank_waiting_for_its_root_says_so() {
+    let root = format!("127.0.0.1:{}", free_port());
+    let mut r1 = env_rank(1, 2, &root, "3");
+    let s = wait_for(&mut r1, Duration::from_secs(60)).expect("rank 1 hung");
+    let e = stderr_of(&mut r1);
+    assert!(!s.success());
+    assert!(
+        e.contains("rank 1: after")
+            && e.contains(&format!("still waiting for the bootstrap root at {root}")),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_duplicate_rank_fails_every_process_naming_it() {
+    let root = format!("127.0.0.1:{}", free_port());
+    // Ranks 0, 1, 1 of 3 (rank 2 never comes), with a timeout they must not wait out.
+    let mut kids = vec![env_rank(0, 3, &root, "60")];
+    std::thread::sleep(Duration::from_millis(300));
+    kids.push(env_rank(1, 3, &root, "60"));
+    kids.push(env_rank(1, 3, &root, "60"));
+    for k in &mut kids {
+        let s = wait_for(k, Duration::from_secs(30)).expect("a rank waited for the timeout");
+        let e = stderr_of(k);
+        assert!(!s.success());
+        assert!(e.contains("rank 1 joined twice"), "{e}");
+    }
+}
+
+#[test]
+fn info_peer_with_nothing_listening_says_so() {
+    let at = format!("127.0.0.1:{}", free_port());
+    let mut child = Command::new(INFO)
+        .args(["--peer", &at])
+        .env("ROCCL_TIMEOUT", "2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let s = wait_for(&mut child, Duration::from_secs(60)).expect("roccl-info --peer hung");
+    let e = stderr_of(&mut child);
+    assert_eq!(s.code(), Some(2), "{e}");
+    assert!(e.contains(&format!("nothing answers at {at}")), "{e}");
 }

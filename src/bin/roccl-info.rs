@@ -112,6 +112,9 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         .next()
         .ok_or_else(|| format!("{addr} has no address"))?;
     let rank = usize::from(!listen);
+    if !listen {
+        probe(base)?;
+    }
     say!(
         "{:<8} {:>14} {:>16} {:>16}",
         "net",
@@ -165,6 +168,25 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
     }
     say!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
     Ok(())
+}
+
+/// `--peer`: wait (up to 10 s, or ROCCL_TIMEOUT if shorter) for something to accept a TCP
+/// connection at `addr`, and say plainly when nothing does.
+fn probe(addr: std::net::SocketAddr) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+    let limit = roccl::bootstrap::timeout_from_env().min(Duration::from_secs(10));
+    let start = Instant::now();
+    loop {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(_) => return Ok(()),
+            Err(e) if start.elapsed() >= limit => {
+                return Err(format!(
+                    "nothing answers at {addr} ({e}, for {limit:.0?}): start `roccl-info --listen {addr}` on that host first, and check the address, the port and any firewall between the hosts"
+                ))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
 }
 
 /// Whether sysfs shows an RDMA device (both hosts must agree for the verbs row of the link
@@ -298,11 +320,11 @@ fn main() -> ExitCode {
                 let (text, usable) = verbs_check(c);
                 outln!("{text}");
                 let net = if usable {
-                    "verbs: RoCE v2 on this NIC"
+                    "verbs (RoCE v2 on this NIC)"
                 } else if cfg!(feature = "verbs") {
-                    "tcp: the NIC is not usable (see above)"
+                    "tcp (the NIC is not usable, see above)"
                 } else {
-                    "tcp: built without the verbs feature"
+                    "tcp (built without the verbs feature)"
                 };
                 outln!("{}", will_use(net));
             }
