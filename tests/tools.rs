@@ -208,8 +208,9 @@ fn launcher_ends_the_job_when_a_rank_is_stopped() {
     unsafe { libc::kill(stopped as i32, libc::SIGSTOP) };
     // The other ranks give up after ROCCL_TIMEOUT (3 s); the launcher must then end the job.
     let status = wait_for(&mut job.launcher, Duration::from_secs(60));
-    let err = stderr_of(&mut job.launcher);
+    // Ranks left over hold the launcher's stderr open: end them before reading it.
     let left = job.survivors();
+    let err = stderr_of(&mut job.launcher);
     let status = status.unwrap_or_else(|| panic!("the launcher hung; stderr:\n{err}"));
     assert!(left.is_empty(), "ranks {left:?} outlived the launcher");
     assert!(!status.success(), "{status}");
