@@ -56,9 +56,11 @@ echo "== NCCL/RCCL network plugin: every exported version, driven as NCCL's prox
 tests/plugin/run.sh
 echo "== NCCL-named library (libroccl-nccl.so), called through ctypes as vLLM's pynccl does"
 cargo build --release -p roccl-nccl
-python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3
-ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 2
-python3 tests/nccl/test_pynccl.py target/release/libroccl_nccl.so 3 --streams
+release="$(cargo metadata --format-version 1 --no-deps |
+  sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release"
+python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3
+ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 2
+python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3 --streams
 echo "== stream-ordered collectives and roccl-perf on device-only buffers of the simulated device (scripts/gpu-check.sh sim)"
 gpu_out=$(scripts/gpu-check.sh sim 3 262144)
 # Both sections (the C ABI program and roccl-perf --device sim) report no wrong result.

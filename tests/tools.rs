@@ -223,7 +223,8 @@ fn launcher_ends_the_job_when_a_rank_is_stopped() {
 
 #[test]
 fn signals_to_the_launcher_end_every_rank() {
-    for sig in [libc::SIGTERM, libc::SIGINT] {
+    // SIGKILL cannot be forwarded: the ranks' parent-death signal ends them.
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGKILL] {
         let mut job = Job::start("300");
         // SAFETY: kill has no memory effects; the pid is our child's.
         unsafe { libc::kill(job.launcher.id() as i32, sig) };
