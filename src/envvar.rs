@@ -397,6 +397,28 @@ mod tests {
         }
     }
 
+    /// README's table names every setting and launcher variable.
+    #[test]
+    fn readme_lists_every_setting() {
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let launcher = [
+            "ROCCL_RANK",
+            "ROCCL_NRANKS",
+            "ROCCL_ROOT",
+            "ROCCL_ROOT_PORT",
+            "ROCCL_UNIQUE_ID",
+            "ROCCL_SOCKET_IFNAME",
+        ];
+        let missing: Vec<&str> = SETTINGS
+            .iter()
+            .map(|s| s.name)
+            .chain(launcher)
+            .filter(|n| !readme.contains(&format!("`{n}`")))
+            .collect();
+        assert!(missing.is_empty(), "not in README.md: {missing:?}");
+    }
+
     /// Every `ROCCL_*` name in the sources is a setting here or a launcher variable, so that a
     /// new setting cannot be read without strict checking.
     #[test]
