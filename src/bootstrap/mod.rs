@@ -284,13 +284,15 @@ fn warn(msg: std::fmt::Arguments) {
     crate::log::log(crate::log::Level::Warn, msg);
 }
 
-/// Fail every rank that has joined, and the one whose registration is refused, with `msg`.
-fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: &str) {
-    send_error(s, msg);
-    for j in joined.values_mut() {
-        send_error(&mut j.stream, msg);
+/// Fail every rank that has joined, and the one whose registration is refused, with `msg`;
+/// returns it, for the ranks that register later.
+fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String) -> String {
+    send_error(s, &msg);
+    for j in std::mem::take(joined).values_mut() {
+        send_error(&mut j.stream, &msg);
     }
     warn(format_args!("bootstrap root: {msg}"));
+    msg
 }
 
 fn run_root(l: TcpListener, nonce: u64) {
@@ -304,18 +306,22 @@ fn run_root(l: TcpListener, nonce: u64) {
     let _ = l.set_nonblocking(true);
     let mut joined: BTreeMap<usize, Joined> = BTreeMap::new();
     let mut nranks: Option<usize> = None;
+    // The job was set up wrong: every rank gets this, also those that register later (until
+    // the timeout), so that none waits out the timeout.
+    let mut failed: Option<String> = None;
     loop {
         if let Some(n) = nranks {
-            if joined.len() == n {
+            if joined.len() == n && failed.is_none() {
                 break;
             }
         }
-        if first && start.elapsed() > ROOT_IDLE {
+        if (first && start.elapsed() > ROOT_IDLE) || (failed.is_some() && start.elapsed() > timeout)
+        {
             return;
         }
         let n = nranks.unwrap_or(0);
         let missing = || -> Vec<usize> { (0..n).filter(|r| !joined.contains_key(r)).collect() };
-        if !first && start.elapsed() > timeout {
+        if !first && failed.is_none() && start.elapsed() > timeout {
             let msg = format!(
                 "bootstrap timed out after {:.0?} (ROCCL_TIMEOUT): {} of {n} ranks joined; {} never arrived (did they start, and do they use the same unique id / ROCCL_ROOT?)",
                 timeout,
@@ -327,7 +333,7 @@ fn run_root(l: TcpListener, nonce: u64) {
             }
             return;
         }
-        if !first && last_said.elapsed() >= progress_interval(timeout) {
+        if !first && failed.is_none() && last_said.elapsed() >= progress_interval(timeout) {
             last_said = Instant::now();
             let have: Vec<usize> = joined.keys().copied().collect();
             warn(format_args!(
@@ -352,6 +358,10 @@ fn run_root(l: TcpListener, nonce: u64) {
                 else {
                     continue;
                 };
+                if let Some(msg) = &failed {
+                    send_error(&mut s, msg);
+                    continue;
+                }
                 if first {
                     first = false;
                     start = Instant::now();
@@ -362,25 +372,21 @@ fn run_root(l: TcpListener, nonce: u64) {
                 }
                 // A job set up wrong fails on every rank at once, naming what is wrong.
                 let want = *nranks.get_or_insert(n);
-                if n != want {
-                    fail_all(&mut joined, &mut s, &format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"));
-                    return;
-                }
-                if rank >= n {
-                    fail_all(
-                        &mut joined,
-                        &mut s,
-                        &format!("rank {rank} (from {from}) is out of range for {n} ranks"),
-                    );
-                    return;
-                }
-                if let Some(j) = joined.get(&rank) {
-                    let msg = format!(
+                let refused = if n != want {
+                    Some(format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"))
+                } else if rank >= n {
+                    Some(format!(
+                        "rank {rank} (from {from}) is out of range for {n} ranks"
+                    ))
+                } else {
+                    joined.get(&rank).map(|j| format!(
                         "rank {rank} joined twice (from {} and from {from}): two processes were given the same rank; check the ranks the launcher hands out",
                         j.from
-                    );
-                    fail_all(&mut joined, &mut s, &msg);
-                    return;
+                    ))
+                };
+                if let Some(msg) = refused {
+                    failed = Some(fail_all(&mut joined, &mut s, msg));
+                    continue;
                 }
                 joined.insert(
                     rank,
