@@ -10,7 +10,8 @@
  * waits for it (buffers must stay valid until then); a failure is reported by
  * rocclCommGetAsyncError. Streams need a GPU runtime: ROCCL_DEVICE=sim selects roccl's
  * simulated device (any non-NULL handle is a stream; for testing stream-ordered code without
- * a GPU); HIP and CUDA runtimes are in progress (docs/GPU.md). Without one, a non-NULL stream
+ * a GPU); roccl built with --features hip or cuda orders calls on that runtime's streams
+ * (written and built, not yet run on a real GPU: docs/GPU.md). Without one, a non-NULL stream
  * is rejected with rocclInvalidArgument. A stream being captured into a graph is refused with
  * rocclInvalidUsage. Calls between rocclGroupStart and
  * rocclGroupEnd are queued and run together by the outermost rocclGroupEnd, which returns

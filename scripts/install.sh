@@ -24,23 +24,33 @@ done
 [ -n "$prefix" ] || { echo "install.sh: --prefix DIR is required" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
-cargo build --release --bin roccl-perf --bin roccl-info -p roccl -p roccl-capi -p roccl-netplugin -p roccl-nccl
+# Every default target of the four packages: roccl's lib and bins, the C ABI's cdylib and
+# staticlib, the plugin and the NCCL-named library (naming `--bin` targets here would build
+# only those two and leave the libraries to whatever an earlier build left behind).
+cargo build --release -p roccl -p roccl-capi -p roccl-netplugin -p roccl-nccl
+# Where cargo put them: CARGO_TARGET_DIR, build.target-dir of a cargo config, or target/.
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+  sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+out="$target_dir/release"
+for f in roccl-perf roccl-info libroccl.so libroccl.a libnccl_net_roccl.so libroccl_nccl.so; do
+  [ -f "$out/$f" ] || { echo "install.sh: cargo build did not produce $out/$f" >&2; exit 1; }
+done
 mkdir -p "$prefix"
 prefix=$(cd "$prefix" && pwd)
 install -d "$prefix/bin" "$prefix/include" "$prefix/lib/pkgconfig"
-install -m 0755 target/release/roccl-perf "$prefix/bin/roccl-perf"
-install -m 0755 target/release/roccl-info "$prefix/bin/roccl-info"
+install -m 0755 "$out"/roccl-perf "$prefix/bin/roccl-perf"
+install -m 0755 "$out"/roccl-info "$prefix/bin/roccl-info"
 install -m 0644 include/roccl.h "$prefix/include/roccl.h"
-install -m 0755 target/release/libroccl.so "$prefix/lib/libroccl.so.$version"
+install -m 0755 "$out"/libroccl.so "$prefix/lib/libroccl.so.$version"
 strip --strip-debug "$prefix/lib/libroccl.so.$version" 2>/dev/null || true
 ln -sf "libroccl.so.$version" "$prefix/lib/libroccl.so.0"
 ln -sf "libroccl.so.0" "$prefix/lib/libroccl.so"
-install -m 0644 target/release/libroccl.a "$prefix/lib/libroccl.a"
+install -m 0644 "$out"/libroccl.a "$prefix/lib/libroccl.a"
 for name in libnccl-net-roccl.so librccl-net-roccl.so; do
-  install -m 0755 target/release/libnccl_net_roccl.so "$prefix/lib/$name"
+  install -m 0755 "$out"/libnccl_net_roccl.so "$prefix/lib/$name"
   strip --strip-debug "$prefix/lib/$name" 2>/dev/null || true
 done
-install -m 0755 target/release/libroccl_nccl.so "$prefix/lib/libroccl-nccl.so"
+install -m 0755 "$out"/libroccl_nccl.so "$prefix/lib/libroccl-nccl.so"
 strip --strip-debug "$prefix/lib/libroccl-nccl.so" 2>/dev/null || true
 install -d "$prefix/lib/nccl-compat"
 ln -sf ../libroccl-nccl.so "$prefix/lib/nccl-compat/libnccl.so.2"

@@ -12,12 +12,14 @@ pub mod algo;
 pub mod bootstrap;
 pub mod comm;
 pub mod device;
+pub mod envvar;
 pub mod error;
 pub mod log;
 pub mod net;
 pub mod rdma;
 pub mod reduce;
 pub mod sys;
+pub mod tool;
 pub mod types;
 
 pub use algo::Algo;

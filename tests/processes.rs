@@ -473,7 +473,7 @@ fn info_reports_devices_and_the_chosen_gid() {
     assert!(out.status.success(), "{text}");
     if !std::path::Path::new("/sys/class/infiniband").exists() {
         assert!(
-            text.contains("no RDMA device: roccl will use tcp"),
+            text.contains("no RDMA device: roccl will use shared memory between ranks of this host and tcp to other hosts"),
             "{text}"
         );
     }
@@ -503,13 +503,13 @@ fn info_reports_devices_and_the_chosen_gid() {
     if cfg!(feature = "verbs") {
         assert!(
             text.contains("libibverbs could NOT open it")
-                && text.contains("roccl will use tcp: the NIC is not usable"),
+                && text.contains("and tcp (the NIC is not usable, see above) to other hosts"),
             "{text}"
         );
     } else {
         assert!(
             text.contains("built without the `verbs` feature")
-                && text.contains("roccl will use tcp: built without the verbs feature"),
+                && text.contains("and tcp (built without the verbs feature) to other hosts"),
             "{text}"
         );
     }

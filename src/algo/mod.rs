@@ -53,6 +53,17 @@ pub enum Algo {
 }
 
 impl Algo {
+    /// Every algorithm (what `ROCCL_ALGO` and `roccl-perf --algo` accept, besides `auto`).
+    pub const ALL: [Algo; 7] = [
+        Algo::Ring,
+        Algo::Tree,
+        Algo::Direct,
+        Algo::Doubling,
+        Algo::TwoShot,
+        Algo::ShmOneShot,
+        Algo::ShmTwoShot,
+    ];
+
     /// Name as printed and parsed.
     pub fn name(self) -> &'static str {
         match self {

@@ -354,8 +354,25 @@ pub fn choose_for(
     choose(kind, n, bytes, &scaled, forced, t)
 }
 
+/// A forced algorithm the collective does not have is replaced by the model's choice; say so
+/// (once per collective and algorithm in a process).
+fn warn_not_applicable<'a>(kind: CollKind, f: Algo, cands: impl Iterator<Item = &'a Algo>) {
+    static SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let bit = 1u64 << (kind as u32 * 8 + f as u32);
+    if SAID.fetch_or(bit, std::sync::atomic::Ordering::Relaxed) & bit == 0 {
+        let have: Vec<&str> = cands.map(|a| a.name()).collect();
+        crate::log::log(
+            crate::log::Level::Warn,
+            format_args!(
+                "algorithm {f} (ROCCL_ALGO / --algo) does not apply to {kind:?} here (it has {}): the cost model chooses instead",
+                have.join(", ")
+            ),
+        );
+    }
+}
+
 /// Choose algorithm and pipeline (reductions at `c.gamma_gbs`). `forced` wins when the
-/// collective has it.
+/// collective has it; otherwise the model chooses and a WARN says so.
 pub fn choose(
     kind: CollKind,
     n: usize,
@@ -375,8 +392,11 @@ pub fn choose(
         (CollKind::AllReduce, Algo::Tree) => bytes / 2,
         _ => bytes,
     };
-    if let Some(f) = forced.filter(|f| cands.clone().any(|a| a == f)) {
-        return (f, pipeline(piece(f), bytes, t));
+    if let Some(f) = forced {
+        if cands.clone().any(|a| *a == f) {
+            return (f, pipeline(piece(f), bytes, t));
+        }
+        warn_not_applicable(kind, f, cands.clone());
     }
     let mut best = (candidates(kind)[0], f64::INFINITY);
     for &a in cands {

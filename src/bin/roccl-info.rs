@@ -9,6 +9,20 @@ use std::process::ExitCode;
 use roccl::bootstrap::ifaces;
 use roccl::rdma::select::{self, Criteria};
 
+/// A line on standard output; a closed standard output ends the program quietly.
+macro_rules! say {
+    ($($t:tt)*) => {
+        roccl::tool::print_line(format_args!($($t)*))
+    };
+}
+
+/// A line on standard error, in one write.
+macro_rules! errln {
+    ($($t:tt)*) => {
+        roccl::tool::print_error(format_args!($($t)*))
+    };
+}
+
 fn rdma_core_version() -> String {
     // Debian/Ubuntu package names, then RPM.
     let queries: [(&str, &[&str]); 3] = [
@@ -98,9 +112,15 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         .next()
         .ok_or_else(|| format!("{addr} has no address"))?;
     let rank = usize::from(!listen);
-    println!(
+    if !listen {
+        probe(base)?;
+    }
+    say!(
         "{:<8} {:>14} {:>16} {:>16}",
-        "net", "8 B RTT (us)", "1 MiB (Gb/s)", "16 MiB (Gb/s)"
+        "net",
+        "8 B RTT (us)",
+        "1 MiB (Gb/s)",
+        "16 MiB (Gb/s)"
     );
     let mut kinds = vec![(NetKind::Tcp, "tcp"), (NetKind::RoceV2, "rocev2")];
     if cfg!(feature = "verbs") && nic_present() {
@@ -144,10 +164,29 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
             }
             bw.push((size * reps) as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9);
         }
-        println!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
+        say!("{name:<8} {rtt:>14.1} {:>16.2} {:>16.2}", bw[0], bw[1]);
     }
-    println!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
+    say!("(bandwidth: both directions at once, Gb/s per direction; rocev2 = RoCE v2 in userspace over UDP, verbs = the RDMA NIC)");
     Ok(())
+}
+
+/// `--peer`: wait (up to 10 s, or ROCCL_TIMEOUT if shorter) for something to accept a TCP
+/// connection at `addr`, and say plainly when nothing does.
+fn probe(addr: std::net::SocketAddr) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+    let limit = roccl::bootstrap::timeout_from_env().min(Duration::from_secs(10));
+    let start = Instant::now();
+    loop {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(_) => return Ok(()),
+            Err(e) if start.elapsed() >= limit => {
+                return Err(format!(
+                    "nothing answers at {addr} ({e}, for {limit:.0?}): start `roccl-info --listen {addr}` on that host first, and check the address, the port and any firewall between the hosts"
+                ))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
 }
 
 /// Whether sysfs shows an RDMA device (both hosts must agree for the verbs row of the link
@@ -226,13 +265,13 @@ fn main() -> ExitCode {
             return match link_test(args[0] == "--listen", a) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("roccl-info: error: {e}");
+                    errln!("roccl-info: error: {e}");
                     ExitCode::from(2)
                 }
             };
         }
         _ => {
-            eprintln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
+            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
             return ExitCode::from(2);
         }
     }
@@ -249,13 +288,27 @@ fn main() -> ExitCode {
     let ports = match select::scan(Path::new(&root)) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("roccl-info: error: {e}");
+            errln!("roccl-info: error: {e}");
             return ExitCode::from(2);
         }
     };
     let net_hint = std::env::var("ROCCL_NET").unwrap_or_else(|_| "auto".into());
+    // What ROCCL_NET=auto picks: shared memory between ranks of one host unless ROCCL_SHM=0,
+    // `remote` to other hosts.
+    let will_use = |remote: &str| match net_hint.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => {
+            let shm = roccl::envvar::raw("ROCCL_SHM").and_then(|v| roccl::envvar::parse_switch(&v))
+                != Some(false);
+            if shm {
+                format!("roccl will use shared memory between ranks of this host and {remote} to other hosts (ROCCL_NET=auto; ROCCL_SHM=0 turns shared memory off)")
+            } else {
+                format!("roccl will use {remote} (ROCCL_NET=auto, ROCCL_SHM=0)")
+            }
+        }
+        other => format!("roccl will use {other} (ROCCL_NET={other})"),
+    };
     if ports.is_empty() {
-        outln!("no RDMA device: roccl will use tcp (ROCCL_NET={net_hint}); ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP");
+        outln!("no RDMA device: {}; ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP", will_use("tcp"));
         if let Some(v) = libibverbs_view() {
             outln!("libibverbs: {v}");
         }
@@ -267,13 +320,13 @@ fn main() -> ExitCode {
                 let (text, usable) = verbs_check(c);
                 outln!("{text}");
                 let net = if usable {
-                    "verbs: RoCE v2 on this NIC"
+                    "verbs (RoCE v2 on this NIC)"
                 } else if cfg!(feature = "verbs") {
-                    "tcp: the NIC is not usable (see above)"
+                    "tcp (the NIC is not usable, see above)"
                 } else {
-                    "tcp: built without the verbs feature"
+                    "tcp (built without the verbs feature)"
                 };
-                outln!("roccl will use {net} (ROCCL_NET={net_hint})");
+                outln!("{}", will_use(net));
             }
             Err(e) => {
                 outln!("{}", select::describe(&ports, None));
@@ -359,7 +412,7 @@ fn main() -> ExitCode {
             "no: nvidia_peermem / amdkfd peer-memory client absent"
         }
     );
-    // One write, ignoring a closed pipe (`roccl-info | head`).
-    let _ = std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes());
+    // A closed pipe (`roccl-info | head`) ends it quietly.
+    roccl::tool::print_line(format_args!("{}", out.trim_end()));
     ExitCode::SUCCESS
 }

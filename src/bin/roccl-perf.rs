@@ -5,18 +5,37 @@
 //! Sizes are total buffer bytes as in nccl-tests. `time_us` is the median over iterations
 //! of the slowest rank's time; busbw uses nccl-tests' factors.
 
-use std::io::Write;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytemuck::{Pod, Zeroable};
+use clap::builder::PossibleValuesParser;
 use clap::Parser;
 use roccl::algo::model::CollKind;
 use roccl::device::ops::{self, RawBuf};
 use roccl::device::sim::SimDevice;
 use roccl::device::{self, Alloc, Device, StreamId};
+use roccl::net::NetKind;
+use roccl::tool::launch::{self, Outcome};
 use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId};
+
+/// Set in the environment of the ranks `--ranks N` starts.
+const LAUNCHED: &str = "ROCCL_PERF_LAUNCHED";
+
+/// A line on standard output; a closed standard output ends the program quietly.
+macro_rules! outln {
+    ($($t:tt)*) => {
+        roccl::tool::print_line(format_args!($($t)*))
+    };
+}
+
+/// A line on standard error, in one write (the ranks of a job share it).
+macro_rules! errln {
+    ($($t:tt)*) => {
+        roccl::tool::print_error(format_args!($($t)*))
+    };
+}
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -24,23 +43,26 @@ use roccl::{Algo, CallOpts, Collective, Communicator, DataType, RedOp, UniqueId}
     about = "Benchmark and check roccl collectives (nccl-tests style)"
 )]
 struct Args {
-    /// all_reduce, all_gather, broadcast, reduce_scatter, reduce, all_to_all, sendrecv, barrier, or all.
-    #[arg(long, default_value = "all_reduce")]
-    op: String,
+    /// Collectives to run, comma-separated (all: every one).
+    #[arg(long, default_value = "all_reduce", value_delimiter = ',', value_parser = PossibleValuesParser::new(op_names()))]
+    op: Vec<String>,
     /// Local rank processes to spawn (ignored when launched by torchrun/srun/mpirun).
     #[arg(long, short = 'n', default_value_t = 1)]
     ranks: usize,
-    /// Network: auto, tcp, rocev2 (the userspace RoCE v2 engine over UDP).
-    #[arg(long, default_value = "auto")]
+    /// Network (as ROCCL_NET): auto (shared memory between ranks of one host, to other hosts
+    /// verbs where a usable NIC exists, else tcp), tcp, rocev2 (the userspace RoCE v2 engine
+    /// over UDP), verbs (RoCE v2 NIC; built with --features verbs), shm (one host).
+    #[arg(long, default_value = "auto", value_parser = PossibleValuesParser::new(NETS.map(net_name)))]
     net: String,
-    /// Algorithm: auto, ring, tree, direct.
-    #[arg(long, default_value = "auto")]
+    /// Algorithm (as ROCCL_ALGO); one a collective does not have is replaced by the cost
+    /// model's choice, with a warning.
+    #[arg(long, default_value = "auto", value_parser = PossibleValuesParser::new(algo_names()))]
     algo: String,
-    /// Data type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64.
-    #[arg(long, short = 'd', default_value = "f32")]
+    /// Data type.
+    #[arg(long, short = 'd', default_value = "f32", value_parser = PossibleValuesParser::new(DataType::ALL.map(DataType::name)))]
     dtype: String,
-    /// Reduction: sum prod max min avg.
-    #[arg(long, short = 'o', default_value = "sum")]
+    /// Reduction.
+    #[arg(long, short = 'o', default_value = "sum", value_parser = PossibleValuesParser::new(RedOp::ALL.map(RedOp::name)))]
     redop: String,
     /// Root of broadcast and reduce.
     #[arg(long, short = 'r', default_value_t = 0)]
@@ -80,6 +102,38 @@ struct Args {
     /// Same as --device sim-apu.
     #[arg(long)]
     stream: bool,
+}
+
+/// Every network `--net` offers (a new kind of network fails to compile in [`net_name`]).
+const NETS: [NetKind; 5] = [
+    NetKind::Auto,
+    NetKind::Tcp,
+    NetKind::RoceV2,
+    NetKind::Verbs,
+    NetKind::Shm,
+];
+
+/// The name `--net` and ROCCL_NET give a network.
+fn net_name(k: NetKind) -> &'static str {
+    match k {
+        NetKind::Auto => "auto",
+        NetKind::Tcp => "tcp",
+        NetKind::RoceV2 => "rocev2",
+        NetKind::Verbs => "verbs",
+        NetKind::Shm => "shm",
+    }
+}
+
+/// `--algo`'s values: auto and every algorithm.
+fn algo_names() -> Vec<&'static str> {
+    std::iter::once("auto")
+        .chain(Algo::ALL.iter().map(|a| a.name()))
+        .collect()
+}
+
+/// `--op`'s values: every collective and all.
+fn op_names() -> Vec<&'static str> {
+    ALL_OPS.iter().map(|o| o.name()).chain(["all"]).collect()
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -122,15 +176,22 @@ impl Op {
             Op::Barrier => "barrier",
         }
     }
-    fn parse(s: &str) -> Result<Vec<Op>, String> {
-        if s == "all" {
+    fn parse(list: &[String]) -> Result<Vec<Op>, String> {
+        if list.iter().any(|x| x == "all") {
             return Ok(ALL_OPS.to_vec());
         }
-        s.split(',')
+        list.iter()
             .map(|x| {
-                ALL_OPS.iter().copied().find(|o| o.name() == x.trim()).ok_or_else(|| {
-                    format!("unknown op '{x}': expected all_reduce, all_gather, broadcast, reduce_scatter, reduce, all_to_all, sendrecv, barrier or all")
-                })
+                ALL_OPS
+                    .iter()
+                    .copied()
+                    .find(|o| o.name() == x.trim())
+                    .ok_or_else(|| {
+                        format!(
+                            "unknown op '{x}': expected one of {}",
+                            op_names().join(", ")
+                        )
+                    })
             })
             .collect()
     }
@@ -618,6 +679,12 @@ fn sizes(a: &Args) -> Result<Vec<usize>, String> {
     if a.stepfactor < 2 {
         return Err("--stepfactor must be at least 2".into());
     }
+    if b > e {
+        return Err(format!(
+            "-b {} ({b} bytes) is larger than -e {} ({e} bytes): no size to run; swap them",
+            a.minbytes, a.maxbytes
+        ));
+    }
     let mut v = Vec::new();
     while b <= e {
         v.push(b);
@@ -649,22 +716,118 @@ fn open_device(a: &Args) -> Result<Option<DevStream>, String> {
     Ok(Some((dev, s)))
 }
 
-fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
+/// What the arguments ask for, checked.
+struct Plan {
+    dt: DataType,
+    op: RedOp,
+    algo: Option<Algo>,
+    ops: Vec<Op>,
+    sizes: Vec<usize>,
+}
+
+/// Check the arguments for a job of `nranks` ranks, `local` of them on this host (the
+/// launcher checks them before it starts any rank, so that an error is printed once).
+fn check_args(a: &Args, nranks: usize, local: usize) -> Result<Plan, String> {
     let dt: DataType = a.dtype.parse().map_err(|e: roccl::Error| e.to_string())?;
     let op: RedOp = a.redop.parse().map_err(|e: roccl::Error| e.to_string())?;
     let algo = match a.algo.as_str() {
         "auto" => None,
         s => Some(s.parse::<Algo>().map_err(|e| e.to_string())?),
     };
-    if a.root >= c.nranks() {
+    if a.root >= nranks {
         return Err(format!(
-            "--root {} is out of range for {} ranks",
+            "--root {} is out of range for {nranks} ranks (0 to {})",
             a.root,
-            c.nranks()
+            nranks - 1
         ));
+    }
+    if a.iters == 0 {
+        return Err("--iters 0: at least one timed iteration is needed".into());
     }
     let ops = Op::parse(&a.op)?;
     let sizes = sizes(a)?;
+    let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
+    // run() and check() hold a send and a receive buffer of the largest size each, and an
+    // in-place reduce-scatter one more.
+    let need = largest.saturating_mul(5).saturating_mul(local as u64);
+    if let Some(avail) = available_memory() {
+        if need > avail {
+            return Err(format!(
+                "-e {} needs about {} of memory ({local} rank(s) on this host, up to 5 buffers of {} each) but {} is available: lower -e",
+                a.maxbytes,
+                gib(need),
+                gib(largest),
+                gib(avail)
+            ));
+        }
+    }
+    Ok(Plan {
+        dt,
+        op,
+        algo,
+        ops,
+        sizes,
+    })
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// Memory this process can still get: MemAvailable, capped by the cgroup's limit.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let avail = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
+        * 1024;
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/sys/fs/cgroup/{f}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    let cgroup = match (read("memory.max"), read("memory.current")) {
+        (Some(max), Some(cur)) => Some(max.saturating_sub(cur)),
+        _ => None,
+    };
+    Some(cgroup.map_or(avail, |c| c.min(avail)))
+}
+
+/// Widths of the table's columns (op, size, count, type, redop, root, algo, time, algbw,
+/// busbw, wrong); the headers use the same, so that they sit over their data.
+const COLUMNS: [usize; 11] = [16, 12, 12, 6, 6, 5, 9, 11, 9, 9, 7];
+
+/// One row of the table, each cell right-aligned in its column.
+fn table_line<S: AsRef<str>>(cells: &[S]) -> String {
+    cells
+        .iter()
+        .zip(COLUMNS)
+        .map(|(c, w)| format!("{:>w$}", c.as_ref()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A header row: a table row whose first character is `#`.
+fn header_line(cells: &[&str]) -> String {
+    let mut l = table_line(cells);
+    l.replace_range(..1, "#");
+    l
+}
+
+fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
+    let local = if std::env::var_os(LAUNCHED).is_some() {
+        c.nranks()
+    } else {
+        1
+    };
+    let Plan {
+        dt,
+        op,
+        algo,
+        ops,
+        sizes,
+    } = check_args(a, c.nranks(), local)?;
     let c = Arc::new(c);
     let b = Bench {
         c: &c,
@@ -676,7 +839,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     };
     let lead = c.rank() == 0;
     if lead {
-        println!(
+        outln!(
             "# roccl-perf: {} ranks, net {}{}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}",
             c.nranks(),
             c.net_name(),
@@ -699,14 +862,25 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             },
             if a.check { "on" } else { "off" }
         );
-        println!(
-            "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
-            "op", "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw"
-        );
-        println!(
-            "# {:>14} {:>12} {:>6} {:>6} {:>5} {:>7} {:>11} {:>8} {:>8} {:>7}",
-            "", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "#wrong"
-        );
+        let names = [
+            "op", "size", "count", "type", "redop", "root", "algo", "time", "algbw", "busbw",
+            "wrong",
+        ];
+        let units = [
+            "",
+            "(B)",
+            "(elements)",
+            "",
+            "",
+            "",
+            "",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            "(#)",
+        ];
+        outln!("{}", header_line(&names));
+        outln!("{}", header_line(&units));
     }
     let mut rows = Vec::new();
     let mut ok = true;
@@ -722,34 +896,35 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
                 .map_err(|e| format!("{} at {s} bytes: {e}", o.name()))?;
             ok &= row.wrong == 0;
             if lead {
-                println!(
-                    "{:>16} {:>12} {:>12} {:>6} {:>5} {:>5} {:>7} {:>11.2} {:>8.3} {:>8.3} {:>7}",
-                    row.op,
-                    row.bytes,
-                    row.count,
-                    row.dtype,
-                    row.redop,
-                    row.root,
-                    row.algo,
-                    row.time_us,
-                    row.algbw_gbs,
-                    row.busbw_gbs,
-                    row.wrong
+                outln!(
+                    "{}",
+                    table_line(&[
+                        row.op.to_string(),
+                        row.bytes.to_string(),
+                        row.count.to_string(),
+                        row.dtype.clone(),
+                        row.redop.clone(),
+                        row.root.to_string(),
+                        row.algo.clone(),
+                        format!("{:.2}", row.time_us),
+                        format!("{:.3}", row.algbw_gbs),
+                        format!("{:.3}", row.busbw_gbs),
+                        row.wrong.to_string(),
+                    ])
                 );
-                let _ = std::io::stdout().flush();
             }
             rows.push(row);
         }
     }
     if lead {
         let total: u64 = rows.iter().map(|r| r.wrong).sum();
-        println!(
+        outln!(
             "# wrong results: {total}{}",
             if total == 0 { "" } else { "  <-- FAILED" }
         );
         if a.device.is_some() || a.stream {
             // Device memory the CPU cannot reach is staged, except what went GPU-direct.
-            println!(
+            outln!(
                 "# bytes staged through pinned host buffers (rank 0, in and out): {}",
                 roccl::device::ops::staged_bytes()
             );
@@ -784,17 +959,31 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string())
             .and_then(|c| roccl::sys::bind_to_cpu(c).map_err(|e| e.to_string()))
         {
-            eprintln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
+            errln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
         }
     }
     if a.net != "auto" {
         std::env::set_var("ROCCL_NET", &a.net);
     }
+    if std::env::var_os(LAUNCHED).is_some() {
+        // Our launcher ends the job quietly when rank 0 finds standard output closed.
+        roccl::tool::set_closed_stdout_status(roccl::tool::EXIT_STDOUT_CLOSED);
+    }
+    // Errors of a rank of several name it: the ranks of a job share standard error.
     let res = if launched_by_env() {
-        Communicator::from_env()
-            .map_err(|e| e.to_string())
-            .and_then(|c| rank_main(c, &a))
-    } else if a.ranks <= 1 {
+        match Communicator::from_env() {
+            Ok(c) => {
+                let who = format!("rank {} of {}: ", c.rank(), c.nranks());
+                rank_main(c, &a).map_err(|e| format!("{who}{e}"))
+            }
+            Err(e) => Err(match std::env::var("ROCCL_RANK") {
+                Ok(r) => format!("rank {r}: {e}"),
+                Err(_) => e.to_string(),
+            }),
+        }
+    } else if a.ranks == 0 {
+        Err("--ranks 0: a job needs at least one rank".into())
+    } else if a.ranks == 1 {
         UniqueId::new()
             .and_then(|id| Communicator::init(&id, 1, 0))
             .map_err(|e| e.to_string())
@@ -806,15 +995,17 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("roccl-perf: error: {e}");
+            errln!("roccl-perf: error: {e}");
             ExitCode::from(2)
         }
     }
 }
 
 /// Spawn `--ranks` copies of this program as the ranks of one communicator whose root runs
-/// here; rank 0 prints.
+/// here; rank 0 prints. The job ends as soon as one rank fails (`roccl::tool::launch`).
 fn launch(a: &Args) -> Result<bool, String> {
+    check_args(a, a.ranks, a.ranks)?;
+    roccl::envvar::check().map_err(|e| e.to_string())?;
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -824,14 +1015,14 @@ fn launch(a: &Args) -> Result<bool, String> {
         "none" => false,
         other => return Err(format!("--bind {other}: expected auto or none")),
     };
-    let mut kids = Vec::new();
+    let mut cmds = Vec::new();
     for r in 0..a.ranks {
         let mut cmd = Command::new(&exe);
         if let Some(cpu) = cpus.get(r).filter(|_| bind) {
             cmd.env("ROCCL_PERF_CPU", cpu.to_string());
         }
-        let child = cmd
-            .args(&args)
+        cmd.args(&args)
+            .env(LAUNCHED, "1")
             .env("ROCCL_UNIQUE_ID", id.to_hex())
             .env("ROCCL_RANK", r.to_string())
             .env("ROCCL_NRANKS", a.ranks.to_string())
@@ -839,25 +1030,15 @@ fn launch(a: &Args) -> Result<bool, String> {
                 std::process::Stdio::inherit()
             } else {
                 std::process::Stdio::null()
-            })
-            .spawn()
-            .map_err(|e| format!("spawning rank {r}: {e}"))?;
-        kids.push(child);
+            });
+        cmds.push(cmd);
     }
-    let mut ok = true;
-    let mut failed = Vec::new();
-    for (r, mut k) in kids.into_iter().enumerate() {
-        match k.wait() {
-            Ok(s) if s.success() => {}
-            Ok(s) if s.code() == Some(1) => ok = false,
-            Ok(s) => failed.push(format!("rank {r} exited with {s}")),
-            Err(e) => failed.push(format!("rank {r}: {e}")),
-        }
+    match launch::run(cmds)? {
+        Outcome::Done { all_ok } => Ok(all_ok),
+        Outcome::StdoutClosed => std::process::exit(0),
+        Outcome::Failed(e) => Err(e),
+        Outcome::Signalled(sig) => std::process::exit(128 + sig),
     }
-    if !failed.is_empty() {
-        return Err(failed.join("; "));
-    }
-    Ok(ok)
 }
 
 /// One page of a [`Buf`].

@@ -168,11 +168,8 @@ impl UniqueId {
 
 /// `ROCCL_TIMEOUT` in seconds (default 300).
 pub fn timeout_from_env() -> Duration {
-    let s = std::env::var("ROCCL_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|t| *t > 0.0)
-        .unwrap_or(300.0);
+    // A bad value is refused at init (crate::envvar::check).
+    let s = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
     Duration::from_secs_f64(s)
 }
 
@@ -224,6 +221,8 @@ fn bind_retry(addr: SocketAddr, max: Duration) -> Result<TcpListener> {
 struct Joined {
     stream: TcpStream,
     blob: Vec<u8>,
+    /// Where its registration came from.
+    from: SocketAddr,
 }
 
 fn spawn_root(l: TcpListener, nonce: u64) {
@@ -275,38 +274,78 @@ fn send_error(s: &mut TcpStream, msg: &str) {
 /// A root nobody registers with gives up after this long.
 const ROOT_IDLE: Duration = Duration::from_secs(3600);
 
+/// How often a bootstrap that is still waiting says so: every 5 s, or four times within a
+/// shorter timeout.
+pub fn progress_interval(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(5))
+}
+
+fn warn(msg: std::fmt::Arguments) {
+    crate::log::log(crate::log::Level::Warn, msg);
+}
+
+/// Fail every rank that has joined, and the one whose registration is refused, with `msg`;
+/// returns it, for the ranks that register later.
+fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String) -> String {
+    send_error(s, &msg);
+    for j in std::mem::take(joined).values_mut() {
+        send_error(&mut j.stream, &msg);
+    }
+    warn(format_args!("bootstrap root: {msg}"));
+    msg
+}
+
 fn run_root(l: TcpListener, nonce: u64) {
     let mut start = Instant::now();
     let mut timeout = ROOT_IDLE;
     let mut first = true;
+    let mut last_said = Instant::now();
+    let at = l
+        .local_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
     let _ = l.set_nonblocking(true);
     let mut joined: BTreeMap<usize, Joined> = BTreeMap::new();
     let mut nranks: Option<usize> = None;
+    // The job was set up wrong: every rank gets this, also those that register later (until
+    // the timeout), so that none waits out the timeout.
+    let mut failed: Option<String> = None;
     loop {
         if let Some(n) = nranks {
-            if joined.len() == n {
+            if joined.len() == n && failed.is_none() {
                 break;
             }
         }
-        if first && start.elapsed() > ROOT_IDLE {
+        if (first && start.elapsed() > ROOT_IDLE) || (failed.is_some() && start.elapsed() > timeout)
+        {
             return;
         }
-        if !first && start.elapsed() > timeout {
-            let n = nranks.unwrap_or(0);
-            let missing: Vec<usize> = (0..n).filter(|r| !joined.contains_key(r)).collect();
+        let n = nranks.unwrap_or(0);
+        let missing = || -> Vec<usize> { (0..n).filter(|r| !joined.contains_key(r)).collect() };
+        if !first && failed.is_none() && start.elapsed() > timeout {
             let msg = format!(
                 "bootstrap timed out after {:.0?} (ROCCL_TIMEOUT): {} of {n} ranks joined; {} never arrived (did they start, and do they use the same unique id / ROCCL_ROOT?)",
                 timeout,
                 joined.len(),
-                crate::error::ranks_list(&missing)
+                crate::error::ranks_list(&missing())
             );
             for j in joined.values_mut() {
                 send_error(&mut j.stream, &msg);
             }
             return;
         }
+        if !first && failed.is_none() && last_said.elapsed() >= progress_interval(timeout) {
+            last_said = Instant::now();
+            let have: Vec<usize> = joined.keys().copied().collect();
+            warn(format_args!(
+                "bootstrap root at {at}: after {:.0?}, {} of {n} ranks joined ({}); waiting for {} (gives up after {timeout:.0?}, ROCCL_TIMEOUT)",
+                start.elapsed(),
+                have.len(),
+                crate::error::ranks_list(&have),
+                crate::error::ranks_list(&missing()),
+            ));
+        }
         match l.accept() {
-            Ok((mut s, _)) => {
+            Ok((mut s, from)) => {
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
                 let _ = s.set_nodelay(true);
@@ -319,35 +358,44 @@ fn run_root(l: TcpListener, nonce: u64) {
                 else {
                     continue;
                 };
+                if let Some(msg) = &failed {
+                    send_error(&mut s, msg);
+                    continue;
+                }
                 if first {
                     first = false;
                     start = Instant::now();
+                    last_said = start;
                     timeout = t;
                 } else {
                     timeout = timeout.min(t);
                 }
+                // A job set up wrong fails on every rank at once, naming what is wrong.
                 let want = *nranks.get_or_insert(n);
-                if n != want {
-                    send_error(&mut s, &format!("rank {rank} says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"));
+                let refused = if n != want {
+                    Some(format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"))
+                } else if rank >= n {
+                    Some(format!(
+                        "rank {rank} (from {from}) is out of range for {n} ranks"
+                    ))
+                } else {
+                    joined.get(&rank).map(|j| format!(
+                        "rank {rank} joined twice (from {} and from {from}): two processes were given the same rank; check the ranks the launcher hands out",
+                        j.from
+                    ))
+                };
+                if let Some(msg) = refused {
+                    failed = Some(fail_all(&mut joined, &mut s, msg));
                     continue;
                 }
-                if rank >= n {
-                    send_error(
-                        &mut s,
-                        &format!("rank {rank} is out of range for {n} ranks"),
-                    );
-                    continue;
-                }
-                if joined.contains_key(&rank) {
-                    send_error(
-                        &mut s,
-                        &format!(
-                            "rank {rank} joined twice: two processes were given the same rank"
-                        ),
-                    );
-                    continue;
-                }
-                joined.insert(rank, Joined { stream: s, blob });
+                joined.insert(
+                    rank,
+                    Joined {
+                        stream: s,
+                        blob,
+                        from,
+                    },
+                );
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(1));
@@ -384,10 +432,18 @@ pub fn rendezvous(
     }
     let (addr, nonce) = id.root()?;
     let start = Instant::now();
+    let mut last_said = start;
     let mut s = loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
             Ok(s) => break s,
             Err(e) => {
+                if last_said.elapsed() >= progress_interval(timeout) {
+                    last_said = Instant::now();
+                    warn(format_args!(
+                        "rank {rank}: after {:.0?}, still waiting for the bootstrap root at {addr} ({e}); gives up after {timeout:.0?} (ROCCL_TIMEOUT)",
+                        start.elapsed()
+                    ));
+                }
                 if start.elapsed() > timeout {
                     return Err(Error::Timeout(format!(
                         "rank {rank} could not reach the bootstrap root at {addr} within {timeout:.0?}: {e} (is rank 0 / the process that created the id running, and is {addr} reachable from here?)"
@@ -521,6 +577,27 @@ mod tests {
             t.elapsed()
         );
         assert!(e.contains("ranks 0, 2, 3 never arrived"), "{e}");
+    }
+
+    #[test]
+    fn a_duplicate_rank_fails_every_rank_naming_it() {
+        let id = UniqueId::new().unwrap();
+        // Rank 2 never comes; a second rank 1 does. Nobody waits for rank 2.
+        let hs: Vec<_> = [0, 1, 1]
+            .into_iter()
+            .map(|r| {
+                std::thread::spawn(move || {
+                    rendezvous(&id, r, 3, b"x", Duration::from_secs(20))
+                        .map(|_| ())
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        for h in hs {
+            let e = h.join().unwrap();
+            assert!(e.contains("rank 1 joined twice"), "{e}");
+        }
     }
 
     #[test]

@@ -67,19 +67,15 @@ pub struct Config {
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
-    match std::env::var(k) {
-        Ok(v) if !v.trim().is_empty() => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::arg(format!("{k}={v} is not a valid value"))),
-        _ => Ok(None),
-    }
+    crate::envvar::get(k)
 }
 
 impl Config {
-    /// Settings from the environment.
+    /// Settings from the environment. Every `ROCCL_*` setting set is checked first, also
+    /// those read later inside a network ([`crate::envvar`]): a bad value is an error naming
+    /// the variable, its value and what it accepts.
     pub fn from_env() -> Result<Config> {
+        crate::envvar::check()?;
         let algo = match std::env::var("ROCCL_ALGO") {
             Ok(v) if !v.trim().is_empty() && !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
             _ => None,

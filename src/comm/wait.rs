@@ -29,17 +29,9 @@ pub struct Waiter {
 impl Waiter {
     /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`.
     pub fn from_env() -> Self {
-        let us = |k: &str, d: u64| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(d)
-        };
-        let timeout = std::env::var("ROCCL_TIMEOUT")
-            .ok()
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|t| *t > 0.0)
-            .unwrap_or(300.0);
+        // Bad values are refused at init (crate::envvar::check).
+        let us = |k: &str, d: u64| crate::envvar::value_or(k, d);
+        let timeout = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
         Waiter {
             spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
             yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),

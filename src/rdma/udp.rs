@@ -953,10 +953,7 @@ impl Verbs for UserVerbs {
             .psn_of
             .get(&qpn(qp))
             .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?;
-        let timeout = std::env::var("ROCCL_IB_TIMEOUT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(12u8);
+        let timeout = crate::envvar::value_or("ROCCL_IB_TIMEOUT", 12u8);
         let attr = QpAttr {
             // Peers on this host talk through the kernel's loopback path whatever the
             // interface: use the largest IB MTU there.

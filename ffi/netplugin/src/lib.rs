@@ -175,10 +175,9 @@ fn init_impl(logger: Logger) -> R<()> {
     if p.is_some() {
         return Ok(());
     }
-    let kind: NetKind = match std::env::var("ROCCL_NET") {
-        Ok(v) => v.parse()?,
-        Err(_) => NetKind::Auto,
-    };
+    // Every ROCCL_* setting strictly, as communicator init does.
+    roccl_core::envvar::check()?;
+    let kind: NetKind = roccl_core::envvar::get("ROCCL_NET")?.unwrap_or(NetKind::Auto);
     let ip = roccl_core::bootstrap::ifaces::local_addr(None)?;
     let net = net::open(kind, ip).map_err(|e| {
         Error(

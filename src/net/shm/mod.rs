@@ -79,9 +79,7 @@ fn host_id() -> [u8; 16] {
 /// with it from 256 KiB, 77 µs without), while a lone large message gains (broadcast of
 /// 64 MiB: 12.4 ms vs 18.1 ms); see docs/PERFORMANCE.md.
 fn cma_threshold() -> usize {
-    std::env::var("ROCCL_SHM_CMA")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    Some(crate::envvar::value_or("ROCCL_SHM_CMA", 0usize))
         .filter(|&v| v > 0)
         .unwrap_or(usize::MAX)
 }

@@ -57,10 +57,7 @@ fn duplex_inline() -> usize {
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
+    crate::envvar::value_or(name, default)
 }
 
 /// The TCP network. One device: the interface chosen by `ROCCL_SOCKET_IFNAME`.

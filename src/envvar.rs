@@ -1,0 +1,468 @@
+//! Every `ROCCL_*` setting roccl reads from the environment, parsed strictly: a value that
+//! does not parse is an error naming the variable, its value and what it accepts, never a
+//! silent fallback to the default.
+//!
+//! [`check`] validates every setting of [`SETTINGS`] at once; [`Config::from_env`] calls it
+//! first, so that communicator init refuses a bad value even of a setting that is read later
+//! deep inside a network (where the reader, [`value_or`], cannot return an error). The
+//! launcher variables (`ROCCL_RANK`, `ROCCL_NRANKS`, `ROCCL_ROOT`, `ROCCL_ROOT_PORT`,
+//! `ROCCL_UNIQUE_ID`) are parsed as strictly by [`crate::bootstrap::env`].
+//!
+//! [`Config::from_env`]: crate::Config::from_env
+
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// One environment setting: its name, what it accepts (for the error) and its check.
+#[derive(Clone, Copy)]
+pub struct Setting {
+    /// The variable, `ROCCL_...`.
+    pub name: &'static str,
+    /// What it accepts, in words.
+    pub accepts: &'static str,
+    /// Whether a (trimmed, non-empty) value is accepted.
+    pub valid: fn(&str) -> bool,
+}
+
+fn uint(v: &str) -> bool {
+    v.parse::<u64>().is_ok()
+}
+fn bytes(v: &str) -> bool {
+    crate::sys::parse_bytes(v).is_some()
+}
+fn switch(v: &str) -> bool {
+    parse_switch(v).is_some()
+}
+fn one_of(v: &str, words: &[&str]) -> bool {
+    words.iter().any(|w| w.eq_ignore_ascii_case(v))
+}
+
+/// `0`/`1` and their spellings.
+pub fn parse_switch(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "on" | "true" | "yes" => Some(true),
+        "0" | "off" | "false" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+const SWITCH: &str = "0 or 1 (also off/on, false/true, no/yes)";
+const UINT: &str = "a whole number";
+const BYTES: &str = "bytes: a whole number, optionally with a K, M or G suffix (e.g. 64K, 4M)";
+
+/// Every setting roccl reads (the launcher variables aside; see the module docs).
+pub const SETTINGS: &[Setting] = &[
+    Setting {
+        name: "ROCCL_NET",
+        accepts: "auto, tcp, rocev2, verbs or shm",
+        valid: |v| v.parse::<crate::net::NetKind>().is_ok(),
+    },
+    Setting {
+        name: "ROCCL_ALGO",
+        accepts: "auto, ring, tree, direct, doubling, twoshot, shm1 or shm2",
+        valid: |v| v.eq_ignore_ascii_case("auto") || v.parse::<crate::Algo>().is_ok(),
+    },
+    Setting {
+        name: "ROCCL_TIMEOUT",
+        accepts: "seconds, a number above 0 (e.g. 300 or 2.5)",
+        valid: |v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite()),
+    },
+    Setting {
+        name: "ROCCL_SPIN_US",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_YIELD_US",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_DEBUG",
+        accepts: "WARN or INFO (also VERSION, TRACE, DEBUG as NCCL_DEBUG)",
+        valid: |v| one_of(v, &["WARN", "INFO", "VERSION", "TRACE", "DEBUG"]),
+    },
+    Setting {
+        name: "ROCCL_SLICE",
+        accepts: BYTES,
+        valid: bytes,
+    },
+    Setting {
+        name: "ROCCL_DEPTH",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_NCHANNELS",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_CONNECT",
+        accepts: "all or lazy",
+        valid: |v| one_of(v, &["all", "init", "lazy", "first-use"]),
+    },
+    Setting {
+        name: "ROCCL_GPU_DIRECT",
+        accepts: "auto, 1 or 0",
+        valid: |v| v.eq_ignore_ascii_case("auto") || switch(v),
+    },
+    Setting {
+        name: "ROCCL_GPU_DIRECT_MIN",
+        accepts: BYTES,
+        valid: bytes,
+    },
+    Setting {
+        name: "ROCCL_RING_WINDOW",
+        accepts: BYTES,
+        valid: bytes,
+    },
+    Setting {
+        name: "ROCCL_STREAM_CHUNK",
+        accepts: BYTES,
+        valid: bytes,
+    },
+    Setting {
+        name: "ROCCL_CALIBRATE",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_SHM",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_SHM_SLOT",
+        accepts: "a multiple of 4096 from 4096 to 67108864 bytes",
+        valid: |v| {
+            v.parse::<usize>()
+                .is_ok_and(|n| n % 4096 == 0 && (4096..=64 << 20).contains(&n))
+        },
+    },
+    Setting {
+        name: "ROCCL_SHM_RING",
+        accepts: "a power of two from 65536 to 1073741824 bytes",
+        valid: |v| {
+            v.parse::<usize>()
+                .is_ok_and(|n| n.is_power_of_two() && (1 << 16..=1 << 30).contains(&n))
+        },
+    },
+    Setting {
+        name: "ROCCL_SHM_CMA",
+        accepts: "bytes from which messages are copied once (a whole number; 0: off)",
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_NSOCKS",
+        accepts: "a whole number of sockets from 1",
+        valid: |v| v.parse::<usize>().is_ok_and(|n| n >= 1),
+    },
+    Setting {
+        name: "ROCCL_TCP_SPLIT",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_TCP_DUPLEX",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_TCP_DUPLEX_INLINE",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_TCP_SNDBUF",
+        accepts: "bytes, a whole number (0: the kernel's autotuning)",
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_SOCKET_FAMILY",
+        accepts: "AF_INET, AF_INET6 or any (also ipv4, ipv6, 4, 6)",
+        valid: |v| crate::bootstrap::ifaces::parse_family(v).is_ok(),
+    },
+    Setting {
+        name: "ROCCL_ROCEV2_PORT",
+        accepts: "a UDP port number, 0 to 65535",
+        valid: |v| v.parse::<u16>().is_ok(),
+    },
+    Setting {
+        name: "ROCCL_ROCEV2_FAULTS",
+        accepts: "drop=P,dup=P,reorder=P,corrupt=P,seed=N",
+        valid: |v| crate::rdma::udp::Faults::parse(v).is_ok(),
+    },
+    Setting {
+        name: "ROCCL_ROCEV2_GSO",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_ROCEV2_EAGER",
+        accepts: "bytes, 0 to 65536 (0: off)",
+        valid: |v| v.parse::<u32>().is_ok_and(|n| n <= 65536),
+    },
+    Setting {
+        name: "ROCCL_ROCEV2_SIM_GPU",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_IB_TIMEOUT",
+        accepts: "an IB timeout code, 1 to 31 (4.096 us x 2^t)",
+        valid: |v| v.parse::<u8>().is_ok_and(|t| (1..=31).contains(&t)),
+    },
+    Setting {
+        name: "ROCCL_IB_INLINE",
+        accepts: "bytes of inline data, 0 to 4096",
+        valid: |v| v.parse::<u32>().is_ok_and(|n| n <= 4096),
+    },
+    Setting {
+        name: "ROCCL_IB_REG_CACHE",
+        accepts: "0 or 1",
+        valid: |v| v == "0" || v == "1",
+    },
+    Setting {
+        name: "ROCCL_IB_RETRY_CNT",
+        accepts: "0 to 7",
+        valid: |v| v.parse::<u8>().is_ok_and(|t| t <= 7),
+    },
+    Setting {
+        name: "ROCCL_IB_TC",
+        accepts: "a traffic class, 0 to 255",
+        valid: |v| v.parse::<u8>().is_ok(),
+    },
+    Setting {
+        name: "ROCCL_IB_SL",
+        accepts: "a service level, 0 to 15",
+        valid: |v| v.parse::<u8>().is_ok_and(|t| t <= 15),
+    },
+    Setting {
+        name: "ROCCL_IB_RELAXED_ORDERING",
+        accepts: SWITCH,
+        valid: switch,
+    },
+    Setting {
+        name: "ROCCL_IB_GID_INDEX",
+        accepts: "a GID index, or -1 for automatic",
+        valid: |v| v == "-1" || v.parse::<u32>().is_ok(),
+    },
+    Setting {
+        name: "ROCCL_IB_HCA",
+        accepts: "devices and ports in NCCL_IB_HCA syntax (e.g. mlx5_0:1,mlx5_1 or ^mlx5_2)",
+        valid: |v| crate::rdma::select::parse_hca(v).is_ok(),
+    },
+    Setting {
+        name: "ROCCL_IB_ADDR_FAMILY",
+        accepts: "AF_INET or AF_INET6 (also ipv4, ipv6, 4, 6)",
+        valid: |v| crate::rdma::select::parse_family(v).is_ok(),
+    },
+    Setting {
+        name: "ROCCL_IB_ADDR_RANGE",
+        accepts: "an address prefix, e.g. 10.0.0.0/16",
+        valid: |v| crate::rdma::select::parse_cidr(v).is_ok(),
+    },
+    Setting {
+        name: "ROCCL_DEVICE",
+        accepts: "auto, hip, cuda, sim or none",
+        valid: |v| one_of(v, &["auto", "hip", "cuda", "sim", "none"]),
+    },
+    Setting {
+        name: "ROCCL_SIM_DELAY_US",
+        accepts: UINT,
+        valid: uint,
+    },
+    Setting {
+        name: "ROCCL_APU_DEVICE_MEMORY",
+        accepts: "in-place or staged",
+        valid: |v| one_of(v, &["in-place", "staged"]),
+    },
+    Setting {
+        name: "ROCCL_NCCL_VERSION",
+        accepts: "an NCCL version code of at least 20000 (e.g. 22005)",
+        valid: |v| v.parse::<i32>().is_ok_and(|n| n >= 20000),
+    },
+];
+
+fn setting(name: &str) -> Option<&'static Setting> {
+    SETTINGS.iter().find(|s| s.name == name)
+}
+
+/// The error for `name=value`.
+pub fn invalid(name: &str, value: &str) -> Error {
+    let accepts = setting(name).map_or("another value", |s| s.accepts);
+    Error::arg(format!(
+        "{name}={value:?} is not valid: {name} takes {accepts} (or unset it for the default)"
+    ))
+}
+
+/// Check every setting `get` returns (the environment: [`check`]).
+pub fn check_with(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    for s in SETTINGS {
+        if let Some(v) = get(s.name) {
+            let t = v.trim();
+            if !t.is_empty() && !(s.valid)(t) {
+                return Err(invalid(s.name, &v));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Check every setting of [`SETTINGS`] in the environment.
+pub fn check() -> Result<()> {
+    check_with(&|k| std::env::var(k).ok())
+}
+
+/// The value of `name`, trimmed; `None` when unset or blank.
+pub fn raw(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+/// `name` parsed as `T` (`None` when unset or blank); a value that does not parse is an error.
+pub fn get<T: FromStr>(name: &str) -> Result<Option<T>> {
+    match raw(name) {
+        None => Ok(None),
+        Some(v) => v.parse().map(Some).map_err(|_| invalid(name, &v)),
+    }
+}
+
+/// `name` parsed as `T`, or `default` when unset. For readers that cannot fail: a value that
+/// does not parse was refused by [`check`] at init; reached without init, it is reported
+/// (WARN) and the default used.
+pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
+    match get(name) {
+        Ok(v) => v.unwrap_or(default),
+        Err(e) => {
+            crate::log::log(
+                crate::log::Level::Warn,
+                format_args!("{e}; using the default"),
+            );
+            default
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_refuses_garbage_naming_itself() {
+        for s in SETTINGS {
+            let e = check_with(&|k| (k == s.name).then(|| "abc!".to_string()))
+                .expect_err(s.name)
+                .to_string();
+            assert!(
+                e.contains(&format!("{}=\"abc!\"", s.name)) && e.contains(s.accepts),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn defaults_and_good_values_pass() {
+        assert!(check_with(&|_| None).is_ok());
+        let good = [
+            ("ROCCL_TIMEOUT", "2.5"),
+            ("ROCCL_NET", "tcp"),
+            ("ROCCL_ALGO", "auto"),
+            ("ROCCL_SLICE", "256K"),
+            ("ROCCL_SHM", "0"),
+            ("ROCCL_IB_HCA", "mlx5_0:1"),
+            ("ROCCL_ROCEV2_FAULTS", "drop=0.01,seed=7"),
+            ("ROCCL_DEBUG", "info"),
+            ("ROCCL_IB_GID_INDEX", "-1"),
+        ];
+        for (k, v) in good {
+            assert!(
+                check_with(&|n| (n == k).then(|| v.to_string())).is_ok(),
+                "{k}={v}"
+            );
+        }
+        for (k, v) in [
+            ("ROCCL_TIMEOUT", "0"),
+            ("ROCCL_TIMEOUT", "-3"),
+            ("ROCCL_NSOCKS", "0"),
+        ] {
+            assert!(
+                check_with(&|n| (n == k).then(|| v.to_string())).is_err(),
+                "{k}={v}"
+            );
+        }
+    }
+
+    /// README's table names every setting and launcher variable.
+    #[test]
+    fn readme_lists_every_setting() {
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let launcher = [
+            "ROCCL_RANK",
+            "ROCCL_NRANKS",
+            "ROCCL_ROOT",
+            "ROCCL_ROOT_PORT",
+            "ROCCL_UNIQUE_ID",
+            "ROCCL_SOCKET_IFNAME",
+        ];
+        let missing: Vec<&str> = SETTINGS
+            .iter()
+            .map(|s| s.name)
+            .chain(launcher)
+            .filter(|n| !readme.contains(&format!("`{n}`")))
+            .collect();
+        assert!(missing.is_empty(), "not in README.md: {missing:?}");
+    }
+
+    /// Every `ROCCL_*` name in the sources is a setting here or a launcher variable, so that a
+    /// new setting cannot be read without strict checking.
+    #[test]
+    fn every_variable_read_is_listed() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let launcher = [
+            "ROCCL_RANK",
+            "ROCCL_NRANKS",
+            "ROCCL_ROOT",
+            "ROCCL_ROOT_PORT",
+            "ROCCL_UNIQUE_ID",
+            "ROCCL_SOCKET_IFNAME",
+            "ROCCL_SYSFS_ROOT",
+            "ROCCL_PERF_CPU",
+            "ROCCL_PERF_LAUNCHED",
+        ];
+        let mut missing = Vec::new();
+        let mut stack = vec![root.join("src"), root.join("ffi")];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    if p.ends_with("envvar.rs") {
+                        continue;
+                    }
+                    // Names as whole string literals: what the readers look up.
+                    for (i, _) in text.match_indices("\"ROCCL_") {
+                        let name: String = text[i + 1..]
+                            .chars()
+                            .take_while(|c| {
+                                c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_'
+                            })
+                            .collect();
+                        let whole = text[i + 1 + name.len()..].starts_with('"');
+                        if whole && setting(&name).is_none() && !launcher.contains(&name.as_str()) {
+                            missing.push(format!("{name} ({})", p.display()));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(missing.is_empty(), "read but not in SETTINGS: {missing:?}");
+    }
+}
