@@ -21,7 +21,7 @@
 mod regcache;
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -385,9 +385,7 @@ impl Net for RoceNet {
         }
         let peer =
             get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))?;
-        let s = TcpStream::connect(peer)
-            .map_err(|e| Error::sys(format!("RoCE v2 setup: connect to {peer}"), e))?;
-        let mut side = Side::new(s)?;
+        let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
         let (qp, ep) = self.verbs.create_qp()?;
         let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
         // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
@@ -419,6 +417,14 @@ impl Net for RoceNet {
             peer_addr: None,
         }))
     }
+}
+
+/// `h` with its setup port replaced by `port` (tests of peers that do not answer).
+#[cfg(test)]
+pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = *h.as_bytes();
+    b[6..8].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
 }
 
 struct RoceConnecting {

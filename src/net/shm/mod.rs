@@ -416,13 +416,10 @@ impl Net for ShmNet {
         }
         let port = u16::from_le_bytes([b[4], b[5]]);
         let ring = u64::from_le_bytes(b[8..16].try_into().unwrap()) as usize;
-        let s = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(|e| {
-            Error::sys(
-                format!("shared-memory setup: connect to 127.0.0.1:{port}"),
-                e,
-            )
-        })?;
-        let mut side = Side::new(s)?;
+        let mut side = Side::dial(
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port),
+            "shared-memory setup: ",
+        )?;
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "/roccl-{}-{}-{:x}",
@@ -450,6 +447,14 @@ impl Net for ShmNet {
             cma: self.cma,
         }))
     }
+}
+
+/// `h` with its setup port replaced by `port` (tests of peers that do not answer).
+#[cfg(test)]
+pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = *h.as_bytes();
+    b[4..6].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
 }
 
 struct ShmConnecting {
