@@ -71,7 +71,8 @@ struct Cts {
     /// Number (wrapping) of the first message that belongs to this receive: the sender's
     /// messages fill the receives' buffers in order.
     first: u32,
-    _pad: u32,
+    /// [`CTS_EAGER_ONLY`] or 0.
+    flags: u32,
     seq_end: u32,
 }
 
@@ -115,6 +116,17 @@ impl EagerCfg {
 }
 
 const CTS_BYTES: usize = std::mem::size_of::<Cts>();
+
+/// Flag of a clear-to-send entry that describes a receive whose buffers take eager messages
+/// only (no addresses, no keys): written when such a receive has waited
+/// [`ANNOUNCE_AFTER`] for its data, so that a sender holding a larger message for it (which
+/// waits for a clear-to-send that never comes) learns the sizes and fails at once instead of
+/// at `ROCCL_TIMEOUT`.
+const CTS_EAGER_ONLY: u32 = 1;
+
+/// How long the oldest receive waits for eager data before it describes itself to the
+/// sender (one write per receive that waited this long; none on the fast path).
+const ANNOUNCE_AFTER: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The RoCE v2 network over a verbs provider.
 pub struct RoceNet {
@@ -920,7 +932,7 @@ impl RoceSend {
         let size = cts.elems[e].size as usize;
         if len > size {
             return Err(Error::InvalidUsage(format!(
-                "sent {len} bytes but the receiver's buffer holds only {size} (mismatched counts between sender and receiver?)"
+                "sent {len} bytes but the receiver's buffer holds only {size} bytes (mismatched counts between sender and receiver?)"
             )));
         }
         Ok(e)
@@ -1035,11 +1047,21 @@ impl RoceSend {
                     // The receive of message `m` wrote no clear-to-send: all its buffers
                     // take eager messages only, i.e. they are smaller than this one.
                     Err(Error::InvalidUsage(format!(
-                        "sent {len} bytes but the receiver's buffers hold at most {} (mismatched counts between sender and receiver?)",
+                        "sent {len} bytes but the receiver's buffer holds only {} bytes at most (mismatched counts between sender and receiver?)",
                         self.eager_size
                     )))
                 } else {
-                    self.buffer_for(&cts, m, tag, len)
+                    self.buffer_for(&cts, m, tag, len).and_then(|e| {
+                        if cts.flags & CTS_EAGER_ONLY == 0 {
+                            return Ok(e);
+                        }
+                        // Its buffers are no larger than the eager size, which this message
+                        // exceeds: `buffer_for` refused it already.
+                        Err(Error::InvalidUsage(format!(
+                            "sent {len} bytes but the receiver's buffer holds only {} bytes, for eager messages (mismatched counts between sender and receiver?)",
+                            cts.elems[e].size
+                        )))
+                    })
                 };
                 let e = match checked {
                     Ok(e) => e,
@@ -1222,6 +1244,11 @@ struct RReq {
     g: RecvGroup,
     mrs: [Option<Mr>; MAX_RECVS],
     reaped: bool,
+    /// Its clear-to-send entry, kept for a receive whose buffers take eager messages only
+    /// until it describes itself to the sender ([`CTS_EAGER_ONLY`]).
+    eager_only: Option<(std::time::Instant, Cts)>,
+    /// It did so.
+    announced: bool,
 }
 
 /// A message that arrived, in arrival (= send) order, not yet matched to a receive.
@@ -1347,9 +1374,44 @@ impl RoceRecv {
             }
         }
         self.match_arrivals()?;
+        self.announce_eager_only()?;
         self.report_credits()?;
         let waiting = self.reqs.iter().any(|r| !r.g.done());
-        self.live.check(waiting, "receive")
+        self.live.check(waiting, "receive").map_err(|e| {
+            let idx = (self.filling - self.base) as usize;
+            match (self.reqs.get(idx), e) {
+                (Some(r), Error::System { what, source }) if r.announced => {
+                    let n: usize = r.g.bufs[..r.g.len()].iter().map(|b| b.1).sum();
+                    Error::System {
+                        what: format!("{what}; the receive it was to fill holds only {n} bytes, for eager messages: a larger message fails at the sender (mismatched counts between sender and receiver?)"),
+                        source,
+                    }
+                }
+                (_, e) => e,
+            }
+        })
+    }
+
+    /// Describe the receive the next message belongs to to the sender, once, if its buffers
+    /// take eager messages only and it has waited [`ANNOUNCE_AFTER`]: a sender with a
+    /// message too large for them waits for a clear-to-send and would otherwise never learn
+    /// of the mismatch.
+    fn announce_eager_only(&mut self) -> Result<()> {
+        let idx = (self.filling - self.base) as usize;
+        let Some(r) = self.reqs.get_mut(idx) else {
+            return Ok(());
+        };
+        match r.eager_only {
+            Some((posted, cts)) if posted.elapsed() >= ANNOUNCE_AFTER => {
+                r.eager_only = None;
+                r.announced = true;
+                self.write_entry(Cts {
+                    flags: CTS_EAGER_ONLY,
+                    ..cts
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Give arrived messages, in order, to the receives they belong to: the sender fills the
@@ -1636,6 +1698,8 @@ impl RecvComm for RoceRecv {
             g,
             mrs: [None; MAX_RECVS],
             reaped: false,
+            eager_only: None,
+            announced: false,
         };
         let mut cts = Cts {
             n: bufs.len() as u32,
@@ -1678,6 +1742,9 @@ impl RecvComm for RoceRecv {
                 tag: b.tag,
                 _pad: 0,
             };
+        }
+        if eager_only {
+            r.eager_only = Some((std::time::Instant::now(), cts));
         }
         self.next_first = self.next_first.wrapping_add(bufs.len() as u32);
         self.reqs.push_back(r);
