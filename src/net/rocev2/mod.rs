@@ -241,6 +241,52 @@ fn get_addr(b: &[u8]) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, u16::from_le_bytes([b[2], b[3]])))
 }
 
+/// Most receive work requests a peer may say it posts: the sender sizes its staging
+/// buffers (`slots × eager size`) by that number, so it is bounded before anything is
+/// allocated (this roccl posts [`EAGER_SLOTS`]).
+const MAX_PEER_SLOTS: u32 = 1024;
+
+/// The peer's receive work request count, from its setup message, within what this roccl
+/// can work with (at least [`FIFO`]) and allocate for (at most [`MAX_PEER_SLOTS`]).
+fn check_peer_slots(slots: u32, peer: SocketAddr) -> Result<()> {
+    if !(FIFO as u32..=MAX_PEER_SLOTS).contains(&slots) {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup with {peer}: the peer says it posts {slots} receive buffers, outside the {FIFO} to {MAX_PEER_SLOTS} this roccl works with (another roccl version, or not a roccl peer?)"
+        )));
+    }
+    Ok(())
+}
+
+/// Largest grouped-receive buffer index and size an immediate carries: `index << 29 | size`.
+const IMM_SIZE_BITS: u32 = 29;
+
+/// The buffer of receive `g` that an RDMA write with immediate `imm` from `peer` filled, and
+/// its size: what the peer claims, checked against the posted receive (a size beyond the
+/// buffer or an index beyond the group is the peer's error, never trusted).
+fn written(g: &RecvGroup, imm: u32, peer: SocketAddr) -> Result<(usize, usize)> {
+    let (e, len) = if g.len() == 1 {
+        (0usize, imm as usize)
+    } else {
+        (
+            (imm >> IMM_SIZE_BITS) as usize,
+            (imm & ((1 << IMM_SIZE_BITS) - 1)) as usize,
+        )
+    };
+    if e >= g.len() {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 receive from {peer}: the peer says it wrote buffer {e} of a receive of {} buffers (corrupt immediate, or another roccl version?)",
+            g.len()
+        )));
+    }
+    let size = g.bufs[e].1;
+    if len > size {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 receive from {peer}: the peer says it wrote {len} bytes into buffer {e}, which holds only {size} bytes (corrupt immediate, or another roccl version?)"
+        )));
+    }
+    Ok((e, len))
+}
+
 /// Endpoint + FIFO description sent over the side channel.
 fn encode_info(
     ep: &QpEndpoint,
@@ -460,12 +506,7 @@ impl Connecting for RoceConnecting {
             let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
             let (peer, _, _, peer_eager) = decode_info(&b)?;
             same_provider(&b, &*self.verbs)?;
-            if peer_eager.slots < FIFO as u32 {
-                return Err(Error::InvalidUsage(format!(
-                    "RoCE v2 connection setup: the peer posts {} receive buffers, fewer than the {FIFO} this roccl needs (another roccl version?)",
-                    peer_eager.slots
-                )));
-            }
+            check_peer_slots(peer_eager.slots, peer.addr)?;
             self.peer_eager = Some(peer_eager);
             self.peer_addr = Some(peer.addr);
             self.verbs.connect_qp(self.qp, &peer)?;
@@ -1076,7 +1117,7 @@ impl RoceSend {
                 let imm = if cts.n == 1 {
                     len as u32
                 } else {
-                    ((e as u32) << 29) | len as u32
+                    ((e as u32) << IMM_SIZE_BITS) | len as u32
                 };
                 SendWr {
                     wr_id: self.base + i as u64,
@@ -1188,9 +1229,11 @@ impl SendComm for RoceSend {
         if self.reqs.len() >= FIFO {
             return Ok(None);
         }
-        if len > (1 << 29) {
+        // A grouped receive's immediate carries the size in its low 29 bits: 2^29 itself
+        // would spill into the buffer index.
+        if len >= 1 << IMM_SIZE_BITS {
             return Err(Error::arg(format!(
-                "RoCE v2 message of {len} bytes exceeds the 512 MiB limit of one message"
+                "RoCE v2 message of {len} bytes exceeds the limit of one message, 512 MiB less one byte"
             )));
         }
         let id = self.base + self.reqs.len() as u64;
@@ -1457,11 +1500,7 @@ impl RoceRecv {
                     complete
                 }
                 Arrival::Written { imm } => {
-                    let (e, len) = if r.g.len() == 1 {
-                        (0usize, imm as usize)
-                    } else {
-                        ((imm >> 29) as usize, (imm & 0x1fff_ffff) as usize)
-                    };
+                    let (e, len) = written(&r.g, imm, self.peer)?;
                     let complete = r.g.fill(e, len)?;
                     self.arrived.pop_front();
                     complete
@@ -2000,6 +2039,99 @@ mod tests {
         for (i, (b, d)) in bufs.iter().zip(&data).enumerate() {
             assert!(b == d, "message {i} ({} bytes) arrived corrupted", d.len());
         }
+    }
+
+    /// What a peer says about sizes is checked, never trusted: an immediate's size beyond
+    /// the posted buffer or its index beyond the group, and a message of exactly 2^29 bytes
+    /// (whose size would spill into a grouped immediate's index bits).
+    #[test]
+    fn peer_supplied_sizes_are_bounds_checked() {
+        let peer = SocketAddr::from(([10, 0, 0, 2], 4791));
+        let (mut a, mut b) = ([0u8; 100], [0u8; 200]);
+        let one = RecvGroup::new(&[RecvBuf {
+            ptr: a.as_mut_ptr(),
+            len: 100,
+            tag: 1,
+        }])
+        .unwrap();
+        assert_eq!(written(&one, 100, peer).unwrap(), (0, 100));
+        let e = written(&one, 101, peer).unwrap_err().to_string();
+        assert!(
+            e.contains("101 bytes") && e.contains("holds only 100") && e.contains("10.0.0.2"),
+            "{e}"
+        );
+        let two = RecvGroup::new(&[
+            RecvBuf {
+                ptr: a.as_mut_ptr(),
+                len: 100,
+                tag: 1,
+            },
+            RecvBuf {
+                ptr: b.as_mut_ptr(),
+                len: 200,
+                tag: 2,
+            },
+        ])
+        .unwrap();
+        assert_eq!(written(&two, (1 << 29) | 200, peer).unwrap(), (1, 200));
+        let e = written(&two, (1 << 29) | 201, peer)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("holds only 200"), "{e}");
+        let e = written(&two, (2 << 29) | 5, peer).unwrap_err().to_string();
+        assert!(e.contains("buffer 2 of a receive of 2"), "{e}");
+
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let (mut s, _r) = pair(&net);
+        // Zero pages until touched; nothing touches them (the send is refused).
+        let big = vec![0u8; 1 << 29];
+        // SAFETY: `big` outlives the comm's use of it (the send is refused at once).
+        let e = unsafe { s.isend(big.as_ptr(), big.len(), 1, None) };
+        let e = e
+            .expect_err("a 2^29-byte message must be refused")
+            .to_string();
+        assert!(e.contains("512 MiB less one byte"), "{e}");
+    }
+
+    /// A peer whose setup message claims 2^32 - 1 receive buffers (the sender would allocate
+    /// its staging for that many) is refused with an error naming it, not an allocation
+    /// failure.
+    #[test]
+    fn a_peer_claiming_absurd_receive_buffers_is_refused() {
+        use std::io::{Read, Write};
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = fake.local_addr().unwrap().port();
+        let (h, _l) = net.listen(0).unwrap();
+        let mut c = net.connect(0, &handle_with_port(&h, port)).unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let mut req = [0u8; INFO];
+            s.read_exact(&mut req).unwrap();
+            // Answer with the connector's own endpoint (a QP connected to itself).
+            let (ep, _, _, _) = decode_info(&req).unwrap();
+            let eager = EagerCfg {
+                size: EAGER_DEFAULT,
+                slots: u32::MAX,
+            };
+            s.write_all(&encode_info(&ep, None, Some(eager), false))
+                .unwrap();
+            s
+        });
+        let start = std::time::Instant::now();
+        let e = loop {
+            assert!(start.elapsed().as_secs() < 10, "no answer within 10 s");
+            match c.poll() {
+                Err(e) => break e.to_string(),
+                Ok(Some(_)) => panic!("connected to a peer claiming 2^32 - 1 receive buffers"),
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        };
+        assert!(
+            e.contains("4294967295 receive buffers") && e.contains("127.0.0.1"),
+            "{e}"
+        );
+        drop(peer.join().unwrap());
     }
 
     #[test]
