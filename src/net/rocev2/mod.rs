@@ -875,6 +875,29 @@ struct RoceSend {
     cache: RegCache,
 }
 
+/// Offset of [`Cts::seq_end`], the last field.
+const CTS_END: usize = CTS_BYTES - 4;
+
+/// Copy the clear-to-send entry at address `at`, which the peer may be writing meanwhile (an RDMA
+/// write, placed by the provider or the NIC from its first byte to its last), through `read`
+/// (the provider's `read_registered`). A seqlock read, as NCCL's net_ib reads its FIFO: the
+/// end marker, a fence, the body, a fence, the start marker. The copy is whole when both
+/// markers match: the end marker says the body before it was written; a start marker still
+/// equal to it after the body says no newer write of the slot began meanwhile (front to back
+/// instead, a body read while the writer passes through it looks whole once the writer has
+/// written the end marker too).
+fn read_cts(read: impl Fn(u64, &mut [u8]), at: u64) -> Cts {
+    use std::sync::atomic::fence;
+    let mut cts = Cts::default();
+    let b = bytemuck::bytes_of_mut(&mut cts);
+    read(at + CTS_END as u64, &mut b[CTS_END..]);
+    fence(Ordering::Acquire);
+    read(at + 4, &mut b[4..CTS_END]);
+    fence(Ordering::Acquire);
+    read(at, &mut b[..4]);
+    cts
+}
+
 /// Tags remembered per send comm (a grouped receive spans at most MAX_RECVS messages).
 const TAG_RING: usize = 64;
 
@@ -890,6 +913,12 @@ impl RoceSend {
         super::remember_failure(&mut self.failed, r)
     }
 
+    /// Address of the FIFO slot of sequence number `seq` (the peer writes it: no reference
+    /// to it is made).
+    fn slot_addr(&self, seq: u32) -> u64 {
+        self.fifo.as_ptr() as u64 + ((seq as usize % CTS_SLOTS) * CTS_BYTES) as u64
+    }
+
     /// Whether the receiver has a receive work request for one more message.
     fn has_credit(&self) -> bool {
         self.sent.wrapping_sub(self.credits) < self.slots
@@ -902,13 +931,11 @@ impl RoceSend {
     /// at most FIFO receives unfinished).
     fn cts_for(&mut self, m: u32) -> Option<Cts> {
         loop {
-            let slot = &self.fifo[(self.seq as usize) % CTS_SLOTS];
+            let slot = self.slot_addr(self.seq);
             // The provider writes the slot (remote RDMA) possibly from another thread: copy
             // it through the provider, and trust it only when the sequence number at both
             // ends matches (a slot still being written is retried on the next poll).
-            let mut cts = Cts::default();
-            self.verbs
-                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            let cts = read_cts(|a, b| self.verbs.read_registered(a, b), slot);
             if cts.seq != cts.seq_end {
                 return None;
             }
@@ -936,10 +963,8 @@ impl RoceSend {
     fn refresh_credits(&mut self) {
         let mut seq = self.seq;
         for _ in 0..CTS_SLOTS {
-            let slot = &self.fifo[(seq as usize) % CTS_SLOTS];
-            let mut cts = Cts::default();
-            self.verbs
-                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            let slot = self.slot_addr(seq);
+            let cts = read_cts(|a, b| self.verbs.read_registered(a, b), slot);
             if cts.seq != cts.seq_end || dist(cts.seq, seq) < 0 {
                 return; // not written yet (or being written)
             }
@@ -2039,6 +2064,101 @@ mod tests {
         for (i, (b, d)) in bufs.iter().zip(&data).enumerate() {
             assert!(b == d, "message {i} ({} bytes) arrived corrupted", d.len());
         }
+    }
+
+    /// The clear-to-send FIFO read against a writer that rewrites one slot over and over,
+    /// as an RDMA write lands: start marker first, the body's bytes in a random order, the
+    /// end marker last (each phase ordered by a fence, as the NIC's in-order placement
+    /// does). Every field of entry `k` is derived from `k`, so an entry that mixes two writes
+    /// is seen; no such entry may ever be accepted (both markers equal).
+    #[test]
+    fn a_clear_to_send_entry_being_written_is_never_accepted_torn() {
+        use std::sync::atomic::{fence, AtomicBool, AtomicU8};
+        let mem: Arc<Vec<AtomicU8>> = Arc::new((0..CTS_BYTES).map(|_| AtomicU8::new(0)).collect());
+        let base = mem.as_ptr() as u64;
+        let entry = |k: u32| {
+            let mut c = Cts {
+                seq: k,
+                n: k,
+                credits: k.wrapping_mul(3),
+                first: k.wrapping_mul(5),
+                flags: k,
+                seq_end: k,
+                ..Cts::default()
+            };
+            for (i, e) in c.elems.iter_mut().enumerate() {
+                *e = CtsElem {
+                    addr: (k as u64) << 20 | i as u64,
+                    size: k ^ i as u32,
+                    rkey: !k,
+                    tag: k.wrapping_add(i as u32),
+                    _pad: k,
+                };
+            }
+            c
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (mem, stop) = (Arc::clone(&mem), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut rng = 0x2545_f491_4f6c_dd1du64;
+                let mut order: Vec<usize> = (4..CTS_END).collect();
+                for k in 1..=200_000u32 {
+                    let c = entry(k);
+                    let b = bytemuck::bytes_of(&c);
+                    for i in 0..4 {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    fence(Ordering::Release);
+                    for i in (1..order.len()).rev() {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        order.swap(i, rng as usize % (i + 1));
+                    }
+                    for &i in &order {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    fence(Ordering::Release);
+                    for i in CTS_END..CTS_BYTES {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    // The entry stays a while (a real slot is rewritten only every 64
+                    // entries), so that reads meet both written and half-written entries.
+                    for _ in 0..rng % 256 {
+                        std::hint::spin_loop();
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+            })
+        };
+        let read = |at: u64, out: &mut [u8]| {
+            let off = (at - base) as usize;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = mem[off + i].load(Ordering::Relaxed);
+            }
+        };
+        let (mut accepted, mut torn) = (0u64, 0u64);
+        while mem[CTS_END].load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now(); // the writer's first entry
+        }
+        let mut reads = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            reads += 1;
+            let c = read_cts(read, base);
+            if c.seq == c.seq_end && c.seq != 0 {
+                accepted += 1;
+                if bytemuck::bytes_of(&c) != bytemuck::bytes_of(&entry(c.seq)) {
+                    torn += 1;
+                }
+            }
+        }
+        writer.join().unwrap();
+        assert!(accepted > 0, "no entry was accepted in {reads} reads");
+        assert_eq!(
+            torn, 0,
+            "{torn} torn entries of {accepted} accepted in {reads} reads"
+        );
     }
 
     /// What a peer says about sizes is checked, never trusted: an immediate's size beyond
