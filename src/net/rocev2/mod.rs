@@ -1070,7 +1070,8 @@ impl RoceSend {
                 }
             }
             // GPU memory is never read by the CPU (inline copies at post time).
-            let inline = len <= self.verbs.max_inline() && !self.cache.is_device(addr, len);
+            let inline =
+                len <= self.verbs.qp_max_inline(self.qp) && !self.cache.is_device(addr, len);
             if eager {
                 // Eager: copied to staging slot `m % slots`, sent into one of the receiver's
                 // bounce buffers without a clear-to-send; complete for the caller at once
@@ -1392,7 +1393,7 @@ impl RoceRecv {
                 len: CTS_BYTES as u32,
                 lkey: self.staging_mr.lkey,
             }),
-            inline: CTS_BYTES <= self.verbs.max_inline(),
+            inline: CTS_BYTES <= self.verbs.qp_max_inline(self.qp),
             imm: 0,
             remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
             rkey: self.fifo_rkey,
@@ -2415,11 +2416,13 @@ mod tests {
 
     /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
     /// must agree), recording every send work request (opcode, inline, local address,
-    /// remote address).
+    /// remote address); with `Some(n)` in the last field every queue pair is granted `n`
+    /// bytes of inline data, as a NIC may grant less than its provider asked for.
     struct Wrapped(
         UserVerbs,
         parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
         bool,
+        Option<usize>,
     );
 
     impl Wrapped {
@@ -2428,6 +2431,7 @@ mod tests {
                 UserVerbs::with(ip, 0, None).unwrap(),
                 parking_lot::Mutex::new(Vec::new()),
                 nic,
+                None,
             )
         }
     }
@@ -2455,6 +2459,9 @@ mod tests {
         }
         fn max_inline(&self) -> usize {
             self.0.max_inline()
+        }
+        fn qp_max_inline(&self, qp: QpId) -> usize {
+            self.3.unwrap_or_else(|| self.0.qp_max_inline(qp))
         }
         unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
             // SAFETY: forwarded contract.
@@ -2494,6 +2501,31 @@ mod tests {
         fn read_registered(&self, addr: u64, out: &mut [u8]) {
             self.0.read_registered(addr, out)
         }
+    }
+
+    /// Inline data is what each queue pair was granted, not one value for the provider: on
+    /// queue pairs granted none, no send (eager message, clear-to-send entry, small
+    /// rendezvous write) asks for inline, although the provider as a whole offers some.
+    #[test]
+    fn inline_sends_follow_the_queue_pairs_grant() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let mut w = Wrapped::new(lo, false);
+        w.3 = Some(0);
+        assert!(w.max_inline() >= 64, "the provider offers inline data");
+        let rec = Arc::new(w);
+        let net = RoceNet::over(rec.clone(), lo);
+        let (mut s, mut r) = pair(&net);
+        for len in [8usize, 100, 20_000] {
+            let data = vec![3u8; len];
+            let (got, n) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+            assert_eq!((n, got), (len, data));
+        }
+        let log = rec.1.lock().clone();
+        assert!(log.len() >= 4, "{log:?}");
+        assert!(
+            log.iter().all(|w| !w.1),
+            "inline on a queue pair granted none: {log:?}"
+        );
     }
 
     /// Memory registered as GPU memory (`regMr` with `NCCL_PTR_CUDA`; the userspace engine
