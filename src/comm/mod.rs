@@ -526,7 +526,13 @@ impl Communicator {
                 settings_print(&cfg),
             ),
             cfg.waiter.timeout,
-        )?;
+        )
+        .inspect_err(|_| {
+            if node_seg.is_some() {
+                // A rank killed meanwhile cannot unlink its own segment.
+                net::shm::node::remove_dead_segments(tag, rank, nranks);
+            }
+        })?;
         let my_host = &table[rank][4..12];
         let local_ranks = table
             .iter()
