@@ -575,7 +575,10 @@ fn a_rank_killed_during_init_leaves_no_segment() {
     }
     doomed.kill().unwrap();
     doomed.wait().unwrap();
-    assert!(seg(2).exists(), "a killed rank cannot unlink its own segment");
+    assert!(
+        seg(2).exists(),
+        "a killed rank cannot unlink its own segment"
+    );
     let survivors: Vec<_> = (0..2).map(rank).collect();
     for (r, k) in survivors.into_iter().enumerate() {
         let out = k.wait_with_output().unwrap();

@@ -143,14 +143,22 @@ struct Handle {
     cond: parking_lot::Condvar,
 }
 
-/// Live handles by address: a destroyed or unknown pointer is refused, never dereferenced.
+/// Live handles by id: a destroyed or unknown handle is refused, never dereferenced.
 static COMMS: RwLock<Option<HashMap<usize, Arc<Handle>>>> = RwLock::new(None);
+
+/// The id the next handle gets. Ids are never reused (a handle's value is not the object's
+/// address, which the allocator hands out again after a destroy): a stale `rocclComm_t`
+/// can never name a later communicator.
+static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(FIRST_ID);
+
+/// The first handle id (no small integer a confused caller might pass, such as 0 or 1).
+const FIRST_ID: usize = 0x1000;
 
 /// Opaque `rocclComm_t`.
 pub type rocclComm_t = *mut c_void;
 
 fn register(h: Arc<Handle>) -> rocclComm_t {
-    let key = Arc::as_ptr(&h) as usize;
+    let key = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     COMMS
         .write()
         .get_or_insert_with(HashMap::new)
@@ -167,9 +175,7 @@ fn lookup(comm: rocclComm_t) -> R<Arc<Handle>> {
         .as_ref()
         .and_then(|m| m.get(&(comm as usize)).cloned())
         .ok_or_else(|| {
-            usage(
-                "comm is not a live communicator (already destroyed or aborted, or never created)",
-            )
+            arg("comm is not a live communicator (already destroyed or aborted, or never created)")
         })
 }
 
