@@ -44,7 +44,12 @@ pub fn log(l: Level, msg: std::fmt::Arguments) {
         return;
     }
     if l <= level() {
-        eprintln!(
+        // Never `eprintln!`, which panics when stderr fails (a closed pipe with SIGPIPE
+        // ignored, as in Python): a log line is not worth a crash, least of all inside a
+        // C caller.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
             "roccl {}: {msg}",
             if l == Level::Warn { "WARN" } else { "INFO" }
         );

@@ -104,7 +104,12 @@ thread_local! {
 /// Record `msg` as this thread's last error (what `rocclGetLastError` returns).
 pub fn set_last_error(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    // `try_with`: a call from a thread's TLS destructors must not panic.
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = c;
+        }
+    });
 }
 
 /// Run `f` behind a panic guard and turn its result into a code.
@@ -386,7 +391,11 @@ pub extern "C" fn rocclGetErrorString(result: rocclResult_t) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn rocclGetLastError(_comm: rocclComm_t) -> *const c_char {
     // The pointer stays valid until this thread's next failing roccl call.
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.try_borrow().map(|s| s.as_ptr()).ok())
+        .ok()
+        .flatten()
+        .unwrap_or(c"".as_ptr())
 }
 
 /// Create a unique id (starts the rendezvous root in this process).
