@@ -157,13 +157,15 @@ rocclResult_t rocclCommInitAll(rocclComm_t* comms, int ndev, const int* devlist)
  * a non-blocking init still running, which gives rocclInProgress. */
 rocclResult_t rocclCommFinalize(rocclComm_t comm);
 
-/* Free a communicator (waits for a non-blocking init first). Its connections close; peers
+/* Free a communicator (a non-blocking init still running is ended first, within about a
+ * second; its peers then fail their init). Its connections close; peers
  * still using it get an error. Using the handle afterwards gives rocclInvalidArgument (a
  * handle is never reused, so a stale one never names a later communicator). */
 rocclResult_t rocclCommDestroy(rocclComm_t comm);
 
 /* Abort and free a communicator. May be called from another thread while a call on comm is
- * blocked: that call returns promptly with rocclInvalidUsage. */
+ * blocked: that call returns promptly with rocclInvalidUsage. A non-blocking init still
+ * running is ended within about a second. */
 rocclResult_t rocclCommAbort(rocclComm_t comm);
 
 /* Split comm: ranks passing the same color form a new communicator, ranked by key then by

@@ -450,6 +450,25 @@ impl Communicator {
         rank: usize,
         cfg: Config,
     ) -> Result<Communicator> {
+        Self::init_abortable(
+            id,
+            nranks,
+            rank,
+            cfg,
+            &std::sync::atomic::AtomicBool::new(false),
+        )
+    }
+
+    /// [`Communicator::init_with`] that another thread can end: setting `abort` makes the
+    /// waits of initialization (the rendezvous, the shared-memory attach) return an error
+    /// within about 100 ms (what `rocclCommAbort` does to a non-blocking init).
+    pub fn init_abortable(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        cfg: Config,
+        abort: &std::sync::atomic::AtomicBool,
+    ) -> Result<Communicator> {
         if nranks == 0 {
             return Err(Error::arg("nranks must be at least 1"));
         }
@@ -514,7 +533,7 @@ impl Communicator {
         } else {
             None
         };
-        let table = bootstrap::rendezvous(
+        let table = bootstrap::rendezvous_abortable(
             id,
             rank,
             nranks,
@@ -526,6 +545,7 @@ impl Communicator {
                 settings_print(&cfg),
             ),
             cfg.waiter.timeout,
+            abort,
         )
         .inspect_err(|_| {
             if node_seg.is_some() {
@@ -589,7 +609,7 @@ impl Communicator {
         // Every rank on this host with its segment: map them all (every rank decides alike).
         let node = match node_seg {
             Some(own) if all_local && table.iter().all(|b| blob_has_node(b)) => {
-                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter)?
+                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
             }
             _ => None,
         };

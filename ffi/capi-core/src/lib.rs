@@ -146,6 +146,31 @@ enum State {
 struct Handle {
     state: Mutex<State>,
     cond: parking_lot::Condvar,
+    /// Set by rocclCommAbort/rocclCommDestroy: ends a non-blocking init within ~100 ms.
+    abort: Arc<std::sync::atomic::AtomicBool>,
+    /// The thread of a non-blocking init, joined when the handle goes.
+    init: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Handle {
+    fn new(state: State) -> Handle {
+        Handle {
+            state: Mutex::new(state),
+            cond: parking_lot::Condvar::new(),
+            abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            init: Mutex::new(None),
+        }
+    }
+
+    /// End a non-blocking init still running (its waits see the abort flag) and wait for
+    /// its thread, so that nothing of it outlives the handle.
+    fn end_init(&self) {
+        self.abort.store(true, std::sync::atomic::Ordering::Relaxed);
+        let t = self.init.lock().take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Live handles by id: a destroyed or unknown handle is refused, never dereferenced.
@@ -198,10 +223,7 @@ fn ready(comm: rocclComm_t) -> R<Arc<Communicator>> {
 }
 
 fn ready_handle(c: Communicator) -> Arc<Handle> {
-    Arc::new(Handle {
-        state: Mutex::new(State::Ready(Arc::new(c))),
-        cond: parking_lot::Condvar::new(),
-    })
+    Arc::new(Handle::new(State::Ready(Arc::new(c))))
 }
 
 unsafe fn out_ptr<'a, T>(p: *mut T, name: &str) -> R<&'a mut T> {
@@ -469,16 +491,15 @@ fn init_rank(
         *out = register(ready_handle(c));
         return Ok(());
     }
-    let h = Arc::new(Handle {
-        state: Mutex::new(State::Initializing),
-        cond: parking_lot::Condvar::new(),
-    });
-    *out = register(Arc::clone(&h));
-    std::thread::Builder::new()
+    let h = Arc::new(Handle::new(State::Initializing));
+    let th = Arc::clone(&h);
+    let abort = Arc::clone(&h.abort);
+    let t = std::thread::Builder::new()
         .name(format!("roccl-init-r{r}"))
         .spawn(move || {
+            let h = th;
             let res = catch_unwind(AssertUnwindSafe(|| {
-                Communicator::init_with(&uid, n, r, cfg)
+                Communicator::init_abortable(&uid, n, r, cfg, &abort)
             }));
             let st = match res {
                 Ok(Ok(c)) => State::Ready(Arc::new(c)),
@@ -489,6 +510,8 @@ fn init_rank(
             h.cond.notify_all();
         })
         .map_err(|e| CErr(SYSTEM_ERROR, format!("spawning the init thread: {e}")))?;
+    *h.init.lock() = Some(t);
+    *out = register(h);
     Err(CErr(
         IN_PROGRESS,
         "initialization continues in the background".into(),
@@ -594,15 +617,13 @@ fn remove(comm: rocclComm_t) -> R<Arc<Handle>> {
     Ok(h)
 }
 
-/// Free a communicator (waits for a non-blocking init to finish first).
+/// Free a communicator (a non-blocking init still running is ended first, within about
+/// 100 ms: nobody can use the communicator once its handle is gone).
 #[no_mangle]
 pub unsafe extern "C" fn rocclCommDestroy(comm: rocclComm_t) -> rocclResult_t {
     guard("rocclCommDestroy", || {
         let h = remove(comm)?;
-        let mut st = h.state.lock();
-        while matches!(*st, State::Initializing) {
-            h.cond.wait(&mut st);
-        }
+        h.end_init();
         Ok(())
     })
 }
@@ -612,6 +633,7 @@ pub unsafe extern "C" fn rocclCommDestroy(comm: rocclComm_t) -> rocclResult_t {
 pub unsafe extern "C" fn rocclCommAbort(comm: rocclComm_t) -> rocclResult_t {
     guard("rocclCommAbort", || {
         let h = remove(comm)?;
+        h.end_init();
         let c = match &*h.state.lock() {
             State::Ready(c) => Some(Arc::clone(c)),
             _ => None,

@@ -395,6 +395,7 @@ impl Node {
         me: usize,
         nranks: usize,
         w: &Waiter,
+        abort: &AtomicBool,
     ) -> Result<Option<Node>> {
         let mut peers = Vec::with_capacity(nranks);
         let mut why = None;
@@ -464,6 +465,11 @@ impl Node {
             loop {
                 polls = polls.wrapping_add(1);
                 match header(s).attached.load(Ordering::Acquire) {
+                    0 if abort.load(Ordering::Relaxed) => {
+                        return Err(Error::InvalidUsage(format!(
+                            "rank {me}: initialization was aborted by the application while waiting for rank {r} to attach to the host's shared-memory segments"
+                        )))
+                    }
                     // Every ~10 ms: is its process still there?
                     0 if polls % 512 == 0
                         && r != me
@@ -1019,7 +1025,9 @@ mod tests {
             let hs: Vec<_> = segs
                 .into_iter()
                 .enumerate()
-                .map(|(r, seg)| s.spawn(move || Node::attach(seg, tag, r, 2, w)))
+                .map(|(r, seg)| {
+                    s.spawn(move || Node::attach(seg, tag, r, 2, w, &AtomicBool::new(false)))
+                })
                 .collect();
             hs.into_iter()
                 .map(|h| h.join().unwrap().unwrap().expect("attached"))
