@@ -23,8 +23,9 @@
  * Errors: every function checks its arguments and returns a rocclResult_t; on failure
  * rocclGetLastError() gives a sentence naming what was wrong. rocclInvalidArgument: a bad
  * argument (NULL pointer, NULL buffer with a non-zero count, root/peer/rank out of range,
- * unknown data type or op, a stream without a GPU runtime). rocclInvalidUsage: the communicator cannot be
- * used (destroyed, aborted, still initializing, or broken by an earlier error).
+ * unknown data type or op, a stream without a GPU runtime, a communicator handle that was
+ * destroyed or aborted). rocclInvalidUsage: the communicator cannot be used (still
+ * initializing, aborted while a call ran, or broken by an earlier error).
  * rocclRemoteError: a peer exited, failed or did not respond within ROCCL_TIMEOUT seconds
  * (the message names the rank). rocclSystemError: an OS or network call failed.
  * rocclInternalError: a bug in roccl. After a remote or system error the communicator is
@@ -157,12 +158,15 @@ rocclResult_t rocclCommInitAll(rocclComm_t* comms, int ndev, const int* devlist)
  * a non-blocking init still running, which gives rocclInProgress. */
 rocclResult_t rocclCommFinalize(rocclComm_t comm);
 
-/* Free a communicator (waits for a non-blocking init first). Its connections close; peers
- * still using it get an error. Using the handle afterwards gives rocclInvalidUsage. */
+/* Free a communicator (a non-blocking init still running is ended first, within about a
+ * second; its peers then fail their init). Its connections close; peers
+ * still using it get an error. Using the handle afterwards gives rocclInvalidArgument (a
+ * handle is never reused, so a stale one never names a later communicator). */
 rocclResult_t rocclCommDestroy(rocclComm_t comm);
 
 /* Abort and free a communicator. May be called from another thread while a call on comm is
- * blocked: that call returns promptly with rocclInvalidUsage. */
+ * blocked: that call returns promptly with rocclInvalidUsage. A non-blocking init still
+ * running is ended within about a second. */
 rocclResult_t rocclCommAbort(rocclComm_t comm);
 
 /* Split comm: ranks passing the same color form a new communicator, ranked by key then by

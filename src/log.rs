@@ -44,8 +44,9 @@ pub fn log(l: Level, msg: std::fmt::Arguments) {
         return;
     }
     if l <= level() {
-        // Never `eprintln!`: it panics when stderr is a closed pipe (EPIPE with SIGPIPE
-        // ignored, as under Python), and a log line must never end a call.
+        // Never `eprintln!`, which panics when stderr fails (a closed pipe with SIGPIPE
+        // ignored, as in Python): a log line is not worth a crash, least of all inside a
+        // C caller.
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr(),

@@ -545,3 +545,54 @@ fn info_link_test_between_two_processes() {
     let bad = Command::new(info).arg("--bogus").output().unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// A rank killed during initialization, after it created its shared-memory segment
+/// (`/dev/shm/roccl-node-<tag>-<rank>`) and before it could unlink it: the survivors fail,
+/// and the first to notice the death removes the dead rank's segment, so nothing of the job
+/// stays in /dev/shm.
+#[test]
+fn a_rank_killed_during_init_leaves_no_segment() {
+    let id = roccl::UniqueId::new().unwrap();
+    let (_, nonce) = id.root().unwrap();
+    let tag = nonce ^ (3u64 << 48);
+    let seg = |r: usize| std::path::PathBuf::from(format!("/dev/shm/roccl-node-{tag:016x}-{r}"));
+    let rank = |r: usize| {
+        Command::new(PERF)
+            .args(["--op", "all_reduce", "-b", "8", "-e", "8", "--iters", "1"])
+            .env("ROCCL_UNIQUE_ID", id.to_hex())
+            .env("ROCCL_RANK", r.to_string())
+            .env("ROCCL_NRANKS", "3")
+            .env("ROCCL_TIMEOUT", "5")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Rank 2 alone: it creates its segment, then waits in the rendezvous for the others.
+    let mut doomed = rank(2);
+    let t = Instant::now();
+    while !seg(2).exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "rank 2 never created {}",
+            seg(2).display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+    assert!(
+        seg(2).exists(),
+        "a killed rank cannot unlink its own segment"
+    );
+    let survivors: Vec<_> = (0..2).map(rank).collect();
+    for (r, k) in survivors.into_iter().enumerate() {
+        let out = k.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "rank {r} must fail: {err}");
+        eprintln!("rank {r}: {err}");
+    }
+    for r in 0..3 {
+        assert!(!seg(r).exists(), "{} left behind", seg(r).display());
+    }
+}

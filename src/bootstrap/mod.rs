@@ -422,6 +422,35 @@ pub fn rendezvous(
     blob: &[u8],
     timeout: Duration,
 ) -> Result<Vec<Vec<u8>>> {
+    rendezvous_abortable(
+        id,
+        rank,
+        nranks,
+        blob,
+        timeout,
+        &std::sync::atomic::AtomicBool::new(false),
+    )
+}
+
+/// How often a rank waiting for the root looks at its abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(100);
+
+/// [`rendezvous`], ended within about [`ABORT_POLL`] by `abort` (set from another thread,
+/// e.g. by `rocclCommAbort` during a non-blocking init) with an error saying so.
+pub fn rendezvous_abortable(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    blob: &[u8],
+    timeout: Duration,
+    abort: &std::sync::atomic::AtomicBool,
+) -> Result<Vec<Vec<u8>>> {
+    let aborted = || abort.load(std::sync::atomic::Ordering::Relaxed);
+    let abort_error = || {
+        Error::InvalidUsage(format!(
+            "rank {rank}: initialization was aborted by the application while waiting for the bootstrap root"
+        ))
+    };
     if nranks == 0 {
         return Err(Error::arg("nranks must be at least 1"));
     }
@@ -434,7 +463,10 @@ pub fn rendezvous(
     let start = Instant::now();
     let mut last_said = start;
     let mut s = loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+        if aborted() {
+            return Err(abort_error());
+        }
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
             Ok(s) => break s,
             Err(e) => {
                 if last_said.elapsed() >= progress_interval(timeout) {
@@ -469,23 +501,46 @@ pub fn rendezvous(
         )
     })?;
     let left = timeout.saturating_sub(start.elapsed()) + Duration::from_secs(5);
-    let _ = s.set_read_timeout(Some(left));
+    let until = Instant::now() + left;
+    // Short read timeouts: the abort flag is looked at between them.
+    let _ = s.set_read_timeout(Some(ABORT_POLL));
     let rd = |s: &mut TcpStream, b: &mut [u8]| {
-        s.read_exact(b).map_err(|e| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                Error::Timeout(format!(
-                    "rank {rank} waited {left:.0?} for the bootstrap root at {addr} to answer"
-                ))
-            } else {
-                Error::sys(
-                    format!("reading the bootstrap reply from {addr} (the root exited?)"),
-                    e,
-                )
+        let mut got = 0;
+        while got < b.len() {
+            match s.read(&mut b[got..]) {
+                Ok(0) => {
+                    return Err(Error::sys(
+                        format!("reading the bootstrap reply from {addr} (the root exited?)"),
+                        std::io::ErrorKind::UnexpectedEof.into(),
+                    ))
+                }
+                Ok(n) => got += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    if aborted() {
+                        return Err(abort_error());
+                    }
+                    if Instant::now() > until {
+                        return Err(Error::Timeout(format!(
+                            "rank {rank} waited {left:.0?} for the bootstrap root at {addr} to answer"
+                        )));
+                    }
+                }
+                Err(e) => {
+                    return Err(Error::sys(
+                        format!("reading the bootstrap reply from {addr} (the root exited?)"),
+                        e,
+                    ))
+                }
             }
-        })
+        }
+        Ok(())
     };
     let mut st = [0u8; 1];
     rd(&mut s, &mut st)?;

@@ -795,6 +795,96 @@ mod tests {
         assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
     }
 
+    /// A TCP listener that never answers: backlog 0 and its one queue place taken, so the
+    /// kernel drops further SYNs (a connect retries them for minutes). Keep both alive.
+    fn silent_listener() -> (socket2::Socket, std::net::TcpStream, u16) {
+        use socket2::{Domain, Socket, Type};
+        let l = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        l.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        l.listen(0).unwrap();
+        let port = l.local_addr().unwrap().as_socket().unwrap().port();
+        let first = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        (l, first, port)
+    }
+
+    /// Rank 0 of 2 connects over `net` to a rank 1 whose setup port never answers, under a
+    /// `timeout`, with the application's abort raised after `abort_after` if given; the
+    /// error. Fails (instead of waiting out the kernel's SYN retries) if it takes 30 s.
+    fn connect_to_silent_peer(
+        net: Arc<dyn Net>,
+        redirect: fn(&NetHandle, u16) -> NetHandle,
+        timeout: Duration,
+        abort_after: Option<Duration>,
+    ) -> String {
+        let (_l, _first, port) = silent_listener();
+        let (h, listen) = net.listen(0).unwrap();
+        let handles = vec![vec![h.clone()], vec![redirect(&h, port)]];
+        let ep = Endpoint {
+            net,
+            dev: 0,
+            listen,
+        };
+        let mut l = Links::new(0, 2, 7, vec![ep], vec![0; 2], handles);
+        let abort = Arc::clone(&l.abort);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let w = Waiter {
+                timeout,
+                ..Waiter::from_env()
+            };
+            let r = l.ensure(&[(1, 0)], &[], &w);
+            let _ = tx.send(r.err().map(|e| e.to_string()));
+        });
+        if let Some(d) = abort_after {
+            std::thread::sleep(d);
+            abort.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("connecting to a peer that does not answer hung past 30 s")
+            .expect("connected to a peer that does not answer")
+    }
+
+    /// The RoCE v2 and shared-memory networks set up over TCP; a peer whose port does not
+    /// answer fails the connect at the communicator's deadline, naming it, and an abort
+    /// ends the wait at once (a blocking connect sat in SYN retries for minutes).
+    #[test]
+    fn a_peer_that_does_not_answer_fails_at_the_deadline_or_on_abort() {
+        type Mk = fn() -> Arc<dyn Net>;
+        type Redirect = fn(&NetHandle, u16) -> NetHandle;
+        let nets: [(Mk, Redirect); 2] = [
+            (
+                || {
+                    Arc::new(
+                        crate::net::rocev2::RoceNet::userspace(
+                            std::net::Ipv4Addr::LOCALHOST.into(),
+                        )
+                        .unwrap(),
+                    )
+                },
+                crate::net::rocev2::handle_with_port,
+            ),
+            (
+                || Arc::new(crate::net::shm::ShmNet::new().unwrap()),
+                crate::net::shm::handle_with_port,
+            ),
+        ];
+        for (mk, redirect) in nets {
+            let e = connect_to_silent_peer(mk(), redirect, Duration::from_secs(1), None);
+            assert!(e.contains("could not connect with rank 1 within 1s"), "{e}");
+            let e = connect_to_silent_peer(
+                mk(),
+                redirect,
+                Duration::from_secs(60),
+                Some(Duration::from_millis(200)),
+            );
+            assert!(
+                e.contains("aborted by the application while connecting"),
+                "{e}"
+            );
+        }
+    }
+
     /// Ranks over TCP: `duplex` per rank decides what its handle offers.
     fn tcp_links(duplex: [bool; 3]) -> Vec<Links> {
         let nets: Vec<Arc<dyn Net>> = duplex

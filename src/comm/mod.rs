@@ -426,6 +426,25 @@ impl Communicator {
         rank: usize,
         cfg: Config,
     ) -> Result<Communicator> {
+        Self::init_abortable(
+            id,
+            nranks,
+            rank,
+            cfg,
+            &std::sync::atomic::AtomicBool::new(false),
+        )
+    }
+
+    /// [`Communicator::init_with`] that another thread can end: setting `abort` makes the
+    /// waits of initialization (the rendezvous, the shared-memory attach) return an error
+    /// within about 100 ms (what `rocclCommAbort` does to a non-blocking init).
+    pub fn init_abortable(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        cfg: Config,
+        abort: &std::sync::atomic::AtomicBool,
+    ) -> Result<Communicator> {
         if nranks == 0 {
             return Err(Error::arg("nranks must be at least 1"));
         }
@@ -492,7 +511,7 @@ impl Communicator {
         };
         let props = net.properties(0)?;
         let mine = agree::settings(&cfg, crate::device::ops::stream_chunk()?);
-        let table = bootstrap::rendezvous(
+        let table = bootstrap::rendezvous_abortable(
             id,
             rank,
             nranks,
@@ -509,7 +528,14 @@ impl Communicator {
                 },
             ),
             cfg.waiter.timeout,
-        )?;
+            abort,
+        )
+        .inspect_err(|_| {
+            if node_seg.is_some() {
+                // A rank killed meanwhile cannot unlink its own segment.
+                net::shm::node::remove_dead_segments(tag, rank, nranks);
+            }
+        })?;
         let blobs = table
             .iter()
             .enumerate()
@@ -558,7 +584,7 @@ impl Communicator {
         // Every rank on this host with its segment: map them all (every rank decides alike).
         let node = match node_seg {
             Some(own) if all_local && all_have_node => {
-                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter)?
+                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
             }
             _ => None,
         };

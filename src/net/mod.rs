@@ -364,6 +364,57 @@ pub(crate) fn pending_request<'a, T>(
         .ok_or_else(|| Error::InvalidUsage(format!("test on unknown {what} request {}", req.0)))
 }
 
+/// Whether `fd` has any of `events` (or an error) pending; never blocks.
+pub(crate) fn poll_one(fd: i32, events: i16) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: `p` is a valid pollfd for the duration of the call; timeout 0 never blocks.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents != 0
+}
+
+/// Start connecting the non-blocking socket `s` to `peer`. Every network opens its TCP
+/// connections this way: a blocking `connect` to a peer that does not answer waits out the
+/// kernel's SYN retries (minutes), past `ROCCL_TIMEOUT` and past an abort. The caller polls
+/// [`connect_done`] in its wait loop, which holds the deadline and watches the abort flag.
+/// An error names `peer` after `label` (e.g. "RoCE v2 setup: ").
+pub(crate) fn start_connect(
+    s: &socket2::Socket,
+    peer: std::net::SocketAddr,
+    label: &str,
+) -> Result<()> {
+    match s.connect(&peer.into()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(()),
+        Err(e) => Err(Error::sys(format!("{label}connect({peer})"), e)),
+    }
+}
+
+/// Whether the connect [`start_connect`] began is done: `Ok(false)` while it is under way,
+/// an error naming `peer` (after `label`, e.g. "RoCE v2 setup: ") when it failed. `hint`
+/// says what to check.
+pub(crate) fn connect_done(
+    s: &socket2::Socket,
+    peer: std::net::SocketAddr,
+    label: &str,
+    hint: &str,
+) -> Result<bool> {
+    use std::os::fd::AsRawFd;
+    if !poll_one(s.as_raw_fd(), libc::POLLOUT) {
+        return Ok(false);
+    }
+    match s
+        .take_error()
+        .map_err(|e| Error::sys("getsockopt(SO_ERROR)", e))?
+    {
+        Some(e) => Err(Error::sys(format!("{label}connect to {peer} ({hint})"), e)),
+        None => Ok(true),
+    }
+}
+
 /// Non-blocking exchange of fixed-size messages on the side channel.
 pub(crate) struct Side {
     pub(crate) s: std::net::TcpStream,
@@ -371,6 +422,8 @@ pub(crate) struct Side {
     sent: usize,
     pub(crate) inb: Vec<u8>,
     want: usize,
+    /// A connect still under way (see [`Side::dial`]): the peer and the error's label.
+    dialing: Option<(std::net::SocketAddr, &'static str)>,
 }
 
 impl Side {
@@ -384,7 +437,23 @@ impl Side {
             sent: 0,
             inb: Vec::new(),
             want: 0,
+            dialing: None,
         })
+    }
+
+    /// Start connecting to `peer` without blocking: [`Side::pump`] moves nothing until the
+    /// connection is up, and fails naming `peer` (after `label`) if it cannot be made.
+    pub(crate) fn dial(peer: std::net::SocketAddr, label: &'static str) -> Result<Side> {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let s = Socket::new(Domain::for_address(peer), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::sys(format!("{label}socket() to connect to {peer}"), e))?;
+        s.set_nonblocking(true)
+            .map_err(|e| Error::sys("fcntl on a setup socket", e))?;
+        let _ = s.set_nodelay(true);
+        start_connect(&s, peer, label)?;
+        let mut side = Side::new(s.into())?;
+        side.dialing = Some((peer, label));
+        Ok(side)
     }
     pub(crate) fn queue(&mut self, b: &[u8]) {
         self.out.extend_from_slice(b);
@@ -394,6 +463,18 @@ impl Side {
     }
     /// Move bytes; true when everything queued is sent and everything expected arrived.
     pub(crate) fn pump(&mut self) -> Result<bool> {
+        if let Some((peer, label)) = self.dialing {
+            let s = socket2::SockRef::from(&self.s);
+            if !connect_done(
+                &s,
+                peer,
+                label,
+                "is the peer alive and the address reachable?",
+            )? {
+                return Ok(false);
+            }
+            self.dialing = None;
+        }
         while self.sent < self.out.len() {
             match self.s.write(&self.out[self.sent..]) {
                 Ok(n) => self.sent += n,

@@ -249,6 +249,22 @@ struct Qp {
     unsignaled: AtomicU32,
     armed: AtomicBool,
     flags: Arc<QpFlags>,
+    /// Inline data this QP was granted (`max_inline_data` after `ibv_create_qp`): each QP
+    /// keeps its own, since the device may grant less (or more) than asked.
+    max_inline: u32,
+}
+
+/// Whether `wr` goes inline on a QP granted `granted` bytes of inline data. A request that
+/// asks for inline (its caller treats it as complete once posted and may reuse the buffer)
+/// but exceeds the grant is refused rather than silently posted by reference.
+fn inline_flag(wr: &SendWr, granted: u32) -> Result<bool> {
+    let len = wr.sge.map_or(0, |s| s.len);
+    if wr.inline && len > granted {
+        return Err(Error::Internal(format!(
+            "an inline send of {len} bytes on a QP granted {granted} bytes of inline data (the caller should ask Verbs::qp_max_inline)"
+        )));
+    }
+    Ok(wr.inline)
 }
 
 /// The NIC provider.
@@ -258,7 +274,8 @@ pub struct IbvVerbs {
     held: AtomicU32,
     flags: FlagTable,
     mrs: Mutex<Vec<(u32, usize)>>,
-    max_inline: AtomicU32,
+    /// Inline data each new QP asks for (`ROCCL_IB_INLINE`); what it gets is its own.
+    inline: u32,
     stop: Arc<AtomicBool>,
     events: Option<std::thread::JoinHandle<()>>,
 }
@@ -414,7 +431,7 @@ impl IbvVerbs {
             held: AtomicU32::new(0),
             flags,
             mrs: Mutex::new(Vec::new()),
-            max_inline: AtomicU32::new(settings.inline),
+            inline: settings.inline,
             stop,
             events: Some(events),
             dev,
@@ -648,7 +665,11 @@ impl Verbs for IbvVerbs {
     }
 
     fn max_inline(&self) -> usize {
-        self.max_inline.load(Ordering::Relaxed) as usize
+        self.inline as usize
+    }
+
+    fn qp_max_inline(&self, qp: QpId) -> usize {
+        self.qp(qp).map_or(0, |q| q.max_inline as usize)
     }
 
     fn hardware(&self) -> bool {
@@ -749,8 +770,8 @@ impl Verbs for IbvVerbs {
             unsafe { ffi::ibv_destroy_comp_channel(chan) };
             return Err(hints::verb_error(Verb::CreateCq, e, &cx).into());
         }
-        let mut inline = self.max_inline.load(Ordering::Relaxed);
-        let qp = loop {
+        let mut inline = self.inline;
+        let (qp, max_inline) = loop {
             // SAFETY: zeroed init attributes are valid; the fields set below describe the QP.
             let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
             init.send_cq = cq;
@@ -765,9 +786,7 @@ impl Verbs for IbvVerbs {
             // SAFETY: the PD and CQ are live; `init` is valid.
             let qp = unsafe { ffi::ibv_create_qp(dev.pd, &mut init) };
             if !qp.is_null() {
-                self.max_inline
-                    .store(init.cap.max_inline_data, Ordering::Relaxed);
-                break qp;
+                break (qp, init.cap.max_inline_data);
             }
             let e = errno();
             if e == libc::EINVAL && inline > 0 {
@@ -799,6 +818,7 @@ impl Verbs for IbvVerbs {
             unsignaled: AtomicU32::new(0),
             armed: AtomicBool::new(false),
             flags: Arc::clone(&flags),
+            max_inline,
         });
         // RESET → INIT.
         // SAFETY: zeroed attributes are valid; the mask names the fields set.
@@ -922,7 +942,7 @@ impl Verbs for IbvVerbs {
             flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
             w.wr_id |= HIDDEN;
         }
-        if wr.inline && wr.sge.map_or(0, |s| s.len) as usize <= self.max_inline() {
+        if inline_flag(wr, q.max_inline)? {
             flags |= ffi::ibv_send_flags::IBV_SEND_INLINE.0;
         }
         w.send_flags = flags;
@@ -1128,6 +1148,34 @@ fn free_qp(q: Qp) {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    /// A send asks for inline against its own QP's grant: within it, inline; beyond it (a
+    /// caller that would reuse the buffer at once), an error rather than a silent send by
+    /// reference; not asked, never inline.
+    #[test]
+    fn inline_follows_the_queue_pairs_grant() {
+        let wr = |len: u32, inline: bool| SendWr {
+            wr_id: 1,
+            opcode: WrOpcode::SendImm,
+            sge: Some(crate::rdma::verbs::Sge {
+                addr: 0x1000,
+                len,
+                lkey: 1,
+            }),
+            inline,
+            imm: 0,
+            remote_addr: 0,
+            rkey: 0,
+            signaled: false,
+        };
+        assert!(inline_flag(&wr(64, true), 220).unwrap());
+        assert!(inline_flag(&wr(220, true), 220).unwrap());
+        assert!(!inline_flag(&wr(64, false), 220).unwrap());
+        let e = inline_flag(&wr(64, true), 0).unwrap_err().to_string();
+        assert!(e.contains("granted 0 bytes"), "{e}");
+        let e = inline_flag(&wr(100, true), 64).unwrap_err().to_string();
+        assert!(e.contains("granted 64 bytes"), "{e}");
+    }
 
     #[test]
     fn settings_from_the_environment() {

@@ -50,9 +50,15 @@ pub trait Verbs: Send + Sync {
     fn hardware(&self) -> bool {
         false
     }
-    /// Largest payload `post_send` copies at post time (`SendWr::inline`).
+    /// Largest payload `post_send` copies at post time (`SendWr::inline`), on any queue pair.
     fn max_inline(&self) -> usize {
         0
+    }
+    /// Largest payload `post_send` copies at post time on `qp`: [`Verbs::max_inline`]
+    /// unless the provider's queue pairs differ (a NIC grants each queue pair its own).
+    fn qp_max_inline(&self, qp: QpId) -> usize {
+        let _ = qp;
+        self.max_inline()
     }
     /// Register memory.
     ///

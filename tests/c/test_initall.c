@@ -56,7 +56,7 @@ int main(void) {
   EXPECT(strstr(rocclGetLastError(NULL), "overlapping") != NULL, "%s", rocclGetLastError(NULL));
 
   for (int r = 0; r < N; r++) CHECK(rocclCommDestroy(comms[r]));
-  EXPECT(rocclCommDestroy(comms[0]) == rocclInvalidUsage, "double destroy");
+  EXPECT(rocclCommDestroy(comms[0]) == rocclInvalidArgument, "double destroy");
   printf("test_initall: ok\n");
   return 0;
 }

@@ -3,7 +3,8 @@
 pynccl wrapper does: the same symbol names and argument types, a unique id created on rank 0
 and handed to the others out of band, out-of-place all-reduce, grouped broadcasts as an
 all-gatherv, send/recv pairs in a group, reduce, all-gather, reduce-scatter, bad arguments,
-the window calls vLLM looks up, and destroy. Host memory; a NULL stream, or with
+the window calls vLLM looks up, destroy, and failing calls with stderr a closed pipe (their
+WARN lines cannot be written; the calls still return their codes). Host memory; a NULL stream, or with
 --streams a stream handle per rank on roccl's simulated device (ROCCL_DEVICE=sim: every call
 returns at once and runs ordered on its stream; results are checked after a blocking call on
 the same communicator, which runs after them).
@@ -201,7 +202,45 @@ def rank_main(path, rank, world, id_file):
     print(f"rank {rank}: ok (NCCL version code {v.value})", flush=True)
 
 
+def closed_stderr_main(path):
+    """Child of closed_stderr_check: stderr is a pipe nobody reads any more and SIGPIPE is
+    ignored (Python's default), so every write to stderr fails with EPIPE. Failing calls log a
+    WARN line there; they must still return their error code, not abort the process."""
+    f = load(path)
+    lib = ctypes.CDLL(path)
+    for name in ("ncclCommCount", "ncclCommUserRank"):
+        f[name] = getattr(lib, name)
+        f[name].restype, f[name].argtypes = ncclResult_t, [ncclComm_t, ctypes.POINTER(ctypes.c_int)]
+    while True:  # until the parent has closed its end
+        try:
+            os.write(2, b".")
+            time.sleep(0.001)
+        except BrokenPipeError:
+            break
+    n = ctypes.c_int(-1)
+    got = [f["ncclCommCount"](None, ctypes.byref(n)),
+           f["ncclCommDestroy"](ncclComm_t(0x7777)),
+           f["ncclCommUserRank"](ncclComm_t(0x7777), ctypes.byref(n))]
+    print(" ".join(map(str, got)), flush=True)
+
+
+def closed_stderr_check(path):
+    env = dict(os.environ, PYNCCL_TEST_CLOSED_STDERR="1", ROCCL_DEBUG="INFO")
+    k = subprocess.Popen([sys.executable, __file__, path], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    k.stderr.close()
+    out, _ = k.communicate(timeout=60)
+    codes = out.decode().split()
+    if k.returncode != 0 or codes != ["4", "4", "4"]:
+        sys.exit(f"closed-stderr test FAILED: exit {k.returncode} (negative: killed by that signal), "
+                 f"codes {codes} (want invalid argument, 4, from each call)")
+    print("closed-stderr test passed: failing calls return their code with stderr a closed pipe")
+
+
 def main():
+    if os.environ.get("PYNCCL_TEST_CLOSED_STDERR") is not None:
+        closed_stderr_main(sys.argv[1])
+        return
     if os.environ.get("PYNCCL_TEST_RANK") is not None:
         rank_main(sys.argv[1], int(os.environ["PYNCCL_TEST_RANK"]), int(os.environ["PYNCCL_TEST_WORLD"]),
                   os.environ["PYNCCL_TEST_ID"])
@@ -210,6 +249,7 @@ def main():
     args = [a for a in sys.argv[2:] if not a.startswith("--")]
     world = int(args[0]) if args else 3
     streams = "--streams" in sys.argv
+    closed_stderr_check(path)
     with tempfile.TemporaryDirectory() as d:
         kids = []
         for r in range(world):

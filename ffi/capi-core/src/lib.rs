@@ -104,7 +104,12 @@ thread_local! {
 /// Record `msg` as this thread's last error (what `rocclGetLastError` returns).
 pub fn set_last_error(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    // `try_with`: a call from a thread's TLS destructors must not panic.
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = c;
+        }
+    });
 }
 
 /// Run `f` behind a panic guard and turn its result into a code.
@@ -141,16 +146,49 @@ enum State {
 struct Handle {
     state: Mutex<State>,
     cond: parking_lot::Condvar,
+    /// Set by rocclCommAbort/rocclCommDestroy: ends a non-blocking init within ~100 ms.
+    abort: Arc<std::sync::atomic::AtomicBool>,
+    /// The thread of a non-blocking init, joined when the handle goes.
+    init: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-/// Live handles by address: a destroyed or unknown pointer is refused, never dereferenced.
+impl Handle {
+    fn new(state: State) -> Handle {
+        Handle {
+            state: Mutex::new(state),
+            cond: parking_lot::Condvar::new(),
+            abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            init: Mutex::new(None),
+        }
+    }
+
+    /// End a non-blocking init still running (its waits see the abort flag) and wait for
+    /// its thread, so that nothing of it outlives the handle.
+    fn end_init(&self) {
+        self.abort.store(true, std::sync::atomic::Ordering::Relaxed);
+        let t = self.init.lock().take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Live handles by id: a destroyed or unknown handle is refused, never dereferenced.
 static COMMS: RwLock<Option<HashMap<usize, Arc<Handle>>>> = RwLock::new(None);
+
+/// The id the next handle gets. Ids are never reused (a handle's value is not the object's
+/// address, which the allocator hands out again after a destroy): a stale `rocclComm_t`
+/// can never name a later communicator.
+static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(FIRST_ID);
+
+/// The first handle id (no small integer a confused caller might pass, such as 0 or 1).
+const FIRST_ID: usize = 0x1000;
 
 /// Opaque `rocclComm_t`.
 pub type rocclComm_t = *mut c_void;
 
 fn register(h: Arc<Handle>) -> rocclComm_t {
-    let key = Arc::as_ptr(&h) as usize;
+    let key = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     COMMS
         .write()
         .get_or_insert_with(HashMap::new)
@@ -167,9 +205,7 @@ fn lookup(comm: rocclComm_t) -> R<Arc<Handle>> {
         .as_ref()
         .and_then(|m| m.get(&(comm as usize)).cloned())
         .ok_or_else(|| {
-            usage(
-                "comm is not a live communicator (already destroyed or aborted, or never created)",
-            )
+            arg("comm is not a live communicator (already destroyed or aborted, or never created)")
         })
 }
 
@@ -187,10 +223,7 @@ fn ready(comm: rocclComm_t) -> R<Arc<Communicator>> {
 }
 
 fn ready_handle(c: Communicator) -> Arc<Handle> {
-    Arc::new(Handle {
-        state: Mutex::new(State::Ready(Arc::new(c))),
-        cond: parking_lot::Condvar::new(),
-    })
+    Arc::new(Handle::new(State::Ready(Arc::new(c))))
 }
 
 unsafe fn out_ptr<'a, T>(p: *mut T, name: &str) -> R<&'a mut T> {
@@ -380,7 +413,11 @@ pub extern "C" fn rocclGetErrorString(result: rocclResult_t) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn rocclGetLastError(_comm: rocclComm_t) -> *const c_char {
     // The pointer stays valid until this thread's next failing roccl call.
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.try_borrow().map(|s| s.as_ptr()).ok())
+        .ok()
+        .flatten()
+        .unwrap_or(c"".as_ptr())
 }
 
 /// Create a unique id (starts the rendezvous root in this process).
@@ -454,16 +491,15 @@ fn init_rank(
         *out = register(ready_handle(c));
         return Ok(());
     }
-    let h = Arc::new(Handle {
-        state: Mutex::new(State::Initializing),
-        cond: parking_lot::Condvar::new(),
-    });
-    *out = register(Arc::clone(&h));
-    std::thread::Builder::new()
+    let h = Arc::new(Handle::new(State::Initializing));
+    let th = Arc::clone(&h);
+    let abort = Arc::clone(&h.abort);
+    let t = std::thread::Builder::new()
         .name(format!("roccl-init-r{r}"))
         .spawn(move || {
+            let h = th;
             let res = catch_unwind(AssertUnwindSafe(|| {
-                Communicator::init_with(&uid, n, r, cfg)
+                Communicator::init_abortable(&uid, n, r, cfg, &abort)
             }));
             let st = match res {
                 Ok(Ok(c)) => State::Ready(Arc::new(c)),
@@ -474,6 +510,8 @@ fn init_rank(
             h.cond.notify_all();
         })
         .map_err(|e| CErr(SYSTEM_ERROR, format!("spawning the init thread: {e}")))?;
+    *h.init.lock() = Some(t);
+    *out = register(h);
     Err(CErr(
         IN_PROGRESS,
         "initialization continues in the background".into(),
@@ -579,15 +617,13 @@ fn remove(comm: rocclComm_t) -> R<Arc<Handle>> {
     Ok(h)
 }
 
-/// Free a communicator (waits for a non-blocking init to finish first).
+/// Free a communicator (a non-blocking init still running is ended first, within about
+/// 100 ms: nobody can use the communicator once its handle is gone).
 #[no_mangle]
 pub unsafe extern "C" fn rocclCommDestroy(comm: rocclComm_t) -> rocclResult_t {
     guard("rocclCommDestroy", || {
         let h = remove(comm)?;
-        let mut st = h.state.lock();
-        while matches!(*st, State::Initializing) {
-            h.cond.wait(&mut st);
-        }
+        h.end_init();
         Ok(())
     })
 }
@@ -597,6 +633,7 @@ pub unsafe extern "C" fn rocclCommDestroy(comm: rocclComm_t) -> rocclResult_t {
 pub unsafe extern "C" fn rocclCommAbort(comm: rocclComm_t) -> rocclResult_t {
     guard("rocclCommAbort", || {
         let h = remove(comm)?;
+        h.end_init();
         let c = match &*h.state.lock() {
             State::Ready(c) => Some(Arc::clone(c)),
             _ => None,

@@ -12,6 +12,7 @@
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use capi::{rocclComm_t as ncclComm_t, rocclResult_t as ncclResult_t, rocclUniqueId};
 
@@ -22,6 +23,7 @@ pub type ncclStream_t = *mut c_void;
 /// `ncclWindow_t` (opaque).
 pub type ncclWindow_t = *mut c_void;
 
+const INTERNAL_ERROR: ncclResult_t = 3;
 const INVALID_ARGUMENT: ncclResult_t = 4;
 const INVALID_USAGE: ncclResult_t = 5;
 const IN_PROGRESS: ncclResult_t = 7;
@@ -62,6 +64,26 @@ fn checked(r: ncclResult_t) -> ncclResult_t {
     r
 }
 
+/// Run an exported function inside a panic boundary: a panic (in roccl, or while logging)
+/// becomes ncclInternalError with a message, never an unwind into the C caller (which would
+/// abort the host process, e.g. a Python interpreter).
+fn boundary(name: &str, f: impl FnOnce() -> ncclResult_t) -> ncclResult_t {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(_) => {
+            capi::set_last_error(&format!(
+                "{name}: internal error (a panic in roccl, caught at the NCCL boundary; please report it)"
+            ));
+            INTERNAL_ERROR
+        }
+    }
+}
+
+/// [`boundary`] for the functions that return a message: an empty one on a panic.
+fn pointer_boundary(f: impl FnOnce() -> *const c_char) -> *const c_char {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(c"".as_ptr())
+}
+
 fn fail(code: ncclResult_t, msg: &str) -> ncclResult_t {
     capi::set_last_error(msg);
     checked(code)
@@ -70,36 +92,40 @@ fn fail(code: ncclResult_t, msg: &str) -> ncclResult_t {
 /// The NCCL-style version code (22703 = 2.27.3, or `ROCCL_NCCL_VERSION`).
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
-    if version.is_null() {
-        return fail(INVALID_ARGUMENT, "ncclGetVersion: version is NULL");
-    }
-    let v = std::env::var("ROCCL_NCCL_VERSION")
-        .ok()
-        .and_then(|v| v.trim().parse::<c_int>().ok())
-        .filter(|v| *v >= 20000)
-        .unwrap_or(NCCL_VERSION);
-    // SAFETY: non-NULL storage for one int, per the API.
-    unsafe { *version = v };
-    0
+    boundary("ncclGetVersion", || {
+        if version.is_null() {
+            return fail(INVALID_ARGUMENT, "ncclGetVersion: version is NULL");
+        }
+        let v = std::env::var("ROCCL_NCCL_VERSION")
+            .ok()
+            .and_then(|v| v.trim().parse::<c_int>().ok())
+            .filter(|v| *v >= 20000)
+            .unwrap_or(NCCL_VERSION);
+        // SAFETY: non-NULL storage for one int, per the API.
+        unsafe { *version = v };
+        0
+    })
 }
 
 /// A fixed sentence per result code.
 #[no_mangle]
 pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
-    capi::rocclGetErrorString(result)
+    pointer_boundary(|| capi::rocclGetErrorString(result))
 }
 
 /// This thread's last error message.
 #[no_mangle]
 pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
-    capi::rocclGetLastError(comm)
+    pointer_boundary(|| capi::rocclGetLastError(comm))
 }
 
 /// A new unique id (starts the rendezvous root in this process).
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
-    // SAFETY: forwarded with the same contract.
-    checked(unsafe { capi::rocclGetUniqueId(unique_id) })
+    boundary("ncclGetUniqueId", || {
+        // SAFETY: forwarded with the same contract.
+        checked(unsafe { capi::rocclGetUniqueId(unique_id) })
+    })
 }
 
 /// Join the communicator of `comm_id` as `rank` of `nranks`.
@@ -110,8 +136,10 @@ pub unsafe extern "C" fn ncclCommInitRank(
     comm_id: ncclUniqueId,
     rank: c_int,
 ) -> ncclResult_t {
-    // SAFETY: forwarded with the same contract.
-    checked(unsafe { capi::rocclCommInitRank(comm, nranks, comm_id, rank) })
+    boundary("ncclCommInitRank", || {
+        // SAFETY: forwarded with the same contract.
+        checked(unsafe { capi::rocclCommInitRank(comm, nranks, comm_id, rank) })
+    })
 }
 
 /// Translate NCCL's config (its `blocking` field; `netName` names NCCL networks, so roccl
@@ -142,13 +170,15 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     rank: c_int,
     cfg: *mut c_void,
 ) -> ncclResult_t {
-    let mut c = match config(cfg) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
-    // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
-    checked(unsafe { capi::rocclCommInitRankConfig(comm, nranks, comm_id, rank, p) })
+    boundary("ncclCommInitRankConfig", || {
+        let mut c = match config(cfg) {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+        // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+        checked(unsafe { capi::rocclCommInitRankConfig(comm, nranks, comm_id, rank, p) })
+    })
 }
 
 /// `ndev` communicators of one clique in this process.
@@ -158,8 +188,10 @@ pub unsafe extern "C" fn ncclCommInitAll(
     ndev: c_int,
     devlist: *const c_int,
 ) -> ncclResult_t {
-    // SAFETY: forwarded with the same contract.
-    checked(unsafe { capi::rocclCommInitAll(comms, ndev, devlist) })
+    boundary("ncclCommInitAll", || {
+        // SAFETY: forwarded with the same contract.
+        checked(unsafe { capi::rocclCommInitAll(comms, ndev, devlist) })
+    })
 }
 
 /// Split by color and key.
@@ -171,13 +203,15 @@ pub unsafe extern "C" fn ncclCommSplit(
     newcomm: *mut ncclComm_t,
     cfg: *mut c_void,
 ) -> ncclResult_t {
-    let mut c = match config(cfg) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
-    // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
-    checked(unsafe { capi::rocclCommSplit(comm, color, key, newcomm, p) })
+    boundary("ncclCommSplit", || {
+        let mut c = match config(cfg) {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+        // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+        checked(unsafe { capi::rocclCommSplit(comm, color, key, newcomm, p) })
+    })
 }
 
 macro_rules! forward {
@@ -185,8 +219,10 @@ macro_rules! forward {
         $(#[$m])*
         #[no_mangle]
         pub unsafe extern "C" fn $nccl($($a: $t),*) -> ncclResult_t {
-            // SAFETY: forwarded with the same contract (the C layer checks every argument).
-            checked(unsafe { capi::$roccl($($a),*) })
+            boundary(stringify!($nccl), || {
+                // SAFETY: forwarded with the same contract (the C layer checks every argument).
+                checked(unsafe { capi::$roccl($($a),*) })
+            })
         }
     )*};
 }
@@ -225,30 +261,32 @@ forward! {
 /// Start a group.
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> ncclResult_t {
-    checked(capi::rocclGroupStart())
+    boundary("ncclGroupStart", || checked(capi::rocclGroupStart()))
 }
 
 /// End a group: runs what it queued.
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
-    checked(capi::rocclGroupEnd())
+    boundary("ncclGroupEnd", || checked(capi::rocclGroupEnd()))
 }
 
 /// The device of a communicator: roccl's buffers are host memory, so 0 (after checking the
 /// handle).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t {
-    if device.is_null() {
-        return fail(INVALID_ARGUMENT, "ncclCommCuDevice: device is NULL");
-    }
-    let mut n = 0;
-    // SAFETY: `n` is valid storage; the handle is checked by the C layer.
-    let r = checked(unsafe { capi::rocclCommCount(comm, &mut n) });
-    if r == 0 {
-        // SAFETY: non-NULL storage for one int.
-        unsafe { *device = 0 };
-    }
-    r
+    boundary("ncclCommCuDevice", || {
+        if device.is_null() {
+            return fail(INVALID_ARGUMENT, "ncclCommCuDevice: device is NULL");
+        }
+        let mut n = 0;
+        // SAFETY: `n` is valid storage; the handle is checked by the C layer.
+        let r = checked(unsafe { capi::rocclCommCount(comm, &mut n) });
+        if r == 0 {
+            // SAFETY: non-NULL storage for one int.
+            unsafe { *device = 0 };
+        }
+        r
+    })
 }
 
 /// Symmetric-memory windows (NCCL ≥ 2.27) are not supported: a clear error, so that a
@@ -261,14 +299,16 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     win: *mut ncclWindow_t,
     _flags: c_int,
 ) -> ncclResult_t {
-    if !win.is_null() {
-        // SAFETY: non-NULL storage for one handle.
-        unsafe { *win = std::ptr::null_mut() };
-    }
-    fail(
-        INVALID_USAGE,
-        "ncclCommWindowRegister: symmetric-memory windows are not supported by roccl (in vLLM, leave VLLM_USE_NCCL_SYMM_MEM unset)",
-    )
+    boundary("ncclCommWindowRegister", || {
+        if !win.is_null() {
+            // SAFETY: non-NULL storage for one handle.
+            unsafe { *win = std::ptr::null_mut() };
+        }
+        fail(
+            INVALID_USAGE,
+            "ncclCommWindowRegister: symmetric-memory windows are not supported by roccl (in vLLM, leave VLLM_USE_NCCL_SYMM_MEM unset)",
+        )
+    })
 }
 
 /// See [`ncclCommWindowRegister`].
@@ -277,8 +317,10 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(
     _comm: ncclComm_t,
     _win: ncclWindow_t,
 ) -> ncclResult_t {
-    fail(
-        INVALID_USAGE,
-        "ncclCommWindowDeregister: symmetric-memory windows are not supported by roccl",
-    )
+    boundary("ncclCommWindowDeregister", || {
+        fail(
+            INVALID_USAGE,
+            "ncclCommWindowDeregister: symmetric-memory windows are not supported by roccl",
+        )
+    })
 }

@@ -109,7 +109,9 @@ static LOGGER: OnceLock<usize> = OnceLock::new();
 fn emit(level: c_int, msg: &str) {
     let Some(&f) = LOGGER.get() else {
         if level == LOG_WARN {
-            eprintln!("{msg}");
+            // Not `eprintln!`: it panics when stderr fails (a closed pipe).
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "{msg}");
         }
         return;
     };

@@ -21,7 +21,7 @@
 mod regcache;
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -71,7 +71,8 @@ struct Cts {
     /// Number (wrapping) of the first message that belongs to this receive: the sender's
     /// messages fill the receives' buffers in order.
     first: u32,
-    _pad: u32,
+    /// [`CTS_EAGER_ONLY`] or 0.
+    flags: u32,
     seq_end: u32,
 }
 
@@ -115,6 +116,17 @@ impl EagerCfg {
 }
 
 const CTS_BYTES: usize = std::mem::size_of::<Cts>();
+
+/// Flag of a clear-to-send entry that describes a receive whose buffers take eager messages
+/// only (no addresses, no keys): written when such a receive has waited
+/// [`ANNOUNCE_AFTER`] for its data, so that a sender holding a larger message for it (which
+/// waits for a clear-to-send that never comes) learns the sizes and fails at once instead of
+/// at `ROCCL_TIMEOUT`.
+const CTS_EAGER_ONLY: u32 = 1;
+
+/// How long the oldest receive waits for eager data before it describes itself to the
+/// sender (one write per receive that waited this long; none on the fast path).
+const ANNOUNCE_AFTER: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The RoCE v2 network over a verbs provider.
 pub struct RoceNet {
@@ -227,6 +239,52 @@ fn get_addr(b: &[u8]) -> Option<SocketAddr> {
         _ => return None,
     };
     Some(SocketAddr::new(ip, u16::from_le_bytes([b[2], b[3]])))
+}
+
+/// Most receive work requests a peer may say it posts: the sender sizes its staging
+/// buffers (`slots × eager size`) by that number, so it is bounded before anything is
+/// allocated (this roccl posts [`EAGER_SLOTS`]).
+const MAX_PEER_SLOTS: u32 = 1024;
+
+/// The peer's receive work request count, from its setup message, within what this roccl
+/// can work with (at least [`FIFO`]) and allocate for (at most [`MAX_PEER_SLOTS`]).
+fn check_peer_slots(slots: u32, peer: SocketAddr) -> Result<()> {
+    if !(FIFO as u32..=MAX_PEER_SLOTS).contains(&slots) {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup with {peer}: the peer says it posts {slots} receive buffers, outside the {FIFO} to {MAX_PEER_SLOTS} this roccl works with (another roccl version, or not a roccl peer?)"
+        )));
+    }
+    Ok(())
+}
+
+/// Largest grouped-receive buffer index and size an immediate carries: `index << 29 | size`.
+const IMM_SIZE_BITS: u32 = 29;
+
+/// The buffer of receive `g` that an RDMA write with immediate `imm` from `peer` filled, and
+/// its size: what the peer claims, checked against the posted receive (a size beyond the
+/// buffer or an index beyond the group is the peer's error, never trusted).
+fn written(g: &RecvGroup, imm: u32, peer: SocketAddr) -> Result<(usize, usize)> {
+    let (e, len) = if g.len() == 1 {
+        (0usize, imm as usize)
+    } else {
+        (
+            (imm >> IMM_SIZE_BITS) as usize,
+            (imm & ((1 << IMM_SIZE_BITS) - 1)) as usize,
+        )
+    };
+    if e >= g.len() {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 receive from {peer}: the peer says it wrote buffer {e} of a receive of {} buffers (corrupt immediate, or another roccl version?)",
+            g.len()
+        )));
+    }
+    let size = g.bufs[e].1;
+    if len > size {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 receive from {peer}: the peer says it wrote {len} bytes into buffer {e}, which holds only {size} bytes (corrupt immediate, or another roccl version?)"
+        )));
+    }
+    Ok((e, len))
 }
 
 /// Endpoint + FIFO description sent over the side channel.
@@ -385,9 +443,7 @@ impl Net for RoceNet {
         }
         let peer =
             get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))?;
-        let s = TcpStream::connect(peer)
-            .map_err(|e| Error::sys(format!("RoCE v2 setup: connect to {peer}"), e))?;
-        let mut side = Side::new(s)?;
+        let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
         let (qp, ep) = self.verbs.create_qp()?;
         let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
         // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
@@ -421,6 +477,14 @@ impl Net for RoceNet {
     }
 }
 
+/// `h` with its setup port replaced by `port` (tests of peers that do not answer).
+#[cfg(test)]
+pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = *h.as_bytes();
+    b[6..8].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
+}
+
 struct RoceConnecting {
     side: Side,
     verbs: Arc<dyn Verbs>,
@@ -442,12 +506,7 @@ impl Connecting for RoceConnecting {
             let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
             let (peer, _, _, peer_eager) = decode_info(&b)?;
             same_provider(&b, &*self.verbs)?;
-            if peer_eager.slots < FIFO as u32 {
-                return Err(Error::InvalidUsage(format!(
-                    "RoCE v2 connection setup: the peer posts {} receive buffers, fewer than the {FIFO} this roccl needs (another roccl version?)",
-                    peer_eager.slots
-                )));
-            }
+            check_peer_slots(peer_eager.slots, peer.addr)?;
             self.peer_eager = Some(peer_eager);
             self.peer_addr = Some(peer.addr);
             self.verbs.connect_qp(self.qp, &peer)?;
@@ -816,6 +875,29 @@ struct RoceSend {
     cache: RegCache,
 }
 
+/// Offset of [`Cts::seq_end`], the last field.
+const CTS_END: usize = CTS_BYTES - 4;
+
+/// Copy the clear-to-send entry at address `at`, which the peer may be writing meanwhile (an RDMA
+/// write, placed by the provider or the NIC from its first byte to its last), through `read`
+/// (the provider's `read_registered`). A seqlock read, as NCCL's net_ib reads its FIFO: the
+/// end marker, a fence, the body, a fence, the start marker. The copy is whole when both
+/// markers match: the end marker says the body before it was written; a start marker still
+/// equal to it after the body says no newer write of the slot began meanwhile (front to back
+/// instead, a body read while the writer passes through it looks whole once the writer has
+/// written the end marker too).
+fn read_cts(read: impl Fn(u64, &mut [u8]), at: u64) -> Cts {
+    use std::sync::atomic::fence;
+    let mut cts = Cts::default();
+    let b = bytemuck::bytes_of_mut(&mut cts);
+    read(at + CTS_END as u64, &mut b[CTS_END..]);
+    fence(Ordering::Acquire);
+    read(at + 4, &mut b[4..CTS_END]);
+    fence(Ordering::Acquire);
+    read(at, &mut b[..4]);
+    cts
+}
+
 /// Tags remembered per send comm (a grouped receive spans at most MAX_RECVS messages).
 const TAG_RING: usize = 64;
 
@@ -831,6 +913,12 @@ impl RoceSend {
         super::remember_failure(&mut self.failed, r)
     }
 
+    /// Address of the FIFO slot of sequence number `seq` (the peer writes it: no reference
+    /// to it is made).
+    fn slot_addr(&self, seq: u32) -> u64 {
+        self.fifo.as_ptr() as u64 + ((seq as usize % CTS_SLOTS) * CTS_BYTES) as u64
+    }
+
     /// Whether the receiver has a receive work request for one more message.
     fn has_credit(&self) -> bool {
         self.sent.wrapping_sub(self.credits) < self.slots
@@ -843,13 +931,11 @@ impl RoceSend {
     /// at most FIFO receives unfinished).
     fn cts_for(&mut self, m: u32) -> Option<Cts> {
         loop {
-            let slot = &self.fifo[(self.seq as usize) % CTS_SLOTS];
+            let slot = self.slot_addr(self.seq);
             // The provider writes the slot (remote RDMA) possibly from another thread: copy
             // it through the provider, and trust it only when the sequence number at both
             // ends matches (a slot still being written is retried on the next poll).
-            let mut cts = Cts::default();
-            self.verbs
-                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            let cts = read_cts(|a, b| self.verbs.read_registered(a, b), slot);
             if cts.seq != cts.seq_end {
                 return None;
             }
@@ -877,10 +963,8 @@ impl RoceSend {
     fn refresh_credits(&mut self) {
         let mut seq = self.seq;
         for _ in 0..CTS_SLOTS {
-            let slot = &self.fifo[(seq as usize) % CTS_SLOTS];
-            let mut cts = Cts::default();
-            self.verbs
-                .read_registered(slot as *const Cts as u64, bytemuck::bytes_of_mut(&mut cts));
+            let slot = self.slot_addr(seq);
+            let cts = read_cts(|a, b| self.verbs.read_registered(a, b), slot);
             if cts.seq != cts.seq_end || dist(cts.seq, seq) < 0 {
                 return; // not written yet (or being written)
             }
@@ -916,7 +1000,7 @@ impl RoceSend {
         let size = cts.elems[e].size as usize;
         if len > size {
             return Err(Error::InvalidUsage(format!(
-                "sent {len} bytes but the receiver's buffer holds only {size} (mismatched counts between sender and receiver?)"
+                "sent {len} bytes but the receiver's buffer holds only {size} bytes (mismatched counts between sender and receiver?)"
             )));
         }
         Ok(e)
@@ -988,7 +1072,8 @@ impl RoceSend {
                 }
             }
             // GPU memory is never read by the CPU (inline copies at post time).
-            let inline = len <= self.verbs.max_inline() && !self.cache.is_device(addr, len);
+            let inline =
+                len <= self.verbs.qp_max_inline(self.qp) && !self.cache.is_device(addr, len);
             if eager {
                 // Eager: copied to staging slot `m % slots`, sent into one of the receiver's
                 // bounce buffers without a clear-to-send; complete for the caller at once
@@ -1031,11 +1116,21 @@ impl RoceSend {
                     // The receive of message `m` wrote no clear-to-send: all its buffers
                     // take eager messages only, i.e. they are smaller than this one.
                     Err(Error::InvalidUsage(format!(
-                        "sent {len} bytes but the receiver's buffers hold at most {} (mismatched counts between sender and receiver?)",
+                        "sent {len} bytes but the receiver's buffer holds only {} bytes at most (mismatched counts between sender and receiver?)",
                         self.eager_size
                     )))
                 } else {
-                    self.buffer_for(&cts, m, tag, len)
+                    self.buffer_for(&cts, m, tag, len).and_then(|e| {
+                        if cts.flags & CTS_EAGER_ONLY == 0 {
+                            return Ok(e);
+                        }
+                        // Its buffers are no larger than the eager size, which this message
+                        // exceeds: `buffer_for` refused it already.
+                        Err(Error::InvalidUsage(format!(
+                            "sent {len} bytes but the receiver's buffer holds only {} bytes, for eager messages (mismatched counts between sender and receiver?)",
+                            cts.elems[e].size
+                        )))
+                    })
                 };
                 let e = match checked {
                     Ok(e) => e,
@@ -1050,7 +1145,7 @@ impl RoceSend {
                 let imm = if cts.n == 1 {
                     len as u32
                 } else {
-                    ((e as u32) << 29) | len as u32
+                    ((e as u32) << IMM_SIZE_BITS) | len as u32
                 };
                 SendWr {
                     wr_id: self.base + i as u64,
@@ -1162,9 +1257,11 @@ impl SendComm for RoceSend {
         if self.reqs.len() >= FIFO {
             return Ok(None);
         }
-        if len > (1 << 29) {
+        // A grouped receive's immediate carries the size in its low 29 bits: 2^29 itself
+        // would spill into the buffer index.
+        if len >= 1 << IMM_SIZE_BITS {
             return Err(Error::arg(format!(
-                "RoCE v2 message of {len} bytes exceeds the 512 MiB limit of one message"
+                "RoCE v2 message of {len} bytes exceeds the limit of one message, 512 MiB less one byte"
             )));
         }
         let id = self.base + self.reqs.len() as u64;
@@ -1218,6 +1315,11 @@ struct RReq {
     g: RecvGroup,
     mrs: [Option<Mr>; MAX_RECVS],
     reaped: bool,
+    /// Its clear-to-send entry, kept for a receive whose buffers take eager messages only
+    /// until it describes itself to the sender ([`CTS_EAGER_ONLY`]).
+    eager_only: Option<(std::time::Instant, Cts)>,
+    /// It did so.
+    announced: bool,
 }
 
 /// A message that arrived, in arrival (= send) order, not yet matched to a receive.
@@ -1293,7 +1395,7 @@ impl RoceRecv {
                 len: CTS_BYTES as u32,
                 lkey: self.staging_mr.lkey,
             }),
-            inline: CTS_BYTES <= self.verbs.max_inline(),
+            inline: CTS_BYTES <= self.verbs.qp_max_inline(self.qp),
             imm: 0,
             remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
             rkey: self.fifo_rkey,
@@ -1343,9 +1445,44 @@ impl RoceRecv {
             }
         }
         self.match_arrivals()?;
+        self.announce_eager_only()?;
         self.report_credits()?;
         let waiting = self.reqs.iter().any(|r| !r.g.done());
-        self.live.check(waiting, "receive")
+        self.live.check(waiting, "receive").map_err(|e| {
+            let idx = (self.filling - self.base) as usize;
+            match (self.reqs.get(idx), e) {
+                (Some(r), Error::System { what, source }) if r.announced => {
+                    let n: usize = r.g.bufs[..r.g.len()].iter().map(|b| b.1).sum();
+                    Error::System {
+                        what: format!("{what}; the receive it was to fill holds only {n} bytes, for eager messages: a larger message fails at the sender (mismatched counts between sender and receiver?)"),
+                        source,
+                    }
+                }
+                (_, e) => e,
+            }
+        })
+    }
+
+    /// Describe the receive the next message belongs to to the sender, once, if its buffers
+    /// take eager messages only and it has waited [`ANNOUNCE_AFTER`]: a sender with a
+    /// message too large for them waits for a clear-to-send and would otherwise never learn
+    /// of the mismatch.
+    fn announce_eager_only(&mut self) -> Result<()> {
+        let idx = (self.filling - self.base) as usize;
+        let Some(r) = self.reqs.get_mut(idx) else {
+            return Ok(());
+        };
+        match r.eager_only {
+            Some((posted, cts)) if posted.elapsed() >= ANNOUNCE_AFTER => {
+                r.eager_only = None;
+                r.announced = true;
+                self.write_entry(Cts {
+                    flags: CTS_EAGER_ONLY,
+                    ..cts
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Give arrived messages, in order, to the receives they belong to: the sender fills the
@@ -1391,11 +1528,7 @@ impl RoceRecv {
                     complete
                 }
                 Arrival::Written { imm } => {
-                    let (e, len) = if r.g.len() == 1 {
-                        (0usize, imm as usize)
-                    } else {
-                        ((imm >> 29) as usize, (imm & 0x1fff_ffff) as usize)
-                    };
+                    let (e, len) = written(&r.g, imm, self.peer)?;
                     let complete = r.g.fill(e, len)?;
                     self.arrived.pop_front();
                     complete
@@ -1632,6 +1765,8 @@ impl RecvComm for RoceRecv {
             g,
             mrs: [None; MAX_RECVS],
             reaped: false,
+            eager_only: None,
+            announced: false,
         };
         let mut cts = Cts {
             n: bufs.len() as u32,
@@ -1674,6 +1809,9 @@ impl RecvComm for RoceRecv {
                 tag: b.tag,
                 _pad: 0,
             };
+        }
+        if eager_only {
+            r.eager_only = Some((std::time::Instant::now(), cts));
         }
         self.next_first = self.next_first.wrapping_add(bufs.len() as u32);
         self.reqs.push_back(r);
@@ -1931,6 +2069,194 @@ mod tests {
         }
     }
 
+    /// The clear-to-send FIFO read against a writer that rewrites one slot over and over,
+    /// as an RDMA write lands: start marker first, the body's bytes in a random order, the
+    /// end marker last (each phase ordered by a fence, as the NIC's in-order placement
+    /// does). Every field of entry `k` is derived from `k`, so an entry that mixes two writes
+    /// is seen; no such entry may ever be accepted (both markers equal).
+    #[test]
+    fn a_clear_to_send_entry_being_written_is_never_accepted_torn() {
+        use std::sync::atomic::{fence, AtomicBool, AtomicU8};
+        let mem: Arc<Vec<AtomicU8>> = Arc::new((0..CTS_BYTES).map(|_| AtomicU8::new(0)).collect());
+        let base = mem.as_ptr() as u64;
+        let entry = |k: u32| {
+            let mut c = Cts {
+                seq: k,
+                n: k,
+                credits: k.wrapping_mul(3),
+                first: k.wrapping_mul(5),
+                flags: k,
+                seq_end: k,
+                ..Cts::default()
+            };
+            for (i, e) in c.elems.iter_mut().enumerate() {
+                *e = CtsElem {
+                    addr: (k as u64) << 20 | i as u64,
+                    size: k ^ i as u32,
+                    rkey: !k,
+                    tag: k.wrapping_add(i as u32),
+                    _pad: k,
+                };
+            }
+            c
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (mem, stop) = (Arc::clone(&mem), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut rng = 0x2545_f491_4f6c_dd1du64;
+                let mut order: Vec<usize> = (4..CTS_END).collect();
+                for k in 1..=200_000u32 {
+                    let c = entry(k);
+                    let b = bytemuck::bytes_of(&c);
+                    for i in 0..4 {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    fence(Ordering::Release);
+                    for i in (1..order.len()).rev() {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        order.swap(i, rng as usize % (i + 1));
+                    }
+                    for &i in &order {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    fence(Ordering::Release);
+                    for i in CTS_END..CTS_BYTES {
+                        mem[i].store(b[i], Ordering::Relaxed);
+                    }
+                    // The entry stays a while (a real slot is rewritten only every 64
+                    // entries), so that reads meet both written and half-written entries.
+                    for _ in 0..rng % 256 {
+                        std::hint::spin_loop();
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+            })
+        };
+        let read = |at: u64, out: &mut [u8]| {
+            let off = (at - base) as usize;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = mem[off + i].load(Ordering::Relaxed);
+            }
+        };
+        let (mut accepted, mut torn) = (0u64, 0u64);
+        while mem[CTS_END].load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now(); // the writer's first entry
+        }
+        let mut reads = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            reads += 1;
+            let c = read_cts(read, base);
+            if c.seq == c.seq_end && c.seq != 0 {
+                accepted += 1;
+                if bytemuck::bytes_of(&c) != bytemuck::bytes_of(&entry(c.seq)) {
+                    torn += 1;
+                }
+            }
+        }
+        writer.join().unwrap();
+        assert!(accepted > 0, "no entry was accepted in {reads} reads");
+        assert_eq!(
+            torn, 0,
+            "{torn} torn entries of {accepted} accepted in {reads} reads"
+        );
+    }
+
+    /// What a peer says about sizes is checked, never trusted: an immediate's size beyond
+    /// the posted buffer or its index beyond the group, and a message of exactly 2^29 bytes
+    /// (whose size would spill into a grouped immediate's index bits).
+    #[test]
+    fn peer_supplied_sizes_are_bounds_checked() {
+        let peer = SocketAddr::from(([10, 0, 0, 2], 4791));
+        let (mut a, mut b) = ([0u8; 100], [0u8; 200]);
+        let one = RecvGroup::new(&[RecvBuf {
+            ptr: a.as_mut_ptr(),
+            len: 100,
+            tag: 1,
+        }])
+        .unwrap();
+        assert_eq!(written(&one, 100, peer).unwrap(), (0, 100));
+        let e = written(&one, 101, peer).unwrap_err().to_string();
+        assert!(
+            e.contains("101 bytes") && e.contains("holds only 100") && e.contains("10.0.0.2"),
+            "{e}"
+        );
+        let two = RecvGroup::new(&[
+            RecvBuf {
+                ptr: a.as_mut_ptr(),
+                len: 100,
+                tag: 1,
+            },
+            RecvBuf {
+                ptr: b.as_mut_ptr(),
+                len: 200,
+                tag: 2,
+            },
+        ])
+        .unwrap();
+        assert_eq!(written(&two, (1 << 29) | 200, peer).unwrap(), (1, 200));
+        let e = written(&two, (1 << 29) | 201, peer)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("holds only 200"), "{e}");
+        let e = written(&two, (2 << 29) | 5, peer).unwrap_err().to_string();
+        assert!(e.contains("buffer 2 of a receive of 2"), "{e}");
+
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let (mut s, _r) = pair(&net);
+        // Zero pages until touched; nothing touches them (the send is refused).
+        let big = vec![0u8; 1 << 29];
+        // SAFETY: `big` outlives the comm's use of it (the send is refused at once).
+        let e = unsafe { s.isend(big.as_ptr(), big.len(), 1, None) };
+        let e = e
+            .expect_err("a 2^29-byte message must be refused")
+            .to_string();
+        assert!(e.contains("512 MiB less one byte"), "{e}");
+    }
+
+    /// A peer whose setup message claims 2^32 - 1 receive buffers (the sender would allocate
+    /// its staging for that many) is refused with an error naming it, not an allocation
+    /// failure.
+    #[test]
+    fn a_peer_claiming_absurd_receive_buffers_is_refused() {
+        use std::io::{Read, Write};
+        let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = fake.local_addr().unwrap().port();
+        let (h, _l) = net.listen(0).unwrap();
+        let mut c = net.connect(0, &handle_with_port(&h, port)).unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = fake.accept().unwrap();
+            let mut req = [0u8; INFO];
+            s.read_exact(&mut req).unwrap();
+            // Answer with the connector's own endpoint (a QP connected to itself).
+            let (ep, _, _, _) = decode_info(&req).unwrap();
+            let eager = EagerCfg {
+                size: EAGER_DEFAULT,
+                slots: u32::MAX,
+            };
+            s.write_all(&encode_info(&ep, None, Some(eager), false))
+                .unwrap();
+            s
+        });
+        let start = std::time::Instant::now();
+        let e = loop {
+            assert!(start.elapsed().as_secs() < 10, "no answer within 10 s");
+            match c.poll() {
+                Err(e) => break e.to_string(),
+                Ok(Some(_)) => panic!("connected to a peer claiming 2^32 - 1 receive buffers"),
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        };
+        assert!(
+            e.contains("4294967295 receive buffers") && e.contains("127.0.0.1"),
+            "{e}"
+        );
+        drop(peer.join().unwrap());
+    }
+
     #[test]
     fn a_nic_and_the_userspace_engine_refuse_each_other_clearly() {
         let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
@@ -2092,11 +2418,13 @@ mod tests {
 
     /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
     /// must agree), recording every send work request (opcode, inline, local address,
-    /// remote address).
+    /// remote address); with `Some(n)` in the last field every queue pair is granted `n`
+    /// bytes of inline data, as a NIC may grant less than its provider asked for.
     struct Wrapped(
         UserVerbs,
         parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
         bool,
+        Option<usize>,
     );
 
     impl Wrapped {
@@ -2105,6 +2433,7 @@ mod tests {
                 UserVerbs::with(ip, 0, None).unwrap(),
                 parking_lot::Mutex::new(Vec::new()),
                 nic,
+                None,
             )
         }
     }
@@ -2132,6 +2461,9 @@ mod tests {
         }
         fn max_inline(&self) -> usize {
             self.0.max_inline()
+        }
+        fn qp_max_inline(&self, qp: QpId) -> usize {
+            self.3.unwrap_or_else(|| self.0.qp_max_inline(qp))
         }
         unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
             // SAFETY: forwarded contract.
@@ -2171,6 +2503,31 @@ mod tests {
         fn read_registered(&self, addr: u64, out: &mut [u8]) {
             self.0.read_registered(addr, out)
         }
+    }
+
+    /// Inline data is what each queue pair was granted, not one value for the provider: on
+    /// queue pairs granted none, no send (eager message, clear-to-send entry, small
+    /// rendezvous write) asks for inline, although the provider as a whole offers some.
+    #[test]
+    fn inline_sends_follow_the_queue_pairs_grant() {
+        let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let mut w = Wrapped::new(lo, false);
+        w.3 = Some(0);
+        assert!(w.max_inline() >= 64, "the provider offers inline data");
+        let rec = Arc::new(w);
+        let net = RoceNet::over(rec.clone(), lo);
+        let (mut s, mut r) = pair(&net);
+        for len in [8usize, 100, 20_000] {
+            let data = vec![3u8; len];
+            let (got, n) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+            assert_eq!((n, got), (len, data));
+        }
+        let log = rec.1.lock().clone();
+        assert!(log.len() >= 4, "{log:?}");
+        assert!(
+            log.iter().all(|w| !w.1),
+            "inline on a queue pair granted none: {log:?}"
+        );
     }
 
     /// Memory registered as GPU memory (`regMr` with `NCCL_PTR_CUDA`; the userspace engine

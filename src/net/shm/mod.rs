@@ -414,13 +414,10 @@ impl Net for ShmNet {
         }
         let port = u16::from_le_bytes([b[4], b[5]]);
         let ring = u64::from_le_bytes(b[8..16].try_into().unwrap()) as usize;
-        let s = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(|e| {
-            Error::sys(
-                format!("shared-memory setup: connect to 127.0.0.1:{port}"),
-                e,
-            )
-        })?;
-        let mut side = Side::new(s)?;
+        let mut side = Side::dial(
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port),
+            "shared-memory setup: ",
+        )?;
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "/roccl-{}-{}-{:x}",
@@ -448,6 +445,14 @@ impl Net for ShmNet {
             cma: self.cma,
         }))
     }
+}
+
+/// `h` with its setup port replaced by `port` (tests of peers that do not answer).
+#[cfg(test)]
+pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = *h.as_bytes();
+    b[4..6].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
 }
 
 struct ShmConnecting {
@@ -598,6 +603,19 @@ struct SReq {
     reaped: bool,
 }
 
+/// Bytes in use in a ring of `cap` bytes whose producer is at `head` and consumer at
+/// `tail`, one of them read from shared memory the peer writes (`whose`: "consumer" or
+/// "producer"). A consumer behind `head - cap` or past `head` is the peer's corruption: an
+/// error, never a reason to overwrite unread bytes or read unwritten ones.
+fn ring_used(cap: u64, head: u64, tail: u64, whose: &str) -> Result<u64> {
+    match head.checked_sub(tail) {
+        Some(used) if used <= cap => Ok(used),
+        _ => Err(Error::InvalidUsage(format!(
+            "shared memory: the peer's {whose} position is out of the ring (producer at byte {head}, consumer at {tail}, ring of {cap} bytes): its process corrupted the segment, or it runs another roccl version"
+        ))),
+    }
+}
+
 struct ShmSend {
     seg: Segment,
     /// Messages from this size on go direct (usize::MAX: never).
@@ -637,6 +655,8 @@ impl ShmSend {
         let cap = self.seg.cap() as u64;
         let start = self.head;
         let tail = h.tail.load(Ordering::Acquire);
+        // Checked once: below, head only advances by what is free, so `head - tail <= cap`.
+        ring_used(cap, self.head, tail, "consumer")?;
         for r in self.reqs.iter_mut() {
             if r.started && r.written == r.len {
                 continue;
@@ -752,7 +772,10 @@ impl SendComm for ShmSend {
             h.send_sleeping.store(1, Ordering::SeqCst);
             // Room or an acknowledgement appeared between the last look and the flag: do not
             // sleep.
-            let free = self.seg.cap() as u64 - (self.head - h.tail.load(Ordering::SeqCst));
+            let cap = self.seg.cap() as u64;
+            // A corrupt position: do not sleep; the next progress reports it.
+            let free = ring_used(cap, self.head, h.tail.load(Ordering::SeqCst), "consumer")
+                .map_or(1, |used| cap - used);
             if free > 0 || !self.blocked() {
                 out.push(PollFd {
                     fd: always_ready(),
@@ -807,8 +830,9 @@ impl ShmRecv {
             let Some(r) = self.reqs.get_mut(idx) else {
                 break; // no receive posted for the next message yet
             };
+            let cap = self.seg.cap() as u64;
             if self.cur.is_none() {
-                if head - self.tail < MSG_HDR as u64 {
+                if ring_used(cap, head, self.tail, "producer")? < MSG_HDR as u64 {
                     break;
                 }
                 let mut hdr = [0u8; MSG_HDR];
@@ -858,7 +882,8 @@ impl ShmRecv {
                 self.cur = Some((e, len, 0));
             }
             let (e, len, done) = self.cur.expect("set above");
-            let avail = (h.head.load(Ordering::Acquire) - self.tail) as usize;
+            let avail =
+                ring_used(cap, h.head.load(Ordering::Acquire), self.tail, "producer")? as usize;
             let n = (len - done).min(avail);
             if n > 0 {
                 // SAFETY: published bytes; the irecv contract keeps the buffer writable.
@@ -951,6 +976,51 @@ mod tests {
             cma,
         };
         super::super::connect_pair(&net)
+    }
+
+    /// The consumer position the sender reads from shared memory is the peer's word: one
+    /// past the producer or a whole ring behind it is an error naming the peer's corruption,
+    /// not an overwrite of unread bytes (nor, on the receiving side, a read of unwritten ones).
+    #[test]
+    fn a_corrupt_ring_position_is_an_error() {
+        assert_eq!(ring_used(1 << 16, 100, 40, "consumer").unwrap(), 60);
+        assert_eq!(ring_used(1 << 16, 1 << 16, 0, "consumer").unwrap(), 1 << 16);
+        for (head, tail) in [(100u64, 101u64), ((1 << 16) + 1, 0), (0, u64::MAX)] {
+            let e = ring_used(1 << 16, head, tail, "consumer")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("the peer's consumer position is out of the ring"),
+                "{e}"
+            );
+        }
+        let name = CString::new(format!("/roccl-test-tail-{}", std::process::id())).unwrap();
+        let seg = Segment::create(&name, 1 << 16).unwrap();
+        // SAFETY: unlinking the name we just created; the mapping stays.
+        unsafe { libc::shm_unlink(name.as_ptr()) };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let side = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let _other = l.accept().unwrap();
+        let mut s = ShmSend {
+            seg,
+            direct_from: usize::MAX,
+            direct_sent: 0,
+            live: Liveness::new(side, "shared memory"),
+            reqs: VecDeque::new(),
+            base: 0,
+            head: 0,
+            polls: 0,
+            failed: None,
+        };
+        // The "consumer" claims to be a ring and a byte ahead of a producer that wrote
+        // nothing: taken at its word, the ring would seem to have 2^64 - 1 bytes free.
+        s.seg.header().tail.store((1 << 16) + 1, Ordering::Release);
+        let data = [7u8; 100];
+        // SAFETY: `data` outlives the comm.
+        let e = unsafe { s.isend(data.as_ptr(), data.len(), 1, None) }
+            .expect_err("a corrupt consumer position must fail the send")
+            .to_string();
+        assert!(e.contains("consumer position is out of the ring"), "{e}");
     }
 
     #[test]

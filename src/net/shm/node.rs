@@ -251,6 +251,41 @@ impl Drop for NodeSeg {
     }
 }
 
+/// Remove the node segments of the communicator tagged `tag` that ranks other than `me`
+/// left behind when their process died (killed during initialization, before they could
+/// unlink their own name). Called by a rank that fails initialization: whoever notices the
+/// death cleans up. A segment is removed only when its header names a process of our pid
+/// namespace that is gone, so a live rank's segment (or another job's) is never touched.
+/// Returns the ranks whose segment was removed.
+pub(crate) fn remove_dead_segments(tag: u64, me: usize, nranks: usize) -> Vec<usize> {
+    let ns = pid_namespace();
+    let mut removed = Vec::new();
+    for r in (0..nranks).filter(|&r| r != me) {
+        let name = seg_name(tag, r);
+        let Ok(s) = Segment::open_len(&name, NODE_HDR) else {
+            continue; // never created, or unlinked already
+        };
+        let h = header(&s);
+        // The slot size is published last (Release): before it, the pid may not be there.
+        if h.slot_kib.load(Ordering::Acquire) == 0 || ns == 0 {
+            continue;
+        }
+        let pid = h.pid.load(Ordering::Relaxed);
+        if h.pidns.load(Ordering::Relaxed) == ns && pid != std::process::id() && process_gone(pid) {
+            // SAFETY: unlinking a name of this job whose owner is gone; mappings stay valid.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+            removed.push(r);
+        }
+    }
+    if !removed.is_empty() {
+        crate::info!(
+            "rank {me}: removed the shared-memory segments of {}, whose process is gone",
+            crate::error::ranks_list(&removed)
+        );
+    }
+    removed
+}
+
 fn header(seg: &Segment) -> &NodeHeader {
     // SAFETY: every node segment starts with a NodeHeader (zeroed by the kernel at creation);
     // all of its fields are atomics or padding.
@@ -360,6 +395,7 @@ impl Node {
         me: usize,
         nranks: usize,
         w: &Waiter,
+        abort: &AtomicBool,
     ) -> Result<Option<Node>> {
         let mut peers = Vec::with_capacity(nranks);
         let mut why = None;
@@ -425,14 +461,39 @@ impl Node {
         let mut failed = why.is_some();
         for (r, p) in peers.iter().enumerate() {
             let Some(s) = p else { continue };
+            let mut polls = 0u32;
             loop {
+                polls = polls.wrapping_add(1);
                 match header(s).attached.load(Ordering::Acquire) {
-                    0 if start.elapsed() < w.timeout => std::thread::sleep(Duration::from_micros(20)),
+                    0 if abort.load(Ordering::Relaxed) => {
+                        return Err(Error::InvalidUsage(format!(
+                            "rank {me}: initialization was aborted by the application while waiting for rank {r} to attach to the host's shared-memory segments"
+                        )))
+                    }
+                    // Every ~10 ms: is its process still there?
+                    0 if polls % 512 == 0
+                        && r != me
+                        && cma_pids[r] != 0
+                        && process_gone(cma_pids[r]) =>
+                    {
+                        remove_dead_segments(tag, me, nranks);
+                        return Err(Error::Remote {
+                            rank: r,
+                            msg: format!(
+                                "its process {} exited during initialization, before it attached to the host's shared-memory segments",
+                                cma_pids[r]
+                            ),
+                        });
+                    }
+                    0 if start.elapsed() < w.timeout => {
+                        std::thread::sleep(Duration::from_micros(20))
+                    }
                     0 => {
+                        remove_dead_segments(tag, me, nranks);
                         return Err(Error::Timeout(format!(
                             "rank {r} never attached to the host's shared-memory segments within {:.0?} (ROCCL_TIMEOUT): it may have died during initialization",
                             w.timeout
-                        )))
+                        )));
                     }
                     1 => break,
                     _ => {
@@ -1021,7 +1082,9 @@ mod tests {
             let hs: Vec<_> = segs
                 .into_iter()
                 .enumerate()
-                .map(|(r, seg)| s.spawn(move || Node::attach(seg, tag, r, 2, w)))
+                .map(|(r, seg)| {
+                    s.spawn(move || Node::attach(seg, tag, r, 2, w, &AtomicBool::new(false)))
+                })
                 .collect();
             hs.into_iter()
                 .map(|h| h.join().unwrap().unwrap().expect("attached"))

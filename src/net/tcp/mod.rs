@@ -25,8 +25,8 @@ use std::sync::Arc;
 use socket2::{Domain, Protocol, Socket, Type};
 
 use super::{
-    Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport, RecvBuf,
-    RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
+    connect_done, start_connect, Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties,
+    PollFd, PtrSupport, RecvBuf, RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
 
@@ -303,11 +303,7 @@ impl TcpNet {
                 s.set_send_buffer_size(b)
                     .map_err(|e| Error::sys("setsockopt(SO_SNDBUF)", e))?;
             }
-            match s.connect(&sa.into()) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-                Err(e) => return Err(Error::sys(format!("connect({sa})"), e)),
-            }
+            start_connect(&s, sa, "")?;
             let mut hello = [0u8; HDR];
             hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
             hello[4..12].copy_from_slice(&id.to_le_bytes());
@@ -354,35 +350,19 @@ fn ways(mut socks: Vec<Arc<Socket>>, duplex: bool) -> (Vec<Arc<Socket>>, Vec<Arc
     (socks, back)
 }
 
-fn poll_one(fd: i32, events: i16) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events,
-        revents: 0,
-    };
-    // SAFETY: `p` is a valid pollfd for the duration of the call; timeout 0 never blocks.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r > 0 && p.revents != 0
-}
-
 impl Connecting for TcpConnecting {
     fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
         let mut all = true;
         for p in &mut self.socks {
             if !p.connected {
-                if !poll_one(p.sock.as_raw_fd(), libc::POLLOUT) {
+                if !connect_done(
+                    &p.sock,
+                    self.peer,
+                    "",
+                    "is the peer alive and the address reachable? check ROCCL_SOCKET_IFNAME",
+                )? {
                     all = false;
                     continue;
-                }
-                if let Some(e) = p
-                    .sock
-                    .take_error()
-                    .map_err(|e| Error::sys("getsockopt(SO_ERROR)", e))?
-                {
-                    return Err(Error::sys(
-                        format!("connect to {} (is the peer alive and the address reachable? check ROCCL_SOCKET_IFNAME)", self.peer),
-                        e,
-                    ));
                 }
                 p.connected = true;
             }
