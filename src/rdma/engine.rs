@@ -243,6 +243,12 @@ pub struct QpAttr {
     pub rnr_retry: u8,
     /// RNR timer code we put in our RNR NAKs (IB table; 1 = 10 µs … 31 = 491 ms).
     pub min_rnr_timer: u8,
+    /// Userspace extension (RTS): `Some(limit)` replaces the retry count — a timeout
+    /// retransmits with exponential backoff (capped at [`MAX_BACKOFF`]) for as long as the
+    /// requester keeps waiting, and the request fails with RETRY_EXC_ERR only after `limit`
+    /// without any acknowledged progress (the communicator's own deadline). `None`: IB
+    /// semantics, `retry_cnt` retransmissions.
+    pub retry_for: Option<Duration>,
 }
 
 impl Default for QpAttr {
@@ -257,6 +263,7 @@ impl Default for QpAttr {
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 1,
+            retry_for: None,
         }
     }
 }
@@ -275,6 +282,11 @@ fn rnr_delay(code: u8) -> Duration {
 pub fn ack_timeout(code: u8) -> Duration {
     Duration::from_nanos(4096u64 << code.clamp(1, 31))
 }
+
+/// With [`QpAttr::retry_for`], consecutive timeouts double the retransmission interval up
+/// to this (or the base timeout, if longer): a peer back from a pause is heard from again
+/// within this long.
+pub const MAX_BACKOFF: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Copy)]
 struct SendWqe {
@@ -351,6 +363,10 @@ struct Qp {
     tx_pkt: u32,
     retry_left: u8,
     rnr_left: u8,
+    /// Consecutive retransmission timeouts without progress (the backoff exponent).
+    backoff: u32,
+    /// Last acknowledged progress, or when the send queue last became busy.
+    progress_at: Option<Instant>,
     rto: Option<Instant>,
     rnr_until: Option<Instant>,
     /// One past the highest PSN transmitted (to count retransmissions).
@@ -402,6 +418,27 @@ impl Qp {
     }
     fn outstanding(&self) -> bool {
         self.sq.iter().any(|w| !w.done)
+    }
+    /// The retransmission interval: the IB timeout, doubled per consecutive timeout when
+    /// retrying until a deadline ([`QpAttr::retry_for`]).
+    fn rto_interval(&self) -> Duration {
+        let base = ack_timeout(self.attr.timeout);
+        if self.attr.retry_for.is_none() || self.backoff == 0 {
+            return base;
+        }
+        let cap = base.max(MAX_BACKOFF);
+        base.saturating_mul(1 << self.backoff.min(16)).min(cap)
+    }
+    /// The responder acknowledged something new: the retry budget starts again.
+    fn progressed(&mut self, now: Instant) {
+        self.retry_left = self.attr.retry_cnt;
+        self.backoff = 0;
+        self.progress_at = Some(now);
+        self.rto = if self.outstanding() {
+            Some(now + self.rto_interval())
+        } else {
+            None
+        };
     }
 }
 
@@ -513,6 +550,8 @@ impl Engine {
             tx_pkt: 0,
             retry_left: 0,
             rnr_left: 0,
+            backoff: 0,
+            progress_at: None,
             rto: None,
             rnr_until: None,
             sent_hi: 0,
@@ -618,6 +657,7 @@ impl Engine {
                 qp.attr.timeout = attr.timeout.clamp(1, 31);
                 qp.attr.retry_cnt = attr.retry_cnt.min(7);
                 qp.attr.rnr_retry = attr.rnr_retry.min(7);
+                qp.attr.retry_for = attr.retry_for;
                 qp.next_psn = attr.sq_psn & PSN_MASK;
                 qp.sent_hi = qp.next_psn;
                 qp.acked = qp.next_psn;
@@ -719,6 +759,8 @@ impl Engine {
         qp.next_psn = psn_add(psn, npkts);
         if qp.sq.iter().all(|w| w.done) {
             qp.rto = None; // restarted below by transmission
+            qp.progress_at = None; // set at the first transmission
+            qp.backoff = 0;
         }
         qp.sq.push_back(SendWqe {
             wr: *wr,
@@ -908,16 +950,25 @@ impl Engine {
                 }
             }
             if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
-                if qp.retry_left == 0 {
+                let exhausted = match qp.attr.retry_for {
+                    // Retry until the deadline: `limit` without any progress.
+                    Some(limit) => {
+                        now.saturating_duration_since(*qp.progress_at.get_or_insert(now)) >= limit
+                    }
+                    None => qp.retry_left == 0,
+                };
+                if exhausted {
                     self.fail_qp(qpn, Some(WcStatus::RetryExcErr));
                     continue;
                 }
-                qp.retry_left -= 1;
-                qp.rto = None;
+                qp.retry_left = qp.retry_left.saturating_sub(1);
+                qp.backoff = qp.backoff.saturating_add(1);
+                qp.rto = Some(now + qp.rto_interval());
                 qp.cwnd = MIN_WINDOW;
                 crate::info!(
-                    "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
+                    "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left, backoff {}): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
                     qp.retry_left,
+                    qp.backoff,
                     qp.una(),
                     qp.acked,
                     qp.sent_hi,
@@ -1051,8 +1102,7 @@ impl Engine {
             if w.resp == w.npkts {
                 w.done = true;
             }
-            qp.retry_left = qp.attr.retry_cnt;
-            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
+            qp.progressed(now);
             self.reap(qpn);
             return;
         }
@@ -1078,18 +1128,15 @@ impl Engine {
                 }
                 if progressed {
                     qp.cwnd = (qp.cwnd + 8).min(WINDOW);
-                    qp.retry_left = qp.attr.retry_cnt;
                     qp.rnr_left = qp.attr.rnr_retry;
-                    qp.rto = if qp.outstanding() {
-                        Some(now + ack_timeout(qp.attr.timeout))
-                    } else {
-                        None
-                    };
+                    qp.progressed(now);
                 }
                 self.reap(qpn);
             }
             Some(AckKind::RnrNak { timer }) => {
-                Self::ack_before(qp, psn);
+                if Self::ack_before(qp, psn) {
+                    qp.progressed(now);
+                }
                 if qp.rnr_left == 0 {
                     self.reap(qpn);
                     self.fail_qp(qpn, Some(WcStatus::RnrRetryExcErr));
@@ -1104,7 +1151,11 @@ impl Engine {
                 self.reap(qpn);
             }
             Some(AckKind::Nak(NakCode::PsnSequenceError)) => {
-                Self::ack_before(qp, psn);
+                // A sequence-error NAK acknowledges everything before its PSN: progress
+                // like an ACK's, so the retry budget starts again.
+                if Self::ack_before(qp, psn) {
+                    qp.progressed(now);
+                }
                 // Go back once per round: NAKs for the same PSN that the responder sent
                 // before our retransmission reached it would restart the burst again and
                 // again. Act on a repeat only once the previous retransmission has caught up
@@ -1122,7 +1173,7 @@ impl Engine {
                 self.reap(qpn);
             }
             Some(AckKind::Nak(code)) => {
-                Self::ack_before(qp, psn);
+                let _ = Self::ack_before(qp, psn);
                 self.reap(qpn);
                 let status = match code {
                     NakCode::RemoteAccessError => WcStatus::RemAccessErr,
@@ -1135,17 +1186,22 @@ impl Engine {
         }
     }
 
-    /// Mark every send/write that ends before `psn` acknowledged.
-    fn ack_before(qp: &mut Qp, psn: u32) {
+    /// Mark every send/write that ends before `psn` acknowledged; true if that acknowledged
+    /// anything new.
+    fn ack_before(qp: &mut Qp, psn: u32) -> bool {
+        let mut progressed = false;
         if psn_diff(psn, qp.acked) > 0 && psn_diff(psn, qp.sent_hi) <= 0 {
             qp.acked = psn;
+            progressed = true;
         }
         for w in qp.sq.iter_mut().filter(|w| !w.done) {
             if w.wr.opcode == WrOpcode::Read || psn_diff(psn, psn_add(w.psn, w.npkts - 1)) <= 0 {
                 break;
             }
             w.done = true;
+            progressed = true;
         }
+        progressed
     }
 
     // ----- responder side --------------------------------------------------------------
@@ -1567,7 +1623,10 @@ impl Engine {
             qp.tx_pkt += 1;
         }
         if qp.rto.is_none() {
-            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
+            qp.rto = Some(now + qp.rto_interval());
+        }
+        if qp.progress_at.is_none() {
+            qp.progress_at = Some(now);
         }
         let payload: &[u8] = if w.wr.inline {
             &w.inline[payload_off as usize..(payload_off + payload_len) as usize]

@@ -138,6 +138,8 @@ struct Driver {
     next_psn: u32,
     /// Last time an application thread polled a completion queue.
     last_app_poll: Instant,
+    /// QPs retransmit until this long passes without progress ([`Verbs::set_timeout`]).
+    retry_for: Duration,
 }
 
 /// The userspace RoCE v2 provider.
@@ -369,6 +371,8 @@ impl UserVerbs {
             rx_empty_at: None,
             next_psn: seed & 0x00ff_ffff,
             last_app_poll: Instant::now(),
+            // Until the network is told the communicator's deadline: ROCCL_TIMEOUT's.
+            retry_for: crate::comm::timeout(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (d2, s2) = (Arc::clone(&d), Arc::clone(&stop));
@@ -973,9 +977,16 @@ impl Verbs for UserVerbs {
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 1,
+            // Nothing forces IB's 7 retries here: a paused or flapping peer is waited for
+            // as long as the communicator waits.
+            retry_for: Some(d.retry_for),
         };
         d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
         d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.d.lock().retry_for = timeout;
     }
 
     fn destroy_qp(&self, qp: QpId) {

@@ -350,6 +350,10 @@ impl Net for RoceNet {
         })
     }
 
+    fn set_timeout(&self, timeout: std::time::Duration) {
+        self.verbs.set_timeout(timeout);
+    }
+
     fn expect_device_buffers(&self) {
         self.device_buffers.store(true, Ordering::Relaxed);
     }
