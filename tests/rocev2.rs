@@ -32,3 +32,8 @@ fn rocev2_3_ranks_pipelined() {
 fn rocev2_4_ranks() {
     matrix(4, Tuning::default());
 }
+
+#[test]
+fn collective_then_destroy_at_once() {
+    collective_then_destroy(NetKind::RoceV2, 3, 150);
+}

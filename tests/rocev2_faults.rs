@@ -8,14 +8,24 @@ use roccl::algo::model::Tuning;
 use roccl::net::NetKind;
 use roccl::{DataType, RedOp};
 
-#[test]
-fn collectives_survive_a_lossy_network() {
-    // This test binary has this one test, so setting the variable cannot leak elsewhere.
+/// Every test of this binary injects the same faults (the variable is process-wide).
+fn inject_faults() {
     std::env::set_var(
         "ROCCL_ROCEV2_FAULTS",
         "drop=0.02,dup=0.02,reorder=0.02,corrupt=0.02,seed=42",
     );
     std::env::set_var("ROCCL_IB_TIMEOUT", "12");
+}
+
+#[test]
+fn collective_then_destroy_at_once_over_a_lossy_network() {
+    inject_faults();
+    collective_then_destroy(NetKind::RoceV2, 3, 100);
+}
+
+#[test]
+fn collectives_survive_a_lossy_network() {
+    inject_faults();
     let mut cfg = config(Tuning::default());
     cfg.net = NetKind::RoceV2;
     cfg.waiter.timeout = std::time::Duration::from_secs(20);

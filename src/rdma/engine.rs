@@ -388,8 +388,11 @@ struct Qp {
     nak_sent: bool,
     /// Out-of-sequence packets since the last NAK.
     oos_since_nak: u32,
-    /// Closed by its owner: only acknowledges duplicates.
+    /// Closed by its owner: delivers what was posted, acknowledges (and discards) what
+    /// arrives, until the driver frees it.
     closing: bool,
+    /// When the last packet for this QP arrived.
+    last_rx: Option<Instant>,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
     /// Requests were accepted that no acknowledgement covers yet: acknowledge by then.
@@ -459,6 +462,8 @@ pub struct Engine {
     port: u16,
     qps: Vec<Option<Qp>>,
     cqs: Vec<VecDeque<Wc>>,
+    /// Destroyed completion queues, reused by `create_cq`.
+    free_cqs: Vec<CqId>,
     /// Registered memory.
     pub mrs: MrTable,
     rr: usize,
@@ -482,6 +487,7 @@ impl Engine {
             port,
             qps: Vec::new(),
             cqs: Vec::new(),
+            free_cqs: Vec::new(),
             mrs: MrTable::default(),
             rr: 0,
             stats: Stats::default(),
@@ -501,8 +507,48 @@ impl Engine {
 
     /// Create a completion queue.
     pub fn create_cq(&mut self) -> CqId {
+        if let Some(cq) = self.free_cqs.pop() {
+            return cq;
+        }
         self.cqs.push(VecDeque::with_capacity(4 * QUEUE_HINT));
         self.cqs.len() - 1
+    }
+
+    /// Destroy a completion queue no QP uses any more (its slot is reused).
+    pub fn destroy_cq(&mut self, cq: CqId) {
+        if let Some(q) = self.cqs.get_mut(cq) {
+            if !self.free_cqs.contains(&cq) {
+                q.clear();
+                self.free_cqs.push(cq);
+            }
+        }
+    }
+
+    /// Completions waiting in `cq`.
+    pub fn cq_len(&self, cq: CqId) -> usize {
+        self.cqs.get(cq).map_or(0, VecDeque::len)
+    }
+
+    /// Queue pairs that exist (closing ones included).
+    pub fn qp_count(&self) -> usize {
+        self.qps.iter().flatten().count()
+    }
+
+    /// Whether closed QP `qpn` is done: nothing left to deliver (or failed), and no packet
+    /// for it within `quiet` (the peer's retransmissions of what it lost have stopped).
+    pub fn closed_and_quiet(&self, qpn: Qpn, now: Instant, quiet: Duration) -> bool {
+        let Some(q) = self
+            .qps
+            .get((qpn & 0xfff) as usize)
+            .and_then(|q| q.as_ref())
+            .filter(|q| q.qpn == qpn)
+        else {
+            return true;
+        };
+        q.closing
+            && (q.sq.is_empty() || q.state == QpState::Error)
+            && q.last_rx
+                .map_or(true, |t| now.saturating_duration_since(t) >= quiet)
     }
 
     /// Take up to `out.len()` completions.
@@ -566,6 +612,7 @@ impl Engine {
             nak_sent: false,
             oos_since_nak: 0,
             closing: false,
+            last_rx: None,
             ctrl: None,
             ack_due: None,
             reads: VecDeque::new(),
@@ -593,15 +640,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Close a QP gracefully: it stops sending requests and accepting new ones, but keeps
-    /// acknowledging the peer's retransmissions of what it already received — the peer may
-    /// have lost our last ACK (TCP's TIME_WAIT, for RC). Destroy it later.
-    pub fn close_qp(&mut self, qpn: Qpn) -> Result<()> {
+    /// Close a QP gracefully: it keeps delivering the requests posted on it until they are
+    /// acknowledged (or fail at the retry deadline; a request whose memory was deregistered
+    /// meanwhile is given up), and keeps acknowledging what the peer sends — its
+    /// retransmissions of what we received (the peer may have lost our last ACK: TCP's
+    /// TIME_WAIT, for RC) and new requests, which are discarded. Its completions go
+    /// nowhere. Destroy it once [`Engine::closed_and_quiet`].
+    pub fn close_qp(&mut self, qpn: Qpn, now: Instant) -> Result<()> {
         let qp = self.qp(qpn)?;
         qp.closing = true;
-        // Inline sends were reported complete at post and their data lives here: keep
-        // delivering them. Anything else refers to memory the owner may free now.
-        qp.sq.retain(|w| !w.done && w.wr.inline);
+        // Reads would write into memory the owner may free now: given up.
+        qp.sq.retain(|w| !w.done && w.wr.opcode != WrOpcode::Read);
         qp.reads.clear();
         qp.tx_wqe = 0;
         qp.tx_pkt = 0;
@@ -611,6 +660,7 @@ impl Engine {
             qp.rto = None;
         }
         qp.rnr_until = None;
+        qp.last_rx = Some(now);
         Ok(())
     }
 
@@ -1028,14 +1078,25 @@ impl Engine {
             return;
         }
         let op = pkt.bth.opcode;
+        qp.last_rx = Some(now);
         if qp.closing && op != Opcode::Ack {
-            // Only re-acknowledge duplicates; nothing new lands in memory the owner freed.
-            let dup =
-                psn_diff(pkt.bth.psn, qp.epsn) < 0 && op != Opcode::Ack && !op.is_read_response();
-            if dup {
-                qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
-                self.stats.duplicates += 1;
+            if op.is_read_response() {
+                return; // its reads were given up at close
             }
+            // Re-acknowledge duplicates; acknowledge and discard new requests in sequence
+            // (nothing lands in memory the owner freed, and a peer still writing to us —
+            // credits, say — completes instead of retrying until its deadline).
+            let d = psn_diff(pkt.bth.psn, qp.epsn);
+            if d == 0 && op != Opcode::ReadRequest {
+                qp.epsn = psn_add(qp.epsn, 1);
+                if op.is_last() || op.is_only() {
+                    qp.msn = (qp.msn + 1) & PSN_MASK;
+                }
+            }
+            if d <= 0 {
+                qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
+            }
+            self.stats.duplicates += u64::from(d < 0);
             self.stats.rx_packets += 1;
             return;
         }
@@ -1632,15 +1693,25 @@ impl Engine {
             &w.inline[payload_off as usize..(payload_off + payload_len) as usize]
         } else {
             match w.wr.sge {
-                Some(s) if payload_len > 0 => self
-                    .mrs
-                    .read(
+                Some(s) if payload_len > 0 => {
+                    match self.mrs.read(
                         s.lkey,
                         s.addr + payload_off as u64,
                         payload_len as usize,
                         Access::default(),
-                    )
-                    .ok()?,
+                    ) {
+                        Ok(p) => p,
+                        Err(_) => {
+                            if qp.closing {
+                                // Its owner deregistered the memory after closing: nothing
+                                // can be delivered any more.
+                                qp.sq.clear();
+                                qp.rto = None;
+                            }
+                            return None;
+                        }
+                    }
+                }
                 _ => &[],
             }
         };

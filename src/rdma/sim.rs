@@ -912,3 +912,36 @@ fn a_deadline_rides_out_a_one_second_outage() {
         s.t
     );
 }
+
+/// Item 11 of issue 19: closing a QP keeps delivering what was posted on it (a send its
+/// owner was told is done) until the peer acknowledges it, here after the first
+/// transmission was lost; the closed QP then goes quiet and can be freed.
+#[test]
+fn a_closed_queue_pair_delivers_what_was_posted() {
+    let mut s = Sim::new(
+        37,
+        Faults::default(),
+        QpAttr {
+            retry_for: Some(Duration::from_secs(1)),
+            ..attr(1024)
+        },
+    );
+    let mut src = pattern(11, 3000);
+    let mut dst = vec![0u8; src.len()];
+    s.cut = true;
+    post_write(&mut s, &mut src, &mut dst);
+    s.step(); // sent, and lost
+    let now = s.now();
+    s.eng[0].close_qp(s.qp[0], now).unwrap();
+    s.cut = false;
+    let quiet = Duration::from_millis(50);
+    s.run_until(|s| {
+        let now = s.now();
+        s.eng[0].closed_and_quiet(s.qp[0], now, quiet)
+    });
+    assert!(
+        dst == src,
+        "the write posted before the close was not delivered"
+    );
+    assert!(s.eng[0].stats().retransmits > 0);
+}

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -113,12 +113,34 @@ struct Pending {
     data: Vec<u8>,
 }
 
+/// What the provider keeps per QP besides the engine's state.
+struct QpSide {
+    cq: CqId,
+    /// First PSN it sends.
+    psn: u32,
+    /// Its send socket's port (the key of `Driver::tx`).
+    port: u16,
+    /// Readable while its completion queue holds completions that its poller may not have
+    /// seen (set by whoever made progress for it; see `Driver::wake`).
+    wake: OwnedFd,
+    armed: bool,
+    /// Destroyed by its owner: freed once the engine says it is closed and quiet.
+    destroyed: bool,
+}
+
+/// A closed QP is freed after this long without a packet for it: longer than the
+/// peer's longest retransmission interval (the backoff cap), so a peer that lost our last
+/// acknowledgement hears from us again.
+const CLOSED_QUIET: Duration = Duration::from_millis(250);
+
 struct Driver {
     engine: Engine,
     rx: Socket,
     tx: HashMap<u16, Socket>,
-    cq_of: HashMap<Qpn, CqId>,
-    psn_of: HashMap<Qpn, u32>,
+    /// The provider's side of each QP the engine holds.
+    qps: HashMap<Qpn, QpSide>,
+    /// Some QP was destroyed and waits to be freed (see [`Driver::reap_closed`]).
+    closing: bool,
     mtu: u32,
     faults: Option<(Faults, Rng)>,
     delayed: Vec<Pending>,
@@ -180,6 +202,7 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
         let wait_ms = {
             let mut g = d.lock();
             let _ = g.progress();
+            g.wake(None);
             let next = g
                 .engine
                 .poll_timeout()
@@ -356,8 +379,8 @@ impl UserVerbs {
             engine: Engine::new(ip, local.port()),
             rx,
             tx: HashMap::new(),
-            cq_of: HashMap::new(),
-            psn_of: HashMap::new(),
+            qps: HashMap::new(),
+            closing: false,
             mtu: path_mtu(ip),
             faults: faults.map(|f| (f, Rng(f.seed | 1))),
             delayed: Vec::new(),
@@ -404,6 +427,13 @@ impl UserVerbs {
         self.d.lock().engine.stats()
     }
 
+    /// Queue pairs the provider holds (destroyed ones until they are freed) and their send
+    /// sockets.
+    pub fn open_qps(&self) -> (usize, usize) {
+        let d = self.d.lock();
+        (d.engine.qp_count().max(d.qps.len()), d.tx.len())
+    }
+
     /// Socket-level counters.
     pub fn udp_stats(&self) -> UdpStats {
         let d = self.d.lock();
@@ -441,7 +471,58 @@ impl Driver {
             self.engine.handle_timeout(now);
         }
         self.transmit(now)?;
+        if self.closing {
+            self.reap_closed(now);
+        }
         Ok(now)
+    }
+
+    /// Make the wake-up descriptor of every QP whose completion queue holds completions
+    /// readable (except `polling`'s, whose caller takes them now), so that a thread asleep
+    /// in `poll(2)` on it wakes: the completions may have come from packets another thread
+    /// (or the progress thread) took off the shared socket, which then stays quiet.
+    fn wake(&mut self, polling: Option<Qpn>) {
+        for (q, side) in self.qps.iter_mut() {
+            if side.armed || Some(*q) == polling || self.engine.cq_len(side.cq) == 0 {
+                continue;
+            }
+            side.armed = true;
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
+            unsafe { libc::write(side.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+    }
+
+    /// Clear QP `q`'s wake-up descriptor once its completion queue is empty.
+    fn unwake(&mut self, q: Qpn) {
+        let Some(side) = self.qps.get_mut(&q) else {
+            return;
+        };
+        if side.armed && self.engine.cq_len(side.cq) == 0 {
+            side.armed = false;
+            let mut b = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a live buffer from a non-blocking eventfd.
+            unsafe { libc::read(side.wake.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+        }
+    }
+
+    /// Free the destroyed QPs that are done: the engine's slot, the completion queue, the
+    /// send socket and the wake-up descriptor.
+    fn reap_closed(&mut self, now: Instant) {
+        let done: Vec<Qpn> = self
+            .qps
+            .iter()
+            .filter(|(q, s)| s.destroyed && self.engine.closed_and_quiet(**q, now, CLOSED_QUIET))
+            .map(|(q, _)| *q)
+            .collect();
+        for q in done {
+            if let Some(side) = self.qps.remove(&q) {
+                let _ = self.engine.destroy_qp(q);
+                self.engine.destroy_cq(side.cq);
+                self.tx.remove(&side.port);
+            }
+        }
+        self.closing = self.qps.values().any(|s| s.destroyed);
     }
 
     fn receive(&mut self, now: Instant) -> Result<()> {
@@ -932,14 +1013,38 @@ impl Verbs for UserVerbs {
             .and_then(|a| a.as_socket())
             .map(|a| a.port())
             .unwrap_or(0);
+        // SAFETY: eventfd takes no pointers; the result is checked before use.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(Error::last_os(
+                "eventfd for a RoCE v2 queue pair's completions (out of file descriptors?)",
+            ));
+        }
+        // SAFETY: `efd` is a fresh descriptor that nothing else owns.
+        let wake = unsafe { OwnedFd::from_raw_fd(efd) };
         let cq = d.engine.create_cq();
-        let q = d.engine.create_qp(cq, cq, port)?;
+        let q = match d.engine.create_qp(cq, cq, port) {
+            Ok(q) => q,
+            Err(e) => {
+                d.engine.destroy_cq(cq);
+                return Err(e);
+            }
+        };
         d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
         d.tx.insert(port, tx);
-        d.cq_of.insert(q, cq);
         let psn = d.next_psn;
         d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
-        d.psn_of.insert(q, psn);
+        d.qps.insert(
+            q,
+            QpSide {
+                cq,
+                psn,
+                port,
+                wake,
+                armed: false,
+                destroyed: false,
+            },
+        );
         Ok((
             QpId(q),
             QpEndpoint {
@@ -953,10 +1058,11 @@ impl Verbs for UserVerbs {
 
     fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
         let mut d = self.d.lock();
-        let psn = *d
-            .psn_of
+        let psn = d
+            .qps
             .get(&qpn(qp))
-            .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?;
+            .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?
+            .psn;
         let timeout = std::env::var("ROCCL_IB_TIMEOUT")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -989,9 +1095,20 @@ impl Verbs for UserVerbs {
         self.d.lock().retry_for = timeout;
     }
 
+    fn drain_limit(&self) -> Duration {
+        // The engine fails a QP without progress for this long by itself.
+        self.d.lock().retry_for + Duration::from_secs(1)
+    }
+
     fn destroy_qp(&self, qp: QpId) {
-        // Keep it acknowledging retransmissions until the provider goes away (linger).
-        let _ = self.d.lock().engine.close_qp(qpn(qp));
+        // The engine keeps delivering what was posted and acknowledging the peer until the
+        // QP is done and quiet; then progress frees it (see `Driver::reap_closed`).
+        let mut d = self.d.lock();
+        if let Some(side) = d.qps.get_mut(&qpn(qp)) {
+            side.destroyed = true;
+            d.closing = true;
+            let _ = d.engine.close_qp(qpn(qp), Instant::now());
+        }
     }
 
     fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
@@ -1008,11 +1125,18 @@ impl Verbs for UserVerbs {
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
         let mut d = self.d.lock();
         d.last_app_poll = d.progress()?;
-        let cq = *d
-            .cq_of
-            .get(&qpn(qp))
-            .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?;
-        Ok(d.engine.poll_cq(cq, out))
+        let q = qpn(qp);
+        let cq = d
+            .qps
+            .get(&q)
+            .filter(|s| !s.destroyed)
+            .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?
+            .cq;
+        let n = d.engine.poll_cq(cq, out);
+        d.unwake(q);
+        // Completions this progress made for other QPs: wake whoever sleeps on them.
+        d.wake(Some(q));
+        Ok(n)
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
@@ -1020,6 +1144,16 @@ impl Verbs for UserVerbs {
             fd: self.fd,
             events: libc::POLLIN,
         });
+    }
+
+    fn qp_fds(&self, qp: QpId, out: &mut Vec<PollFd>) {
+        self.poll_fds(out);
+        if let Some(side) = self.d.lock().qps.get(&qpn(qp)) {
+            out.push(PollFd {
+                fd: side.wake.as_raw_fd(),
+                events: libc::POLLIN,
+            });
+        }
     }
 
     fn read_registered(&self, addr: u64, out: &mut [u8]) {
@@ -1125,6 +1259,140 @@ mod tests {
         let stats = (a.udp_stats(), b.udp_stats());
         drop((a, b));
         stats
+    }
+
+    fn connected(a: &UserVerbs, b: &UserVerbs) -> (QpId, QpId) {
+        let (qa, ea) = a.create_qp().unwrap();
+        let (qb, eb) = b.create_qp().unwrap();
+        a.connect_qp(qa, &eb).unwrap();
+        b.connect_qp(qb, &ea).unwrap();
+        (qa, qb)
+    }
+
+    const EMPTY: Wc = Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qpn: 0,
+    };
+
+    /// A zero-length write with immediate from `qa` to `qb` (`b` has a receive posted).
+    fn ping(a: &UserVerbs, qa: QpId, b: &UserVerbs, qb: QpId, id: u64) {
+        b.post_recv(
+            qb,
+            &RecvWr {
+                wr_id: id,
+                sge: None,
+            },
+        )
+        .unwrap();
+        let wr = SendWr {
+            wr_id: id,
+            opcode: WrOpcode::WriteImm,
+            sge: None,
+            inline: false,
+            imm: 5,
+            remote_addr: 0,
+            rkey: 0,
+            signaled: true,
+        };
+        a.post_send(qa, &wr).unwrap();
+    }
+
+    /// Item 7 of issue 19: the progress thread takes a datagram off the shared socket and
+    /// fills a completion queue while the application sleeps in poll(2) on the QP's
+    /// descriptors; the application must be woken (the socket itself stays quiet).
+    #[test]
+    fn a_completion_wakes_a_thread_asleep_on_its_qp() {
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        let a = UserVerbs::with_offload(lo, 0, None, false).unwrap();
+        let b = UserVerbs::with_offload(lo, 0, None, false).unwrap();
+        let (qa, qb) = connected(&a, &b);
+        ping(&a, qa, &b, qb, 3);
+        // Nobody polls b: its progress thread receives the write (and fills the queue).
+        let start = Instant::now();
+        while b.stats().rx_packets == 0 {
+            assert!(start.elapsed() < Duration::from_secs(20), "nothing arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut fds = Vec::new();
+        b.qp_fds(qb, &mut fds);
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|f| libc::pollfd {
+                fd: f.fd,
+                events: f.events,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `p` is a valid pollfd array for the duration of the call.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 5000) };
+        assert!(
+            r > 0,
+            "a thread asleep on the QP's descriptors was not woken though its completion is ready"
+        );
+        let mut w = [EMPTY; 4];
+        assert_eq!(b.poll_cq(qb, &mut w).unwrap(), 1);
+        assert_eq!((w[0].wr_id, w[0].imm), (3, Some(5)));
+        // Taken: the descriptor is quiet again (no busy wake-ups).
+        let mut fds = Vec::new();
+        b.qp_fds(qb, &mut fds);
+        let wake = fds.last().unwrap().fd;
+        let mut p = libc::pollfd {
+            fd: wake,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::poll(&mut p, 1, 0) }, 0, "still readable");
+    }
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+    }
+
+    /// Item 12 of issue 19: destroyed QPs are freed (engine slot, completion queue, send
+    /// socket, wake-up descriptor), so a process that creates and destroys connections
+    /// keeps its descriptors and tables flat.
+    #[test]
+    fn destroyed_queue_pairs_are_freed() {
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        let a = UserVerbs::with_offload(lo, 0, None, false).unwrap();
+        let b = UserVerbs::with_offload(lo, 0, None, false).unwrap();
+        let fds0 = open_fds();
+        for i in 0..1000u64 {
+            let (qa, qb) = connected(&a, &b);
+            ping(&a, qa, &b, qb, i);
+            let (mut sent, mut got) = (false, false);
+            let start = Instant::now();
+            let mut w = [EMPTY; 4];
+            while !(sent && got) {
+                assert!(start.elapsed() < Duration::from_secs(20), "round {i} hung");
+                sent |= a.poll_cq(qa, &mut w).unwrap() > 0;
+                got |= b.poll_cq(qb, &mut w).unwrap() > 0;
+            }
+            a.destroy_qp(qa);
+            b.destroy_qp(qb);
+        }
+        // Freed once quiet (a few hundred milliseconds after the last packet).
+        let start = Instant::now();
+        while a.open_qps() != (0, 0) || b.open_qps() != (0, 0) {
+            if start.elapsed() > Duration::from_secs(10) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let fds = open_fds();
+        // Other tests of this binary open descriptors meanwhile: allow some, far below the
+        // 4000 that 1000 leaked QP pairs would hold.
+        assert!(
+            fds < fds0 + 200,
+            "descriptors grew from {fds0} to {fds} over 1000 QP pairs"
+        );
+        assert_eq!(a.open_qps(), (0, 0), "queue pairs left in the table");
+        assert_eq!(b.open_qps(), (0, 0), "queue pairs left in the table");
     }
 
     #[test]

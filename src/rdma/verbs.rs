@@ -99,6 +99,11 @@ pub trait Verbs: Send + Sync {
     fn set_timeout(&self, timeout: std::time::Duration) {
         let _ = timeout;
     }
+    /// Longest a closing connection waits for the peer to acknowledge what it sent
+    /// (the peer or the QP failing ends the wait sooner).
+    fn drain_limit(&self) -> std::time::Duration {
+        crate::comm::timeout()
+    }
     /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;
     /// Bring the QP to RTS, connected to `remote` (INIT → RTR → RTS).
