@@ -92,6 +92,48 @@ impl Faults {
     }
 }
 
+/// What the fault injector did and how the engines recovered, summed over every userspace
+/// provider of this process (engine counters are added when a provider closes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultStats {
+    /// Datagrams the injector dropped.
+    pub dropped: u64,
+    /// Datagrams it sent twice.
+    pub duplicated: u64,
+    /// Datagrams it delayed behind later ones.
+    pub reordered: u64,
+    /// Datagrams it corrupted (one bit flipped).
+    pub corrupted: u64,
+    /// Packets the engines retransmitted.
+    pub retransmits: u64,
+    /// Datagrams the engines dropped for a bad ICRC.
+    pub icrc_errors: u64,
+    /// Duplicate requests the engines recognised and dropped.
+    pub duplicates: u64,
+}
+
+static FAULT_COUNTS: [std::sync::atomic::AtomicU64; 7] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 7];
+
+fn count(i: usize, n: u64) {
+    FAULT_COUNTS[i].fetch_add(n, Ordering::Relaxed);
+}
+
+/// The process-wide [`FaultStats`] (`ROCCL_ROCEV2_FAULTS`): a test that injects faults
+/// checks with it that faults were injected and recovered from.
+pub fn fault_stats() -> FaultStats {
+    let c = |i: usize| FAULT_COUNTS[i].load(Ordering::Relaxed);
+    FaultStats {
+        dropped: c(0),
+        duplicated: c(1),
+        reordered: c(2),
+        corrupted: c(3),
+        retransmits: c(4),
+        icrc_errors: c(5),
+        duplicates: c(6),
+    }
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -162,6 +204,8 @@ struct Driver {
     last_app_poll: Instant,
     /// QPs retransmit until this long passes without progress ([`Verbs::set_timeout`]).
     retry_for: Duration,
+    /// Engine counters already added to [`fault_stats`].
+    reported: super::engine::Stats,
 }
 
 /// The userspace RoCE v2 provider.
@@ -396,6 +440,7 @@ impl UserVerbs {
             last_app_poll: Instant::now(),
             // Until the network is told the communicator's deadline: ROCCL_TIMEOUT's.
             retry_for: crate::comm::timeout(),
+            reported: Default::default(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (d2, s2) = (Arc::clone(&d), Arc::clone(&stop));
@@ -474,7 +519,20 @@ impl Driver {
         if self.closing {
             self.reap_closed(now);
         }
+        if self.faults.is_some() {
+            self.report_stats();
+        }
         Ok(now)
+    }
+
+    /// Add what the engine counted since the last report to [`fault_stats`].
+    fn report_stats(&mut self) {
+        let st = self.engine.stats();
+        let r = &mut self.reported;
+        count(4, st.retransmits - r.retransmits);
+        count(5, st.icrc_errors - r.icrc_errors);
+        count(6, st.duplicates - r.duplicates);
+        *r = st;
     }
 
     /// Make the wake-up descriptor of every QP whose completion queue holds completions
@@ -712,13 +770,16 @@ impl Driver {
                 continue;
             };
             if rng.chance(f.drop) {
+                count(0, 1);
                 continue;
             }
             if rng.chance(f.corrupt) {
+                count(3, 1);
                 let k = (rng.next() as usize) % t.len;
                 self.txarena[at + k] ^= 1 << (rng.next() % 8);
             }
             if rng.chance(f.reorder) {
+                count(2, 1);
                 let delay = Duration::from_micros(20 + rng.next() % 480);
                 self.delayed.push(Pending {
                     at: now + delay,
@@ -729,6 +790,7 @@ impl Driver {
                 continue;
             }
             let dup = rng.chance(f.dup);
+            count(1, u64::from(dup));
             let g = self.open_group(&mut groups, t, at);
             groups[g].open = false;
             if dup {
@@ -895,6 +957,13 @@ const LINGER_MAX: Duration = Duration::from_secs(1);
 
 impl Drop for UserVerbs {
     fn drop(&mut self) {
+        self.linger();
+        self.d.lock().report_stats();
+    }
+}
+
+impl UserVerbs {
+    fn linger(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         // Linger: a peer that lost our last ACK retransmits within its timeout; answer until
         // the line has been quiet for a few of its timeouts, so it completes instead of
