@@ -19,6 +19,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use super::mem::{Access, AccessError, MrTable};
+use super::reorder::Reorder;
 use super::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
 use crate::error::{Error, Result};
 
@@ -36,7 +37,7 @@ pub const MAX_INLINE: usize = 256;
 /// does not allocate while a connection stays within this many requests in flight.
 const QUEUE_HINT: usize = 256;
 /// A responder repeats its sequence-error NAK after this many out-of-sequence packets.
-const NAK_REPEAT: u32 = 64;
+const NAK_REPEAT: u32 = 16;
 /// A responder acknowledges a packet that asks for it at once, and others (the last
 /// packets of unsignaled messages, whose requester waits for nothing) within this delay,
 /// coalesced: one acknowledgement then covers every message of a burst of small ones.
@@ -249,6 +250,12 @@ pub struct QpAttr {
     /// without any acknowledged progress (the communicator's own deadline). `None`: IB
     /// semantics, `retry_cnt` retransmissions.
     pub retry_for: Option<Duration>,
+    /// Userspace extension (RTS): the peer keeps out-of-order packets (this engine's
+    /// responder does, see `rdma::reorder`), so a sequence-error NAK resends only the NAKed
+    /// packet (fast retransmit) instead of everything from it, and the retransmission timer
+    /// follows the measured round trip (at least [`RTO_MIN`], at most the IB timeout).
+    /// The timer still goes back N. `false`: IB go-back-N, fixed timer.
+    pub selective: bool,
 }
 
 impl Default for QpAttr {
@@ -264,6 +271,7 @@ impl Default for QpAttr {
             rnr_retry: 7,
             min_rnr_timer: 1,
             retry_for: None,
+            selective: false,
         }
     }
 }
@@ -287,6 +295,12 @@ pub fn ack_timeout(code: u8) -> Duration {
 /// to this (or the base timeout, if longer): a peer back from a pause is heard from again
 /// within this long.
 pub const MAX_BACKOFF: Duration = Duration::from_millis(100);
+
+/// With [`QpAttr::selective`], the shortest retransmission timeout (the measured round
+/// trip sets it above: smoothed RTT + 4 × its variation, as TCP does).
+pub const RTO_MIN: Duration = Duration::from_millis(3);
+/// Packets queued for selective retransmission at most (more NAKs wait for the timer).
+const RESEND_MAX: usize = 64;
 
 #[derive(Clone, Copy)]
 struct SendWqe {
@@ -373,8 +387,18 @@ struct Qp {
     sent_hi: u32,
     /// One past the highest PSN the responder acknowledged (cumulative).
     acked: u32,
-    /// PSN of the last sequence-error NAK acted on.
+    /// PSN of the last sequence-error NAK acted on (and when).
     last_nak: Option<u32>,
+    last_nak_at: Option<Instant>,
+    /// PSNs to resend one by one (selective retransmission), oldest first.
+    resend: VecDeque<u32>,
+    /// Smoothed round trip and its variation (selective mode), and the packet timed now.
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    probe: Option<(u32, Instant)>,
+    /// The last selectively resent PSN and when to resend it again if it is still the
+    /// oldest unacknowledged one then (its resend, or the NAK, was lost too).
+    hole: Option<(u32, Instant)>,
     /// Packets allowed in flight: halved on every loss, grown by one per acknowledgement
     /// (go-back-N resends everything in flight after a loss, so a lossy path gets a small
     /// window and a clean one the full [`WINDOW`]).
@@ -388,6 +412,8 @@ struct Qp {
     nak_sent: bool,
     /// Out-of-sequence packets since the last NAK.
     oos_since_nak: u32,
+    /// Out-of-sequence packets kept until the gap before them fills.
+    reorder: Reorder,
     /// Closed by its owner: delivers what was posted, acknowledges (and discards) what
     /// arrives, until the driver frees it.
     closing: bool,
@@ -425,12 +451,37 @@ impl Qp {
     /// The retransmission interval: the IB timeout, doubled per consecutive timeout when
     /// retrying until a deadline ([`QpAttr::retry_for`]).
     fn rto_interval(&self) -> Duration {
-        let base = ack_timeout(self.attr.timeout);
+        let ib = ack_timeout(self.attr.timeout);
+        let base = match self.srtt {
+            Some(s) if self.attr.selective => (s + 4 * self.rttvar).max(RTO_MIN).min(ib),
+            _ => ib,
+        };
         if self.attr.retry_for.is_none() || self.backoff == 0 {
             return base;
         }
         let cap = base.max(MAX_BACKOFF);
         base.saturating_mul(1 << self.backoff.min(16)).min(cap)
+    }
+    /// The responder acknowledged every PSN before `upto`: time the probe if it is covered
+    /// (a retransmission cancelled it: Karn's rule).
+    fn rtt_sample(&mut self, upto: u32, now: Instant) {
+        let Some((p, t)) = self.probe else { return };
+        if psn_diff(upto, p) <= 0 {
+            return;
+        }
+        self.probe = None;
+        let r = now.saturating_duration_since(t);
+        match self.srtt {
+            None => {
+                self.srtt = Some(r);
+                self.rttvar = r / 2;
+            }
+            Some(s) => {
+                let dev = if s > r { s - r } else { r - s };
+                self.rttvar = (self.rttvar * 3 + dev) / 4;
+                self.srtt = Some((s * 7 + r) / 8);
+            }
+        }
     }
     /// The responder acknowledged something new: the retry budget starts again.
     fn progressed(&mut self, now: Instant) {
@@ -603,6 +654,13 @@ impl Engine {
             sent_hi: 0,
             acked: 0,
             last_nak: None,
+            last_nak_at: None,
+            resend: VecDeque::with_capacity(RESEND_MAX),
+            srtt: None,
+            rttvar: Duration::ZERO,
+            probe: None,
+            hole: None,
+            reorder: Reorder::default(),
             cwnd: WINDOW,
             rq: VecDeque::with_capacity(QUEUE_HINT),
             epsn: 0,
@@ -708,6 +766,7 @@ impl Engine {
                 qp.attr.retry_cnt = attr.retry_cnt.min(7);
                 qp.attr.rnr_retry = attr.rnr_retry.min(7);
                 qp.attr.retry_for = attr.retry_for;
+                qp.attr.selective = attr.selective;
                 qp.next_psn = attr.sq_psn & PSN_MASK;
                 qp.sent_hi = qp.next_psn;
                 qp.acked = qp.next_psn;
@@ -978,7 +1037,7 @@ impl Engine {
         self.qps
             .iter()
             .flatten()
-            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due])
+            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due, q.hole.map(|h| h.1)])
             .flatten()
             .min()
     }
@@ -999,6 +1058,14 @@ impl Engine {
                     qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
                 }
             }
+            if let Some((p, t)) = qp.hole {
+                if now >= t {
+                    qp.hole = None;
+                    if qp.una() == p && qp.resend.len() < RESEND_MAX && !qp.resend.contains(&p) {
+                        qp.resend.push_back(p);
+                    }
+                }
+            }
             if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
                 let exhausted = match qp.attr.retry_for {
                     // Retry until the deadline: `limit` without any progress.
@@ -1015,6 +1082,9 @@ impl Engine {
                 qp.backoff = qp.backoff.saturating_add(1);
                 qp.rto = Some(now + qp.rto_interval());
                 qp.cwnd = MIN_WINDOW;
+                qp.resend.clear(); // going back N resends them
+                qp.hole = None;
+                qp.probe = None;
                 crate::info!(
                     "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left, backoff {}): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
                     qp.retry_left,
@@ -1105,6 +1175,30 @@ impl Engine {
             self.on_response(now, qpn, &pkt);
         } else {
             self.on_request(now, qpn, &pkt);
+            self.replay(now, qpn);
+        }
+    }
+
+    /// Process the kept out-of-order packets that are in sequence now; NAK the next gap at
+    /// once if packets past it are kept (its packet was lost too).
+    fn replay(&mut self, now: Instant, qpn: Qpn) {
+        loop {
+            let Ok(qp) = self.qp(qpn) else { return };
+            let epsn = qp.epsn;
+            let Some((kept, data)) = qp.reorder.take(epsn) else {
+                if qp.reorder.beyond(epsn) && !qp.nak_sent {
+                    qp.nak_sent = true;
+                    qp.oos_since_nak = 0;
+                    qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), epsn));
+                }
+                return;
+            };
+            self.on_request(now, qpn, &kept.packet(&data));
+            let Ok(qp) = self.qp(qpn) else { return };
+            qp.reorder.give_back(epsn, data);
+            if qp.epsn == epsn {
+                return; // not taken (no receive posted, an error): the requester resends
+            }
         }
     }
 
@@ -1187,6 +1281,7 @@ impl Engine {
                         progressed = true;
                     }
                 }
+                qp.rtt_sample(psn_add(psn, 1), now);
                 if progressed {
                     qp.cwnd = (qp.cwnd + 8).min(WINDOW);
                     qp.rnr_left = qp.attr.rnr_retry;
@@ -1216,6 +1311,29 @@ impl Engine {
                 // like an ACK's, so the retry budget starts again.
                 if Self::ack_before(qp, psn) {
                     qp.progressed(now);
+                }
+                qp.rtt_sample(psn, now);
+                if qp.attr.selective {
+                    // The responder keeps what came after the gap: resend just the packet it
+                    // names (again only if it names it once more a round trip later).
+                    let gap = qp.srtt.unwrap_or(ACK_DELAY).max(ACK_DELAY);
+                    let repeat = qp.last_nak == Some(psn)
+                        && qp
+                            .last_nak_at
+                            .is_some_and(|t| now.saturating_duration_since(t) < gap);
+                    if !repeat
+                        && psn_diff(psn, qp.sent_hi) < 0
+                        && !qp.resend.contains(&psn)
+                        && qp.resend.len() < RESEND_MAX
+                    {
+                        qp.last_nak = Some(psn);
+                        qp.last_nak_at = Some(now);
+                        qp.resend.push_back(psn);
+                        qp.probe = None;
+                        qp.cwnd = (qp.cwnd - qp.cwnd / 8).max(MIN_WINDOW);
+                    }
+                    self.reap(qpn);
+                    return;
                 }
                 // Go back once per round: NAKs for the same PSN that the responder sent
                 // before our retransmission reached it would restart the burst again and
@@ -1313,6 +1431,7 @@ impl Engine {
                 qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
             }
             qp.oos_since_nak += 1;
+            qp.reorder.store(qp.epsn, pkt);
             self.stats.out_of_sequence += 1;
             return;
         }
@@ -1537,7 +1656,8 @@ impl Engine {
             src_port: qp.src_port,
             dst_port: qp.attr.dest.port(),
         };
-        let bth = |opcode, psn, ack_req| Bth {
+        let (dest_qp, dest, src_port) = (qp.attr.dest_qpn, qp.attr.dest, qp.src_port);
+        let bth = move |opcode, psn, ack_req| Bth {
             opcode,
             solicited: false,
             mig_req: false,
@@ -1545,13 +1665,13 @@ impl Engine {
             pkey: wire::DEFAULT_PKEY,
             fecn: false,
             becn: false,
-            dest_qp: qp.attr.dest_qpn,
+            dest_qp,
             ack_req,
             psn,
         };
-        let out = |len| Transmit {
-            dest: qp.attr.dest,
-            src_port: qp.src_port,
+        let out = move |len| Transmit {
+            dest,
+            src_port,
             len,
         };
         // 1. Acknowledgements — after the responses of earlier reads, so that responses
@@ -1612,10 +1732,29 @@ impl Engine {
             return None;
         }
         let una = qp.una();
-        let w = *qp.sq.get(qp.tx_wqe)?;
+        // Selective retransmissions first: packet `j` of WQE `i`, cursor untouched.
+        let mut resend = None;
+        while let Some(p) = qp.resend.pop_front() {
+            if psn_diff(p, una) < 0 {
+                continue; // acknowledged meanwhile
+            }
+            let Some(i) = qp.sq.iter().position(|w| {
+                !w.done && psn_diff(p, w.psn) >= 0 && psn_diff(p, w.psn) < w.npkts as i32
+            }) else {
+                continue;
+            };
+            if qp.sq[i].wr.opcode == WrOpcode::Read {
+                Self::rewind(qp, p); // a read request is re-sent whole, from the cursor
+                break;
+            }
+            resend = Some((i, psn_diff(p, qp.sq[i].psn) as u32));
+            break;
+        }
+        let (wi, j) = resend.unwrap_or((qp.tx_wqe, qp.tx_pkt));
+        let w = *qp.sq.get(wi)?;
         let mtu = qp.attr.mtu;
-        let pkt_psn = psn_add(w.psn, qp.tx_pkt);
-        if psn_diff(pkt_psn, una) >= qp.cwnd as i32 {
+        let pkt_psn = psn_add(w.psn, j);
+        if resend.is_none() && psn_diff(pkt_psn, una) >= qp.cwnd as i32 {
             return None;
         }
         let (opcode, payload_off, payload_len, reth, imm, ack_req, advance_wqe) =
@@ -1629,7 +1768,6 @@ impl Engine {
                 };
                 (Opcode::ReadRequest, 0, 0, Some(reth), None, true, true)
             } else {
-                let j = qp.tx_pkt;
                 let n = w.npkts;
                 let off = j * mtu;
                 let len = (w.len - off.min(w.len)).min(mtu);
@@ -1664,20 +1802,31 @@ impl Engine {
                 // Ask for an acknowledgement at the end of a message whose completion someone
                 // waits for, and every ACK_EVERY packets of a stream (to move the window);
                 // the responder acknowledges the rest within ACK_DELAY, coalesced.
+                // A selective retransmission fills a gap: acknowledge it at once.
                 let ack_req = (j + 1 == n && w.wr.signaled)
-                    || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1;
+                    || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1
+                    || resend.is_some();
                 (opcode, off, len, reth, imm, ack_req, j + 1 == n)
             };
-        if psn_diff(pkt_psn, una) < 0 {
+        if resend.is_none() && psn_diff(pkt_psn, una) < 0 {
             return None;
         }
         // Retransmissions are packets below the highest PSN sent so far.
         if psn_diff(pkt_psn, qp.sent_hi) < 0 {
             self.stats.retransmits += 1;
+            qp.probe = None; // Karn: no round trip from retransmitted packets
         } else {
             qp.sent_hi = psn_add(pkt_psn, 1);
+            if ack_req && qp.probe.is_none() && qp.attr.selective {
+                qp.probe = Some((pkt_psn, now));
+            }
         }
-        if advance_wqe {
+        if resend.is_some() {
+            // The cursor stays where new packets continue. If this one is lost too, send
+            // it again after a round trip rather than the whole timeout.
+            let wait = 2 * qp.srtt.unwrap_or(RTO_MIN / 8) + ACK_DELAY;
+            qp.hole = Some((pkt_psn, now + wait));
+        } else if advance_wqe {
             qp.tx_wqe += 1;
             qp.tx_pkt = 0;
         } else {

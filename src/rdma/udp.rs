@@ -1155,6 +1155,9 @@ impl Verbs for UserVerbs {
             // Nothing forces IB's 7 retries here: a paused or flapping peer is waited for
             // as long as the communicator waits.
             retry_for: Some(d.retry_for),
+            // Our peer is this engine, which keeps out-of-order packets: resend only what
+            // was lost.
+            selective: true,
         };
         d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
         d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
