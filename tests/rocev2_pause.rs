@@ -32,7 +32,7 @@ fn children(pid: u32) -> Vec<i32> {
 
 #[test]
 fn a_rank_stopped_for_a_second_is_waited_for() {
-    let mut child = Command::new(PERF)
+    let child = Command::new(PERF)
         .args([
             "--ranks", "3", "--net", "rocev2", "-b", "256K", "-e", "256K", "-i", "4000", "-w", "5",
         ])

@@ -13,6 +13,11 @@
 //! go-back-N from the NAKed PSN, after an RNR wait, or from the oldest unacknowledged PSN
 //! when the retransmission timer fires; when the retry count runs out the work request
 //! completes with RETRY_EXC_ERR (RNR_RETRY_EXC_ERR for RNR) and the QP enters ERROR.
+//!
+//! Userspace extensions (the engine's peer is itself): the responder keeps out-of-order
+//! packets (`rdma::reorder`), a requester with [`QpAttr::selective`] then resends only the
+//! NAKed packets and times out on the measured round trip, and [`QpAttr::retry_for`] retries
+//! with backoff until a deadline instead of counting retries.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
@@ -1817,7 +1822,9 @@ impl Engine {
             qp.probe = None; // Karn: no round trip from retransmitted packets
         } else {
             qp.sent_hi = psn_add(pkt_psn, 1);
-            if ack_req && qp.probe.is_none() && qp.attr.selective {
+            // Any new packet may be timed: unsignaled ones are acknowledged within
+            // ACK_DELAY, which the timer's floor covers.
+            if qp.probe.is_none() && qp.attr.selective {
                 qp.probe = Some((pkt_psn, now));
             }
         }

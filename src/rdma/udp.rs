@@ -7,7 +7,8 @@
 //! kernel then sends IPv4 identification 0 with DF, which is what the ICRC the engine
 //! computes assumes (the receiver cannot see the IP header and checks the ICRC with the same
 //! convention; see `rdma::wire::icrc`). Datagrams are batched with `recvmmsg`/`sendmmsg`.
-//! Progress happens inside `poll_cq` (no helper thread), under one lock per provider.
+//! Progress happens inside `poll_cq` and, while the application is away, on a progress
+//! thread, under one lock per provider; completions wake sleepers through a per-QP eventfd.
 //!
 //! A fault injector (`ROCCL_ROCEV2_FAULTS="drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=7"`)
 //! drops, duplicates, delays or corrupts outgoing datagrams to show recovery.
