@@ -207,6 +207,8 @@ struct Driver {
     retry_for: Duration,
     /// Engine counters already added to [`fault_stats`].
     reported: super::engine::Stats,
+    /// Scratch list of QPs to free (kept: no allocation per progress while some linger).
+    reap_buf: Vec<Qpn>,
 }
 
 /// The userspace RoCE v2 provider.
@@ -442,6 +444,7 @@ impl UserVerbs {
             // Until the network is told the communicator's deadline: ROCCL_TIMEOUT's.
             retry_for: crate::comm::timeout(),
             reported: Default::default(),
+            reap_buf: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (d2, s2) = (Arc::clone(&d), Arc::clone(&stop));
@@ -568,13 +571,17 @@ impl Driver {
     /// Free the destroyed QPs that are done: the engine's slot, the completion queue, the
     /// send socket and the wake-up descriptor.
     fn reap_closed(&mut self, now: Instant) {
-        let done: Vec<Qpn> = self
-            .qps
-            .iter()
-            .filter(|(q, s)| s.destroyed && self.engine.closed_and_quiet(**q, now, CLOSED_QUIET))
-            .map(|(q, _)| *q)
-            .collect();
-        for q in done {
+        let mut done = std::mem::take(&mut self.reap_buf);
+        done.clear();
+        done.extend(
+            self.qps
+                .iter()
+                .filter(|(q, s)| {
+                    s.destroyed && self.engine.closed_and_quiet(**q, now, CLOSED_QUIET)
+                })
+                .map(|(q, _)| *q),
+        );
+        for &q in &done {
             if let Some(side) = self.qps.remove(&q) {
                 let _ = self.engine.destroy_qp(q);
                 self.engine.destroy_cq(side.cq);
@@ -582,6 +589,7 @@ impl Driver {
             }
         }
         self.closing = self.qps.values().any(|s| s.destroyed);
+        self.reap_buf = done;
     }
 
     fn receive(&mut self, now: Instant) -> Result<()> {

@@ -1263,7 +1263,10 @@ fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
 
 impl Drop for RoceSend {
     fn drop(&mut self) {
-        drain_sends(&*self.verbs, self.qp, &mut self.live);
+        // A failed comm has nothing worth waiting for (its peer may be the failure).
+        if self.failed.is_none() {
+            drain_sends(&*self.verbs, self.qp, &mut self.live);
+        }
         self.verbs.destroy_qp(self.qp);
         for r in &self.reqs {
             if let SendState::Posted(Some(mr)) = r.state {
