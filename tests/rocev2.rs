@@ -59,3 +59,8 @@ fn an_eager_receive_meeting_a_rendezvous_send_fails_at_once() {
         }
     });
 }
+
+#[test]
+fn collective_then_destroy_at_once() {
+    collective_then_destroy(NetKind::RoceV2, 3, 150);
+}

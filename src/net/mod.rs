@@ -168,6 +168,11 @@ pub trait Net: Send + Sync {
     fn connect_duplex(&self, dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
         self.connect(dev, handle)
     }
+    /// The communicator's deadline (`Waiter::timeout`, `ROCCL_TIMEOUT` by default): how long
+    /// a connection may go without progress before it fails. The userspace RoCE v2 engine
+    /// retransmits, backing off, until then (a NIC keeps IB's retry count); networks that
+    /// never give up on their own ignore it. Applies to connections made afterwards.
+    fn set_timeout(&self, _timeout: std::time::Duration) {}
 }
 
 /// The error of a network that cannot register GPU memory.

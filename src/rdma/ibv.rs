@@ -44,6 +44,11 @@ const MAX_QPS: usize = 4096;
 pub const SIGNAL_EVERY: u32 = QUEUE / 4;
 /// Marks the completions of those forced signals.
 const HIDDEN: u64 = 1 << 63;
+/// `wr_id` of the zero-length write `destroy_qp` waits for.
+const DRAIN_ID: u64 = HIDDEN | 0x7fff_ffff_ffff_fffe;
+/// Longest `destroy_qp` waits for the QP's sends to be acknowledged (the IB retry count
+/// usually ends a hopeless wait sooner, with an error completion).
+const DESTROY_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// QP settings from the environment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -919,6 +924,7 @@ impl Verbs for IbvVerbs {
         let q = unsafe { Box::from_raw(p) };
         self.flags.lock().retain(|(n, _)| *n != q.qpn);
         self.held.fetch_sub(1, Ordering::Relaxed);
+        drain(&q);
         free_qp(*q);
     }
 
@@ -1132,6 +1138,43 @@ fn sge_of(s: Option<super::verbs::Sge>) -> ffi::ibv_sge {
             lkey: s.lkey,
         },
     )
+}
+
+/// Wait (at most [`DESTROY_DRAIN`]) until every send posted on `q` was acknowledged, so that
+/// `ibv_destroy_qp` loses none of them: a signaled zero-length RDMA WRITE (no memory, no rkey
+/// check) completes only after them, RC completing in order. A QP that cannot take it (not
+/// in RTS, full) or that fails ends the wait at once.
+fn drain(q: &Qp) {
+    // SAFETY: a zeroed work request is valid; the fields used are set below.
+    let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+    w.wr_id = DRAIN_ID;
+    w.opcode = wr_opcode(WrOpcode::Write);
+    w.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let mut bad = ptr::null_mut();
+    // SAFETY: `q.qp` is live (it left the table but is not destroyed yet); `w` outlives the
+    // call and names no memory.
+    if unsafe { ffi::ibv_post_send(q.qp, &mut w, &mut bad) } != 0 {
+        return;
+    }
+    let start = std::time::Instant::now();
+    while start.elapsed() < DESTROY_DRAIN {
+        // SAFETY: ibv_wc is plain data; zeroed entries are valid and overwritten by the poll.
+        let mut wcs: [ffi::ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        // SAFETY: `q.cq` is live; `wcs` holds 16 entries.
+        let n = unsafe { ffi::ibv_poll_cq(q.cq, 16, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return;
+        }
+        if wcs[..n as usize]
+            .iter()
+            .any(|c| c.wr_id == DRAIN_ID || c.status != 0)
+        {
+            return;
+        }
+        if n == 0 {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
 }
 
 fn free_qp(q: Qp) {

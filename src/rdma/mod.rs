@@ -4,6 +4,7 @@ pub mod hints;
 #[cfg(feature = "verbs")]
 pub mod ibv;
 pub mod mem;
+pub mod reorder;
 pub mod select;
 pub mod udp;
 pub mod verbs;

@@ -47,6 +47,10 @@ struct Sim {
     faults: Faults,
     /// Drop everything (a dead link).
     cut: bool,
+    /// Drop engine 0's requests from this PSN on.
+    drop_psn_from: Option<u32>,
+    /// Drop engine 1's positive acknowledgements (NAKs pass).
+    drop_acks: bool,
 }
 
 const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
@@ -85,6 +89,8 @@ impl Sim {
             rng: Rng(seed | 1),
             faults,
             cut: false,
+            drop_psn_from: None,
+            drop_acks: false,
         }
     }
 
@@ -105,7 +111,8 @@ impl Sim {
                     .iter()
                     .position(|ip| IpAddr::from(*ip) == tx.dest.ip())
                     .expect("known peer");
-                if self.cut || self.rng.chance(self.faults.drop) {
+                if self.cut || self.rng.chance(self.faults.drop) || self.filtered(e, &buf[..tx.len])
+                {
                     continue;
                 }
                 let mut data = buf[..tx.len].to_vec();
@@ -167,6 +174,16 @@ impl Sim {
         }
     }
 
+    /// Whether the targeted drops (`drop_psn_from`, `drop_acks`) take this datagram.
+    fn filtered(&self, from: usize, d: &[u8]) -> bool {
+        let opcode = d[0];
+        let psn = u32::from_be_bytes([0, d[9], d[10], d[11]]);
+        match from {
+            0 => opcode != 0x11 && self.drop_psn_from.is_some_and(|p| psn_diff(psn, p) >= 0),
+            _ => self.drop_acks && opcode == 0x11 && d[12] >> 5 == 0,
+        }
+    }
+
     fn run_until(&mut self, mut done: impl FnMut(&mut Sim) -> bool) {
         for _ in 0..5_000_000 {
             if done(self) {
@@ -213,6 +230,10 @@ impl Sim {
     }
 }
 
+fn psn_diff(a: u32, b: u32) -> i32 {
+    ((a.wrapping_sub(b) & 0x00ff_ffff) << 8) as i32 >> 8
+}
+
 fn attr(mtu: u32) -> QpAttr {
     QpAttr {
         mtu,
@@ -233,7 +254,12 @@ fn pattern(seed: usize, len: usize) -> Vec<u8> {
 /// Sends, writes, writes with immediate and reads of many sizes through a bad link: each
 /// delivered exactly once, in order, bit-exact.
 fn lossy_workload(seed: u64, faults: Faults) -> Stats {
-    let mut s = Sim::new(seed, faults, attr(1024));
+    lossy_workload_with(seed, faults, attr(1024)).0
+}
+
+/// [`lossy_workload`] with QP attributes `a`; also returns the virtual time it took (µs).
+fn lossy_workload_with(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64) {
+    let mut s = Sim::new(seed, faults, a);
     let sizes = [0usize, 1, 3, 1023, 1024, 1025, 4096, 5000, 20_000, 7];
     const N: usize = 80;
     let mut srcs: Vec<Vec<u8>> = (0..N).map(|i| pattern(i, sizes[i % sizes.len()])).collect();
@@ -363,13 +389,14 @@ fn lossy_workload(seed: u64, faults: Faults) -> Stats {
     }
     let st = [s.eng[0].stats(), s.eng[1].stats()];
     drop((srcs, recv_bufs, target, read_src, read_dst));
-    Stats {
+    let st = Stats {
         icrc_errors: st[0].icrc_errors + st[1].icrc_errors,
         retransmits: st[0].retransmits + st[1].retransmits,
         duplicates: st[0].duplicates + st[1].duplicates,
         out_of_sequence: st[0].out_of_sequence + st[1].out_of_sequence,
         ..st[0]
-    }
+    };
+    (st, s.t)
 }
 
 #[test]
@@ -734,4 +761,250 @@ fn long_messages_recover_by_nak() {
         s.eng[1].stats()
     );
     assert!(s.t < 60_000, "recovery relied on timeouts: {} µs", s.t);
+}
+
+/// A write of `len` bytes from engine 0 into a fresh buffer of engine 1, posted.
+fn post_write(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
+    let k = s.reg(0, src, Access::LOCAL_WRITE);
+    let rk = s.reg(1, dst, Access::ALL);
+    let wr = SendWr {
+        wr_id: 1,
+        opcode: WrOpcode::Write,
+        sge: Some(Sge {
+            addr: src.as_ptr() as u64,
+            len: src.len() as u32,
+            lkey: k,
+        }),
+        inline: false,
+        imm: 0,
+        remote_addr: dst.as_ptr() as u64,
+        rkey: rk,
+        signaled: true,
+    };
+    s.eng[0].post_send(s.qp[0], &wr).unwrap();
+}
+
+/// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.
+fn inject_nak(s: &mut Sim, psn: u32) {
+    use super::wire;
+    let from = SocketAddr::from((IPS[1], 50_001));
+    let ip = wire::IpInfo {
+        src: from.ip(),
+        dst: IpAddr::from(IPS[0]),
+        src_port: from.port(),
+        dst_port: 4791,
+    };
+    let p = wire::Packet {
+        bth: wire::Bth {
+            opcode: wire::Opcode::Ack,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: wire::DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: s.qp[0],
+            ack_req: false,
+            psn,
+        },
+        reth: None,
+        imm: None,
+        aeth: Some(wire::Aeth::nak(0, wire::NakCode::PsnSequenceError)),
+        payload: &[],
+    };
+    let mut buf = [0u8; 128];
+    let n = wire::encode(&p, &ip, &mut buf).unwrap();
+    let now = s.now();
+    s.eng[0].handle_datagram(now, from, &buf[..n]);
+}
+
+/// Item 24 of issue 19: a sequence-error NAK that acknowledges progress gives the requester
+/// its retries back, as an ACK does. With one retry: a timeout uses it, a NAK acknowledges
+/// half the message, the next timeout must retransmit rather than fail.
+#[test]
+fn a_nak_that_acknowledges_progress_resets_the_retry_count() {
+    let mut s = Sim::new(
+        31,
+        Faults::default(),
+        QpAttr {
+            retry_cnt: 1,
+            ..attr(1024)
+        },
+    );
+    let mut src = pattern(5, 10 * 1024);
+    let mut dst = vec![0u8; src.len()];
+    let first = 0x00ff_fff0u32; // engine 0's first PSN (see Sim::new)
+                                // The responder gets the first 5 packets; the rest and its ACKs are lost.
+    s.drop_psn_from = Some((first + 5) & 0x00ff_ffff);
+    s.drop_acks = true;
+    post_write(&mut s, &mut src, &mut dst);
+    // Until the first timeout has used the one retry.
+    while s.eng[0].stats().retransmits == 0 {
+        s.step();
+    }
+    // The responder's NAK for PSN first+5 (as it sends on a later packet) acknowledges
+    // the first 5; the retransmission it starts is lost too.
+    inject_nak(&mut s, (first + 5) & 0x00ff_ffff);
+    s.step();
+    // The link heals before the next timeout: with the count reset that timeout
+    // retransmits instead of failing the request.
+    s.drop_psn_from = None;
+    s.drop_acks = false;
+    let mut a = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        !a.is_empty()
+    });
+    assert_eq!(a[0].status, WcStatus::Success, "{a:?}");
+    assert_eq!(dst, src);
+}
+
+/// Item 25 of issue 19: with a deadline instead of a retry count, a QP rides out a link that
+/// drops everything for a second (the retransmission timer backs off meanwhile) and fails
+/// only when the deadline passes without progress.
+#[test]
+fn a_deadline_rides_out_a_one_second_outage() {
+    let cfg = QpAttr {
+        retry_cnt: 7,
+        retry_for: Some(Duration::from_secs(3)),
+        ..attr(1024) // timeout code 8: ~1 ms
+    };
+    let mut s = Sim::new(33, Faults::default(), cfg);
+    let mut src = pattern(9, 20_000);
+    let mut dst = vec![0u8; src.len()];
+    s.cut = true;
+    post_write(&mut s, &mut src, &mut dst);
+    let mut a = Vec::new();
+    s.run_until(|s| {
+        if s.t >= 1_000_000 {
+            s.cut = false;
+        }
+        s.drain(0, &mut a);
+        !a.is_empty()
+    });
+    assert_eq!(a[0].status, WcStatus::Success, "{a:?}");
+    assert_eq!(dst, src);
+    // Back within the backoff cap of the link's return.
+    assert!(
+        s.t >= 1_000_000 && s.t < 1_000_000 + 2 * MAX_BACKOFF.as_micros() as u64,
+        "completed at {} µs",
+        s.t
+    );
+    // Backoff: far fewer retransmission rounds than 1 s / 1 ms.
+    let rounds = s.eng[0].stats().retransmits / 20;
+    assert!(
+        rounds < 100,
+        "{} retransmissions",
+        s.eng[0].stats().retransmits
+    );
+
+    // A link that stays dead fails the request once the deadline passes without progress.
+    let cfg = QpAttr {
+        retry_for: Some(Duration::from_millis(700)),
+        ..cfg
+    };
+    let mut s = Sim::new(35, Faults::default(), cfg);
+    s.cut = true;
+    post_write(&mut s, &mut src, &mut dst);
+    let mut a = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut a);
+        !a.is_empty()
+    });
+    assert_eq!(a[0].status, WcStatus::RetryExcErr);
+    assert!(
+        s.t >= 700_000 && s.t < 700_000 + 2 * MAX_BACKOFF.as_micros() as u64,
+        "gave up at {} µs",
+        s.t
+    );
+}
+
+/// Item 11 of issue 19: closing a QP keeps delivering what was posted on it (a send its
+/// owner was told is done) until the peer acknowledges it, here after the first
+/// transmission was lost; the closed QP then goes quiet and can be freed.
+#[test]
+fn a_closed_queue_pair_delivers_what_was_posted() {
+    let mut s = Sim::new(
+        37,
+        Faults::default(),
+        QpAttr {
+            retry_for: Some(Duration::from_secs(1)),
+            ..attr(1024)
+        },
+    );
+    let mut src = pattern(11, 3000);
+    let mut dst = vec![0u8; src.len()];
+    s.cut = true;
+    post_write(&mut s, &mut src, &mut dst);
+    s.step(); // sent, and lost
+    let now = s.now();
+    s.eng[0].close_qp(s.qp[0], now).unwrap();
+    s.cut = false;
+    let quiet = Duration::from_millis(50);
+    s.run_until(|s| {
+        let now = s.now();
+        s.eng[0].closed_and_quiet(s.qp[0], now, quiet)
+    });
+    assert!(
+        dst == src,
+        "the write posted before the close was not delivered"
+    );
+    assert!(s.eng[0].stats().retransmits > 0);
+}
+
+/// Item 26 of issue 19: with the responder keeping out-of-order packets, a requester that
+/// resends only what was lost (`selective`) delivers everything exactly once, and a long
+/// message through a lossy link costs far fewer retransmissions than going back N.
+#[test]
+fn selective_retransmission_resends_only_what_was_lost() {
+    let sel_attr = |mtu| QpAttr {
+        selective: true,
+        ..attr(mtu)
+    };
+    for (seed, p) in [(7u64, 0.01), (11, 0.05), (13, 0.10)] {
+        let f = Faults {
+            drop: p,
+            dup: p,
+            reorder: p,
+            corrupt: p,
+        };
+        let (st, t) = lossy_workload_with(seed, f, sel_attr(1024));
+        eprintln!("p={p}: selective: {t} µs, {st:?}");
+        assert!(st.retransmits > 0 && st.icrc_errors > 0, "p={p}: {st:?}");
+    }
+    let f = Faults {
+        drop: 0.05,
+        dup: 0.05,
+        reorder: 0.05,
+        corrupt: 0.05,
+    };
+    let run = |a: QpAttr| {
+        let mut s = Sim::new(23, f, a);
+        let len = 2_000_000usize;
+        let mut src = pattern(4, len);
+        let mut dst = vec![0u8; len];
+        post_write(&mut s, &mut src, &mut dst);
+        let mut w = Vec::new();
+        s.run_until(|s| {
+            s.drain(0, &mut w);
+            !w.is_empty()
+        });
+        assert_eq!(w[0].status, WcStatus::Success);
+        assert!(dst == src, "2 MB write corrupted");
+        (s.eng[0].stats(), s.t)
+    };
+    let (gbn, t_gbn) = run(attr(4096));
+    let (sel, t_sel) = run(sel_attr(4096));
+    eprintln!("2 MB at 5%: go-back-N {t_gbn} µs {gbn:?}\n  selective {t_sel} µs {sel:?}");
+    // 489 packets, ~10% of them lost or corrupted.
+    assert!(
+        sel.retransmits * 2 < gbn.retransmits,
+        "selective resent {} packets, go-back-N {}",
+        sel.retransmits,
+        gbn.retransmits
+    );
+    assert!(
+        t_sel <= t_gbn,
+        "selective took {t_sel} µs, go-back-N {t_gbn} µs"
+    );
 }

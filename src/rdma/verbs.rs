@@ -99,6 +99,17 @@ pub trait Verbs: Send + Sync {
     fn cacheable_registrations(&self) -> bool {
         false
     }
+    /// How long a QP connected afterwards may go without acknowledged progress before its
+    /// work fails with RETRY_EXC_ERR (the communicator's deadline). The userspace engine
+    /// retransmits with backoff until then; a NIC keeps its IB retry count and ignores it.
+    fn set_timeout(&self, timeout: std::time::Duration) {
+        let _ = timeout;
+    }
+    /// Longest a closing connection waits for the peer to acknowledge what it sent
+    /// (the peer or the QP failing ends the wait sooner).
+    fn drain_limit(&self) -> std::time::Duration {
+        crate::comm::timeout()
+    }
     /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;
     /// Bring the QP to RTS, connected to `remote` (INIT → RTR → RTS).

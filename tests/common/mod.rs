@@ -408,3 +408,27 @@ pub fn net_matrix_cfg(cfg: Config, name: &str, n: usize) {
         c.barrier().unwrap();
     });
 }
+
+/// Item 11 of issue 19: `rounds` times, `n` ranks join, run one all-reduce (eager-sized and
+/// rendezvous-sized in turn), check it and destroy their communicators at once: a send
+/// reported done must still reach its peer, so every rank of every round succeeds.
+pub fn collective_then_destroy(net: NetKind, n: usize, rounds: usize) {
+    let mut cfg = config(Tuning::default());
+    cfg.net = net;
+    cfg.waiter.timeout = Duration::from_secs(30);
+    for round in 0..rounds {
+        let count = if round % 2 == 0 { 1000 } else { 50_000 };
+        run_ranks(n, cfg.clone(), |c| {
+            let r = c.rank();
+            let send: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
+            let mut recv = vec![0f32; count];
+            c.all_reduce(&send, &mut recv, RedOp::Sum)
+                .unwrap_or_else(|e| panic!("round {round} rank {r}: {e}"));
+            for (i, v) in recv.iter().enumerate() {
+                let want = (0..n).map(|k| (k + i % 7) as f32).sum::<f32>();
+                assert_eq!(*v, want, "round {round} rank {r} element {i}");
+            }
+            drop(c);
+        });
+    }
+}

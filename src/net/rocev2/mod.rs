@@ -408,6 +408,10 @@ impl Net for RoceNet {
         })
     }
 
+    fn set_timeout(&self, timeout: std::time::Duration) {
+        self.verbs.set_timeout(timeout);
+    }
+
     fn expect_device_buffers(&self) {
         self.device_buffers.store(true, Ordering::Relaxed);
     }
@@ -1297,8 +1301,71 @@ impl SendComm for RoceSend {
     }
 }
 
+/// `wr_id` of the marker a closing send comm posts (requests count up from 0).
+const DRAIN_MARK: u64 = u64::MAX;
+
+/// Wait until everything posted on `qp` so far has been acknowledged by the peer: RC
+/// completes in order, so a signaled zero-length RDMA WRITE (which touches no memory and
+/// needs no rkey) posted after it completes only then. Eager and inline sends were reported
+/// done when posted, and the staging memory they are sent from is freed with the comm: a
+/// destroy right after the last call would otherwise lose them. Ends early when the QP
+/// fails, when the peer's process is gone, or after the provider's drain limit.
+fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
+    if verbs.qp_state(qp).ok() != Some(crate::rdma::verbs::QpState::Rts) {
+        return;
+    }
+    let mark = SendWr {
+        wr_id: DRAIN_MARK,
+        opcode: WrOpcode::Write,
+        sge: None,
+        inline: false,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+        signaled: true,
+    };
+    if verbs.post_send(qp, &mark).is_err() {
+        return;
+    }
+    let (start, limit) = (std::time::Instant::now(), verbs.drain_limit());
+    let mut wcs = [EMPTY_WC; 16];
+    let mut fds = Vec::new();
+    loop {
+        let Ok(n) = verbs.poll_cq(qp, &mut wcs) else {
+            return;
+        };
+        if wcs[..n]
+            .iter()
+            .any(|w| w.wr_id == DRAIN_MARK || w.status != WcStatus::Success)
+        {
+            return;
+        }
+        if start.elapsed() >= limit || live.check(true, "close").is_err() {
+            crate::info!("RoCE v2 send comm: closed before the peer acknowledged everything sent (peer gone or {limit:?} passed)");
+            return;
+        }
+        fds.clear();
+        verbs.qp_fds(qp, &mut fds);
+        let mut p: arrayvec::ArrayVec<libc::pollfd, 8> = fds
+            .iter()
+            .take(8)
+            .map(|f| libc::pollfd {
+                fd: f.fd,
+                events: f.events,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `p` is a valid array of pollfd for the duration of the call.
+        unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 1) };
+    }
+}
+
 impl Drop for RoceSend {
     fn drop(&mut self) {
+        // A failed comm has nothing worth waiting for (its peer may be the failure).
+        if self.failed.is_none() {
+            drain_sends(&*self.verbs, self.qp, &mut self.live);
+        }
         self.verbs.destroy_qp(self.qp);
         for r in &self.reqs {
             if let SendState::Posted(Some(mr)) = r.state {

@@ -13,14 +13,24 @@
 //! go-back-N from the NAKed PSN, after an RNR wait, or from the oldest unacknowledged PSN
 //! when the retransmission timer fires; when the retry count runs out the work request
 //! completes with RETRY_EXC_ERR (RNR_RETRY_EXC_ERR for RNR) and the QP enters ERROR.
+//!
+//! Userspace extensions (the engine's peer is itself): the responder keeps out-of-order
+//! packets (`rdma::reorder`), a requester with [`QpAttr::selective`] then resends only the
+//! NAKed packets and times out on the measured round trip, and [`QpAttr::retry_for`] retries
+//! with backoff until a deadline instead of counting retries.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use super::mem::{Access, AccessError, MrTable};
+use super::reorder::Reorder;
 use super::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
 use crate::error::{Error, Result};
+
+mod requester;
+mod responder;
+mod tx;
 
 /// Queue pair number (24 bits).
 pub type Qpn = u32;
@@ -36,7 +46,7 @@ pub const MAX_INLINE: usize = 256;
 /// does not allocate while a connection stays within this many requests in flight.
 const QUEUE_HINT: usize = 256;
 /// A responder repeats its sequence-error NAK after this many out-of-sequence packets.
-const NAK_REPEAT: u32 = 64;
+const NAK_REPEAT: u32 = 16;
 /// A responder acknowledges a packet that asks for it at once, and others (the last
 /// packets of unsignaled messages, whose requester waits for nothing) within this delay,
 /// coalesced: one acknowledgement then covers every message of a burst of small ones.
@@ -243,6 +253,18 @@ pub struct QpAttr {
     pub rnr_retry: u8,
     /// RNR timer code we put in our RNR NAKs (IB table; 1 = 10 µs … 31 = 491 ms).
     pub min_rnr_timer: u8,
+    /// Userspace extension (RTS): `Some(limit)` replaces the retry count — a timeout
+    /// retransmits with exponential backoff (capped at [`MAX_BACKOFF`]) for as long as the
+    /// requester keeps waiting, and the request fails with RETRY_EXC_ERR only after `limit`
+    /// without any acknowledged progress (the communicator's own deadline). `None`: IB
+    /// semantics, `retry_cnt` retransmissions.
+    pub retry_for: Option<Duration>,
+    /// Userspace extension (RTS): the peer keeps out-of-order packets (this engine's
+    /// responder does, see `rdma::reorder`), so a sequence-error NAK resends only the NAKed
+    /// packet (fast retransmit) instead of everything from it, and the retransmission timer
+    /// follows the measured round trip (at least [`RTO_MIN`], at most the IB timeout).
+    /// The timer still goes back N. `false`: IB go-back-N, fixed timer.
+    pub selective: bool,
 }
 
 impl Default for QpAttr {
@@ -257,6 +279,8 @@ impl Default for QpAttr {
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 1,
+            retry_for: None,
+            selective: false,
         }
     }
 }
@@ -275,6 +299,17 @@ fn rnr_delay(code: u8) -> Duration {
 pub fn ack_timeout(code: u8) -> Duration {
     Duration::from_nanos(4096u64 << code.clamp(1, 31))
 }
+
+/// With [`QpAttr::retry_for`], consecutive timeouts double the retransmission interval up
+/// to this (or the base timeout, if longer): a peer back from a pause is heard from again
+/// within this long.
+pub const MAX_BACKOFF: Duration = Duration::from_millis(100);
+
+/// With [`QpAttr::selective`], the shortest retransmission timeout (the measured round
+/// trip sets it above: smoothed RTT + 4 × its variation, as TCP does).
+pub const RTO_MIN: Duration = Duration::from_millis(3);
+/// Packets queued for selective retransmission at most (more NAKs wait for the timer).
+const RESEND_MAX: usize = 64;
 
 #[derive(Clone, Copy)]
 struct SendWqe {
@@ -351,14 +386,28 @@ struct Qp {
     tx_pkt: u32,
     retry_left: u8,
     rnr_left: u8,
+    /// Consecutive retransmission timeouts without progress (the backoff exponent).
+    backoff: u32,
+    /// Last acknowledged progress, or when the send queue last became busy.
+    progress_at: Option<Instant>,
     rto: Option<Instant>,
     rnr_until: Option<Instant>,
     /// One past the highest PSN transmitted (to count retransmissions).
     sent_hi: u32,
     /// One past the highest PSN the responder acknowledged (cumulative).
     acked: u32,
-    /// PSN of the last sequence-error NAK acted on.
+    /// PSN of the last sequence-error NAK acted on (and when).
     last_nak: Option<u32>,
+    last_nak_at: Option<Instant>,
+    /// PSNs to resend one by one (selective retransmission), oldest first.
+    resend: VecDeque<u32>,
+    /// Smoothed round trip and its variation (selective mode), and the packet timed now.
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    probe: Option<(u32, Instant)>,
+    /// The last selectively resent PSN and when to resend it again if it is still the
+    /// oldest unacknowledged one then (its resend, or the NAK, was lost too).
+    hole: Option<(u32, Instant)>,
     /// Packets allowed in flight: halved on every loss, grown by one per acknowledgement
     /// (go-back-N resends everything in flight after a loss, so a lossy path gets a small
     /// window and a clean one the full [`WINDOW`]).
@@ -372,8 +421,13 @@ struct Qp {
     nak_sent: bool,
     /// Out-of-sequence packets since the last NAK.
     oos_since_nak: u32,
-    /// Closed by its owner: only acknowledges duplicates.
+    /// Out-of-sequence packets kept until the gap before them fills.
+    reorder: Reorder,
+    /// Closed by its owner: delivers what was posted, acknowledges (and discards) what
+    /// arrives, until the driver frees it.
     closing: bool,
+    /// When the last packet for this QP arrived.
+    last_rx: Option<Instant>,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
     /// Requests were accepted that no acknowledgement covers yet: acknowledge by then.
@@ -403,6 +457,52 @@ impl Qp {
     fn outstanding(&self) -> bool {
         self.sq.iter().any(|w| !w.done)
     }
+    /// The retransmission interval: the IB timeout, doubled per consecutive timeout when
+    /// retrying until a deadline ([`QpAttr::retry_for`]).
+    fn rto_interval(&self) -> Duration {
+        let ib = ack_timeout(self.attr.timeout);
+        let base = match self.srtt {
+            Some(s) if self.attr.selective => (s + 4 * self.rttvar).max(RTO_MIN).min(ib),
+            _ => ib,
+        };
+        if self.attr.retry_for.is_none() || self.backoff == 0 {
+            return base;
+        }
+        let cap = base.max(MAX_BACKOFF);
+        base.saturating_mul(1 << self.backoff.min(16)).min(cap)
+    }
+    /// The responder acknowledged every PSN before `upto`: time the probe if it is covered
+    /// (a retransmission cancelled it: Karn's rule).
+    fn rtt_sample(&mut self, upto: u32, now: Instant) {
+        let Some((p, t)) = self.probe else { return };
+        if psn_diff(upto, p) <= 0 {
+            return;
+        }
+        self.probe = None;
+        let r = now.saturating_duration_since(t);
+        match self.srtt {
+            None => {
+                self.srtt = Some(r);
+                self.rttvar = r / 2;
+            }
+            Some(s) => {
+                let dev = if s > r { s - r } else { r - s };
+                self.rttvar = (self.rttvar * 3 + dev) / 4;
+                self.srtt = Some((s * 7 + r) / 8);
+            }
+        }
+    }
+    /// The responder acknowledged something new: the retry budget starts again.
+    fn progressed(&mut self, now: Instant) {
+        self.retry_left = self.attr.retry_cnt;
+        self.backoff = 0;
+        self.progress_at = Some(now);
+        self.rto = if self.outstanding() {
+            Some(now + self.rto_interval())
+        } else {
+            None
+        };
+    }
 }
 
 /// A datagram to send.
@@ -422,6 +522,8 @@ pub struct Engine {
     port: u16,
     qps: Vec<Option<Qp>>,
     cqs: Vec<VecDeque<Wc>>,
+    /// Destroyed completion queues, reused by `create_cq`.
+    free_cqs: Vec<CqId>,
     /// Registered memory.
     pub mrs: MrTable,
     rr: usize,
@@ -445,6 +547,7 @@ impl Engine {
             port,
             qps: Vec::new(),
             cqs: Vec::new(),
+            free_cqs: Vec::new(),
             mrs: MrTable::default(),
             rr: 0,
             stats: Stats::default(),
@@ -464,8 +567,48 @@ impl Engine {
 
     /// Create a completion queue.
     pub fn create_cq(&mut self) -> CqId {
+        if let Some(cq) = self.free_cqs.pop() {
+            return cq;
+        }
         self.cqs.push(VecDeque::with_capacity(4 * QUEUE_HINT));
         self.cqs.len() - 1
+    }
+
+    /// Destroy a completion queue no QP uses any more (its slot is reused).
+    pub fn destroy_cq(&mut self, cq: CqId) {
+        if let Some(q) = self.cqs.get_mut(cq) {
+            if !self.free_cqs.contains(&cq) {
+                q.clear();
+                self.free_cqs.push(cq);
+            }
+        }
+    }
+
+    /// Completions waiting in `cq`.
+    pub fn cq_len(&self, cq: CqId) -> usize {
+        self.cqs.get(cq).map_or(0, VecDeque::len)
+    }
+
+    /// Queue pairs that exist (closing ones included).
+    pub fn qp_count(&self) -> usize {
+        self.qps.iter().flatten().count()
+    }
+
+    /// Whether closed QP `qpn` is done: nothing left to deliver (or failed), and no packet
+    /// for it within `quiet` (the peer's retransmissions of what it lost have stopped).
+    pub fn closed_and_quiet(&self, qpn: Qpn, now: Instant, quiet: Duration) -> bool {
+        let Some(q) = self
+            .qps
+            .get((qpn & 0xfff) as usize)
+            .and_then(|q| q.as_ref())
+            .filter(|q| q.qpn == qpn)
+        else {
+            return true;
+        };
+        q.closing
+            && (q.sq.is_empty() || q.state == QpState::Error)
+            && q.last_rx
+                .map_or(true, |t| now.saturating_duration_since(t) >= quiet)
     }
 
     /// Take up to `out.len()` completions.
@@ -513,11 +656,20 @@ impl Engine {
             tx_pkt: 0,
             retry_left: 0,
             rnr_left: 0,
+            backoff: 0,
+            progress_at: None,
             rto: None,
             rnr_until: None,
             sent_hi: 0,
             acked: 0,
             last_nak: None,
+            last_nak_at: None,
+            resend: VecDeque::with_capacity(RESEND_MAX),
+            srtt: None,
+            rttvar: Duration::ZERO,
+            probe: None,
+            hole: None,
+            reorder: Reorder::default(),
             cwnd: WINDOW,
             rq: VecDeque::with_capacity(QUEUE_HINT),
             epsn: 0,
@@ -527,6 +679,7 @@ impl Engine {
             nak_sent: false,
             oos_since_nak: 0,
             closing: false,
+            last_rx: None,
             ctrl: None,
             ack_due: None,
             reads: VecDeque::new(),
@@ -554,15 +707,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Close a QP gracefully: it stops sending requests and accepting new ones, but keeps
-    /// acknowledging the peer's retransmissions of what it already received — the peer may
-    /// have lost our last ACK (TCP's TIME_WAIT, for RC). Destroy it later.
-    pub fn close_qp(&mut self, qpn: Qpn) -> Result<()> {
+    /// Close a QP gracefully: it keeps delivering the requests posted on it until they are
+    /// acknowledged (or fail at the retry deadline; a request whose memory was deregistered
+    /// meanwhile is given up), and keeps acknowledging what the peer sends — its
+    /// retransmissions of what we received (the peer may have lost our last ACK: TCP's
+    /// TIME_WAIT, for RC) and new requests, which are discarded. Its completions go
+    /// nowhere. Destroy it once [`Engine::closed_and_quiet`].
+    pub fn close_qp(&mut self, qpn: Qpn, now: Instant) -> Result<()> {
         let qp = self.qp(qpn)?;
         qp.closing = true;
-        // Inline sends were reported complete at post and their data lives here: keep
-        // delivering them. Anything else refers to memory the owner may free now.
-        qp.sq.retain(|w| !w.done && w.wr.inline);
+        // Reads would write into memory the owner may free now: given up.
+        qp.sq.retain(|w| !w.done && w.wr.opcode != WrOpcode::Read);
         qp.reads.clear();
         qp.tx_wqe = 0;
         qp.tx_pkt = 0;
@@ -572,6 +727,7 @@ impl Engine {
             qp.rto = None;
         }
         qp.rnr_until = None;
+        qp.last_rx = Some(now);
         Ok(())
     }
 
@@ -618,6 +774,8 @@ impl Engine {
                 qp.attr.timeout = attr.timeout.clamp(1, 31);
                 qp.attr.retry_cnt = attr.retry_cnt.min(7);
                 qp.attr.rnr_retry = attr.rnr_retry.min(7);
+                qp.attr.retry_for = attr.retry_for;
+                qp.attr.selective = attr.selective;
                 qp.next_psn = attr.sq_psn & PSN_MASK;
                 qp.sent_hi = qp.next_psn;
                 qp.acked = qp.next_psn;
@@ -719,6 +877,8 @@ impl Engine {
         qp.next_psn = psn_add(psn, npkts);
         if qp.sq.iter().all(|w| w.done) {
             qp.rto = None; // restarted below by transmission
+            qp.progress_at = None; // set at the first transmission
+            qp.backoff = 0;
         }
         qp.sq.push_back(SendWqe {
             wr: *wr,
@@ -886,7 +1046,7 @@ impl Engine {
         self.qps
             .iter()
             .flatten()
-            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due])
+            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due, q.hole.map(|h| h.1)])
             .flatten()
             .min()
     }
@@ -907,17 +1067,37 @@ impl Engine {
                     qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
                 }
             }
+            if let Some((p, t)) = qp.hole {
+                if now >= t {
+                    qp.hole = None;
+                    if qp.una() == p && qp.resend.len() < RESEND_MAX && !qp.resend.contains(&p) {
+                        qp.resend.push_back(p);
+                    }
+                }
+            }
             if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
-                if qp.retry_left == 0 {
+                let exhausted = match qp.attr.retry_for {
+                    // Retry until the deadline: `limit` without any progress.
+                    Some(limit) => {
+                        now.saturating_duration_since(*qp.progress_at.get_or_insert(now)) >= limit
+                    }
+                    None => qp.retry_left == 0,
+                };
+                if exhausted {
                     self.fail_qp(qpn, Some(WcStatus::RetryExcErr));
                     continue;
                 }
-                qp.retry_left -= 1;
-                qp.rto = None;
+                qp.retry_left = qp.retry_left.saturating_sub(1);
+                qp.backoff = qp.backoff.saturating_add(1);
+                qp.rto = Some(now + qp.rto_interval());
                 qp.cwnd = MIN_WINDOW;
+                qp.resend.clear(); // going back N resends them
+                qp.hole = None;
+                qp.probe = None;
                 crate::info!(
-                    "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
+                    "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left, backoff {}): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
                     qp.retry_left,
+                    qp.backoff,
                     qp.una(),
                     qp.acked,
                     qp.sent_hi,
@@ -977,14 +1157,25 @@ impl Engine {
             return;
         }
         let op = pkt.bth.opcode;
+        qp.last_rx = Some(now);
         if qp.closing && op != Opcode::Ack {
-            // Only re-acknowledge duplicates; nothing new lands in memory the owner freed.
-            let dup =
-                psn_diff(pkt.bth.psn, qp.epsn) < 0 && op != Opcode::Ack && !op.is_read_response();
-            if dup {
-                qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
-                self.stats.duplicates += 1;
+            if op.is_read_response() {
+                return; // its reads were given up at close
             }
+            // Re-acknowledge duplicates; acknowledge and discard new requests in sequence
+            // (nothing lands in memory the owner freed, and a peer still writing to us —
+            // credits, say — completes instead of retrying until its deadline).
+            let d = psn_diff(pkt.bth.psn, qp.epsn);
+            if d == 0 && op != Opcode::ReadRequest {
+                qp.epsn = psn_add(qp.epsn, 1);
+                if op.is_last() || op.is_only() {
+                    qp.msn = (qp.msn + 1) & PSN_MASK;
+                }
+            }
+            if d <= 0 {
+                qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
+            }
+            self.stats.duplicates += u64::from(d < 0);
             self.stats.rx_packets += 1;
             return;
         }
@@ -993,606 +1184,31 @@ impl Engine {
             self.on_response(now, qpn, &pkt);
         } else {
             self.on_request(now, qpn, &pkt);
+            self.replay(now, qpn);
         }
     }
 
-    // ----- requester side --------------------------------------------------------------
-
-    fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
-        let Ok(qp) = self.qp(qpn) else { return };
-        let psn = pkt.bth.psn;
-        if pkt.bth.opcode.is_read_response() {
-            // Responses of the oldest unfinished read, in order; anything else waits for
-            // the retransmission timer. Sends and writes before it are implicitly
-            // acknowledged by the response.
-            let Some(i) = qp
-                .sq
-                .iter()
-                .position(|w| !w.done && w.wr.opcode == WrOpcode::Read)
-            else {
-                return;
-            };
-            let w = qp.sq[i];
-            if psn != psn_add(w.psn, w.resp) {
-                return;
-            }
-            // Everything before the read is implicitly acknowledged.
-            for x in qp.sq.iter_mut().take(i) {
-                x.done = true;
-            }
-            let mtu = qp.mtu();
-            let off = w.resp * mtu;
-            let expect = (w.len - off.min(w.len)).min(mtu) as usize;
-            let last = w.resp + 1 == w.npkts;
-            if pkt.payload.len() != expect
-                || (last != (pkt.bth.opcode.is_last() || pkt.bth.opcode.is_only()))
-            {
-                self.fail_qp(qpn, Some(WcStatus::RemInvReqErr));
-                return;
-            }
-            if let Some(s) = w.wr.sge {
-                if self
-                    .mrs
-                    .write(
-                        s.lkey,
-                        s.addr + off as u64,
-                        pkt.payload,
-                        Access::LOCAL_WRITE,
-                    )
-                    .is_err()
-                {
-                    self.fail_qp(qpn, Some(WcStatus::LocProtErr));
-                    return;
-                }
-            }
+    /// Process the kept out-of-order packets that are in sequence now; NAK the next gap at
+    /// once if packets past it are kept (its packet was lost too).
+    fn replay(&mut self, now: Instant, qpn: Qpn) {
+        loop {
             let Ok(qp) = self.qp(qpn) else { return };
-            let w = &mut qp.sq[i];
-            w.resp += 1;
-            if w.resp == w.npkts {
-                w.done = true;
-            }
-            qp.retry_left = qp.attr.retry_cnt;
-            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
-            self.reap(qpn);
-            return;
-        }
-        let Some(aeth) = pkt.aeth else { return };
-        match aeth.kind() {
-            Some(AckKind::Ack { .. }) => {
-                // Acknowledges every send and write up to `psn`; reads finish only with
-                // their responses (completions are still reaped in order).
-                let mut progressed = false;
-                if psn_diff(psn_add(psn, 1), qp.acked) > 0 && psn_diff(psn, qp.sent_hi) < 0 {
-                    qp.acked = psn_add(psn, 1);
-                    progressed = true;
+            let epsn = qp.epsn;
+            let Some((kept, data)) = qp.reorder.take(epsn) else {
+                if qp.reorder.beyond(epsn) && !qp.nak_sent {
+                    qp.nak_sent = true;
+                    qp.oos_since_nak = 0;
+                    qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), epsn));
                 }
-                for w in qp.sq.iter_mut().filter(|w| !w.done) {
-                    let last = psn_add(w.psn, w.npkts - 1);
-                    if psn_diff(psn, last) < 0 {
-                        break;
-                    }
-                    if w.wr.opcode != WrOpcode::Read {
-                        w.done = true;
-                        progressed = true;
-                    }
-                }
-                if progressed {
-                    qp.cwnd = (qp.cwnd + 8).min(WINDOW);
-                    qp.retry_left = qp.attr.retry_cnt;
-                    qp.rnr_left = qp.attr.rnr_retry;
-                    qp.rto = if qp.outstanding() {
-                        Some(now + ack_timeout(qp.attr.timeout))
-                    } else {
-                        None
-                    };
-                }
-                self.reap(qpn);
-            }
-            Some(AckKind::RnrNak { timer }) => {
-                Self::ack_before(qp, psn);
-                if qp.rnr_left == 0 {
-                    self.reap(qpn);
-                    self.fail_qp(qpn, Some(WcStatus::RnrRetryExcErr));
-                    return;
-                }
-                if qp.attr.rnr_retry != 7 {
-                    qp.rnr_left -= 1;
-                }
-                qp.rnr_until = Some(now + rnr_delay(timer));
-                qp.rto = None;
-                Self::rewind(qp, psn);
-                self.reap(qpn);
-            }
-            Some(AckKind::Nak(NakCode::PsnSequenceError)) => {
-                Self::ack_before(qp, psn);
-                // Go back once per round: NAKs for the same PSN that the responder sent
-                // before our retransmission reached it would restart the burst again and
-                // again. Act on a repeat only once the previous retransmission has caught up
-                // with what had been sent.
-                let cursor = qp
-                    .sq
-                    .get(qp.tx_wqe)
-                    .map_or(qp.next_psn, |w| psn_add(w.psn, qp.tx_pkt));
-                let repeating = qp.last_nak == Some(psn) && psn_diff(cursor, qp.sent_hi) < 0;
-                if !repeating {
-                    qp.last_nak = Some(psn);
-                    qp.cwnd = (qp.cwnd / 2).max(MIN_WINDOW);
-                    Self::rewind(qp, psn);
-                }
-                self.reap(qpn);
-            }
-            Some(AckKind::Nak(code)) => {
-                Self::ack_before(qp, psn);
-                self.reap(qpn);
-                let status = match code {
-                    NakCode::RemoteAccessError => WcStatus::RemAccessErr,
-                    NakCode::InvalidRequest => WcStatus::RemInvReqErr,
-                    _ => WcStatus::RemOpErr,
-                };
-                self.fail_qp(qpn, Some(status));
-            }
-            None => {}
-        }
-    }
-
-    /// Mark every send/write that ends before `psn` acknowledged.
-    fn ack_before(qp: &mut Qp, psn: u32) {
-        if psn_diff(psn, qp.acked) > 0 && psn_diff(psn, qp.sent_hi) <= 0 {
-            qp.acked = psn;
-        }
-        for w in qp.sq.iter_mut().filter(|w| !w.done) {
-            if w.wr.opcode == WrOpcode::Read || psn_diff(psn, psn_add(w.psn, w.npkts - 1)) <= 0 {
-                break;
-            }
-            w.done = true;
-        }
-    }
-
-    // ----- responder side --------------------------------------------------------------
-
-    fn on_request(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
-        let Ok(qp) = self.qp(qpn) else { return };
-        let op = pkt.bth.opcode;
-        let d = psn_diff(pkt.bth.psn, qp.epsn);
-        if d < 0 {
-            self.stats.duplicates += 1;
-            if op == Opcode::ReadRequest {
-                // Re-execute the read (the responses may have been lost).
-                if let Some(r) = pkt.reth {
-                    if self
-                        .mrs
-                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
-                        .is_ok()
-                    {
-                        let qp = self.qp(qpn).expect("checked");
-                        qp.reads.retain(|j| j.psn != pkt.bth.psn);
-                        qp.reads.push_back(ReadJob {
-                            psn: pkt.bth.psn,
-                            va: r.va,
-                            rkey: r.rkey,
-                            len: r.dma_len,
-                            sent: 0,
-                        });
-                    }
-                }
-            } else {
-                let qp = self.qp(qpn).expect("checked");
-                // Answer a duplicate with where we are — as a NAK while a sequence error is
-                // outstanding, so a duplicate never hides the NAK the requester needs.
-                qp.ctrl = Some(if qp.nak_sent {
-                    (Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn)
-                } else {
-                    (Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK))
-                });
-            }
-            return;
-        }
-        if d > 0 {
-            // NAK the first gap once, and again every NAK_REPEAT out-of-sequence packets in
-            // case the NAK itself was lost (cheaper than waiting for the requester's timer).
-            if !qp.nak_sent || qp.oos_since_nak >= NAK_REPEAT {
-                qp.nak_sent = true;
-                qp.oos_since_nak = 0;
-                qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
-            }
-            qp.oos_since_nak += 1;
-            self.stats.out_of_sequence += 1;
-            return;
-        }
-        // In sequence.
-        let psn = pkt.bth.psn;
-        let mut end_of_message = op.is_last() || op.is_only();
-        if op.is_send() {
-            if op.is_first() || op.is_only() {
-                if qp.in_send.is_some() {
-                    return self.nak(qpn, NakCode::InvalidRequest, None);
-                }
-                let Some(wqe) = qp.rq.pop_front() else {
-                    return self.rnr(qpn);
-                };
-                qp.in_send = Some(InSend { wqe, off: 0 });
-            }
-            let Some(mut s) = qp.in_send.take() else {
-                return self.nak(qpn, NakCode::InvalidRequest, None);
+                return;
             };
-            let cap = s.wqe.wr.sge.map_or(0, |g| g.len);
-            let n = pkt.payload.len() as u32;
-            if s.off + n > cap {
-                let rcq = qp.recv_cq;
-                self.cqs[rcq].push_back(Wc {
-                    wr_id: s.wqe.wr.wr_id,
-                    status: WcStatus::LocLenErr,
-                    opcode: WcOpcode::Recv,
-                    byte_len: s.off + n,
-                    imm: None,
-                    qpn,
-                });
-                return self.nak(qpn, NakCode::InvalidRequest, None);
-            }
-            if let Some(g) = s.wqe.wr.sge {
-                if self
-                    .mrs
-                    .write(
-                        g.lkey,
-                        g.addr + s.off as u64,
-                        pkt.payload,
-                        Access::LOCAL_WRITE,
-                    )
-                    .is_err()
-                {
-                    return self.nak(qpn, NakCode::RemoteOperationalError, None);
-                }
-            }
-            s.off += n;
-            let qp = self.qp(qpn).expect("checked");
-            if end_of_message {
-                let rcq = qp.recv_cq;
-                let wc = Wc {
-                    wr_id: s.wqe.wr.wr_id,
-                    status: WcStatus::Success,
-                    opcode: WcOpcode::Recv,
-                    byte_len: s.off,
-                    imm: pkt.imm,
-                    qpn,
-                };
-                self.cqs[rcq].push_back(wc);
-            } else {
-                qp.in_send = Some(s);
-            }
-        } else if op.is_write() {
-            if op.is_first() || op.is_only() {
-                let Some(r) = pkt.reth else {
-                    return self.nak(qpn, NakCode::InvalidRequest, None);
-                };
-                // A zero-length write touches no memory: its rkey is not checked (IBTA).
-                if r.dma_len > 0 {
-                    if let Err(e) =
-                        self.mrs
-                            .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
-                    {
-                        return self.nak(qpn, access_nak(e), None);
-                    }
-                }
-                let qp = self.qp(qpn).expect("checked");
-                qp.in_write = Some(InWrite {
-                    va: r.va,
-                    rkey: r.rkey,
-                    left: r.dma_len,
-                    total: r.dma_len,
-                });
-            }
-            let qp = self.qp(qpn).expect("checked");
-            if pkt.imm.is_some() && qp.rq.is_empty() {
-                return self.rnr(qpn); // the immediate needs a receive; data not written yet
-            }
-            let Some(mut w) = qp.in_write.take() else {
-                return self.nak(qpn, NakCode::InvalidRequest, None);
-            };
-            let n = pkt.payload.len() as u32;
-            if n > w.left || (end_of_message && n != w.left) {
-                return self.nak(qpn, NakCode::InvalidRequest, None);
-            }
-            if n > 0
-                && self
-                    .mrs
-                    .write(w.rkey, w.va, pkt.payload, Access::REMOTE_WRITE)
-                    .is_err()
-            {
-                return self.nak(qpn, NakCode::RemoteAccessError, None);
-            }
-            w.va += n as u64;
-            w.left -= n;
-            let qp = self.qp(qpn).expect("checked");
-            if end_of_message {
-                if let Some(imm) = pkt.imm {
-                    let r = qp.rq.pop_front().expect("checked non-empty");
-                    let rcq = qp.recv_cq;
-                    let wc = Wc {
-                        wr_id: r.wr.wr_id,
-                        status: WcStatus::Success,
-                        opcode: WcOpcode::RecvRdmaWithImm,
-                        byte_len: w.total,
-                        imm: Some(imm),
-                        qpn,
-                    };
-                    self.cqs[rcq].push_back(wc);
-                }
-            } else {
-                qp.in_write = Some(w);
-            }
-        } else if op == Opcode::ReadRequest {
-            let Some(r) = pkt.reth else {
-                return self.nak(qpn, NakCode::InvalidRequest, None);
-            };
-            if r.dma_len > 0 {
-                if let Err(e) =
-                    self.mrs
-                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
-                {
-                    return self.nak(qpn, access_nak(e), None);
-                }
-            }
-            let qp = self.qp(qpn).expect("checked");
-            let n = r.dma_len.div_ceil(qp.mtu()).max(1);
-            qp.reads.push_back(ReadJob {
-                psn,
-                va: r.va,
-                rkey: r.rkey,
-                len: r.dma_len,
-                sent: 0,
-            });
-            qp.epsn = psn_add(qp.epsn, n - 1); // plus one below
-            qp.msn = (qp.msn + 1) & PSN_MASK;
-            end_of_message = false; // acknowledged by the responses
-        } else {
-            return self.nak(qpn, NakCode::InvalidRequest, None);
-        }
-        let qp = self.qp(qpn).expect("checked");
-        qp.epsn = psn_add(qp.epsn, 1);
-        qp.nak_sent = false;
-        if end_of_message {
-            qp.msn = (qp.msn + 1) & PSN_MASK;
-        }
-        if pkt.bth.ack_req && op != Opcode::ReadRequest {
-            qp.ctrl = Some((Aeth::ack(qp.msn), psn));
-        } else if op != Opcode::ReadRequest && qp.ack_due.is_none() {
-            qp.ack_due = Some(now + ACK_DELAY);
-        }
-    }
-
-    fn rnr(&mut self, qpn: Qpn) {
-        self.stats.rnr_naks_sent += 1;
-        if let Ok(qp) = self.qp(qpn) {
-            qp.ctrl = Some((Aeth::rnr_nak(qp.msn, qp.attr.min_rnr_timer), qp.epsn));
-        }
-    }
-
-    /// NAK the expected PSN; fatal codes also put the responder QP in ERROR.
-    fn nak(&mut self, qpn: Qpn, code: NakCode, _status: Option<WcStatus>) {
-        if let Ok(qp) = self.qp(qpn) {
-            qp.ctrl = Some((Aeth::nak(qp.msn, code), qp.epsn));
-            qp.in_write = None;
-        }
-    }
-
-    // ----- transmission ----------------------------------------------------------------
-
-    /// Write the next datagram into `buf` (at least 4200 bytes for MTU 4096).
-    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
-        self.poll_transmit_segment(now, buf, 0)
-    }
-
-    /// Like [`Engine::poll_transmit`], for a datagram meant to leave as segment `seg` of a UDP
-    /// GSO send (its ICRC covers IPv4 identification `seg`; see `wire::encode_segment`). A
-    /// driver that then sends it at another position re-marks it with `wire::reseal`.
-    pub fn poll_transmit_segment(
-        &mut self,
-        now: Instant,
-        buf: &mut [u8],
-        seg: u8,
-    ) -> Option<Transmit> {
-        let n = self.qps.len();
-        for k in 0..n {
-            let slot = (self.rr + k) % n;
-            if let Some(t) = self.transmit_from(slot, now, buf, seg) {
-                self.rr = slot; // stay on this QP while it has data: fewer switches
-                self.stats.tx_packets += 1;
-                return Some(t);
+            self.on_request(now, qpn, &kept.packet(&data));
+            let Ok(qp) = self.qp(qpn) else { return };
+            qp.reorder.give_back(epsn, data);
+            if qp.epsn == epsn {
+                return; // not taken (no receive posted, an error): the requester resends
             }
         }
-        None
-    }
-
-    fn transmit_from(
-        &mut self,
-        slot: usize,
-        now: Instant,
-        buf: &mut [u8],
-        seg: u8,
-    ) -> Option<Transmit> {
-        let qp = self.qps.get_mut(slot)?.as_mut()?;
-        if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
-            return None;
-        }
-        let ip = IpInfo {
-            src: self.local_ip,
-            dst: qp.attr.dest.ip(),
-            src_port: qp.src_port,
-            dst_port: qp.attr.dest.port(),
-        };
-        let bth = |opcode, psn, ack_req| Bth {
-            opcode,
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: wire::DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: qp.attr.dest_qpn,
-            ack_req,
-            psn,
-        };
-        let out = |len| Transmit {
-            dest: qp.attr.dest,
-            src_port: qp.src_port,
-            len,
-        };
-        // 1. Acknowledgements — after the responses of earlier reads, so that responses
-        // leave in PSN order as the requester expects.
-        let reads_first = match (qp.ctrl, qp.reads.front()) {
-            (Some((_, c)), Some(j)) => psn_diff(j.psn, c) < 0,
-            _ => false,
-        };
-        if let Some((aeth, psn)) = qp.ctrl.filter(|_| !reads_first) {
-            qp.ctrl = None;
-            qp.ack_due = None;
-            let p = Packet {
-                bth: bth(Opcode::Ack, psn, false),
-                reth: None,
-                imm: None,
-                aeth: Some(aeth),
-                payload: &[],
-            };
-            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
-        }
-        // 2. RDMA READ responses.
-        if let Some(j) = qp.reads.front_mut() {
-            let mtu = qp.attr.mtu;
-            let n = j.len.div_ceil(mtu).max(1);
-            let off = j.sent * mtu;
-            let len = (j.len - off.min(j.len)).min(mtu);
-            let opcode = match (n, j.sent) {
-                (1, _) => Opcode::ReadRespOnly,
-                (_, 0) => Opcode::ReadRespFirst,
-                (_, s) if s + 1 == n => Opcode::ReadRespLast,
-                _ => Opcode::ReadRespMiddle,
-            };
-            let psn = psn_add(j.psn, j.sent);
-            let (va, rkey) = (j.va + off as u64, j.rkey);
-            j.sent += 1;
-            if j.sent == n {
-                qp.reads.pop_front();
-            }
-            let aeth = opcode.has_aeth().then(|| Aeth::ack(qp.msn));
-            let payload = if len == 0 {
-                &[][..]
-            } else {
-                self.mrs
-                    .read(rkey, va, len as usize, Access::REMOTE_READ)
-                    .ok()?
-            };
-            let p = Packet {
-                bth: bth(opcode, psn, false),
-                reth: None,
-                imm: None,
-                aeth,
-                payload,
-            };
-            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
-        }
-        // 3. Requests.
-        if qp.state != QpState::Rts || qp.rnr_until.is_some_and(|t| now < t) {
-            return None;
-        }
-        let una = qp.una();
-        let w = *qp.sq.get(qp.tx_wqe)?;
-        let mtu = qp.attr.mtu;
-        let pkt_psn = psn_add(w.psn, qp.tx_pkt);
-        if psn_diff(pkt_psn, una) >= qp.cwnd as i32 {
-            return None;
-        }
-        let (opcode, payload_off, payload_len, reth, imm, ack_req, advance_wqe) =
-            if w.wr.opcode == WrOpcode::Read {
-                // One request for the remaining responses.
-                let off = w.resp * mtu;
-                let reth = Reth {
-                    va: w.wr.remote_addr + off as u64,
-                    rkey: w.wr.rkey,
-                    dma_len: w.len - off.min(w.len),
-                };
-                (Opcode::ReadRequest, 0, 0, Some(reth), None, true, true)
-            } else {
-                let j = qp.tx_pkt;
-                let n = w.npkts;
-                let off = j * mtu;
-                let len = (w.len - off.min(w.len)).min(mtu);
-                let is_send = matches!(w.wr.opcode, WrOpcode::Send | WrOpcode::SendImm);
-                let with_imm = matches!(w.wr.opcode, WrOpcode::SendImm | WrOpcode::WriteImm);
-                let pos = match (n, j) {
-                    (1, _) => 3, // only
-                    (_, 0) => 0, // first
-                    (_, j) if j + 1 == n => 2,
-                    _ => 1,
-                };
-                let opcode = match (is_send, pos, with_imm) {
-                    (true, 0, _) => Opcode::SendFirst,
-                    (true, 1, _) => Opcode::SendMiddle,
-                    (true, 2, false) => Opcode::SendLast,
-                    (true, 2, true) => Opcode::SendLastImm,
-                    (true, _, false) => Opcode::SendOnly,
-                    (true, _, true) => Opcode::SendOnlyImm,
-                    (false, 0, _) => Opcode::WriteFirst,
-                    (false, 1, _) => Opcode::WriteMiddle,
-                    (false, 2, false) => Opcode::WriteLast,
-                    (false, 2, true) => Opcode::WriteLastImm,
-                    (false, _, false) => Opcode::WriteOnly,
-                    (false, _, true) => Opcode::WriteOnlyImm,
-                };
-                let reth = opcode.has_reth().then_some(Reth {
-                    va: w.wr.remote_addr,
-                    rkey: w.wr.rkey,
-                    dma_len: w.len,
-                });
-                let imm = opcode.has_imm().then_some(w.wr.imm);
-                // Ask for an acknowledgement at the end of a message whose completion someone
-                // waits for, and every ACK_EVERY packets of a stream (to move the window);
-                // the responder acknowledges the rest within ACK_DELAY, coalesced.
-                let ack_req = (j + 1 == n && w.wr.signaled)
-                    || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1;
-                (opcode, off, len, reth, imm, ack_req, j + 1 == n)
-            };
-        if psn_diff(pkt_psn, una) < 0 {
-            return None;
-        }
-        // Retransmissions are packets below the highest PSN sent so far.
-        if psn_diff(pkt_psn, qp.sent_hi) < 0 {
-            self.stats.retransmits += 1;
-        } else {
-            qp.sent_hi = psn_add(pkt_psn, 1);
-        }
-        if advance_wqe {
-            qp.tx_wqe += 1;
-            qp.tx_pkt = 0;
-        } else {
-            qp.tx_pkt += 1;
-        }
-        if qp.rto.is_none() {
-            qp.rto = Some(now + ack_timeout(qp.attr.timeout));
-        }
-        let payload: &[u8] = if w.wr.inline {
-            &w.inline[payload_off as usize..(payload_off + payload_len) as usize]
-        } else {
-            match w.wr.sge {
-                Some(s) if payload_len > 0 => self
-                    .mrs
-                    .read(
-                        s.lkey,
-                        s.addr + payload_off as u64,
-                        payload_len as usize,
-                        Access::default(),
-                    )
-                    .ok()?,
-                _ => &[],
-            }
-        };
-        let p = Packet {
-            bth: bth(opcode, pkt_psn, ack_req),
-            reth,
-            imm,
-            aeth: None,
-            payload,
-        };
-        wire::encode_segment(&p, &ip, seg, buf).ok().map(out)
     }
 }
 

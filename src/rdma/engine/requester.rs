@@ -1,0 +1,185 @@
+//! The requester side of the RC engine: acknowledgements, NAKs and read responses
+//! complete send work requests in order, start retransmissions and restart the retry budget.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        let psn = pkt.bth.psn;
+        if pkt.bth.opcode.is_read_response() {
+            // Responses of the oldest unfinished read, in order; anything else waits for
+            // the retransmission timer. Sends and writes before it are implicitly
+            // acknowledged by the response.
+            let Some(i) = qp
+                .sq
+                .iter()
+                .position(|w| !w.done && w.wr.opcode == WrOpcode::Read)
+            else {
+                return;
+            };
+            let w = qp.sq[i];
+            if psn != psn_add(w.psn, w.resp) {
+                return;
+            }
+            // Everything before the read is implicitly acknowledged.
+            for x in qp.sq.iter_mut().take(i) {
+                x.done = true;
+            }
+            let mtu = qp.mtu();
+            let off = w.resp * mtu;
+            let expect = (w.len - off.min(w.len)).min(mtu) as usize;
+            let last = w.resp + 1 == w.npkts;
+            if pkt.payload.len() != expect
+                || (last != (pkt.bth.opcode.is_last() || pkt.bth.opcode.is_only()))
+            {
+                self.fail_qp(qpn, Some(WcStatus::RemInvReqErr));
+                return;
+            }
+            if let Some(s) = w.wr.sge {
+                if self
+                    .mrs
+                    .write(
+                        s.lkey,
+                        s.addr + off as u64,
+                        pkt.payload,
+                        Access::LOCAL_WRITE,
+                    )
+                    .is_err()
+                {
+                    self.fail_qp(qpn, Some(WcStatus::LocProtErr));
+                    return;
+                }
+            }
+            let Ok(qp) = self.qp(qpn) else { return };
+            let w = &mut qp.sq[i];
+            w.resp += 1;
+            if w.resp == w.npkts {
+                w.done = true;
+            }
+            qp.progressed(now);
+            self.reap(qpn);
+            return;
+        }
+        let Some(aeth) = pkt.aeth else { return };
+        match aeth.kind() {
+            Some(AckKind::Ack { .. }) => {
+                // Acknowledges every send and write up to `psn`; reads finish only with
+                // their responses (completions are still reaped in order).
+                let mut progressed = false;
+                if psn_diff(psn_add(psn, 1), qp.acked) > 0 && psn_diff(psn, qp.sent_hi) < 0 {
+                    qp.acked = psn_add(psn, 1);
+                    progressed = true;
+                }
+                for w in qp.sq.iter_mut().filter(|w| !w.done) {
+                    let last = psn_add(w.psn, w.npkts - 1);
+                    if psn_diff(psn, last) < 0 {
+                        break;
+                    }
+                    if w.wr.opcode != WrOpcode::Read {
+                        w.done = true;
+                        progressed = true;
+                    }
+                }
+                qp.rtt_sample(psn_add(psn, 1), now);
+                if progressed {
+                    qp.cwnd = (qp.cwnd + 8).min(WINDOW);
+                    qp.rnr_left = qp.attr.rnr_retry;
+                    qp.progressed(now);
+                }
+                self.reap(qpn);
+            }
+            Some(AckKind::RnrNak { timer }) => {
+                if Self::ack_before(qp, psn) {
+                    qp.progressed(now);
+                }
+                if qp.rnr_left == 0 {
+                    self.reap(qpn);
+                    self.fail_qp(qpn, Some(WcStatus::RnrRetryExcErr));
+                    return;
+                }
+                if qp.attr.rnr_retry != 7 {
+                    qp.rnr_left -= 1;
+                }
+                qp.rnr_until = Some(now + rnr_delay(timer));
+                qp.rto = None;
+                Self::rewind(qp, psn);
+                self.reap(qpn);
+            }
+            Some(AckKind::Nak(NakCode::PsnSequenceError)) => {
+                // A sequence-error NAK acknowledges everything before its PSN: progress
+                // like an ACK's, so the retry budget starts again.
+                if Self::ack_before(qp, psn) {
+                    qp.progressed(now);
+                }
+                qp.rtt_sample(psn, now);
+                if qp.attr.selective {
+                    // The responder keeps what came after the gap: resend just the packet it
+                    // names (again only if it names it once more a round trip later).
+                    let gap = qp.srtt.unwrap_or(ACK_DELAY).max(ACK_DELAY);
+                    let repeat = qp.last_nak == Some(psn)
+                        && qp
+                            .last_nak_at
+                            .is_some_and(|t| now.saturating_duration_since(t) < gap);
+                    if !repeat
+                        && psn_diff(psn, qp.sent_hi) < 0
+                        && !qp.resend.contains(&psn)
+                        && qp.resend.len() < RESEND_MAX
+                    {
+                        qp.last_nak = Some(psn);
+                        qp.last_nak_at = Some(now);
+                        qp.resend.push_back(psn);
+                        qp.probe = None;
+                        qp.cwnd = (qp.cwnd - qp.cwnd / 8).max(MIN_WINDOW);
+                    }
+                    self.reap(qpn);
+                    return;
+                }
+                // Go back once per round: NAKs for the same PSN that the responder sent
+                // before our retransmission reached it would restart the burst again and
+                // again. Act on a repeat only once the previous retransmission has caught up
+                // with what had been sent.
+                let cursor = qp
+                    .sq
+                    .get(qp.tx_wqe)
+                    .map_or(qp.next_psn, |w| psn_add(w.psn, qp.tx_pkt));
+                let repeating = qp.last_nak == Some(psn) && psn_diff(cursor, qp.sent_hi) < 0;
+                if !repeating {
+                    qp.last_nak = Some(psn);
+                    qp.cwnd = (qp.cwnd / 2).max(MIN_WINDOW);
+                    Self::rewind(qp, psn);
+                }
+                self.reap(qpn);
+            }
+            Some(AckKind::Nak(code)) => {
+                let _ = Self::ack_before(qp, psn);
+                self.reap(qpn);
+                let status = match code {
+                    NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+                    NakCode::InvalidRequest => WcStatus::RemInvReqErr,
+                    _ => WcStatus::RemOpErr,
+                };
+                self.fail_qp(qpn, Some(status));
+            }
+            None => {}
+        }
+    }
+
+    /// Mark every send/write that ends before `psn` acknowledged; true if that acknowledged
+    /// anything new.
+    fn ack_before(qp: &mut Qp, psn: u32) -> bool {
+        let mut progressed = false;
+        if psn_diff(psn, qp.acked) > 0 && psn_diff(psn, qp.sent_hi) <= 0 {
+            qp.acked = psn;
+            progressed = true;
+        }
+        for w in qp.sq.iter_mut().filter(|w| !w.done) {
+            if w.wr.opcode == WrOpcode::Read || psn_diff(psn, psn_add(w.psn, w.npkts - 1)) <= 0 {
+                break;
+            }
+            w.done = true;
+            progressed = true;
+        }
+        progressed
+    }
+}

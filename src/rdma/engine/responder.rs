@@ -1,0 +1,233 @@
+//! The responder side of the RC engine: requests in sequence land in memory and complete
+//! receives; duplicates are re-acknowledged, gaps NAKed (and what follows them kept, see
+//! `rdma::reorder`), missing receives answered with RNR NAKs.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn on_request(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        let op = pkt.bth.opcode;
+        let d = psn_diff(pkt.bth.psn, qp.epsn);
+        if d < 0 {
+            self.stats.duplicates += 1;
+            if op == Opcode::ReadRequest {
+                // Re-execute the read (the responses may have been lost).
+                if let Some(r) = pkt.reth {
+                    if self
+                        .mrs
+                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
+                        .is_ok()
+                    {
+                        let qp = self.qp(qpn).expect("checked");
+                        qp.reads.retain(|j| j.psn != pkt.bth.psn);
+                        qp.reads.push_back(ReadJob {
+                            psn: pkt.bth.psn,
+                            va: r.va,
+                            rkey: r.rkey,
+                            len: r.dma_len,
+                            sent: 0,
+                        });
+                    }
+                }
+            } else {
+                let qp = self.qp(qpn).expect("checked");
+                // Answer a duplicate with where we are — as a NAK while a sequence error is
+                // outstanding, so a duplicate never hides the NAK the requester needs.
+                qp.ctrl = Some(if qp.nak_sent {
+                    (Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn)
+                } else {
+                    (Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK))
+                });
+            }
+            return;
+        }
+        if d > 0 {
+            // NAK the first gap once, and again every NAK_REPEAT out-of-sequence packets in
+            // case the NAK itself was lost (cheaper than waiting for the requester's timer).
+            if !qp.nak_sent || qp.oos_since_nak >= NAK_REPEAT {
+                qp.nak_sent = true;
+                qp.oos_since_nak = 0;
+                qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
+            }
+            qp.oos_since_nak += 1;
+            qp.reorder.store(qp.epsn, pkt);
+            self.stats.out_of_sequence += 1;
+            return;
+        }
+        // In sequence.
+        let psn = pkt.bth.psn;
+        let mut end_of_message = op.is_last() || op.is_only();
+        if op.is_send() {
+            if op.is_first() || op.is_only() {
+                if qp.in_send.is_some() {
+                    return self.nak(qpn, NakCode::InvalidRequest, None);
+                }
+                let Some(wqe) = qp.rq.pop_front() else {
+                    return self.rnr(qpn);
+                };
+                qp.in_send = Some(InSend { wqe, off: 0 });
+            }
+            let Some(mut s) = qp.in_send.take() else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            let cap = s.wqe.wr.sge.map_or(0, |g| g.len);
+            let n = pkt.payload.len() as u32;
+            if s.off + n > cap {
+                let rcq = qp.recv_cq;
+                self.cqs[rcq].push_back(Wc {
+                    wr_id: s.wqe.wr.wr_id,
+                    status: WcStatus::LocLenErr,
+                    opcode: WcOpcode::Recv,
+                    byte_len: s.off + n,
+                    imm: None,
+                    qpn,
+                });
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            }
+            if let Some(g) = s.wqe.wr.sge {
+                if self
+                    .mrs
+                    .write(
+                        g.lkey,
+                        g.addr + s.off as u64,
+                        pkt.payload,
+                        Access::LOCAL_WRITE,
+                    )
+                    .is_err()
+                {
+                    return self.nak(qpn, NakCode::RemoteOperationalError, None);
+                }
+            }
+            s.off += n;
+            let qp = self.qp(qpn).expect("checked");
+            if end_of_message {
+                let rcq = qp.recv_cq;
+                let wc = Wc {
+                    wr_id: s.wqe.wr.wr_id,
+                    status: WcStatus::Success,
+                    opcode: WcOpcode::Recv,
+                    byte_len: s.off,
+                    imm: pkt.imm,
+                    qpn,
+                };
+                self.cqs[rcq].push_back(wc);
+            } else {
+                qp.in_send = Some(s);
+            }
+        } else if op.is_write() {
+            if op.is_first() || op.is_only() {
+                let Some(r) = pkt.reth else {
+                    return self.nak(qpn, NakCode::InvalidRequest, None);
+                };
+                // A zero-length write touches no memory: its rkey is not checked (IBTA).
+                if r.dma_len > 0 {
+                    if let Err(e) =
+                        self.mrs
+                            .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
+                    {
+                        return self.nak(qpn, access_nak(e), None);
+                    }
+                }
+                let qp = self.qp(qpn).expect("checked");
+                qp.in_write = Some(InWrite {
+                    va: r.va,
+                    rkey: r.rkey,
+                    left: r.dma_len,
+                    total: r.dma_len,
+                });
+            }
+            let qp = self.qp(qpn).expect("checked");
+            if pkt.imm.is_some() && qp.rq.is_empty() {
+                return self.rnr(qpn); // the immediate needs a receive; data not written yet
+            }
+            let Some(mut w) = qp.in_write.take() else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            let n = pkt.payload.len() as u32;
+            if n > w.left || (end_of_message && n != w.left) {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            }
+            if n > 0
+                && self
+                    .mrs
+                    .write(w.rkey, w.va, pkt.payload, Access::REMOTE_WRITE)
+                    .is_err()
+            {
+                return self.nak(qpn, NakCode::RemoteAccessError, None);
+            }
+            w.va += n as u64;
+            w.left -= n;
+            let qp = self.qp(qpn).expect("checked");
+            if end_of_message {
+                if let Some(imm) = pkt.imm {
+                    let r = qp.rq.pop_front().expect("checked non-empty");
+                    let rcq = qp.recv_cq;
+                    let wc = Wc {
+                        wr_id: r.wr.wr_id,
+                        status: WcStatus::Success,
+                        opcode: WcOpcode::RecvRdmaWithImm,
+                        byte_len: w.total,
+                        imm: Some(imm),
+                        qpn,
+                    };
+                    self.cqs[rcq].push_back(wc);
+                }
+            } else {
+                qp.in_write = Some(w);
+            }
+        } else if op == Opcode::ReadRequest {
+            let Some(r) = pkt.reth else {
+                return self.nak(qpn, NakCode::InvalidRequest, None);
+            };
+            if r.dma_len > 0 {
+                if let Err(e) =
+                    self.mrs
+                        .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
+                {
+                    return self.nak(qpn, access_nak(e), None);
+                }
+            }
+            let qp = self.qp(qpn).expect("checked");
+            let n = r.dma_len.div_ceil(qp.mtu()).max(1);
+            qp.reads.push_back(ReadJob {
+                psn,
+                va: r.va,
+                rkey: r.rkey,
+                len: r.dma_len,
+                sent: 0,
+            });
+            qp.epsn = psn_add(qp.epsn, n - 1); // plus one below
+            qp.msn = (qp.msn + 1) & PSN_MASK;
+            end_of_message = false; // acknowledged by the responses
+        } else {
+            return self.nak(qpn, NakCode::InvalidRequest, None);
+        }
+        let qp = self.qp(qpn).expect("checked");
+        qp.epsn = psn_add(qp.epsn, 1);
+        qp.nak_sent = false;
+        if end_of_message {
+            qp.msn = (qp.msn + 1) & PSN_MASK;
+        }
+        if pkt.bth.ack_req && op != Opcode::ReadRequest {
+            qp.ctrl = Some((Aeth::ack(qp.msn), psn));
+        } else if op != Opcode::ReadRequest && qp.ack_due.is_none() {
+            qp.ack_due = Some(now + ACK_DELAY);
+        }
+    }
+
+    fn rnr(&mut self, qpn: Qpn) {
+        self.stats.rnr_naks_sent += 1;
+        if let Ok(qp) = self.qp(qpn) {
+            qp.ctrl = Some((Aeth::rnr_nak(qp.msn, qp.attr.min_rnr_timer), qp.epsn));
+        }
+    }
+
+    /// NAK the expected PSN; fatal codes also put the responder QP in ERROR.
+    fn nak(&mut self, qpn: Qpn, code: NakCode, _status: Option<WcStatus>) {
+        if let Ok(qp) = self.qp(qpn) {
+            qp.ctrl = Some((Aeth::nak(qp.msn, code), qp.epsn));
+            qp.in_write = None;
+        }
+    }
+}
