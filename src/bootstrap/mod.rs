@@ -435,7 +435,7 @@ pub fn rendezvous(
 /// How often a rank waiting for the root looks at its abort flag.
 const ABORT_POLL: Duration = Duration::from_millis(100);
 
-/// [`rendezvous`], ended within about [`ABORT_POLL`] by `abort` (set from another thread,
+/// [`rendezvous`], ended within about 100 ms by `abort` (set from another thread,
 /// e.g. by `rocclCommAbort` during a non-blocking init) with an error saying so.
 pub fn rendezvous_abortable(
     id: &UniqueId,

@@ -1128,6 +1128,77 @@ mod tests {
         }
     }
 
+    /// Only segments whose owner is gone are removed: of three ranks' segments, the one
+    /// whose header names a process that exited goes, a live process's and our own stay.
+    #[test]
+    fn only_the_segments_of_dead_processes_are_removed() {
+        let tag = u64::from(std::process::id()) << 20 ^ 0xdead;
+        let segs: Vec<NodeSeg> = (0..3)
+            .map(|r| NodeSeg::create(tag, r, 4096).unwrap())
+            .collect();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let mut live = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        header(&segs[1].seg).pid.store(dead_pid, Ordering::Relaxed);
+        header(&segs[2].seg).pid.store(live.id(), Ordering::Relaxed);
+        let exists = |r: usize| {
+            std::path::Path::new(&format!("/dev/shm/roccl-node-{tag:016x}-{r}")).exists()
+        };
+        assert!((0..3).all(exists));
+        assert_eq!(remove_dead_segments(tag, 0, 3), vec![1]);
+        assert_eq!((exists(0), exists(1), exists(2)), (true, false, true));
+        let _ = live.kill();
+        let _ = live.wait();
+    }
+
+    /// A peer that never attaches: if its process is gone, attach fails naming it and
+    /// removes its segment (instead of waiting out the timeout, 5 s here, and failing with
+    /// a timeout); if the application aborts, attach ends with an error saying so.
+    #[test]
+    fn attach_ends_on_a_dead_peer_or_an_abort() {
+        let w = Waiter {
+            timeout: Duration::from_secs(5),
+            ..Waiter::from_env()
+        };
+        for abort in [false, true] {
+            let tag = u64::from(std::process::id()) << 20 ^ 0xa77 ^ u64::from(abort);
+            let mine = NodeSeg::create(tag, 0, 4096).unwrap();
+            let peer = NodeSeg::create(tag, 1, 4096).unwrap();
+            let mut child = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .unwrap();
+            header(&peer.seg).pid.store(child.id(), Ordering::Relaxed);
+            if !abort {
+                child.kill().unwrap();
+                child.wait().unwrap();
+            }
+            let flag = AtomicBool::new(abort);
+            let r = Node::attach(mine, tag, 0, 2, &w, &flag);
+            let _ = child.kill();
+            let _ = child.wait();
+            let e = match r {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("attached without the peer"),
+            };
+            if abort {
+                assert!(e.contains("aborted by the application"), "{e}");
+            } else {
+                assert!(
+                    e.contains("rank 1") && e.contains("exited during initialization"),
+                    "{e}"
+                );
+                let name = format!("/dev/shm/roccl-node-{tag:016x}-1");
+                assert!(!std::path::Path::new(&name).exists(), "{name} left behind");
+            }
+            drop(peer);
+        }
+    }
+
     #[test]
     fn a_killed_process_is_gone_before_it_is_reaped() {
         assert!(!process_gone(std::process::id()));
