@@ -476,6 +476,12 @@ impl UserVerbs {
         self.d.lock().engine.stats()
     }
 
+    /// Change the injected faults (tests: a link that goes bad and heals).
+    #[cfg(test)]
+    pub(crate) fn set_faults(&self, f: Option<Faults>) {
+        self.d.lock().faults = f.map(|f| (f, Rng(f.seed | 1)));
+    }
+
     /// Queue pairs the provider holds (destroyed ones until they are freed) and their send
     /// sockets.
     pub fn open_qps(&self) -> (usize, usize) {
