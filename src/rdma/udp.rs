@@ -167,8 +167,19 @@ struct QpSide {
     /// seen (set by whoever made progress for it; see `Driver::wake`).
     wake: OwnedFd,
     armed: bool,
+    /// Its descriptors were handed out (`qp_fds`: someone is about to sleep on them) since
+    /// it was last polled; only then is `wake` armed (no system calls while nobody sleeps).
+    watched: bool,
     /// Destroyed by its owner: freed once the engine says it is closed and quiet.
     destroyed: bool,
+}
+
+/// Make `side`'s wake-up descriptor readable.
+fn arm(side: &mut QpSide) {
+    side.armed = true;
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
+    unsafe { libc::write(side.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
 }
 
 /// A closed QP is freed after this long without a packet for it: longer than the
@@ -476,6 +487,12 @@ impl UserVerbs {
         self.d.lock().engine.stats()
     }
 
+    /// Change the injected faults (tests: a link that goes bad and heals).
+    #[cfg(test)]
+    pub(crate) fn set_faults(&self, f: Option<Faults>) {
+        self.d.lock().faults = f.map(|f| (f, Rng(f.seed | 1)));
+    }
+
     /// Queue pairs the provider holds (destroyed ones until they are freed) and their send
     /// sockets.
     pub fn open_qps(&self) -> (usize, usize) {
@@ -545,21 +562,24 @@ impl Driver {
     /// (or the progress thread) took off the shared socket, which then stays quiet.
     fn wake(&mut self, polling: Option<Qpn>) {
         for (q, side) in self.qps.iter_mut() {
-            if side.armed || Some(*q) == polling || self.engine.cq_len(side.cq) == 0 {
+            if !side.watched
+                || side.armed
+                || Some(*q) == polling
+                || self.engine.cq_len(side.cq) == 0
+            {
                 continue;
             }
-            side.armed = true;
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writes 8 bytes from a live buffer to an eventfd we own.
-            unsafe { libc::write(side.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+            arm(side);
         }
     }
 
-    /// Clear QP `q`'s wake-up descriptor once its completion queue is empty.
+    /// Clear QP `q`'s wake-up descriptor once its completion queue is empty; its poller is
+    /// awake now.
     fn unwake(&mut self, q: Qpn) {
         let Some(side) = self.qps.get_mut(&q) else {
             return;
         };
+        side.watched = false;
         if side.armed && self.engine.cq_len(side.cq) == 0 {
             side.armed = false;
             let mut b = [0u8; 8];
@@ -1120,6 +1140,7 @@ impl Verbs for UserVerbs {
                 port,
                 wake,
                 armed: false,
+                watched: false,
                 destroyed: false,
             },
         );
@@ -1226,7 +1247,15 @@ impl Verbs for UserVerbs {
 
     fn qp_fds(&self, qp: QpId, out: &mut Vec<PollFd>) {
         self.poll_fds(out);
-        if let Some(side) = self.d.lock().qps.get(&qpn(qp)) {
+        let mut d = self.d.lock();
+        let d = &mut *d;
+        if let Some(side) = d.qps.get_mut(&qpn(qp)) {
+            // About to sleep on it: from now on whoever makes progress wakes it, and a
+            // completion already waiting wakes it at once.
+            side.watched = true;
+            if !side.armed && d.engine.cq_len(side.cq) > 0 {
+                arm(side);
+            }
             out.push(PollFd {
                 fd: side.wake.as_raw_fd(),
                 events: libc::POLLIN,
@@ -1388,15 +1417,17 @@ mod tests {
         let a = UserVerbs::with_offload(lo, 0, None, false).unwrap();
         let b = UserVerbs::with_offload(lo, 0, None, false).unwrap();
         let (qa, qb) = connected(&a, &b);
+        // The application is about to sleep on b's QP: it takes the descriptors.
+        let mut fds = Vec::new();
+        b.qp_fds(qb, &mut fds);
         ping(&a, qa, &b, qb, 3);
-        // Nobody polls b: its progress thread receives the write (and fills the queue).
+        // Nobody polls b: its progress thread receives the write (and fills the queue),
+        // leaving the socket empty.
         let start = Instant::now();
         while b.stats().rx_packets == 0 {
             assert!(start.elapsed() < Duration::from_secs(20), "nothing arrived");
             std::thread::sleep(Duration::from_millis(1));
         }
-        let mut fds = Vec::new();
-        b.qp_fds(qb, &mut fds);
         let mut p: Vec<libc::pollfd> = fds
             .iter()
             .map(|f| libc::pollfd {

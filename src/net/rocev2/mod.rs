@@ -1990,6 +1990,66 @@ mod tests {
         Ok((buf, n))
     }
 
+    /// Item 11 of issue 19: an eager send is done for the caller once posted; a send comm
+    /// destroyed right after must still deliver it, here through a link that loses
+    /// everything until after the destroy began.
+    #[test]
+    fn an_eager_send_survives_the_destroy_that_follows_it() {
+        use crate::rdma::udp::Faults;
+        let lo = Ipv4Addr::LOCALHOST.into();
+        let verbs = Arc::new(UserVerbs::with(lo, 0, None).unwrap());
+        let net = RoceNet::over(verbs.clone(), lo);
+        let (mut s, mut r) = pair(&net);
+        // Eager (at most 16 KiB) and not inline (over 256 B): sent from the comm's staging.
+        let data = vec![7u8; 1000];
+        let mut buf = vec![0u8; 1000];
+        let rb = RecvBuf {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            tag: 1,
+        };
+        // SAFETY: `buf` outlives the receive (tested to completion below).
+        let rq = unsafe { r.irecv(std::slice::from_ref(&rb)) }
+            .unwrap()
+            .unwrap();
+        verbs.set_faults(Some(Faults {
+            drop: 1.0,
+            seed: 1,
+            ..Faults::default()
+        }));
+        // SAFETY: `data` outlives the send.
+        let sq = unsafe { s.isend(data.as_ptr(), data.len(), 1, None) }
+            .unwrap()
+            .unwrap();
+        assert!(
+            s.test(sq).unwrap().is_some(),
+            "an eager send is done at once"
+        );
+        let healer = {
+            let v = verbs.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                v.set_faults(None);
+            })
+        };
+        drop(s);
+        healer.join().unwrap();
+        let mut size = [0usize];
+        let t0 = std::time::Instant::now();
+        loop {
+            match r.test(rq, &mut size) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => panic!("the message sent before the destroy was lost: {e}"),
+            }
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "the message sent before the destroy never arrived"
+            );
+        }
+        assert_eq!((size[0], &buf), (1000, &data));
+    }
+
     #[test]
     fn messages_of_every_size() {
         let net = RoceNet::over(
