@@ -457,6 +457,9 @@ impl Communicator {
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
         let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
+        // The network's own waits (retransmission, draining at close) end at this
+        // communicator's deadline, not at one read from the environment.
+        net.set_timeout(cfg.waiter.timeout);
         // Whether GPU memory can go to peers over this network. Connections keep eager
         // messages: the executor hands the network a GPU copy for those.
         let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
