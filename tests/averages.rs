@@ -25,15 +25,14 @@ fn ulp(dt: DataType, v: f64) -> f64 {
     2f64.powf(e - mant as f64)
 }
 
-/// A value per type whose sum over `n` ranks overflows (floats) or saturates (fp8) the type.
+/// A value per type (a power of two) whose sum over 4 or more ranks overflows (floats) or
+/// saturates (fp8) the type.
 fn big(dt: DataType) -> f64 {
     match dt {
-        DataType::F16 => 10000.0,    // max 65504
-        DataType::Bf16 => 1.0e38,    // max 3.39e38
-        DataType::F8E4M3 => 300.0,   // max 448, saturating
-        DataType::F8E5M2 => 28672.0, // max 57344
-        DataType::F32 => 1.0e38,     // max 3.40e38
-        _ => 1.0e308,                // f64: max 1.80e308
+        DataType::F16 => 16384.0,         // max 65504
+        DataType::Bf16 => 2f64.powi(126), // max 3.39e38 (2^128 overflows)
+        DataType::F8E4M3 => 256.0,        // max 448, saturating
+        _ => 16384.0,                     // e5m2: max 57344
     }
 }
 
@@ -46,8 +45,9 @@ const FLOATS: [DataType; 4] = [
     DataType::F8E5M2,
 ];
 
-/// Every rank contributes `big` (element 0), `-big` (element 1), and a value of the type's
-/// finest precision near 1 (element 2): the average is each, within the format's rounding.
+/// The ranks' inputs average to `big` (element 0), `-big` (element 1), and a value of the
+/// type's finest precision near 1 (element 2): the result is each, within the format's
+/// rounding. `n` is even.
 fn float_averages(net: NetKind, n: usize, algos: &[Algo]) {
     let mut cfg = config(Tuning::default());
     cfg.net = net;
@@ -59,13 +59,27 @@ fn float_averages(net: NetKind, n: usize, algos: &[Algo]) {
                 1 => -big(dt),
                 _ => 1.0 + ulp(dt, 1.0),
             };
+            // Even ranks give 1.75 times the average, odd ranks 0.25 times it (exact in every
+            // type, and the ranks are even in number), so a reduction that kept any one
+            // rank's input fails too.
+            let me = c.rank();
+            let mine = |i: usize| {
+                let x = want(i);
+                if i % 3 == 2 {
+                    x
+                } else if me % 2 == 0 {
+                    1.75 * x
+                } else {
+                    0.25 * x
+                }
+            };
             let count = 33;
             for &algo in algos {
                 if matches!(algo, Algo::ShmOneShot | Algo::ShmTwoShot) && !c.shm_collectives() {
                     continue;
                 }
                 let opts = CallOpts { algo: Some(algo) };
-                let input = fill(dt, count, want);
+                let input = fill(dt, count, mine);
                 let tol = |i: usize| 2.0 * ulp(dt, want(i));
                 let what = format!("{dt} avg n={n} algo={algo} net={net:?}");
                 // All-reduce, in place and out.
@@ -129,7 +143,7 @@ fn float_averages(net: NetKind, n: usize, algos: &[Algo]) {
                     continue;
                 }
                 // Reduce-scatter: block r of every rank's input.
-                let rs_in = fill(dt, n * count, |j| want(j % count));
+                let rs_in = fill(dt, n * count, |j| mine(j % count));
                 let mut out = vec![0u8; count * es];
                 c.run_raw(
                     Collective::ReduceScatter(RedOp::Avg),

@@ -579,6 +579,10 @@ fn a_rank_killed_during_init_leaves_no_segment() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+    // Let it finish publishing its segment's header (pid, slot size) — it then waits in the
+    // rendezvous for the others — before the kill; a segment killed half-written is not
+    // this test's case.
+    std::thread::sleep(Duration::from_millis(500));
     doomed.kill().unwrap();
     doomed.wait().unwrap();
     assert!(

@@ -22,7 +22,7 @@ const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 const ABORT: u32 = 0x8000_0000;
 /// With [`ABORT`]: the sender found this rank in another call than its own; the 4 bytes
 /// after the hello are the sender's call tag.
-const MISMATCH: u32 = 0x4000_0000;
+const MISMATCH: u32 = 0x2000_0000;
 /// Bytes of a hello (16) or of a mismatch notice (20).
 const HELLO_MAX: usize = 20;
 /// Channel bit of a hello that opens a duplex connection: it carries both directions of
@@ -214,9 +214,19 @@ impl Links {
         }
     }
 
-    /// Drop every connection (after an error, so nothing touches user memory again).
+    /// Drop every connection (after an error or an abort, so nothing touches user memory
+    /// again): what was sent is not drained.
     pub fn close_all(&mut self) {
+        self.close(true);
+    }
+
+    /// Drop every connection; `abandon`: without draining what was sent (see
+    /// [`SendComm::abandon`]), else each send comm drains as it closes (a destroy).
+    fn close(&mut self, abandon: bool) {
         for s in &mut self.send {
+            for c in s.iter_mut().flatten().filter(|_| abandon) {
+                c.abandon();
+            }
             *s = Default::default();
         }
         for r in &mut self.recv {
@@ -747,7 +757,8 @@ impl Links {
 
 impl Drop for Links {
     fn drop(&mut self) {
-        self.close_all();
+        // A destroy: sends already reported done reach their peers first.
+        self.close(false);
     }
 }
 

@@ -1377,9 +1377,6 @@ fn avg_premultiplied<'a>(
         return Ok((coll, send, recv));
     }
     if let Collective::AllReduce(_) = coll {
-        if recv.len() != input_len {
-            return Ok((coll, send, recv));
-        }
         let out = recv.into_slice()?;
         if let Some(s) = host(send)? {
             crate::reduce::copy_large(out, s);
@@ -1598,8 +1595,10 @@ impl State {
     ) -> Result<CallInfo> {
         self.usable()?;
         // The buffer every rank passes alike: a reduce's output may be empty off the root.
+        // (A reduce-scatter's whole input: in place the buffer, out of place n blocks.)
         let bytes = match (coll, send) {
             (Collective::Reduce { .. }, Some(s)) => s.len(),
+            (Collective::ReduceScatter(_), Some(_)) => recv.len() * self.links.nranks,
             _ => recv.len(),
         };
         self.call_tag = agree::call_tag(&coll, dt, bytes);

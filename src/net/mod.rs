@@ -239,6 +239,10 @@ pub trait SendComm: Send {
     fn test(&mut self, req: ReqId) -> Result<Option<usize>>;
     /// Descriptors to poll while waiting for progress (empty when nothing is pending).
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// The connection is being closed after a failure or an abort: closing need not wait
+    /// for what was sent to be acknowledged (networks that drain at close skip it).
+    fn abandon(&mut self) {}
+
     /// The receiving side of this connection for messages the peer sends back through its
     /// [`RecvComm::reverse`] (on networks where [`Net::duplex`] says so; once per
     /// connection, else `None`).

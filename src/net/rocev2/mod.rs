@@ -1229,6 +1229,12 @@ fn no_device_copy() -> Error {
 }
 
 impl SendComm for RoceSend {
+    fn abandon(&mut self) {
+        // Closing after a failure or an abort: no drain (the peer may be the failure).
+        self.failed
+            .get_or_insert_with(|| "closed after a failure or an abort".into());
+    }
+
     fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
     }

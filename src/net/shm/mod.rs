@@ -217,7 +217,25 @@ impl Segment {
     }
 
     fn map(fd: i32, len: usize) -> Result<Segment> {
-        // SAFETY: mapping `len` bytes of a segment at least that long; the fd is closed after.
+        // A segment shorter than `len` (one its creator has not sized yet, or a stranger's)
+        // would fault with SIGBUS at the first touch past its end: refuse it.
+        // SAFETY: `st` is written by fstat on our descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is an open descriptor of ours; `st` is a valid out-pointer.
+        let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
+            st.st_size.max(0) as u64
+        } else {
+            0
+        };
+        if size < len as u64 {
+            // SAFETY: our descriptor.
+            unsafe { libc::close(fd) };
+            return Err(Error::InvalidUsage(format!(
+                "a shared-memory segment holds {size} bytes where {len} are expected (still being created, or not one of this job's)"
+            )));
+        }
+        // SAFETY: mapping `len` bytes of a segment at least that long (checked above); the
+        // fd is closed after.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
