@@ -348,9 +348,51 @@ pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
     }
 }
 
+/// The switch `name` (see [`parse_switch`]), or `default` when unset; a value that is not a
+/// switch is logged and gives the default (init refuses it before, see [`check`]).
+pub fn switch_or(name: &str, default: bool) -> bool {
+    switch_value(name, std::env::var(name).ok(), default)
+}
+
+fn switch_value(name: &str, value: Option<String>, default: bool) -> bool {
+    match value {
+        None => default,
+        Some(v) => parse_switch(&v).unwrap_or_else(|| {
+            crate::log::log(
+                crate::log::Level::Warn,
+                format_args!(
+                    "{name}={v:?} is not 0/1, off/on, false/true or no/yes; using the default"
+                ),
+            );
+            default
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The readers of switches take every spelling the init check accepts (`off` used to
+    /// pass the check and then be ignored by readers that looked for `0` only).
+    #[test]
+    fn switches_read_as_they_are_checked() {
+        for (v, want) in [
+            ("0", false),
+            ("off", false),
+            ("OFF", false),
+            ("No", false),
+            ("false", false),
+            ("1", true),
+            ("on", true),
+            ("Yes", true),
+        ] {
+            assert!(switch(v), "{v}");
+            assert_eq!(switch_value("X", Some(v.into()), !want), want, "{v}");
+        }
+        assert!(switch_value("X", None, true));
+        assert!(!switch_value("X", Some("maybe".into()), false));
+    }
 
     #[test]
     fn every_setting_refuses_garbage_naming_itself() {

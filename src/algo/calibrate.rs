@@ -65,7 +65,7 @@ const BYTES: usize = 4 << 20;
 pub fn host_speeds() -> HostSpeeds {
     static SPEEDS: OnceLock<HostSpeeds> = OnceLock::new();
     *SPEEDS.get_or_init(|| {
-        if std::env::var("ROCCL_CALIBRATE").is_ok_and(|v| v.trim() == "0") {
+        if !crate::envvar::switch_or("ROCCL_CALIBRATE", true) {
             return REFERENCE;
         }
         let s = measure();

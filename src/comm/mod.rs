@@ -478,9 +478,7 @@ impl Communicator {
         };
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
-        let shm = if cfg.net == NetKind::Auto
-            && std::env::var("ROCCL_SHM").map_or(true, |v| v.trim() != "0")
-        {
+        let shm = if cfg.net == NetKind::Auto && crate::envvar::switch_or("ROCCL_SHM", true) {
             match net::shm::ShmNet::new().and_then(|n| {
                 let (h, l) = net::Net::listen(&n, 0)?;
                 Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))

@@ -403,7 +403,7 @@ impl IbvVerbs {
             mtu: mtu_bytes(pattr.active_mtu),
             max_qp: dattr.max_qp.max(0) as u32,
             max_mr_size: dattr.max_mr_size,
-            relaxed: std::env::var("ROCCL_IB_RELAXED_ORDERING").map_or(true, |v| v.trim() != "0"),
+            relaxed: crate::envvar::switch_or("ROCCL_IB_RELAXED_ORDERING", true),
             dmabuf,
             why: choice.why.clone(),
             settings,

@@ -19,5 +19,5 @@ mod sim;
 /// GPU-direct path (no eager or inline copies, dmabuf registration, flushes through the NIC)
 /// runs without a GPU (tests/plugin/run.sh, net::rocev2 tests).
 pub(crate) fn sim_gpu() -> bool {
-    std::env::var("ROCCL_ROCEV2_SIM_GPU").is_ok_and(|v| v.trim() == "1")
+    crate::envvar::switch_or("ROCCL_ROCEV2_SIM_GPU", false)
 }

@@ -388,10 +388,7 @@ impl UserVerbs {
 
     /// Open with explicit settings (`port` 0: any); UDP GSO/GRO as `ROCCL_ROCEV2_GSO` says.
     pub fn with(ip: IpAddr, port: u16, faults: Option<Faults>) -> Result<UserVerbs> {
-        let offload = match std::env::var("ROCCL_ROCEV2_GSO") {
-            Ok(v) => !matches!(v.trim(), "0" | "off" | "no" | "false"),
-            Err(_) => true,
-        };
+        let offload = crate::envvar::switch_or("ROCCL_ROCEV2_GSO", true);
         Self::with_offload(ip, port, faults, offload)
     }
 

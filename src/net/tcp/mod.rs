@@ -100,7 +100,7 @@ impl TcpNet {
                 0 => None,
                 b => Some(b),
             },
-            duplex: env_usize("ROCCL_TCP_DUPLEX", 1) != 0,
+            duplex: crate::envvar::switch_or("ROCCL_TCP_DUPLEX", true),
         })
     }
 
