@@ -280,10 +280,6 @@ pub fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(5))
 }
 
-fn warn(msg: std::fmt::Arguments) {
-    crate::log::log(crate::log::Level::Warn, msg);
-}
-
 /// Fail every rank that has joined, and the one whose registration is refused, with `msg`;
 /// returns it, for the ranks that register later.
 fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String) -> String {
@@ -291,7 +287,7 @@ fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String
     for j in std::mem::take(joined).values_mut() {
         send_error(&mut j.stream, &msg);
     }
-    warn(format_args!("bootstrap root: {msg}"));
+    crate::warn!("bootstrap root: {msg}");
     msg
 }
 
@@ -336,13 +332,13 @@ fn run_root(l: TcpListener, nonce: u64) {
         if !first && failed.is_none() && last_said.elapsed() >= progress_interval(timeout) {
             last_said = Instant::now();
             let have: Vec<usize> = joined.keys().copied().collect();
-            warn(format_args!(
+            crate::warn!(
                 "bootstrap root at {at}: after {:.0?}, {} of {n} ranks joined ({}); waiting for {} (gives up after {timeout:.0?}, ROCCL_TIMEOUT)",
                 start.elapsed(),
                 have.len(),
                 crate::error::ranks_list(&have),
                 crate::error::ranks_list(&missing()),
-            ));
+            );
         }
         match l.accept() {
             Ok((mut s, from)) => {
@@ -471,10 +467,10 @@ pub fn rendezvous_abortable(
             Err(e) => {
                 if last_said.elapsed() >= progress_interval(timeout) {
                     last_said = Instant::now();
-                    warn(format_args!(
+                    crate::warn!(
                         "rank {rank}: after {:.0?}, still waiting for the bootstrap root at {addr} ({e}); gives up after {timeout:.0?} (ROCCL_TIMEOUT)",
                         start.elapsed()
-                    ));
+                    );
                 }
                 if start.elapsed() > timeout {
                     return Err(Error::Timeout(format!(

@@ -37,16 +37,8 @@ const SETTINGS: [&str; 9] = [
 /// An unset setting (the cost model decides).
 const UNSET: u64 = u64::MAX;
 
-/// Algorithms by their number in the blob.
-const ALGOS: [Algo; 7] = [
-    Algo::Ring,
-    Algo::Tree,
-    Algo::Direct,
-    Algo::Doubling,
-    Algo::TwoShot,
-    Algo::ShmOneShot,
-    Algo::ShmTwoShot,
-];
+/// Algorithms by their number in the blob and in call tags.
+const ALGOS: [Algo; 7] = Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs.
