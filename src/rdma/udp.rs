@@ -1271,6 +1271,10 @@ impl Verbs for UserVerbs {
     fn qp_state(&self, qp: QpId) -> Result<QpState> {
         self.d.lock().engine.qp_state(qpn(qp))
     }
+
+    fn sends_acknowledged(&self, qp: QpId) -> bool {
+        self.d.lock().engine.sends_acknowledged(qpn(qp))
+    }
 }
 
 #[cfg(test)]

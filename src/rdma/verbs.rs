@@ -105,6 +105,12 @@ pub trait Verbs: Send + Sync {
     fn set_timeout(&self, timeout: std::time::Duration) {
         let _ = timeout;
     }
+    /// Whether the peer has acknowledged every send posted on `qp` (nothing to drain at
+    /// close). `false` where the provider cannot tell (a NIC): the close then drains.
+    fn sends_acknowledged(&self, qp: QpId) -> bool {
+        let _ = qp;
+        false
+    }
     /// Longest a closing connection waits for the peer to acknowledge what it sent
     /// (the peer or the QP failing ends the wait sooner).
     fn drain_limit(&self) -> std::time::Duration {

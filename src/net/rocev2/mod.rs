@@ -1317,7 +1317,11 @@ const DRAIN_MARK: u64 = u64::MAX;
 /// destroy right after the last call would otherwise lose them. Ends early when the QP
 /// fails, when the peer's process is gone, or after the provider's drain limit.
 fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
-    if verbs.qp_state(qp).ok() != Some(crate::rdma::verbs::QpState::Rts) {
+    // Nothing unacknowledged (the userspace engine can tell): no marker, no wait — a peer
+    // that already left would otherwise hold the close up until it is seen gone.
+    if verbs.qp_state(qp).ok() != Some(crate::rdma::verbs::QpState::Rts)
+        || verbs.sends_acknowledged(qp)
+    {
         return;
     }
     let mark = SendWr {

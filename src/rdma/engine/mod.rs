@@ -695,6 +695,11 @@ impl Engine {
             .ok_or_else(|| Error::arg(format!("no queue pair {qpn:#x}")))
     }
 
+    /// Whether QP `qpn` has no send left unacknowledged (an unknown QP has none).
+    pub fn sends_acknowledged(&mut self, qpn: Qpn) -> bool {
+        self.qp(qpn).map_or(true, |q| q.sq.is_empty())
+    }
+
     /// State of a QP.
     pub fn qp_state(&mut self, qpn: Qpn) -> Result<QpState> {
         Ok(self.qp(qpn)?.state)
