@@ -47,12 +47,14 @@ pub fn log(l: Level, msg: std::fmt::Arguments) {
         // Never `eprintln!`, which panics when stderr fails (a closed pipe with SIGPIPE
         // ignored, as in Python): a log line is not worth a crash, least of all inside a
         // C caller.
+        // The whole line in one write: stderr is unbuffered, and a line written in pieces
+        // interleaves with the lines of the other ranks sharing the terminal or pipe.
         use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "roccl {}: {msg}",
+        let line = format!(
+            "roccl {}: {msg}\n",
             if l == Level::Warn { "WARN" } else { "INFO" }
         );
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }
 }
 
