@@ -283,6 +283,9 @@ pub struct IbvVerbs {
     inline: u32,
     stop: Arc<AtomicBool>,
     events: Option<std::thread::JoinHandle<()>>,
+    /// The communicator's deadline in ms ([`Verbs::set_timeout`]; 0: `ROCCL_TIMEOUT`): how
+    /// long a closing connection waits for the peer's acknowledgements.
+    drain_ms: std::sync::atomic::AtomicU64,
 }
 
 impl IbvVerbs {
@@ -440,6 +443,7 @@ impl IbvVerbs {
             stop,
             events: Some(events),
             dev,
+            drain_ms: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -662,6 +666,21 @@ impl Drop for IbvVerbs {
 }
 
 impl Verbs for IbvVerbs {
+    fn set_timeout(&self, timeout: std::time::Duration) {
+        // The NIC keeps IB's retry count; only the drain at close follows the deadline.
+        self.drain_ms.store(
+            timeout.as_millis().clamp(1, u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn drain_limit(&self) -> std::time::Duration {
+        match self.drain_ms.load(Ordering::Relaxed) {
+            0 => crate::comm::timeout(),
+            ms => std::time::Duration::from_millis(ms),
+        }
+    }
+
     fn name(&self) -> String {
         format!(
             "{}:{} (RoCE v2, GID {} {})",
