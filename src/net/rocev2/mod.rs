@@ -1028,10 +1028,13 @@ impl RoceSend {
     }
 
     fn progress_inner(&mut self) -> Result<()> {
+        // Waiting for a clear-to-send, or for the completion of a posted write: a peer that
+        // is gone answers neither (the engine retries until the deadline), so its closed
+        // setup connection ends the wait.
         let waiting = self
             .reqs
             .iter()
-            .any(|r| matches!(r.state, SendState::Waiting));
+            .any(|r| matches!(r.state, SendState::Waiting | SendState::Posted(_)));
         self.live.check(waiting, "send")?;
         let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
         for w in &self.wcs[..n] {
