@@ -121,6 +121,25 @@ impl Reorder {
         }
     }
 
+    /// The highest PSN kept past `epsn`, if any.
+    pub fn highest(&self, epsn: u32) -> Option<u32> {
+        (self.any && diff(self.hi, epsn) > 0).then_some(self.hi)
+    }
+
+    /// The lowest PSN kept past `epsn`, if any (the end of the gap at `epsn`).
+    pub fn lowest(&self, epsn: u32) -> Option<u32> {
+        if !self.any || self.slots.is_empty() {
+            return None;
+        }
+        (1..SLOTS)
+            .map(|d| (epsn.wrapping_add(d)) & 0x00ff_ffff)
+            .take_while(|&p| diff(p, self.hi) <= 0)
+            .find(|&p| {
+                let s = &self.slots[(p % SLOTS) as usize];
+                s.used && s.psn == p
+            })
+    }
+
     /// Whether packets past `epsn` are kept (then `epsn` is a hole to NAK).
     pub fn beyond(&mut self, epsn: u32) -> bool {
         if self.any && diff(self.hi, epsn) < 0 {

@@ -50,7 +50,7 @@ const NAK_REPEAT: u32 = 16;
 /// A responder acknowledges a packet that asks for it at once, and others (the last
 /// packets of unsignaled messages, whose requester waits for nothing) within this delay,
 /// coalesced: one acknowledgement then covers every message of a burst of small ones.
-pub const ACK_DELAY: Duration = Duration::from_micros(100);
+pub const ACK_DELAY: Duration = Duration::from_micros(25);
 /// Smallest congestion window, in packets.
 const MIN_WINDOW: u32 = 16;
 /// Most request packets in flight (unacknowledged) per QP.
@@ -308,8 +308,50 @@ pub const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// With [`QpAttr::selective`], the shortest retransmission timeout (the measured round
 /// trip sets it above: smoothed RTT + 4 × its variation, as TCP does).
 pub const RTO_MIN: Duration = Duration::from_millis(3);
+/// AETH syndrome of a hole report (a userspace-engine extension, selective mode only): an
+/// ACK-opcode packet whose PSN is the first missing PSN of a gap and whose MSN field holds
+/// the number of missing PSNs (bits 0–7) and the distance from the first missing PSN to
+/// the packet that showed the gap (bits 8–23; see [`hole_report`]). The
+/// responder reports each new gap past the one its sequence-error NAK names, and repeats
+/// the report of the first gap every [`NAK_REPEAT`] out-of-sequence packets (instead of
+/// repeating the NAK). The syndrome class 0b010 is reserved in IBTA, and `Aeth::kind` (so
+/// a requester that does not know it) ignores it; it acknowledges nothing. With it the
+/// requester resends every hole of a window in one round trip instead of one hole per
+/// round trip, and resends a packet again only when a packet it sent after the resend
+/// showed the gap (the resend was lost), however long the queue ahead of the resend.
+pub const HOLE_SYNDROME: u8 = 0x40;
+/// The MSN field of a hole report: `missing` PSNs from `first`, shown by PSN `shown_by`.
+fn hole_report(first: u32, missing: u32, shown_by: u32) -> u32 {
+    let dist = (psn_diff(shown_by, first).max(0) as u32).min(0xffff);
+    missing.min(0xff) | dist << 8
+}
+
+/// The missing count and the showing PSN of a hole report for `first` with MSN `msn`.
+fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
+    (msn & 0xff, psn_add(first, msn >> 8 & 0xffff))
+}
+
+/// Hole reports queued at the responder at most (more wait for the NAK of each gap).
+const HOLES_MAX: usize = 32;
+/// Selective resends remembered (by PSN modulo this), so that a NAK or hole report that
+/// crossed the resend on the wire does not resend the packet again.
+const RECENT: usize = 64;
+
+/// The shortest wait before a tail-loss probe ([`Qp::tail_at`]).
+const TAIL_MIN: Duration = Duration::from_micros(50);
+/// The wait before a tail-loss probe while no round trip has been measured yet.
+const TAIL_UNMEASURED: Duration = Duration::from_millis(1);
 /// Packets queued for selective retransmission at most (more NAKs wait for the timer).
 const RESEND_MAX: usize = 64;
+
+/// A selective resend, remembered ([`Qp::recent`]).
+#[derive(Clone, Copy, Default)]
+struct Resent {
+    psn: u32,
+    at: Option<Instant>,
+    /// `sent_hi` when it was resent.
+    mark: u32,
+}
 
 #[derive(Clone, Copy)]
 struct SendWqe {
@@ -370,6 +412,10 @@ pub struct Stats {
     pub retransmits: u64,
     /// RNR NAKs sent.
     pub rnr_naks_sent: u64,
+    /// Retransmission timeouts (each goes back N).
+    pub timeouts: u64,
+    /// Tail-loss probes sent.
+    pub tail_probes: u64,
 }
 
 struct Qp {
@@ -405,9 +451,18 @@ struct Qp {
     srtt: Option<Duration>,
     rttvar: Duration,
     probe: Option<(u32, Instant)>,
-    /// The last selectively resent PSN and when to resend it again if it is still the
-    /// oldest unacknowledged one then (its resend, or the NAK, was lost too).
-    hole: Option<(u32, Instant)>,
+    /// Tail-loss probe (selective mode): when nothing new was sent or acknowledged for
+    /// about two round trips while requests are outstanding, resend the oldest
+    /// unacknowledged packet instead of waiting for the retransmission timer. A lost last
+    /// packet (no later packet makes the responder NAK it) or a lost acknowledgement then
+    /// costs a few round trips, not [`RTO_MIN`] or more.
+    tail_at: Option<Instant>,
+    /// Tail-loss probes since the last progress (each waits twice as long).
+    tail_probes: u32,
+    /// The last selective resends by PSN modulo [`RECENT`]: PSN, when, and the PSN of the
+    /// first new packet sent after it (a gap shown by that packet or a later one means
+    /// the resend was lost).
+    recent: [Resent; RECENT],
     /// Packets allowed in flight: halved on every loss, grown by one per acknowledgement
     /// (go-back-N resends everything in flight after a loss, so a lossy path gets a small
     /// window and a clean one the full [`WINDOW`]).
@@ -430,6 +485,11 @@ struct Qp {
     last_rx: Option<Instant>,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
+    /// Pending hole reports ([`HOLE_SYNDROME`]): first missing PSN and how many.
+    holes: VecDeque<(u32, u32)>, // (first, MSN field)
+    /// First PSNs of the gaps reported lately, by PSN modulo [`RECENT`]: when the gap
+    /// before them fills, these are not NAKed again (their resends are on the way).
+    reported: [Option<u32>; RECENT],
     /// Requests were accepted that no acknowledgement covers yet: acknowledge by then.
     ack_due: Option<Instant>,
     reads: VecDeque<ReadJob>,
@@ -497,11 +557,56 @@ impl Qp {
         self.retry_left = self.attr.retry_cnt;
         self.backoff = 0;
         self.progress_at = Some(now);
+        self.tail_probes = 0;
         self.rto = if self.outstanding() {
             Some(now + self.rto_interval())
         } else {
             None
         };
+        self.arm_tail(now);
+    }
+    /// Queue `psn` for a selective resend unless it is queued already or was resent and
+    /// nothing says that resend was lost: `shown_by` is the PSN of the packet that showed
+    /// the gap (a hole report), later than the resend if the resend was lost; a NAK (which
+    /// does not say) counts only a round trip after the resend. True if queued.
+    fn queue_resend(&mut self, psn: u32, shown_by: Option<u32>, now: Instant) -> bool {
+        if psn_diff(psn, self.una()) < 0
+            || psn_diff(psn, self.sent_hi) >= 0
+            || self.resend.len() >= RESEND_MAX
+            || self.resend.contains(&psn)
+        {
+            return false;
+        }
+        let r = self.recent[psn as usize % RECENT];
+        if let (true, Some(at)) = (r.psn == psn, r.at) {
+            let stale = match shown_by {
+                Some(q) => psn_diff(q, r.mark) < 0,
+                None => {
+                    now.saturating_duration_since(at)
+                        < self.srtt.unwrap_or(ACK_DELAY).max(ACK_DELAY)
+                }
+            };
+            if stale {
+                return false;
+            }
+        }
+        self.resend.push_back(psn);
+        true
+    }
+    /// (Re)arm the tail-loss probe two round trips (plus the responder's acknowledgement
+    /// delay) from `now`, if anything is outstanding.
+    fn arm_tail(&mut self, now: Instant) {
+        if !self.attr.selective || !self.outstanding() {
+            self.tail_at = None;
+            return;
+        }
+        // Before the first round trip is measured, a guess well above loopback's.
+        let base = self
+            .srtt
+            .map_or(TAIL_UNMEASURED, |s| (2 * s + ACK_DELAY).max(TAIL_MIN));
+        // The first probes at that pace (a probe costs one packet), then slower.
+        let wait = base.saturating_mul(1 << self.tail_probes.saturating_sub(2).min(8));
+        self.tail_at = Some(now + wait.min(self.rto_interval()));
     }
 }
 
@@ -668,7 +773,9 @@ impl Engine {
             srtt: None,
             rttvar: Duration::ZERO,
             probe: None,
-            hole: None,
+            tail_at: None,
+            tail_probes: 0,
+            recent: [Resent::default(); RECENT],
             reorder: Reorder::default(),
             cwnd: WINDOW,
             rq: VecDeque::with_capacity(QUEUE_HINT),
@@ -681,6 +788,8 @@ impl Engine {
             closing: false,
             last_rx: None,
             ctrl: None,
+            holes: VecDeque::new(),
+            reported: [None; RECENT],
             ack_due: None,
             reads: VecDeque::new(),
         });
@@ -1013,6 +1122,7 @@ impl Engine {
         }
         if !qp.outstanding() {
             qp.rto = None;
+            qp.tail_at = None;
         }
     }
 
@@ -1051,13 +1161,14 @@ impl Engine {
         self.qps
             .iter()
             .flatten()
-            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due, q.hole.map(|h| h.1)])
+            .flat_map(|q| [q.rto, q.rnr_until, q.ack_due, q.tail_at])
             .flatten()
             .min()
     }
 
     /// Advance timers to `now`: retransmit after a timeout or an RNR wait.
     pub fn handle_timeout(&mut self, now: Instant) {
+        let (mut probes, mut timeouts) = (0, 0);
         for i in 0..self.qps.len() {
             let Some(qpn) = self.qps[i].as_ref().map(|q| q.qpn) else {
                 continue;
@@ -1072,12 +1183,14 @@ impl Engine {
                     qp.ctrl = Some((Aeth::ack(qp.msn), psn_add(qp.epsn, PSN_MASK)));
                 }
             }
-            if let Some((p, t)) = qp.hole {
-                if now >= t {
-                    qp.hole = None;
-                    if qp.una() == p && qp.resend.len() < RESEND_MAX && !qp.resend.contains(&p) {
-                        qp.resend.push_back(p);
-                    }
+            if qp.tail_at.is_some_and(|t| now >= t) {
+                // Probe again, twice as late each time, until progress or a new packet
+                // re-arms it from the start.
+                qp.tail_probes = qp.tail_probes.saturating_add(1);
+                qp.arm_tail(now);
+                let una = qp.una();
+                if qp.outstanding() && qp.queue_resend(una, None, now) {
+                    probes += 1;
                 }
             }
             if qp.rto.is_some_and(|t| now >= t) && qp.outstanding() {
@@ -1092,12 +1205,13 @@ impl Engine {
                     self.fail_qp(qpn, Some(WcStatus::RetryExcErr));
                     continue;
                 }
+                timeouts += 1;
                 qp.retry_left = qp.retry_left.saturating_sub(1);
                 qp.backoff = qp.backoff.saturating_add(1);
                 qp.rto = Some(now + qp.rto_interval());
                 qp.cwnd = MIN_WINDOW;
                 qp.resend.clear(); // going back N resends them
-                qp.hole = None;
+                qp.tail_at = None;
                 qp.probe = None;
                 crate::info!(
                     "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left, backoff {}): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
@@ -1113,6 +1227,8 @@ impl Engine {
                 Self::rewind(qp, qp.una());
             }
         }
+        self.stats.tail_probes += probes;
+        self.stats.timeouts += timeouts;
     }
 
     /// Go back to PSN `psn` (go-back-N).
@@ -1200,7 +1316,8 @@ impl Engine {
             let Ok(qp) = self.qp(qpn) else { return };
             let epsn = qp.epsn;
             let Some((kept, data)) = qp.reorder.take(epsn) else {
-                if qp.reorder.beyond(epsn) && !qp.nak_sent {
+                let reported = qp.reported[epsn as usize % RECENT] == Some(epsn);
+                if qp.reorder.beyond(epsn) && !qp.nak_sent && !reported {
                     qp.nak_sent = true;
                     qp.oos_since_nak = 0;
                     qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), epsn));

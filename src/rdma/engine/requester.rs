@@ -6,6 +6,9 @@ use super::*;
 impl Engine {
     pub(super) fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
+        // The peer answers, so it will report what it misses: the tail-loss probe waits
+        // for it to fall silent (resends queued behind a long queue are not probed).
+        qp.arm_tail(now);
         let psn = pkt.bth.psn;
         if pkt.bth.opcode.is_read_response() {
             // Responses of the oldest unfinished read, in order; anything else waits for
@@ -62,6 +65,16 @@ impl Engine {
             return;
         }
         let Some(aeth) = pkt.aeth else { return };
+        if aeth.syndrome & 0xe0 == HOLE_SYNDROME {
+            // A hole report: resend the missing packets it names (it acknowledges nothing).
+            if qp.attr.selective {
+                let (missing, shown_by) = read_hole_report(psn, aeth.msn);
+                for k in 0..missing {
+                    qp.queue_resend(psn_add(psn, k), Some(shown_by), now);
+                }
+            }
+            return;
+        }
         match aeth.kind() {
             Some(AckKind::Ack { .. }) => {
                 // Acknowledges every send and write up to `psn`; reads finish only with
@@ -116,19 +129,9 @@ impl Engine {
                 if qp.attr.selective {
                     // The responder keeps what came after the gap: resend just the packet it
                     // names (again only if it names it once more a round trip later).
-                    let gap = qp.srtt.unwrap_or(ACK_DELAY).max(ACK_DELAY);
-                    let repeat = qp.last_nak == Some(psn)
-                        && qp
-                            .last_nak_at
-                            .is_some_and(|t| now.saturating_duration_since(t) < gap);
-                    if !repeat
-                        && psn_diff(psn, qp.sent_hi) < 0
-                        && !qp.resend.contains(&psn)
-                        && qp.resend.len() < RESEND_MAX
-                    {
+                    if qp.queue_resend(psn, None, now) {
                         qp.last_nak = Some(psn);
                         qp.last_nak_at = Some(now);
-                        qp.resend.push_back(psn);
                         qp.probe = None;
                         qp.cwnd = (qp.cwnd - qp.cwnd / 8).max(MIN_WINDOW);
                     }

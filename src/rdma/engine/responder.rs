@@ -46,11 +46,32 @@ impl Engine {
             // NAK the first gap once, and again every NAK_REPEAT out-of-sequence packets in
             // case the NAK itself was lost (cheaper than waiting for the requester's timer).
             if !qp.nak_sent || qp.oos_since_nak >= NAK_REPEAT {
+                if qp.nak_sent && qp.attr.selective {
+                    // Repeat as a hole report, which says which packet showed the gap.
+                    let end = qp.reorder.lowest(qp.epsn).unwrap_or(pkt.bth.psn);
+                    let missing = psn_diff(end, qp.epsn) as u32;
+                    if qp.holes.len() < HOLES_MAX {
+                        let msn = hole_report(qp.epsn, missing, pkt.bth.psn);
+                        qp.holes.push_back((qp.epsn, msn));
+                    }
+                } else {
+                    qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
+                }
                 qp.nak_sent = true;
                 qp.oos_since_nak = 0;
-                qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
             }
             qp.oos_since_nak += 1;
+            // A gap past the highest packet kept so far (beyond the expected PSN, which the
+            // NAK names): report it, so the requester resends every hole at once.
+            if qp.attr.selective {
+                let from = psn_add(qp.reorder.highest(qp.epsn).unwrap_or(qp.epsn), 1);
+                let missing = psn_diff(pkt.bth.psn, from);
+                if missing > 0 && qp.holes.len() < HOLES_MAX {
+                    let msn = hole_report(from, missing as u32, pkt.bth.psn);
+                    qp.holes.push_back((from, msn));
+                    qp.reported[from as usize % RECENT] = Some(from);
+                }
+            }
             qp.reorder.store(qp.epsn, pkt);
             self.stats.out_of_sequence += 1;
             return;

@@ -83,6 +83,20 @@ impl Engine {
             };
             return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
         }
+        // Hole reports (selective mode), after the NAK of the first gap.
+        if let Some((first, msn)) = qp.holes.pop_front() {
+            let p = Packet {
+                bth: bth(Opcode::Ack, first, false),
+                reth: None,
+                imm: None,
+                aeth: Some(Aeth {
+                    syndrome: HOLE_SYNDROME,
+                    msn,
+                }),
+                payload: &[],
+            };
+            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
+        }
         // 2. RDMA READ responses.
         if let Some(j) = qp.reads.front_mut() {
             let mtu = qp.attr.mtu;
@@ -140,6 +154,18 @@ impl Engine {
             }
             resend = Some((i, psn_diff(p, qp.sq[i].psn) as u32));
             break;
+        }
+        if resend.is_none() {
+            // Acknowledgements can overtake the cursor (after going back N, the responder
+            // acknowledges what it had kept): continue from the oldest unacknowledged
+            // packet instead of waiting for the timer.
+            let behind = qp
+                .sq
+                .get(qp.tx_wqe)
+                .is_some_and(|w| psn_diff(psn_add(w.psn, qp.tx_pkt), una) < 0);
+            if behind {
+                Self::rewind(qp, una);
+            }
         }
         let (wi, j) = resend.unwrap_or((qp.tx_wqe, qp.tx_pkt));
         let w = *qp.sq.get(wi)?;
@@ -205,7 +231,9 @@ impl Engine {
         // Retransmissions are packets below the highest PSN sent so far.
         if psn_diff(pkt_psn, qp.sent_hi) < 0 {
             self.stats.retransmits += 1;
-            qp.probe = None; // Karn: no round trip from retransmitted packets
+            if qp.probe.is_some_and(|(p, _)| p == pkt_psn) {
+                qp.probe = None; // Karn: no round trip from a retransmitted packet
+            }
         } else {
             qp.sent_hi = psn_add(pkt_psn, 1);
             // Any new packet may be timed: unsignaled ones are acknowledged within
@@ -215,15 +243,19 @@ impl Engine {
             }
         }
         if resend.is_some() {
-            // The cursor stays where new packets continue. If this one is lost too, send
-            // it again after a round trip rather than the whole timeout.
-            let wait = 2 * qp.srtt.unwrap_or(RTO_MIN / 8) + ACK_DELAY;
-            qp.hole = Some((pkt_psn, now + wait));
-        } else if advance_wqe {
-            qp.tx_wqe += 1;
-            qp.tx_pkt = 0;
+            qp.recent[pkt_psn as usize % RECENT] = Resent {
+                psn: pkt_psn,
+                at: Some(now),
+                mark: qp.sent_hi,
+            };
         } else {
-            qp.tx_pkt += 1;
+            if advance_wqe {
+                qp.tx_wqe += 1;
+                qp.tx_pkt = 0;
+            } else {
+                qp.tx_pkt += 1;
+            }
+            qp.arm_tail(now);
         }
         if qp.rto.is_none() {
             qp.rto = Some(now + qp.rto_interval());
