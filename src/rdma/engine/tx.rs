@@ -231,9 +231,9 @@ impl Engine {
         // Retransmissions are packets below the highest PSN sent so far.
         if psn_diff(pkt_psn, qp.sent_hi) < 0 {
             self.stats.retransmits += 1;
-            if qp.probe.is_some_and(|(p, _)| p == pkt_psn) {
-                qp.probe = None; // Karn: no round trip from a retransmitted packet
-            }
+            // Karn: no round trip from retransmitted packets, nor across a recovery (whose
+            // acknowledgement waits for the hole to fill).
+            qp.probe = None;
         } else {
             qp.sent_hi = psn_add(pkt_psn, 1);
             // Any new packet may be timed: unsignaled ones are acknowledged within
