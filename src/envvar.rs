@@ -29,13 +29,26 @@ fn uint(v: &str) -> bool {
     v.parse::<u64>().is_ok()
 }
 fn bytes(v: &str) -> bool {
-    crate::sys::parse_bytes(v).is_some()
+    parse_bytes(v).is_some()
 }
 fn switch(v: &str) -> bool {
     parse_switch(v).is_some()
 }
 fn one_of(v: &str, words: &[&str]) -> bool {
     words.iter().any(|w| w.eq_ignore_ascii_case(v))
+}
+
+/// Bytes written as a number with an optional `K`, `M` or `G` suffix (powers of 1024), as
+/// the `ROCCL_*` size settings and the tools take them; `None` when it is not one.
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mul)
 }
 
 /// `0`/`1` and their spellings.

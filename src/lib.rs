@@ -16,9 +16,9 @@ pub mod envvar;
 pub mod error;
 pub mod log;
 pub mod net;
+pub mod os;
 pub mod rdma;
 pub mod reduce;
-pub mod sys;
 pub mod tool;
 pub mod types;
 

@@ -137,7 +137,7 @@ fn op_names() -> Vec<&'static str> {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    roccl::sys::parse_bytes(s).ok_or_else(|| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
+    roccl::envvar::parse_bytes(s).ok_or_else(|| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -957,7 +957,7 @@ fn main() -> ExitCode {
         if let Err(e) = cpu
             .parse::<usize>()
             .map_err(|e| e.to_string())
-            .and_then(|c| roccl::sys::bind_to_cpu(c).map_err(|e| e.to_string()))
+            .and_then(|c| roccl::os::bind_to_cpu(c).map_err(|e| e.to_string()))
         {
             errln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
         }
@@ -1009,7 +1009,7 @@ fn launch(a: &Args) -> Result<bool, String> {
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let cpus = roccl::sys::allowed_cpus().unwrap_or_default();
+    let cpus = roccl::os::allowed_cpus().unwrap_or_default();
     let bind = match a.bind.as_str() {
         "auto" => a.ranks <= cpus.len(),
         "none" => false,

@@ -22,7 +22,7 @@ use crate::reduce;
 use crate::types::{DataType, RedOp};
 
 use super::links::Links;
-use super::wait::Waiter;
+use crate::os::wait::Waiter;
 
 /// Which buffer a region lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -739,7 +739,11 @@ impl<'a> Exec<'a> {
                     len: u.len,
                     tag: 0,
                 };
-                if let Err(e) = self.links.recv_comm(peer, ch)?.flush(&[b]) {
+                if let Err(e) = self
+                    .links
+                    .recv_comm(peer, ch)?
+                    .flush(&[b], self.waiter.timeout)
+                {
                     first.get_or_insert(self.remote(peer, e));
                 }
             }

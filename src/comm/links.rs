@@ -15,7 +15,7 @@ use crate::net::{
     Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm,
 };
 
-use super::wait::Waiter;
+use crate::os::wait::Waiter;
 
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 /// Channel bit of a hello that is an abort notice; the low bits name the failed rank.

@@ -10,7 +10,6 @@ pub(crate) mod exec;
 pub(crate) mod links;
 #[cfg(test)]
 mod tickets_model;
-pub mod wait;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,10 +26,10 @@ use crate::net::{self, NetHandle, NetKind};
 use crate::types::{DataType, Element, RedOp};
 
 use crate::device::Device;
+pub use crate::os::wait::Waiter;
 use exec::Exec;
 pub(crate) use exec::{Mem, MemMut};
 use links::{Endpoint, Links};
-pub use wait::Waiter;
 
 /// Communicator settings, normally read from `ROCCL_*` environment variables.
 #[derive(Clone, Debug)]
@@ -86,7 +85,7 @@ impl Config {
             tuning: Tuning {
                 slice: match std::env::var("ROCCL_SLICE") {
                     Ok(v) if !v.trim().is_empty() => {
-                        Some(crate::sys::parse_bytes(&v).ok_or_else(|| {
+                        Some(crate::envvar::parse_bytes(&v).ok_or_else(|| {
                             Error::arg(format!(
                                 "ROCCL_SLICE={v}: expected bytes such as 256K or 1M"
                             ))
@@ -99,7 +98,7 @@ impl Config {
             },
             waiter: Waiter::from_env(),
             shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {
-                Some(_) => Some(net::shm::node::slot_size()?),
+                Some(_) => Some(crate::algo::shm::node::slot_size()?),
                 None => None,
             },
             connect_all: match std::env::var("ROCCL_CONNECT") {
@@ -128,7 +127,7 @@ impl Config {
                 Err(_) => GpuDirect::Auto,
             },
             gpu_direct_min: match std::env::var("ROCCL_GPU_DIRECT_MIN") {
-                Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+                Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
                     Error::arg(format!(
                         "ROCCL_GPU_DIRECT_MIN={v}: expected bytes such as 64K, 1M or 0"
                     ))
@@ -136,7 +135,7 @@ impl Config {
                 Err(_) => GPU_DIRECT_MIN,
             },
             ring_window: match std::env::var("ROCCL_RING_WINDOW") {
-                Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+                Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
                     Error::arg(format!(
                         "ROCCL_RING_WINDOW={v}: expected bytes such as 4M, 2M or 0 (one ring)"
                     ))
@@ -270,7 +269,7 @@ type Choice = (Algo, Pipeline);
 struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
-    node: Option<net::shm::node::Node>,
+    node: Option<crate::algo::shm::node::Node>,
     /// Scaled inputs of averages of narrow floats (see `avg_premultiplied`), kept from call
     /// to call.
     premul: Vec<u8>,
@@ -499,8 +498,8 @@ impl Communicator {
         // that peers on this host can map them once it is over.
         let tag = nonce ^ ((nranks as u64) << 48);
         let node_seg = if nranks > 1 && (shm.is_some() || cfg.net == NetKind::Shm) {
-            let slot = cfg.shm_slot.unwrap_or(net::shm::node::DEFAULT_SLOT);
-            match net::shm::node::NodeSeg::create(tag, rank, slot) {
+            let slot = cfg.shm_slot.unwrap_or(crate::algo::shm::node::DEFAULT_SLOT);
+            match crate::algo::shm::node::NodeSeg::create(tag, rank, slot) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     crate::info!("shared-memory collectives unavailable on rank {rank}: {e}");
@@ -523,7 +522,7 @@ impl Communicator {
                 node_seg.is_some(),
                 &mine,
                 agree::HostInputs {
-                    cores: crate::sys::host_cores() as u32,
+                    cores: crate::os::host_cores() as u32,
                     latency_us: props.latency_us,
                     speed_mbps: props.speed_mbps,
                 },
@@ -534,7 +533,7 @@ impl Communicator {
         .inspect_err(|_| {
             if node_seg.is_some() {
                 // A rank killed meanwhile cannot unlink its own segment.
-                net::shm::node::remove_dead_segments(tag, rank, nranks);
+                crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
             }
         })?;
         let blobs = table
@@ -544,7 +543,7 @@ impl Communicator {
             .collect::<Result<Vec<_>>>()?;
         let my_host = blobs[rank].host;
         let local_ranks = blobs.iter().filter(|b| b.host == my_host).count();
-        let cores = crate::sys::host_cores();
+        let cores = crate::os::host_cores();
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
         // The worker thread (stream-ordered and non-blocking calls) polls between jobs: it
@@ -585,7 +584,7 @@ impl Communicator {
         // Every rank on this host with its segment: map them all (every rank decides alike).
         let node = match node_seg {
             Some(own) if all_local && all_have_node => {
-                net::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
+                crate::algo::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
             }
             _ => None,
         };
@@ -1977,8 +1976,13 @@ impl State {
             Collective::AllToAll => (6, None, None),
             Collective::Barrier | Collective::SendRecv { .. } => (7, None, None),
         };
-        let code =
-            net::shm::node::code(kind, dt as u8, op.map_or(0xff, |o| o as u8), variant, root);
+        let code = crate::algo::shm::node::code(
+            kind,
+            dt as u8,
+            op.map_or(0xff, |o| o as u8),
+            variant,
+            root,
+        );
         let node = self.node.as_mut().ok_or_else(|| {
             Error::Internal("shared-memory algorithm chosen without segments".into())
         })?;
@@ -2014,7 +2018,7 @@ impl State {
 
 /// Time limit helper for tests and tools: `ROCCL_TIMEOUT` as a duration.
 pub fn timeout() -> Duration {
-    bootstrap::timeout_from_env()
+    crate::os::wait::timeout_from_env()
 }
 
 #[cfg(test)]

@@ -292,7 +292,7 @@ pub fn stream_chunk() -> Result<usize> {
     CHUNK
         .get_or_init(|| match std::env::var("ROCCL_STREAM_CHUNK") {
             Err(_) => Ok(4 << 20),
-            Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+            Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
                 format!(
                     "ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)"
                 )

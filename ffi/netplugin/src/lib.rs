@@ -776,7 +776,7 @@ fn iflush_impl(
             None => set_out(req, std::ptr::null_mut()),
         },
         None => {
-            r.c.flush(&bufs[..n])?;
+            r.c.flush(&bufs[..n], roccl_core::os::wait::timeout_from_env())?;
             set_out(req, std::ptr::null_mut());
         }
     }
