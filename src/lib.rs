@@ -14,6 +14,7 @@ pub mod comm;
 pub mod device;
 pub mod envvar;
 pub mod error;
+pub mod exec;
 pub mod log;
 pub mod net;
 pub mod os;

@@ -27,8 +27,8 @@ pub(crate) use ring::{
 };
 pub(crate) use tree::{all_reduce_tree, broadcast_tree, reduce_tree, tree_stage};
 
-use crate::comm::exec::{Buf, Exec, Reg, Tok};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg, Tok};
 
 /// Algorithm choice for a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -305,7 +305,7 @@ impl<T: Copy> InOrder<T> {
 pub(crate) type Machines<M> = arrayvec::ArrayVec<M, MAX_MACHINES>;
 
 /// Most machines one call runs (channels of a ring; trees of a double tree).
-pub(crate) const MAX_MACHINES: usize = crate::comm::links::MAX_CHANNELS;
+pub(crate) const MAX_MACHINES: usize = crate::exec::links::MAX_CHANNELS;
 
 /// Run every machine of `ms` to completion.
 pub(crate) fn drive_all<M: Machine>(ex: &mut Exec, ms: &mut [M]) -> Result<()> {

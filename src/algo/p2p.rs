@@ -2,13 +2,13 @@
 //! all-to-all, the dissemination barrier, and point-to-point send/receive.
 
 use super::part;
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 /// Channel reserved for point-to-point traffic, so user sends never interleave with the
 /// messages of a collective on the same connection.
-pub(crate) const P2P_CHANNEL: usize = crate::comm::links::MAX_CHANNELS - 1;
+pub(crate) const P2P_CHANNEL: usize = crate::exec::links::MAX_CHANNELS - 1;
 
 /// Staging bytes of the one-shot all-reduce: one slot per rank.
 pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {

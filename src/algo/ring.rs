@@ -10,8 +10,8 @@
 use super::{
     drive, drive_all, machines, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots,
 };
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::Result;
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 fn md(a: isize, n: usize) -> usize {

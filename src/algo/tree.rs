@@ -12,8 +12,8 @@
 use super::{
     drive_all, machines, nslices, part, slice_of, Fifo, InOrder, Machine, Pipeline, Slots,
 };
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 /// Messages from this size use both trees of the double tree; smaller ones use one.

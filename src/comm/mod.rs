@@ -6,8 +6,6 @@
 //! unusable (its connections are closed) and every later call says why.
 
 mod agree;
-pub(crate) mod exec;
-pub(crate) mod links;
 #[cfg(test)]
 mod tickets_model;
 
@@ -26,10 +24,10 @@ use crate::net::{self, NetHandle, NetKind};
 use crate::types::{DataType, Element, RedOp};
 
 use crate::device::Device;
+use crate::exec::links::{Endpoint, Links};
+use crate::exec::Exec;
+pub(crate) use crate::exec::{Mem, MemMut};
 pub use crate::os::wait::Waiter;
-use exec::Exec;
-pub(crate) use exec::{Mem, MemMut};
-use links::{Endpoint, Links};
 
 /// Communicator settings, normally read from `ROCCL_*` environment variables.
 #[derive(Clone, Debug)]
@@ -1468,7 +1466,7 @@ impl State {
 
     fn p2p_inner(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
         use crate::algo::P2P_CHANNEL;
-        use exec::Reg;
+        use crate::exec::Reg;
         let me = self.links.rank;
         self.stage(64);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];

@@ -84,9 +84,9 @@ pub(crate) struct Links {
     /// Set by `Communicator::abort` from any thread; every wait checks it.
     pub abort: Arc<std::sync::atomic::AtomicBool>,
     /// Vectors the executor reuses from call to call.
-    pub scratch_ops: Vec<super::exec::Op>,
+    pub scratch_ops: Vec<super::Op>,
     pub scratch_fds: Vec<PollFd>,
-    pub scratch_users: Vec<super::exec::UserBuf>,
+    pub scratch_users: Vec<super::UserBuf>,
     /// Per peer, whether GPU memory may be posted toward it and how it is registered:
     /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
     /// all (the default; set at init with `ROCCL_GPU_DIRECT`).
