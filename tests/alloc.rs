@@ -225,7 +225,7 @@ fn the_counter_sees_allocations() {
 /// a send/receive pair, over shared memory (the default between local ranks) and TCP.
 #[test]
 fn no_allocation_per_call_on_raw_buffers() {
-    use roccl::device::ops::{run_now, Op};
+    use roccl::comm::stream::ops::{run_now, Op};
     for net in [NetKind::Auto, NetKind::Tcp] {
         let mut cfg = config(Tuning::default());
         cfg.net = net;

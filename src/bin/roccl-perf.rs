@@ -13,7 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use clap::builder::PossibleValuesParser;
 use clap::Parser;
 use roccl::algo::model::CollKind;
-use roccl::device::ops::{self, RawBuf};
+use roccl::comm::stream::ops::{self, RawBuf};
 use roccl::device::sim::SimDevice;
 use roccl::device::{self, Alloc, Device, StreamId};
 use roccl::net::NetKind;
@@ -926,7 +926,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             // Device memory the CPU cannot reach is staged, except what went GPU-direct.
             outln!(
                 "# bytes staged through pinned host buffers (rank 0, in and out): {}",
-                roccl::device::ops::staged_bytes()
+                roccl::comm::stream::ops::staged_bytes()
             );
         }
         if let Some(path) = &a.json {

@@ -6,6 +6,7 @@
 //! unusable (its connections are closed) and every later call says why.
 
 mod agree;
+pub mod stream;
 #[cfg(test)]
 mod tickets_model;
 
@@ -508,7 +509,7 @@ impl Communicator {
             None
         };
         let props = net.properties(0)?;
-        let mine = agree::settings(&cfg, crate::device::ops::stream_chunk()?);
+        let mine = agree::settings(&cfg, stream::ops::stream_chunk()?);
         let table = bootstrap::rendezvous_abortable(
             id,
             rank,

@@ -561,9 +561,9 @@ mod tests {
         assert!(crate::os::cpu_readable(apu.addr(), 64));
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
         let alloc = SimAlloc(Arc::clone(&b));
-        crate::device::ops::upload(&d, s, &alloc, &data).unwrap();
+        crate::comm::stream::ops::upload(&d, s, &alloc, &data).unwrap();
         assert_eq!(
-            crate::device::ops::download(&d, s, &alloc, 10_000).unwrap(),
+            crate::comm::stream::ops::download(&d, s, &alloc, 10_000).unwrap(),
             data
         );
         let (fd, off) = d.dmabuf_export(b.addr() + 5000, 100).unwrap();

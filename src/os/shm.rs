@@ -116,7 +116,7 @@ impl Segment {
     }
 
     /// Bytes mapped.
-    pub fn len(&self) -> usize {
+    pub fn size(&self) -> usize {
         self.len
     }
 }

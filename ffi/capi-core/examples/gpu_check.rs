@@ -10,7 +10,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use roccl_capi_core::*;
-use roccl_core::device::ops::{download, upload};
+use roccl_core::comm::stream::ops::{download, upload};
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;

@@ -110,7 +110,7 @@ impl Ring for Segment {
 
     /// Bytes of ring data.
     fn cap(&self) -> usize {
-        self.len() - SEG_HDR
+        self.size() - SEG_HDR
     }
 
     /// Copy `src` into the ring at stream position `pos` (wrapping).

@@ -13,8 +13,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::{enqueue_steps, staging, Alloc, Device, Part, Step, StreamCopy, StreamId, MAX_STEPS};
+use super::{enqueue_steps, staging, Part, Step, StreamCopy, MAX_STEPS};
 use crate::comm::{Collective, Communicator, Mem, MemMut, P2pMem, Turn};
+use crate::device::{Alloc, Device, StreamId};
 use crate::error::{Error, Result};
 use crate::types::DataType;
 
