@@ -6,6 +6,7 @@
 //! unusable (its connections are closed) and every later call says why.
 
 mod agree;
+pub mod settings;
 pub mod stream;
 #[cfg(test)]
 mod tickets_model;
@@ -73,7 +74,7 @@ impl Config {
     /// those read later inside a network ([`crate::envvar`]): a bad value is an error naming
     /// the variable, its value and what it accepts.
     pub fn from_env() -> Result<Config> {
-        crate::envvar::check()?;
+        settings::check()?;
         let algo = match std::env::var("ROCCL_ALGO") {
             Ok(v) if !v.trim().is_empty() && !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
             _ => None,
