@@ -2,8 +2,8 @@
 //! id, and copies straight between two processes' memory (`process_vm_readv`/`writev`,
 //! "cross-memory attach").
 
-/// Written by the sender, read by the receiver through process_vm_readv at connection time:
-/// single-copy transfers work between these two processes.
+/// A known word whose address a process publishes; a peer that reads it back through
+/// `process_vm_readv` knows that single-copy transfers work between the two processes.
 pub static CMA_PROBE: u64 = 0x524f_4343_4c43_4d41; // "ROCCLCMA"
 
 /// The boot id of this host (ranks with the same one share memory).
