@@ -108,7 +108,7 @@ impl Communicator {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
-        self.with_turn(|st| st.execute(coll, dt, send, recv, opts))
+        self.with_turn(|state| state.execute(coll, dt, send, recv, opts))
     }
 
     pub(super) fn typed<T: Element>(
@@ -249,7 +249,7 @@ impl Communicator {
     /// are matched in the order each side lists them. A send to oneself is matched with the
     /// next receive from oneself.
     pub fn p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.with_turn(|st| st.p2p(ops))
+        self.with_turn(|state| state.p2p(ops))
     }
 
     /// Block until every rank has called `barrier`.
@@ -270,16 +270,16 @@ impl Communicator {
     /// `ROCCL_CONNECT=all` does during init; a collective call: every rank must make it.
     /// (Rings forced to more channels, `ROCCL_NCHANNELS`, still open those when first used.)
     pub fn connect_all(&self) -> Result<()> {
-        self.with_turn(|st| {
-            let (n, me) = (st.links.nranks, st.links.rank);
+        self.with_turn(|state| {
+            let (n, me) = (state.links.nranks, state.links.rank);
             let peers: Vec<(usize, usize)> = (0..n)
                 .filter(|&p| p != me)
                 .flat_map(|p| [(p, 0), (p, 1), (p, crate::algo::P2P_CHANNEL)])
                 .collect();
-            st.usable()?;
-            let r = st.links.ensure(&peers, &peers, &st.cfg.waiter);
+            state.usable()?;
+            let r = state.links.ensure(&peers, &peers, &state.cfg.waiter);
             if let Err(e) = &r {
-                st.failed(e);
+                state.failed(e);
             }
             r
         })
@@ -287,6 +287,6 @@ impl Communicator {
 
     /// Connections this rank has open: (sends, receives) over every peer and channel.
     pub fn open_connections(&self) -> (usize, usize) {
-        self.with_turn(|st| st.links.open())
+        self.with_turn(|state| state.links.open())
     }
 }

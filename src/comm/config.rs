@@ -23,7 +23,7 @@ pub struct Config {
     /// `None` = 256 KiB); every rank of a host must use the same.
     pub shm_slot: Option<usize>,
     /// Open the connections calls use with the default pipeline, to and from every peer,
-    /// during init (`ROCCL_CONNECT=all`; see [`Communicator::connect_all`]); by default
+    /// during init (`ROCCL_CONNECT=all`; see [`Communicator::connect_all`](super::Communicator::connect_all)); by default
     /// connections open when first used.
     pub connect_all: bool,
     /// When GPU memory moves without staging where the network can (`ROCCL_GPU_DIRECT`):

@@ -174,7 +174,7 @@ impl State {
         let me = self.links.rank;
         self.stage(64);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];
-        let mut ex = Exec::new(
+        let mut exec = Exec::new(
             None,
             MemMut::host(&mut []),
             stage,
@@ -188,11 +188,11 @@ impl State {
         for o in ops.iter_mut() {
             let post = match o {
                 P2pMem::Send { peer, buf } => {
-                    (true, *peer, Reg::new(ex.add_read(*buf), 0, buf.len()))
+                    (true, *peer, Reg::new(exec.add_read(*buf), 0, buf.len()))
                 }
                 P2pMem::Recv { peer, buf } => {
                     let len = buf.len();
-                    (false, *peer, Reg::new(ex.add_write(buf.take()), 0, len))
+                    (false, *peer, Reg::new(exec.add_write(buf.take()), 0, len))
                 }
             };
             posts.push(post);
@@ -204,27 +204,27 @@ impl State {
                 .filter(move |p| p.0 == send && p.1 != me)
                 .map(|p| (p.1, P2P_CHANNEL))
         };
-        ex.ensure(links(true), links(false))?;
+        exec.ensure(links(true), links(false))?;
         let mut self_sends = posts.iter().filter(|p| p.0 && p.1 == me).map(|p| p.2);
         for &(send, peer, reg) in posts {
             match (send, peer == me) {
                 (true, false) => {
-                    ex.send(peer, P2P_CHANNEL, reg)?;
+                    exec.send(peer, P2P_CHANNEL, reg)?;
                 }
                 (false, false) => {
-                    ex.recv(peer, P2P_CHANNEL, reg)?;
+                    exec.recv(peer, P2P_CHANNEL, reg)?;
                 }
                 (false, true) => {
                     let from = self_sends
                         .next()
                         .ok_or_else(|| Error::Internal("unmatched receive from self".into()))?;
-                    ex.copy(reg, from)?;
+                    exec.copy(reg, from)?;
                 }
                 (true, true) => {}
             }
         }
-        ex.finish()?;
-        ex.device_done()
+        exec.finish()?;
+        exec.device_done()
     }
 
     pub(super) fn stage(&mut self, bytes: usize) -> &mut [u8] {
@@ -440,19 +440,19 @@ impl State {
                         let len = window.min(recv.len() - off);
                         let s = send.map(|s| s.part(off, len));
                         let r = recv.part(off, len);
-                        self.run_exec(s, r, dev, need, |ex| {
-                            algo::all_reduce_ring(ex, dt, op, len / esz, &pl)
+                        self.run_exec(s, r, dev, need, |exec| {
+                            algo::all_reduce_ring(exec, dt, op, len / esz, &pl)
                         })?;
                         off += len;
                     }
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, dev, need, |ex| match a {
-                    Algo::Direct => algo::all_reduce_direct(ex, dt, op, count),
-                    Algo::Doubling => algo::all_reduce_doubling(ex, dt, op, count),
-                    Algo::TwoShot => algo::all_reduce_twoshot(ex, dt, op, count),
-                    Algo::Ring => algo::all_reduce_ring(ex, dt, op, count, &pl),
-                    Algo::Tree => algo::all_reduce_tree(ex, dt, op, count, &pl),
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Direct => algo::all_reduce_direct(exec, dt, op, count),
+                    Algo::Doubling => algo::all_reduce_doubling(exec, dt, op, count),
+                    Algo::TwoShot => algo::all_reduce_twoshot(exec, dt, op, count),
+                    Algo::Ring => algo::all_reduce_ring(exec, dt, op, count, &pl),
+                    Algo::Tree => algo::all_reduce_tree(exec, dt, op, count, &pl),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 })?;
                 Ok(info(a, pl))
@@ -478,9 +478,9 @@ impl State {
                 } else {
                     64
                 };
-                self.run_exec(send, recv, dev, need, |ex| match a {
-                    Algo::Tree => algo::broadcast_tree(ex, root, dt, count, &pl),
-                    _ => algo::broadcast_ring(ex, root, dt, count, &pl),
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Tree => algo::broadcast_tree(exec, root, dt, count, &pl),
+                    _ => algo::broadcast_ring(exec, root, dt, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }
@@ -510,9 +510,9 @@ impl State {
                 } else {
                     algo::chain_stage(&pl)
                 };
-                self.run_exec(send, recv, dev, need, |ex| match a {
-                    Algo::Tree => algo::reduce_tree(ex, root, dt, op, count, &pl),
-                    _ => algo::reduce_ring(ex, root, dt, op, count, &pl),
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
+                    _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }
@@ -547,8 +547,8 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, dev, 64, |ex| {
-                    algo::all_gather_ring(ex, dt, count, &pl)
+                self.run_exec(send, recv, dev, 64, |exec| {
+                    algo::all_gather_ring(exec, dt, count, &pl)
                 })?;
                 Ok(info(a, pl))
             }
@@ -587,8 +587,8 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                self.run_exec(send, recv, dev, need, |ex| {
-                    algo::reduce_scatter_ring(ex, dt, op, count, &pl)
+                self.run_exec(send, recv, dev, need, |exec| {
+                    algo::reduce_scatter_ring(exec, dt, op, count, &pl)
                 })?;
                 Ok(info(a, pl))
             }
@@ -613,8 +613,8 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 let need = if send.is_none() { recv.len() } else { 64 };
-                self.run_exec(send, recv, dev, need, |ex| {
-                    algo::all_to_all_pairwise(ex, block)
+                self.run_exec(send, recv, dev, need, |exec| {
+                    algo::all_to_all_pairwise(exec, block)
                 })?;
                 Ok(info(a, pl))
             }
@@ -648,8 +648,8 @@ impl State {
                 elems("receive buffer", recv.len(), dt)?;
                 let rlen = recv.len();
                 let src = send.unwrap_or(Mem::host(&[]));
-                self.run_exec(Some(src), recv, dev, 64, |ex| {
-                    algo::sendrecv(ex, to, slen, from, rlen)
+                self.run_exec(Some(src), recv, dev, 64, |exec| {
+                    algo::sendrecv(exec, to, slen, from, rlen)
                 })?;
                 Ok(CallInfo {
                     algo: None,
@@ -711,9 +711,9 @@ impl State {
     ) -> Result<()> {
         self.stage(stage_bytes);
         let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
-        let mut ex = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter, dev);
-        ex.set_tag(self.call_tag);
-        f(&mut ex)?;
-        ex.device_done()
+        let mut exec = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter, dev);
+        exec.set_tag(self.call_tag);
+        f(&mut exec)?;
+        exec.device_done()
     }
 }

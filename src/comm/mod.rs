@@ -176,11 +176,11 @@ impl Communicator {
             ErrorKind::InvalidUsage,
             "communicator aborted by the application".into(),
         );
-        let mut st = self.shared.state.lock();
-        if let Some(node) = &st.node {
+        let mut state = self.shared.state.lock();
+        if let Some(node) = &state.node {
             node.mark_broken();
         }
-        st.links.close_all();
+        state.links.close_all();
     }
 
     /// Algorithm and pipeline the cost model picks for a collective of `bytes` bytes.
@@ -191,15 +191,15 @@ impl Communicator {
         bytes: usize,
         algo: Option<Algo>,
     ) -> (Algo, Pipeline) {
-        let st = self.shared.state.lock();
+        let state = self.shared.state.lock();
         model::choose_for(
             kind,
             dt,
             self.shared.nranks,
             bytes,
-            &st.cost,
-            algo.or(st.cfg.algo),
-            &st.cfg.tuning,
+            &state.cost,
+            algo.or(state.cfg.algo),
+            &state.cfg.tuning,
         )
     }
 
@@ -252,7 +252,7 @@ impl Communicator {
         recv: MemMut<'_>,
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
-        self.with_turn(|st| st.execute_mem(coll, dt, send, recv, &CallOpts::default(), dev))
+        self.with_turn(|state| state.execute_mem(coll, dt, send, recv, &CallOpts::default(), dev))
     }
 
     /// [`Communicator::p2p`] on buffers that may be GPU memory.
@@ -261,7 +261,7 @@ impl Communicator {
         ops: &mut [P2pMem<'_>],
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<()> {
-        self.with_turn(|st| st.p2p_mem(ops, dev))
+        self.with_turn(|state| state.p2p_mem(ops, dev))
     }
 }
 

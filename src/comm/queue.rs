@@ -144,9 +144,9 @@ impl Communicator {
     ) -> Handle<Vec<T>> {
         let (tx, rx) = mpsc::channel();
         let answer = tx.clone();
-        let job = Box::new(move |st: &mut State| {
+        let job = Box::new(move |state: &mut State| {
             let s = send.as_deref().map(bytemuck::cast_slice::<T, u8>);
-            let r = st.execute(
+            let r = state.execute(
                 coll,
                 T::DTYPE,
                 s,
@@ -177,8 +177,11 @@ impl Communicator {
     /// stream-ordered collectives of [`crate::device`] run their work with.
     pub fn enqueue(&self, job: Box<dyn FnOnce(&mut Turn) + Send>) {
         let abort = Arc::clone(&self.shared.abort);
-        let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |st: &mut State| {
-            let mut turn = Turn { st, abort: &abort };
+        let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |state: &mut State| {
+            let mut turn = Turn {
+                state,
+                abort: &abort,
+            };
             job(&mut turn)
         });
         if let Err((job, e)) = self.submit(job) {
@@ -196,7 +199,7 @@ impl Communicator {
 /// A communicator's turn on its worker thread: collectives and point-to-point exchanges
 /// run from here without taking another turn (see [`Communicator::enqueue`]).
 pub struct Turn<'a> {
-    pub(super) st: &'a mut State,
+    pub(super) state: &'a mut State,
     pub(super) abort: &'a std::sync::atomic::AtomicBool,
 }
 
@@ -210,12 +213,12 @@ impl Turn<'_> {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
-        self.st.execute(coll, dt, send, recv, opts)
+        self.state.execute(coll, dt, send, recv, opts)
     }
 
     /// [`Communicator::p2p`], within this turn.
     pub fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.st.p2p(ops)
+        self.state.p2p(ops)
     }
 
     /// [`Communicator::run_mem`], within this turn.
@@ -227,7 +230,7 @@ impl Turn<'_> {
         recv: MemMut<'_>,
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
-        self.st
+        self.state
             .execute_mem(coll, dt, send, recv, &CallOpts::default(), dev)
     }
 
@@ -237,14 +240,14 @@ impl Turn<'_> {
         ops: &mut [P2pMem<'_>],
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<()> {
-        self.st.p2p_mem(ops, dev)
+        self.state.p2p_mem(ops, dev)
     }
 
     /// Record `e` as the communicator's error (nobody waits for this call's result: the
     /// application learns it from [`Communicator::async_error`]); argument errors too.
     pub fn fail(&mut self, e: &Error) {
-        if self.st.broken.set(e.kind(), e.to_string()) {
-            if let Some(node) = &self.st.node {
+        if self.state.broken.set(e.kind(), e.to_string()) {
+            if let Some(node) = &self.state.node {
                 node.mark_broken();
             }
         }
@@ -253,12 +256,12 @@ impl Turn<'_> {
     /// How long the worker thread spins before yielding (zero unless every rank of this
     /// host has a spare core for its worker).
     pub fn spin(&self) -> Duration {
-        self.st.worker_spin
+        self.state.worker_spin
     }
 
     /// How long a wait may go without progress before it fails (`ROCCL_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
-        self.st.cfg.waiter.timeout
+        self.state.cfg.waiter.timeout
     }
 
     /// Whether the application aborted the communicator.
@@ -270,26 +273,26 @@ impl Turn<'_> {
 /// Run `f` in turn `t`. The turn always advances, also when `f` panics: the communicator is
 /// then broken with the panic's text as its error, and the panic goes on to the caller.
 pub(super) fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
-    let mut st = shared.state.lock();
-    while st.serving != t {
-        shared.turn.wait(&mut st);
+    let mut state = shared.state.lock();
+    while state.serving != t {
+        shared.turn.wait(&mut state);
     }
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut st)));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut state)));
     if let Err(p) = &r {
         let msg = format!(
             "a call on rank {} panicked: {} (a bug in roccl or in a job given to enqueue)",
             shared.rank,
             panic_text(&**p)
         );
-        if st.broken.set(ErrorKind::Internal, msg) {
-            if let Some(node) = &st.node {
+        if state.broken.set(ErrorKind::Internal, msg) {
+            if let Some(node) = &state.node {
                 node.mark_broken();
             }
         }
-        st.links.close_all();
+        state.links.close_all();
     }
-    st.serving += 1;
+    state.serving += 1;
     shared.turn.notify_all();
-    drop(st);
+    drop(state);
     r.unwrap_or_else(|p| std::panic::resume_unwind(p))
 }

@@ -4,7 +4,7 @@
 //!
 //! Most settings are checked by their entry in the table; a few take values that only the
 //! layer reading them can parse (a network, an algorithm, an address family, a fault plan):
-//! this module, above every such layer, holds their parsers ([`PARSED_ABOVE`]).
+//! this module, above every such layer, holds their parsers (`PARSED_ABOVE`).
 
 use crate::envvar::{invalid, Setting, SETTINGS};
 use crate::error::Result;

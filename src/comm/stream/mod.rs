@@ -360,7 +360,7 @@ fn run_synchronously(
     for &s in streams {
         for c in steps
             .iter()
-            .flat_map(|st| &st.before)
+            .flat_map(|step| &step.before)
             .filter(|c| c.stream == s)
         {
             dev.copy_async(s, c.dst, c.src, c.bytes)?;
@@ -371,7 +371,7 @@ fn run_synchronously(
     }
     let after: Vec<StreamCopy> = steps
         .iter()
-        .flat_map(|st| st.after.iter().copied())
+        .flat_map(|step| step.after.iter().copied())
         .collect();
     let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
     let mut n = 0;
