@@ -111,7 +111,7 @@ impl Communicator {
         self.with_turn(|state| state.execute(coll, dt, send, recv, opts))
     }
 
-    pub(super) fn typed<T: Element>(
+    fn typed<T: Element>(
         &self,
         coll: Collective,
         send: Option<&[T]>,

@@ -42,7 +42,7 @@ pub struct Config {
     pub ring_window: usize,
 }
 
-pub(super) fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
+fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
     crate::envvar::get(k)
 }
 

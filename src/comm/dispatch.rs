@@ -24,7 +24,7 @@ use super::{agree, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_
 /// Integers sum in their type (wrapping, as NCCL) and divide toward zero. Other calls come
 /// back as they are.
 #[allow(clippy::type_complexity)]
-pub(super) fn avg_premultiplied<'a>(
+fn avg_premultiplied<'a>(
     coll: Collective,
     dt: DataType,
     (me, n): (usize, usize),
@@ -97,11 +97,11 @@ pub(super) fn avg_premultiplied<'a>(
 }
 
 /// The bytes of a read-only caller buffer, for code that reads with the CPU.
-pub(super) fn host<'a>(m: Option<Mem<'a>>) -> Result<Option<&'a [u8]>> {
+fn host<'a>(m: Option<Mem<'a>>) -> Result<Option<&'a [u8]>> {
     m.map(|m| m.slice()).transpose()
 }
 
-pub(super) fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
+fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
     if len % dt.size() != 0 {
         return Err(Error::arg(format!(
             "{what} of {len} bytes is not a whole number of {dt} elements ({} bytes each)",
@@ -164,11 +164,7 @@ impl State {
         r
     }
 
-    pub(super) fn p2p_inner(
-        &mut self,
-        ops: &mut [P2pMem<'_>],
-        dev: Option<&Arc<dyn Device>>,
-    ) -> Result<()> {
+    fn p2p_inner(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
         use crate::algo::P2P_CHANNEL;
         use crate::exec::Reg;
         let me = self.links.rank;
@@ -227,7 +223,7 @@ impl State {
         exec.device_done()
     }
 
-    pub(super) fn stage(&mut self, bytes: usize) -> &mut [u8] {
+    fn stage(&mut self, bytes: usize) -> &mut [u8] {
         let words = bytes.div_ceil(8) + 8;
         if self.stage.len() < words {
             self.stage = vec![0u64; words.next_power_of_two()];
@@ -235,7 +231,7 @@ impl State {
         &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
     }
 
-    pub(super) fn choose(
+    fn choose(
         &mut self,
         kind: CollKind,
         dt: DataType,
@@ -325,7 +321,7 @@ impl State {
 
     /// A tag mismatch with a peer (the networks' error) as an error naming both ranks and
     /// both calls.
-    pub(super) fn explain_mismatch(&self, e: Error) -> Error {
+    fn explain_mismatch(&self, e: Error) -> Error {
         let Error::Remote { rank, msg } = &e else {
             return e;
         };
@@ -377,7 +373,7 @@ impl State {
         self.links.close_all();
     }
 
-    pub(super) fn execute_inner(
+    fn execute_inner(
         &mut self,
         coll: Collective,
         dt: DataType,
@@ -661,7 +657,7 @@ impl State {
 
     /// Run a collective through the host's shared-memory segments (the model offers those
     /// algorithms only when they are mapped).
-    pub(super) fn run_flat(
+    fn run_flat(
         &mut self,
         coll: Collective,
         dt: DataType,
@@ -701,7 +697,7 @@ impl State {
         r
     }
 
-    pub(super) fn run_exec(
+    fn run_exec(
         &mut self,
         send: Option<Mem<'_>>,
         recv: MemMut<'_>,

@@ -369,7 +369,7 @@ impl Communicator {
     }
 }
 
-pub(super) fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
     let mut addrs = (host, port)
         .to_socket_addrs()
         .map_err(|e| Error::sys(format!("resolving the root host '{host}'"), e))?;

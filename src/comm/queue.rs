@@ -67,7 +67,7 @@ impl Communicator {
     /// queued after a later ticket's would wait for its turn forever). The worker thread is
     /// started, if need be, before a ticket is taken: when it cannot start, no ticket is
     /// lost and the job comes back with the error.
-    pub(super) fn submit(&self, job: Work) -> std::result::Result<(), (Work, Error)> {
+    fn submit(&self, job: Work) -> std::result::Result<(), (Work, Error)> {
         let mut w = self.shared.worker.lock();
         if w.is_none() {
             match self.spawn_worker() {
@@ -86,7 +86,7 @@ impl Communicator {
         Ok(())
     }
 
-    pub(super) fn spawn_worker(&self) -> Result<mpsc::Sender<Job>> {
+    fn spawn_worker(&self) -> Result<mpsc::Sender<Job>> {
         #[cfg(test)]
         if super::tests::SPAWN_FAILS.with(|f| f.get()) {
             return Err(Error::sys(
@@ -272,7 +272,7 @@ impl Turn<'_> {
 
 /// Run `f` in turn `t`. The turn always advances, also when `f` panics: the communicator is
 /// then broken with the panic's text as its error, and the panic goes on to the caller.
-pub(super) fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
+fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
     let mut state = shared.state.lock();
     while state.serving != t {
         shared.turn.wait(&mut state);
