@@ -174,7 +174,7 @@ impl Communicator {
 
     /// Run `job` on this communicator's worker thread, ordered with every other call on it
     /// by issue time; returns at once. The job gets the communicator's [`Turn`]: what the
-    /// stream-ordered collectives of [`crate::device`] run their work with.
+    /// stream-ordered collectives of [`super::stream`] run their work with.
     pub fn enqueue(&self, job: Box<dyn FnOnce(&mut Turn) + Send>) {
         let abort = Arc::clone(&self.shared.abort);
         let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |state: &mut State| {
