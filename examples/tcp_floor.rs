@@ -74,7 +74,7 @@ fn run(n: usize, wire: usize, iters: usize, warmup: usize, sndbuf: Option<usize>
     let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let times = Arc::new(Mutex::new(vec![0f64; iters]));
     let barrier = Arc::new(Barrier::new(n));
-    let cpus = roccl::sys::allowed_cpus().expect("sched_getaffinity");
+    let cpus = roccl::os::allowed_cpus().expect("sched_getaffinity");
     let threads: Vec<_> = listeners
         .into_iter()
         .enumerate()
@@ -83,7 +83,7 @@ fn run(n: usize, wire: usize, iters: usize, warmup: usize, sndbuf: Option<usize>
             let (times, barrier) = (times.clone(), barrier.clone());
             let cpu = cpus[i];
             std::thread::spawn(move || {
-                roccl::sys::bind_to_cpu(cpu).expect("pin the thread");
+                roccl::os::bind_to_cpu(cpu).expect("pin the thread");
                 let mut tx = TcpStream::connect(next).expect("connect to the next thread");
                 let (mut rx, _) = listener.accept().expect("accept the previous thread");
                 for s in [&tx, &rx] {
@@ -119,10 +119,10 @@ fn run(n: usize, wire: usize, iters: usize, warmup: usize, sndbuf: Option<usize>
 
 fn main() {
     let a = Args::parse();
-    let parse = |s: &str| roccl::sys::parse_bytes(s).expect("a size such as 4096, 64K or 16M");
+    let parse = |s: &str| roccl::envvar::parse_bytes(s).expect("a size such as 4096, 64K or 16M");
     let (mut b, max) = (parse(&a.min), parse(&a.max));
     let n = a.ranks.max(2);
-    let cpus = roccl::sys::allowed_cpus().expect("sched_getaffinity").len();
+    let cpus = roccl::os::allowed_cpus().expect("sched_getaffinity").len();
     if n > cpus {
         eprintln!(
             "tcp_floor: {n} threads on {cpus} CPUs: busy loops that share CPUs measure the scheduler, not the floor; use at most {cpus}"

@@ -9,6 +9,7 @@
 //! `ROCCL_UNIQUE_ID`) are parsed as strictly by [`crate::bootstrap::env`].
 //!
 //! [`Config::from_env`]: crate::Config::from_env
+//! [`check`]: crate::comm::settings::check
 
 use std::str::FromStr;
 
@@ -21,21 +22,36 @@ pub struct Setting {
     pub name: &'static str,
     /// What it accepts, in words.
     pub accepts: &'static str,
-    /// Whether a (trimmed, non-empty) value is accepted.
-    pub valid: fn(&str) -> bool,
+    /// Whether a (trimmed, non-empty) value is accepted; `None` for a value that only the
+    /// layer reading it can parse (a network, an algorithm, an address family...): the
+    /// communicator's check of every setting (`comm::settings`) takes that layer's parser.
+    pub valid: Option<fn(&str) -> bool>,
 }
 
 fn uint(v: &str) -> bool {
     v.parse::<u64>().is_ok()
 }
 fn bytes(v: &str) -> bool {
-    crate::sys::parse_bytes(v).is_some()
+    parse_bytes(v).is_some()
 }
 fn switch(v: &str) -> bool {
     parse_switch(v).is_some()
 }
 fn one_of(v: &str, words: &[&str]) -> bool {
     words.iter().any(|w| w.eq_ignore_ascii_case(v))
+}
+
+/// Bytes written as a number with an optional `K`, `M` or `G` suffix (powers of 1024), as
+/// the `ROCCL_*` size settings and the tools take them; `None` when it is not one.
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mul)
 }
 
 /// `0`/`1` and their spellings.
@@ -56,237 +72,238 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         name: "ROCCL_NET",
         accepts: "auto, tcp, rocev2, verbs or shm",
-        valid: |v| v.parse::<crate::net::NetKind>().is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_ALGO",
         accepts: "auto, ring, tree, direct, doubling, twoshot, shm1 or shm2",
-        valid: |v| v.eq_ignore_ascii_case("auto") || v.parse::<crate::Algo>().is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_TIMEOUT",
         accepts: "seconds, a number above 0 (e.g. 300 or 2.5)",
-        valid: |v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite()),
+        valid: Some(|v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite())),
     },
     Setting {
         name: "ROCCL_SPIN_US",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_YIELD_US",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_DEBUG",
         accepts: "WARN or INFO (also VERSION, TRACE, DEBUG as NCCL_DEBUG)",
-        valid: |v| one_of(v, &["WARN", "INFO", "VERSION", "TRACE", "DEBUG"]),
+        valid: Some(|v| one_of(v, &["WARN", "INFO", "VERSION", "TRACE", "DEBUG"])),
     },
     Setting {
         name: "ROCCL_SLICE",
         accepts: BYTES,
-        valid: bytes,
+        valid: Some(bytes),
     },
     Setting {
         name: "ROCCL_DEPTH",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_NCHANNELS",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_CONNECT",
         accepts: "all or lazy",
-        valid: |v| one_of(v, &["all", "init", "lazy", "first-use"]),
+        valid: Some(|v| one_of(v, &["all", "init", "lazy", "first-use"])),
     },
     Setting {
         name: "ROCCL_GPU_DIRECT",
         accepts: "auto, 1 or 0",
-        valid: |v| v.eq_ignore_ascii_case("auto") || switch(v),
+        valid: Some(|v| v.eq_ignore_ascii_case("auto") || switch(v)),
     },
     Setting {
         name: "ROCCL_GPU_DIRECT_MIN",
         accepts: BYTES,
-        valid: bytes,
+        valid: Some(bytes),
     },
     Setting {
         name: "ROCCL_RING_WINDOW",
         accepts: BYTES,
-        valid: bytes,
+        valid: Some(bytes),
     },
     Setting {
         name: "ROCCL_STREAM_CHUNK",
         accepts: BYTES,
-        valid: bytes,
+        valid: Some(bytes),
     },
     Setting {
         name: "ROCCL_CALIBRATE",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_SHM",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_SHM_SLOT",
         accepts: "a multiple of 4096 from 4096 to 67108864 bytes",
-        valid: |v| {
+        valid: Some(|v| {
             v.parse::<usize>()
                 .is_ok_and(|n| n % 4096 == 0 && (4096..=64 << 20).contains(&n))
-        },
+        }),
     },
     Setting {
         name: "ROCCL_SHM_RING",
         accepts: "a power of two from 65536 to 1073741824 bytes",
-        valid: |v| {
+        valid: Some(|v| {
             v.parse::<usize>()
                 .is_ok_and(|n| n.is_power_of_two() && (1 << 16..=1 << 30).contains(&n))
-        },
+        }),
     },
     Setting {
         name: "ROCCL_SHM_CMA",
         accepts: "bytes from which messages are copied once (a whole number; 0: off)",
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_NSOCKS",
         accepts: "a whole number of sockets from 1",
-        valid: |v| v.parse::<usize>().is_ok_and(|n| n >= 1),
+        valid: Some(|v| v.parse::<usize>().is_ok_and(|n| n >= 1)),
     },
     Setting {
         name: "ROCCL_TCP_SPLIT",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_TCP_DUPLEX",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_TCP_DUPLEX_INLINE",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_TCP_SNDBUF",
         accepts: "bytes, a whole number (0: the kernel's autotuning)",
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_SOCKET_FAMILY",
         accepts: "AF_INET, AF_INET6 or any (also ipv4, ipv6, 4, 6)",
-        valid: |v| crate::bootstrap::ifaces::parse_family(v).is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_ROCEV2_PORT",
         accepts: "a UDP port number, 0 to 65535",
-        valid: |v| v.parse::<u16>().is_ok(),
+        valid: Some(|v| v.parse::<u16>().is_ok()),
     },
     Setting {
         name: "ROCCL_ROCEV2_FAULTS",
         accepts: "drop=P,dup=P,reorder=P,corrupt=P,seed=N",
-        valid: |v| crate::rdma::udp::Faults::parse(v).is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_ROCEV2_GSO",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_ROCEV2_EAGER",
         accepts: "bytes, 0 to 65536 (0: off)",
-        valid: |v| v.parse::<u32>().is_ok_and(|n| n <= 65536),
+        valid: Some(|v| v.parse::<u32>().is_ok_and(|n| n <= 65536)),
     },
     Setting {
         name: "ROCCL_ROCEV2_SIM_GPU",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_IB_TIMEOUT",
         accepts: "an IB timeout code, 1 to 31 (4.096 us x 2^t)",
-        valid: |v| v.parse::<u8>().is_ok_and(|t| (1..=31).contains(&t)),
+        valid: Some(|v| v.parse::<u8>().is_ok_and(|t| (1..=31).contains(&t))),
     },
     Setting {
         name: "ROCCL_IB_INLINE",
         accepts: "bytes of inline data, 0 to 4096",
-        valid: |v| v.parse::<u32>().is_ok_and(|n| n <= 4096),
+        valid: Some(|v| v.parse::<u32>().is_ok_and(|n| n <= 4096)),
     },
     Setting {
         name: "ROCCL_IB_REG_CACHE",
         accepts: "0 or 1",
-        valid: |v| v == "0" || v == "1",
+        valid: Some(|v| v == "0" || v == "1"),
     },
     Setting {
         name: "ROCCL_IB_RETRY_CNT",
         accepts: "0 to 7",
-        valid: |v| v.parse::<u8>().is_ok_and(|t| t <= 7),
+        valid: Some(|v| v.parse::<u8>().is_ok_and(|t| t <= 7)),
     },
     Setting {
         name: "ROCCL_IB_TC",
         accepts: "a traffic class, 0 to 255",
-        valid: |v| v.parse::<u8>().is_ok(),
+        valid: Some(|v| v.parse::<u8>().is_ok()),
     },
     Setting {
         name: "ROCCL_IB_SL",
         accepts: "a service level, 0 to 15",
-        valid: |v| v.parse::<u8>().is_ok_and(|t| t <= 15),
+        valid: Some(|v| v.parse::<u8>().is_ok_and(|t| t <= 15)),
     },
     Setting {
         name: "ROCCL_IB_RELAXED_ORDERING",
         accepts: SWITCH,
-        valid: switch,
+        valid: Some(switch),
     },
     Setting {
         name: "ROCCL_IB_GID_INDEX",
         accepts: "a GID index, or -1 for automatic",
-        valid: |v| v == "-1" || v.parse::<u32>().is_ok(),
+        valid: Some(|v| v == "-1" || v.parse::<u32>().is_ok()),
     },
     Setting {
         name: "ROCCL_IB_HCA",
         accepts: "devices and ports in NCCL_IB_HCA syntax (e.g. mlx5_0:1,mlx5_1 or ^mlx5_2)",
-        valid: |v| crate::rdma::select::parse_hca(v).is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_IB_ADDR_FAMILY",
         accepts: "AF_INET or AF_INET6 (also ipv4, ipv6, 4, 6)",
-        valid: |v| crate::rdma::select::parse_family(v).is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_IB_ADDR_RANGE",
         accepts: "an address prefix, e.g. 10.0.0.0/16",
-        valid: |v| crate::rdma::select::parse_cidr(v).is_ok(),
+        valid: None,
     },
     Setting {
         name: "ROCCL_DEVICE",
         accepts: "auto, hip, cuda, sim or none",
-        valid: |v| one_of(v, &["auto", "hip", "cuda", "sim", "none"]),
+        valid: Some(|v| one_of(v, &["auto", "hip", "cuda", "sim", "none"])),
     },
     Setting {
         name: "ROCCL_SIM_DELAY_US",
         accepts: UINT,
-        valid: uint,
+        valid: Some(uint),
     },
     Setting {
         name: "ROCCL_APU_DEVICE_MEMORY",
         accepts: "in-place or staged",
-        valid: |v| one_of(v, &["in-place", "staged"]),
+        valid: Some(|v| one_of(v, &["in-place", "staged"])),
     },
     Setting {
         name: "ROCCL_NCCL_VERSION",
         accepts: "an NCCL version code of at least 20000 (e.g. 22005)",
-        valid: |v| v.parse::<i32>().is_ok_and(|n| n >= 20000),
+        valid: Some(|v| v.parse::<i32>().is_ok_and(|n| n >= 20000)),
     },
 ];
 
-fn setting(name: &str) -> Option<&'static Setting> {
+/// The entry of setting `name`.
+pub fn setting(name: &str) -> Option<&'static Setting> {
     SETTINGS.iter().find(|s| s.name == name)
 }
 
@@ -296,24 +313,6 @@ pub fn invalid(name: &str, value: &str) -> Error {
     Error::arg(format!(
         "{name}={value:?} is not valid: {name} takes {accepts} (or unset it for the default)"
     ))
-}
-
-/// Check every setting `get` returns (the environment: [`check`]).
-pub fn check_with(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
-    for s in SETTINGS {
-        if let Some(v) = get(s.name) {
-            let t = v.trim();
-            if !t.is_empty() && !(s.valid)(t) {
-                return Err(invalid(s.name, &v));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Check every setting of [`SETTINGS`] in the environment.
-pub fn check() -> Result<()> {
-    check_with(&|k| std::env::var(k).ok())
 }
 
 /// The value of `name`, trimmed; `None` when unset or blank.
@@ -333,7 +332,7 @@ pub fn get<T: FromStr>(name: &str) -> Result<Option<T>> {
 }
 
 /// `name` parsed as `T`, or `default` when unset. For readers that cannot fail: a value that
-/// does not parse was refused by [`check`] at init; reached without init, it is reported
+/// does not parse was refused by [`check`](crate::comm::settings::check) at init; reached without init, it is reported
 /// (WARN) and the default used.
 pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
     match get(name) {
@@ -349,7 +348,8 @@ pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
 }
 
 /// The switch `name` (see [`parse_switch`]), or `default` when unset; a value that is not a
-/// switch is logged and gives the default (init refuses it before, see [`check`]).
+/// switch is logged and gives the default (init refuses it before, see
+/// [`check`](crate::comm::settings::check)).
 pub fn switch_or(name: &str, default: bool) -> bool {
     switch_value(name, std::env::var(name).ok(), default)
 }
@@ -392,51 +392,6 @@ mod tests {
         }
         assert!(switch_value("X", None, true));
         assert!(!switch_value("X", Some("maybe".into()), false));
-    }
-
-    #[test]
-    fn every_setting_refuses_garbage_naming_itself() {
-        for s in SETTINGS {
-            let e = check_with(&|k| (k == s.name).then(|| "abc!".to_string()))
-                .expect_err(s.name)
-                .to_string();
-            assert!(
-                e.contains(&format!("{}=\"abc!\"", s.name)) && e.contains(s.accepts),
-                "{e}"
-            );
-        }
-    }
-
-    #[test]
-    fn defaults_and_good_values_pass() {
-        assert!(check_with(&|_| None).is_ok());
-        let good = [
-            ("ROCCL_TIMEOUT", "2.5"),
-            ("ROCCL_NET", "tcp"),
-            ("ROCCL_ALGO", "auto"),
-            ("ROCCL_SLICE", "256K"),
-            ("ROCCL_SHM", "0"),
-            ("ROCCL_IB_HCA", "mlx5_0:1"),
-            ("ROCCL_ROCEV2_FAULTS", "drop=0.01,seed=7"),
-            ("ROCCL_DEBUG", "info"),
-            ("ROCCL_IB_GID_INDEX", "-1"),
-        ];
-        for (k, v) in good {
-            assert!(
-                check_with(&|n| (n == k).then(|| v.to_string())).is_ok(),
-                "{k}={v}"
-            );
-        }
-        for (k, v) in [
-            ("ROCCL_TIMEOUT", "0"),
-            ("ROCCL_TIMEOUT", "-3"),
-            ("ROCCL_NSOCKS", "0"),
-        ] {
-            assert!(
-                check_with(&|n| (n == k).then(|| v.to_string())).is_err(),
-                "{k}={v}"
-            );
-        }
     }
 
     /// The launcher variables (rank, size, root), read by the bootstrap, not settings.

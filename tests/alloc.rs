@@ -220,12 +220,13 @@ fn the_counter_sees_allocations() {
     assert_eq!(n, 1);
 }
 
-/// The path of the C ABI and `libroccl-nccl.so` for host memory (`device::ops::run_now`: a
-/// blocking call on raw buffers) allocates nothing per call either: small all-reduces and
-/// a send/receive pair, over shared memory (the default between local ranks) and TCP.
+/// The path of the C ABI and `libroccl-nccl.so` for host memory
+/// (`comm::stream::ops::run_now`: a blocking call on raw buffers) allocates nothing per call
+/// either: small all-reduces and a send/receive pair, over shared memory (the default between
+/// local ranks) and TCP.
 #[test]
 fn no_allocation_per_call_on_raw_buffers() {
-    use roccl::device::ops::{run_now, Op};
+    use roccl::comm::stream::ops::{run_now, Op};
     for net in [NetKind::Auto, NetKind::Tcp] {
         let mut cfg = config(Tuning::default());
         cfg.net = net;

@@ -324,7 +324,7 @@ fn connect_all_opens_the_mesh_during_init() {
 /// order, and sends to oneself pair with receives from oneself.
 #[test]
 fn large_point_to_point_batches() {
-    use roccl::device::ops::{run_now, Op};
+    use roccl::comm::stream::ops::{run_now, Op};
     run_ranks(2, config(Tuning::default()), |c| {
         let (me, peer) = (c.rank(), 1 - c.rank());
         let k = 40;
@@ -367,7 +367,7 @@ fn large_point_to_point_batches() {
 /// peer's connections are counted after a barrier, which accepts whatever arrived.
 #[test]
 fn a_batch_opens_each_connection_once() {
-    use roccl::device::ops::{run_now, Op};
+    use roccl::comm::stream::ops::{run_now, Op};
     let counts = |k: usize| {
         let seen = parking_lot::Mutex::new(Vec::new());
         run_ranks(2, config(Tuning::default()), |c| {

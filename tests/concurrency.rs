@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use common::*;
 use roccl::algo::model::Tuning;
+use roccl::comm::stream::{enqueue, Part};
 use roccl::device::sim::SimDevice;
-use roccl::device::{self, Device, Part};
+use roccl::device::Device;
 use roccl::{CallOpts, Collective, Communicator, DataType, RedOp};
 
 /// Run `f` on another thread; fail if it has not finished within `limit`.
@@ -85,7 +86,7 @@ fn many_threads_share_one_communicator() {
                                     }));
                                 }
                                 // Stream-ordered, on the simulated device's stream.
-                                _ => device::enqueue(
+                                _ => enqueue(
                                     as_dev,
                                     &[stream],
                                     vec![(
@@ -225,7 +226,7 @@ fn a_stream_that_never_arrives_times_out() {
             .unwrap();
             let as_dev: Arc<dyn Device> = dev.clone();
             let n = Arc::new(AtomicUsize::new(0));
-            device::enqueue(
+            enqueue(
                 &as_dev,
                 &[stream],
                 vec![(Arc::clone(&c), all_reduce_part(1, Arc::clone(&n)))],

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use common::*;
 use roccl::algo::model::Tuning;
+use roccl::comm::stream::{enqueue, Part};
 use roccl::device::sim::{SimBuffer, SimDevice};
-use roccl::device::{self, Device, MemKind, Part};
+use roccl::device::{Device, MemKind};
 use roccl::net::NetKind;
 use roccl::{CallOpts, Collective, Communicator, DataType, Error, RedOp, UniqueId};
 
@@ -126,7 +127,7 @@ fn ordered(
     dev.launch(stream, move || s2.with(|b| b.copy_from_slice(&input)))
         .unwrap();
     let as_dev: Arc<dyn Device> = dev.clone();
-    device::enqueue(
+    enqueue(
         &as_dev,
         &[stream],
         vec![(
@@ -235,7 +236,7 @@ fn back_to_back(host_fn_only: bool) {
                         .map(|_| ())
                     })
                 });
-                device::enqueue(&as_dev, &[stream], vec![(Arc::clone(&c), p)], timeout()).unwrap();
+                enqueue(&as_dev, &[stream], vec![(Arc::clone(&c), p)], timeout()).unwrap();
                 let snap = Arc::new(parking_lot::Mutex::new(0f32));
                 let (s, b) = (Arc::clone(&snap), Arc::clone(&buf));
                 dev.launch(stream, move || {
@@ -300,7 +301,7 @@ fn group_two_streams(host_fn_only: bool) {
             })
         };
         let as_dev: Arc<dyn Device> = dev.clone();
-        device::enqueue(
+        enqueue(
             &as_dev,
             &[s1, s2],
             vec![
@@ -345,7 +346,7 @@ fn capture_is_refused_and_failures_release_the_stream() {
         let s = dev.create_stream();
         let buf = dev.alloc(16);
         dev.set_capturing(s, true).unwrap();
-        let e = device::enqueue(
+        let e = enqueue(
             &as_dev,
             &[s],
             vec![(
@@ -366,7 +367,7 @@ fn capture_is_refused_and_failures_release_the_stream() {
         dev.set_capturing(s, false).unwrap();
         // 15 bytes is not a whole number of f32: the collective fails on the worker.
         let odd = dev.alloc(15);
-        device::enqueue(
+        enqueue(
             &as_dev,
             &[s],
             vec![(

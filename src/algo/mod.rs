@@ -27,8 +27,8 @@ pub(crate) use ring::{
 };
 pub(crate) use tree::{all_reduce_tree, broadcast_tree, reduce_tree, tree_stage};
 
-use crate::comm::exec::{Buf, Exec, Reg, Tok};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg, Tok};
 
 /// Algorithm choice for a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -116,25 +116,25 @@ pub struct Pipeline {
 /// A state machine that moves one algorithm forward.
 pub(crate) trait Machine {
     /// Post, reduce and take completions as far as possible; true if anything moved.
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool>;
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool>;
     /// True when every request of the machine has completed.
     fn done(&self) -> bool;
 }
 
 /// Run `ms` to completion.
-pub(crate) fn drive(ex: &mut Exec, ms: &mut [&mut dyn Machine]) -> Result<()> {
+pub(crate) fn drive(exec: &mut Exec, ms: &mut [&mut dyn Machine]) -> Result<()> {
     loop {
         let mut moved = false;
         for m in ms.iter_mut() {
             if !m.done() {
-                moved |= m.advance(ex)?;
+                moved |= m.advance(exec)?;
             }
         }
         if ms.iter().all(|m| m.done()) {
-            return ex.finish();
+            return exec.finish();
         }
         if !moved {
-            ex.wait_any()?;
+            exec.wait_any()?;
         }
     }
 }
@@ -293,9 +293,9 @@ impl<T: Copy> InOrder<T> {
         self.q.push((t, v))
     }
     /// Pop the oldest request if it has completed.
-    pub fn pop_done(&mut self, ex: &mut Exec) -> Option<T> {
+    pub fn pop_done(&mut self, exec: &mut Exec) -> Option<T> {
         let (t, v) = self.q.front()?;
-        ex.take(t)?;
+        exec.take(t)?;
         self.q.pop();
         Some(v)
     }
@@ -305,17 +305,17 @@ impl<T: Copy> InOrder<T> {
 pub(crate) type Machines<M> = arrayvec::ArrayVec<M, MAX_MACHINES>;
 
 /// Most machines one call runs (channels of a ring; trees of a double tree).
-pub(crate) const MAX_MACHINES: usize = crate::comm::links::MAX_CHANNELS;
+pub(crate) const MAX_MACHINES: usize = crate::exec::links::MAX_CHANNELS;
 
 /// Run every machine of `ms` to completion.
-pub(crate) fn drive_all<M: Machine>(ex: &mut Exec, ms: &mut [M]) -> Result<()> {
+pub(crate) fn drive_all<M: Machine>(exec: &mut Exec, ms: &mut [M]) -> Result<()> {
     let mut refs: arrayvec::ArrayVec<&mut dyn Machine, MAX_MACHINES> = arrayvec::ArrayVec::new();
     for m in ms.iter_mut() {
         refs.try_push(m as &mut dyn Machine).map_err(|_| {
             Error::Internal(format!("more than {MAX_MACHINES} machines in one call"))
         })?;
     }
-    drive(ex, &mut refs)
+    drive(exec, &mut refs)
 }
 
 /// Collect `it` into [`Machines`], failing (not panicking) past its capacity.

@@ -2,13 +2,13 @@
 //! all-to-all, the dissemination barrier, and point-to-point send/receive.
 
 use super::part;
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 /// Channel reserved for point-to-point traffic, so user sends never interleave with the
 /// messages of a collective on the same connection.
-pub(crate) const P2P_CHANNEL: usize = crate::comm::links::MAX_CHANNELS - 1;
+pub(crate) const P2P_CHANNEL: usize = crate::exec::links::MAX_CHANNELS - 1;
 
 /// Staging bytes of the one-shot all-reduce: one slot per rank.
 pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
@@ -19,44 +19,44 @@ pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
 /// `n` inputs in rank order (so every rank computes bit-identical results). One network
 /// step; `(n-1) * bytes` sent per rank. For small messages.
 pub(crate) fn all_reduce_direct(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
 ) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+    let (n, r) = (exec.nranks(), exec.rank());
     let bytes = count * dt.size();
     let stride = bytes.next_multiple_of(64);
     let input = Reg::new(Buf::Src, 0, bytes);
     let dst = Reg::new(Buf::Dst, 0, bytes);
     if n == 1 {
-        return ex.copy(dst, input);
+        return exec.copy(dst, input);
     }
-    ex.ensure(
+    exec.ensure(
         (1..n).map(|s| ((r + s) % n, 0)),
         (1..n).map(|s| ((r + n - s) % n, 0)),
     )?;
     let slot = |p: usize| Reg::new(Buf::Stage, p * stride, bytes);
     for s in 1..n {
         let from = (r + n - s) % n;
-        ex.recv(from, 0, slot(from))?;
-        ex.send((r + s) % n, 0, input)?;
+        exec.recv(from, 0, slot(from))?;
+        exec.send((r + s) % n, 0, input)?;
     }
-    ex.finish()?;
+    exec.finish()?;
     // In place, our input is about to be overwritten: keep it in our own slot.
-    let own = if ex.in_place() {
-        ex.copy(slot(r), input)?;
+    let own = if exec.in_place() {
+        exec.copy(slot(r), input)?;
         slot(r)
     } else {
         input
     };
     let data = |p: usize| if p == r { own } else { slot(p) };
-    ex.reduce(dst, data(0), data(1), dt, op)?;
+    exec.reduce(dst, data(0), data(1), dt, op)?;
     for p in 2..n {
-        ex.reduce(dst, dst, data(p), dt, op)?;
+        exec.reduce(dst, dst, data(p), dt, op)?;
     }
     if op == RedOp::Avg {
-        ex.finish_avg(dst, dt, n)?;
+        exec.finish_avg(dst, dt, n)?;
     }
     Ok(())
 }
@@ -73,14 +73,14 @@ pub(crate) fn all_reduce_twoshot_stage(n: usize, count: usize, dt: DataType) -> 
 /// steps, `2(n-1)/n · B` sent per rank (the one-shot sends `(n-1) · B`), each block reduced
 /// once, by its owner, so every rank gets the same bits. Staging: a block per rank.
 pub(crate) fn all_reduce_twoshot(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
 ) -> Result<()> {
-    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    let (n, r, esz) = (exec.nranks(), exec.rank(), dt.size());
     if n == 1 {
-        return ex.copy_input(count * esz);
+        return exec.copy_input(count * esz);
     }
     let stride = (count.div_ceil(n) * esz).next_multiple_of(64);
     let block = |b: Buf, i: usize| {
@@ -88,7 +88,7 @@ pub(crate) fn all_reduce_twoshot(
         Reg::new(b, start * esz, len * esz)
     };
     let slot = |p: usize| Reg::new(Buf::Stage, p * stride, block(Buf::Dst, r).len);
-    ex.ensure(
+    exec.ensure(
         (1..n).map(|s| ((r + s) % n, 0)),
         (1..n).map(|s| ((r + n - s) % n, 0)),
     )?;
@@ -97,41 +97,41 @@ pub(crate) fn all_reduce_twoshot(
     for s in 1..n {
         let (to, from) = ((r + s) % n, (r + n - s) % n);
         if mine > 0 {
-            ex.recv(from, 0, slot(from))?;
+            exec.recv(from, 0, slot(from))?;
         }
         if block(Buf::Src, to).len > 0 {
-            ex.send(to, 0, block(Buf::Src, to))?;
+            exec.send(to, 0, block(Buf::Src, to))?;
         }
     }
-    ex.finish()?;
+    exec.finish()?;
     if mine > 0 {
         // In place, the output block is also our input: keep the input in our own slot.
-        let own = if ex.in_place() {
-            ex.copy(slot(r), block(Buf::Src, r))?;
+        let own = if exec.in_place() {
+            exec.copy(slot(r), block(Buf::Src, r))?;
             slot(r)
         } else {
             block(Buf::Src, r)
         };
         let data = |p: usize| if p == r { own } else { slot(p) };
         let out = block(Buf::Dst, r);
-        ex.reduce(out, data(0), data(1), dt, op)?;
+        exec.reduce(out, data(0), data(1), dt, op)?;
         for p in 2..n {
-            ex.reduce(out, out, data(p), dt, op)?;
+            exec.reduce(out, out, data(p), dt, op)?;
         }
         if op == RedOp::Avg {
-            ex.finish_avg(out, dt, n)?;
+            exec.finish_avg(out, dt, n)?;
         }
     }
     for s in 1..n {
         let (to, from) = ((r + s) % n, (r + n - s) % n);
         if block(Buf::Dst, from).len > 0 {
-            ex.recv(from, 0, block(Buf::Dst, from))?;
+            exec.recv(from, 0, block(Buf::Dst, from))?;
         }
         if mine > 0 {
-            ex.send(to, 0, block(Buf::Dst, r))?;
+            exec.send(to, 0, block(Buf::Dst, r))?;
         }
     }
-    ex.finish()
+    exec.finish()
 }
 
 /// Recursive-doubling all-reduce: with `p` the largest power of two ≤ n, ranks `p..n` first
@@ -142,15 +142,15 @@ pub(crate) fn all_reduce_twoshot(
 /// The input is never copied: the first exchange sends it from where it is and the first
 /// reduction writes the output (`dst = src ⊕ peer`).
 pub(crate) fn all_reduce_doubling(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
 ) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+    let (n, r) = (exec.nranks(), exec.rank());
     let bytes = count * dt.size();
     if n == 1 {
-        return ex.copy_input(bytes);
+        return exec.copy_input(bytes);
     }
     let src = Reg::new(Buf::Src, 0, bytes);
     let dst = Reg::new(Buf::Dst, 0, bytes);
@@ -170,36 +170,36 @@ pub(crate) fn all_reduce_doubling(
             k <<= 1;
         }
     }
-    ex.ensure(peers.iter().copied(), peers.iter().copied())?;
+    exec.ensure(peers.iter().copied(), peers.iter().copied())?;
     if r >= p {
-        ex.send(r - p, 0, src)?;
-        ex.finish()?;
-        ex.recv(r - p, 0, dst)?;
-        return ex.finish();
+        exec.send(r - p, 0, src)?;
+        exec.finish()?;
+        exec.recv(r - p, 0, dst)?;
+        return exec.finish();
     }
     // Where this rank's running result is: its input until the first reduction.
     let mut acc = src;
     if r + p < n {
-        ex.recv(r + p, 0, other)?;
-        ex.finish()?;
-        ex.reduce(dst, acc, other, dt, op)?;
+        exec.recv(r + p, 0, other)?;
+        exec.finish()?;
+        exec.reduce(dst, acc, other, dt, op)?;
         acc = dst;
     }
     let mut k = 1;
     while k < p {
-        ex.recv(r ^ k, 0, other)?;
-        ex.send(r ^ k, 0, acc)?;
-        ex.finish()?;
-        ex.reduce(dst, acc, other, dt, op)?;
+        exec.recv(r ^ k, 0, other)?;
+        exec.send(r ^ k, 0, acc)?;
+        exec.finish()?;
+        exec.reduce(dst, acc, other, dt, op)?;
         acc = dst;
         k <<= 1;
     }
     if op == RedOp::Avg {
-        ex.finish_avg(dst, dt, n)?;
+        exec.finish_avg(dst, dt, n)?;
     }
     if r + p < n {
-        ex.send(r + p, 0, dst)?;
-        ex.finish()?;
+        exec.send(r + p, 0, dst)?;
+        exec.finish()?;
     }
     Ok(())
 }
@@ -207,43 +207,43 @@ pub(crate) fn all_reduce_doubling(
 /// Pairwise all-to-all: at step `s` send block `r+s` to rank `r+s` and receive block `r-s`
 /// from rank `r-s`; all steps are posted at once so every link works in parallel. In place,
 /// the input is first copied to staging.
-pub(crate) fn all_to_all_pairwise(ex: &mut Exec, block: usize) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
-    let src_buf = if ex.in_place() {
+pub(crate) fn all_to_all_pairwise(exec: &mut Exec, block: usize) -> Result<()> {
+    let (n, r) = (exec.nranks(), exec.rank());
+    let src_buf = if exec.in_place() {
         let all = Reg::new(Buf::Dst, 0, n * block);
-        ex.copy(Reg::new(Buf::Stage, 0, n * block), all)?;
+        exec.copy(Reg::new(Buf::Stage, 0, n * block), all)?;
         Buf::Stage
     } else {
         Buf::Src
     };
     let blk = |b: Buf, i: usize| Reg::new(b, i * block, block);
-    ex.copy(blk(Buf::Dst, r), blk(src_buf, r))?;
+    exec.copy(blk(Buf::Dst, r), blk(src_buf, r))?;
     if n == 1 {
         return Ok(());
     }
-    ex.ensure(
+    exec.ensure(
         (1..n).map(|s| ((r + s) % n, 0)),
         (1..n).map(|s| ((r + n - s) % n, 0)),
     )?;
     for s in 1..n {
         let (t, f) = ((r + s) % n, (r + n - s) % n);
-        ex.recv(f, 0, blk(Buf::Dst, f))?;
-        ex.send(t, 0, blk(src_buf, t))?;
+        exec.recv(f, 0, blk(Buf::Dst, f))?;
+        exec.send(t, 0, blk(src_buf, t))?;
     }
-    ex.finish()
+    exec.finish()
 }
 
 /// Dissemination barrier: `⌈log2 n⌉` rounds of empty messages to `r + 2^k`.
-pub(crate) fn barrier_dissemination(ex: &mut Exec) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+pub(crate) fn barrier_dissemination(exec: &mut Exec) -> Result<()> {
+    let (n, r) = (exec.nranks(), exec.rank());
     let empty = Reg::new(Buf::Stage, 0, 0);
     let mut d = 1;
     while d < n {
         let (to, from) = ((r + d) % n, (r + n - d) % n);
-        ex.ensure([(to, 0)], [(from, 0)])?;
-        ex.recv(from, 0, empty)?;
-        ex.send(to, 0, empty)?;
-        ex.finish()?;
+        exec.ensure([(to, 0)], [(from, 0)])?;
+        exec.recv(from, 0, empty)?;
+        exec.send(to, 0, empty)?;
+        exec.finish()?;
         d *= 2;
     }
     Ok(())
@@ -252,13 +252,13 @@ pub(crate) fn barrier_dissemination(ex: &mut Exec) -> Result<()> {
 /// Send `Src` to `to` and/or receive `Dst` from `from`, concurrently. Sending to oneself
 /// and receiving from oneself in the same call is a local copy.
 pub(crate) fn sendrecv(
-    ex: &mut Exec,
+    exec: &mut Exec,
     to: Option<usize>,
     send_len: usize,
     from: Option<usize>,
     recv_len: usize,
 ) -> Result<()> {
-    let r = ex.rank();
+    let r = exec.rank();
     let sreg = Reg::new(Buf::Src, 0, send_len);
     let rreg = Reg::new(Buf::Dst, 0, recv_len);
     if to == Some(r) || from == Some(r) {
@@ -272,14 +272,14 @@ pub(crate) fn sendrecv(
                 "self send of {send_len} bytes into a receive of {recv_len} bytes"
             )));
         }
-        return ex.copy(rreg, sreg);
+        return exec.copy(rreg, sreg);
     }
-    ex.ensure(to.map(|p| (p, P2P_CHANNEL)), from.map(|p| (p, P2P_CHANNEL)))?;
+    exec.ensure(to.map(|p| (p, P2P_CHANNEL)), from.map(|p| (p, P2P_CHANNEL)))?;
     if let Some(p) = from {
-        ex.recv(p, P2P_CHANNEL, rreg)?;
+        exec.recv(p, P2P_CHANNEL, rreg)?;
     }
     if let Some(p) = to {
-        ex.send(p, P2P_CHANNEL, sreg)?;
+        exec.send(p, P2P_CHANNEL, sreg)?;
     }
-    ex.finish()
+    exec.finish()
 }

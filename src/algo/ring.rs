@@ -10,8 +10,8 @@
 use super::{
     drive, drive_all, machines, nslices, part, slice_of, InOrder, Machine, Pipeline, Slots,
 };
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::Result;
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 fn md(a: isize, n: usize) -> usize {
@@ -34,19 +34,19 @@ struct Geo {
 
 impl Geo {
     fn new(
-        ex: &Exec,
+        exec: &Exec,
         ch: usize,
         base: usize,
         cnt: usize,
         chunk_max: usize,
         dt: DataType,
-        pl: &Pipeline,
+        pipeline: &Pipeline,
     ) -> Geo {
         let esz = dt.size();
-        let s = (pl.slice / esz).max(1);
+        let s = (pipeline.slice / esz).max(1);
         Geo {
-            n: ex.nranks(),
-            r: ex.rank(),
+            n: exec.nranks(),
+            r: exec.rank(),
             ch,
             esz,
             base,
@@ -70,8 +70,11 @@ impl Geo {
 }
 
 /// Split `count` elements over `channels` rings, keeping each channel's range whole.
-fn channel_ranges(count: usize, pl: &Pipeline) -> impl Iterator<Item = (usize, usize, usize)> {
-    let chans = pl.channels.clamp(1, count.max(1));
+fn channel_ranges(
+    count: usize,
+    pipeline: &Pipeline,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let chans = pipeline.channels.clamp(1, count.max(1));
     (0..chans).map(move |c| {
         let (b, l) = part(count, chans, c);
         (c, b, l)
@@ -79,7 +82,7 @@ fn channel_ranges(count: usize, pl: &Pipeline) -> impl Iterator<Item = (usize, u
 }
 
 struct RingAllReduce {
-    g: Geo,
+    geo: Geo,
     dt: DataType,
     op: RedOp,
     depth: usize,
@@ -96,76 +99,78 @@ struct RingAllReduce {
 impl RingAllReduce {
     /// (send chunk, recv chunk) of step t.
     fn chunks(&self, t: usize) -> (usize, usize) {
-        let (n, r) = (self.g.n as isize, self.g.r as isize);
+        let (n, r) = (self.geo.n as isize, self.geo.r as isize);
         let t = t as isize;
         if t < n - 1 {
-            (md(r - t, self.g.n), md(r - t - 1, self.g.n))
+            (md(r - t, self.geo.n), md(r - t - 1, self.geo.n))
         } else {
             let t = t - (n - 1);
-            (md(r + 1 - t, self.g.n), md(r - t, self.g.n))
+            (md(r + 1 - t, self.geo.n), md(r - t, self.geo.n))
         }
     }
 }
 
 impl Machine for RingAllReduce {
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
-        let rs_steps = self.g.n - 1;
-        while let Some(slot) = self.recvs.pop_done(ex) {
+        let rs_steps = self.geo.n - 1;
+        while let Some(slot) = self.recvs.pop_done(exec) {
             let u = self.done_recv;
-            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (t, k) = (u / self.geo.k, u % self.geo.k);
             if t < rs_steps {
                 let (_, rc) = self.chunks(t);
-                let d = self.g.reg(Buf::Dst, rc, k);
-                ex.reduce(
+                let d = self.geo.reg(Buf::Dst, rc, k);
+                exec.reduce(
                     d,
-                    self.g.reg(Buf::Src, rc, k),
+                    self.geo.reg(Buf::Src, rc, k),
                     self.slots.reg(slot, d.len),
                     self.dt,
                     self.op,
                 )?;
                 self.slots.put(slot);
                 if t == rs_steps - 1 && self.op == RedOp::Avg {
-                    ex.finish_avg(d, self.dt, self.g.n)?;
+                    exec.finish_avg(d, self.dt, self.geo.n)?;
                 }
             }
             self.done_recv += 1;
             moved = true;
         }
-        while self.sends.pop_done(ex).is_some() {
+        while self.sends.pop_done(exec).is_some() {
             self.send_done += 1;
             moved = true;
         }
         while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
             let u = self.next_recv;
-            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (t, k) = (u / self.geo.k, u % self.geo.k);
             let (_, rc) = self.chunks(t);
-            let d = self.g.reg(Buf::Dst, rc, k);
+            let d = self.geo.reg(Buf::Dst, rc, k);
             let (reg, slot) = if t < rs_steps {
                 let Some(slot) = self.slots.get() else { break };
                 (self.slots.reg(slot, d.len), slot)
             } else {
                 // The reduce-scatter step t-(n-1) sends this very region: receive into it
                 // only once that send has completed.
-                if self.send_done <= u - rs_steps * self.g.k {
+                if self.send_done <= u - rs_steps * self.geo.k {
                     break;
                 }
                 (d, usize::MAX)
             };
-            let tok = ex.recv(self.g.prev(), self.g.ch, reg)?;
+            let tok = exec.recv(self.geo.prev(), self.geo.ch, reg)?;
             self.recvs.push(tok, slot)?;
             self.next_recv += 1;
             moved = true;
         }
         while self.next_send < self.units
             && self.next_send - self.send_done < self.depth
-            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+            && (self.next_send < self.geo.k || self.done_recv > self.next_send - self.geo.k)
         {
             let u = self.next_send;
-            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (t, k) = (u / self.geo.k, u % self.geo.k);
             let (sc, _) = self.chunks(t);
-            let reg = self.g.reg(if t == 0 { Buf::Src } else { Buf::Dst }, sc, k);
-            let tok = ex.send(self.g.next(), self.g.ch, reg)?;
+            let reg = self
+                .geo
+                .reg(if t == 0 { Buf::Src } else { Buf::Dst }, sc, k);
+            let tok = exec.send(self.geo.next(), self.geo.ch, reg)?;
             self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
@@ -179,31 +184,31 @@ impl Machine for RingAllReduce {
 }
 
 /// Staging bytes the ring all-reduce needs.
-pub(crate) fn all_reduce_ring_stage(pl: &Pipeline) -> usize {
-    pl.channels * pl.depth * pl.slice
+pub(crate) fn all_reduce_ring_stage(pipeline: &Pipeline) -> usize {
+    pipeline.channels * pipeline.depth * pipeline.slice
 }
 
 /// Ring all-reduce: reduce-scatter then all-gather, `2(n-1)` steps of `bytes/n`.
 pub(crate) fn all_reduce_ring(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let n = ex.nranks();
+    let n = exec.nranks();
     if n == 1 {
-        return ex.copy_input(count * dt.size());
+        return exec.copy_input(count * dt.size());
     }
-    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
-        let g = Geo::new(ex, c, base, cnt, cnt.div_ceil(n), dt, pl);
-        let units = 2 * (n - 1) * g.k;
-        let slot = g.s * g.esz;
+    let mut ms = machines(channel_ranges(count, pipeline).map(|(c, base, cnt)| {
+        let geo = Geo::new(exec, c, base, cnt, cnt.div_ceil(n), dt, pipeline);
+        let units = 2 * (n - 1) * geo.k;
+        let slot = geo.s * geo.esz;
         RingAllReduce {
-            g,
+            geo,
             dt,
             op,
-            depth: pl.depth,
+            depth: pipeline.depth,
             units,
             next_send: 0,
             send_done: 0,
@@ -211,20 +216,20 @@ pub(crate) fn all_reduce_ring(
             done_recv: 0,
             sends: InOrder::new(),
             recvs: InOrder::new(),
-            slots: Slots::new(c * pl.depth * pl.slice, slot, pl.depth),
+            slots: Slots::new(c * pipeline.depth * pipeline.slice, slot, pipeline.depth),
         }
     }))?;
-    ex.ensure(
-        ms.iter().map(|m| (m.g.next(), m.g.ch)),
-        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    exec.ensure(
+        ms.iter().map(|m| (m.geo.next(), m.geo.ch)),
+        ms.iter().map(|m| (m.geo.prev(), m.geo.ch)),
     )?;
-    drive_all(ex, &mut ms)
+    drive_all(exec, &mut ms)
 }
 
 /// Ring all-gather over one channel range: `n-1` steps, each forwarding the slice received
 /// in the previous step straight out of the output buffer.
 struct RingAllGather {
-    g: Geo,
+    geo: Geo,
     depth: usize,
     units: usize,
     next_send: usize,
@@ -240,42 +245,42 @@ struct RingAllGather {
 impl RingAllGather {
     fn reg(&self, c: usize, k: usize) -> Reg {
         // Chunk c of the output is rank c's input; the channel covers [base, base+cnt) of it.
-        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        let (a, l) = slice_of(self.geo.cnt, self.geo.s, k);
         Reg::new(
             Buf::Dst,
-            (c * self.per + self.g.base + a) * self.g.esz,
-            l * self.g.esz,
+            (c * self.per + self.geo.base + a) * self.geo.esz,
+            l * self.geo.esz,
         )
     }
 }
 
 impl Machine for RingAllGather {
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
-        let (n, r) = (self.g.n, self.g.r as isize);
-        while self.recvs.pop_done(ex).is_some() {
+        let (n, r) = (self.geo.n, self.geo.r as isize);
+        while self.recvs.pop_done(exec).is_some() {
             self.done_recv += 1;
             moved = true;
         }
-        while self.sends.pop_done(ex).is_some() {
+        while self.sends.pop_done(exec).is_some() {
             self.send_done += 1;
             moved = true;
         }
         while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
-            let (t, k) = (self.next_recv / self.g.k, self.next_recv % self.g.k);
+            let (t, k) = (self.next_recv / self.geo.k, self.next_recv % self.geo.k);
             let rc = md(r - t as isize - 1, n);
-            let tok = ex.recv(self.g.prev(), self.g.ch, self.reg(rc, k))?;
+            let tok = exec.recv(self.geo.prev(), self.geo.ch, self.reg(rc, k))?;
             self.recvs.push(tok, ())?;
             self.next_recv += 1;
             moved = true;
         }
         while self.next_send < self.units
             && self.next_send - self.send_done < self.depth
-            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+            && (self.next_send < self.geo.k || self.done_recv > self.next_send - self.geo.k)
         {
-            let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
+            let (t, k) = (self.next_send / self.geo.k, self.next_send % self.geo.k);
             let sc = md(r - t as isize, n);
-            let tok = ex.send(self.g.next(), self.g.ch, self.reg(sc, k))?;
+            let tok = exec.send(self.geo.next(), self.geo.ch, self.reg(sc, k))?;
             self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
@@ -290,30 +295,30 @@ impl Machine for RingAllGather {
 
 /// Ring all-gather of `count` elements per rank into `n * count` elements.
 pub(crate) fn all_gather_ring(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    let (n, r, esz) = (exec.nranks(), exec.rank(), dt.size());
     let own = Reg::new(Buf::Dst, r * count * esz, count * esz);
-    let input = if ex.in_place() {
+    let input = if exec.in_place() {
         own
     } else {
         Reg::new(Buf::Src, 0, count * esz)
     };
-    ex.copy(own, input)?;
+    exec.copy(own, input)?;
     if n == 1 {
         return Ok(());
     }
-    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
+    let mut ms = machines(channel_ranges(count, pipeline).map(|(c, base, cnt)| {
         // Slices cut the channel's share of each rank's block.
-        let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
-        g.k = nslices(cnt, g.s);
-        let units = (n - 1) * g.k;
+        let mut geo = Geo::new(exec, c, base, cnt, cnt, dt, pipeline);
+        geo.k = nslices(cnt, geo.s);
+        let units = (n - 1) * geo.k;
         RingAllGather {
-            g,
-            depth: pl.depth,
+            geo,
+            depth: pipeline.depth,
             units,
             next_send: 0,
             send_done: 0,
@@ -324,18 +329,18 @@ pub(crate) fn all_gather_ring(
             per: count,
         }
     }))?;
-    ex.ensure(
-        ms.iter().map(|m| (m.g.next(), m.g.ch)),
-        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    exec.ensure(
+        ms.iter().map(|m| (m.geo.next(), m.geo.ch)),
+        ms.iter().map(|m| (m.geo.prev(), m.geo.ch)),
     )?;
-    drive_all(ex, &mut ms)
+    drive_all(exec, &mut ms)
 }
 
 /// Ring reduce-scatter over one channel range. Partial sums of step `t` live in one of two
 /// chunk-sized staging halves (`t % 2`), so a partial is never overwritten before the next
 /// step has sent it, and the final step reduces straight into the output.
 struct RingReduceScatter {
-    g: Geo,
+    geo: Geo,
     dt: DataType,
     op: RedOp,
     depth: usize,
@@ -355,48 +360,48 @@ struct RingReduceScatter {
 
 impl RingReduceScatter {
     fn src(&self, c: usize, k: usize) -> Reg {
-        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        let (a, l) = slice_of(self.geo.cnt, self.geo.s, k);
         Reg::new(
             Buf::Src,
-            (c * self.per + self.g.base + a) * self.g.esz,
-            l * self.g.esz,
+            (c * self.per + self.geo.base + a) * self.geo.esz,
+            l * self.geo.esz,
         )
     }
     fn partial(&self, t: usize, k: usize) -> Reg {
-        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        let (a, l) = slice_of(self.geo.cnt, self.geo.s, k);
         Reg::new(
             Buf::Stage,
-            self.pbase + ((t % 2) * self.g.cnt + a) * self.g.esz,
-            l * self.g.esz,
+            self.pbase + ((t % 2) * self.geo.cnt + a) * self.geo.esz,
+            l * self.geo.esz,
         )
     }
     fn out(&self, k: usize) -> Reg {
-        let (a, l) = slice_of(self.g.cnt, self.g.s, k);
+        let (a, l) = slice_of(self.geo.cnt, self.geo.s, k);
         // In place, the output is this rank's block of the input buffer.
         let off = if self.in_place {
-            self.g.r * self.per
+            self.geo.r * self.per
         } else {
             0
         };
         Reg::new(
             Buf::Dst,
-            (off + self.g.base + a) * self.g.esz,
-            l * self.g.esz,
+            (off + self.geo.base + a) * self.geo.esz,
+            l * self.geo.esz,
         )
     }
     fn chunks(&self, t: usize) -> (usize, usize) {
-        let (n, r) = (self.g.n, self.g.r as isize);
+        let (n, r) = (self.geo.n, self.geo.r as isize);
         (md(r - t as isize - 1, n), md(r - t as isize - 2, n))
     }
 }
 
 impl Machine for RingReduceScatter {
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
-        let last = self.g.n - 2;
+        let last = self.geo.n - 2;
         while self.done_recv < self.next_recv {
             let u = self.done_recv;
-            let (t, k) = (u / self.g.k, u % self.g.k);
+            let (t, k) = (u / self.geo.k, u % self.geo.k);
             let (_, rc) = self.chunks(t);
             let dest = if t == last {
                 self.out(k)
@@ -404,13 +409,13 @@ impl Machine for RingReduceScatter {
                 self.partial(t, k)
             };
             // The partial of step t-2 in the same half is sent by unit u-K: wait for it.
-            if t != last && t >= 2 && self.send_done <= u - self.g.k {
+            if t != last && t >= 2 && self.send_done <= u - self.geo.k {
                 break;
             }
-            let Some(slot) = self.recvs.pop_done(ex) else {
+            let Some(slot) = self.recvs.pop_done(exec) else {
                 break;
             };
-            ex.reduce(
+            exec.reduce(
                 dest,
                 self.src(rc, k),
                 self.slots.reg(slot, dest.len),
@@ -419,36 +424,36 @@ impl Machine for RingReduceScatter {
             )?;
             self.slots.put(slot);
             if t == last && self.op == RedOp::Avg {
-                ex.finish_avg(dest, self.dt, self.g.n)?;
+                exec.finish_avg(dest, self.dt, self.geo.n)?;
             }
             self.done_recv += 1;
             moved = true;
         }
-        while self.sends.pop_done(ex).is_some() {
+        while self.sends.pop_done(exec).is_some() {
             self.send_done += 1;
             moved = true;
         }
         while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
-            let (_, k) = (self.next_recv / self.g.k, self.next_recv % self.g.k);
+            let (_, k) = (self.next_recv / self.geo.k, self.next_recv % self.geo.k);
             let Some(slot) = self.slots.get() else { break };
-            let len = slice_of(self.g.cnt, self.g.s, k).1 * self.g.esz;
-            let tok = ex.recv(self.g.prev(), self.g.ch, self.slots.reg(slot, len))?;
+            let len = slice_of(self.geo.cnt, self.geo.s, k).1 * self.geo.esz;
+            let tok = exec.recv(self.geo.prev(), self.geo.ch, self.slots.reg(slot, len))?;
             self.recvs.push(tok, slot)?;
             self.next_recv += 1;
             moved = true;
         }
         while self.next_send < self.units
             && self.next_send - self.send_done < self.depth
-            && (self.next_send < self.g.k || self.done_recv > self.next_send - self.g.k)
+            && (self.next_send < self.geo.k || self.done_recv > self.next_send - self.geo.k)
         {
-            let (t, k) = (self.next_send / self.g.k, self.next_send % self.g.k);
+            let (t, k) = (self.next_send / self.geo.k, self.next_send % self.geo.k);
             let (sc, _) = self.chunks(t);
             let reg = if t == 0 {
                 self.src(sc, k)
             } else {
                 self.partial(t - 1, k)
             };
-            let tok = ex.send(self.g.next(), self.g.ch, reg)?;
+            let tok = exec.send(self.geo.next(), self.geo.ch, reg)?;
             self.sends.push(tok, ())?;
             self.next_send += 1;
             moved = true;
@@ -464,28 +469,28 @@ impl Machine for RingReduceScatter {
 impl RingReduceScatter {
     #[allow(clippy::too_many_arguments)]
     fn build(
-        ex: &Exec,
+        exec: &Exec,
         c: usize,
         base: usize,
         cnt: usize,
         count: usize,
         dt: DataType,
         op: RedOp,
-        pl: &Pipeline,
+        pipeline: &Pipeline,
         sbase: usize,
     ) -> Self {
-        let mut g = Geo::new(ex, c, base, cnt, cnt, dt, pl);
-        g.k = nslices(cnt, g.s);
-        let units = (g.n - 1) * g.k;
-        let slot = g.s * g.esz;
-        let slots_bytes = pl.depth * slot;
+        let mut geo = Geo::new(exec, c, base, cnt, cnt, dt, pipeline);
+        geo.k = nslices(cnt, geo.s);
+        let units = (geo.n - 1) * geo.k;
+        let slot = geo.s * geo.esz;
+        let slots_bytes = pipeline.depth * slot;
         RingReduceScatter {
-            slots: Slots::new(sbase, slot, pl.depth),
+            slots: Slots::new(sbase, slot, pipeline.depth),
             pbase: sbase + slots_bytes,
-            g,
+            geo,
             dt,
             op,
-            depth: pl.depth,
+            depth: pipeline.depth,
             units,
             next_send: 0,
             send_done: 0,
@@ -494,44 +499,44 @@ impl RingReduceScatter {
             sends: InOrder::new(),
             recvs: InOrder::new(),
             per: count,
-            in_place: ex.in_place(),
+            in_place: exec.in_place(),
         }
     }
 }
 
 /// Staging bytes of the ring reduce-scatter for `count` elements per rank.
-pub(crate) fn reduce_scatter_ring_stage(count: usize, dt: DataType, pl: &Pipeline) -> usize {
-    let chans = pl.channels.clamp(1, count.max(1));
+pub(crate) fn reduce_scatter_ring_stage(count: usize, dt: DataType, pipeline: &Pipeline) -> usize {
+    let chans = pipeline.channels.clamp(1, count.max(1));
     let per = count.div_ceil(chans) * dt.size();
-    chans * (pl.depth * pl.slice.next_multiple_of(dt.size()) + 2 * per)
+    chans * (pipeline.depth * pipeline.slice.next_multiple_of(dt.size()) + 2 * per)
 }
 
 /// Ring reduce-scatter: `n * count` elements in, `count` out (in place: this rank's block).
 pub(crate) fn reduce_scatter_ring(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    let (n, r, esz) = (exec.nranks(), exec.rank(), dt.size());
     if n == 1 {
         let out = Reg::new(Buf::Dst, 0, count * esz);
-        ex.copy(out, Reg::new(Buf::Src, 0, count * esz))?;
+        exec.copy(out, Reg::new(Buf::Src, 0, count * esz))?;
         return Ok(());
     }
     let _ = r;
-    let chans = pl.channels.clamp(1, count.max(1));
+    let chans = pipeline.channels.clamp(1, count.max(1));
     let per = count.div_ceil(chans) * esz;
-    let chan_stage = pl.depth * pl.slice.next_multiple_of(esz) + 2 * per;
-    let mut ms = machines(channel_ranges(count, pl).map(|(c, base, cnt)| {
-        RingReduceScatter::build(ex, c, base, cnt, count, dt, op, pl, c * chan_stage)
+    let chan_stage = pipeline.depth * pipeline.slice.next_multiple_of(esz) + 2 * per;
+    let mut ms = machines(channel_ranges(count, pipeline).map(|(c, base, cnt)| {
+        RingReduceScatter::build(exec, c, base, cnt, count, dt, op, pipeline, c * chan_stage)
     }))?;
-    ex.ensure(
-        ms.iter().map(|m| (m.g.next(), m.g.ch)),
-        ms.iter().map(|m| (m.g.prev(), m.g.ch)),
+    exec.ensure(
+        ms.iter().map(|m| (m.geo.next(), m.geo.ch)),
+        ms.iter().map(|m| (m.geo.prev(), m.geo.ch)),
     )?;
-    drive_all(ex, &mut ms)
+    drive_all(exec, &mut ms)
 }
 
 /// Chain from the root around the ring: broadcast (root first) or reduce (root last).
@@ -591,7 +596,7 @@ impl Chain {
 }
 
 impl Machine for Chain {
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
         while self.done_recv < self.next_recv {
             let k = self.done_recv;
@@ -605,10 +610,10 @@ impl Machine for Chain {
                 if !self.is_root && k >= 2 * self.depth && self.send_done <= k - 2 * self.depth {
                     break;
                 }
-                let Some(slot) = self.recvs.pop_done(ex) else {
+                let Some(slot) = self.recvs.pop_done(exec) else {
                     break;
                 };
-                ex.reduce(
+                exec.reduce(
                     dest,
                     self.reg(Buf::Src, k),
                     self.slots.reg(slot, dest.len),
@@ -617,15 +622,15 @@ impl Machine for Chain {
                 )?;
                 self.slots.put(slot);
                 if self.is_root && op == RedOp::Avg {
-                    ex.finish_avg(dest, dt, self.n)?;
+                    exec.finish_avg(dest, dt, self.n)?;
                 }
-            } else if self.recvs.pop_done(ex).is_none() {
+            } else if self.recvs.pop_done(exec).is_none() {
                 break;
             }
             self.done_recv += 1;
             moved = true;
         }
-        while self.sends.pop_done(ex).is_some() {
+        while self.sends.pop_done(exec).is_some() {
             self.send_done += 1;
             moved = true;
         }
@@ -642,7 +647,7 @@ impl Machine for Chain {
                 } else {
                     (self.reg(Buf::Dst, k), usize::MAX)
                 };
-                let tok = ex.recv(prev, self.ch, reg)?;
+                let tok = exec.recv(prev, self.ch, reg)?;
                 self.recvs.push(tok, slot)?;
                 self.next_recv += 1;
                 moved = true;
@@ -650,7 +655,7 @@ impl Machine for Chain {
         }
         if let Some(next) = self.next {
             while self.next_send < self.ready() && self.next_send - self.send_done < self.depth {
-                let tok = ex.send(next, self.ch, self.send_reg(self.next_send))?;
+                let tok = exec.send(next, self.ch, self.send_reg(self.next_send))?;
                 self.sends.push(tok, ())?;
                 self.next_send += 1;
                 moved = true;
@@ -667,19 +672,19 @@ impl Machine for Chain {
 }
 
 /// Staging bytes of a reduce chain.
-pub(crate) fn chain_stage(pl: &Pipeline) -> usize {
-    3 * pl.depth * pl.slice + 64
+pub(crate) fn chain_stage(pipeline: &Pipeline) -> usize {
+    3 * pipeline.depth * pipeline.slice + 64
 }
 
 fn run_chain(
-    ex: &mut Exec,
+    exec: &mut Exec,
     root: usize,
     count: usize,
     dt: DataType,
     reduce: Option<RedOp>,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r, esz) = (ex.nranks(), ex.rank(), dt.size());
+    let (n, r, esz) = (exec.nranks(), exec.rank(), dt.size());
     // Broadcast: root, root+1, ..., root-1. Reduce: root+1, ..., root-1, root.
     let pos = if reduce.is_some() {
         (r + n - root - 1) % n
@@ -688,8 +693,8 @@ fn run_chain(
     };
     let prev = (pos > 0).then(|| (r + n - 1) % n);
     let next = (pos + 1 < n).then(|| (r + 1) % n);
-    let s = (pl.slice / esz).max(1);
-    let depth = pl.depth;
+    let s = (pipeline.slice / esz).max(1);
+    let depth = pipeline.depth;
     let slot = s * esz;
     let mut m = Chain {
         n,
@@ -712,38 +717,38 @@ fn run_chain(
         slots: Slots::new(0, slot, depth),
         pbase: depth * slot,
     };
-    ex.ensure(next.map(|p| (p, 0)), prev.map(|p| (p, 0)))?;
-    drive(ex, &mut [&mut m])
+    exec.ensure(next.map(|p| (p, 0)), prev.map(|p| (p, 0)))?;
+    drive(exec, &mut [&mut m])
 }
 
 /// Pipelined chain broadcast from `root`: `n-1` hops, each slice forwarded as it arrives.
 pub(crate) fn broadcast_ring(
-    ex: &mut Exec,
+    exec: &mut Exec,
     root: usize,
     dt: DataType,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    if ex.rank() == root {
-        ex.copy_input(count * dt.size())?;
+    if exec.rank() == root {
+        exec.copy_input(count * dt.size())?;
     }
-    if ex.nranks() == 1 {
+    if exec.nranks() == 1 {
         return Ok(());
     }
-    run_chain(ex, root, count, dt, None, pl)
+    run_chain(exec, root, count, dt, None, pipeline)
 }
 
 /// Pipelined chain reduce to `root`: partial sums travel `root+1 → … → root`.
 pub(crate) fn reduce_ring(
-    ex: &mut Exec,
+    exec: &mut Exec,
     root: usize,
     dt: DataType,
     op: RedOp,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    if ex.nranks() == 1 {
-        return ex.copy_input(count * dt.size());
+    if exec.nranks() == 1 {
+        return exec.copy_input(count * dt.size());
     }
-    run_chain(ex, root, count, dt, Some(op), pl)
+    run_chain(exec, root, count, dt, Some(op), pipeline)
 }

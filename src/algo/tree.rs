@@ -12,8 +12,8 @@
 use super::{
     drive_all, machines, nslices, part, slice_of, Fifo, InOrder, Machine, Pipeline, Slots,
 };
-use crate::comm::exec::{Buf, Exec, Reg};
 use crate::error::{Error, Result};
+use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
 
 /// Messages from this size use both trees of the double tree; smaller ones use one.
@@ -152,12 +152,12 @@ impl TreeM {
 }
 
 impl Machine for TreeM {
-    fn advance(&mut self, ex: &mut Exec) -> Result<bool> {
+    fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
         let nk = self.kids.len();
         if self.up {
             for c in 0..nk {
-                while let Some(slot) = self.crecvs[c].pop_done(ex) {
+                while let Some(slot) = self.crecvs[c].pop_done(exec) {
                     self.arrived[c].push(slot)?;
                     moved = true;
                 }
@@ -179,7 +179,7 @@ impl Machine for TreeM {
                     let Some(s0) = self.arrived[0].pop() else {
                         break;
                     };
-                    ex.reduce(
+                    exec.reduce(
                         acc,
                         self.reg(Buf::Src, k),
                         self.cslots.reg(s0, acc.len),
@@ -193,12 +193,12 @@ impl Machine for TreeM {
                                 "tree: second child's slice vanished".into(),
                             ));
                         };
-                        ex.reduce(acc, acc, self.cslots.reg(s1, acc.len), self.dt, self.op)?;
+                        exec.reduce(acc, acc, self.cslots.reg(s1, acc.len), self.dt, self.op)?;
                         self.cslots.put(s1);
                     }
                 }
                 if self.parent.is_none() && self.op == RedOp::Avg {
-                    ex.finish_avg(acc, self.dt, self.n)?;
+                    exec.finish_avg(acc, self.dt, self.n)?;
                 }
                 self.reduced += 1;
                 moved = true;
@@ -214,21 +214,22 @@ impl Machine for TreeM {
                 {
                     let slot = self.cslots.get().expect("checked");
                     let k = self.crecv_posted[c];
-                    let tok = ex.recv(self.kids[c], self.ch, self.cslots.reg(slot, self.len(k)))?;
+                    let tok =
+                        exec.recv(self.kids[c], self.ch, self.cslots.reg(slot, self.len(k)))?;
                     self.crecvs[c].push(tok, slot)?;
                     self.crecv_posted[c] += 1;
                     moved = true;
                 }
             }
             if let Some(p) = self.parent {
-                while self.usends.pop_done(ex).is_some() {
+                while self.usends.pop_done(exec).is_some() {
                     self.usend_done += 1;
                     moved = true;
                 }
                 while self.usend_posted < self.reduced
                     && self.usend_posted - self.usend_done < self.depth
                 {
-                    let tok = ex.send(p, self.ch, self.up_reg(self.usend_posted))?;
+                    let tok = exec.send(p, self.ch, self.up_reg(self.usend_posted))?;
                     self.usends.push(tok, ())?;
                     self.usend_posted += 1;
                     moved = true;
@@ -237,7 +238,7 @@ impl Machine for TreeM {
         }
         if self.down {
             if let Some(p) = self.parent {
-                while self.drecvs.pop_done(ex).is_some() {
+                while self.drecvs.pop_done(exec).is_some() {
                     self.drecv_done += 1;
                     moved = true;
                 }
@@ -247,7 +248,7 @@ impl Machine for TreeM {
                     if self.up && self.usend_done <= self.drecv_posted {
                         break; // this slice still has to go up (from this very memory)
                     }
-                    let tok = ex.recv(p, self.ch, r)?;
+                    let tok = exec.recv(p, self.ch, r)?;
                     self.drecvs.push(tok, ())?;
                     self.drecv_posted += 1;
                     moved = true;
@@ -255,14 +256,14 @@ impl Machine for TreeM {
             }
             let avail = self.down_avail();
             for c in 0..nk {
-                while self.dsends[c].pop_done(ex).is_some() {
+                while self.dsends[c].pop_done(exec).is_some() {
                     self.dsend_done[c] += 1;
                     moved = true;
                 }
                 while self.dsend_posted[c] < avail
                     && self.dsend_posted[c] - self.dsend_done[c] < self.depth
                 {
-                    let tok = ex.send(
+                    let tok = exec.send(
                         self.kids[c],
                         self.ch,
                         self.reg(Buf::Dst, self.dsend_posted[c]),
@@ -298,11 +299,11 @@ fn tree_machine(
     op: RedOp,
     base: usize,
     cnt: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
     sbase: usize,
 ) -> TreeM {
     let esz = dt.size();
-    let s = (pl.slice / esz).max(1);
+    let s = (pipeline.slice / esz).max(1);
     let slot = s * esz;
     let partial_in_stage = up && !down && parent.is_some() && !kids.is_empty();
     TreeM {
@@ -319,10 +320,10 @@ fn tree_machine(
         s,
         k: nslices(cnt, s),
         esz,
-        depth: pl.depth,
+        depth: pipeline.depth,
         partial_in_stage,
-        cslots: Slots::new(sbase, slot, 2 * pl.depth),
-        pbase: sbase + 2 * pl.depth * slot,
+        cslots: Slots::new(sbase, slot, 2 * pipeline.depth),
+        pbase: sbase + 2 * pipeline.depth * slot,
         crecv_posted: [0; 2],
         crecvs: [InOrder::new(), InOrder::new()],
         arrived: [Fifo::new(), Fifo::new()],
@@ -340,11 +341,11 @@ fn tree_machine(
 }
 
 /// Staging bytes of one tree.
-pub(crate) fn tree_stage(pl: &Pipeline) -> usize {
-    4 * pl.depth * pl.slice + 64
+pub(crate) fn tree_stage(pipeline: &Pipeline) -> usize {
+    4 * pipeline.depth * pipeline.slice + 64
 }
 
-fn run(ex: &mut Exec, ms: &mut [TreeM]) -> Result<()> {
+fn run(exec: &mut Exec, ms: &mut [TreeM]) -> Result<()> {
     // Up: send to the parent, receive from the children; down: the reverse.
     let links = |to_parent: bool| {
         ms.iter().flat_map(move |m| {
@@ -356,22 +357,22 @@ fn run(ex: &mut Exec, ms: &mut [TreeM]) -> Result<()> {
                 .map(move |p| (p, m.ch))
         })
     };
-    ex.ensure(links(true), links(false))?;
-    drive_all(ex, ms)
+    exec.ensure(links(true), links(false))?;
+    drive_all(exec, ms)
 }
 
 /// Double binary tree all-reduce: each half of the data is reduced up one tree and
 /// broadcast down it, pipelined, on its own channel.
 pub(crate) fn all_reduce_tree(
-    ex: &mut Exec,
+    exec: &mut Exec,
     dt: DataType,
     op: RedOp,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+    let (n, r) = (exec.nranks(), exec.rank());
     if n == 1 {
-        return ex.copy_input(count * dt.size());
+        return exec.copy_input(count * dt.size());
     }
     let trees = double_tree(n, r);
     // Small messages gain nothing from splitting and pay twice the messages: one tree.
@@ -397,12 +398,12 @@ pub(crate) fn all_reduce_tree(
                     op,
                     base,
                     cnt,
-                    pl,
-                    t * tree_stage(pl),
+                    pipeline,
+                    t * tree_stage(pipeline),
                 )
             }),
     )?;
-    run(ex, &mut ms)
+    run(exec, &mut ms)
 }
 
 fn rooted(n: usize, rank: usize, root: usize) -> (Option<usize>, Kids) {
@@ -411,15 +412,15 @@ fn rooted(n: usize, rank: usize, root: usize) -> (Option<usize>, Kids) {
 
 /// Pipelined binary-tree broadcast from `root`.
 pub(crate) fn broadcast_tree(
-    ex: &mut Exec,
+    exec: &mut Exec,
     root: usize,
     dt: DataType,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+    let (n, r) = (exec.nranks(), exec.rank());
     if r == root {
-        ex.copy_input(count * dt.size())?;
+        exec.copy_input(count * dt.size())?;
     }
     if n == 1 {
         return Ok(());
@@ -434,24 +435,24 @@ pub(crate) fn broadcast_tree(
         RedOp::Sum,
         0,
         count,
-        pl,
+        pipeline,
         0,
     )];
-    run(ex, &mut ms)
+    run(exec, &mut ms)
 }
 
 /// Pipelined binary-tree reduce to `root`.
 pub(crate) fn reduce_tree(
-    ex: &mut Exec,
+    exec: &mut Exec,
     root: usize,
     dt: DataType,
     op: RedOp,
     count: usize,
-    pl: &Pipeline,
+    pipeline: &Pipeline,
 ) -> Result<()> {
-    let (n, r) = (ex.nranks(), ex.rank());
+    let (n, r) = (exec.nranks(), exec.rank());
     if n == 1 {
-        return ex.copy_input(count * dt.size());
+        return exec.copy_input(count * dt.size());
     }
     let mut ms = [tree_machine(
         0,
@@ -463,10 +464,10 @@ pub(crate) fn reduce_tree(
         op,
         0,
         count,
-        pl,
+        pipeline,
         0,
     )];
-    run(ex, &mut ms)
+    run(exec, &mut ms)
 }
 
 #[cfg(test)]

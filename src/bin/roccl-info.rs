@@ -174,7 +174,7 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
 /// connection at `addr`, and say plainly when nothing does.
 fn probe(addr: std::net::SocketAddr) -> Result<(), String> {
     use std::time::{Duration, Instant};
-    let limit = roccl::bootstrap::timeout_from_env().min(Duration::from_secs(10));
+    let limit = roccl::os::wait::timeout_from_env().min(Duration::from_secs(10));
     let start = Instant::now();
     loop {
         match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
@@ -335,7 +335,7 @@ fn main() -> ExitCode {
         }
     }
     outln!("\n== locked memory (ulimit -l)");
-    match roccl::sys::memlock_limit() {
+    match roccl::os::memlock_limit() {
         Ok((soft, hard)) => {
             outln!("soft {}, hard {}", human(soft), human(hard));
             if soft.is_some_and(|s| s < (64 << 20)) && !ports.is_empty() {
@@ -378,7 +378,7 @@ fn main() -> ExitCode {
         } else {
             "scaled from the fitted figures"
         },
-        roccl::sys::host_cores()
+        roccl::os::host_cores()
     );
     outln!(
         "\n== GPU runtimes (ROCCL_DEVICE={})",

@@ -13,7 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use clap::builder::PossibleValuesParser;
 use clap::Parser;
 use roccl::algo::model::CollKind;
-use roccl::device::ops::{self, RawBuf};
+use roccl::comm::stream::ops::{self, RawBuf};
 use roccl::device::sim::SimDevice;
 use roccl::device::{self, Alloc, Device, StreamId};
 use roccl::net::NetKind;
@@ -137,7 +137,7 @@ fn op_names() -> Vec<&'static str> {
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
-    roccl::sys::parse_bytes(s).ok_or_else(|| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
+    roccl::envvar::parse_bytes(s).ok_or_else(|| format!("bad size '{s}': use e.g. 8, 64K, 16M, 1G"))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -926,7 +926,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             // Device memory the CPU cannot reach is staged, except what went GPU-direct.
             outln!(
                 "# bytes staged through pinned host buffers (rank 0, in and out): {}",
-                roccl::device::ops::staged_bytes()
+                roccl::comm::stream::ops::staged_bytes()
             );
         }
         if let Some(path) = &a.json {
@@ -957,7 +957,7 @@ fn main() -> ExitCode {
         if let Err(e) = cpu
             .parse::<usize>()
             .map_err(|e| e.to_string())
-            .and_then(|c| roccl::sys::bind_to_cpu(c).map_err(|e| e.to_string()))
+            .and_then(|c| roccl::os::bind_to_cpu(c).map_err(|e| e.to_string()))
         {
             errln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
         }
@@ -1005,11 +1005,11 @@ fn main() -> ExitCode {
 /// here; rank 0 prints. The job ends as soon as one rank fails (`roccl::tool::launch`).
 fn launch(a: &Args) -> Result<bool, String> {
     check_args(a, a.ranks, a.ranks)?;
-    roccl::envvar::check().map_err(|e| e.to_string())?;
+    roccl::comm::settings::check().map_err(|e| e.to_string())?;
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let cpus = roccl::sys::allowed_cpus().unwrap_or_default();
+    let cpus = roccl::os::allowed_cpus().unwrap_or_default();
     let bind = match a.bind.as_str() {
         "auto" => a.ranks <= cpus.len(),
         "none" => false,

@@ -166,13 +166,6 @@ impl UniqueId {
     }
 }
 
-/// `ROCCL_TIMEOUT` in seconds (default 300).
-pub fn timeout_from_env() -> Duration {
-    // A bad value is refused at init (crate::envvar::check).
-    let s = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
-    Duration::from_secs_f64(s)
-}
-
 /// Serve the root of one communicator on `addr` in a background thread (environment
 /// launch: rank 0 calls this with the agreed address before joining).
 pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {

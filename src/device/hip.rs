@@ -320,7 +320,7 @@ impl Device for HipDevice {
             MemKind::Host | MemKind::PinnedHost | MemKind::Managed => true,
             MemKind::Device => {
                 a.host_pointer as usize == addr
-                    || (self.integrated && apu_in_place() && crate::sys::cpu_readable(addr, 64))
+                    || (self.integrated && apu_in_place() && crate::os::cpu_readable(addr, 64))
             }
         };
         Ok(PtrInfo {

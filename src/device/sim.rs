@@ -419,7 +419,7 @@ impl Device for SimDevice {
         // runtimes copy too: a network's bounce buffers), never both.
         let (d, s) = (self.find(dst, bytes), self.find(src, bytes));
         let host = |a: usize, e: Error| -> Result<usize> {
-            if crate::sys::cpu_readable(a, bytes) {
+            if crate::os::cpu_readable(a, bytes) {
                 Ok(a)
             } else {
                 Err(e)
@@ -557,13 +557,13 @@ mod tests {
         let s = dev.create_stream();
         let b = dev.alloc_device_only(10_000);
         let apu = dev.alloc(64);
-        assert!(!crate::sys::cpu_readable(b.addr(), 64));
-        assert!(crate::sys::cpu_readable(apu.addr(), 64));
+        assert!(!crate::os::cpu_readable(b.addr(), 64));
+        assert!(crate::os::cpu_readable(apu.addr(), 64));
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
         let alloc = SimAlloc(Arc::clone(&b));
-        crate::device::ops::upload(&d, s, &alloc, &data).unwrap();
+        crate::comm::stream::ops::upload(&d, s, &alloc, &data).unwrap();
         assert_eq!(
-            crate::device::ops::download(&d, s, &alloc, 10_000).unwrap(),
+            crate::comm::stream::ops::download(&d, s, &alloc, 10_000).unwrap(),
             data
         );
         let (fd, off) = d.dmabuf_export(b.addr() + 5000, 100).unwrap();

@@ -98,14 +98,7 @@ pub struct NetProperties {
     pub max_recvs: u32,
 }
 
-/// A file descriptor the caller can `poll(2)` to sleep until a comm can make progress.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PollFd {
-    /// The descriptor.
-    pub fd: i32,
-    /// `POLLIN`/`POLLOUT` bits.
-    pub events: i16,
-}
+pub use crate::os::wait::PollFd;
 
 /// Identifies a request posted on a comm; valid until `test` reports it done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -287,10 +280,11 @@ pub trait RecvComm: Send {
     fn test(&mut self, req: ReqId, sizes: &mut [usize]) -> Result<bool>;
     /// Make received data visible to the device (`iflush`): for buffers in GPU memory
     /// registered with [`RecvComm::reg_mr_device`], a read through the NIC that completes
-    /// only after its earlier writes reached the GPU; host memory needs nothing.
-    fn flush(&mut self, bufs: &[RecvBuf]) -> Result<()> {
+    /// only after its earlier writes reached the GPU; host memory needs nothing. Fails once
+    /// the flush has taken over `limit` (the communicator's deadline).
+    fn flush(&mut self, bufs: &[RecvBuf], limit: std::time::Duration) -> Result<()> {
         if let Some(id) = self.iflush(bufs)? {
-            let (t0, limit) = (std::time::Instant::now(), crate::comm::timeout());
+            let t0 = std::time::Instant::now();
             while !self.test_flush(id)? {
                 if t0.elapsed() > limit {
                     return Err(Error::Timeout(format!(

@@ -34,7 +34,7 @@ use super::verbs::{
     Access, Mr, QpEndpoint, QpId, QpState, RecvWr, SendWr, Verbs, Wc, WcOpcode, WcStatus, WrOpcode,
 };
 use crate::error::{Error, Result};
-use crate::net::PollFd;
+use crate::os::wait::PollFd;
 
 /// Work requests per queue (send and receive) of a QP.
 const QUEUE: u32 = 512;
@@ -216,7 +216,7 @@ impl Dev {
     fn cx(&self) -> Context {
         Context {
             dev: self.name.clone(),
-            memlock: crate::sys::memlock_limit().ok().and_then(|l| l.0),
+            memlock: crate::os::memlock_limit().ok().and_then(|l| l.0),
             gid: Some(format!("{} ({})", self.gid_index, self.why)),
             ..Context::default()
         }
@@ -676,7 +676,7 @@ impl Verbs for IbvVerbs {
 
     fn drain_limit(&self) -> std::time::Duration {
         match self.drain_ms.load(Ordering::Relaxed) {
-            0 => crate::comm::timeout(),
+            0 => crate::os::wait::timeout_from_env(),
             ms => std::time::Duration::from_millis(ms),
         }
     }

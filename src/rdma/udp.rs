@@ -29,7 +29,7 @@ use super::mem::Access;
 use super::verbs::{Mr, QpEndpoint, QpId, Verbs};
 use super::wire;
 use crate::error::{Error, Result};
-use crate::net::PollFd;
+use crate::os::wait::PollFd;
 
 /// Datagrams per `recvmmsg`.
 const RX_BATCH: usize = 16;
@@ -450,7 +450,7 @@ impl UserVerbs {
             next_psn: seed & 0x00ff_ffff,
             last_app_poll: Instant::now(),
             // Until the network is told the communicator's deadline: ROCCL_TIMEOUT's.
-            retry_for: crate::comm::timeout(),
+            retry_for: crate::os::wait::timeout_from_env(),
             reported: Default::default(),
             reap_buf: Vec::new(),
         }));

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 pub use super::engine::{QpState, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
 pub use super::mem::Access;
 use crate::error::Result;
-use crate::net::PollFd;
+use crate::os::wait::PollFd;
 
 /// A registered memory region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,7 +114,7 @@ pub trait Verbs: Send + Sync {
     /// Longest a closing connection waits for the peer to acknowledge what it sent
     /// (the peer or the QP failing ends the wait sooner).
     fn drain_limit(&self) -> std::time::Duration {
-        crate::comm::timeout()
+        crate::os::wait::timeout_from_env()
     }
     /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;

@@ -14,8 +14,9 @@ use bytemuck::Pod;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::error::{Error, Result};
+use crate::types::{DataType, RedOp};
 use crate::types::{F8E4M3, F8E5M2};
-use crate::{DataType, Error, RedOp, Result};
 
 /// Elements per block when computing f16 through `f32` arrays.
 const F16_BLOCK: usize = 256;

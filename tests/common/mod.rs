@@ -59,16 +59,16 @@ where
 }
 
 /// A host buffer as the C ABI passes it (read by roccl).
-pub fn raw(b: &[u8]) -> roccl::device::ops::RawBuf {
-    roccl::device::ops::RawBuf {
+pub fn raw(b: &[u8]) -> roccl::comm::stream::ops::RawBuf {
+    roccl::comm::stream::ops::RawBuf {
         addr: b.as_ptr() as usize,
         len: b.len(),
     }
 }
 
 /// A host buffer roccl writes, by a pointer from a mutable borrow.
-pub fn raw_mut(b: &mut [u8]) -> roccl::device::ops::RawBuf {
-    roccl::device::ops::RawBuf {
+pub fn raw_mut(b: &mut [u8]) -> roccl::comm::stream::ops::RawBuf {
+    roccl::comm::stream::ops::RawBuf {
         addr: b.as_mut_ptr() as usize,
         len: b.len(),
     }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use roccl_capi_core::*;
-use roccl_core::device::ops::{download, upload};
+use roccl_core::comm::stream::ops::{download, upload};
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;
@@ -48,7 +48,7 @@ fn main() {
     // Readable is not enough to use it (coherence with the GPU's caches is not checked here).
     match dev.alloc_device(1 << 20).and_then(|b| {
         let info = dev.classify(b.addr())?;
-        Ok((info, roccl_core::sys::cpu_readable(b.addr(), 4096)))
+        Ok((info, roccl_core::os::cpu_readable(b.addr(), 4096)))
     }) {
         Ok((info, readable)) => println!(
             "# device memory: {:?}, host-accessible per the runtime: {}, CPU read probe: {}",

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use roccl_core::device::ops::{self, Op, RawBuf};
+use roccl_core::comm::stream::ops::{self, Op, RawBuf};
 use roccl_core::device::sim::SimDevice;
 use roccl_core::device::{Device, StreamId};
 use roccl_core::error::ErrorKind;

@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 
 use common::*;
 use roccl_capi_core::*;
-use roccl_core::device::ops::staged_bytes;
+use roccl_core::comm::stream::ops::staged_bytes;
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;

@@ -178,7 +178,7 @@ fn init_impl(logger: Logger) -> R<()> {
         return Ok(());
     }
     // Every ROCCL_* setting strictly, as communicator init does.
-    roccl_core::envvar::check()?;
+    roccl_core::comm::settings::check()?;
     let kind: NetKind = roccl_core::envvar::get("ROCCL_NET")?.unwrap_or(NetKind::Auto);
     let ip = roccl_core::bootstrap::ifaces::local_addr(None)?;
     let net = net::open(kind, ip).map_err(|e| {
@@ -776,7 +776,7 @@ fn iflush_impl(
             None => set_out(req, std::ptr::null_mut()),
         },
         None => {
-            r.c.flush(&bufs[..n])?;
+            r.c.flush(&bufs[..n], roccl_core::os::wait::timeout_from_env())?;
             set_out(req, std::ptr::null_mut());
         }
     }

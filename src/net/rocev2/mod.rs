@@ -1728,7 +1728,7 @@ impl RoceRecv {
         // Room on the loopback QP: wait for older flushes if NCCL ran far ahead.
         self.flusher()?;
         let t0 = std::time::Instant::now();
-        let limit = crate::comm::timeout();
+        let limit = self.verbs.drain_limit(); // the deadline the provider was told
         while self
             .flusher
             .as_ref()
@@ -2718,7 +2718,7 @@ mod tests {
             }
             .unwrap();
             assert_eq!((size, &buf[..64]), (64, &data[..]));
-            r.flush(&rb).unwrap();
+            r.flush(&rb, crate::os::wait::timeout_from_env()).unwrap();
             let log = rec.1.lock().clone();
             let data_wr = log.iter().find(|w| w.2 == sa as u64);
             if device {
@@ -2819,7 +2819,11 @@ mod tests {
                 got[len..].iter().all(|x| *x == 0),
                 "nothing past the message"
             );
-            r.flush(std::slice::from_ref(&rb)).unwrap();
+            r.flush(
+                std::slice::from_ref(&rb),
+                crate::os::wait::timeout_from_env(),
+            )
+            .unwrap();
             s.dereg_mr(sm).unwrap();
             r.dereg_mr(rm).unwrap();
         }

@@ -27,8 +27,8 @@ use super::{
     RecvBuf, RecvComm, RecvGroup, ReqId, SendComm, Side, MAX_RECVS, MAX_REQUESTS,
 };
 use crate::error::{Error, Result};
-
-pub(crate) mod node;
+use crate::os::process::{cma_read, host_id, CMA_PROBE};
+use crate::os::shm::Segment;
 
 const HANDLE_MAGIC: u32 = 0x4d48_5352; // "RSHM"
 const NAME_MSG: usize = 96;
@@ -38,9 +38,6 @@ const NAME_MSG: usize = 96;
 const MSG_HDR: usize = 32;
 /// Bytes before the ring's data: five cache lines of counters and flags.
 const SEG_HDR: usize = 320;
-/// Written by the sender, read by the receiver through process_vm_readv at connection time:
-/// single-copy transfers work between these two processes.
-static CMA_PROBE: u64 = 0x524f_4343_4c43_4d41; // "ROCCLCMA"
 
 /// The segment header: counters and sleep flags, each on its own cache line.
 #[repr(C)]
@@ -60,18 +57,6 @@ struct Header {
 
 const _: () = assert!(std::mem::size_of::<Header>() == SEG_HDR);
 
-/// The boot id of this host (ranks with the same one share memory).
-fn host_id() -> [u8; 16] {
-    let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let hex: Vec<u8> = s.trim().bytes().filter(|c| c.is_ascii_hexdigit()).collect();
-    let mut id = [0u8; 16];
-    for (i, pair) in hex.chunks(2).take(16).enumerate() {
-        let txt = std::str::from_utf8(pair).unwrap_or("0");
-        id[i] = u8::from_str_radix(txt, 16).unwrap_or(0);
-    }
-    id
-}
-
 /// Messages from `ROCCL_SHM_CMA` bytes on (unset or 0: never) are copied once, by the
 /// receiver straight from the sender's memory (`process_vm_readv`), instead of twice through
 /// the ring. Off by default: such a send completes only once the receiver copied it, which
@@ -82,54 +67,6 @@ fn cma_threshold() -> usize {
     Some(crate::envvar::value_or("ROCCL_SHM_CMA", 0usize))
         .filter(|&v| v > 0)
         .unwrap_or(usize::MAX)
-}
-
-/// Copy `local.len()` bytes at `remote` in process `pid` into `local` (process_vm_readv).
-fn cma_read(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
-    cma_copy(pid, remote, local.as_mut_ptr(), local.len(), false)
-}
-
-/// Copy `local` to `remote` in process `pid` (process_vm_writev).
-fn cma_write(pid: i32, remote: u64, local: &[u8]) -> std::io::Result<()> {
-    // The kernel only reads through the local pointer when writing to the other process.
-    cma_copy(pid, remote, local.as_ptr().cast_mut(), local.len(), true)
-}
-
-/// Copy `len` bytes between `remote` in process `pid` and `local` (into `local` unless
-/// `write`), in several calls when the kernel copies less at once. Callers pass a `local`
-/// range they own (writable when reading); the kernel checks `remote` against the other
-/// process and fails with EFAULT outside its mappings.
-fn cma_copy(pid: i32, remote: u64, local: *mut u8, len: usize, write: bool) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        let l = libc::iovec {
-            // SAFETY (pointer arithmetic): `done < len` keeps it inside the caller's range.
-            iov_base: unsafe { local.add(done) }.cast(),
-            iov_len: len - done,
-        };
-        let r = libc::iovec {
-            iov_base: (remote as usize + done) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: `l` is inside the range the caller owns (a slice in `cma_read`/`cma_write`,
-        // writable when reading into it); the kernel checks `r` against the other process.
-        let n = unsafe {
-            if write {
-                libc::process_vm_writev(pid, &l, 1, &r, 1, 0)
-            } else {
-                libc::process_vm_readv(pid, &l, 1, &r, 1, 0)
-            }
-        };
-        if n <= 0 {
-            return Err(if n == 0 {
-                std::io::ErrorKind::UnexpectedEof.into()
-            } else {
-                std::io::Error::last_os_error()
-            });
-        }
-        done += n as usize;
-    }
-    Ok(())
 }
 
 /// Ring size from `ROCCL_SHM_RING` (bytes, a power of two from 64 KiB to 1 GiB).
@@ -145,127 +82,35 @@ fn ring_size() -> Result<usize> {
     }
 }
 
-/// A mapped shared-memory segment.
-struct Segment {
-    base: *mut u8,
-    len: usize,
+/// The byte ring in a connection's segment: a [`Header`], then `cap` bytes of data.
+trait Ring {
+    /// The ring's counters and flags.
+    fn header(&self) -> &Header;
+    /// Bytes of ring data.
+    fn cap(&self) -> usize;
+    /// Copy `src` into the ring at stream position `pos` (wrapping).
+    ///
+    /// # Safety
+    /// `pos..pos + src.len()` must be free space the caller (the producer) owns.
+    unsafe fn put(&self, pos: u64, src: *const u8, n: usize);
+    /// Copy `n` bytes at stream position `pos` out of the ring.
+    ///
+    /// # Safety
+    /// `pos..pos + n` must be data the producer published and the consumer owns.
+    unsafe fn get(&self, pos: u64, dst: *mut u8, n: usize);
 }
 
-// SAFETY: the mapping is plain shared memory; every access goes through the atomics of the
-// header or through ranges the SPSC protocol gives to one side at a time.
-unsafe impl Send for Segment {}
-
-impl Segment {
-    /// Create and map a segment of `ring` data bytes under `name`.
-    fn create(name: &CString, ring: usize) -> Result<Segment> {
-        Self::create_len(name, SEG_HDR + ring)
-    }
-
-    /// Create and map a segment of `len` bytes under `name`.
-    fn create_len(name: &CString, len: usize) -> Result<Segment> {
-        // SAFETY: valid NUL-terminated name; flags create a new private segment.
-        let fd = unsafe {
-            libc::shm_open(
-                name.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
-                0o600,
-            )
-        };
-        if fd < 0 {
-            return Err(Error::last_os(format!(
-                "shm_open({}) for a shared-memory connection",
-                name.to_string_lossy()
-            )));
-        }
-        // SAFETY: `fd` is ours; posix_fallocate reserves the pages now.
-        let r = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
-        if r != 0 {
-            // SAFETY: closing and unlinking what we created.
-            unsafe {
-                libc::close(fd);
-                libc::shm_unlink(name.as_ptr());
-            }
-            return Err(Error::sys(
-                format!(
-                    "reserving {len} bytes of shared memory in /dev/shm (full? in a container raise --shm-size, or lower ROCCL_SHM_RING / ROCCL_SHM_SLOT)"
-                ),
-                std::io::Error::from_raw_os_error(r),
-            ));
-        }
-        Self::map(fd, len).inspect_err(|_| {
-            // SAFETY: unlinking what we created.
-            unsafe { libc::shm_unlink(name.as_ptr()) };
-        })
-    }
-
-    /// Map the existing segment `name`.
-    fn open(name: &CString, ring: usize) -> Result<Segment> {
-        Self::open_len(name, SEG_HDR + ring)
-    }
-
-    /// Map the existing segment `name` of `len` bytes.
-    fn open_len(name: &CString, len: usize) -> Result<Segment> {
-        // SAFETY: valid NUL-terminated name.
-        let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR, 0) };
-        if fd < 0 {
-            return Err(Error::last_os(format!(
-                "shm_open({}) of the peer's shared-memory connection (is the peer on this host, in the same IPC namespace?)",
-                name.to_string_lossy()
-            )));
-        }
-        Self::map(fd, len)
-    }
-
-    fn map(fd: i32, len: usize) -> Result<Segment> {
-        // A segment shorter than `len` (one its creator has not sized yet, or a stranger's)
-        // would fault with SIGBUS at the first touch past its end: refuse it.
-        // SAFETY: `st` is written by fstat on our descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `fd` is an open descriptor of ours; `st` is a valid out-pointer.
-        let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
-            st.st_size.max(0) as u64
-        } else {
-            0
-        };
-        if size < len as u64 {
-            // SAFETY: our descriptor.
-            unsafe { libc::close(fd) };
-            return Err(Error::InvalidUsage(format!(
-                "a shared-memory segment holds {size} bytes where {len} are expected (still being created, or not one of this job's)"
-            )));
-        }
-        // SAFETY: mapping `len` bytes of a segment at least that long (checked above); the
-        // fd is closed after.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                // Map every page now: a first touch in the middle of a transfer costs a fault.
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
-                0,
-            )
-        };
-        // SAFETY: our descriptor; the mapping stays valid without it.
-        unsafe { libc::close(fd) };
-        if p == libc::MAP_FAILED {
-            return Err(Error::last_os("mmap of a shared-memory connection"));
-        }
-        Ok(Segment {
-            base: p.cast(),
-            len,
-        })
-    }
-
+impl Ring for Segment {
+    /// The ring's counters and flags.
     fn header(&self) -> &Header {
         // SAFETY: the segment starts with a Header (zero-initialized by the kernel), and all
         // of its fields are atomics or padding.
-        unsafe { &*(self.base as *const Header) }
+        unsafe { &*(self.base() as *const Header) }
     }
 
+    /// Bytes of ring data.
     fn cap(&self) -> usize {
-        self.len - SEG_HDR
+        self.size() - SEG_HDR
     }
 
     /// Copy `src` into the ring at stream position `pos` (wrapping).
@@ -278,7 +123,7 @@ impl Segment {
         let first = n.min(cap - at);
         // SAFETY: both ranges lie inside the ring's data area; the caller owns them.
         unsafe {
-            let data = self.base.add(SEG_HDR);
+            let data = self.base().add(SEG_HDR);
             std::ptr::copy_nonoverlapping(src, data.add(at), first);
             std::ptr::copy_nonoverlapping(src.add(first), data, n - first);
         }
@@ -294,17 +139,10 @@ impl Segment {
         let first = n.min(cap - at);
         // SAFETY: as above.
         unsafe {
-            let data = self.base.add(SEG_HDR);
+            let data = self.base().add(SEG_HDR);
             std::ptr::copy_nonoverlapping(data.add(at), dst, first);
             std::ptr::copy_nonoverlapping(data, dst.add(first), n - first);
         }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
 
@@ -446,7 +284,7 @@ impl Net for ShmNet {
                 .map_or(0, |d| d.subsec_nanos())
         );
         let cname = CString::new(name.clone()).expect("no NUL in the name");
-        let seg = Segment::create(&cname, ring)?;
+        let seg = Segment::create(&cname, SEG_HDR + ring)?;
         let mut msg = [0u8; NAME_MSG];
         msg[0] = name.len() as u8;
         msg[1..1 + name.len()].copy_from_slice(name.as_bytes());
@@ -564,7 +402,7 @@ impl ListenComm for ShmListen {
                 .ok()
                 .filter(|r| r.is_power_of_two() && *r >= 1 << 16)
                 .ok_or_else(|| Error::InvalidUsage("shared-memory setup: bad ring size".into()))?;
-            let seg = Segment::open(&name, ring)?;
+            let seg = Segment::open(&name, SEG_HDR + ring)?;
             // Can we read the sender's memory? (Not across PID namespaces, or under a ptrace
             // policy like Yama's scope 1+ between sibling processes.)
             let pid =
@@ -1013,7 +851,7 @@ mod tests {
             );
         }
         let name = CString::new(format!("/roccl-test-tail-{}", std::process::id())).unwrap();
-        let seg = Segment::create(&name, 1 << 16).unwrap();
+        let seg = Segment::create(&name, SEG_HDR + (1 << 16)).unwrap();
         // SAFETY: unlinking the name we just created; the mapping stays.
         unsafe { libc::shm_unlink(name.as_ptr()) };
         let l = TcpListener::bind("127.0.0.1:0").unwrap();

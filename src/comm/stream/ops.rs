@@ -13,8 +13,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::{enqueue_steps, staging, Alloc, Device, Part, Step, StreamCopy, StreamId, MAX_STEPS};
+use super::{enqueue_steps, staging, Part, Step, StreamCopy, MAX_STEPS};
 use crate::comm::{Collective, Communicator, Mem, MemMut, P2pMem, Turn};
+use crate::device::{Alloc, Device, StreamId};
 use crate::error::{Error, Result};
 use crate::types::DataType;
 
@@ -292,7 +293,7 @@ pub fn stream_chunk() -> Result<usize> {
     CHUNK
         .get_or_init(|| match std::env::var("ROCCL_STREAM_CHUNK") {
             Err(_) => Ok(4 << 20),
-            Ok(v) => crate::sys::parse_bytes(&v).ok_or_else(|| {
+            Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
                 format!(
                     "ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)"
                 )
@@ -461,7 +462,7 @@ fn stage(
         if b.len == 0 || dev.classify(b.addr)?.host_accessible {
             return Ok(());
         }
-        let st = staging(dev, b.len)?;
+        let staged = staging(dev, b.len)?;
         let copy = |dst: usize, src: usize| StreamCopy {
             stream,
             dst,
@@ -469,15 +470,15 @@ fn stage(
             bytes: b.len,
         };
         if input {
-            step.before.push(copy(st.addr(), b.addr));
+            step.before.push(copy(staged.addr(), b.addr));
         }
         if output {
-            step.after.push(copy(b.addr, st.addr()));
+            step.after.push(copy(b.addr, staged.addr()));
         }
         let n = u64::from(input) + u64::from(output);
         STAGED.fetch_add(n * b.len as u64, std::sync::atomic::Ordering::Relaxed);
-        b.addr = st.addr();
-        bufs.push(st);
+        b.addr = staged.addr();
+        bufs.push(staged);
         Ok(())
     };
     match op {
@@ -570,11 +571,11 @@ pub fn upload(dev: &Arc<dyn Device>, stream: StreamId, dst: &dyn Alloc, data: &[
     if data.is_empty() {
         return Ok(());
     }
-    let st = dev.alloc_staging(data.len())?;
+    let staged = dev.alloc_staging(data.len())?;
     // SAFETY: the staging buffer is host memory of at least `data.len()` bytes that nothing
     // else uses until the copy below has run.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), st.addr() as *mut u8, data.len()) };
-    dev.copy_async(stream, dst.addr(), st.addr(), data.len())?;
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), staged.addr() as *mut u8, data.len()) };
+    dev.copy_async(stream, dst.addr(), staged.addr(), data.len())?;
     dev.synchronize(stream)
 }
 
@@ -596,12 +597,12 @@ pub fn download(
     if len == 0 {
         return Ok(out);
     }
-    let st = dev.alloc_staging(len)?;
-    dev.copy_async(stream, st.addr(), src.addr(), len)?;
+    let staged = dev.alloc_staging(len)?;
+    dev.copy_async(stream, staged.addr(), src.addr(), len)?;
     dev.synchronize(stream)?;
     // SAFETY: the stream has finished the copy into the staging buffer (synchronize), which
     // holds at least `len` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(st.addr() as *const u8, out.as_mut_ptr(), len) };
+    unsafe { std::ptr::copy_nonoverlapping(staged.addr() as *const u8, out.as_mut_ptr(), len) };
     Ok(out)
 }
 

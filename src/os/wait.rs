@@ -8,7 +8,23 @@
 
 use std::time::{Duration, Instant};
 
-use crate::net::PollFd;
+/// A file descriptor the caller can `poll(2)` to sleep until a comm can make progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollFd {
+    /// The descriptor.
+    pub fd: i32,
+    /// `POLLIN`/`POLLOUT` bits.
+    pub events: i16,
+}
+
+/// `ROCCL_TIMEOUT` in seconds (default 300): the deadline of a communicator that sets none
+/// of its own, and of what runs without one (the bootstrap, raw-memory stream operations).
+/// Parts that serve a communicator take its deadline ([`Waiter::timeout`]) instead.
+pub fn timeout_from_env() -> Duration {
+    // A bad value is refused at init (the settings check).
+    let s = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
+    Duration::from_secs_f64(s)
+}
 
 /// Waiting policy of a communicator.
 #[derive(Clone, Debug)]
@@ -29,13 +45,12 @@ pub struct Waiter {
 impl Waiter {
     /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`.
     pub fn from_env() -> Self {
-        // Bad values are refused at init (crate::envvar::check).
+        // Bad values are refused at init (the settings check).
         let us = |k: &str, d: u64| crate::envvar::value_or(k, d);
-        let timeout = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
         Waiter {
             spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
             yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),
-            timeout: Duration::from_secs_f64(timeout),
+            timeout: timeout_from_env(),
             nap: Duration::from_millis(10),
             fixed: std::env::var_os("ROCCL_SPIN_US").is_some()
                 || std::env::var_os("ROCCL_YIELD_US").is_some(),

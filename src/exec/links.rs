@@ -15,7 +15,7 @@ use crate::net::{
     Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm,
 };
 
-use super::wait::Waiter;
+use crate::os::wait::Waiter;
 
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 /// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
@@ -84,9 +84,9 @@ pub(crate) struct Links {
     /// Set by `Communicator::abort` from any thread; every wait checks it.
     pub abort: Arc<std::sync::atomic::AtomicBool>,
     /// Vectors the executor reuses from call to call.
-    pub scratch_ops: Vec<super::exec::Op>,
+    pub scratch_ops: Vec<super::Op>,
     pub scratch_fds: Vec<PollFd>,
-    pub scratch_users: Vec<super::exec::UserBuf>,
+    pub scratch_users: Vec<super::UserBuf>,
     /// Per peer, whether GPU memory may be posted toward it and how it is registered:
     /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
     /// all (the default; set at init with `ROCCL_GPU_DIRECT`).

@@ -27,9 +27,11 @@
 
 use std::sync::atomic::AtomicBool;
 
-use crate::comm::Waiter;
 use crate::error::Result;
-use crate::net::shm::node::{Area, Counter, Node, INLINE};
+use crate::os::wait::Waiter;
+use node::{Area, Counter, Node, INLINE};
+
+pub(crate) mod node;
 use crate::reduce::{copy_large, finish_avg, reduce_into, reduce_to};
 use crate::types::{DataType, RedOp};
 
@@ -41,7 +43,7 @@ pub(crate) struct Flat<'a> {
     pub nranks: usize,
     pub rank: usize,
     /// What this call is, checked against every rank read: bytes per rank and the code of
-    /// [`crate::net::shm::node::code`].
+    /// [`node::code`].
     pub meta: [u64; 2],
 }
 
@@ -57,7 +59,8 @@ impl Flat<'_> {
         len: usize,
     ) -> Result<u32> {
         let k = self.begin()?;
-        let slot = self.node.own(k, Area::Input, 0, self.nranks * len);
+        // SAFETY: call `k`'s input area is not published yet, and this is its only slice.
+        let slot = unsafe { self.node.own(k, Area::Input, 0, self.nranks * len) };
         for (d, piece) in slot
             .chunks_exact_mut(len.max(1))
             .enumerate()
@@ -143,7 +146,8 @@ pub(crate) fn all_reduce_shm(
             Some(s) => &s[off..off + len],
             None => &recv[off..off + len],
         };
-        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        // SAFETY: call `k`'s input area is published only below; the slice ends here.
+        unsafe { f.node.own(k, Area::Input, 0, len) }.copy_from_slice(src);
         f.node.publish(Counter::Arrive, k);
         f.wait_all(Counter::Arrive, k)?;
         if !two_shot {
@@ -168,7 +172,9 @@ pub(crate) fn all_reduce_shm(
         let share = |r: usize| share(elems, n, r, esz);
         let (mo, ml) = share(f.rank);
         if ml > 0 {
-            let mine = f.node.own(k, Area::Result, mo, ml);
+            // SAFETY: the result area is published only below, and `reduce_inputs` reads
+            // input areas only.
+            let mine = unsafe { f.node.own(k, Area::Result, mo, ml) };
             f.reduce_inputs(k, mo, None, mine, dt, op)?;
         }
         f.node.publish(Counter::Result, k);
@@ -291,7 +297,9 @@ fn all_reduce_direct(
         let (lo, hi) = (mo + at, mo + at + len);
         // In place, our own part is about to be overwritten by rank 0's: keep it.
         let saved = if send.is_none() && me != 0 {
-            let b = f.node.own(k, Area::Result, 0, len);
+            // SAFETY: a single-copy call: peers read our buffers, never our slots, which
+            // serve as scratch; the input area below is a disjoint range.
+            let b = unsafe { f.node.own(k, Area::Result, 0, len) };
             b.copy_from_slice(&recv[lo..hi]);
             Some(b)
         } else {
@@ -312,7 +320,8 @@ fn all_reduce_direct(
                 };
                 reduce_into(dst, own, dt, op)?;
             } else {
-                let tmp = f.node.own(k, Area::Input, 0, len);
+                // SAFETY: scratch as above (the result area holds `saved`, disjoint).
+                let tmp = unsafe { f.node.own(k, Area::Input, 0, len) };
                 f.node.read_direct_at(r, k, false, lo, tmp)?;
                 reduce_into(dst, tmp, dt, op)?;
             }
@@ -439,7 +448,8 @@ pub(crate) fn broadcast_shm(
             if inline {
                 f.node.set_inline(k, src);
             } else {
-                f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+                // SAFETY: call `k`'s input area is published only below; the slice ends here.
+                unsafe { f.node.own(k, Area::Input, 0, len) }.copy_from_slice(src);
             }
             f.node.publish(Counter::Arrive, k);
             if let Some(s) = send {
@@ -475,7 +485,8 @@ pub(crate) fn reduce_shm(
             Some(s) => &s[off..off + len],
             None => &recv[off..off + len],
         };
-        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        // SAFETY: call `k`'s input area is published only below; the slice ends here.
+        unsafe { f.node.own(k, Area::Input, 0, len) }.copy_from_slice(src);
         f.node.publish(Counter::Arrive, k);
         if f.rank == root {
             f.wait_all(Counter::Arrive, k)?;
@@ -502,7 +513,8 @@ pub(crate) fn all_gather_shm(
             Some(s) => &s[off..off + len],
             None => &recv[me * block + off..me * block + off + len],
         };
-        f.node.own(k, Area::Input, 0, len).copy_from_slice(src);
+        // SAFETY: call `k`'s input area is published only below; the slice ends here.
+        unsafe { f.node.own(k, Area::Input, 0, len) }.copy_from_slice(src);
         f.node.publish(Counter::Arrive, k);
         f.wait_all(Counter::Arrive, k)?;
         for r in 0..f.nranks {

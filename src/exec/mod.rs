@@ -21,8 +21,10 @@ use crate::net::{MemHandle, PollFd, RecvBuf, ReqId};
 use crate::reduce;
 use crate::types::{DataType, RedOp};
 
-use super::links::Links;
-use super::wait::Waiter;
+use crate::os::wait::Waiter;
+use links::Links;
+
+pub(crate) mod links;
 
 /// Which buffer a region lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -627,7 +629,7 @@ impl<'a> Exec<'a> {
         // least recently used entry that this call does not use goes); else for this call.
         let keep = ident.filter(|_| {
             let cache = &self.links.dev_cache;
-            if cache.len() < super::links::DEV_CACHE {
+            if cache.len() < links::DEV_CACHE {
                 return true;
             }
             let lru = (0..cache.len())
@@ -638,7 +640,7 @@ impl<'a> Exec<'a> {
         let mr = match keep {
             Some(ident) => {
                 let used = self.links.dev_clock;
-                self.links.dev_cache.push(super::links::DevCached {
+                self.links.dev_cache.push(links::DevCached {
                     peer,
                     ch,
                     send,
@@ -739,7 +741,11 @@ impl<'a> Exec<'a> {
                     len: u.len,
                     tag: 0,
                 };
-                if let Err(e) = self.links.recv_comm(peer, ch)?.flush(&[b]) {
+                if let Err(e) = self
+                    .links
+                    .recv_comm(peer, ch)?
+                    .flush(&[b], self.waiter.timeout)
+                {
                     first.get_or_insert(self.remote(peer, e));
                 }
             }

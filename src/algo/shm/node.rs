@@ -3,7 +3,7 @@
 //! When every rank of a communicator is on this host, each rank maps every other rank's
 //! segment, and a collective costs one synchronisation instead of messages: a rank copies its
 //! input into its own slot, bumps its `arrive` counter, waits for the counters of the ranks
-//! it reads, and reduces or copies straight out of their slots (see `algo::shm`).
+//! it reads, and reduces or copies straight out of their slots (see the parent module).
 //!
 //! Layout of a rank's segment: eight cache lines ([`NodeHeader`]: two `arrive` lines;
 //! `result`; the number of ranks sleeping on this segment's counters; fixed facts: pid and
@@ -29,9 +29,11 @@ use std::ffi::CString;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::Segment;
-use crate::comm::Waiter;
 use crate::error::{Error, Result};
+use crate::os::futex::{futex_wait, futex_wake};
+use crate::os::process::{cma_read, cma_write, pid_namespace, process_gone, CMA_PROBE};
+use crate::os::shm::Segment;
+use crate::os::wait::Waiter;
 use crate::types::{DataType, RedOp};
 
 /// Bytes before the slots (a page, so slots start page-aligned).
@@ -220,7 +222,7 @@ impl NodeSeg {
             )));
         }
         let name = seg_name(tag, rank);
-        let seg = Segment::create_len(&name, NODE_HDR + 3 * slot)?;
+        let seg = Segment::create(&name, NODE_HDR + 3 * slot)?;
         let s = NodeSeg {
             seg,
             name,
@@ -231,7 +233,7 @@ impl NodeSeg {
         h.pid.store(std::process::id(), Ordering::Relaxed);
         h.pidns.store(pid_namespace(), Ordering::Relaxed);
         h.probe
-            .store(&super::CMA_PROBE as *const u64 as u64, Ordering::Relaxed);
+            .store(&CMA_PROBE as *const u64 as u64, Ordering::Relaxed);
         h.slot_kib.store((slot >> 10) as u32, Ordering::Release);
         Ok(s)
     }
@@ -262,7 +264,7 @@ pub(crate) fn remove_dead_segments(tag: u64, me: usize, nranks: usize) -> Vec<us
     let mut removed = Vec::new();
     for r in (0..nranks).filter(|&r| r != me) {
         let name = seg_name(tag, r);
-        let Ok(s) = Segment::open_len(&name, NODE_HDR) else {
+        let Ok(s) = Segment::open(&name, NODE_HDR) else {
             continue; // never created, or unlinked already
         };
         let h = header(&s);
@@ -289,61 +291,7 @@ pub(crate) fn remove_dead_segments(tag: u64, me: usize, nranks: usize) -> Vec<us
 fn header(seg: &Segment) -> &NodeHeader {
     // SAFETY: every node segment starts with a NodeHeader (zeroed by the kernel at creation);
     // all of its fields are atomics or padding.
-    unsafe { &*(seg.base as *const NodeHeader) }
-}
-
-/// This process's pid namespace (0 if unknown).
-fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
-}
-
-/// Whether process `pid` (of our pid namespace) is gone: no such process, or a zombie that
-/// its parent has not reaped yet.
-fn process_gone(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    if unsafe { libc::kill(pid as i32, 0) } != 0 {
-        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-    }
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rfind(')')
-            .and_then(|i| s[i + 1..].split_whitespace().next())
-            .is_some_and(|state| state == "Z" || state == "X")
-    })
-}
-
-/// The 32-bit futex word of a 64-bit counter: its low half, which holds the call number.
-fn low_half(word: &AtomicU64) -> *mut u32 {
-    let p = word.as_ptr() as *mut u32;
-    if cfg!(target_endian = "big") {
-        p.wrapping_add(1)
-    } else {
-        p
-    }
-}
-
-fn futex_wait(word: &AtomicU64, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: the low half of `word` is a valid, aligned 32-bit word in shared memory for the
-    // call's duration;
-    // a shared (non-private) futex because the waker is another process.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            low_half(word),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-        )
-    };
-}
-
-fn futex_wake(word: &AtomicU64) {
-    // SAFETY: as above; waking has no memory effects beyond the syscall.
-    unsafe { libc::syscall(libc::SYS_futex, low_half(word), libc::FUTEX_WAKE, i32::MAX) };
+    unsafe { &*(seg.base() as *const NodeHeader) }
 }
 
 /// The bit of counter `c` of call `k` in [`Node::unwoken`] (the order of
@@ -404,7 +352,7 @@ impl Node {
                 peers.push(None);
                 continue;
             }
-            match Segment::open_len(&seg_name(tag, r), NODE_HDR + 3 * own.slot) {
+            match Segment::open(&seg_name(tag, r), NODE_HDR + 3 * own.slot) {
                 Ok(s) => {
                     let kib = header(&s).slot_kib.load(Ordering::Acquire) as usize;
                     if kib << 10 != own.slot {
@@ -444,13 +392,13 @@ impl Node {
             let Some(s) = p else { return r == me };
             let mut word = 0u64;
             cma_pids[r] != 0
-                && super::cma_read(
+                && cma_read(
                     cma_pids[r] as i32,
                     header(s).probe.load(Ordering::Relaxed),
                     bytemuck::bytes_of_mut(&mut word),
                 )
                 .is_ok()
-                && word == super::CMA_PROBE
+                && word == CMA_PROBE
         });
         let mine = header(&own.seg);
         mine.cma_ok.store(u32::from(cma_ok), Ordering::Relaxed);
@@ -610,7 +558,7 @@ impl Node {
         out: &mut [u8],
     ) -> Result<()> {
         let addr = self.published(r, k, output, off, out.len())?;
-        super::cma_read(self.cma_pids[r] as i32, addr, out)
+        cma_read(self.cma_pids[r] as i32, addr, out)
             .map_err(|e| self.cma_error(r, "process_vm_readv", e))?;
         // Rank `r` may have given up on this call (a timeout) and handed its buffer back to
         // the application while we copied out of it. A failing rank marks its communicator
@@ -664,7 +612,7 @@ impl Node {
                 ),
             });
         }
-        super::cma_write(self.cma_pids[r] as i32, addr + off as u64, data)
+        cma_write(self.cma_pids[r] as i32, addr + off as u64, data)
             .map_err(|e| self.cma_error(r, "process_vm_writev", e))
     }
 
@@ -867,18 +815,26 @@ impl Node {
         let at = self.area_offset(k, area) + off;
         // SAFETY: inside the mapping (checked above); rank `r` published this range before
         // the counter we acquired and does not write it again until we begin a later call.
-        unsafe { std::slice::from_raw_parts(self.seg(r).base.add(at), len) }
+        unsafe { std::slice::from_raw_parts(self.seg(r).base().add(at), len) }
     }
 
-    /// This rank's own `area` for call `k`, to fill. Callers never hold a slice from
-    /// [`Node::read`] of the same own area at the same time.
+    /// This rank's own `area` for call `k`, to fill.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no peer reads these bytes and the caller holds no
+    /// other slice of them (from another `own`, or from [`Node::read`] of this rank's own
+    /// area). By the slot-reuse protocol (module docs) peers read a rank's area of call `k`
+    /// only after that rank published the counter covering it (`arrive` for the input area,
+    /// `result` for the result area), and never when the call uses its slots as scratch
+    /// space (the single-copy calls).
     #[allow(clippy::mut_from_ref)]
-    pub(crate) fn own(&self, k: u32, area: Area, off: usize, len: usize) -> &mut [u8] {
+    pub(crate) unsafe fn own(&self, k: u32, area: Area, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= self.slot, "flat piece exceeds the slot");
         let at = self.area_offset(k, area) + off;
         // SAFETY: inside our own mapping (checked above); by the slot-reuse protocol no peer
-        // reads this range until we publish it, and callers hold no other slice of it.
-        unsafe { std::slice::from_raw_parts_mut(self.own.seg.base.add(at), len) }
+        // reads this range until we publish it, and the caller holds no other slice of it
+        // (this function's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.own.seg.base().add(at), len) }
     }
 
     /// The 64-bit number of call `k` (the current call or one shortly before it).

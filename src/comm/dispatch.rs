@@ -1,0 +1,715 @@
+//! Dispatch from a call to an algorithm: checks, the cost model's choice, the flat
+//! (shared-memory) path or the executor, and the errors that break the communicator.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algo::model::{self, CollKind};
+use crate::algo::{self, shm, Algo, Pipeline};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::exec::{Exec, Mem, MemMut};
+use crate::net;
+use crate::types::{DataType, RedOp};
+
+use super::{agree, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
+
+/// An average of 16- and 8-bit floats overflows when summed first (8 ranks × f16 10000 sum
+/// to inf; 4 ranks × e4m3 300 saturate at 448): as NCCL does, each rank's input is divided
+/// by the number of ranks first and the call runs as a sum. All-reduce scales into its output
+/// and runs in place; reduce and reduce-scatter scale into `scratch` (kept from call to
+/// call; the caller's input is never written). `f32` and `f64` sum, then divide: exact for
+/// the usual inputs, and their sums overflow only past 3.4e38 (1.8e308) per element.
+/// Integers sum in their type (wrapping, as NCCL) and divide toward zero. Other calls come
+/// back as they are.
+#[allow(clippy::type_complexity)]
+fn avg_premultiplied<'a>(
+    coll: Collective,
+    dt: DataType,
+    (me, n): (usize, usize),
+    send: Option<Mem<'a>>,
+    recv: MemMut<'a>,
+    scratch: &'a mut Vec<u8>,
+) -> Result<(Collective, Option<Mem<'a>>, MemMut<'a>)> {
+    let narrow = matches!(
+        dt,
+        DataType::F16 | DataType::Bf16 | DataType::F8E4M3 | DataType::F8E5M2
+    );
+    let (sum, input_len) = match coll {
+        Collective::AllReduce(RedOp::Avg) => (Collective::AllReduce(RedOp::Sum), recv.len()),
+        Collective::Reduce {
+            op: RedOp::Avg,
+            root,
+        } => (
+            Collective::Reduce {
+                op: RedOp::Sum,
+                root,
+            },
+            send.map_or(recv.len(), |s| s.len()),
+        ),
+        Collective::ReduceScatter(RedOp::Avg) => (
+            Collective::ReduceScatter(RedOp::Sum),
+            send.map_or(recv.len(), |s| s.len()),
+        ),
+        _ => return Ok((coll, send, recv)),
+    };
+    // Wrong lengths go on unchanged, to the checks that report them. (Reductions are on
+    // host memory here: GPU buffers of reducing calls are staged before.)
+    let fits = send.map_or(true, |s| s.len() == input_len)
+        && input_len % dt.size() == 0
+        && match sum {
+            Collective::ReduceScatter(_) => {
+                input_len % (dt.size() * n) == 0 && (send.is_none() || recv.len() * n == input_len)
+            }
+            _ => true,
+        };
+    if !narrow || n == 1 || !fits {
+        return Ok((coll, send, recv));
+    }
+    if let Collective::AllReduce(_) = coll {
+        let out = recv.into_slice()?;
+        if let Some(s) = host(send)? {
+            crate::reduce::copy_large(out, s);
+        }
+        crate::reduce::finish_avg(out, dt, n)?;
+        return Ok((sum, None, MemMut::host(out)));
+    }
+    // Reduce and reduce-scatter read their input into the scratch buffer, scaled.
+    scratch.resize(input_len, 0);
+    let recv = if let Some(s) = host(send)? {
+        scratch.copy_from_slice(s);
+        recv
+    } else {
+        let out = recv.into_slice()?;
+        scratch.copy_from_slice(out);
+        match sum {
+            // In place, the result is this rank's block of the buffer.
+            Collective::ReduceScatter(_) => {
+                let block = input_len / n;
+                MemMut::host(&mut out[me * block..(me + 1) * block])
+            }
+            _ => MemMut::host(out),
+        }
+    };
+    crate::reduce::finish_avg(scratch, dt, n)?;
+    Ok((sum, Some(Mem::host(scratch)), recv))
+}
+
+/// The bytes of a read-only caller buffer, for code that reads with the CPU.
+fn host<'a>(m: Option<Mem<'a>>) -> Result<Option<&'a [u8]>> {
+    m.map(|m| m.slice()).transpose()
+}
+
+fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
+    if len % dt.size() != 0 {
+        return Err(Error::arg(format!(
+            "{what} of {len} bytes is not a whole number of {dt} elements ({} bytes each)",
+            dt.size()
+        )));
+    }
+    Ok(len / dt.size())
+}
+
+impl State {
+    pub(super) fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let mut m = crate::algo::StackVec::<P2pMem, 64>::default();
+        for o in ops.iter_mut() {
+            m.push(match o {
+                P2p::Send { peer, buf } => P2pMem::Send {
+                    peer: *peer,
+                    buf: Mem::host(buf),
+                },
+                P2p::Recv { peer, buf } => P2pMem::Recv {
+                    peer: *peer,
+                    buf: MemMut::host(buf),
+                },
+            });
+        }
+        self.p2p_mem(m.as_mut_slice(), None)
+    }
+
+    /// [`State::p2p`] on caller buffers that may be GPU memory (`dev`: its runtime).
+    pub(super) fn p2p_mem(
+        &mut self,
+        ops: &mut [P2pMem<'_>],
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<()> {
+        self.usable()?;
+        let (n, me) = (self.links.nranks, self.links.rank);
+        for o in ops.iter() {
+            let p = o.peer();
+            if p >= n {
+                return Err(Error::arg(format!(
+                    "peer {p} is out of range for {n} ranks"
+                )));
+            }
+        }
+        let self_lens = |send: bool| -> Vec<usize> {
+            ops.iter()
+                .filter(|o| o.peer() == me && matches!(o, P2pMem::Send { .. }) == send)
+                .map(|o| o.len())
+                .collect()
+        };
+        let (self_sends, self_recvs) = (self_lens(true), self_lens(false));
+        if self_sends != self_recvs {
+            return Err(Error::arg(format!(
+                "sends to self ({self_sends:?} bytes) do not match receives from self ({self_recvs:?} bytes)"
+            )));
+        }
+        let r = self.p2p_inner(ops, dev);
+        if let Err(e) = &r {
+            self.failed(e);
+        }
+        r
+    }
+
+    fn p2p_inner(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
+        use crate::algo::P2P_CHANNEL;
+        use crate::exec::Reg;
+        let me = self.links.rank;
+        self.stage(64);
+        let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..64];
+        let mut exec = Exec::new(
+            None,
+            MemMut::host(&mut []),
+            stage,
+            &mut self.links,
+            &self.cfg.waiter,
+            dev,
+        );
+        // Each operation's buffer becomes caller buffer `i`; (send, peer, region) per
+        // operation on the stack for the usual few (no allocation per call).
+        let mut posts = crate::algo::StackVec::<(bool, usize, Reg), 64>::default();
+        for o in ops.iter_mut() {
+            let post = match o {
+                P2pMem::Send { peer, buf } => {
+                    (true, *peer, Reg::new(exec.add_read(*buf), 0, buf.len()))
+                }
+                P2pMem::Recv { peer, buf } => {
+                    let len = buf.len();
+                    (false, *peer, Reg::new(exec.add_write(buf.take()), 0, len))
+                }
+            };
+            posts.push(post);
+        }
+        let posts = posts.as_slice();
+        let links = |send: bool| {
+            posts
+                .iter()
+                .filter(move |p| p.0 == send && p.1 != me)
+                .map(|p| (p.1, P2P_CHANNEL))
+        };
+        exec.ensure(links(true), links(false))?;
+        let mut self_sends = posts.iter().filter(|p| p.0 && p.1 == me).map(|p| p.2);
+        for &(send, peer, reg) in posts {
+            match (send, peer == me) {
+                (true, false) => {
+                    exec.send(peer, P2P_CHANNEL, reg)?;
+                }
+                (false, false) => {
+                    exec.recv(peer, P2P_CHANNEL, reg)?;
+                }
+                (false, true) => {
+                    let from = self_sends
+                        .next()
+                        .ok_or_else(|| Error::Internal("unmatched receive from self".into()))?;
+                    exec.copy(reg, from)?;
+                }
+                (true, true) => {}
+            }
+        }
+        exec.finish()?;
+        exec.device_done()
+    }
+
+    fn stage(&mut self, bytes: usize) -> &mut [u8] {
+        let words = bytes.div_ceil(8) + 8;
+        if self.stage.len() < words {
+            self.stage = vec![0u64; words.next_power_of_two()];
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
+    }
+
+    fn choose(
+        &mut self,
+        kind: CollKind,
+        dt: DataType,
+        bytes: usize,
+        opts: &CallOpts,
+    ) -> (Algo, Pipeline) {
+        let forced = opts.algo.or(self.cfg.algo);
+        // Calls repeat (one all-reduce per layer): the last choice is kept.
+        if let Some((k, d, b, f, choice)) = self.last_choice {
+            if k == kind && d == dt && b == bytes && f == forced {
+                self.call_tag = agree::with_algo(self.call_tag, choice.0);
+                return choice;
+            }
+        }
+        let choice = model::choose_for(
+            kind,
+            dt,
+            self.links.nranks,
+            bytes,
+            &self.cost,
+            forced,
+            &self.cfg.tuning,
+        );
+        self.last_choice = Some((kind, dt, bytes, forced, choice));
+        self.call_tag = agree::with_algo(self.call_tag, choice.0);
+        choice
+    }
+
+    pub(super) fn execute(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
+        self.execute_mem(
+            coll,
+            dt,
+            send.map(Mem::host),
+            MemMut::host(recv),
+            opts,
+            None,
+        )
+    }
+
+    /// [`State::execute`] on caller buffers that may be GPU memory (`dev`: its runtime).
+    pub(super) fn execute_mem(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        opts: &CallOpts,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
+        self.usable()?;
+        // The buffer every rank passes alike: a reduce's output may be empty off the root.
+        // (A reduce-scatter's whole input: in place the buffer, out of place n blocks.)
+        let bytes = match (coll, send) {
+            (Collective::Reduce { .. }, Some(s)) => s.len(),
+            (Collective::ReduceScatter(_), Some(_)) => recv.len() * self.links.nranks,
+            _ => recv.len(),
+        };
+        self.call_tag = agree::call_tag(&coll, dt, bytes);
+        // The scratch buffer of averages leaves `self` while the call borrows it.
+        let mut scratch = std::mem::take(&mut self.premul);
+        let r = match avg_premultiplied(
+            coll,
+            dt,
+            (self.links.rank, self.links.nranks),
+            send,
+            recv,
+            &mut scratch,
+        ) {
+            Ok((coll, send, recv)) => self.execute_inner(coll, dt, send, recv, opts, dev),
+            Err(e) => Err(e),
+        };
+        self.premul = scratch;
+        let r = r.map_err(|e| self.explain_mismatch(e));
+        if let Err(e) = &r {
+            self.failed(e);
+        }
+        self.call_tag = 0;
+        r
+    }
+
+    /// A tag mismatch with a peer (the networks' error) as an error naming both ranks and
+    /// both calls.
+    fn explain_mismatch(&self, e: Error) -> Error {
+        let Error::Remote { rank, msg } = &e else {
+            return e;
+        };
+        match net::unexpected_tag_of(msg) {
+            Some(theirs) => Error::Remote {
+                rank: *rank,
+                msg: format!(
+                    "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
+                    self.links.rank,
+                    agree::describe(self.call_tag),
+                    agree::differ(self.call_tag, theirs)
+                ),
+            },
+            None => e,
+        }
+    }
+
+    /// Refuse work once the communicator is broken.
+    pub(super) fn usable(&self) -> Result<()> {
+        self.broken.error().map_or(Ok(()), Err)
+    }
+
+    /// After a failed call: argument errors are caught before any data moves; anything
+    /// later leaves the peers mid-protocol, so the communicator cannot continue. Tell the
+    /// other ranks whom to blame (unless the application aborted) and close everything.
+    pub(super) fn failed(&mut self, e: &Error) {
+        if matches!(e, Error::InvalidArgument(_)) {
+            return;
+        }
+        self.broken.set(e.kind(), e.to_string());
+        let cause = match e {
+            Error::Remote { rank, .. } => Some(*rank),
+            _ => self.links.suspect,
+        };
+        if let Some(node) = &self.node {
+            node.mark_broken_by(cause);
+        }
+        let by_app = self.links.abort.load(Ordering::Relaxed);
+        if let (Error::Remote { rank, msg }, false) = (e, by_app) {
+            if msg.contains(MISMATCH_TEXT) && self.links.mismatch.is_none() {
+                // The peer would only see its connection close: tell it which call we are in.
+                self.links
+                    .notify_mismatch(*rank, self.call_tag, Duration::from_millis(300));
+            }
+        }
+        if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
+            self.links.notify_abort(c, Duration::from_millis(500));
+        }
+        self.links.close_all();
+    }
+
+    fn execute_inner(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        opts: &CallOpts,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
+        let (n, me) = (self.links.nranks, self.links.rank);
+        let check_root = |root: usize| {
+            if root >= n {
+                Err(Error::arg(format!(
+                    "root {root} is out of range for {n} ranks"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        let same_len = |s: Option<Mem>, want: usize, what: &str| match s {
+            Some(s) if s.len() != want => Err(Error::arg(format!(
+                "{what}: send buffer has {} bytes but {want} are expected",
+                s.len()
+            ))),
+            _ => Ok(()),
+        };
+        let esz = dt.size();
+        let info = |a: Algo, p: Pipeline| CallInfo {
+            algo: Some(a),
+            pipeline: Some(p),
+        };
+        match coll {
+            Collective::AllReduce(op) => {
+                let count = elems("all_reduce receive buffer", recv.len(), dt)?;
+                same_len(send, recv.len(), "all_reduce")?;
+                let (a, pl) = self.choose(CollKind::AllReduce, dt, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    let two_shot = a == Algo::ShmTwoShot;
+                    self.run_flat(coll, dt, recv.len(), u8::from(two_shot), |f| {
+                        shm::all_reduce_shm(f, dt, op, send, recv, two_shot)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = match a {
+                    Algo::Direct => algo::all_reduce_direct_stage(n, recv.len()),
+                    Algo::Doubling => recv.len(),
+                    Algo::TwoShot => algo::all_reduce_twoshot_stage(n, count, dt),
+                    Algo::Ring => algo::all_reduce_ring_stage(&pl),
+                    Algo::Tree => 2 * algo::tree_stage(&pl),
+                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
+                };
+                let window = self.cfg.ring_window / esz * esz;
+                if a == Algo::Ring && window > 0 && recv.len() > 2 * window {
+                    let mut recv = recv;
+                    let mut off = 0;
+                    while off < recv.len() {
+                        let len = window.min(recv.len() - off);
+                        let s = send.map(|s| s.part(off, len));
+                        let r = recv.part(off, len);
+                        self.run_exec(s, r, dev, need, |exec| {
+                            algo::all_reduce_ring(exec, dt, op, len / esz, &pl)
+                        })?;
+                        off += len;
+                    }
+                    return Ok(info(a, pl));
+                }
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Direct => algo::all_reduce_direct(exec, dt, op, count),
+                    Algo::Doubling => algo::all_reduce_doubling(exec, dt, op, count),
+                    Algo::TwoShot => algo::all_reduce_twoshot(exec, dt, op, count),
+                    Algo::Ring => algo::all_reduce_ring(exec, dt, op, count, &pl),
+                    Algo::Tree => algo::all_reduce_tree(exec, dt, op, count, &pl),
+                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::Broadcast { root } => {
+                check_root(root)?;
+                let count = elems("broadcast buffer", recv.len(), dt)?;
+                let send = if me == root { send } else { None };
+                same_len(send, recv.len(), "broadcast")?;
+                let (a, pl) = self.choose(CollKind::Broadcast, dt, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    self.run_flat(coll, dt, recv.len(), 0, |f| {
+                        shm::broadcast_shm(f, root, send, recv)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = if a == Algo::Tree {
+                    algo::tree_stage(&pl)
+                } else {
+                    64
+                };
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Tree => algo::broadcast_tree(exec, root, dt, count, &pl),
+                    _ => algo::broadcast_ring(exec, root, dt, count, &pl),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::Reduce { op, root } => {
+                check_root(root)?;
+                let input_len = send.map_or(recv.len(), |s| s.len());
+                let count = elems("reduce input", input_len, dt)?;
+                if me == root && recv.len() != input_len {
+                    return Err(Error::arg(format!(
+                        "reduce: the root's receive buffer has {} bytes but the input has {input_len}",
+                        recv.len()
+                    )));
+                }
+                let (a, pl) = self.choose(CollKind::Reduce, dt, input_len, opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    self.run_flat(coll, dt, input_len, 0, |f| {
+                        shm::reduce_shm(f, root, dt, op, send, recv)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = if a == Algo::Tree {
+                    algo::tree_stage(&pl)
+                } else {
+                    algo::chain_stage(&pl)
+                };
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
+                    _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::AllGather => {
+                let total = elems("all_gather receive buffer", recv.len(), dt)?;
+                let count = match send {
+                    Some(s) => {
+                        let c = elems("all_gather send buffer", s.len(), dt)?;
+                        if c * n != total {
+                            return Err(Error::arg(format!(
+                                "all_gather: receive buffer holds {total} elements but {n} ranks × {c} are expected"
+                            )));
+                        }
+                        c
+                    }
+                    None if total % n != 0 => {
+                        return Err(Error::arg(format!(
+                            "in-place all_gather: buffer of {total} elements is not divisible by {n} ranks"
+                        )))
+                    }
+                    None => total / n,
+                };
+                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    let block = count * esz;
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    self.run_flat(coll, dt, block, 0, |f| {
+                        shm::all_gather_shm(f, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                self.run_exec(send, recv, dev, 64, |exec| {
+                    algo::all_gather_ring(exec, dt, count, &pl)
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::ReduceScatter(op) => {
+                let count = match send {
+                    Some(s) => {
+                        let c = elems("reduce_scatter receive buffer", recv.len(), dt)?;
+                        let total = elems("reduce_scatter send buffer", s.len(), dt)?;
+                        if c * n != total {
+                            return Err(Error::arg(format!(
+                                "reduce_scatter: send buffer holds {total} elements but {n} ranks × {c} are expected"
+                            )));
+                        }
+                        c
+                    }
+                    None => {
+                        let total = elems("reduce_scatter buffer", recv.len(), dt)?;
+                        if total % n != 0 {
+                            return Err(Error::arg(format!(
+                                "in-place reduce_scatter: buffer of {total} elements is not divisible by {n} ranks"
+                            )));
+                        }
+                        total / n
+                    }
+                };
+                let (a, pl) = self.choose(CollKind::ReduceScatter, dt, count * n * esz, opts);
+                if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::ShmOneShot {
+                    let block = count * esz;
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    self.run_flat(coll, dt, block, 0, |f| {
+                        shm::reduce_scatter_shm(f, dt, op, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
+                self.run_exec(send, recv, dev, need, |exec| {
+                    algo::reduce_scatter_ring(exec, dt, op, count, &pl)
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::AllToAll => {
+                let total = elems("all_to_all receive buffer", recv.len(), dt)?;
+                same_len(send, recv.len(), "all_to_all")?;
+                if total % n != 0 {
+                    return Err(Error::arg(format!(
+                        "all_to_all: buffer of {total} elements is not divisible by {n} ranks"
+                    )));
+                }
+                let (a, pl) = self.choose(CollKind::AllToAll, dt, recv.len(), opts);
+                if total == 0 {
+                    return Ok(info(a, pl));
+                }
+                let block = recv.len() / n;
+                if a == Algo::ShmOneShot {
+                    let (send, recv) = (host(send)?, recv.into_slice()?);
+                    self.run_flat(coll, dt, block, 0, |f| {
+                        shm::all_to_all_shm(f, send, recv, block)
+                    })?;
+                    return Ok(info(a, pl));
+                }
+                let need = if send.is_none() { recv.len() } else { 64 };
+                self.run_exec(send, recv, dev, need, |exec| {
+                    algo::all_to_all_pairwise(exec, block)
+                })?;
+                Ok(info(a, pl))
+            }
+            Collective::Barrier => {
+                if self.node.is_some() {
+                    self.run_flat(coll, dt, 0, 0, shm::barrier_shm)?;
+                } else {
+                    self.run_exec(
+                        None,
+                        MemMut::host(&mut []),
+                        None,
+                        64,
+                        algo::barrier_dissemination,
+                    )?;
+                }
+                Ok(CallInfo {
+                    algo: None,
+                    pipeline: None,
+                })
+            }
+            Collective::SendRecv { to, from } => {
+                for p in [to, from].into_iter().flatten() {
+                    if p >= n {
+                        return Err(Error::arg(format!(
+                            "peer {p} is out of range for {n} ranks"
+                        )));
+                    }
+                }
+                let slen = send.map_or(0, |s| s.len());
+                elems("send buffer", slen, dt)?;
+                elems("receive buffer", recv.len(), dt)?;
+                let rlen = recv.len();
+                let src = send.unwrap_or(Mem::host(&[]));
+                self.run_exec(Some(src), recv, dev, 64, |exec| {
+                    algo::sendrecv(exec, to, slen, from, rlen)
+                })?;
+                Ok(CallInfo {
+                    algo: None,
+                    pipeline: None,
+                })
+            }
+        }
+    }
+
+    /// Run a collective through the host's shared-memory segments (the model offers those
+    /// algorithms only when they are mapped).
+    fn run_flat(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        bytes: usize,
+        variant: u8,
+        f: impl FnOnce(&mut shm::Flat) -> Result<()>,
+    ) -> Result<()> {
+        let (kind, op, root) = match coll {
+            Collective::AllReduce(op) => (1, Some(op), None),
+            Collective::Broadcast { root } => (2, None, Some(root)),
+            Collective::Reduce { op, root } => (3, Some(op), Some(root)),
+            Collective::AllGather => (4, None, None),
+            Collective::ReduceScatter(op) => (5, Some(op), None),
+            Collective::AllToAll => (6, None, None),
+            Collective::Barrier | Collective::SendRecv { .. } => (7, None, None),
+        };
+        let code = crate::algo::shm::node::code(
+            kind,
+            dt as u8,
+            op.map_or(0xff, |o| o as u8),
+            variant,
+            root,
+        );
+        let node = self.node.as_mut().ok_or_else(|| {
+            Error::Internal("shared-memory algorithm chosen without segments".into())
+        })?;
+        let mut flat = shm::Flat {
+            node,
+            waiter: &self.cfg.waiter,
+            abort: &self.links.abort,
+            nranks: self.links.nranks,
+            rank: self.links.rank,
+            meta: [bytes as u64, code],
+        };
+        let r = f(&mut flat);
+        flat.node.flush_wakes();
+        r
+    }
+
+    fn run_exec(
+        &mut self,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
+        stage_bytes: usize,
+        f: impl FnOnce(&mut Exec) -> Result<()>,
+    ) -> Result<()> {
+        self.stage(stage_bytes);
+        let stage = &mut bytemuck::cast_slice_mut(&mut self.stage)[..stage_bytes];
+        let mut exec = Exec::new(send, recv, stage, &mut self.links, &self.cfg.waiter, dev);
+        exec.set_tag(self.call_tag);
+        f(&mut exec)?;
+        exec.device_done()
+    }
+}

@@ -1,0 +1,379 @@
+//! Communicator creation: joining the ranks through the bootstrap, agreeing on the
+//! settings and network (`agree`), listening, the shared-memory segments; and splitting.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::bootstrap::{self, env::Root, UniqueId};
+use crate::error::{Error, Result};
+use crate::exec::links::{Endpoint, Links};
+use crate::net::{self, NetHandle, NetKind};
+use crate::os::wait::Waiter;
+
+use super::{agree, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
+
+/// The name a communicator reports: its network, or shared memory when every peer is on this
+/// host, or both.
+pub(super) fn combined_name(
+    net: &'static str,
+    shm_peers: usize,
+    other_peers: usize,
+) -> &'static str {
+    match (shm_peers, other_peers, net) {
+        (0, _, n) => n,
+        (_, 0, _) => "shm",
+        (_, _, "tcp") => "tcp+shm",
+        (_, _, "rocev2") => "rocev2+shm",
+        (_, _, "verbs") => "verbs+shm",
+        (_, _, n) => n,
+    }
+}
+
+impl Communicator {
+    /// Join the communicator of `id` as `rank` of `nranks`, with settings from the
+    /// environment. Blocks until every rank has joined or `ROCCL_TIMEOUT` passes (the error
+    /// then names the ranks that never arrived).
+    pub fn init(id: &UniqueId, nranks: usize, rank: usize) -> Result<Communicator> {
+        Self::init_with(id, nranks, rank, Config::from_env()?)
+    }
+
+    /// Join with explicit settings.
+    pub fn init_with(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        cfg: Config,
+    ) -> Result<Communicator> {
+        Self::init_abortable(
+            id,
+            nranks,
+            rank,
+            cfg,
+            &std::sync::atomic::AtomicBool::new(false),
+        )
+    }
+
+    /// [`Communicator::init_with`] that another thread can end: setting `abort` makes the
+    /// waits of initialization (the rendezvous, the shared-memory attach) return an error
+    /// within about 100 ms (what `rocclCommAbort` does to a non-blocking init).
+    pub fn init_abortable(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        cfg: Config,
+        abort: &std::sync::atomic::AtomicBool,
+    ) -> Result<Communicator> {
+        if nranks == 0 {
+            return Err(Error::arg("nranks must be at least 1"));
+        }
+        if rank >= nranks {
+            return Err(Error::arg(format!(
+                "rank {rank} is out of range for {nranks} ranks (ranks are 0..{})",
+                nranks - 1
+            )));
+        }
+        let (root, nonce) = id.root()?;
+        let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
+        let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
+        // The network's own waits (retransmission, draining at close) end at this
+        // communicator's deadline, not at one read from the environment.
+        net.set_timeout(cfg.waiter.timeout);
+        // Whether GPU memory can go to peers over this network. Connections keep eager
+        // messages: the executor hands the network a GPU copy for those.
+        let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
+            let p = net.properties(0)?.ptr_support;
+            if p.dmabuf || p.device {
+                Some(p.dmabuf)
+            } else {
+                crate::info!(
+                    "GPU-direct (ROCCL_GPU_DIRECT) is not possible: {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
+                    net.name()
+                );
+                None
+            }
+        } else {
+            None
+        };
+        let (handle, listen) = net.listen(0)?;
+        // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
+        let shm = if cfg.net == NetKind::Auto && crate::envvar::switch_or("ROCCL_SHM", true) {
+            match net::shm::ShmNet::new().and_then(|n| {
+                let (h, l) = net::Net::listen(&n, 0)?;
+                Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
+            }) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    crate::info!(
+                        "shared memory unavailable ({e}): peers on this host use {}",
+                        net.name()
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        // Segments for collectives through shared memory, created before the rendezvous so
+        // that peers on this host can map them once it is over.
+        let tag = nonce ^ ((nranks as u64) << 48);
+        let node_seg = if nranks > 1 && (shm.is_some() || cfg.net == NetKind::Shm) {
+            let slot = cfg.shm_slot.unwrap_or(crate::algo::shm::node::DEFAULT_SLOT);
+            match crate::algo::shm::node::NodeSeg::create(tag, rank, slot) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    crate::info!("shared-memory collectives unavailable on rank {rank}: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let props = net.properties(0)?;
+        let mine = agree::settings(&cfg, stream::ops::stream_chunk()?);
+        let table = bootstrap::rendezvous_abortable(
+            id,
+            rank,
+            nranks,
+            &agree::blob(
+                &handle,
+                net.name(),
+                shm.as_ref().map(|s| &s.1),
+                node_seg.is_some(),
+                &mine,
+                agree::HostInputs {
+                    cores: crate::os::host_cores() as u32,
+                    latency_us: props.latency_us,
+                    speed_mbps: props.speed_mbps,
+                },
+            ),
+            cfg.waiter.timeout,
+            abort,
+        )
+        .inspect_err(|_| {
+            if node_seg.is_some() {
+                // A rank killed meanwhile cannot unlink its own segment.
+                crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
+            }
+        })?;
+        let blobs = table
+            .iter()
+            .enumerate()
+            .map(|(r, b)| agree::parse_blob(r, b, rank, net.name(), &mine))
+            .collect::<Result<Vec<_>>>()?;
+        let my_host = blobs[rank].host;
+        let local_ranks = blobs.iter().filter(|b| b.host == my_host).count();
+        let cores = crate::os::host_cores();
+        let mut cfg = cfg;
+        cfg.waiter.fit(local_ranks, cores);
+        // The worker thread (stream-ordered and non-blocking calls) polls between jobs: it
+        // spins only with a core for it next to the application's thread of every rank, and
+        // otherwise yields (2 cores, 2 ranks, simulated device: 8 B stream-ordered all-reduce
+        // 23.5 µs blocking in the channel at once, 13.4 µs yielding first; docs/PERFORMANCE.md).
+        let worker_wait = Waiter {
+            spin: if cores >= 2 * local_ranks {
+                cfg.waiter.spin
+            } else {
+                Duration::ZERO
+            },
+            ..cfg.waiter.clone()
+        };
+        // Peers on this host that offer shared memory are reached through it.
+        let peer_net: Vec<usize> = (0..nranks)
+            .map(|p| {
+                let same_host = blobs[p].host == my_host;
+                usize::from(shm.is_some() && same_host && blobs[p].shm.is_some())
+            })
+            .collect();
+        let all_have_node = blobs.iter().all(|b| b.node);
+        let measured = agree::slowest_speeds(&blobs);
+        let shm_net = net.name() == "shm";
+        let handles: Vec<Vec<NetHandle>> = blobs
+            .iter()
+            .map(|b| {
+                let s = b.shm.clone().unwrap_or_else(|| b.handle.clone());
+                vec![b.handle.clone(), s]
+            })
+            .collect();
+        let shm_peers = (0..nranks)
+            .filter(|&p| p != rank && peer_net[p] == 1)
+            .count();
+        let other_peers = nranks - 1 - shm_peers;
+        // Peers on this host talk through the kernel's loopback path whatever the interface.
+        let all_local = local_ranks == nranks;
+        // Every rank on this host with its segment: map them all (every rank decides alike).
+        let node = match node_seg {
+            Some(own) if all_local && all_have_node => {
+                crate::algo::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
+            }
+            _ => None,
+        };
+        // The same cost inputs on every rank, however the hosts differ (agree.rs).
+        let cost = agree::agreed_cost(&blobs, shm_net, node.as_ref().map(|n| (n.slot(), n.cma())));
+        let name = combined_name(net.name(), shm_peers, other_peers);
+        if let Some(n) = &node {
+            crate::info!(
+                "rank {rank}: collectives through shared segments on ({} KiB slots; single-copy broadcasts: {})",
+                n.slot() >> 10,
+                if n.cma() { "yes" } else { "no, process_vm_readv refused" }
+            );
+        }
+        crate::info!(
+            "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
+            props.name,
+            local,
+            cfg.waiter.spin,
+            cfg.waiter.yield_for,
+            cfg.waiter.timeout,
+            cost.alpha_us,
+            cost.beta_gbs,
+            cost.msg_cpu_us,
+            cost.gamma_gbs,
+            cost.copy_gbs,
+            measured.reduce_gbs,
+            measured.copy_gbs
+        );
+        let mut endpoints = vec![Endpoint {
+            net,
+            dev: 0,
+            listen,
+        }];
+        if let Some((n, _, l)) = shm {
+            endpoints.push(Endpoint {
+                net: n,
+                dev: 0,
+                listen: l,
+            });
+        }
+        let links = Links::new(
+            rank,
+            nranks,
+            (nonce ^ (nonce >> 32)) as u32,
+            endpoints,
+            peer_net,
+            handles,
+        );
+        let mut links = links;
+        // Peers reached over the network that takes GPU memory (not over shared memory).
+        links.device_mem = (0..nranks)
+            .map(|p| net_gpu.filter(|_| links.peer_net[p] == 0))
+            .collect();
+        let device_mem = links.device_mem.clone();
+        links.timeout_grace =
+            (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
+        let abort_flag = Arc::clone(&links.abort);
+        let connect_all = cfg.connect_all;
+        let broken = Arc::new(Broken::default());
+        let comm = Communicator {
+            shared: Arc::new(Shared {
+                rank,
+                nranks,
+                net: name,
+                flat: node.is_some(),
+                gpu_direct_min: cfg.gpu_direct_min,
+                gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
+                gpu_direct_net: net_gpu.is_some(),
+                device_mem,
+                state: Mutex::new(State {
+                    links,
+                    node,
+                    premul: Vec::new(),
+                    call_tag: 0,
+                    last_choice: None,
+                    stage: Vec::new(),
+                    broken: Arc::clone(&broken),
+                    cfg,
+                    cost,
+                    serving: 0,
+                    worker_spin: worker_wait.spin,
+                }),
+                broken,
+                turn: Condvar::new(),
+                tickets: AtomicU64::new(0),
+                worker: Mutex::new(None),
+                worker_wait,
+                abort: abort_flag,
+            }),
+        };
+        if connect_all {
+            comm.connect_all()?;
+        }
+        Ok(comm)
+    }
+
+    /// Join from the launcher's environment: `ROCCL_UNIQUE_ID`, or `ROCCL_ROOT` /
+    /// torchrun / Slurm / Open MPI variables (see [`bootstrap::env`]). With an address root,
+    /// rank 0 serves the root on it.
+    pub fn from_env() -> Result<Communicator> {
+        let info = bootstrap::env::from_env()?;
+        let cfg = Config::from_env()?;
+        let id = match &info.root {
+            Root::UniqueIdHex(h) => UniqueId::from_hex(h)?,
+            Root::Addr { host, port } => {
+                let addr = resolve(host, *port)?;
+                if info.rank == 0 {
+                    bootstrap::serve_root(addr)?
+                } else {
+                    UniqueId::for_address(addr)
+                }
+            }
+        };
+        Self::init_with(&id, info.nranks, info.rank, cfg)
+    }
+
+    /// Split into sub-communicators: ranks with the same `color` form one, ordered by
+    /// `key` then by rank here. `color == None` takes part but gets no communicator back.
+    /// Every rank of this communicator must call it.
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        let n = self.nranks();
+        let me = self.rank();
+        let mine = [color.map_or(-1i64, i64::from), i64::from(key)];
+        let mut all = vec![0i64; 2 * n];
+        self.all_gather(&mine, &mut all)?;
+        let members = |c: i64| {
+            let mut m: Vec<usize> = (0..n).filter(|&r| all[2 * r] == c).collect();
+            m.sort_by_key(|&r| (all[2 * r + 1], r));
+            m
+        };
+        let group = color.map(|c| members(i64::from(c))).unwrap_or_default();
+        // The first member of each group creates the new root and everyone learns its id.
+        let mut id = [0u8; crate::bootstrap::UNIQUE_ID_BYTES];
+        let mut created = Ok(());
+        if group.first() == Some(&me) {
+            match UniqueId::new() {
+                Ok(u) => id.copy_from_slice(u.as_bytes()),
+                Err(e) => created = Err(e),
+            }
+        }
+        let mut ids = vec![0u8; n * id.len()];
+        self.all_gather(&id, &mut ids)?;
+        created?;
+        let Some(&leader) = group.first() else {
+            return Ok(None);
+        };
+        let uid = UniqueId::from_bytes(&ids[leader * id.len()..(leader + 1) * id.len()]).map_err(
+            |_| Error::Remote {
+                rank: leader,
+                msg: format!("rank {leader} could not create the root of the split communicator"),
+            },
+        )?;
+        let cfg = self.shared.state.lock().cfg.clone();
+        let pos = group
+            .iter()
+            .position(|&r| r == me)
+            .expect("member of own group");
+        Communicator::init_with(&uid, group.len(), pos, cfg).map(Some)
+    }
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let mut addrs = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::sys(format!("resolving the root host '{host}'"), e))?;
+    addrs
+        .next()
+        .ok_or_else(|| Error::arg(format!("root host '{host}' has no address")))
+}

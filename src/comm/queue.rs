@@ -1,0 +1,298 @@
+//! The call queue: tickets that order every call of a communicator, the worker thread that
+//! runs non-blocking calls and jobs, turns ([`Turn`]) and handles ([`Handle`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use crate::device::Device;
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::{Mem, MemMut};
+use crate::types::{DataType, Element, RedOp};
+
+use super::{
+    panic_text, Broken, CallInfo, CallOpts, Collective, Communicator, Job, P2p, P2pMem, Shared,
+    State, Work,
+};
+
+/// A non-blocking operation in flight; its buffer comes back from [`Handle::wait`].
+pub struct Handle<R> {
+    pub(super) rx: mpsc::Receiver<Result<R>>,
+    got: Option<Result<R>>,
+    /// What the call ended with when it never answered (it panicked): the communicator's
+    /// error.
+    broken: Arc<Broken>,
+}
+
+impl<R> Handle<R> {
+    /// True once the operation has finished (successfully or not).
+    pub fn test(&mut self) -> bool {
+        if self.got.is_none() {
+            match self.rx.try_recv() {
+                Ok(r) => self.got = Some(r),
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.got = Some(Err(self.broken.error().unwrap_or_else(|| {
+                        Error::Internal("the call ended without an answer".into())
+                    })))
+                }
+                Err(mpsc::TryRecvError::Empty) => {}
+            }
+        }
+        self.got.is_some()
+    }
+
+    /// Block until the operation finishes; returns its buffer or its error.
+    pub fn wait(mut self) -> Result<R> {
+        if let Some(r) = self.got.take() {
+            return r;
+        }
+        self.rx.recv().unwrap_or_else(|_| {
+            Err(self.broken.error().unwrap_or_else(|| {
+                Error::Internal(
+                    "the call ended without an answer (communicator worker exited)".into(),
+                )
+            }))
+        })
+    }
+}
+
+impl Communicator {
+    pub(super) fn with_turn<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        run_turn(&self.shared, t, f)
+    }
+
+    /// Queue `job` for the worker thread with the next ticket. The ticket is taken and the
+    /// job queued with the queue locked, so the worker receives jobs in ticket order (a job
+    /// queued after a later ticket's would wait for its turn forever). The worker thread is
+    /// started, if need be, before a ticket is taken: when it cannot start, no ticket is
+    /// lost and the job comes back with the error.
+    fn submit(&self, job: Work) -> std::result::Result<(), (Work, Error)> {
+        let mut w = self.shared.worker.lock();
+        if w.is_none() {
+            match self.spawn_worker() {
+                Ok(tx) => *w = Some(tx),
+                Err(e) => return Err((job, e)),
+            }
+        }
+        let tx = w.as_ref().expect("worker started above");
+        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
+        if let Err(mpsc::SendError((t, job))) = tx.send((t, job)) {
+            // The worker is gone (it only ends when the queue closes, which needs the
+            // communicator dropped): run the job here, in its turn.
+            drop(w);
+            run_turn(&self.shared, t, job);
+        }
+        Ok(())
+    }
+
+    fn spawn_worker(&self) -> Result<mpsc::Sender<Job>> {
+        #[cfg(test)]
+        if super::tests::SPAWN_FAILS.with(|f| f.get()) {
+            return Err(Error::sys(
+                "starting the communicator's worker thread",
+                std::io::Error::from_raw_os_error(libc::EAGAIN),
+            ));
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::clone(&self.shared);
+        let waiter = self.shared.worker_wait.clone();
+        // A job that panics has broken the communicator (see `run_turn`); the worker goes on
+        // with the next, which fails at once, rather than leaving queued tickets unserved.
+        let run = move |shared: &Shared, (t, job): Job| {
+            let _ =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turn(shared, t, job)));
+        };
+        std::thread::Builder::new()
+            .name(format!("roccl-r{}", self.shared.rank))
+            .spawn(move || {
+                // Between jobs, poll the queue as the waiting policy says (spin with a core
+                // per rank, yield when sharing) before sleeping in the channel: the next
+                // layer's call usually comes within microseconds, and a futex wake-up costs
+                // more than the collective itself.
+                let mut ws = waiter.start();
+                loop {
+                    match rx.try_recv() {
+                        Ok(job) => {
+                            run(&shared, job);
+                            ws.progressed();
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => return,
+                        Err(mpsc::TryRecvError::Empty) => {
+                            if matches!(ws.pause(), Ok(true) | Err(_)) {
+                                match rx.recv() {
+                                    Ok(job) => run(&shared, job),
+                                    Err(_) => return,
+                                }
+                                ws.progressed();
+                            }
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::sys("starting the communicator's worker thread", e))
+            .map(|_| tx)
+    }
+
+    /// Run `coll` in the background on owned buffers; `send == None` means in place. The
+    /// call is ordered with every other call on this communicator by issue time.
+    pub fn start<T: Element>(
+        &self,
+        coll: Collective,
+        send: Option<Vec<T>>,
+        mut recv: Vec<T>,
+    ) -> Handle<Vec<T>> {
+        let (tx, rx) = mpsc::channel();
+        let answer = tx.clone();
+        let job = Box::new(move |state: &mut State| {
+            let s = send.as_deref().map(bytemuck::cast_slice::<T, u8>);
+            let r = state.execute(
+                coll,
+                T::DTYPE,
+                s,
+                bytemuck::cast_slice_mut(&mut recv),
+                &CallOpts::default(),
+            );
+            let _ = tx.send(r.map(|_| recv));
+        });
+        if let Err((job, e)) = self.submit(job) {
+            // Not started, no ticket taken: the call fails alone.
+            drop(job);
+            let _ = answer.send(Err(e));
+        }
+        Handle {
+            rx,
+            got: None,
+            broken: Arc::clone(&self.shared.broken),
+        }
+    }
+
+    /// Non-blocking in-place all-reduce.
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: RedOp) -> Handle<Vec<T>> {
+        self.start(Collective::AllReduce(op), None, buf)
+    }
+
+    /// Run `job` on this communicator's worker thread, ordered with every other call on it
+    /// by issue time; returns at once. The job gets the communicator's [`Turn`]: what the
+    /// stream-ordered collectives of [`super::stream`] run their work with.
+    pub fn enqueue(&self, job: Box<dyn FnOnce(&mut Turn) + Send>) {
+        let abort = Arc::clone(&self.shared.abort);
+        let job: Box<dyn FnOnce(&mut State) + Send> = Box::new(move |state: &mut State| {
+            let mut turn = Turn {
+                state,
+                abort: &abort,
+            };
+            job(&mut turn)
+        });
+        if let Err((job, e)) = self.submit(job) {
+            // No worker: run it on this thread in its turn (streams may wait on what it
+            // signals, so it must run).
+            crate::warn!(
+                "rank {}: {e}; running a stream-ordered call on the calling thread",
+                self.shared.rank
+            );
+            self.with_turn(job);
+        }
+    }
+}
+
+/// A communicator's turn on its worker thread: collectives and point-to-point exchanges
+/// run from here without taking another turn (see [`Communicator::enqueue`]).
+pub struct Turn<'a> {
+    pub(super) state: &'a mut State,
+    pub(super) abort: &'a std::sync::atomic::AtomicBool,
+}
+
+impl Turn<'_> {
+    /// [`Communicator::run_raw`], within this turn.
+    pub fn run_raw(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        opts: &CallOpts,
+    ) -> Result<CallInfo> {
+        self.state.execute(coll, dt, send, recv, opts)
+    }
+
+    /// [`Communicator::p2p`], within this turn.
+    pub fn p2p(&mut self, ops: &mut [P2p<'_>]) -> Result<()> {
+        self.state.p2p(ops)
+    }
+
+    /// [`Communicator::run_mem`], within this turn.
+    pub(crate) fn run_mem(
+        &mut self,
+        coll: Collective,
+        dt: DataType,
+        send: Option<Mem<'_>>,
+        recv: MemMut<'_>,
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<CallInfo> {
+        self.state
+            .execute_mem(coll, dt, send, recv, &CallOpts::default(), dev)
+    }
+
+    /// [`Communicator::p2p_mem`], within this turn.
+    pub(crate) fn p2p_mem(
+        &mut self,
+        ops: &mut [P2pMem<'_>],
+        dev: Option<&Arc<dyn Device>>,
+    ) -> Result<()> {
+        self.state.p2p_mem(ops, dev)
+    }
+
+    /// Record `e` as the communicator's error (nobody waits for this call's result: the
+    /// application learns it from [`Communicator::async_error`]); argument errors too.
+    pub fn fail(&mut self, e: &Error) {
+        if self.state.broken.set(e.kind(), e.to_string()) {
+            if let Some(node) = &self.state.node {
+                node.mark_broken();
+            }
+        }
+    }
+
+    /// How long the worker thread spins before yielding (zero unless every rank of this
+    /// host has a spare core for its worker).
+    pub fn spin(&self) -> Duration {
+        self.state.worker_spin
+    }
+
+    /// How long a wait may go without progress before it fails (`ROCCL_TIMEOUT`).
+    pub fn timeout(&self) -> Duration {
+        self.state.cfg.waiter.timeout
+    }
+
+    /// Whether the application aborted the communicator.
+    pub fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
+    }
+}
+
+/// Run `f` in turn `t`. The turn always advances, also when `f` panics: the communicator is
+/// then broken with the panic's text as its error, and the panic goes on to the caller.
+fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
+    let mut state = shared.state.lock();
+    while state.serving != t {
+        shared.turn.wait(&mut state);
+    }
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut state)));
+    if let Err(p) = &r {
+        let msg = format!(
+            "a call on rank {} panicked: {} (a bug in roccl or in a job given to enqueue)",
+            shared.rank,
+            panic_text(&**p)
+        );
+        if state.broken.set(ErrorKind::Internal, msg) {
+            if let Some(node) = &state.node {
+                node.mark_broken();
+            }
+        }
+        state.links.close_all();
+    }
+    state.serving += 1;
+    shared.turn.notify_all();
+    drop(state);
+    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
+}

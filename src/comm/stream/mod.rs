@@ -1,0 +1,473 @@
+//! Stream-ordered collectives: scheduling a communicator's calls with the work on GPU
+//! streams, over the [`Device`] provider.
+//!
+//! A collective given a stream returns at once. [`enqueue`] makes it wait for the work
+//! enqueued earlier on each of its streams and makes later work on them wait for it, with
+//! stream memory operations on flags in pinned host memory: per operation, every stream gets
+//! "write `ready[i] = g` when you get here" and then "wait until `done >= g`"; the
+//! communicator's worker thread (the same one that orders all calls of a communicator)
+//! polls the ready flags, runs the collective, and sets `done = g`. `g` is the slot's
+//! generation, so flags never need resetting. A failed operation still sets `done` (the
+//! stream must not hang) and leaves the communicator broken with the error, which
+//! `Communicator::async_error` (`ncclCommGetAsyncError`) reports.
+//!
+//! Big calls run in steps staged through pinned buffers ([`enqueue_steps`], [`staging`]);
+//! [`ops`] holds the operations on raw memory that the C ABI and roccl-perf share.
+
+pub mod ops;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::comm::{Communicator, Turn};
+use crate::device::{signal, Alloc, Device, Flag, FlagSlab, StreamId};
+use crate::error::{Error, Result};
+
+/// A copy a stream does before (input) or after (output) a stream-ordered operation.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamCopy {
+    /// The stream that copies.
+    pub stream: StreamId,
+    /// Destination address.
+    pub dst: usize,
+    /// Source address.
+    pub src: usize,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+/// Staging buffers of one process and device, reused across calls; a buffer is reused only
+/// after the streams that copy through it have passed the copies (its release flags).
+struct StagingPool {
+    free: Mutex<Vec<Arc<dyn Alloc>>>,
+    /// In use: (release flags, slot, generation, buffers). The slot is given back with the
+    /// buffers: its release flags must not be reused while a stream may still write them.
+    busy: Mutex<Vec<Busy>>,
+}
+
+/// Staging buffers in use: the release flags of their streams, the slot, its generation.
+type Busy = (Vec<Flag>, usize, u64, Vec<Arc<dyn Alloc>>);
+
+impl StagingPool {
+    /// Move buffers whose streams have passed their copies back to the free list; returns
+    /// the slots that are free again.
+    fn sweep(&self) -> Vec<(usize, u64)> {
+        let mut busy = self.busy.lock();
+        let mut free = self.free.lock();
+        let mut slots = Vec::new();
+        busy.retain_mut(|(flags, slot, g, bufs)| {
+            if flags.iter().all(|f| f.word().load(Ordering::Acquire) >= *g) {
+                free.append(bufs);
+                slots.push((*slot, *g));
+                false
+            } else {
+                true
+            }
+        });
+        slots
+    }
+
+    /// A buffer of at least `bytes` bytes (sizes rounded up to powers of two so that they are
+    /// reused).
+    fn take(&self, table: &Slots, dev: &dyn Device, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        for (slot, g) in self.sweep() {
+            table.give(slot, g);
+        }
+        let want = bytes.max(64).next_power_of_two();
+        let mut free = self.free.lock();
+        if let Some(i) = free
+            .iter()
+            .position(|b| b.len() >= want && b.len() <= 4 * want)
+        {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        dev.alloc_staging(want)
+    }
+}
+
+/// Most streams one operation (a group) may span.
+pub const MAX_STREAMS: usize = 8;
+/// Operations (steps) that may be in flight on streams at once; more wait for a free slot.
+const SLOTS: usize = 1024;
+/// Most steps of one operation (a big call staged in chunks).
+pub const MAX_STEPS: usize = 16;
+/// Flags per slot: one ready flag per stream, the done flag, one released flag per stream
+/// (its copies after the operation are done).
+const PER_SLOT: usize = 2 * MAX_STREAMS + 1;
+
+/// The slots of one device: flags and generations.
+struct Slots {
+    slab: FlagSlab,
+    free: Mutex<Vec<(usize, u64)>>,
+    freed: Condvar,
+    staging: StagingPool,
+}
+
+fn slots(dev: &dyn Device) -> Result<&'static Slots> {
+    // One table per process and backend (a process uses one GPU runtime).
+    static SLOTS_OF: std::sync::OnceLock<Mutex<Vec<(&'static str, &'static Slots)>>> =
+        std::sync::OnceLock::new();
+    let table = SLOTS_OF.get_or_init(|| Mutex::new(Vec::new()));
+    let mut t = table.lock();
+    if let Some((_, s)) = t.iter().find(|(n, _)| *n == dev.name()) {
+        return Ok(s);
+    }
+    let s: &'static Slots = Box::leak(Box::new(Slots {
+        slab: dev.flags(SLOTS * PER_SLOT)?,
+        free: Mutex::new((0..SLOTS).rev().map(|i| (i, 0)).collect()),
+        freed: Condvar::new(),
+        staging: StagingPool {
+            free: Mutex::new(Vec::new()),
+            busy: Mutex::new(Vec::new()),
+        },
+    }));
+    t.push((dev.name(), s));
+    Ok(s)
+}
+
+impl Slots {
+    fn take(&self, timeout: Duration) -> Result<(usize, u64)> {
+        let mut f = self.free.lock();
+        let t0 = Instant::now();
+        loop {
+            if let Some((i, g)) = f.pop() {
+                return Ok((i, g + 1));
+            }
+            // Slots of staged operations come back once their streams passed the copies.
+            let back = {
+                drop(f);
+                self.staging.sweep()
+            };
+            f = self.free.lock();
+            f.extend(back);
+            if let Some((i, g)) = f.pop() {
+                return Ok((i, g + 1));
+            }
+            if t0.elapsed() >= timeout {
+                return Err(Error::Timeout(format!(
+                    "{SLOTS} stream-ordered operations are in flight and none completed within {timeout:.0?} (ROCCL_TIMEOUT): are the streams they wait on stuck?"
+                )));
+            }
+            self.freed.wait_for(&mut f, Duration::from_millis(10));
+        }
+    }
+
+    fn give(&self, i: usize, g: u64) {
+        self.free.lock().push((i, g));
+        self.freed.notify_one();
+    }
+}
+
+/// The work of one communicator in a stream-ordered operation, run on its worker thread
+/// with the communicator's turn.
+pub type Part = Box<dyn FnOnce(&mut Turn) -> Result<()> + Send>;
+
+/// Run `parts` (one per communicator) ordered with `streams`: after all work enqueued
+/// before on every stream, and before all work enqueued after. Returns at once.
+pub fn enqueue(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    parts: Vec<(Arc<Communicator>, Part)>,
+    timeout: Duration,
+) -> Result<()> {
+    let step = Step {
+        parts,
+        ..Step::default()
+    };
+    enqueue_steps(dev, streams, vec![step], Vec::new(), timeout)
+}
+
+/// One step of a stream-ordered operation: copies each stream does before it (device →
+/// staging), the work of each communicator, copies after it (staging → device).
+#[derive(Default)]
+pub struct Step {
+    /// Copies before the step, on their streams.
+    pub before: Vec<StreamCopy>,
+    /// The work, one part per communicator.
+    pub parts: Vec<(Arc<Communicator>, Part)>,
+    /// Copies after the step.
+    pub after: Vec<StreamCopy>,
+}
+
+/// A staging buffer of at least `bytes` bytes from the device's pool.
+pub fn staging(dev: &Arc<dyn Device>, bytes: usize) -> Result<Arc<dyn Alloc>> {
+    let table = slots(dev.as_ref())?;
+    table.staging.take(table, dev.as_ref(), bytes)
+}
+
+/// Run `steps` ordered with `streams`, pipelined: each stream does the `before` copies of
+/// every step, signalling after each step's copies that the step may start, and then, step
+/// by step, waits until the step is done and does its `after` copies. So the copies in of
+/// later steps overlap the network work of earlier ones, and the copies out of earlier
+/// steps overlap later ones. The staging buffers `bufs` go back to the pool once every
+/// stream has passed its last copy. Returns at once.
+pub fn enqueue_steps(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    steps: Vec<Step>,
+    bufs: Vec<Arc<dyn Alloc>>,
+    timeout: Duration,
+) -> Result<()> {
+    let mut distinct: Vec<StreamId> = Vec::new();
+    for &s in streams {
+        if !distinct.contains(&s) {
+            distinct.push(s);
+        }
+    }
+    if distinct.is_empty() || steps.is_empty() || steps.iter().any(|s| s.parts.is_empty()) {
+        return Err(Error::Internal(
+            "stream-ordered operation without streams or work".into(),
+        ));
+    }
+    if distinct.len() > MAX_STREAMS {
+        return Err(Error::arg(format!(
+            "one group spans {} streams; at most {MAX_STREAMS} are supported",
+            distinct.len()
+        )));
+    }
+    if steps.len() > MAX_STEPS {
+        return Err(Error::Internal(format!(
+            "a stream-ordered operation of {} steps (at most {MAX_STEPS})",
+            steps.len()
+        )));
+    }
+    let copies = || steps.iter().flat_map(|s| s.before.iter().chain(&s.after));
+    if copies().any(|c| !distinct.contains(&c.stream)) {
+        return Err(Error::Internal(
+            "a staging copy on a stream the operation does not use".into(),
+        ));
+    }
+    for &s in &distinct {
+        if dev.is_capturing(s)? {
+            return Err(Error::InvalidUsage(format!(
+                "stream {s:#x} is being captured into a graph: roccl's stream-ordered collectives cannot be replayed from a graph yet; run this collective outside capture (eager mode; in vLLM --enforce-eager)"
+            )));
+        }
+    }
+    if !dev.stream_waits() {
+        return run_synchronously(dev, &distinct, steps, bufs);
+    }
+    let table = slots(dev.as_ref())?;
+    let mut taken: Vec<(usize, u64)> = Vec::with_capacity(steps.len());
+    for _ in 0..steps.len() {
+        match table.take(timeout) {
+            Ok(s) => taken.push(s),
+            Err(e) => {
+                for (slot, g) in taken {
+                    table.give(slot, g);
+                }
+                return Err(e);
+            }
+        }
+    }
+    let (last_slot, last_g) = *taken.last().expect("at least one step");
+    let done = |k: usize| table.slab.handle(taken[k].0 * PER_SLOT + MAX_STREAMS);
+    let ready = |k: usize, i: usize| table.slab.handle(taken[k].0 * PER_SLOT + i);
+    let mut released = Vec::new();
+    let emitted = (|| -> Result<()> {
+        for (i, &s) in distinct.iter().enumerate() {
+            for (k, step) in steps.iter().enumerate() {
+                for c in step.before.iter().filter(|c| c.stream == s) {
+                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                }
+                signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
+            }
+            for (k, step) in steps.iter().enumerate() {
+                dev.stream_wait(s, &done(k), taken[k].1)?;
+                for c in step.after.iter().filter(|c| c.stream == s) {
+                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                }
+            }
+            if !bufs.is_empty() {
+                let r = table
+                    .slab
+                    .handle(last_slot * PER_SLOT + MAX_STREAMS + 1 + i);
+                signal(dev.as_ref(), s, &r, last_g)?;
+                released.push(r);
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = emitted {
+        // Streams may already wait on these steps: let them pass. The slots and buffers stay
+        // taken (a stream may still write their flags or copy through them).
+        for (k, &(_, g)) in taken.iter().enumerate() {
+            done(k).word().store(g, Ordering::Release);
+        }
+        std::mem::forget(bufs);
+        return Err(e);
+    }
+    let staged_bufs = !bufs.is_empty();
+    if staged_bufs {
+        // Back to the pool once every stream has passed its copies and the worker is done
+        // with the last step.
+        released.push(done(taken.len() - 1));
+        table
+            .staging
+            .busy
+            .lock()
+            .push((released, last_slot, last_g, bufs));
+    }
+    let nready = distinct.len();
+    let nsteps = steps.len();
+    for (k, step) in steps.into_iter().enumerate() {
+        let (slot, g) = taken[k];
+        let base = slot * PER_SLOT;
+        let remaining = Arc::new(AtomicUsize::new(step.parts.len()));
+        // The last step's slot holds the release flags: it comes back with the buffers.
+        let give_back = !(staged_bufs && k + 1 == nsteps);
+        for (comm, part) in step.parts {
+            let remaining = Arc::clone(&remaining);
+            let done = done(k);
+            comm.enqueue(Box::new(move |turn: &mut Turn| {
+                let r = (0..nready)
+                    .try_for_each(|i| wait_flag(table.slab.flag(base + i), g, turn))
+                    .and_then(|()| part(turn));
+                if let Err(e) = r {
+                    turn.fail(&e);
+                }
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    done.word().store(g, Ordering::Release);
+                    if give_back {
+                        table.give(slot, g);
+                    }
+                }
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// [`enqueue_steps`] on a device whose streams cannot wait on a flag: the calling thread
+/// does the waiting instead of the stream. The copies in are enqueued and every stream is
+/// synchronized (the work before the call is done), the steps run on the communicators'
+/// workers while the caller waits, then the copies out are enqueued and a host function per
+/// stream (which never blocks) releases the staging buffers after them. The call returns
+/// once the collective is done, not at once; work enqueued afterwards is ordered after it
+/// because it is enqueued after. Blocking host functions are not used: a runtime that runs
+/// the host functions of several streams on one thread would let a waiting one hold up the
+/// one it waits for.
+fn run_synchronously(
+    dev: &Arc<dyn Device>,
+    streams: &[StreamId],
+    steps: Vec<Step>,
+    bufs: Vec<Arc<dyn Alloc>>,
+) -> Result<()> {
+    for &s in streams {
+        for c in steps
+            .iter()
+            .flat_map(|step| &step.before)
+            .filter(|c| c.stream == s)
+        {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
+    }
+    for &s in streams {
+        dev.synchronize(s)?;
+    }
+    let after: Vec<StreamCopy> = steps
+        .iter()
+        .flat_map(|step| step.after.iter().copied())
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
+    let mut n = 0;
+    for step in steps {
+        for (comm, part) in step.parts {
+            let tx = tx.clone();
+            n += 1;
+            comm.enqueue(Box::new(move |turn: &mut Turn| {
+                let r = part(turn);
+                if let Err(e) = &r {
+                    turn.fail(e);
+                }
+                let _ = tx.send(r);
+            }));
+        }
+    }
+    drop(tx);
+    let mut first: Option<Error> = None;
+    for _ in 0..n {
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first.get_or_insert(e);
+            }
+            Err(_) => {
+                first.get_or_insert(Error::Internal(
+                    "a communicator's worker exited during a stream-ordered call".into(),
+                ));
+                break;
+            }
+        }
+    }
+    for &s in streams {
+        for c in after.iter().filter(|c| c.stream == s) {
+            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+        }
+    }
+    if !bufs.is_empty() {
+        let table = slots(dev.as_ref())?;
+        let (slot, g) = table.take(super::timeout())?;
+        let base = slot * PER_SLOT;
+        // The operation is done: only the streams' copies out hold the buffers now.
+        let mut released = vec![table.slab.handle(base + MAX_STREAMS)];
+        released[0].word().store(g, Ordering::Release);
+        for (i, &s) in streams.iter().enumerate() {
+            let r = table.slab.handle(base + MAX_STREAMS + 1 + i);
+            signal(dev.as_ref(), s, &r, g)?;
+            released.push(r);
+        }
+        table.staging.busy.lock().push((released, slot, g, bufs));
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Wait until `flag >= g`: spin for the worker's spin time (none when ranks share cores),
+/// then yield for up to 10 ms (a collective that follows GPU work should not pay a sleep),
+/// then sleep in 20 µs steps (a stream may run long work first). An error if the
+/// communicator was aborted meanwhile, or when the stream has not come to the call within
+/// the communicator's timeout (`ROCCL_TIMEOUT`).
+fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> Result<()> {
+    // The ready flag is on the critical path of every stream-ordered call: spin while the
+    // waiting policy allows (a core per rank), then yield for up to YIELD_FOR (the stream
+    // may still run long kernels before it), then sleep in short steps.
+    const YIELD_FOR: Duration = Duration::from_millis(10);
+    let spin = turn.spin();
+    let t0 = Instant::now();
+    let mut n = 0u32;
+    let mut spinning = !spin.is_zero();
+    loop {
+        if flag.load(Ordering::Acquire) >= g {
+            return Ok(());
+        }
+        if turn.aborted() {
+            return Err(Error::InvalidUsage(
+                "communicator aborted while a stream-ordered operation waited for its stream"
+                    .into(),
+            ));
+        }
+        if spinning {
+            // The clock only every 64 polls.
+            n = n.wrapping_add(1);
+            if n % 64 != 0 || t0.elapsed() < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            spinning = false;
+        }
+        let waited = t0.elapsed();
+        if waited < spin + YIELD_FOR {
+            std::thread::yield_now();
+        } else if waited > turn.timeout() {
+            return Err(Error::Timeout(format!(
+                "a stream-ordered call waited {waited:?} (ROCCL_TIMEOUT) for its stream to reach it: the work queued on the stream before it has not finished (a kernel that does not end, or a stream that waits on this call)"
+            )));
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
