@@ -31,6 +31,10 @@ use super::wire;
 use crate::error::{Error, Result};
 use crate::os::wait::PollFd;
 
+mod faults;
+use faults::{count, Rng};
+pub use faults::{fault_stats, FaultStats, Faults};
+
 /// Datagrams per `recvmmsg`.
 const RX_BATCH: usize = 16;
 /// Receive buffer per datagram with UDP GRO (several packets merged by the kernel).
@@ -44,110 +48,6 @@ const GSO_BYTES: usize = 65000;
 /// The progress thread leaves the engine to the application while it polled this recently.
 const APP_ACTIVE: Duration = Duration::from_micros(500);
 const DGRAM: usize = 4096 + 64;
-
-/// Outgoing faults, for tests and demonstrations.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Faults {
-    /// Probability of dropping a datagram.
-    pub drop: f64,
-    /// Probability of sending it twice.
-    pub dup: f64,
-    /// Probability of delaying it (by up to 500 µs) behind later ones.
-    pub reorder: f64,
-    /// Probability of flipping one bit.
-    pub corrupt: f64,
-    /// PRNG seed.
-    pub seed: u64,
-}
-
-impl Faults {
-    /// Parse `drop=0.01,dup=0.01,reorder=0.02,corrupt=0.01,seed=7`.
-    pub fn parse(s: &str) -> Result<Faults> {
-        let mut f = Faults {
-            seed: 1,
-            ..Faults::default()
-        };
-        for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let (k, v) = kv.split_once('=').ok_or_else(|| {
-                Error::arg(format!("ROCCL_ROCEV2_FAULTS: '{kv}' is not key=value"))
-            })?;
-            let num = |v: &str| {
-                v.parse::<f64>().map_err(|_| {
-                    Error::arg(format!("ROCCL_ROCEV2_FAULTS: {k}={v} is not a number"))
-                })
-            };
-            match k {
-                "drop" => f.drop = num(v)?,
-                "dup" => f.dup = num(v)?,
-                "reorder" => f.reorder = num(v)?,
-                "corrupt" => f.corrupt = num(v)?,
-                "seed" => f.seed = num(v)? as u64,
-                _ => {
-                    return Err(Error::arg(format!(
-                    "ROCCL_ROCEV2_FAULTS: unknown key '{k}' (drop, dup, reorder, corrupt, seed)"
-                )))
-                }
-            }
-        }
-        Ok(f)
-    }
-}
-
-/// What the fault injector did and how the engines recovered, summed over every userspace
-/// provider of this process (engine counters are added when a provider closes).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FaultStats {
-    /// Datagrams the injector dropped.
-    pub dropped: u64,
-    /// Datagrams it sent twice.
-    pub duplicated: u64,
-    /// Datagrams it delayed behind later ones.
-    pub reordered: u64,
-    /// Datagrams it corrupted (one bit flipped).
-    pub corrupted: u64,
-    /// Packets the engines retransmitted.
-    pub retransmits: u64,
-    /// Datagrams the engines dropped for a bad ICRC.
-    pub icrc_errors: u64,
-    /// Duplicate requests the engines recognised and dropped.
-    pub duplicates: u64,
-}
-
-static FAULT_COUNTS: [std::sync::atomic::AtomicU64; 7] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 7];
-
-fn count(i: usize, n: u64) {
-    FAULT_COUNTS[i].fetch_add(n, Ordering::Relaxed);
-}
-
-/// The process-wide [`FaultStats`] (`ROCCL_ROCEV2_FAULTS`): a test that injects faults
-/// checks with it that faults were injected and recovered from.
-pub fn fault_stats() -> FaultStats {
-    let c = |i: usize| FAULT_COUNTS[i].load(Ordering::Relaxed);
-    FaultStats {
-        dropped: c(0),
-        duplicated: c(1),
-        reordered: c(2),
-        corrupted: c(3),
-        retransmits: c(4),
-        icrc_errors: c(5),
-        duplicates: c(6),
-    }
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && (self.next() % 1_000_000) as f64 / 1e6 < p
-    }
-}
 
 struct Pending {
     at: Instant,
