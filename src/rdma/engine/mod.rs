@@ -54,7 +54,7 @@ const NAK_REPEAT: u32 = 16;
 /// A responder acknowledges a packet that asks for it at once, and others (the last
 /// packets of unsignaled messages, whose requester waits for nothing) within this delay,
 /// coalesced: one acknowledgement then covers every message of a burst of small ones.
-pub const ACK_DELAY: Duration = Duration::from_micros(25);
+pub const ACK_DELAY: Duration = Duration::from_micros(100);
 /// Smallest congestion window, in packets.
 const MIN_WINDOW: u32 = 16;
 /// Most request packets in flight (unacknowledged) per QP.
