@@ -1069,11 +1069,12 @@ impl Verbs for IbvVerbs {
         }
     }
 
-    fn read_registered(&self, addr: u64, out: &mut [u8]) {
+    unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
         // The NIC writes this memory by DMA at any time: read it volatile, then order later
         // reads after it.
         for (i, b) in out.iter_mut().enumerate() {
-            // SAFETY: the caller passes memory inside one of its registered regions.
+            // SAFETY: the caller passes memory inside one of its registered regions, not
+            // yet deregistered (this function's contract).
             *b = unsafe { ptr::read_volatile((addr as *const u8).add(i)) };
         }
         std::sync::atomic::fence(Ordering::Acquire);

@@ -44,6 +44,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+#[cfg(doc)]
+use super::SendComm;
 use super::{
     Connecting, ListenComm, MemHandle, Net, NetHandle, NetProperties, PtrSupport, MAX_RECVS,
     MAX_REQUESTS,
@@ -241,7 +243,11 @@ fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
 }
 
 /// An explicit registration (`regMr`, `regMrDmaBuf`), kept in `cache` until `dereg`.
-fn reg_explicit(
+///
+/// # Safety
+/// The contract of [`SendComm::reg_mr`] and [`SendComm::reg_mr_device`]: the memory (and
+/// the dmabuf) stays valid until the registration is released or the comm dropped.
+unsafe fn reg_explicit(
     verbs: &dyn Verbs,
     cache: &mut RegCache,
     addr: usize,
@@ -254,8 +260,8 @@ fn reg_explicit(
     }
     // Remote read too: receive buffers in GPU memory are flushed by reading them.
     let access = Access::ALL;
-    // SAFETY: the registration contract (regMr): the memory, or the dmabuf, stays valid
-    // until `dereg_mr`, which the plugin's user calls before freeing it.
+    // SAFETY: this function's contract (regMr's): the memory, or the dmabuf, stays valid
+    // until `dereg_mr` or the comm's drop, which release the registration.
     let mr = unsafe {
         match dmabuf {
             Some((fd, offset)) => verbs.reg_dmabuf(fd, offset, len, addr as u64, access)?,

@@ -278,17 +278,19 @@ impl RoceRecv {
 }
 
 impl RecvComm for RoceRecv {
-    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
-        reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
+    unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        // SAFETY: this function's contract is `reg_explicit`'s.
+        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None) }
     }
 
-    fn reg_mr_device(
+    unsafe fn reg_mr_device(
         &mut self,
         addr: usize,
         len: usize,
         dmabuf: Option<(i32, u64)>,
     ) -> Result<MemHandle> {
-        reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf)
+        // SAFETY: this function's contract is `reg_explicit`'s.
+        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf) }
     }
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {

@@ -266,7 +266,7 @@ mod tests {
         fn qp_state(&self, _: QpId) -> Result<QpState> {
             Err(Error::Internal("not used by the cache".into()))
         }
-        fn read_registered(&self, _: u64, _: &mut [u8]) {}
+        unsafe fn read_registered(&self, _: u64, _: &mut [u8]) {}
     }
 
     const RW: Access = Access(3);

@@ -78,15 +78,18 @@ impl RoceSend {
     /// ([`CtsReader::cts_for`]).
     fn cts_for(&mut self, m: u32) -> Option<Cts> {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
-        self.cts
-            .cts_for(|a, b| verbs.read_registered(a, b), fifo, m)
+        // SAFETY: `CtsReader` reads only inside the FIFO at `fifo`, registered with this
+        // provider at connect and deregistered only when this comm is dropped.
+        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        self.cts.cts_for(read, fifo, m)
     }
 
     /// Take the credits of every entry written so far ([`CtsReader::refresh_credits`]).
     fn refresh_credits(&mut self) {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
-        self.cts
-            .refresh_credits(|a, b| verbs.read_registered(a, b), fifo);
+        // SAFETY: as in `cts_for`: reads inside the FIFO, registered while this comm lives.
+        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        self.cts.refresh_credits(read, fifo);
     }
 
     /// Post `wr` for request `i`; `done_now`: the data was copied (inline or staged), so the
@@ -278,17 +281,19 @@ impl SendComm for RoceSend {
             .get_or_insert_with(|| "closed after a failure or an abort".into());
     }
 
-    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
-        reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None)
+    unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+        // SAFETY: this function's contract is `reg_explicit`'s.
+        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None) }
     }
 
-    fn reg_mr_device(
+    unsafe fn reg_mr_device(
         &mut self,
         addr: usize,
         len: usize,
         dmabuf: Option<(i32, u64)>,
     ) -> Result<MemHandle> {
-        reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf)
+        // SAFETY: this function's contract is `reg_explicit`'s.
+        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf) }
     }
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {

@@ -604,8 +604,9 @@ impl Verbs for Wrapped {
     fn qp_state(&self, qp: QpId) -> Result<crate::rdma::verbs::QpState> {
         self.0.qp_state(qp)
     }
-    fn read_registered(&self, addr: u64, out: &mut [u8]) {
-        self.0.read_registered(addr, out)
+    unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
+        // SAFETY: this function's contract, passed on to the provider it wraps.
+        unsafe { self.0.read_registered(addr, out) }
     }
 }
 
@@ -652,16 +653,20 @@ fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
         let data: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
         let mut buf = vec![0u8; 256];
         let (sa, ra) = (data.as_ptr() as usize, buf.as_mut_ptr() as usize);
-        let (sm, rm) = if device {
-            (
-                s.reg_mr_device(sa, data.len(), None).unwrap(),
-                r.reg_mr_device(ra, buf.len(), None).unwrap(),
-            )
-        } else {
-            (
-                s.reg_mr(sa, data.len()).unwrap(),
-                r.reg_mr(ra, buf.len()).unwrap(),
-            )
+        // SAFETY: `data` and `buf` stay allocated until both registrations are released
+        // at the end of the iteration.
+        let (sm, rm) = unsafe {
+            if device {
+                (
+                    s.reg_mr_device(sa, data.len(), None).unwrap(),
+                    r.reg_mr_device(ra, buf.len(), None).unwrap(),
+                )
+            } else {
+                (
+                    s.reg_mr(sa, data.len()).unwrap(),
+                    r.reg_mr(ra, buf.len()).unwrap(),
+                )
+            }
         };
         let rb = [RecvBuf {
             ptr: buf.as_mut_ptr(),
@@ -699,7 +704,9 @@ fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
                 .expect("the flush read the received buffer");
             assert_eq!(read.3, ra as u64);
             let mut got = [0u8];
-            rec.read_registered(read.2, &mut got);
+            // SAFETY: the flush read's local buffer is the receive comm's scratch,
+            // registered with `rec` until `r` is dropped (below).
+            unsafe { rec.read_registered(read.2, &mut got) };
             assert_eq!(got[0], buf[0], "the flush read the buffer's first byte");
         } else {
             assert!(data_wr.is_none(), "{log:?}");
@@ -751,13 +758,16 @@ fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
     let dev = crate::device::sim::SimDevice::new(std::time::Duration::ZERO);
     let dmabuf = |e: &(std::os::fd::OwnedFd, u64)| Some((e.0.as_raw_fd(), e.1));
     let (_probe, piova, pbuf) = fake_gpu(&dev, 4096, 0);
+    // SAFETY: refused (nothing is registered), and `_probe` outlives the call.
+    let refused = unsafe { s.reg_mr_device(piova, 4096, dmabuf(&pbuf)) };
     assert!(
-        s.reg_mr_device(piova, 4096, dmabuf(&pbuf)).is_err(),
+        refused.is_err(),
         "a dmabuf taken without ROCCL_ROCEV2_SIM_GPU"
     );
     rec.0.set_sim_gpu(true);
     // A range past the end of the dmabuf is refused (mapped, it would fault on use).
-    let e = s.reg_mr_device(piova, 8192, dmabuf(&pbuf)).unwrap_err();
+    // SAFETY: as above.
+    let e = unsafe { s.reg_mr_device(piova, 8192, dmabuf(&pbuf)) }.unwrap_err();
     assert!(e.to_string().contains("exceeds"), "{e}");
     for (len, offset) in [(64usize, 4096usize), ((1 << 20) + 3, 100)] {
         let (a, aiova, abuf) = fake_gpu(&dev, len, offset);
@@ -765,8 +775,14 @@ fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
         let (b, biova, bbuf) = fake_gpu(&dev, rlen, 8192);
         let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ 0x3c).collect();
         a.with(|x| x[offset..].copy_from_slice(&pattern));
-        let sm = s.reg_mr_device(aiova, len, dmabuf(&abuf)).unwrap();
-        let rm = r.reg_mr_device(biova, rlen, dmabuf(&bbuf)).unwrap();
+        // SAFETY: `a` and `b` and their dmabufs live until the end of the iteration, after
+        // both registrations are released.
+        let (sm, rm) = unsafe {
+            (
+                s.reg_mr_device(aiova, len, dmabuf(&abuf)).unwrap(),
+                r.reg_mr_device(biova, rlen, dmabuf(&bbuf)).unwrap(),
+            )
+        };
         let rb = RecvBuf {
             ptr: biova as *mut u8,
             len: rlen,
@@ -801,9 +817,8 @@ fn flushes_are_asynchronous_and_complete_in_order() {
     let (_s, mut r) = pair(&net);
     let mut gpu = vec![0u8; 4096];
     let mut host = vec![0u8; 64];
-    let rm = r
-        .reg_mr_device(gpu.as_mut_ptr() as usize, gpu.len(), None)
-        .unwrap();
+    // SAFETY: `gpu` stays allocated until the registration is released at the end.
+    let rm = unsafe { r.reg_mr_device(gpu.as_mut_ptr() as usize, gpu.len(), None) }.unwrap();
     let bufs: Vec<RecvBuf> = (0..MAX_RECVS)
         .map(|i| RecvBuf {
             // SAFETY: inside `gpu`.
