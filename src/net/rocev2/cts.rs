@@ -664,6 +664,11 @@ mod tests {
             reader.has_credit(),
             "3 more receive requests across the wrap"
         );
+        // The same credits taken without consuming an entry.
+        let mut other = CtsReader::new(64);
+        (other.seq, other.credits) = (u32::MAX, u32::MAX - 1);
+        other.refresh_credits(fifo.read(), BASE);
+        assert_eq!(other.credits, 1, "credits wrapped past 0 are newer");
         for _ in 0..3 {
             assert!(reader.has_credit());
             reader.posted(10);

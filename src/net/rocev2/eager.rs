@@ -17,7 +17,7 @@ pub(super) struct EagerCfg {
     pub(super) slots: u32,
 }
 
-/// Receive work requests (and bounce buffers) per connection; at least [`FIFO`], so that
+/// Receive work requests (and bounce buffers) per connection; at least [`FIFO`](super::FIFO), so that
 /// messages sent against clear-to-send entries never lack one.
 pub(super) const EAGER_SLOTS: u32 = 64;
 /// Default and largest eager size (`ROCCL_ROCEV2_EAGER`, 0 turns eager messages off).

@@ -20,15 +20,15 @@
 
 //!
 //! The modules, in the order a message meets them:
-//! - [`setup`]: the listen handle, the setup messages and the two setup state machines
+//! - `setup`: the listen handle, the setup messages and the two setup state machines
 //!   (connecting and accepting) that end in a send or a receive comm;
-//! - [`cts`]: the clear-to-send FIFO and the credit protocol (entries, their torn-read
+//! - `cts`: the clear-to-send FIFO and the credit protocol (entries, their torn-read
 //!   protection, credits and when to report them);
-//! - [`eager`]: eager messages — their configuration, the receiver's bounce buffers and the
+//! - `eager`: eager messages — their configuration, the receiver's bounce buffers and the
 //!   sender's staging;
-//! - [`send`], [`recv`]: the send and receive comms;
-//! - [`flush`]: flushes of received GPU memory through a loopback QP;
-//! - [`regcache`]: the registration cache.
+//! - `send`, `recv`: the send and receive comms;
+//! - `flush`: flushes of received GPU memory through a loopback QP;
+//! - `regcache`: the registration cache.
 
 mod cts;
 mod eager;
