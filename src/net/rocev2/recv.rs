@@ -50,7 +50,8 @@ pub(super) fn written(g: &RecvGroup, imm: u32, peer: SocketAddr) -> Result<(usiz
 }
 
 pub(super) struct RReq {
-    g: RecvGroup,
+    /// The buffers it fills.
+    group: RecvGroup,
     mrs: [Option<Mr>; MAX_RECVS],
     reaped: bool,
     /// Its clear-to-send entry, kept for a receive whose buffers take eager messages only
@@ -178,12 +179,12 @@ impl RoceRecv {
         self.match_arrivals()?;
         self.announce_eager_only()?;
         self.report_credits()?;
-        let waiting = self.reqs.iter().any(|r| !r.g.done());
+        let waiting = self.reqs.iter().any(|r| !r.group.done());
         self.live.check(waiting, "receive").map_err(|e| {
             let idx = (self.filling - self.base) as usize;
             match (self.reqs.get(idx), e) {
                 (Some(r), Error::System { what, source }) if r.announced => {
-                    let n: usize = r.g.bufs[..r.g.len()].iter().map(|b| b.1).sum();
+                    let n: usize = r.group.bufs[..r.group.len()].iter().map(|b| b.1).sum();
                     Error::System {
                         what: format!("{what}; the receive it was to fill holds only {n} bytes, for eager messages: a larger message fails at the sender (mismatched counts between sender and receiver?)"),
                         source,
@@ -234,8 +235,8 @@ impl RoceRecv {
             };
             let complete = match a {
                 Arrival::Eager { slot, tag, len } => {
-                    let e = r.g.buffer_for(tag, len)?;
-                    let addr = r.g.bufs[e].0;
+                    let e = r.group.buffer_for(tag, len)?;
+                    let addr = r.group.bufs[e].0;
                     if len > 0 && self.cache.is_device(addr as u64, len) {
                         // Into GPU memory: the GPU copies it.
                         let copy = self.device_copy.as_ref().ok_or_else(no_device_copy)?;
@@ -253,14 +254,14 @@ impl RoceRecv {
                             )
                         };
                     }
-                    let complete = r.g.fill(e, len)?;
+                    let complete = r.group.fill(e, len)?;
                     self.arrived.pop_front();
                     self.repost(slot)?;
                     complete
                 }
                 Arrival::Written { imm } => {
-                    let (e, len) = written(&r.g, imm, self.peer)?;
-                    let complete = r.g.fill(e, len)?;
+                    let (e, len) = written(&r.group, imm, self.peer)?;
+                    let complete = r.group.fill(e, len)?;
                     self.arrived.pop_front();
                     complete
                 }
@@ -324,13 +325,13 @@ impl RecvComm for RoceRecv {
 
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         self.progress()?;
-        let g = RecvGroup::new(bufs)?;
+        let group = RecvGroup::new(bufs)?;
         if self.reqs.len() >= FIFO {
             return Ok(None);
         }
         let id = self.base + self.reqs.len() as u64;
         let mut r = RReq {
-            g,
+            group,
             mrs: [None; MAX_RECVS],
             reaped: false,
             eager_only: None,
@@ -398,10 +399,10 @@ impl RecvComm for RoceRecv {
         self.progress()?;
         let r =
             crate::net::pending_request(&mut self.reqs, self.base, req, |r| r.reaped, "receive")?;
-        if !r.g.done() {
+        if !r.group.done() {
             return Ok(false);
         }
-        for (d, s) in sizes.iter_mut().zip(r.g.sizes()) {
+        for (d, s) in sizes.iter_mut().zip(r.group.sizes()) {
             *d = *s;
         }
         r.reaped = true;

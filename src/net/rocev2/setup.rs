@@ -153,7 +153,7 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
     Ok((
         NetHandle::from_bytes(&h)?,
         Box::new(RoceListen {
-            l,
+            listener: l,
             verbs: Arc::clone(&net.verbs),
             pending: Vec::new(),
             eager: net.eager_cfg()?,
@@ -305,9 +305,10 @@ impl Drop for RoceConnecting {
     }
 }
 
+/// A connection being accepted: its setup socket, and once its QP is connected, the rest.
 struct Accepting {
     side: Side,
-    qp: Option<Accepted>,
+    accepted: Option<Accepted>,
 }
 
 /// A receive side whose QP is connected, waiting for the sender's "ready".
@@ -321,7 +322,8 @@ struct Accepted {
 }
 
 pub(super) struct RoceListen {
-    l: TcpListener,
+    /// The setup listener (its address is in the handle).
+    listener: TcpListener,
     verbs: Arc<dyn Verbs>,
     pending: Vec<Accepting>,
     eager: EagerCfg,
@@ -330,11 +332,14 @@ pub(super) struct RoceListen {
 impl ListenComm for RoceListen {
     fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
         loop {
-            match self.l.accept() {
+            match self.listener.accept() {
                 Ok((s, _)) => {
                     let mut side = Side::new(s)?;
                     side.expect(INFO);
-                    self.pending.push(Accepting { side, qp: None });
+                    self.pending.push(Accepting {
+                        side,
+                        accepted: None,
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => return Err(Error::sys("accept on the RoCE v2 setup listener", e)),
@@ -342,13 +347,13 @@ impl ListenComm for RoceListen {
         }
         let mut i = 0;
         while i < self.pending.len() {
-            let a = &mut self.pending[i];
-            let ready = match a.side.pump() {
+            let accepting = &mut self.pending[i];
+            let ready = match accepting.side.pump() {
                 Ok(r) => r,
                 Err(_) => {
-                    if let Some(a) = self.pending.swap_remove(i).qp {
-                        self.verbs.destroy_qp(a.qp);
-                        let _ = self.verbs.dereg_mr(&a.bounce.mr);
+                    if let Some(accepted) = self.pending.swap_remove(i).accepted {
+                        self.verbs.destroy_qp(accepted.qp);
+                        let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
                     }
                     continue;
                 }
@@ -357,8 +362,8 @@ impl ListenComm for RoceListen {
                 i += 1;
                 continue;
             }
-            if a.qp.is_none() {
-                let b: [u8; INFO] = a.side.inb[..INFO].try_into().unwrap();
+            if accepting.accepted.is_none() {
+                let b: [u8; INFO] = accepting.side.inb[..INFO].try_into().unwrap();
                 let (peer, fifo_addr, fifo_rkey, sender_eager) = decode_info(&b)?;
                 same_provider(&b, &*self.verbs)?;
                 let (qp, ep) = self.verbs.create_qp()?;
@@ -376,10 +381,11 @@ impl ListenComm for RoceListen {
                         return Err(e);
                     }
                 };
-                a.side
+                accepting
+                    .side
                     .queue(&encode_info(&ep, None, Some(cfg), self.verbs.hardware()));
-                a.side.expect(1); // the sender's "ready"
-                a.qp = Some(Accepted {
+                accepting.side.expect(1); // the sender's "ready"
+                accepting.accepted = Some(Accepted {
                     qp,
                     peer: peer.addr,
                     fifo_addr,
@@ -391,7 +397,7 @@ impl ListenComm for RoceListen {
                 i += 1;
                 continue;
             }
-            let a = self.pending.swap_remove(i);
+            let ready = self.pending.swap_remove(i);
             let Accepted {
                 qp,
                 peer,
@@ -399,7 +405,7 @@ impl ListenComm for RoceListen {
                 fifo_rkey,
                 bounce,
                 eager,
-            } = a.qp.expect("set above");
+            } = ready.accepted.expect("set above");
             let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
             // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
             let smr = unsafe {
@@ -415,7 +421,7 @@ impl ListenComm for RoceListen {
                 device_copy: None,
                 qp,
                 peer,
-                live: Liveness::new(a.side.s, "RoCE v2"),
+                live: Liveness::new(ready.side.s, "RoCE v2"),
                 fifo_addr,
                 fifo_rkey,
                 staging,
@@ -439,7 +445,7 @@ impl ListenComm for RoceListen {
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         out.push(PollFd {
-            fd: self.l.as_raw_fd(),
+            fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
         });
         for a in &self.pending {
@@ -453,10 +459,10 @@ impl ListenComm for RoceListen {
 
 impl Drop for RoceListen {
     fn drop(&mut self) {
-        for a in self.pending.drain(..) {
-            if let Some(a) = a.qp {
-                self.verbs.destroy_qp(a.qp);
-                let _ = self.verbs.dereg_mr(&a.bounce.mr);
+        for accepting in self.pending.drain(..) {
+            if let Some(accepted) = accepting.accepted {
+                self.verbs.destroy_qp(accepted.qp);
+                let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
             }
         }
     }

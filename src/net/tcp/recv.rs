@@ -153,8 +153,8 @@ impl TcpRecvComm {
 
     /// Find the header of the next message: in the buffer of socket 0, or (duplex) read
     /// from socket 1, whichever carries the message numbered `seq`. `Some(socket)` with
-    /// the header taken into slot `si`; `None` when it has not arrived.
-    fn next_header(&mut self, si: usize) -> Result<Option<usize>> {
+    /// the header taken into slot `index`; `None` when it has not arrived.
+    fn next_header(&mut self, index: usize) -> Result<Option<usize>> {
         let number = |h: &[u8]| (u64::from_le_bytes(h[0..8].try_into().unwrap()) >> 48) as u16;
         loop {
             let buffered = self.rx_end - self.rx_start >= HDR;
@@ -165,10 +165,10 @@ impl TcpRecvComm {
                     }
                     continue;
                 }
-                return self.take_buffered(si);
+                return self.take_buffered(index);
             }
             if buffered && number(&self.rx[self.rx_start..self.rx_start + HDR]) == self.seq {
-                return self.take_buffered(si);
+                return self.take_buffered(index);
             }
             if self.hdr1_got == HDR {
                 if number(&self.hdr1) != self.seq && buffered {
@@ -182,7 +182,7 @@ impl TcpRecvComm {
                 if number(&self.hdr1) == self.seq {
                     let h = self.hdr1;
                     self.hdr1_got = 0;
-                    self.take_header(si, &h)?;
+                    self.take_header(index, &h)?;
                     return Ok(Some(1));
                 }
             }
@@ -233,19 +233,19 @@ impl TcpRecvComm {
         }
     }
 
-    /// Take the header at the start of socket 0's buffer into slot `si`.
-    fn take_buffered(&mut self, si: usize) -> Result<Option<usize>> {
+    /// Take the header at the start of socket 0's buffer into slot `index`.
+    fn take_buffered(&mut self, index: usize) -> Result<Option<usize>> {
         let h: [u8; HDR] = self.rx[self.rx_start..self.rx_start + HDR]
             .try_into()
             .unwrap();
         self.rx_start += HDR;
-        self.take_header(si, &h)?;
+        self.take_header(index, &h)?;
         Ok(Some(0))
     }
 
-    /// Take header `h` into slot `si` (on a duplex connection the caller has matched its
+    /// Take header `h` into slot `index` (on a duplex connection the caller has matched its
     /// number with `seq`).
-    fn take_header(&mut self, si: usize, h: &[u8; HDR]) -> Result<()> {
+    fn take_header(&mut self, index: usize, h: &[u8; HDR]) -> Result<()> {
         let word = u64::from_le_bytes(h[0..8].try_into().unwrap());
         let len = (word & LEN_MASK) as usize;
         let tag = u32::from_le_bytes(h[8..12].try_into().unwrap());
@@ -257,7 +257,7 @@ impl TcpRecvComm {
         }
         self.seq = self.seq.wrapping_add(1);
         let n = self.fds.len();
-        let slot = &mut self.slots[si];
+        let slot = &mut self.slots[index];
         let r = &mut self.reqs[(slot.req - self.req_base) as usize];
         let Some(b) =
             (0..r.n as usize).find(|&b| r.assigned & (1 << b) == 0 && r.bufs[b].tag == tag)
@@ -284,8 +284,8 @@ impl TcpRecvComm {
         Ok(())
     }
 
-    fn finish_part(&mut self, si: usize) {
-        let slot = &mut self.slots[si];
+    fn finish_part(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
         slot.parts_left -= 1;
         if slot.parts_left == 0 {
             let r = &mut self.reqs[(slot.req - self.req_base) as usize];
@@ -306,24 +306,24 @@ impl TcpRecvComm {
         // for small pieces) or, on a duplex connection, the part that came with the header
         // on socket 1; further parts are read below.
         'sock0: while self.cur[0] < end {
-            let si = (self.cur[0] - self.slot_base) as usize;
-            if !self.slots[si].known {
-                let Some(head) = self.next_header(si)? else {
+            let index = (self.cur[0] - self.slot_base) as usize;
+            if !self.slots[index].known {
+                let Some(head) = self.next_header(index)? else {
                     break 'sock0;
                 };
-                self.slots[si].head = head as u8;
+                self.slots[index].head = head as u8;
                 self.last_head = head as u8;
             }
-            if self.slots[si].head == 1 {
+            if self.slots[index].head == 1 {
                 // Socket 0 carries nothing of this message: its empty part is done once
                 // (`off[0]` = 1 marks it).
-                if self.slots[si].off[0] == 0 {
-                    self.slots[si].off[0] = 1;
-                    self.finish_part(si);
+                if self.slots[index].off[0] == 0 {
+                    self.slots[index].off[0] = 1;
+                    self.finish_part(index);
                 }
-                let (s, e) = self.layout.part(self.slots[si].len, 1, n);
-                while self.slots[si].off[1] < e - s {
-                    let slot = &mut self.slots[si];
+                let (s, e) = self.layout.part(self.slots[index].len, 1, n);
+                while self.slots[index].off[1] < e - s {
+                    let slot = &mut self.slots[index];
                     let want = (e - s) - slot.off[1];
                     let dst = slot.dst + s + slot.off[1];
                     match recv_raw(self.fds[1], dst as *mut u8, want) {
@@ -334,13 +334,13 @@ impl TcpRecvComm {
                         Err(e) => return Err(io_err("TCP receive", self.peer, e)),
                     }
                 }
-                self.finish_part(si);
+                self.finish_part(index);
                 self.cur[0] += 1;
                 continue;
             }
-            let (s, e) = self.layout.part(self.slots[si].len, 0, n);
+            let (s, e) = self.layout.part(self.slots[index].len, 0, n);
             loop {
-                let slot = &mut self.slots[si];
+                let slot = &mut self.slots[index];
                 let want = (e - s) - slot.off[0];
                 if want == 0 {
                     break;
@@ -373,7 +373,7 @@ impl TcpRecvComm {
                     break 'sock0;
                 }
             }
-            self.finish_part(si);
+            self.finish_part(index);
             self.cur[0] += 1;
         }
         // Sockets 1..n: large parts straight into the destination (on a duplex connection,
@@ -381,8 +381,8 @@ impl TcpRecvComm {
         let first = if self.layout.inline.is_some() { 2 } else { 1 };
         for j in first..n {
             while self.cur[j] < end {
-                let si = (self.cur[j] - self.slot_base) as usize;
-                let slot = &mut self.slots[si];
+                let index = (self.cur[j] - self.slot_base) as usize;
+                let slot = &mut self.slots[index];
                 if !slot.known {
                     break;
                 }
@@ -402,8 +402,8 @@ impl TcpRecvComm {
                         Err(e) => return Err(io_err("TCP receive", self.peer, e)),
                     }
                 }
-                if self.slots[si].off[j] == e - s {
-                    self.finish_part(si);
+                if self.slots[index].off[j] == e - s {
+                    self.finish_part(index);
                     self.cur[j] += 1;
                 } else {
                     break;
