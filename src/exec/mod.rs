@@ -609,11 +609,17 @@ impl<'a> Exec<'a> {
         let mr = if send {
             let c = self.links.send_comm(peer, ch)?;
             c.set_device_copy(copy);
-            c.reg_mr_device(u.addr, u.len, dmabuf)
+            // SAFETY: `u` is the caller's GPU buffer, valid for this call; its registration
+            // is released when the call ends (`release_device`), or is kept for later calls
+            // only when the memory can be told apart (allocation id, or the dmabuf the
+            // registration holds), and dropped before memory allocated again over it is
+            // used (`cached`) or when its connection closes.
+            unsafe { c.reg_mr_device(u.addr, u.len, dmabuf) }
         } else {
             let c = self.links.recv_comm(peer, ch)?;
             c.set_device_copy(copy);
-            c.reg_mr_device(u.addr, u.len, dmabuf)
+            // SAFETY: as for the send side above.
+            unsafe { c.reg_mr_device(u.addr, u.len, dmabuf) }
         };
         // A local failure (the NIC or its driver): no peer to blame.
         let mr = mr.map_err(|e| {

@@ -194,12 +194,24 @@ pub trait Connecting: Send {
 /// The sending side of a connection (`sendComm`).
 pub trait SendComm: Send {
     /// Register memory for sends (no-op bookkeeping for networks that need none).
-    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay allocated, and readable and writable, until the
+    /// registration is released with [`SendComm::dereg_mr`] or the comm is dropped: an RDMA
+    /// network registers it with its provider for local and remote access
+    /// ([`Access::ALL`](crate::rdma::verbs::Access::ALL)), so the provider (or the peer,
+    /// by RDMA) may read or write it whenever work targets it, inside a request or not.
+    unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         Ok(MemHandle { addr, len, key: 0 })
     }
     /// Register GPU memory for sends: with `dmabuf = Some((fd, offset))` through the NIC's
     /// dmabuf support, else through its peer-memory support. Sent without CPU copies.
-    fn reg_mr_device(
+    ///
+    /// # Safety
+    /// As [`SendComm::reg_mr`], for GPU memory: `addr..addr+len` stays allocated until the
+    /// registration is released or the comm is dropped, and with `dmabuf = Some((fd,
+    /// offset))`, `fd` is a dmabuf whose `offset..offset+len` is that memory.
+    unsafe fn reg_mr_device(
         &mut self,
         addr: usize,
         len: usize,
@@ -247,12 +259,19 @@ pub trait SendComm: Send {
 /// The receiving side of a connection (`recvComm`).
 pub trait RecvComm: Send {
     /// Register memory for receives.
-    fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
+    ///
+    /// # Safety
+    /// As [`SendComm::reg_mr`]: `addr..addr+len` stays allocated, and readable and
+    /// writable, until [`RecvComm::dereg_mr`] or the comm is dropped.
+    unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         Ok(MemHandle { addr, len, key: 0 })
     }
     /// Register GPU memory for receives (see [`SendComm::reg_mr_device`]); receives into it
     /// need [`RecvComm::flush`] before the GPU reads them.
-    fn reg_mr_device(
+    ///
+    /// # Safety
+    /// As [`SendComm::reg_mr_device`].
+    unsafe fn reg_mr_device(
         &mut self,
         addr: usize,
         len: usize,

@@ -140,5 +140,10 @@ pub trait Verbs: Send + Sync {
     /// Copy `out.len()` bytes at `addr` — memory inside a region registered here that
     /// peers write by RDMA — consistently with the provider's own writes (the userspace
     /// engine writes under its lock; hardware providers order DMA with a fence).
-    fn read_registered(&self, addr: u64, out: &mut [u8]);
+    ///
+    /// # Safety
+    /// `addr..addr + out.len()` must lie inside one region registered with this provider
+    /// ([`Verbs::reg_mr`], [`Verbs::reg_dmabuf`] of host memory) and not yet released with
+    /// [`Verbs::dereg_mr`]: the provider reads it as plain memory.
+    unsafe fn read_registered(&self, addr: u64, out: &mut [u8]);
 }

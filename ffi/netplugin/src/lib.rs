@@ -545,15 +545,31 @@ fn register(
     let (_, o) = lookup(comm, "comm")?;
     let mut g = o.lock();
     let (a, l) = (data as usize, size);
+    // SAFETY (each registration below): NCCL's regMr/regMrDmaBuf contract — `data..data +
+    // size` (and the dmabuf `fd` covering it) stays valid until NCCL deregisters it
+    // (deregMr) or closes the comm; a range registered more than once is released only at
+    // its last deregMr (`Mrs`), and closing the comm releases what is left.
     let k = match &mut *g {
         Obj::Send(s) if device => {
-            Mrs::reg(&mut s.mrs, |a, l| s.c.reg_mr_device(a, l, dmabuf), a, l)?
+            // SAFETY: NCCL's contract, above.
+            let reg = |a, l| unsafe { s.c.reg_mr_device(a, l, dmabuf) };
+            Mrs::reg(&mut s.mrs, reg, a, l)?
         }
         Obj::Recv(r) if device => {
-            Mrs::reg(&mut r.mrs, |a, l| r.c.reg_mr_device(a, l, dmabuf), a, l)?
+            // SAFETY: NCCL's contract, above.
+            let reg = |a, l| unsafe { r.c.reg_mr_device(a, l, dmabuf) };
+            Mrs::reg(&mut r.mrs, reg, a, l)?
         }
-        Obj::Send(s) => Mrs::reg(&mut s.mrs, |a, l| s.c.reg_mr(a, l), a, l)?,
-        Obj::Recv(r) => Mrs::reg(&mut r.mrs, |a, l| r.c.reg_mr(a, l), a, l)?,
+        Obj::Send(s) => {
+            // SAFETY: NCCL's contract, above.
+            let reg = |a, l| unsafe { s.c.reg_mr(a, l) };
+            Mrs::reg(&mut s.mrs, reg, a, l)?
+        }
+        Obj::Recv(r) => {
+            // SAFETY: NCCL's contract, above.
+            let reg = |a, l| unsafe { r.c.reg_mr(a, l) };
+            Mrs::reg(&mut r.mrs, reg, a, l)?
+        }
         _ => return Err(bad(format!("{what}: not a send or receive comm"))),
     };
     set_out(mh, k as usize as *mut c_void);

@@ -41,7 +41,7 @@ pub struct Pinned {
 
 /// The cache of one comm. Dropping it does not deregister: call [`RegCache::clear`].
 pub struct RegCache {
-    on: bool,
+    enabled: bool,
     entries: Vec<Entry>,
     /// Explicit registrations and the requests in flight using each.
     pinned: Vec<(Pinned, u32)>,
@@ -56,7 +56,7 @@ impl RegCache {
     /// A cache for `verbs` (disabled when its registrations are not cacheable).
     pub fn new(verbs: &dyn Verbs) -> RegCache {
         RegCache {
-            on: verbs.cacheable_registrations(),
+            enabled: verbs.cacheable_registrations(),
             entries: Vec::with_capacity(CAPACITY),
             pinned: Vec::new(),
             clock: 0,
@@ -86,7 +86,7 @@ impl RegCache {
             self.hits += 1;
             return Ok(p.mr);
         }
-        if self.on {
+        if self.enabled {
             let end = addr + len as u64;
             if let Some(e) = self.entries.iter_mut().find(|e| {
                 e.mr.addr <= addr && end <= e.mr.addr + e.mr.len as u64 && e.access.has(access)
@@ -100,7 +100,7 @@ impl RegCache {
         self.misses += 1;
         // SAFETY: forwarded contract.
         let mr = unsafe { verbs.reg_mr(addr, len, access)? };
-        if !self.on {
+        if !self.enabled {
             return Ok(mr);
         }
         if self.entries.len() == CAPACITY {
@@ -266,7 +266,7 @@ mod tests {
         fn qp_state(&self, _: QpId) -> Result<QpState> {
             Err(Error::Internal("not used by the cache".into()))
         }
-        fn read_registered(&self, _: u64, _: &mut [u8]) {}
+        unsafe fn read_registered(&self, _: u64, _: &mut [u8]) {}
     }
 
     const RW: Access = Access(3);

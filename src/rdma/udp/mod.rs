@@ -1160,10 +1160,10 @@ impl Verbs for UserVerbs {
         }
     }
 
-    fn read_registered(&self, addr: u64, out: &mut [u8]) {
+    unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
         let _g = self.d.lock();
-        // SAFETY: the caller passes memory inside one of its registered regions (valid
-        // until deregistration); the engine writes registered memory only while holding the
+        // SAFETY: the caller passes memory inside one of its registered regions, not yet
+        // deregistered (this function's contract); the engine writes registered memory only while holding the
         // lock we hold, so this copy cannot observe a half-written update.
         unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
     }

@@ -1,0 +1,469 @@
+//! Connection setup over a TCP side channel: the listen handle (its magic and the setup
+//! listener's address), the setup messages (QP endpoint, FIFO address and key, eager
+//! configuration, provider kind), and the two state machines — [`RoceConnecting`] on the
+//! sending side and [`RoceListen`]'s accepting connections on the receiving side — that end
+//! in a [`RoceSend`] and a [`RoceRecv`].
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use super::cts::{Cts, CtsReader, CtsWriter, CTS_BYTES, CTS_SLOTS};
+use super::eager::{Bounce, EagerCfg, EAGER_SLOTS};
+use super::recv::RoceRecv;
+use super::regcache::RegCache;
+use super::send::RoceSend;
+use super::{RoceNet, EMPTY_WC, FIFO};
+use crate::error::{Error, Result};
+use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
+use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
+
+pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
+const INFO_MAGIC: u32 = 0x5851_5152; // "RQPX"
+/// Bytes of a setup message.
+pub(super) const INFO: usize = 64;
+
+/// Most receive work requests a peer may say it posts: the sender sizes its staging
+/// buffers (`slots × eager size`) by that number, so it is bounded before anything is
+/// allocated (this roccl posts [`EAGER_SLOTS`]).
+const MAX_PEER_SLOTS: u32 = 1024;
+
+/// The peer's receive work request count, from its setup message, within what this roccl
+/// can work with (at least [`FIFO`]) and allocate for (at most [`MAX_PEER_SLOTS`]).
+fn check_peer_slots(slots: u32, peer: SocketAddr) -> Result<()> {
+    if !(FIFO as u32..=MAX_PEER_SLOTS).contains(&slots) {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup with {peer}: the peer says it posts {slots} receive buffers, outside the {FIFO} to {MAX_PEER_SLOTS} this roccl works with (another roccl version, or not a roccl peer?)"
+        )));
+    }
+    Ok(())
+}
+
+fn put_addr(b: &mut [u8], a: SocketAddr) {
+    match a.ip() {
+        IpAddr::V4(v) => {
+            b[0] = 4;
+            b[4..8].copy_from_slice(&v.octets());
+        }
+        IpAddr::V6(v) => {
+            b[0] = 6;
+            b[4..20].copy_from_slice(&v.octets());
+        }
+    }
+    b[2..4].copy_from_slice(&a.port().to_le_bytes());
+}
+
+fn get_addr(b: &[u8]) -> Option<SocketAddr> {
+    let ip: IpAddr = match b[0] {
+        4 => <[u8; 4]>::try_from(&b[4..8]).ok()?.into(),
+        6 => <[u8; 16]>::try_from(&b[4..20]).ok()?.into(),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, u16::from_le_bytes([b[2], b[3]])))
+}
+
+/// Endpoint + FIFO description sent over the side channel.
+pub(super) fn encode_info(
+    ep: &QpEndpoint,
+    fifo: Option<&Mr>,
+    eager: Option<EagerCfg>,
+    hardware: bool,
+) -> [u8; INFO] {
+    let mut b = [0u8; INFO];
+    b[0..4].copy_from_slice(&INFO_MAGIC.to_le_bytes());
+    put_addr(&mut b[4..24], ep.addr);
+    b[24..28].copy_from_slice(&ep.qpn.to_le_bytes());
+    b[28..32].copy_from_slice(&ep.psn.to_le_bytes());
+    b[32..36].copy_from_slice(&ep.mtu.to_le_bytes());
+    if let Some(m) = fifo {
+        b[36..44].copy_from_slice(&m.addr.to_le_bytes());
+        b[44..48].copy_from_slice(&m.rkey.to_le_bytes());
+    }
+    if let Some(e) = eager {
+        b[48..52].copy_from_slice(&e.size.to_le_bytes());
+        b[52..56].copy_from_slice(&e.slots.to_le_bytes());
+    }
+    b[56] = u8::from(hardware);
+    b
+}
+
+/// Both ends must run RoCE v2 through the same kind of provider.
+fn same_provider(peer_info: &[u8; INFO], verbs: &dyn Verbs) -> Result<()> {
+    let kind = |hw: bool| {
+        if hw {
+            "an RDMA NIC (ROCCL_NET=verbs)"
+        } else {
+            "the userspace RoCE v2 engine over UDP (ROCCL_NET=rocev2)"
+        }
+    };
+    let (theirs, ours) = (peer_info[56] != 0, verbs.hardware());
+    if theirs != ours {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup: the peer uses {} but this rank {}: set the same ROCCL_NET on every rank (verbs needs an RDMA NIC on every node)",
+            kind(theirs),
+            kind(ours)
+        )));
+    }
+    Ok(())
+}
+
+/// What the peer sent: its endpoint, FIFO (address, rkey) and eager configuration.
+type Info = (QpEndpoint, u64, u32, EagerCfg);
+
+pub(super) fn decode_info(b: &[u8; INFO]) -> Result<Info> {
+    let bad = || {
+        Error::InvalidUsage(
+            "RoCE v2 connection setup: the peer sent an unknown message (another roccl version?)"
+                .into(),
+        )
+    };
+    if u32::from_le_bytes(b[0..4].try_into().unwrap()) != INFO_MAGIC {
+        return Err(bad());
+    }
+    let addr = get_addr(&b[4..24]).ok_or_else(bad)?;
+    let u32at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+    let ep = QpEndpoint {
+        addr,
+        qpn: u32at(24),
+        psn: u32at(28),
+        mtu: u32at(32),
+    };
+    Ok((
+        ep,
+        u64::from_le_bytes(b[36..44].try_into().unwrap()),
+        u32at(44),
+        EagerCfg {
+            size: u32at(48),
+            slots: u32at(52),
+        },
+    ))
+}
+
+/// Listen for connections of `net` on its setup address: the handle says where.
+pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> {
+    let l = TcpListener::bind(SocketAddr::new(net.ip, 0))
+        .map_err(|e| Error::sys(format!("bind the RoCE v2 setup listener on {}", net.ip), e))?;
+    l.set_nonblocking(true)
+        .map_err(|e| Error::sys("fcntl on the RoCE v2 setup listener", e))?;
+    let a = l.local_addr().map_err(|e| Error::sys("getsockname", e))?;
+    let mut h = [0u8; 28];
+    h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
+    put_addr(&mut h[4..24], a);
+    Ok((
+        NetHandle::from_bytes(&h)?,
+        Box::new(RoceListen {
+            listener: l,
+            verbs: Arc::clone(&net.verbs),
+            pending: Vec::new(),
+            eager: net.eager_cfg()?,
+        }),
+    ))
+}
+
+/// Start connecting `net` to the listener of `handle`: the FIFO is registered and the
+/// first setup message queued here; [`RoceConnecting::poll`] does the rest.
+pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+    let b = handle.as_bytes();
+    if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
+        return Err(Error::arg(
+            "not a roccl RoCE v2 connection handle: was it produced by another network?",
+        ));
+    }
+    let peer = get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))?;
+    let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
+    let (qp, ep) = net.verbs.create_qp()?;
+    let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
+    // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
+    // deregisters it before freeing it.
+    let mr = unsafe {
+        net.verbs.reg_mr(
+            fifo.as_mut_ptr() as u64,
+            CTS_SLOTS * CTS_BYTES,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )?
+    };
+    let eager = net.eager_cfg()?;
+    side.queue(&encode_info(
+        &ep,
+        Some(&mr),
+        Some(eager),
+        net.verbs.hardware(),
+    ));
+    side.expect(INFO);
+    Ok(Box::new(RoceConnecting {
+        side,
+        verbs: Arc::clone(&net.verbs),
+        qp,
+        mr,
+        fifo: Some(fifo),
+        replied: false,
+        eager,
+        peer_eager: None,
+        peer_addr: None,
+    }))
+}
+
+/// `h` with its setup port replaced by `port` (tests of peers that do not answer).
+#[cfg(test)]
+pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = *h.as_bytes();
+    b[6..8].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
+}
+
+pub(super) struct RoceConnecting {
+    side: Side,
+    verbs: Arc<dyn Verbs>,
+    qp: QpId,
+    mr: Mr,
+    fifo: Option<Box<[Cts; CTS_SLOTS]>>,
+    replied: bool,
+    eager: EagerCfg,
+    peer_eager: Option<EagerCfg>,
+    peer_addr: Option<SocketAddr>,
+}
+
+impl Connecting for RoceConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+        if !self.side.pump()? {
+            return Ok(None);
+        }
+        if !self.replied {
+            let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
+            let (peer, _, _, peer_eager) = decode_info(&b)?;
+            same_provider(&b, &*self.verbs)?;
+            check_peer_slots(peer_eager.slots, peer.addr)?;
+            self.peer_eager = Some(peer_eager);
+            self.peer_addr = Some(peer.addr);
+            self.verbs.connect_qp(self.qp, &peer)?;
+            self.side.queue(&[1]);
+            self.replied = true;
+            if !self.side.pump()? {
+                return Ok(None);
+            }
+        }
+        if self.fifo.is_none() {
+            return Err(Error::Internal("connection polled after completion".into()));
+        }
+        // Fallible steps first: on error the FIFO stays here, registered, and Drop releases
+        // both together.
+        let side = self
+            .side
+            .s
+            .try_clone()
+            .map_err(|e| Error::sys("dup of the RoCE v2 setup socket", e))?;
+        let peer = self.peer_eager.unwrap_or(EagerCfg { size: 0, slots: 0 });
+        let eager_size = self.eager.size.min(peer.size);
+        // Eager messages are copied here at post, so the send completes at once; slot
+        // `m % slots` is free again once the receiver consumed message `m - slots`, which
+        // the credit check before each send guarantees.
+        let staging = Bounce::alloc(
+            &*self.verbs,
+            EagerCfg {
+                size: eager_size,
+                slots: peer.slots,
+            },
+        )?;
+        let fifo = self.fifo.take().expect("checked above");
+        Ok(Some(Box::new(RoceSend {
+            verbs: Arc::clone(&self.verbs),
+            device_copy: None,
+            qp: self.qp,
+            peer: self
+                .peer_addr
+                .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))),
+            live: Liveness::new(side, "RoCE v2"),
+            fifo_mr: self.mr,
+            fifo,
+            reqs: VecDeque::with_capacity(FIFO),
+            base: 0,
+            wcs: [EMPTY_WC; 16],
+            failed: None,
+            eager_size: eager_size as usize,
+            staging,
+            cts: CtsReader::new(peer.slots),
+            cache: RegCache::new(&*self.verbs),
+        })))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd {
+            fd: self.side.s.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLOUT,
+        });
+    }
+}
+
+impl Drop for RoceConnecting {
+    fn drop(&mut self) {
+        if self.fifo.is_some() {
+            // Setup abandoned: release what the send comm would have owned.
+            let _ = self.verbs.dereg_mr(&self.mr);
+            self.verbs.destroy_qp(self.qp);
+        }
+    }
+}
+
+/// A connection being accepted: its setup socket, and once its QP is connected, the rest.
+struct Accepting {
+    side: Side,
+    accepted: Option<Accepted>,
+}
+
+/// A receive side whose QP is connected, waiting for the sender's "ready".
+struct Accepted {
+    qp: QpId,
+    peer: SocketAddr,
+    fifo_addr: u64,
+    fifo_rkey: u32,
+    bounce: Bounce,
+    eager: usize,
+}
+
+pub(super) struct RoceListen {
+    /// The setup listener (its address is in the handle).
+    listener: TcpListener,
+    verbs: Arc<dyn Verbs>,
+    pending: Vec<Accepting>,
+    eager: EagerCfg,
+}
+
+impl ListenComm for RoceListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    let mut side = Side::new(s)?;
+                    side.expect(INFO);
+                    self.pending.push(Accepting {
+                        side,
+                        accepted: None,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Error::sys("accept on the RoCE v2 setup listener", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let accepting = &mut self.pending[i];
+            let ready = match accepting.side.pump() {
+                Ok(r) => r,
+                Err(_) => {
+                    if let Some(accepted) = self.pending.swap_remove(i).accepted {
+                        self.verbs.destroy_qp(accepted.qp);
+                        let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
+                    }
+                    continue;
+                }
+            };
+            if !ready {
+                i += 1;
+                continue;
+            }
+            if accepting.accepted.is_none() {
+                let b: [u8; INFO] = accepting.side.inb[..INFO].try_into().unwrap();
+                let (peer, fifo_addr, fifo_rkey, sender_eager) = decode_info(&b)?;
+                same_provider(&b, &*self.verbs)?;
+                let (qp, ep) = self.verbs.create_qp()?;
+                // Receives are posted before the sender learns our endpoint: its first
+                // message (eager, without a clear-to-send) always finds one.
+                let cfg = self.eager;
+                let bounce = match self
+                    .verbs
+                    .connect_qp(qp, &peer)
+                    .and_then(|()| Bounce::new(&*self.verbs, qp, cfg))
+                {
+                    Ok(b) => b,
+                    Err(e) => {
+                        self.verbs.destroy_qp(qp);
+                        return Err(e);
+                    }
+                };
+                accepting
+                    .side
+                    .queue(&encode_info(&ep, None, Some(cfg), self.verbs.hardware()));
+                accepting.side.expect(1); // the sender's "ready"
+                accepting.accepted = Some(Accepted {
+                    qp,
+                    peer: peer.addr,
+                    fifo_addr,
+                    fifo_rkey,
+                    bounce,
+                    // The sender sends eagerly what fits both sides' limit.
+                    eager: cfg.size.min(sender_eager.size) as usize,
+                });
+                i += 1;
+                continue;
+            }
+            let ready = self.pending.swap_remove(i);
+            let Accepted {
+                qp,
+                peer,
+                fifo_addr,
+                fifo_rkey,
+                bounce,
+                eager,
+            } = ready.accepted.expect("set above");
+            let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
+            // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
+            let smr = unsafe {
+                self.verbs.reg_mr(
+                    staging.as_mut_ptr() as u64,
+                    CTS_SLOTS * CTS_BYTES,
+                    Access::LOCAL_WRITE,
+                )?
+            };
+            let cts = CtsWriter::new(bounce.slots);
+            return Ok(Some(Box::new(RoceRecv {
+                verbs: Arc::clone(&self.verbs),
+                device_copy: None,
+                qp,
+                peer,
+                live: Liveness::new(ready.side.s, "RoCE v2"),
+                fifo_addr,
+                fifo_rkey,
+                staging,
+                staging_mr: smr,
+                reqs: VecDeque::with_capacity(FIFO),
+                base: 0,
+                wcs: [EMPTY_WC; 16],
+                failed: None,
+                bounce,
+                arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
+                filling: 0,
+                cts,
+                next_first: 0,
+                eager,
+                cache: RegCache::new(&*self.verbs),
+                flusher: None,
+            })));
+        }
+        Ok(None)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd {
+            fd: self.listener.as_raw_fd(),
+            events: libc::POLLIN,
+        });
+        for a in &self.pending {
+            out.push(PollFd {
+                fd: a.side.s.as_raw_fd(),
+                events: libc::POLLIN,
+            });
+        }
+    }
+}
+
+impl Drop for RoceListen {
+    fn drop(&mut self) {
+        for accepting in self.pending.drain(..) {
+            if let Some(accepted) = accepting.accepted {
+                self.verbs.destroy_qp(accepted.qp);
+                let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
+            }
+        }
+    }
+}

@@ -1,0 +1,870 @@
+//! Tests of the RoCE v2 network through its `Net` trait: connections over the userspace
+//! engine and over wrapped providers, eager and rendezvous messages, GPU memory, flushes.
+
+use super::eager::{EagerCfg, EAGER_DEFAULT};
+use super::flush::FLUSH_READS;
+use super::recv::written;
+use super::setup::{decode_info, encode_info, handle_with_port, INFO};
+use super::*;
+use crate::net::{PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, SendComm};
+use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode};
+use std::collections::VecDeque;
+use std::net::{Ipv4Addr, TcpListener};
+
+fn pair(net: &RoceNet) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
+    crate::net::connect_pair(net)
+}
+
+/// Post the receive `rb` and a send of `len` bytes at `src` (registered as `mh`, if
+/// given), and drive both to completion; the size received.
+///
+/// # Safety
+/// `src` is readable for `len` bytes and `rb`'s buffer writable until this returns.
+unsafe fn transfer(
+    s: &mut dyn SendComm,
+    r: &mut dyn RecvComm,
+    src: *const u8,
+    len: usize,
+    tag: u32,
+    mh: Option<&MemHandle>,
+    rb: &RecvBuf,
+) -> Result<usize> {
+    // SAFETY: the caller's contract; both requests complete before this returns.
+    let (rq, sq) = unsafe {
+        let rq = r.irecv(std::slice::from_ref(rb))?.unwrap();
+        (rq, s.isend(src, len, tag, mh)?.unwrap())
+    };
+    let (mut sd, mut rd, mut size) = (false, false, [0usize]);
+    let t0 = std::time::Instant::now();
+    while !(sd && rd) {
+        assert!(t0.elapsed().as_secs() < 10, "exchange stalled");
+        sd = sd || s.test(sq)?.is_some();
+        rd = rd || r.test(rq, &mut size)?;
+    }
+    Ok(size[0])
+}
+
+fn exchange(
+    s: &mut dyn SendComm,
+    r: &mut dyn RecvComm,
+    data: &[u8],
+    cap: usize,
+    tag: u32,
+) -> Result<(Vec<u8>, usize)> {
+    let mut buf = vec![0u8; cap];
+    let rb = RecvBuf {
+        ptr: buf.as_mut_ptr(),
+        len: cap,
+        tag: 1,
+    };
+    // SAFETY: `buf` and `data` outlive the call.
+    let n = unsafe { transfer(s, r, data.as_ptr(), data.len(), tag, None, &rb)? };
+    Ok((buf, n))
+}
+
+/// Item 11 of issue 19: an eager send is done for the caller once posted; a send comm
+/// destroyed right after must still deliver it, here through a link that loses
+/// everything until after the destroy began.
+#[test]
+fn an_eager_send_survives_the_destroy_that_follows_it() {
+    use crate::rdma::udp::Faults;
+    let lo = Ipv4Addr::LOCALHOST.into();
+    let verbs = Arc::new(UserVerbs::with(lo, 0, None).unwrap());
+    let net = RoceNet::over(verbs.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    // Eager (at most 16 KiB) and not inline (over 256 B): sent from the comm's staging.
+    let data = vec![7u8; 1000];
+    let mut buf = vec![0u8; 1000];
+    let rb = RecvBuf {
+        ptr: buf.as_mut_ptr(),
+        len: buf.len(),
+        tag: 1,
+    };
+    // SAFETY: `buf` outlives the receive (tested to completion below).
+    let rq = unsafe { r.irecv(std::slice::from_ref(&rb)) }
+        .unwrap()
+        .unwrap();
+    verbs.set_faults(Some(Faults {
+        drop: 1.0,
+        seed: 1,
+        ..Faults::default()
+    }));
+    // SAFETY: `data` outlives the send.
+    let sq = unsafe { s.isend(data.as_ptr(), data.len(), 1, None) }
+        .unwrap()
+        .unwrap();
+    assert!(
+        s.test(sq).unwrap().is_some(),
+        "an eager send is done at once"
+    );
+    let healer = {
+        let v = verbs.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            v.set_faults(None);
+        })
+    };
+    drop(s);
+    healer.join().unwrap();
+    let mut size = [0usize];
+    let t0 = std::time::Instant::now();
+    loop {
+        match r.test(rq, &mut size) {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => panic!("the message sent before the destroy was lost: {e}"),
+        }
+        assert!(
+            t0.elapsed().as_secs() < 10,
+            "the message sent before the destroy never arrived"
+        );
+    }
+    assert_eq!((size[0], &buf), (1000, &data));
+}
+
+#[test]
+fn messages_of_every_size() {
+    let net = RoceNet::over(
+        Arc::new(UserVerbs::with(Ipv4Addr::LOCALHOST.into(), 0, None).unwrap()),
+        Ipv4Addr::LOCALHOST.into(),
+    );
+    let (mut s, mut r) = pair(&net);
+    for len in [0usize, 1, 4, 4095, 4096, 4097, 100_000, 1 << 20] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+        let (buf, got) = exchange(&mut *s, &mut *r, &data, len + 3, 1)
+            .unwrap_or_else(|e| panic!("{len} bytes: {e}"));
+        assert_eq!(got, len);
+        assert_eq!(&buf[..len], &data[..]);
+    }
+    // A grouped receive: three buffers matched by tag, sent in another order.
+    let (a, b, c) = (vec![1u8; 10], vec![2u8; 70_000], vec![3u8; 0]);
+    let (mut ba, mut bb, mut bc) = (vec![0u8; 10], vec![0u8; 70_000], vec![9u8; 4]);
+    let group = [
+        RecvBuf {
+            ptr: bc.as_mut_ptr(),
+            len: 4,
+            tag: 30,
+        },
+        RecvBuf {
+            ptr: ba.as_mut_ptr(),
+            len: 10,
+            tag: 10,
+        },
+        RecvBuf {
+            ptr: bb.as_mut_ptr(),
+            len: 70_000,
+            tag: 20,
+        },
+    ];
+    // SAFETY: every buffer outlives the loop below, which completes all requests.
+    let (rq, sq) = unsafe {
+        let rq = r.irecv(&group).unwrap().unwrap();
+        let sq = [
+            s.isend(b.as_ptr(), b.len(), 20, None).unwrap().unwrap(),
+            s.isend(c.as_ptr(), 0, 30, None).unwrap().unwrap(),
+            s.isend(a.as_ptr(), a.len(), 10, None).unwrap().unwrap(),
+        ];
+        (rq, sq)
+    };
+    let mut sizes = [0usize; 3];
+    let mut done = [false; 3];
+    while !done.iter().all(|d| *d) || !r.test(rq, &mut sizes).unwrap() {
+        for (d, q) in done.iter_mut().zip(sq) {
+            *d = *d || s.test(q).unwrap().is_some();
+        }
+    }
+    assert_eq!(sizes, [0, 10, 70_000]);
+    assert_eq!((ba, bb, bc), (a, b, vec![9u8; 4]));
+    // Larger than the posted buffer, or an unknown tag: errors, not corruption.
+    let e = exchange(&mut *s, &mut *r, &[1u8; 100], 10, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("holds only 10"), "{e}");
+}
+
+/// Hundreds of messages, eager and rendezvous mixed, up to FIFO in flight, with the
+/// receiver posting its receives late (eager messages wait in bounce buffers, and their
+/// clear-to-send slots are reused before the sender reads them): every byte arrives in
+/// order and nothing stalls.
+#[test]
+fn eager_and_rendezvous_mixed_with_a_late_receiver() {
+    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let (mut s, mut r) = pair(&net);
+    let sizes: Vec<usize> = (0..400)
+        .map(|i| match i % 7 {
+            0 => 0,
+            1 => 8,
+            2 => 4096,
+            3 => 4097,
+            4 => 300,
+            5 => 70_000,
+            _ => 1 + (i * 37) % 9000,
+        })
+        .collect();
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|k| (i * 131 + k * 7) as u8).collect())
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+    let (mut next_s, mut next_r) = (0usize, 0usize);
+    let mut sq: VecDeque<(usize, ReqId)> = VecDeque::new();
+    let mut rq: VecDeque<(usize, ReqId)> = VecDeque::new();
+    let mut done = 0usize;
+    let start = std::time::Instant::now();
+    while done < sizes.len() || !sq.is_empty() {
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "stalled: sent {next_s}, received {done}"
+        );
+        // The sender runs ahead; the receiver posts only while it lags by 40+ messages,
+        // the sender is blocked, or at the end, so eager messages arrive before their
+        // receives.
+        while next_s < sizes.len() && sq.len() < FIFO {
+            // SAFETY: `data` outlives every request.
+            match unsafe { s.isend(data[next_s].as_ptr(), sizes[next_s], 5, None) }.unwrap() {
+                Some(q) => {
+                    sq.push_back((next_s, q));
+                    next_s += 1;
+                }
+                None => break,
+            }
+        }
+        while let Some(&(_, q)) = sq.front() {
+            if s.test(q).unwrap().is_none() {
+                break;
+            }
+            sq.pop_front();
+        }
+        let blocked = sq.len() >= FIFO;
+        let lagging = next_s >= next_r + 40 || next_s == sizes.len() || blocked;
+        while lagging && next_r < sizes.len() && rq.len() < FIFO {
+            let b = RecvBuf {
+                ptr: bufs[next_r].as_mut_ptr(),
+                len: sizes[next_r],
+                tag: 5,
+            };
+            // SAFETY: `bufs` outlives every request and is not touched until it completes.
+            match unsafe { r.irecv(&[b]) }.unwrap() {
+                Some(q) => {
+                    rq.push_back((next_r, q));
+                    next_r += 1;
+                }
+                None => break,
+            }
+        }
+        while let Some(&(i, q)) = rq.front() {
+            let mut got = [0usize];
+            if !r.test(q, &mut got).unwrap() {
+                break;
+            }
+            assert_eq!(got[0], sizes[i], "message {i}");
+            rq.pop_front();
+            done += 1;
+        }
+    }
+    for (i, (b, d)) in bufs.iter().zip(&data).enumerate() {
+        assert!(b == d, "message {i} ({} bytes) arrived corrupted", d.len());
+    }
+}
+
+/// What a peer says about sizes is checked, never trusted: an immediate's size beyond
+/// the posted buffer or its index beyond the group, and a message of exactly 2^29 bytes
+/// (whose size would spill into a grouped immediate's index bits).
+#[test]
+fn peer_supplied_sizes_are_bounds_checked() {
+    let peer = SocketAddr::from(([10, 0, 0, 2], 4791));
+    let (mut a, mut b) = ([0u8; 100], [0u8; 200]);
+    let one = RecvGroup::new(&[RecvBuf {
+        ptr: a.as_mut_ptr(),
+        len: 100,
+        tag: 1,
+    }])
+    .unwrap();
+    assert_eq!(written(&one, 100, peer).unwrap(), (0, 100));
+    let e = written(&one, 101, peer).unwrap_err().to_string();
+    assert!(
+        e.contains("101 bytes") && e.contains("holds only 100") && e.contains("10.0.0.2"),
+        "{e}"
+    );
+    let two = RecvGroup::new(&[
+        RecvBuf {
+            ptr: a.as_mut_ptr(),
+            len: 100,
+            tag: 1,
+        },
+        RecvBuf {
+            ptr: b.as_mut_ptr(),
+            len: 200,
+            tag: 2,
+        },
+    ])
+    .unwrap();
+    assert_eq!(written(&two, (1 << 29) | 200, peer).unwrap(), (1, 200));
+    let e = written(&two, (1 << 29) | 201, peer)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("holds only 200"), "{e}");
+    let e = written(&two, (2 << 29) | 5, peer).unwrap_err().to_string();
+    assert!(e.contains("buffer 2 of a receive of 2"), "{e}");
+
+    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let (mut s, _r) = pair(&net);
+    // Zero pages until touched; nothing touches them (the send is refused).
+    let big = vec![0u8; 1 << 29];
+    // SAFETY: `big` outlives the comm's use of it (the send is refused at once).
+    let e = unsafe { s.isend(big.as_ptr(), big.len(), 1, None) };
+    let e = e
+        .expect_err("a 2^29-byte message must be refused")
+        .to_string();
+    assert!(e.contains("512 MiB less one byte"), "{e}");
+}
+
+/// A peer whose setup message claims 2^32 - 1 receive buffers (the sender would allocate
+/// its staging for that many) is refused with an error naming it, not an allocation
+/// failure.
+#[test]
+fn a_peer_claiming_absurd_receive_buffers_is_refused() {
+    use std::io::{Read, Write};
+    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let (h, _l) = net.listen(0).unwrap();
+    let mut c = net.connect(0, &handle_with_port(&h, port)).unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut req = [0u8; INFO];
+        s.read_exact(&mut req).unwrap();
+        // Answer with the connector's own endpoint (a QP connected to itself).
+        let (ep, _, _, _) = decode_info(&req).unwrap();
+        let eager = EagerCfg {
+            size: EAGER_DEFAULT,
+            slots: u32::MAX,
+        };
+        s.write_all(&encode_info(&ep, None, Some(eager), false))
+            .unwrap();
+        s
+    });
+    let start = std::time::Instant::now();
+    let e = loop {
+        assert!(start.elapsed().as_secs() < 10, "no answer within 10 s");
+        match c.poll() {
+            Err(e) => break e.to_string(),
+            Ok(Some(_)) => panic!("connected to a peer claiming 2^32 - 1 receive buffers"),
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(1)),
+        }
+    };
+    assert!(
+        e.contains("4294967295 receive buffers") && e.contains("127.0.0.1"),
+        "{e}"
+    );
+    drop(peer.join().unwrap());
+}
+
+#[test]
+fn a_nic_and_the_userspace_engine_refuse_each_other_clearly() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let user = RoceNet::over(Arc::new(UserVerbs::with(lo, 0, None).unwrap()), lo);
+    let nic = RoceNet::over(Arc::new(Wrapped::new(lo, true)), lo);
+    assert_eq!((user.name(), nic.name()), ("rocev2", "verbs"));
+    let (h, mut l) = user.listen(0).unwrap();
+    let mut c = nic.connect(0, &h).unwrap();
+    let start = std::time::Instant::now();
+    let err = loop {
+        assert!(start.elapsed().as_secs() < 10, "no error within 10 s");
+        match c.poll() {
+            Err(e) => break e.to_string(),
+            Ok(Some(_)) => panic!("connected a NIC to the userspace engine"),
+            Ok(None) => {}
+        }
+        if let Err(e) = l.accept() {
+            break e.to_string();
+        }
+    };
+    assert!(
+        err.contains("ROCCL_NET") && err.contains("userspace") && err.contains("NIC"),
+        "{err}"
+    );
+}
+
+/// Grouped receives (up to 8 buffers, tags matched in shuffled send order), eager and
+/// rendezvous sizes mixed in one group, sender and receiver on their own threads with up
+/// to FIFO requests each: the NCCL proxy's pattern.
+#[test]
+fn grouped_receives_with_mixed_sizes_from_two_threads() {
+    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let (mut s, mut r) = pair(&net);
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    // Per group: (size, tag) of each buffer, and the order the sender sends them in.
+    type Group = (Vec<(usize, u32)>, Vec<usize>);
+    let mut groups: Vec<Group> = Vec::new();
+    for _ in 0..150 {
+        let n = if next() % 3 == 0 {
+            1 + (next() % 8) as usize
+        } else {
+            1
+        };
+        let bufs: Vec<(usize, u32)> = (0..n)
+            .map(|i| {
+                let size = match next() % 10 {
+                    0 => 0,
+                    1..=5 => (next() % 4097) as usize,
+                    6..=7 => 16_000 + (next() % 800) as usize,
+                    _ => (next() % 300_000) as usize,
+                };
+                (size, 100 + i as u32)
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            order.swap(i, (next() % (i as u64 + 1)) as usize);
+        }
+        groups.push((bufs, order));
+    }
+    let fill = |g: usize, b: usize, i: usize| (g * 31 + b * 7 + i * 13) as u8;
+    let sent: Vec<Vec<Vec<u8>>> = groups
+        .iter()
+        .enumerate()
+        .map(|(g, (bufs, _))| {
+            bufs.iter()
+                .enumerate()
+                .map(|(b, &(n, _))| (0..n).map(|i| fill(g, b, i)).collect())
+                .collect()
+        })
+        .collect();
+    let plan = groups.clone();
+    let data = sent.clone();
+    let sender = std::thread::spawn(move || {
+        let mut q: VecDeque<ReqId> = VecDeque::new();
+        let start = std::time::Instant::now();
+        for (g, (bufs, order)) in plan.iter().enumerate() {
+            for &b in order {
+                loop {
+                    assert!(
+                        start.elapsed().as_secs() < 60,
+                        "sender stalled at group {g}"
+                    );
+                    // SAFETY: `data` outlives every request (joined below).
+                    let d = &data[g][b];
+                    if let Some(id) =
+                        unsafe { s.isend(d.as_ptr(), d.len(), bufs[b].1, None) }.unwrap()
+                    {
+                        q.push_back(id);
+                        break;
+                    }
+                    while let Some(&f) = q.front() {
+                        if s.test(f).unwrap().is_none() {
+                            break;
+                        }
+                        q.pop_front();
+                    }
+                }
+            }
+        }
+        while let Some(f) = q.pop_front() {
+            while s.test(f).unwrap().is_none() {
+                assert!(start.elapsed().as_secs() < 60, "sender stalled at the end");
+            }
+        }
+        s
+    });
+    let mut bufs: Vec<Vec<Vec<u8>>> = groups
+        .iter()
+        .map(|(b, _)| b.iter().map(|&(n, _)| vec![0xEEu8; n + 16]).collect())
+        .collect();
+    let mut q: VecDeque<(usize, ReqId)> = VecDeque::new();
+    let mut g = 0;
+    let start = std::time::Instant::now();
+    while g < groups.len() || !q.is_empty() {
+        assert!(
+            start.elapsed().as_secs() < 60,
+            "receiver stalled: posted {g}, waiting {}",
+            q.len()
+        );
+        if g < groups.len() && q.len() < FIFO {
+            let rb: Vec<RecvBuf> = bufs[g]
+                .iter_mut()
+                .zip(&groups[g].0)
+                .map(|(b, &(_, tag))| RecvBuf {
+                    ptr: b.as_mut_ptr(),
+                    len: b.len(),
+                    tag,
+                })
+                .collect();
+            // SAFETY: `bufs` outlives the requests and is read only after completion.
+            if let Some(id) = unsafe { r.irecv(&rb) }.unwrap() {
+                q.push_back((g, id));
+                g += 1;
+            }
+        }
+        if let Some(&(k, id)) = q.front() {
+            let mut sizes = [0usize; MAX_RECVS];
+            if r.test(id, &mut sizes[..groups[k].0.len()]).unwrap() {
+                for (b, &(n, _)) in groups[k].0.iter().enumerate() {
+                    assert_eq!(sizes[b], n, "group {k} buffer {b}");
+                    assert!(
+                        bufs[k][b][..n] == sent[k][b][..],
+                        "group {k} buffer {b} data"
+                    );
+                }
+                q.pop_front();
+            }
+        }
+    }
+    drop(sender.join().unwrap());
+}
+
+/// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
+/// must agree), recording every send work request (opcode, inline, local address,
+/// remote address); with `Some(n)` in the last field every queue pair is granted `n`
+/// bytes of inline data, as a NIC may grant less than its provider asked for.
+struct Wrapped(
+    UserVerbs,
+    parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
+    bool,
+    Option<usize>,
+);
+
+impl Wrapped {
+    fn new(ip: IpAddr, nic: bool) -> Wrapped {
+        Wrapped(
+            UserVerbs::with(ip, 0, None).unwrap(),
+            parking_lot::Mutex::new(Vec::new()),
+            nic,
+            None,
+        )
+    }
+}
+
+impl Verbs for Wrapped {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn dmabuf_supported(&self) -> bool {
+        self.0.dmabuf_supported()
+    }
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        // SAFETY: forwarded contract.
+        unsafe { self.0.reg_dmabuf(fd, offset, len, iova, access) }
+    }
+    fn hardware(&self) -> bool {
+        self.2
+    }
+    fn max_inline(&self) -> usize {
+        self.0.max_inline()
+    }
+    fn qp_max_inline(&self, qp: QpId) -> usize {
+        self.3.unwrap_or_else(|| self.0.qp_max_inline(qp))
+    }
+    unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
+        // SAFETY: forwarded contract.
+        unsafe { self.0.reg_mr(addr, len, access) }
+    }
+    fn dereg_mr(&self, mr: &Mr) -> Result<()> {
+        self.0.dereg_mr(mr)
+    }
+    fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+        self.0.create_qp()
+    }
+    fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
+        self.0.connect_qp(qp, remote)
+    }
+    fn destroy_qp(&self, qp: QpId) {
+        self.0.destroy_qp(qp)
+    }
+    fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+        let local = wr.sge.map_or(0, |g| g.addr);
+        self.1
+            .lock()
+            .push((wr.opcode, wr.inline, local, wr.remote_addr));
+        self.0.post_send(qp, wr)
+    }
+    fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
+        self.0.post_recv(qp, wr)
+    }
+    fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
+        self.0.poll_cq(qp, out)
+    }
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        self.0.poll_fds(out)
+    }
+    fn qp_state(&self, qp: QpId) -> Result<crate::rdma::verbs::QpState> {
+        self.0.qp_state(qp)
+    }
+    unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
+        // SAFETY: this function's contract, passed on to the provider it wraps.
+        unsafe { self.0.read_registered(addr, out) }
+    }
+}
+
+/// Inline data is what each queue pair was granted, not one value for the provider: on
+/// queue pairs granted none, no send (eager message, clear-to-send entry, small
+/// rendezvous write) asks for inline, although the provider as a whole offers some.
+#[test]
+fn inline_sends_follow_the_queue_pairs_grant() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let mut w = Wrapped::new(lo, false);
+    w.3 = Some(0);
+    assert!(w.max_inline() >= 64, "the provider offers inline data");
+    let rec = Arc::new(w);
+    let net = RoceNet::over(rec.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    for len in [8usize, 100, 20_000] {
+        let data = vec![3u8; len];
+        let (got, n) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+        assert_eq!((n, got), (len, data));
+    }
+    let log = rec.1.lock().clone();
+    assert!(log.len() >= 4, "{log:?}");
+    assert!(
+        log.iter().all(|w| !w.1),
+        "inline on a queue pair granted none: {log:?}"
+    );
+}
+
+/// Memory registered as GPU memory (`regMr` with `NCCL_PTR_CUDA`; the userspace engine
+/// takes host memory for it): once the network expects GPU buffers, a small message
+/// moves by RDMA write straight from the registered send buffer into the registered
+/// receive buffer — no eager bounce buffer, no inline copy — and a flush reads the
+/// received buffer back through a loopback QP. Without it, the same message goes eagerly.
+#[test]
+fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    for device in [true, false] {
+        let rec = Arc::new(Wrapped::new(lo, false));
+        let net = RoceNet::over(rec.clone(), lo);
+        if device {
+            net.expect_device_buffers();
+        }
+        let (mut s, mut r) = pair(&net);
+        let data: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
+        let mut buf = vec![0u8; 256];
+        let (sa, ra) = (data.as_ptr() as usize, buf.as_mut_ptr() as usize);
+        // SAFETY: `data` and `buf` stay allocated until both registrations are released
+        // at the end of the iteration.
+        let (sm, rm) = unsafe {
+            if device {
+                (
+                    s.reg_mr_device(sa, data.len(), None).unwrap(),
+                    r.reg_mr_device(ra, buf.len(), None).unwrap(),
+                )
+            } else {
+                (
+                    s.reg_mr(sa, data.len()).unwrap(),
+                    r.reg_mr(ra, buf.len()).unwrap(),
+                )
+            }
+        };
+        let rb = [RecvBuf {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            tag: 7,
+        }];
+        // SAFETY: `buf` and `data` outlive the call.
+        let size = unsafe {
+            transfer(
+                &mut *s,
+                &mut *r,
+                data.as_ptr(),
+                data.len(),
+                7,
+                Some(&sm),
+                &rb[0],
+            )
+        }
+        .unwrap();
+        assert_eq!((size, &buf[..64]), (64, &data[..]));
+        r.flush(&rb, crate::os::wait::timeout_from_env()).unwrap();
+        let log = rec.1.lock().clone();
+        let data_wr = log.iter().find(|w| w.2 == sa as u64);
+        if device {
+            let w = data_wr.expect("the message was sent from the registered buffer");
+            assert_eq!(
+                (w.0, w.1, w.3),
+                (WrOpcode::WriteImm, false, ra as u64),
+                "{log:?}"
+            );
+            assert!(!log.iter().any(|w| w.0 == WrOpcode::SendImm), "{log:?}");
+            let read = log
+                .iter()
+                .find(|w| w.0 == WrOpcode::Read)
+                .expect("the flush read the received buffer");
+            assert_eq!(read.3, ra as u64);
+            let mut got = [0u8];
+            // SAFETY: the flush read's local buffer is the receive comm's scratch,
+            // registered with `rec` until `r` is dropped (below).
+            unsafe { rec.read_registered(read.2, &mut got) };
+            assert_eq!(got[0], buf[0], "the flush read the buffer's first byte");
+        } else {
+            assert!(data_wr.is_none(), "{log:?}");
+            assert!(log.iter().any(|w| w.0 == WrOpcode::SendImm), "{log:?}");
+            assert!(!log.iter().any(|w| w.0 == WrOpcode::Read), "{log:?}");
+        }
+        s.dereg_mr(sm).unwrap();
+        let again = MemHandle { ..rm };
+        r.dereg_mr(rm).unwrap();
+        assert!(
+            r.dereg_mr(again).is_err(),
+            "a second deregistration is refused"
+        );
+    }
+}
+
+/// "GPU memory" for the dmabuf test: device-only memory of the simulated device (its
+/// address is PROT_NONE, its bytes a memfd), `len` bytes at `offset` of a buffer, with
+/// the dmabuf (fd, offset) it exports.
+fn fake_gpu(
+    dev: &Arc<crate::device::sim::SimDevice>,
+    len: usize,
+    offset: usize,
+) -> (
+    Arc<crate::device::sim::SimBuffer>,
+    usize,
+    (std::os::fd::OwnedFd, u64),
+) {
+    use crate::device::Device;
+    let b = dev.alloc_device_only(offset + len);
+    let iova = b.addr() + offset;
+    let exported = dev.dmabuf_export(iova, len).unwrap();
+    (b, iova, exported)
+}
+
+/// dmabufs registered through `reg_mr_device(.., Some((fd, offset)))` (what NCCL's
+/// `regMrDmaBuf` does): the engine maps them itself, as a NIC maps GPU memory, and the
+/// data moves between them while the addresses in the work requests are never touched
+/// by the CPU (they are PROT_NONE: a touch would crash this test); small and large
+/// messages, then a flush read through the registration. Refused without GPU support.
+#[test]
+fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
+    use std::os::fd::AsRawFd;
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo);
+    net.expect_device_buffers();
+    let (mut s, mut r) = pair(&net);
+    let dev = crate::device::sim::SimDevice::new(std::time::Duration::ZERO);
+    let dmabuf = |e: &(std::os::fd::OwnedFd, u64)| Some((e.0.as_raw_fd(), e.1));
+    let (_probe, piova, pbuf) = fake_gpu(&dev, 4096, 0);
+    // SAFETY: refused (nothing is registered), and `_probe` outlives the call.
+    let refused = unsafe { s.reg_mr_device(piova, 4096, dmabuf(&pbuf)) };
+    assert!(
+        refused.is_err(),
+        "a dmabuf taken without ROCCL_ROCEV2_SIM_GPU"
+    );
+    rec.0.set_sim_gpu(true);
+    // A range past the end of the dmabuf is refused (mapped, it would fault on use).
+    // SAFETY: as above.
+    let e = unsafe { s.reg_mr_device(piova, 8192, dmabuf(&pbuf)) }.unwrap_err();
+    assert!(e.to_string().contains("exceeds"), "{e}");
+    for (len, offset) in [(64usize, 4096usize), ((1 << 20) + 3, 100)] {
+        let (a, aiova, abuf) = fake_gpu(&dev, len, offset);
+        let rlen = len + 61;
+        let (b, biova, bbuf) = fake_gpu(&dev, rlen, 8192);
+        let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ 0x3c).collect();
+        a.with(|x| x[offset..].copy_from_slice(&pattern));
+        // SAFETY: `a` and `b` and their dmabufs live until the end of the iteration, after
+        // both registrations are released.
+        let (sm, rm) = unsafe {
+            (
+                s.reg_mr_device(aiova, len, dmabuf(&abuf)).unwrap(),
+                r.reg_mr_device(biova, rlen, dmabuf(&bbuf)).unwrap(),
+            )
+        };
+        let rb = RecvBuf {
+            ptr: biova as *mut u8,
+            len: rlen,
+            tag: 3,
+        };
+        // SAFETY: the registered ranges outlive the call.
+        let size =
+            unsafe { transfer(&mut *s, &mut *r, aiova as *const u8, len, 3, Some(&sm), &rb) }
+                .unwrap();
+        assert_eq!(size, len);
+        let got = b.with(|x| x[8192..].to_vec());
+        assert!(got[..len] == pattern[..], "{len} bytes arrived intact");
+        assert!(
+            got[len..].iter().all(|x| *x == 0),
+            "nothing past the message"
+        );
+        r.flush(
+            std::slice::from_ref(&rb),
+            crate::os::wait::timeout_from_env(),
+        )
+        .unwrap();
+        s.dereg_mr(sm).unwrap();
+        r.dereg_mr(rm).unwrap();
+    }
+}
+
+/// `iflush` returns at once with an id; flushes complete in order through `test_flush`
+/// and their reads; more flushes than the loopback QP takes at once wait for older ones;
+/// host memory needs none; an id never handed out is refused.
+#[test]
+fn flushes_are_asynchronous_and_complete_in_order() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo);
+    net.expect_device_buffers();
+    let (_s, mut r) = pair(&net);
+    let mut gpu = vec![0u8; 4096];
+    let mut host = vec![0u8; 64];
+    // SAFETY: `gpu` stays allocated until the registration is released at the end.
+    let rm = unsafe { r.reg_mr_device(gpu.as_mut_ptr() as usize, gpu.len(), None) }.unwrap();
+    let bufs: Vec<RecvBuf> = (0..MAX_RECVS)
+        .map(|i| RecvBuf {
+            // SAFETY: inside `gpu`.
+            ptr: unsafe { gpu.as_mut_ptr().add(i * 512) },
+            len: 512,
+            tag: 0,
+        })
+        .collect();
+    let hb = [RecvBuf {
+        ptr: host.as_mut_ptr(),
+        len: host.len(),
+        tag: 0,
+    }];
+    assert_eq!(r.iflush(&hb).unwrap(), None, "host memory needs no flush");
+    // Twice the reads the QP takes at once, MAX_RECVS buffers per flush.
+    let ids: Vec<u64> = (0..2 * FLUSH_READS / MAX_RECVS)
+        .map(|_| r.iflush(&bufs).unwrap().expect("GPU memory is flushed"))
+        .collect();
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    let t0 = std::time::Instant::now();
+    let mut done = vec![false; ids.len()];
+    while !done.iter().all(|d| *d) {
+        assert!(t0.elapsed().as_secs() < 10, "flushes stalled");
+        for (i, &id) in ids.iter().enumerate() {
+            if !done[i] && r.test_flush(id).unwrap() {
+                assert!(
+                    done[..i].iter().all(|d| *d),
+                    "flush {id} finished before older ones"
+                );
+                done[i] = true;
+            }
+        }
+    }
+    let reads = rec
+        .1
+        .lock()
+        .iter()
+        .filter(|w| w.0 == WrOpcode::Read)
+        .count();
+    assert_eq!(reads, ids.len() * MAX_RECVS, "one read per buffer");
+    let next = ids.last().unwrap() + 1;
+    assert!(r.test_flush(next).is_err(), "an unknown flush is refused");
+    assert!(r.test_flush(0).is_err());
+    r.dereg_mr(rm).unwrap();
+}

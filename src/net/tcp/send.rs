@@ -1,0 +1,191 @@
+//! The send comm: each message's header and parts written to its sockets in post order.
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use socket2::Socket;
+
+use super::io::{io_err, send2, shut, Layout};
+use super::recv::TcpRecvComm;
+use super::{HDR, LEN_MASK, MAX_FDS, MSG_MAGIC};
+use crate::error::{Error, Result};
+use crate::net::{MemHandle, PollFd, RecvComm, ReqId, SendComm, MAX_REQUESTS};
+
+pub(super) struct SendMsg {
+    addr: usize,
+    len: usize,
+    hdr: [u8; HDR],
+    /// Bytes sent on each socket (socket 0 counts the header).
+    off: [usize; MAX_FDS],
+    parts_left: u8,
+    reaped: bool,
+}
+
+pub(super) struct TcpSendComm {
+    socks: Vec<Arc<Socket>>,
+    /// A duplex connection's sockets of the way back, until [`SendComm::reverse`].
+    back: Vec<Arc<Socket>>,
+    fds: Vec<i32>,
+    layout: Layout,
+    peer: SocketAddr,
+    msgs: VecDeque<SendMsg>,
+    /// Sequence number of `msgs[0]`.
+    base: u64,
+    /// Per socket: the message it is sending (absolute sequence number).
+    cur: [u64; MAX_FDS],
+    failed: Option<String>,
+}
+
+impl TcpSendComm {
+    pub(super) fn new(
+        socks: Vec<Arc<Socket>>,
+        back: Vec<Arc<Socket>>,
+        layout: Layout,
+        peer: SocketAddr,
+    ) -> Self {
+        let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
+        TcpSendComm {
+            socks,
+            back,
+            fds,
+            layout,
+            peer,
+            msgs: VecDeque::with_capacity(MAX_REQUESTS),
+            base: 0,
+            cur: [0; MAX_FDS],
+            failed: None,
+        }
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed = Some(e.to_string());
+        e
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        crate::net::refuse_if_failed(&self.failed, "TCP send comm")?;
+        let n = self.fds.len();
+        let end = self.base + self.msgs.len() as u64;
+        for j in 0..n {
+            while self.cur[j] < end {
+                let m = &mut self.msgs[(self.cur[j] - self.base) as usize];
+                let (s, e) = self.layout.part(m.len, j, n);
+                let hdr = if j == self.layout.head(m.len, n) {
+                    HDR
+                } else {
+                    0
+                };
+                let total = hdr + (e - s);
+                if m.off[j] < total {
+                    let o = m.off[j];
+                    let r = if o < hdr {
+                        send2(self.fds[j], &m.hdr[o..], m.addr + s, e - s)
+                    } else {
+                        send2(self.fds[j], &[], m.addr + s + (o - hdr), total - o)
+                    };
+                    match r {
+                        Ok(w) => m.off[j] += w,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            let err = io_err("TCP send", Some(self.peer), e);
+                            return Err(self.fail(err));
+                        }
+                    }
+                }
+                if m.off[j] == total {
+                    m.parts_left -= 1;
+                    self.cur[j] += 1;
+                } else {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SendComm for TcpSendComm {
+    unsafe fn isend(
+        &mut self,
+        data: *const u8,
+        len: usize,
+        tag: u32,
+        _mr: Option<&MemHandle>,
+    ) -> Result<Option<ReqId>> {
+        crate::net::refuse_if_failed(&self.failed, "TCP send comm")?;
+        if self.msgs.len() >= MAX_REQUESTS {
+            return Ok(None);
+        }
+        if len as u64 > LEN_MASK {
+            return Err(Error::arg(format!(
+                "a TCP message of {len} bytes: at most {LEN_MASK} bytes per message"
+            )));
+        }
+        let mut hdr = [0u8; HDR];
+        // The message's number (mod 2^16) in the top bits of the length: on a duplex
+        // connection messages arrive on two sockets and the receiver takes them in order.
+        let seq = self.base + self.msgs.len() as u64;
+        hdr[0..8].copy_from_slice(&(len as u64 & LEN_MASK | seq << 48).to_le_bytes());
+        hdr[8..12].copy_from_slice(&tag.to_le_bytes());
+        hdr[12..16].copy_from_slice(&MSG_MAGIC.to_le_bytes());
+        self.msgs.push_back(SendMsg {
+            addr: data as usize,
+            len,
+            hdr,
+            off: [0; MAX_FDS],
+            parts_left: self.fds.len() as u8,
+            reaped: false,
+        });
+        self.progress()?;
+        Ok(Some(ReqId(seq as u32)))
+    }
+
+    fn test(&mut self, req: ReqId) -> Result<Option<usize>> {
+        self.progress()?;
+        let m = crate::net::pending_request(&mut self.msgs, self.base, req, |r| r.reaped, "send")?;
+        if m.parts_left > 0 {
+            return Ok(None);
+        }
+        m.reaped = true;
+        let len = m.len;
+        while self.msgs.front().is_some_and(|m| m.reaped) {
+            self.msgs.pop_front();
+            self.base += 1;
+        }
+        Ok(Some(len))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        let end = self.base + self.msgs.len() as u64;
+        for (j, fd) in self.fds.iter().enumerate() {
+            if self.cur[j] < end {
+                out.push(PollFd {
+                    fd: *fd,
+                    events: libc::POLLOUT,
+                });
+            }
+        }
+    }
+
+    /// The shared socket and the sockets of the way back read: the peer's messages back,
+    /// laid out as this side lays out its own.
+    fn reverse(&mut self) -> Option<Box<dyn RecvComm>> {
+        if self.back.is_empty() {
+            return None;
+        }
+        let mut socks = vec![Arc::clone(&self.socks[0])];
+        socks.append(&mut self.back);
+        Some(Box::new(TcpRecvComm::new(socks, Vec::new(), self.layout)))
+    }
+}
+
+impl Drop for TcpSendComm {
+    fn drop(&mut self) {
+        shut(&self.socks, std::net::Shutdown::Write);
+        shut(&self.back, std::net::Shutdown::Both);
+    }
+}

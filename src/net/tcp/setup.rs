@@ -1,0 +1,302 @@
+//! Connection setup: the connecting side opens its sockets and sends a hello on each
+//! ([`TcpConnecting`]); the listener groups the sockets it accepts by connection id and
+//! hands out the receive comm once all have arrived ([`TcpListen`]).
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+use super::io::{recv_raw, send_raw, Layout};
+use super::recv::TcpRecvComm;
+use super::send::TcpSendComm;
+use super::{
+    decode_handle, duplex_inline, encode_handle, tune, TcpNet, HDR, HELLO_DUPLEX, HELLO_MAGIC,
+    MAX_SOCKS,
+};
+use crate::error::{Error, Result};
+use crate::net::{
+    connect_done, start_connect, Connecting, ListenComm, NetHandle, PollFd, RecvComm, SendComm,
+};
+
+impl TcpNet {
+    /// Open a connection to `handle`'s listener; `duplex`: the shared socket, then each
+    /// direction's own (see [`Layout`]).
+    pub(super) fn dial(&self, handle: &NetHandle, duplex: bool) -> Result<Box<dyn Connecting>> {
+        let (sa, per_way, split) = decode_handle(handle)?;
+        let nsocks = if duplex { 1 + 2 * per_way } else { per_way };
+        let count = nsocks as u16 | if duplex { HELLO_DUPLEX } else { 0 };
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let id = nanos ^ ((std::process::id() as u64) << 40) ^ NEXT.fetch_add(1, Ordering::Relaxed);
+        let mut socks = Vec::with_capacity(nsocks);
+        let sndbuf = self.sndbuf_for(sa.ip());
+        for i in 0..nsocks {
+            let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
+                .map_err(|e| Error::sys("socket() for a TCP connection", e))?;
+            tune(&s)?;
+            if let Some(b) = sndbuf {
+                s.set_send_buffer_size(b)
+                    .map_err(|e| Error::sys("setsockopt(SO_SNDBUF)", e))?;
+            }
+            start_connect(&s, sa, "")?;
+            let mut hello = [0u8; HDR];
+            hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+            hello[4..12].copy_from_slice(&id.to_le_bytes());
+            hello[12..14].copy_from_slice(&(i as u16).to_le_bytes());
+            hello[14..16].copy_from_slice(&count.to_le_bytes());
+            socks.push(PendingSock {
+                sock: s,
+                hello,
+                sent: 0,
+                connected: false,
+            });
+        }
+        Ok(Box::new(TcpConnecting {
+            peer: sa,
+            socks,
+            layout: Layout {
+                split,
+                inline: duplex.then(duplex_inline),
+            },
+        }))
+    }
+}
+
+impl TcpNet {
+    /// Listen on this network's address: the handle says where, and how to connect.
+    pub(super) fn open_listener(&self) -> Result<(NetHandle, Box<dyn ListenComm>)> {
+        let sa = SocketAddr::new(self.addr, 0);
+        let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::sys("socket() for the TCP listener", e))?;
+        s.bind(&sa.into())
+            .map_err(|e| Error::sys(format!("bind({sa}) for the TCP listener"), e))?;
+        s.listen(4096)
+            .map_err(|e| Error::sys(format!("listen() on {sa}"), e))?;
+        s.set_nonblocking(true)
+            .map_err(|e| Error::sys("fcntl(O_NONBLOCK) on the listener", e))?;
+        let local = s
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .ok_or_else(|| Error::Internal("listener has no local address".into()))?;
+        let handle = encode_handle(local, self.nsocks, self.split, self.duplex)?;
+        Ok((
+            handle,
+            Box::new(TcpListen {
+                sock: s,
+                split: self.split,
+                local_sndbuf: self.local_sndbuf,
+                pending: Vec::new(),
+                groups: HashMap::new(),
+            }),
+        ))
+    }
+}
+
+pub(super) struct PendingSock {
+    sock: Socket,
+    hello: [u8; HDR],
+    sent: usize,
+    connected: bool,
+}
+
+pub(super) struct TcpConnecting {
+    peer: SocketAddr,
+    socks: Vec<PendingSock>,
+    layout: Layout,
+}
+
+/// A connection's sockets: those of the direction of its opener (the shared one first) and,
+/// on a duplex connection, those of the way back.
+pub(super) fn ways(
+    mut socks: Vec<Arc<Socket>>,
+    duplex: bool,
+) -> (Vec<Arc<Socket>>, Vec<Arc<Socket>>) {
+    if !duplex {
+        return (socks, Vec::new());
+    }
+    let back = socks.split_off(1 + (socks.len() - 1) / 2);
+    (socks, back)
+}
+
+impl Connecting for TcpConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+        let mut all = true;
+        for p in &mut self.socks {
+            if !p.connected {
+                if !connect_done(
+                    &p.sock,
+                    self.peer,
+                    "",
+                    "is the peer alive and the address reachable? check ROCCL_SOCKET_IFNAME",
+                )? {
+                    all = false;
+                    continue;
+                }
+                p.connected = true;
+            }
+            while p.sent < HDR {
+                match send_raw(p.sock.as_raw_fd(), &p.hello[p.sent..]) {
+                    Ok(n) => p.sent += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(Error::sys(format!("sending hello to {}", self.peer), e)),
+                }
+            }
+            if p.sent < HDR {
+                all = false;
+            }
+        }
+        if !all {
+            return Ok(None);
+        }
+        let socks: Vec<Arc<Socket>> = self.socks.drain(..).map(|p| Arc::new(p.sock)).collect();
+        let (own, back) = ways(socks, self.layout.inline.is_some());
+        Ok(Some(Box::new(TcpSendComm::new(
+            own,
+            back,
+            self.layout,
+            self.peer,
+        ))))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        for p in &self.socks {
+            out.push(PollFd {
+                fd: p.sock.as_raw_fd(),
+                events: libc::POLLOUT,
+            });
+        }
+    }
+}
+
+pub(super) struct Incoming {
+    sock: Socket,
+    hello: [u8; HDR],
+    got: usize,
+}
+
+pub(super) struct TcpListen {
+    sock: Socket,
+    /// Split threshold published in our handle; senders cut messages with it (both ways on
+    /// a duplex connection).
+    split: usize,
+    /// `SO_SNDBUF` for sending back to a peer on this host ([`RecvComm::reverse`]).
+    local_sndbuf: Option<usize>,
+    pending: Vec<Incoming>,
+    /// Sockets of connections still arriving, by connection id, and whether it is duplex.
+    groups: HashMap<u64, (bool, Vec<Option<Socket>>)>,
+}
+
+impl ListenComm for TcpListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        loop {
+            match self.sock.accept() {
+                Ok((s, _)) => {
+                    tune(&s)?;
+                    self.pending.push(Incoming {
+                        sock: s,
+                        hello: [0; HDR],
+                        got: 0,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::sys("accept() on the TCP listener", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let inc = &mut self.pending[i];
+            let mut drop_it = false;
+            while inc.got < HDR {
+                match recv_raw(
+                    inc.sock.as_raw_fd(),
+                    inc.hello[inc.got..].as_mut_ptr(),
+                    HDR - inc.got,
+                ) {
+                    Ok(0) => {
+                        drop_it = true; // connection closed before hello: ignore it
+                        break;
+                    }
+                    Ok(n) => inc.got += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        drop_it = true;
+                        break;
+                    }
+                }
+            }
+            if drop_it {
+                self.pending.swap_remove(i);
+                continue;
+            }
+            if inc.got < HDR {
+                i += 1;
+                continue;
+            }
+            let inc = self.pending.swap_remove(i);
+            let h = &inc.hello;
+            if u32::from_le_bytes(h[0..4].try_into().unwrap()) != HELLO_MAGIC {
+                continue; // a stranger (port scan, wrong program): drop it
+            }
+            let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
+            let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
+            let count = u16::from_le_bytes([h[14], h[15]]);
+            let duplex = count & HELLO_DUPLEX != 0;
+            let n = (count & !HELLO_DUPLEX) as usize;
+            let per_way = if duplex { n.saturating_sub(1) / 2 } else { n };
+            let shape_ok = !duplex || n % 2 == 1;
+            if per_way == 0 || per_way > MAX_SOCKS || idx >= n || !shape_ok {
+                continue;
+            }
+            let g = self
+                .groups
+                .entry(id)
+                .or_insert_with(|| (duplex, (0..n).map(|_| None).collect()));
+            if g.1.len() == n && g.0 == duplex {
+                g.1[idx] = Some(inc.sock);
+            }
+            if g.1.iter().all(Option::is_some) {
+                let socks: Vec<Arc<Socket>> = self
+                    .groups
+                    .remove(&id)
+                    .map(|g| g.1)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .flatten()
+                    .map(Arc::new)
+                    .collect();
+                let (own, back) = ways(socks, duplex);
+                let layout = Layout {
+                    split: self.split,
+                    inline: duplex.then(duplex_inline),
+                };
+                let mut comm = TcpRecvComm::new(own, back, layout);
+                comm.local_sndbuf = self.local_sndbuf;
+                return Ok(Some(Box::new(comm)));
+            }
+        }
+        Ok(None)
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        out.push(PollFd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLIN,
+        });
+        for p in &self.pending {
+            out.push(PollFd {
+                fd: p.sock.as_raw_fd(),
+                events: libc::POLLIN,
+            });
+        }
+    }
+}

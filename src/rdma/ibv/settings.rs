@@ -1,0 +1,94 @@
+//! The QP settings the environment gives (`ROCCL_IB_TC`, `ROCCL_IB_SL`, …).
+
+use crate::error::{Error, Result};
+
+/// QP settings from the environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IbSettings {
+    /// Traffic class (DSCP << 2 | ECN) of the GRH, `ROCCL_IB_TC`.
+    pub tc: u8,
+    /// Service level, `ROCCL_IB_SL` (0–15).
+    pub sl: u8,
+    /// Local ACK timeout code, `ROCCL_IB_TIMEOUT` (4.096 µs × 2^t; 1–31).
+    pub timeout: u8,
+    /// Transport retries, `ROCCL_IB_RETRY_CNT` (0–7).
+    pub retry_cnt: u8,
+    /// Inline data asked for at QP creation, `ROCCL_IB_INLINE`.
+    pub inline: u32,
+    /// Keep registrations past their requests, `ROCCL_IB_REG_CACHE=1`.
+    pub reg_cache: bool,
+}
+
+impl IbSettings {
+    /// From the environment.
+    pub fn from_env() -> Result<IbSettings> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// From `get` (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<IbSettings> {
+        let num = |k: &str, d: u32, max: u32| -> Result<u32> {
+            match get(k) {
+                None => Ok(d),
+                Some(v) => match v.trim().parse::<u32>() {
+                    Ok(n) if n <= max => Ok(n),
+                    _ => Err(Error::arg(format!(
+                        "{k}={v}: expected a number from 0 to {max}"
+                    ))),
+                },
+            }
+        };
+        let timeout = num("ROCCL_IB_TIMEOUT", 20, 31)?;
+        if timeout == 0 {
+            return Err(Error::arg(
+                "ROCCL_IB_TIMEOUT=0 would wait forever for acknowledgements: use 1–31 (default 20, about 4 s)",
+            ));
+        }
+        Ok(IbSettings {
+            tc: num("ROCCL_IB_TC", 0, 255)? as u8,
+            sl: num("ROCCL_IB_SL", 0, 15)? as u8,
+            timeout: timeout as u8,
+            retry_cnt: num("ROCCL_IB_RETRY_CNT", 7, 7)? as u8,
+            inline: num("ROCCL_IB_INLINE", 220, 4096)?,
+            reg_cache: num("ROCCL_IB_REG_CACHE", 0, 1)? == 1,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn settings_from_the_environment() {
+        let s = IbSettings::from_lookup(&|_| None).unwrap();
+        assert_eq!(
+            (s.tc, s.sl, s.timeout, s.retry_cnt, s.reg_cache),
+            (0, 0, 20, 7, false)
+        );
+        let m: HashMap<&str, &str> = [
+            ("ROCCL_IB_TC", "106"),
+            ("ROCCL_IB_SL", "3"),
+            ("ROCCL_IB_TIMEOUT", "14"),
+            ("ROCCL_IB_RETRY_CNT", "5"),
+            ("ROCCL_IB_INLINE", "0"),
+        ]
+        .into();
+        let s = IbSettings::from_lookup(&|k| m.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(
+            (s.tc, s.sl, s.timeout, s.retry_cnt, s.inline),
+            (106, 3, 14, 5, 0)
+        );
+        for (k, v) in [
+            ("ROCCL_IB_SL", "16"),
+            ("ROCCL_IB_TC", "256"),
+            ("ROCCL_IB_TIMEOUT", "0"),
+            ("ROCCL_IB_TIMEOUT", "x"),
+            ("ROCCL_IB_RETRY_CNT", "8"),
+        ] {
+            let e = IbSettings::from_lookup(&|q| (q == k).then(|| v.to_string())).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
+    }
+}
