@@ -275,9 +275,13 @@ pub fn progress_interval(timeout: Duration) -> Duration {
 
 /// Fail every rank that has joined, and the one whose registration is refused, with `msg`;
 /// returns it, for the ranks that register later.
+///
+/// Highest rank first: the root usually runs inside rank 0's process, which exits as soon as
+/// it reads the error, taking this thread with it; by then every other rank's error is in
+/// its socket's send buffer, which the kernel still delivers.
 fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String) -> String {
     send_error(s, &msg);
-    for j in std::mem::take(joined).values_mut() {
+    for j in std::mem::take(joined).values_mut().rev() {
         send_error(&mut j.stream, &msg);
     }
     crate::warn!("bootstrap root: {msg}");
