@@ -812,6 +812,19 @@ fn post_write(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
     s.eng[0].post_send(s.qp[0], &wr).unwrap();
 }
 
+/// Write `src` into `dst` through the simulation and wait for the completion, which must
+/// be a success with `dst` equal to `src`.
+fn write_through(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
+    post_write(s, src, dst);
+    let mut w = Vec::new();
+    s.run_until(|s| {
+        s.drain(0, &mut w);
+        !w.is_empty()
+    });
+    assert_eq!(w[0].status, WcStatus::Success);
+    assert!(dst == src, "{}-byte write corrupted", src.len());
+}
+
 /// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.
 fn inject_nak(s: &mut Sim, psn: u32) {
     use super::wire;
@@ -1011,14 +1024,7 @@ fn selective_retransmission_resends_only_what_was_lost() {
         let len = 2_000_000usize;
         let mut src = pattern(4, len);
         let mut dst = vec![0u8; len];
-        post_write(&mut s, &mut src, &mut dst);
-        let mut w = Vec::new();
-        s.run_until(|s| {
-            s.drain(0, &mut w);
-            !w.is_empty()
-        });
-        assert_eq!(w[0].status, WcStatus::Success);
-        assert!(dst == src, "2 MB write corrupted");
+        write_through(&mut s, &mut src, &mut dst);
         (s.eng[0].stats(), s.t)
     };
     let (gbn, t_gbn) = run(attr(4096));
@@ -1059,26 +1065,12 @@ fn timed_write(len: usize, lose: &[u32], mute: u64) -> (u64, u64) {
     let mut dst = vec![0u8; len];
     // Time one round trip first, as a running QP would have (the tail-loss probe and
     // the timer follow the measured round trip).
-    let mut one = [7u8; 64];
-    let mut one_dst = [0u8; 64];
-    post_write(&mut s, &mut one, &mut one_dst);
-    let mut w = Vec::new();
-    s.run_until(|s| {
-        s.drain(0, &mut w);
-        !w.is_empty()
-    });
+    write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     s.lose_once = s.lose_once.iter().map(|p| (p + 1) & 0x00ff_ffff).collect();
-    w.clear();
     let t0 = s.t;
     s.mute_1_until = t0 + mute;
     let resent0 = s.eng[0].stats().retransmits;
-    post_write(&mut s, &mut src, &mut dst);
-    s.run_until(|s| {
-        s.drain(0, &mut w);
-        !w.is_empty()
-    });
-    assert_eq!(w[0].status, WcStatus::Success);
-    assert!(dst == src, "write corrupted");
+    write_through(&mut s, &mut src, &mut dst);
     (s.t - t0, s.eng[0].stats().retransmits - resent0)
 }
 
@@ -1176,26 +1168,12 @@ fn loss_cost() {
                 let mut s = Sim::new(100 + r, Faults::default(), a);
                 s.bytes_per_us = 2000;
                 // A running QP has measured its round trip: one clean write first.
-                let mut one = [7u8; 64];
-                let mut one_dst = [0u8; 64];
-                post_write(&mut s, &mut one, &mut one_dst);
-                let mut w = Vec::new();
-                s.run_until(|s| {
-                    s.drain(0, &mut w);
-                    !w.is_empty()
-                });
+                write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
                 s.faults = f;
                 let t0 = s.t;
                 let mut src = pattern(4, len);
                 let mut dst = vec![0u8; len];
-                post_write(&mut s, &mut src, &mut dst);
-                let mut w = Vec::new();
-                s.run_until(|s| {
-                    s.drain(0, &mut w);
-                    !w.is_empty()
-                });
-                assert_eq!(w[0].status, WcStatus::Success);
-                assert!(dst == src);
+                write_through(&mut s, &mut src, &mut dst);
                 total += s.t - t0;
                 retrans += s.eng[0].stats().retransmits;
                 timeouts += s.eng[0].stats().timeouts;
