@@ -154,9 +154,9 @@ pub const RTO_MIN: Duration = Duration::from_millis(3);
 /// AETH syndrome of a hole report (a userspace-engine extension, selective mode only): an
 /// ACK-opcode packet whose PSN is the first missing PSN of a gap and whose MSN field holds
 /// the number of missing PSNs (bits 0–7) and the distance from the first missing PSN to
-/// the packet that showed the gap (bits 8–23; see [`hole_report`]). The
+/// the packet that showed the gap (bits 8–23). The
 /// responder reports each new gap past the one its sequence-error NAK names, and repeats
-/// the report of the first gap every [`NAK_REPEAT`] out-of-sequence packets (instead of
+/// the report of the first gap every 16 out-of-sequence packets (instead of
 /// repeating the NAK). The syndrome class 0b010 is reserved in IBTA, and `Aeth::kind` (so
 /// a requester that does not know it) ignores it; it acknowledges nothing. With it the
 /// requester resends every hole of a window in one round trip instead of one hole per

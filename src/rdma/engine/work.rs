@@ -53,7 +53,7 @@ pub struct SendWr {
     pub opcode: WrOpcode,
     /// Local data (`None`: zero length).
     pub sge: Option<Sge>,
-    /// Copy the data at post time (at most [`MAX_INLINE`] bytes; `lkey` is not checked).
+    /// Copy the data at post time (at most [`super::MAX_INLINE`] bytes; `lkey` is not checked).
     pub inline: bool,
     /// Immediate data for the `*Imm` opcodes.
     pub imm: u32,
