@@ -163,10 +163,13 @@ pub const RTO_MIN: Duration = Duration::from_millis(3);
 /// round trip, and resends a packet again only when a packet it sent after the resend
 /// showed the gap (the resend was lost), however long the queue ahead of the resend.
 pub const HOLE_SYNDROME: u8 = 0x40;
-/// The MSN field of a hole report: `missing` PSNs from `first`, shown by PSN `shown_by`.
-fn hole_report(first: u32, missing: u32, shown_by: u32) -> u32 {
+/// The AETH of a hole report: `missing` PSNs from `first`, shown by PSN `shown_by`.
+fn hole_report(first: u32, missing: u32, shown_by: u32) -> Aeth {
     let dist = (psn_diff(shown_by, first).max(0) as u32).min(0xffff);
-    missing.min(0xff) | dist << 8
+    Aeth {
+        syndrome: HOLE_SYNDROME,
+        msn: missing.min(0xff) | dist << 8,
+    }
 }
 
 /// The missing count and the showing PSN of a hole report for `first` with MSN `msn`.
@@ -287,7 +290,6 @@ struct Qp {
     acked: u32,
     /// PSN of the last sequence-error NAK acted on (and when).
     last_nak: Option<u32>,
-    last_nak_at: Option<Instant>,
     /// PSNs to resend one by one (selective retransmission), oldest first.
     resend: VecDeque<u32>,
     /// Smoothed round trip and its variation (selective mode), and the packet timed now.
@@ -328,8 +330,8 @@ struct Qp {
     last_rx: Option<Instant>,
     /// Pending acknowledgement (ACK/NAK/RNR NAK) and its PSN.
     ctrl: Option<(Aeth, u32)>,
-    /// Pending hole reports ([`HOLE_SYNDROME`]): first missing PSN and how many.
-    holes: VecDeque<(u32, u32)>, // (first, MSN field)
+    /// Pending hole reports ([`HOLE_SYNDROME`]) and the first missing PSN of each.
+    holes: VecDeque<(Aeth, u32)>,
     /// First PSNs of the gaps reported lately, by PSN modulo [`RECENT`]: when the gap
     /// before them fills, these are not NAKed again (their resends are on the way).
     reported: [Option<u32>; RECENT],
@@ -611,7 +613,6 @@ impl Engine {
             sent_hi: 0,
             acked: 0,
             last_nak: None,
-            last_nak_at: None,
             resend: VecDeque::with_capacity(RESEND_MAX),
             srtt: None,
             rttvar: Duration::ZERO,

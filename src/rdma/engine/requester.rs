@@ -130,8 +130,6 @@ impl Engine {
                     // The responder keeps what came after the gap: resend just the packet it
                     // names (again only if it names it once more a round trip later).
                     if qp.queue_resend(psn, None, now) {
-                        qp.last_nak = Some(psn);
-                        qp.last_nak_at = Some(now);
                         qp.probe = None;
                         qp.cwnd = (qp.cwnd - qp.cwnd / 8).max(MIN_WINDOW);
                     }

@@ -51,8 +51,8 @@ impl Engine {
                     let end = qp.reorder.lowest(qp.epsn).unwrap_or(pkt.bth.psn);
                     let missing = psn_diff(end, qp.epsn) as u32;
                     if qp.holes.len() < HOLES_MAX {
-                        let msn = hole_report(qp.epsn, missing, pkt.bth.psn);
-                        qp.holes.push_back((qp.epsn, msn));
+                        let report = hole_report(qp.epsn, missing, pkt.bth.psn);
+                        qp.holes.push_back((report, qp.epsn));
                     }
                 } else {
                     qp.ctrl = Some((Aeth::nak(qp.msn, NakCode::PsnSequenceError), qp.epsn));
@@ -67,8 +67,8 @@ impl Engine {
                 let from = psn_add(qp.reorder.highest(qp.epsn).unwrap_or(qp.epsn), 1);
                 let missing = psn_diff(pkt.bth.psn, from);
                 if missing > 0 && qp.holes.len() < HOLES_MAX {
-                    let msn = hole_report(from, missing as u32, pkt.bth.psn);
-                    qp.holes.push_back((from, msn));
+                    let report = hole_report(from, missing as u32, pkt.bth.psn);
+                    qp.holes.push_back((report, from));
                     qp.reported[from as usize % RECENT] = Some(from);
                 }
             }

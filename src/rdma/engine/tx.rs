@@ -71,28 +71,21 @@ impl Engine {
             (Some((_, c)), Some(j)) => psn_diff(j.psn, c) < 0,
             _ => false,
         };
-        if let Some((aeth, psn)) = qp.ctrl.filter(|_| !reads_first) {
-            qp.ctrl = None;
-            qp.ack_due = None;
+        // Then hole reports (selective mode), which follow the NAK of the first gap.
+        let ack = match qp.ctrl.filter(|_| !reads_first) {
+            Some(c) => {
+                qp.ctrl = None;
+                qp.ack_due = None;
+                Some(c)
+            }
+            None => qp.holes.pop_front(),
+        };
+        if let Some((aeth, psn)) = ack {
             let p = Packet {
                 bth: bth(Opcode::Ack, psn, false),
                 reth: None,
                 imm: None,
                 aeth: Some(aeth),
-                payload: &[],
-            };
-            return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
-        }
-        // Hole reports (selective mode), after the NAK of the first gap.
-        if let Some((first, msn)) = qp.holes.pop_front() {
-            let p = Packet {
-                bth: bth(Opcode::Ack, first, false),
-                reth: None,
-                imm: None,
-                aeth: Some(Aeth {
-                    syndrome: HOLE_SYNDROME,
-                    msn,
-                }),
                 payload: &[],
             };
             return wire::encode_segment(&p, &ip, seg, buf).ok().map(out);
