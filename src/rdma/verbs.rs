@@ -124,6 +124,13 @@ pub trait Verbs: Send + Sync {
     fn destroy_qp(&self, qp: QpId);
     /// Post a send work request.
     fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()>;
+    /// Post a send work request that is in no hurry (a credit report, say): a provider that
+    /// transmits from software may leave it for its next progress, which then sends it with
+    /// whatever else is due, off the path of the caller's next message. A NIC sends it at
+    /// once, as `post_send` does.
+    fn post_send_unhurried(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+        self.post_send(qp, wr)
+    }
     /// Post a receive work request.
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()>;
     /// Make progress and take up to `out.len()` completions of `qp`.

@@ -117,6 +117,12 @@ impl RoceRecv {
     /// RDMA-write `cts` (with our sequence number, credits and next message number) into the
     /// sender's FIFO.
     fn write_entry(&mut self, cts: Cts) -> Result<()> {
+        self.write_entry_as(cts, false)
+    }
+
+    /// As [`RoceRecv::write_entry`]; `unhurried`: an entry that only reports credits, which
+    /// the provider may send with its next progress ([`Verbs::post_send_unhurried`]).
+    fn write_entry_as(&mut self, cts: Cts, unhurried: bool) -> Result<()> {
         let (slot, cts) = self.cts.stamp(cts);
         self.staging[slot] = cts;
         let wr = SendWr {
@@ -133,7 +139,11 @@ impl RoceRecv {
             rkey: self.fifo_rkey,
             signaled: false,
         };
-        self.verbs.post_send(self.qp, &wr)?;
+        if unhurried {
+            self.verbs.post_send_unhurried(self.qp, &wr)?;
+        } else {
+            self.verbs.post_send(self.qp, &wr)?;
+        }
         self.cts.written();
         Ok(())
     }
@@ -143,11 +153,15 @@ impl RoceRecv {
     fn report_credits(&mut self) -> Result<()> {
         if self.cts.credits_due() {
             let first = self.next_first;
-            self.write_entry(Cts {
-                n: 0,
-                first,
-                ..Cts::default()
-            })?;
+            // The sender still holds most of its credits: it does not wait for these.
+            self.write_entry_as(
+                Cts {
+                    n: 0,
+                    first,
+                    ..Cts::default()
+                },
+                true,
+            )?;
         }
         Ok(())
     }
@@ -324,10 +338,14 @@ impl RecvComm for RoceRecv {
     }
 
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
-        self.progress()?;
+        crate::net::refuse_if_failed(&self.failed, "RoCE v2 receive comm")?;
         let group = RecvGroup::new(bufs)?;
         if self.reqs.len() >= FIFO {
-            return Ok(None);
+            // Reap first; the fast path posts without polling (`test` polls).
+            self.progress()?;
+            if self.reqs.len() >= FIFO {
+                return Ok(None);
+            }
         }
         let id = self.base + self.reqs.len() as u64;
         let mut r = RReq {

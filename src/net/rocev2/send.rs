@@ -130,7 +130,12 @@ impl RoceSend {
                 r.state = SendState::Done;
             }
         }
-        // Post the waiting sends in order (the receiver matches messages by their order).
+        self.post_waiting()
+    }
+
+    /// Post the waiting sends in order (the receiver matches messages by their order), as
+    /// far as clear-to-send entries and credits allow.
+    fn post_waiting(&mut self) -> Result<()> {
         while let Some(i) = self
             .reqs
             .iter()
@@ -311,9 +316,14 @@ impl SendComm for RoceSend {
         tag: u32,
         _mr: Option<&MemHandle>,
     ) -> Result<Option<ReqId>> {
-        self.progress()?;
+        crate::net::refuse_if_failed(&self.failed, "RoCE v2 send comm")?;
         if self.reqs.len() >= FIFO {
-            return Ok(None);
+            // Reap what completed first; the fast path posts without polling (a poll can
+            // cost a receive system call before the message leaves).
+            self.progress()?;
+            if self.reqs.len() >= FIFO {
+                return Ok(None);
+            }
         }
         // A grouped receive's immediate carries the size in its low 29 bits: 2^29 itself
         // would spill into the buffer index.
@@ -330,7 +340,9 @@ impl SendComm for RoceSend {
             state: SendState::Waiting,
             reaped: false,
         });
-        self.progress()?;
+        // Post it now (and whatever waits before it); completions are reaped by `test`.
+        let r = self.post_waiting();
+        crate::net::remember_failure(&mut self.failed, r)?;
         Ok(Some(ReqId(id as u32)))
     }
 

@@ -90,7 +90,7 @@ const CLOSED_QUIET: Duration = Duration::from_millis(250);
 struct Driver {
     engine: Engine,
     rx: Socket,
-    tx: HashMap<u16, Socket>,
+    tx: HashMap<u16, TxSocket>,
     /// The provider's side of each QP the engine holds.
     qps: HashMap<Qpn, QpSide>,
     /// Some QP was destroyed and waits to be freed (see [`Driver::reap_closed`]).
@@ -120,6 +120,13 @@ struct Driver {
     reported: super::engine::Stats,
     /// Scratch list of QPs to free (kept: no allocation per progress while some linger).
     reap_buf: Vec<Qpn>,
+}
+
+/// The socket a QP sends from (its port is the packets' UDP source port).
+struct TxSocket {
+    sock: Socket,
+    /// Connected to this address (the QP's peer) once the QP is: its sends name no address.
+    peer: Option<SocketAddr>,
 }
 
 /// The userspace RoCE v2 provider.
@@ -601,7 +608,7 @@ impl Driver {
     fn send_one(&mut self, dest: SocketAddr, src_port: u16, data: &[u8]) {
         if let Some(s) = self.tx.get(&src_port) {
             // A full socket buffer drops the datagram; the RC protocol retransmits it.
-            let _ = s.send_to(data, &dest.into());
+            let _ = s.sock.send_to(data, &dest.into());
         }
     }
 
@@ -748,10 +755,10 @@ impl Driver {
 
     fn flush_port(&mut self, first: usize, groups: &[Group]) {
         let n = groups.len();
-        let Some(sock) = self.tx.get(&groups[0].src_port) else {
+        let Some(tx) = self.tx.get(&groups[0].src_port) else {
             return;
         };
-        let fd = sock.as_raw_fd();
+        let (fd, peer) = (tx.sock.as_raw_fd(), tx.peer);
         let addrs: [SockAddr; GROUPS] = std::array::from_fn(|i| {
             SockAddr::from(groups.get(i).map_or(groups[0].dest, |g| g.dest))
         });
@@ -770,8 +777,10 @@ impl Driver {
             let h = &mut msgs[i].msg_hdr;
             h.msg_iov = &mut iov[i];
             h.msg_iovlen = 1;
-            h.msg_name = addrs[i].as_ptr() as *mut libc::c_void;
-            h.msg_namelen = addrs[i].len();
+            if peer != Some(g.dest) {
+                h.msg_name = addrs[i].as_ptr() as *mut libc::c_void;
+                h.msg_namelen = addrs[i].len();
+            }
             if g.nseg > 1 {
                 ctrl[i] = Cmsg::segment(g.seg as u16);
                 h.msg_control = (&mut ctrl[i] as *mut Cmsg).cast();
@@ -1026,7 +1035,13 @@ impl Verbs for UserVerbs {
             }
         };
         d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
-        d.tx.insert(port, tx);
+        d.tx.insert(
+            port,
+            TxSocket {
+                sock: tx,
+                peer: None,
+            },
+        );
         let psn = d.next_psn;
         d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
         d.qps.insert(
@@ -1084,7 +1099,16 @@ impl Verbs for UserVerbs {
             selective: true,
         };
         d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
-        d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
+        d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)?;
+        // Every packet of this QP goes to one address: a connected socket keeps the route
+        // (no lookup per send) and its sends carry no address.
+        let port = d.qps.get(&qpn(qp)).map_or(0, |s| s.port);
+        if let Some(tx) = d.tx.get_mut(&port) {
+            if tx.sock.connect(&remote.addr.into()).is_ok() {
+                tx.peer = Some(remote.addr);
+            }
+        }
+        Ok(())
     }
 
     fn set_timeout(&self, timeout: Duration) {
@@ -1112,6 +1136,12 @@ impl Verbs for UserVerbs {
         d.engine.post_send(qpn(qp), wr)?;
         // Push the first packets out now: lower latency than waiting for the next poll.
         d.transmit(Instant::now())
+    }
+
+    fn post_send_unhurried(&self, qp: QpId, wr: &SendWr) -> Result<()> {
+        // The next progress (the caller's next poll, or the progress thread within
+        // APP_ACTIVE) transmits it.
+        self.d.lock().engine.post_send(qpn(qp), wr)
     }
 
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
