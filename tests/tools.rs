@@ -137,8 +137,14 @@ struct Job {
 
 impl Job {
     fn start(timeout: &str) -> Job {
+        Job::start_over(timeout, "auto")
+    }
+
+    fn start_over(timeout: &str, net: &str) -> Job {
         let mut launcher = Command::new(PERF)
             .args([
+                "--net",
+                net,
                 "--ranks",
                 "3",
                 "-b",
@@ -219,6 +225,45 @@ fn launcher_ends_the_job_when_a_rank_is_stopped() {
         summary.starts_with("roccl-perf: error: rank 1 ") && summary.contains("stopped"),
         "the stopped rank is not named first:\n{err}"
     );
+}
+
+/// The ranks waiting on a stopped rank of their host say that its process is stopped (not
+/// that it may have died, hung or called another collective), over every network.
+#[test]
+fn survivors_say_that_a_stopped_rank_is_stopped() {
+    for net in ["rocev2", "tcp", "shm"] {
+        let mut job = Job::start_over("2", net);
+        let stopped = job.pid(1);
+        // SAFETY: kill has no memory effects; the pid is a rank of the job just started.
+        unsafe { libc::kill(stopped as i32, libc::SIGSTOP) };
+        let status = wait_for(&mut job.launcher, Duration::from_secs(60));
+        let left = job.survivors();
+        let err = stderr_of(&mut job.launcher);
+        assert!(status.is_some(), "{net}: the launcher hung; stderr:\n{err}");
+        assert!(
+            left.is_empty(),
+            "{net}: ranks {left:?} outlived the launcher"
+        );
+        // The launcher ends the job at the first rank's error: the other may not get to
+        // print its own.
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| {
+                l.starts_with("roccl-perf: error: rank 0 of 3:")
+                    || l.starts_with("roccl-perf: error: rank 2 of 3:")
+            })
+            .collect();
+        assert!(
+            !lines.is_empty(),
+            "{net}: no error from rank 0 or 2:\n{err}"
+        );
+        for line in lines {
+            assert!(
+                line.contains(&format!("(pid {stopped} on this host) is stopped")),
+                "{net}: a survivor does not say that rank 1 is stopped: {line}"
+            );
+        }
+    }
 }
 
 #[test]

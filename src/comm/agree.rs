@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 use crate::types::{DataType, RedOp};
 
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 
 /// The settings every rank must share, in blob order.
 const SETTINGS: [&str; 9] = [
@@ -41,15 +41,18 @@ const UNSET: u64 = u64::MAX;
 const ALGOS: [Algo; 7] = Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
-/// segment), padding, the shared-memory handle, measured speeds, settings, host inputs.
+/// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the
+/// process (pid and pid namespace: a peer of the same host can tell its state).
 pub(super) const BLOB_LEN: usize =
-    4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8 + 8 * SETTINGS.len() + HOST_LEN;
+    4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8 + 8 * SETTINGS.len() + HOST_LEN + PROC_LEN;
 const AT_FLAGS: usize = 28 + HANDLE_MAX;
 const AT_SHM: usize = AT_FLAGS + 8;
 const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
 const AT_SETTINGS: usize = AT_SPEEDS + 8;
 const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
 const HOST_LEN: usize = 12;
+const AT_PROC: usize = AT_HOST + HOST_LEN;
+const PROC_LEN: usize = 12;
 
 /// The values of [`SETTINGS`] for `cfg`.
 pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len()] {
@@ -104,6 +107,9 @@ pub(super) struct Blob {
     pub node: bool,
     pub speeds: HostSpeeds,
     pub inputs: HostInputs,
+    /// Its process id and pid namespace.
+    pub pid: u32,
+    pub pid_ns: u64,
 }
 
 /// This rank's blob.
@@ -131,6 +137,8 @@ pub(super) fn blob(
     b.extend_from_slice(&inputs.cores.to_le_bytes());
     b.extend_from_slice(&inputs.latency_us.to_le_bytes());
     b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
+    b.extend_from_slice(&std::process::id().to_le_bytes());
+    b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
     debug_assert_eq!(b.len(), BLOB_LEN);
     b
 }
@@ -188,6 +196,8 @@ pub(super) fn parse_blob(
             latency_us: f32::from_le_bytes(b[AT_HOST + 4..AT_HOST + 8].try_into().expect("4")),
             speed_mbps: word(b, AT_HOST + 8),
         },
+        pid: word(b, AT_PROC),
+        pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
     })
 }
 
@@ -483,6 +493,8 @@ mod tests {
                     copy_gbs: 8.0,
                 },
                 inputs,
+                pid: 0,
+                pid_ns: 0,
             })
             .collect()
     }

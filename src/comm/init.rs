@@ -262,6 +262,15 @@ impl Communicator {
             .map(|p| net_gpu.filter(|_| links.peer_net[p] == 0))
             .collect();
         let device_mem = links.device_mem.clone();
+        // Peers whose process this rank can look at (same host, same pid namespace): a
+        // failure then says whether it exited or is stopped.
+        links.local_pids = blobs
+            .iter()
+            .map(|b| {
+                let here = b.host == my_host && b.pid_ns == blobs[rank].pid_ns;
+                (here && b.pid != 0).then_some(b.pid)
+            })
+            .collect();
         links.timeout_grace =
             (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
         let abort_flag = Arc::clone(&links.abort);

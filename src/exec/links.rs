@@ -97,6 +97,9 @@ pub(crate) struct Links {
     pub dev_clock: u64,
     /// Number of the executor's current call (entries it uses are never released).
     pub dev_epoch: u64,
+    /// Per rank, its process id where this rank can see that process (same host and pid
+    /// namespace; set at init), to say in an error whether it exited or is stopped.
+    pub local_pids: Vec<Option<u32>>,
 }
 
 /// Most GPU registrations kept across calls, over all connections.
@@ -166,6 +169,33 @@ impl Links {
             dev_cache: Vec::new(),
             dev_clock: 0,
             dev_epoch: 0,
+            local_pids: vec![None; nranks],
+        }
+    }
+
+    /// A fault on this host's side of the connection to `peer` on channel `ch` (see
+    /// [`crate::net::SendComm::local_fault`]).
+    pub fn local_fault(&self, peer: usize, ch: usize, send: bool) -> Option<String> {
+        if send {
+            self.send.get(peer)?.get(ch)?.as_ref()?.local_fault()
+        } else {
+            self.recv.get(peer)?.get(ch)?.as_ref()?.local_fault()
+        }
+    }
+
+    /// What this host can see of `peer`'s process, if it is not simply running: "its
+    /// process (pid N on this host) has exited" or "... is stopped". `None` for a peer on
+    /// another host or one that runs.
+    pub fn peer_state(&self, peer: usize) -> Option<String> {
+        let pid = self.local_pids.get(peer).copied().flatten()?;
+        if crate::os::process::process_gone(pid) {
+            Some(format!("its process (pid {pid} on this host) has exited"))
+        } else if crate::os::process::process_stopped(pid) {
+            Some(format!(
+                "its process (pid {pid} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
+            ))
+        } else {
+            None
         }
     }
 
@@ -476,8 +506,18 @@ impl Links {
                 who.extend(awaited.iter().map(|x| x.0));
                 who.sort_unstable();
                 who.dedup();
+                // What this host can see of their processes (exited, stopped) says why.
+                let seen: Vec<String> = who
+                    .iter()
+                    .filter_map(|&p| Some(format!("rank {p}: {}", self.peer_state(p)?)))
+                    .collect();
+                let why = if seen.is_empty() {
+                    "are they alive and running the same collectives?".to_string()
+                } else {
+                    seen.join("; ")
+                };
                 let detail = format!(
-                    "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): are they alive and running the same collectives?",
+                    "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): {why}",
                     self.rank,
                     crate::error::ranks_list(&who),
                     waiter.timeout
@@ -676,11 +716,18 @@ impl Links {
             Some(c) if !reporters.is_empty() && Some(c) != own => Error::Remote {
                 rank: c,
                 msg: format!(
-                    "rank {c} failed or stopped responding (reported by {}); this rank saw: {detail}",
+                    "rank {c} {} (reported by {}); this rank saw: {detail}",
+                    self.peer_state(c)
+                        .map_or("failed or stopped responding".into(), |s| format!(
+                            "failed: {s}"
+                        )),
                     crate::error::ranks_list(&reporters)
                 ),
             },
-            Some(c) if !timed_out => Error::Remote { rank: c, msg: detail },
+            Some(c) if !timed_out => Error::Remote {
+                rank: c,
+                msg: detail,
+            },
             _ => Error::Timeout(detail),
         }
     }

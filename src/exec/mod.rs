@@ -24,6 +24,7 @@ use crate::types::{DataType, RedOp};
 use crate::os::wait::Waiter;
 use links::Links;
 
+mod broken;
 pub(crate) mod links;
 
 /// Which buffer a region lives in.
@@ -436,14 +437,27 @@ impl<'a> Exec<'a> {
     fn remote(&mut self, peer: usize, e: Error) -> Error {
         match e {
             Error::Remote { .. } | Error::Timeout(_) => e,
-            Error::System { .. } => {
-                // The connection broke. If the peer closed it because some other rank
-                // failed, abort notices name that rank: `failure` waits a moment for them.
-                let detail = format!(
-                    "rank {peer} exited or aborted: over {}: {e}",
-                    self.links.net_name(peer)
-                );
-                self.links.failure(Some(peer), false, detail)
+            Error::System { ref source, .. } => {
+                let net = self.links.net_name(peer);
+                let state = self.links.peer_state(peer);
+                let kind = (!crate::net::is_local_fault(source)).then(|| source.kind());
+                let (silent, cause) = match broken::broken(kind, self.links.rank, peer, net, state)
+                {
+                    // Nothing to ask the others: no notice could reach them either.
+                    broken::Broken::Here(m) => {
+                        return Error::sys(
+                            format!("{m}: {e}"),
+                            std::io::Error::other(crate::net::LocalFault),
+                        )
+                    }
+                    broken::Broken::Silent(m) => (true, m),
+                    broken::Broken::Gone(m) => (false, m),
+                };
+                // If the peer failed because some other rank did, abort notices name that
+                // rank: `failure` waits a moment for them. A silent peer is a timeout: the
+                // others are told and heard as after one.
+                let detail = format!("{cause}: over {net}: {e}");
+                self.links.failure(Some(peer), silent, detail)
             }
             other => Error::Remote {
                 rank: peer,
@@ -840,6 +854,27 @@ impl<'a> Exec<'a> {
     }
 
     fn stuck(&mut self) -> Error {
+        // This host could not send at all: the fault is here (and no notice could reach
+        // the others either).
+        let fault = self
+            .ops
+            .iter()
+            .filter(|o| o.active && !o.done)
+            .find_map(|o| {
+                let f = self
+                    .links
+                    .local_fault(o.peer as usize, o.ch as usize, o.send)?;
+                Some((o.peer, f))
+            });
+        if let Some((peer, f)) = fault {
+            return Error::sys(
+                format!(
+                    "rank {}: this rank's network failed: no progress for {:.0?} (ROCCL_TIMEOUT) with rank {peer} and possibly others: {f}",
+                    self.links.rank, self.waiter.timeout
+                ),
+                std::io::Error::other(crate::net::LocalFault),
+            );
+        }
         let suspect = self
             .ops
             .iter()
@@ -859,11 +894,21 @@ impl<'a> Exec<'a> {
             })
             .collect();
         peers.dedup();
+        // What this host can see of the peer waited on (exited, stopped) says why.
+        let why = suspect
+            .and_then(|p| self.links.peer_state(p).map(|s| format!("rank {p}: {s}")))
+            .unwrap_or_else(|| {
+                "the peer may have died, hung, or called a different collective".into()
+            });
         let detail = format!(
-            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on: {}; the peer may have died, hung, or called a different collective",
+            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on: {}; {why}",
             self.links.rank,
             self.waiter.timeout,
-            if peers.is_empty() { "request slots".to_string() } else { peers.join(", ") }
+            if peers.is_empty() {
+                "request slots".to_string()
+            } else {
+                peers.join(", ")
+            }
         );
         self.links.failure(suspect, true, detail)
     }

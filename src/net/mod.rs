@@ -247,6 +247,11 @@ pub trait SendComm: Send {
     /// The connection is being closed after a failure or an abort: closing need not wait
     /// for what was sent to be acknowledged (networks that drain at close skip it).
     fn abandon(&mut self) {}
+    /// A fault on this host's side that explains a silent peer (the operating system
+    /// refuses every send, say), if the network knows of one now.
+    fn local_fault(&self) -> Option<String> {
+        None
+    }
 
     /// The receiving side of this connection for messages the peer sends back through its
     /// [`RecvComm::reverse`] (on networks where [`Net::duplex`] says so; once per
@@ -328,6 +333,10 @@ pub trait RecvComm: Send {
     }
     /// Descriptors to poll while waiting for progress.
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// As [`SendComm::local_fault`].
+    fn local_fault(&self) -> Option<String> {
+        None
+    }
     /// The sending side of this connection back to the peer that opened it, received by its
     /// [`SendComm::reverse`] (see there).
     fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
@@ -353,6 +362,24 @@ pub(crate) fn unexpected_tag_of(msg: &str) -> Option<u32> {
     let at = msg.find(TAG_MISMATCH)? + TAG_MISMATCH.len();
     let hex = msg.get(at + 2..at + 10)?;
     u32::from_str_radix(hex, 16).ok()
+}
+
+/// The source of a network error caused on this host's side (it cannot send at all): the
+/// executor then blames this rank, not the peer.
+#[derive(Debug)]
+pub(crate) struct LocalFault;
+
+impl std::fmt::Display for LocalFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("this host's network failed")
+    }
+}
+
+impl std::error::Error for LocalFault {}
+
+/// Whether `e` is [`LocalFault`].
+pub(crate) fn is_local_fault(e: &std::io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<LocalFault>())
 }
 
 pub(crate) fn refuse_if_failed(failed: &Option<String>, what: &str) -> Result<()> {

@@ -38,6 +38,16 @@ pub fn process_gone(pid: u32) -> bool {
     })
 }
 
+/// Whether process `pid` (of our pid namespace) is stopped: by a signal (SIGSTOP,
+/// SIGTSTP, a terminal) or by a debugger.
+pub fn process_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .is_some_and(|state| state == "T" || state == "t")
+    })
+}
+
 /// Copy `local.len()` bytes at `remote` in process `pid` into `local` (process_vm_readv).
 pub fn cma_read(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
     cma_copy(pid, remote, local.as_mut_ptr(), local.len(), false)

@@ -124,6 +124,12 @@ pub trait Verbs: Send + Sync {
     fn destroy_qp(&self, qp: QpId);
     /// Post a send work request.
     fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()>;
+    /// A fault on this host's side that explains why peers stop acknowledging (sends that
+    /// the operating system refuses, a port that is down), if the provider knows of one now;
+    /// `None` when it knows of none (the default).
+    fn local_fault(&self) -> Option<String> {
+        None
+    }
     /// Post a send work request that is in no hurry (a credit report, say): a provider that
     /// transmits from software may leave it for its next progress, which then sends it with
     /// whatever else is due, off the path of the caller's next message. A NIC sends it at

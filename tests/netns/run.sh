@@ -98,4 +98,61 @@ common=(--op all -b 8 -e 256K -f 64 --iters 2 --warmup 1)
 run rocev2 -- "${common[@]}" --net rocev2
 run rocev2-faults ROCCL_ROCEV2_FAULTS="$FAULTS" -- "${common[@]}" --net rocev2
 run tcp -- "${common[@]}" --net tcp
+# A link down for longer than ROCCL_TIMEOUT: the rank whose link it is says that its own
+# network failed; the others name that rank, and none blames a survivor or says "exited".
+flap() {
+  local name=flap victim=1 k rc fail=0 line other
+  echo "-- $name: rank $victim's link down for 4 s during rocev2 all-reduces, ROCCL_TIMEOUT=2"
+  pids=()
+  for ((k = 0; k < N; k++)); do
+    ip netns exec "roccl$k" env ROCCL_RANK="$k" ROCCL_NRANKS="$N" ROCCL_ROOT="$ROOT" \
+      ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=2 \
+      timeout -k 5 "$LIMIT" "$PERF" --net rocev2 -b 8 -e 1M -f 4 --iters 100000 --warmup 1 \
+      >"$tmp/$name.$k.log" 2>&1 &
+    pids+=($!)
+  done
+  # Down once the job runs (rank 0 printed a result row).
+  for _ in $(seq 200); do
+    grep -q '^ ' "$tmp/$name.0.log" 2>/dev/null && break
+    sleep 0.1
+  done
+  ip -n "roccl$victim" link set eth0 down
+  sleep 4
+  ip -n "roccl$victim" link set eth0 up
+  for ((k = 0; k < N; k++)); do
+    rc=0
+    wait "${pids[$k]}" || rc=$?
+    line=$(grep -m1 'roccl-perf: error' "$tmp/$name.$k.log" || true)
+    if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ -z "$line" ]; then
+      echo "   rank $k exited with $rc, error: ${line:-none}"
+      fail=1
+    elif [ "$k" -eq "$victim" ]; then
+      if ! grep -q "this rank's network failed" <<<"$line"; then
+        echo "   rank $k (link down) does not say that its own network failed: $line"
+        fail=1
+      fi
+    else
+      other=$((N - victim - k))
+      if ! grep -q "rank $victim\b" <<<"$line" || grep -q "exited or aborted" <<<"$line" ||
+        grep -q "remote error: rank $other\b" <<<"$line"; then
+        echo "   rank $k does not name rank $victim as unreachable: $line"
+        fail=1
+      fi
+    fi
+  done
+  pids=()
+  if [ "$fail" -ne 0 ]; then
+    for ((k = 0; k < N; k++)); do
+      echo "   ---- rank $k output ($name)"
+      sed 's/^/   | /' "$tmp/$name.$k.log"
+    done
+    echo "FAILED: $name"
+    exit 1
+  fi
+  for ((k = 0; k < N; k++)); do
+    echo "   rank $k: $(grep -m1 'roccl-perf: error' "$tmp/$name.$k.log" | cut -c1-200)"
+  done
+}
+flap
+
 echo "-- all runs across network namespaces passed"

@@ -984,8 +984,16 @@ impl Node {
             })
             .map(|p| p.to_string())
             .collect();
+        // A peer whose process this rank sees (same pid namespace) may be stopped.
+        let pid = self.cma_pids.get(r).copied().filter(|&p| p != 0);
+        let why = match pid {
+            Some(p) if crate::os::process::process_stopped(p) => format!(
+                "rank {r}: its process (pid {p} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
+            ),
+            _ => "the peer may have hung or called a different collective".into(),
+        };
         Error::Timeout(format!(
-            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on rank {r} in a shared-memory collective (ranks behind: {}); the peer may have hung or called a different collective",
+            "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on rank {r} in a shared-memory collective (ranks behind: {}); {why}",
             self.me,
             w.timeout,
             behind.join(", ")

@@ -233,13 +233,24 @@ fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
     } else {
         format!(": {hint}")
     };
-    Error::sys(
-        format!(
-            "RoCE v2 {side}: work completion {:?} (status {}){hint}",
-            w.status, w.status as u32
+    let what = format!(
+        "RoCE v2 {side}: work completion {:?} (status {}){hint}",
+        w.status, w.status as u32
+    );
+    // The kind tells the executor the cause: the peer never answered, or this host could
+    // not send at all.
+    let silent = matches!(w.status, WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr);
+    match verbs.local_fault().filter(|_| silent) {
+        Some(fault) => Error::sys(
+            format!("{what}; {fault}"),
+            std::io::Error::other(crate::net::LocalFault),
         ),
-        std::io::Error::other("RDMA completion error"),
-    )
+        None if silent => Error::sys(
+            what,
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "retries exhausted"),
+        ),
+        None => Error::sys(what, std::io::Error::other("RDMA completion error")),
+    }
 }
 
 /// An explicit registration (`regMr`, `regMrDmaBuf`), kept in `cache` until `dereg`.

@@ -293,6 +293,10 @@ impl RoceRecv {
 }
 
 impl RecvComm for RoceRecv {
+    fn local_fault(&self) -> Option<String> {
+        self.verbs.local_fault()
+    }
+
     unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         // SAFETY: this function's contract is `reg_explicit`'s.
         unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None) }

@@ -280,6 +280,10 @@ fn sge(addr: u64, len: usize, mr: Option<Mr>) -> Option<Sge> {
 }
 
 impl SendComm for RoceSend {
+    fn local_fault(&self) -> Option<String> {
+        self.verbs.local_fault()
+    }
+
     fn abandon(&mut self) {
         // Closing after a failure or an abort: no drain (the peer may be the failure).
         self.failed

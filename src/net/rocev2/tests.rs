@@ -868,3 +868,42 @@ fn flushes_are_asynchronous_and_complete_in_order() {
     assert!(r.test_flush(0).is_err());
     r.dereg_mr(rm).unwrap();
 }
+
+/// A completion that ran out of retries says the peer was silent (a timeout, not an exit);
+/// other errors stay generic. (This host unable to send: tests/netns/run.sh's flap.)
+#[test]
+fn completion_errors_carry_their_cause() {
+    let verbs = UserVerbs::with(IpAddr::from([127, 0, 0, 1]), 0, None).unwrap();
+    let peer: SocketAddr = "127.0.0.1:4791".parse().unwrap();
+    let wc = |status| Wc {
+        wr_id: 0,
+        status,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qpn: 0,
+    };
+    let kind = |e: Error| match e {
+        Error::System { source, .. } => source.kind(),
+        other => panic!("{other}"),
+    };
+    use std::io::ErrorKind;
+    assert_eq!(
+        kind(super::wc_error(
+            &wc(WcStatus::RetryExcErr),
+            "send",
+            &verbs,
+            peer
+        )),
+        ErrorKind::TimedOut
+    );
+    assert_eq!(
+        kind(super::wc_error(
+            &wc(WcStatus::RemAccessErr),
+            "send",
+            &verbs,
+            peer
+        )),
+        ErrorKind::Other
+    );
+}

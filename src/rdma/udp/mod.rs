@@ -109,6 +109,9 @@ struct Driver {
     /// The receive socket takes GRO datagrams.
     gro: bool,
     udp: UdpStats,
+    /// Sends have failed since then (the operating system refused them), with the last
+    /// error; cleared by the next send that goes out.
+    send_failing: Option<(Instant, std::io::Error)>,
     /// When a receive last found the socket empty.
     rx_empty_at: Option<Instant>,
     next_psn: u32,
@@ -353,6 +356,7 @@ impl UserVerbs {
             gso,
             gro,
             udp: UdpStats::default(),
+            send_failing: None,
             rx_empty_at: None,
             next_psn: seed & 0x00ff_ffff,
             last_app_poll: Instant::now(),
@@ -817,8 +821,17 @@ impl Driver {
                 }
                 // A full socket buffer drops the rest; the RC protocol retransmits it.
                 crate::info!("RoCE v2: sendmmsg sent {off} of {n} datagrams: {e}");
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    // Not a full buffer: the host cannot send (link down, no route).
+                    let since = self
+                        .send_failing
+                        .as_ref()
+                        .map_or_else(Instant::now, |f| f.0);
+                    self.send_failing = Some((since, e));
+                }
                 break;
             }
+            self.send_failing = None;
             let sent = &groups[off..off + r as usize];
             self.udp.sends += sent.len() as u64;
             self.udp.packets += sent.iter().map(|g| g.nseg as u64).sum::<u64>();
@@ -1136,6 +1149,16 @@ impl Verbs for UserVerbs {
         d.engine.post_send(qpn(qp), wr)?;
         // Push the first packets out now: lower latency than waiting for the next poll.
         d.transmit(Instant::now())
+    }
+
+    fn local_fault(&self) -> Option<String> {
+        let d = self.d.lock();
+        let (since, e) = d.send_failing.as_ref()?;
+        Some(format!(
+            "this host cannot send from {}: the operating system has refused every send for {:.1?} ({e}); is its link down or its route gone?",
+            self.local.ip(),
+            since.elapsed()
+        ))
     }
 
     fn post_send_unhurried(&self, qp: QpId, wr: &SendWr) -> Result<()> {
