@@ -125,11 +125,13 @@ struct Driver {
     reap_buf: Vec<Qpn>,
 }
 
-/// The socket a QP sends from (its port is the packets' UDP source port).
+/// The socket a QP sends from (its port is the packets' UDP source port). It stays
+/// unconnected: Linux gives the datagrams of a connected UDP socket a counting IPv4
+/// identification, and the ICRC covers that field, which this provider sets to the GSO segment
+/// index (0 for a lone datagram, as unconnected sockets with DF get); a NIC receiving from it
+/// would find every ICRC wrong (`tests/capture`).
 struct TxSocket {
     sock: Socket,
-    /// Connected to this address (the QP's peer) once the QP is: its sends name no address.
-    peer: Option<SocketAddr>,
 }
 
 /// The userspace RoCE v2 provider.
@@ -762,7 +764,7 @@ impl Driver {
         let Some(tx) = self.tx.get(&groups[0].src_port) else {
             return;
         };
-        let (fd, peer) = (tx.sock.as_raw_fd(), tx.peer);
+        let fd = tx.sock.as_raw_fd();
         let addrs: [SockAddr; GROUPS] = std::array::from_fn(|i| {
             SockAddr::from(groups.get(i).map_or(groups[0].dest, |g| g.dest))
         });
@@ -781,10 +783,8 @@ impl Driver {
             let h = &mut msgs[i].msg_hdr;
             h.msg_iov = &mut iov[i];
             h.msg_iovlen = 1;
-            if peer != Some(g.dest) {
-                h.msg_name = addrs[i].as_ptr() as *mut libc::c_void;
-                h.msg_namelen = addrs[i].len();
-            }
+            h.msg_name = addrs[i].as_ptr() as *mut libc::c_void;
+            h.msg_namelen = addrs[i].len();
             if g.nseg > 1 {
                 ctrl[i] = Cmsg::segment(g.seg as u16);
                 h.msg_control = (&mut ctrl[i] as *mut Cmsg).cast();
@@ -1048,13 +1048,7 @@ impl Verbs for UserVerbs {
             }
         };
         d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
-        d.tx.insert(
-            port,
-            TxSocket {
-                sock: tx,
-                peer: None,
-            },
-        );
+        d.tx.insert(port, TxSocket { sock: tx });
         let psn = d.next_psn;
         d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
         d.qps.insert(
@@ -1112,16 +1106,7 @@ impl Verbs for UserVerbs {
             selective: true,
         };
         d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
-        d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)?;
-        // Every packet of this QP goes to one address: a connected socket keeps the route
-        // (no lookup per send) and its sends carry no address.
-        let port = d.qps.get(&qpn(qp)).map_or(0, |s| s.port);
-        if let Some(tx) = d.tx.get_mut(&port) {
-            if tx.sock.connect(&remote.addr.into()).is_ok() {
-                tx.peer = Some(remote.addr);
-            }
-        }
-        Ok(())
+        d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
     }
 
     fn set_timeout(&self, timeout: Duration) {
