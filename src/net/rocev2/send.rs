@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::cts::{dist, Cts, CtsReader, CTS_EAGER_ONLY, CTS_SLOTS};
+use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
 use super::{no_device_copy, reg_explicit, wc_error, EMPTY_WC, FIFO, IMM_SIZE_BITS};
@@ -80,7 +80,7 @@ impl RoceSend {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
         // SAFETY: `CtsReader` reads only inside the FIFO at `fifo`, registered with this
         // provider at connect and deregistered only when this comm is dropped.
-        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        let read = |p: Pieces<'_, '_>| unsafe { verbs.read_registered_in_order(p) };
         self.cts.cts_for(read, fifo, m)
     }
 
@@ -88,7 +88,7 @@ impl RoceSend {
     fn refresh_credits(&mut self) {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
         // SAFETY: as in `cts_for`: reads inside the FIFO, registered while this comm lives.
-        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        let read = |p: Pieces<'_, '_>| unsafe { verbs.read_registered_in_order(p) };
         self.cts.refresh_credits(read, fifo);
     }
 

@@ -522,14 +522,26 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
 
 /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
 /// must agree), recording every send work request (opcode, inline, local address,
-/// remote address); with `Some(n)` in the last field every queue pair is granted `n`
-/// bytes of inline data, as a NIC may grant less than its provider asked for.
+/// remote address); with `Some(n)` in the fourth field every queue pair is granted `n`
+/// bytes of inline data, as a NIC may grant less than its provider asked for. The last
+/// field counts reads of registered memory, each one lock of the userspace engine:
+/// [`Reads`].
 struct Wrapped(
     UserVerbs,
     parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
     bool,
     Option<usize>,
+    Reads,
 );
+
+/// Calls of `read_registered` and of `read_registered_in_order`, and the pieces the
+/// latter copied.
+#[derive(Default)]
+struct Reads {
+    single: std::sync::atomic::AtomicUsize,
+    in_order: std::sync::atomic::AtomicUsize,
+    pieces: std::sync::atomic::AtomicUsize,
+}
 
 impl Wrapped {
     fn new(ip: IpAddr, nic: bool) -> Wrapped {
@@ -538,6 +550,7 @@ impl Wrapped {
             parking_lot::Mutex::new(Vec::new()),
             nic,
             None,
+            Reads::default(),
         )
     }
 }
@@ -605,9 +618,47 @@ impl Verbs for Wrapped {
         self.0.qp_state(qp)
     }
     unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
+        self.4.single.fetch_add(1, Ordering::Relaxed);
         // SAFETY: this function's contract, passed on to the provider it wraps.
         unsafe { self.0.read_registered(addr, out) }
     }
+    unsafe fn read_registered_in_order(&self, pieces: &mut [(u64, &mut [u8])]) {
+        self.4.in_order.fetch_add(1, Ordering::Relaxed);
+        self.4.pieces.fetch_add(pieces.len(), Ordering::Relaxed);
+        // SAFETY: this function's contract, passed on to the provider it wraps.
+        unsafe { self.0.read_registered_in_order(pieces) }
+    }
+}
+
+/// Issue 19: the sender's seqlock read of a clear-to-send entry (end marker, body, start
+/// marker) is one call of the provider, one lock of the userspace engine, not one per
+/// piece; and the entries read so are right (rendezvous messages land whole).
+#[test]
+fn a_clear_to_send_entry_is_read_under_one_lock() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    for len in [20_000usize, 100_000, 1 << 20] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 + len) as u8).collect();
+        let (buf, got) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+        assert_eq!((got, &buf[..len]), (len, &data[..]));
+    }
+    let (single, in_order, pieces) = (
+        rec.4.single.load(Ordering::Relaxed),
+        rec.4.in_order.load(Ordering::Relaxed),
+        rec.4.pieces.load(Ordering::Relaxed),
+    );
+    assert_eq!(
+        single, 0,
+        "clear-to-send entries read piece by piece: {single} provider calls, one lock each"
+    );
+    assert!(in_order > 0, "no clear-to-send entry was read");
+    assert_eq!(
+        pieces,
+        3 * in_order,
+        "each read: end marker, body, start marker"
+    );
 }
 
 /// Inline data is what each queue pair was granted, not one value for the provider: on
