@@ -11,6 +11,11 @@ pub use super::mem::Access;
 use crate::error::Result;
 use crate::os::wait::PollFd;
 
+/// The top bit of a work request id belongs to the provider (the NIC provider marks the
+/// sends it signals on its own with it and hides their completions): ids the network posts
+/// stay below it, and the NIC provider refuses any that does not.
+pub const PROVIDER_WR_ID_BIT: u64 = 1 << 63;
+
 /// A registered memory region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mr {

@@ -367,15 +367,18 @@ impl SendComm for RoceSend {
     }
 }
 
-/// `wr_id` of the marker a closing send comm posts (requests count up from 0).
-const DRAIN_MARK: u64 = u64::MAX;
+/// `wr_id` of the marker a closing send comm posts (requests count up from 0), below the bit
+/// providers keep: the NIC provider hides successful completions with it (those of the
+/// sends it signals itself), and a marker of `u64::MAX` never came back.
+const DRAIN_MARK: u64 = crate::rdma::verbs::PROVIDER_WR_ID_BIT - 1;
 
 /// Wait until everything posted on `qp` so far has been acknowledged by the peer: RC
 /// completes in order, so a signaled zero-length RDMA WRITE (which touches no memory and
 /// needs no rkey) posted after it completes only then. Eager and inline sends were reported
 /// done when posted, and the staging memory they are sent from is freed with the comm: a
 /// destroy right after the last call would otherwise lose them. Ends early when the QP
-/// fails, when the peer's process is gone, or after the provider's drain limit.
+/// fails, when the peer's process is gone, or after the provider's drain limit. The one
+/// drain of a closing connection: providers' `destroy_qp` does not wait again.
 fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
     // Nothing unacknowledged (the userspace engine can tell): no marker, no wait — a peer
     // that already left would otherwise hold the close up until it is seen gone.
