@@ -1,6 +1,9 @@
 //! Item 25 of issue 19: a rank of a rocev2 job stopped for a second (SIGSTOP, SIGCONT) is
 //! waited for: the userspace engine retransmits with backoff until the communicator's
-//! deadline instead of giving up after IB's 7 retries (~134 ms), and every result is right.
+//! deadline instead of giving up after IB's 7 retries (~134 ms), and every result is right:
+//! each call's, those in flight during the pause included (`--check-iters`: roccl-perf checks
+//! the output of every warm-up and timed call, poisoned before it, not only one call after
+//! them, which ran long after the pause).
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,9 +35,21 @@ fn children(pid: u32) -> Vec<i32> {
 
 #[test]
 fn a_rank_stopped_for_a_second_is_waited_for() {
-    let child = Command::new(PERF)
+    let mut child = Command::new(PERF)
         .args([
-            "--ranks", "3", "--net", "rocev2", "-b", "256K", "-e", "256K", "-i", "4000", "-w", "5",
+            "--ranks",
+            "3",
+            "--net",
+            "rocev2",
+            "-b",
+            "256K",
+            "-e",
+            "256K",
+            "-i",
+            "4000",
+            "-w",
+            "5",
+            "--check-iters",
         ])
         .env("ROCCL_SOCKET_IFNAME", "lo")
         .env("ROCCL_TIMEOUT", "60")
@@ -59,6 +74,11 @@ fn a_rank_stopped_for_a_second_is_waited_for() {
     std::thread::sleep(Duration::from_secs(1));
     // SAFETY: as above.
     unsafe { libc::kill(victim, libc::SIGCONT) };
+    // Else the pause fell after the traffic and the test proves nothing.
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the job ended before the paused rank was continued: make it longer (-i)"
+    );
     let out = child.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let err = String::from_utf8_lossy(&out.stderr);

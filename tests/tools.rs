@@ -340,6 +340,11 @@ fn bad_arguments_are_refused_once() {
         &["-e 100000G", "available"],
     );
     refused(&["--ranks", "2", "--root", "5"], &[], &["--root 5"]);
+    refused(
+        &["--ranks", "2", "--check-iters", "--stream"],
+        &[],
+        &["--check-iters", "--stream"],
+    );
 }
 
 #[test]

@@ -88,6 +88,11 @@ struct Args {
     /// Check every result against a reference (on by default; --check=false to skip).
     #[arg(long, short = 'c', default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     check: bool,
+    /// Also check the result of every warm-up and timed call (its output poisoned before
+    /// it, so a call that wrote nothing is seen too), not only one call after them: for
+    /// tests of faults during traffic (slower; host buffers only, not with --device).
+    #[arg(long)]
+    check_iters: bool,
     /// Write a JSON array of results to FILE.
     #[arg(long)]
     json: Option<String>,
@@ -452,14 +457,19 @@ impl Bench<'_> {
         }
     }
 
-    fn check(&self, o: Op, bytes: usize) -> roccl::Result<u64> {
-        let (dt, op, n, me, root) = (
-            self.dt,
-            self.op,
-            self.c.nranks(),
-            self.c.rank(),
-            self.a.root,
-        );
+    /// `--check-iters`, before a call: the output poisoned (a value no check expects, so a
+    /// call that wrote nothing is counted wrong) and, in place, the input placed again.
+    fn prepare(&self, o: Op, send: &[u8], recv: &mut [u8], count: usize) {
+        recv.fill(0x5a);
+        if self.a.inplace {
+            self.place_input(o, send, recv, count);
+        }
+    }
+
+    /// One call's wrong results (`check`'s input, the pattern) on this rank, and, with
+    /// `earlier`, the wrong results of earlier calls (`--check-iters`) summed over ranks.
+    fn check(&self, o: Op, bytes: usize, earlier: u64) -> roccl::Result<u64> {
+        let (dt, op, me) = (self.dt, self.op, self.c.rank());
         let (mut send, mut recv, coll, count) = self.setup(o, bytes);
         let inplace = self.a.inplace && o != Op::SendRecv;
         match o {
@@ -483,30 +493,42 @@ impl Bench<'_> {
                 self.call(coll, &send, &mut recv, inplace)?;
             }
         }
+        // Sum the wrong counts over ranks.
+        let mut total = [earlier + self.wrong_in(o, &recv, count)];
+        self.c.all_reduce_in_place(&mut total, RedOp::Sum)?;
+        Ok(total[0])
+    }
+
+    /// Elements of `recv` (a call's output on the pattern's input) that are wrong here.
+    fn wrong_in(&self, o: Op, recv: &[u8], count: usize) -> u64 {
+        let (dt, op, n, me, root) = (
+            self.dt,
+            self.op,
+            self.c.nranks(),
+            self.c.rank(),
+            self.a.root,
+        );
+        let inplace = self.a.inplace && o != Op::SendRecv;
         let es = dt.size();
-        let bad = match o {
-            Op::AllReduce => wrong(dt, &recv, |i| expect_reduced(dt, op, n, i)),
-            Op::Reduce if me == root => wrong(dt, &recv, |i| expect_reduced(dt, op, n, i)),
+        match o {
+            Op::AllReduce => wrong(dt, recv, |i| expect_reduced(dt, op, n, i)),
+            Op::Reduce if me == root => wrong(dt, recv, |i| expect_reduced(dt, op, n, i)),
             Op::Reduce | Op::Barrier => 0,
-            Op::Broadcast => wrong(dt, &recv, |i| pattern(dt, op, root, i)),
-            Op::AllGather => wrong(dt, &recv, |j| pattern(dt, op, j / count, j % count)),
+            Op::Broadcast => wrong(dt, recv, |i| pattern(dt, op, root, i)),
+            Op::AllGather => wrong(dt, recv, |j| pattern(dt, op, j / count, j % count)),
             Op::ReduceScatter => {
                 let mine = if inplace {
                     &recv[me * count * es..(me + 1) * count * es]
                 } else {
-                    &recv[..]
+                    recv
                 };
                 wrong(dt, mine, |i| expect_reduced(dt, op, n, me * count + i))
             }
-            Op::AllToAll => wrong(dt, &recv, |j| {
+            Op::AllToAll => wrong(dt, recv, |j| {
                 pattern(dt, op, j / count, me * count + j % count)
             }),
-            Op::SendRecv => wrong(dt, &recv, |i| pattern(dt, op, (me + n - 1) % n, i)),
-        };
-        // Sum the wrong counts over ranks.
-        let mut total = [bad];
-        self.c.all_reduce_in_place(&mut total, RedOp::Sum)?;
-        Ok(total[0])
+            Op::SendRecv => wrong(dt, recv, |i| pattern(dt, op, (me + n - 1) % n, i)),
+        }
     }
 
     /// The stream-ordered operation of `coll` on device buffers.
@@ -611,18 +633,33 @@ impl Bench<'_> {
             self.place_input(o, &send, &mut recv, count);
         }
         let mut info = None;
+        // Wrong results of the calls timed (`--check-iters`).
+        let mut earlier = 0u64;
         let mut times = vec![0f64; self.a.iters.max(1)];
         if let Some((dev, stream)) = &self.dev {
             self.time_on_device(dev, *stream, coll, &send, &recv, &mut times)?;
         } else {
+            let each = self.a.check_iters;
             for _ in 0..self.a.warmup {
+                if each {
+                    self.prepare(o, &send, &mut recv, count);
+                }
                 info = Some(self.call(coll, &send, &mut recv, self.a.inplace)?);
+                if each {
+                    earlier += self.wrong_in(o, &recv, count);
+                }
             }
             for t in times.iter_mut() {
+                if each {
+                    self.prepare(o, &send, &mut recv, count);
+                }
                 let s = Instant::now();
                 let i = self.call(coll, &send, &mut recv, self.a.inplace)?;
                 *t = s.elapsed().as_secs_f64() * 1e6;
                 info = Some(i);
+                if each {
+                    earlier += self.wrong_in(o, &recv, count);
+                }
             }
         }
         // Slowest rank per iteration, then the median.
@@ -630,7 +667,7 @@ impl Bench<'_> {
         times.sort_by(|a, b| a.total_cmp(b));
         let med = times[times.len() / 2];
         let wrong = if self.a.check {
-            self.check(o, bytes)?
+            self.check(o, bytes, earlier)?
         } else {
             0
         };
@@ -743,6 +780,9 @@ fn check_args(a: &Args, nranks: usize, local: usize) -> Result<Plan, String> {
     }
     if a.iters == 0 {
         return Err("--iters 0: at least one timed iteration is needed".into());
+    }
+    if a.check_iters && (a.device.is_some() || a.stream || !a.check) {
+        return Err("--check-iters checks host buffers between calls: not with --device, --stream or --check=false".into());
     }
     let ops = Op::parse(&a.op)?;
     let sizes = sizes(a)?;

@@ -15,6 +15,12 @@ use crate::types::{DataType, RedOp};
 
 use super::{agree, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
 
+/// Bytes of the scratch buffer of averages ([`avg_premultiplied`]) a communicator keeps from
+/// call to call: a reduce or reduce-scatter average of narrow floats up to this input takes
+/// no allocation once warm; a larger one allocates its scratch for the call, and it is given
+/// back after it (one big average does not hold its size for the communicator's life).
+pub(super) const PREMUL_KEEP: usize = 4 << 20;
+
 /// An average of 16- and 8-bit floats overflows when summed first (8 ranks × f16 10000 sum
 /// to inf; 4 ranks × e4m3 300 saturate at 448): as NCCL does, each rank's input is divided
 /// by the number of ranks first and the call runs as a sum. All-reduce scales into its output
@@ -310,6 +316,9 @@ impl State {
             Ok((coll, send, recv)) => self.execute_inner(coll, dt, send, recv, opts, dev),
             Err(e) => Err(e),
         };
+        if scratch.capacity() > PREMUL_KEEP {
+            scratch = Vec::new();
+        }
         self.premul = scratch;
         let r = r.map_err(|e| self.explain_mismatch(e));
         if let Err(e) = &r {

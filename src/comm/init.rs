@@ -58,8 +58,9 @@ impl Communicator {
     }
 
     /// [`Communicator::init_with`] that another thread can end: setting `abort` makes the
-    /// waits of initialization (the rendezvous, the shared-memory attach) return an error
-    /// within about 100 ms (what `rocclCommAbort` does to a non-blocking init).
+    /// waits of initialization (the rendezvous, the shared-memory attach, the connections
+    /// of `ROCCL_CONNECT=all`) return an error within about 100 ms (what `rocclCommAbort`
+    /// does to a non-blocking init).
     pub fn init_abortable(
         id: &UniqueId,
         nranks: usize,
@@ -308,9 +309,40 @@ impl Communicator {
             }),
         };
         if connect_all {
-            comm.connect_all()?;
+            comm.connect_all_abortable(abort)?;
         }
         Ok(comm)
+    }
+
+    /// [`Communicator::connect_all`] during an abortable init: its waits watch the
+    /// communicator's own abort flag, which a watcher raises within about 10 ms of `abort`
+    /// (the init's flag, another thread's `rocclCommAbort`), so that the connect phase of
+    /// `ROCCL_CONNECT=all` ends on abort like the rendezvous before it does.
+    fn connect_all_abortable(&self, abort: &std::sync::atomic::AtomicBool) -> Result<()> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let watch = std::thread::Builder::new()
+                .name("roccl-init-abort".into())
+                .spawn_scoped(s, || {
+                    while !done.load(Ordering::Relaxed) {
+                        if abort.load(Ordering::Relaxed) {
+                            self.shared.abort.store(true, Ordering::Relaxed);
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                });
+            if let Err(e) = watch {
+                crate::info!(
+                    "rank {}: no thread to watch for an abort while connecting ({e}): an abort ends this init only at ROCCL_TIMEOUT",
+                    self.rank()
+                );
+            }
+            let r = self.connect_all();
+            done.store(true, Ordering::Relaxed);
+            r
+        })
     }
 
     /// Join from the launcher's environment: `ROCCL_UNIQUE_ID`, or `ROCCL_ROOT` /

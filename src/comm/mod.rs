@@ -47,7 +47,7 @@ struct State {
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<crate::algo::shm::node::Node>,
     /// Scaled inputs of averages of narrow floats (see `avg_premultiplied`), kept from call
-    /// to call.
+    /// to call up to `dispatch::PREMUL_KEEP` bytes.
     premul: Vec<u8>,
     /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
     call_tag: u32,
@@ -338,6 +338,69 @@ mod tests {
             c.all_reduce_async(vec![2i32], RedOp::Sum).wait().unwrap(),
             [2]
         );
+    }
+
+    /// Issue 19: the scratch of averages of narrow floats keeps at most `PREMUL_KEEP` bytes
+    /// after a large average (16 MiB of f16 here), and a small one reuses what it keeps (no
+    /// allocation per call); the results stay right.
+    #[test]
+    fn a_large_average_leaves_no_large_scratch_behind() {
+        use half::f16;
+        let id = UniqueId::new().unwrap();
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let mut cfg = Config::from_env().unwrap();
+                    cfg.net = NetKind::Tcp;
+                    cfg.waiter.timeout = Duration::from_secs(30);
+                    let c = Communicator::init_with(&id, 2, r, cfg).unwrap();
+                    let kept = || c.shared.state.lock().premul.capacity();
+                    // Rank r sends (r + 1) × (i % 64): the average is 1.5 × (i % 64), exact.
+                    let input = |n: usize| -> Vec<f16> {
+                        (0..n)
+                            .map(|i| f16::from_f32(((r + 1) * (i % 64)) as f32))
+                            .collect()
+                    };
+                    let check = |got: &[f16], offset: usize| {
+                        for (k, g) in got.iter().enumerate() {
+                            let want = 1.5 * ((offset + k) % 64) as f32;
+                            assert_eq!(g.to_f32(), want, "rank {r}, element {}", offset + k);
+                        }
+                    };
+                    let big = 8 << 20; // elements: 16 MiB of input
+                    let mut out = vec![f16::ZERO; big / 2];
+                    c.reduce_scatter(&input(big), &mut out, RedOp::Avg).unwrap();
+                    check(&out, r * big / 2);
+                    let after_big = kept();
+                    let small = 512;
+                    let mut out = vec![f16::ZERO; small / 2];
+                    c.reduce_scatter(&input(small), &mut out, RedOp::Avg)
+                        .unwrap();
+                    check(&out, r * small / 2);
+                    let at = c.shared.state.lock().premul.as_ptr();
+                    c.reduce_scatter(&input(small), &mut out, RedOp::Avg)
+                        .unwrap();
+                    check(&out, r * small / 2);
+                    let again = c.shared.state.lock().premul.as_ptr();
+                    (after_big, kept(), at == again)
+                })
+            })
+            .collect();
+        for (r, t) in ranks.into_iter().enumerate() {
+            let (after_big, after_small, reused) = t.join().unwrap();
+            assert!(
+                after_big <= dispatch::PREMUL_KEEP,
+                "rank {r} kept {after_big} bytes of scratch after a 16 MiB average"
+            );
+            assert!(
+                after_small >= 1024,
+                "rank {r} kept no scratch for small averages"
+            );
+            assert!(
+                reused,
+                "rank {r} allocated again for a second small average"
+            );
+        }
     }
 
     #[test]

@@ -11,6 +11,11 @@ pub use super::mem::Access;
 use crate::error::Result;
 use crate::os::wait::PollFd;
 
+/// The top bit of a work request id belongs to the provider (the NIC provider marks the
+/// sends it signals on its own with it and hides their completions): ids the network posts
+/// stay below it, and the NIC provider refuses any that does not.
+pub const PROVIDER_WR_ID_BIT: u64 = 1 << 63;
+
 /// A registered memory region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mr {
@@ -159,4 +164,20 @@ pub trait Verbs: Send + Sync {
     /// ([`Verbs::reg_mr`], [`Verbs::reg_dmabuf`] of host memory) and not yet released with
     /// [`Verbs::dereg_mr`]: the provider reads it as plain memory.
     unsafe fn read_registered(&self, addr: u64, out: &mut [u8]);
+    /// [`Verbs::read_registered`] of several pieces as one read: each piece in the order
+    /// given, copied whole before the next one begins (an acquire fence between), so that
+    /// a seqlock reader's reads (end marker, body, start marker) keep their order. The
+    /// userspace engine takes its lock once for all of them, not once per piece.
+    ///
+    /// # Safety
+    /// Each piece as in [`Verbs::read_registered`].
+    unsafe fn read_registered_in_order(&self, pieces: &mut [(u64, &mut [u8])]) {
+        for (i, (addr, out)) in pieces.iter_mut().enumerate() {
+            if i > 0 {
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            }
+            // SAFETY: this function's contract, piece by piece.
+            unsafe { self.read_registered(*addr, out) };
+        }
+    }
 }

@@ -1,14 +1,16 @@
 //! The launcher of `roccl-perf --ranks N`: starts the rank processes and supervises them so
 //! that no rank outlives the job. As soon as one rank fails, the others are killed and the
 //! failure is reported, naming the rank that caused it first (a stopped rank, when one is
-//! stopped, then the rank that failed first); SIGINT, SIGTERM and SIGHUP to the launcher are
+//! stopped, then the rank that failed first: of failures seen in one look, the one whose
+//! SIGCHLD came first, else one killed by a signal rather than one that exited with an error,
+//! which is what its peers do once it is gone); SIGINT, SIGTERM and SIGHUP to the launcher are
 //! forwarded to its ranks (killed after a grace period if they do not end); and each rank
 //! asks the kernel to kill it when the launcher dies (`PR_SET_PDEATHSIG`), so that even a
 //! SIGKILLed launcher leaves no rank behind.
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::EXIT_STDOUT_CLOSED;
@@ -46,7 +48,68 @@ extern "C" fn on_signal(sig: libc::c_int) {
     }
 }
 
+/// Entries of [`EXIT_ORDER`].
+const EXITS: usize = 1024;
+/// Pids of children in the order their SIGCHLD came (the order they ended: a second SIGCHLD
+/// that comes while the first is still pending is merged into it, so the one kept is the
+/// earlier), from entry 0 on; entries past [`EXITS`] are not kept.
+static EXIT_ORDER: [AtomicI32; EXITS] = [const { AtomicI32::new(0) }; EXITS];
+/// SIGCHLDs received so far (the next entry of [`EXIT_ORDER`]).
+static EXITS_SEEN: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn on_child(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; SIGCHLD's names
+    // the child. Atomic operations are async-signal-safe.
+    let pid = unsafe { (*info).si_pid() };
+    let i = EXITS_SEEN.fetch_add(1, Ordering::Relaxed);
+    if i < EXITS {
+        EXIT_ORDER[i].store(pid, Ordering::Relaxed);
+    }
+}
+
+/// Where `pid` ended among the SIGCHLDs recorded from entry `from` on (`None`: not recorded).
+fn exit_position(pid: u32, from: usize) -> Option<usize> {
+    let seen = EXITS_SEEN.load(Ordering::Relaxed).min(EXITS);
+    (from.min(seen)..seen).find(|&i| EXIT_ORDER[i].load(Ordering::Relaxed) as u32 == pid)
+}
+
+/// A rank that failed, as one look at the ranks found it.
+struct Failure {
+    rank: usize,
+    /// How it ended, in words.
+    how: String,
+    /// Killed by a signal (not by us: nobody was killed yet), not exited with an error.
+    signalled: bool,
+    /// Its place in the order the ranks ended, when known.
+    ended: Option<usize>,
+}
+
+/// The failure that came first of those one look found: the rank that ended first, by the
+/// order of SIGCHLD; where that is not known, a rank killed by a signal before one that
+/// exited with an error (ranks exit with an error once a peer is gone); then the lowest rank.
+fn first_failure(failed: Vec<Failure>) -> Option<Failure> {
+    failed
+        .into_iter()
+        .min_by_key(|f| (f.ended.unwrap_or(usize::MAX), !f.signalled, f.rank))
+}
+
 fn catch_signals() -> Result<(), String> {
+    // SAFETY: a zeroed sigaction is valid; the handler only uses atomics, which are
+    // async-signal-safe, and the siginfo the kernel passes with SA_SIGINFO.
+    let r = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_child
+            as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void)
+            as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART | libc::SA_SIGINFO | libc::SA_NOCLDSTOP;
+        libc::sigaction(libc::SIGCHLD, &sa, std::ptr::null_mut())
+    };
+    if r != 0 {
+        return Err(format!(
+            "installing the handler of SIGCHLD: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
     for sig in [
         libc::SIGINT,
         libc::SIGTERM,
@@ -80,6 +143,8 @@ const GRACE: Duration = Duration::from_secs(2);
 /// the main thread: the kernel's parent-death signal follows the thread that started a child.
 pub fn run(ranks: Vec<Command>) -> Result<Outcome, String> {
     catch_signals()?;
+    // SIGCHLDs of this job are the ones recorded from here on.
+    let exits_from = EXITS_SEEN.load(Ordering::Relaxed);
     // SAFETY: getpid has no memory effects.
     let parent = unsafe { libc::getpid() };
     let mut kids: Vec<Child> = Vec::with_capacity(ranks.len());
@@ -117,8 +182,8 @@ pub fn run(ranks: Vec<Command>) -> Result<Outcome, String> {
             end_all(&mut kids, &mut done, sig);
             return Ok(Outcome::Signalled(sig));
         }
-        // The first rank that failed, and how.
-        let mut failed: Option<(usize, String)> = None;
+        // The ranks that failed since the last look, and how.
+        let mut failed: Vec<Failure> = Vec::new();
         let mut stdout_closed = false;
         for (r, k) in kids.iter_mut().enumerate() {
             if done[r].is_some() {
@@ -129,14 +194,22 @@ pub fn run(ranks: Vec<Command>) -> Result<Outcome, String> {
                     done[r] = Some(s);
                     if s.code() == Some(EXIT_STDOUT_CLOSED.into()) {
                         stdout_closed = true;
-                    } else if !(s.success() || s.code() == Some(1)) && failed.is_none() {
-                        failed = Some((r, describe(s)));
+                    } else if !(s.success() || s.code() == Some(1)) {
+                        failed.push(Failure {
+                            rank: r,
+                            how: describe(s),
+                            signalled: s.signal().is_some(),
+                            ended: exit_position(k.id(), exits_from),
+                        });
                     }
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    failed.get_or_insert((r, format!("waiting for it failed: {e}")));
-                }
+                Err(e) => failed.push(Failure {
+                    rank: r,
+                    how: format!("waiting for it failed: {e}"),
+                    signalled: false,
+                    ended: None,
+                }),
             }
         }
         // Rank 0 found standard output closed and ended; ranks that failed meanwhile failed
@@ -145,7 +218,7 @@ pub fn run(ranks: Vec<Command>) -> Result<Outcome, String> {
             end_all(&mut kids, &mut done, libc::SIGKILL);
             return Ok(Outcome::StdoutClosed);
         }
-        if let Some((r, how)) = failed {
+        if let Some(Failure { rank: r, how, .. }) = first_failure(failed) {
             let stopped: String = kids
                 .iter()
                 .enumerate()
@@ -253,5 +326,87 @@ fn end_all(kids: &mut [Child], done: &mut [Option<ExitStatus>], sig: i32) {
                 *d = Some(s);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(rank: usize, signalled: bool, ended: Option<usize>) -> Failure {
+        Failure {
+            rank,
+            how: String::new(),
+            signalled,
+            ended,
+        }
+    }
+
+    /// Of failures one look found, the rank that ended first is named; where the order is
+    /// not known, a rank killed by a signal before ranks that exited with an error; then
+    /// the lowest rank.
+    #[test]
+    fn the_failure_named_is_the_one_that_came_first() {
+        let first = |f: Vec<Failure>| first_failure(f).map(|f| f.rank);
+        assert_eq!(first(vec![]), None);
+        let killed_then_exits = vec![
+            failure(0, false, Some(8)),
+            failure(1, false, Some(9)),
+            failure(2, true, Some(7)),
+        ];
+        assert_eq!(first(killed_then_exits), Some(2));
+        let exit_then_killed = vec![failure(0, false, Some(3)), failure(2, true, Some(4))];
+        assert_eq!(first(exit_then_killed), Some(0));
+        let order_unknown = vec![failure(0, false, None), failure(3, true, None)];
+        assert_eq!(first(order_unknown), Some(3));
+        let partly_known = vec![failure(0, true, None), failure(2, false, Some(5))];
+        assert_eq!(first(partly_known), Some(2));
+        let alike = vec![failure(4, false, None), failure(1, false, None)];
+        assert_eq!(first(alike), Some(1));
+    }
+
+    /// A job whose rank 2 is killed (SIGKILL) and whose ranks 0 and 1 exit with an error
+    /// right after it is gone (as ranks whose peer died do), so that one look of the
+    /// launcher usually finds all three: it names rank 2, not rank 0. Three jobs: a look
+    /// can fall between rank 2's end and theirs (one job in five here), where any launcher
+    /// names rank 2.
+    #[test]
+    fn a_killed_higher_rank_is_named_before_the_lower_ranks_that_then_fail() {
+        for job in 0..3 {
+            killed_rank_2_then_ranks_0_and_1_fail(job);
+        }
+    }
+
+    fn killed_rank_2_then_ranks_0_and_1_fail(job: usize) {
+        let dir = std::env::temp_dir().join(format!("roccl-launch-{}-{job}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pid_file = dir.join("rank2.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        let sh = |script: String| {
+            let mut c = Command::new("sh");
+            c.arg("-c").arg(script);
+            c
+        };
+        // Ranks 0 and 1 wait, with shell builtins only (no fork between its end and
+        // theirs), until rank 2 is a zombie, then exit with status 2 (a rank's error).
+        let follower = format!(
+            r#"f='{}'; until [ -s "$f" ]; do sleep 0.01; done; read p < "$f"
+               until {{ read l < /proc/$p/stat; case "$l" in *") Z "*) true;; *) false;; esac; }}; do :; done
+               exit 2"#,
+            pid_file.display()
+        );
+        let victim = format!(
+            "echo $$ > '{}.tmp' && mv '{0}.tmp' '{0}'; sleep 0.3; kill -9 $$",
+            pid_file.display()
+        );
+        let out = run(vec![sh(follower.clone()), sh(follower), sh(victim)]).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let Outcome::Failed(msg) = out else {
+            panic!("the job did not fail: {out:?}");
+        };
+        assert!(
+            msg.starts_with("rank 2 (pid ") && msg.contains("failed first: killed by signal 9"),
+            "job {job}: {msg}"
+        );
     }
 }

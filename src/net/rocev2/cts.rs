@@ -12,8 +12,6 @@
 //! (wrapping), so the sender never has more messages unconsumed than the receiver has
 //! receive work requests.
 
-use std::sync::atomic::Ordering;
-
 use super::FIFO;
 use crate::error::{Error, Result};
 use crate::net::MAX_RECVS;
@@ -67,23 +65,24 @@ pub(super) const CTS_EAGER_ONLY: u32 = 1;
 /// Offset of [`Cts::seq_end`], the last field.
 const CTS_END: usize = CTS_BYTES - 4;
 
+/// Pieces of registered memory to copy in order: (address, where the bytes go).
+pub(super) type Pieces<'a, 'b> = &'a mut [(u64, &'b mut [u8])];
+
 /// Copy the clear-to-send entry at address `at`, which the peer may be writing meanwhile (an RDMA
 /// write, placed by the provider or the NIC from its first byte to its last), through `read`
-/// (the provider's `read_registered`). A seqlock read, as NCCL's net_ib reads its FIFO: the
-/// end marker, a fence, the body, a fence, the start marker. The copy is whole when both
-/// markers match: the end marker says the body before it was written; a start marker still
-/// equal to it after the body says no newer write of the slot began meanwhile (front to back
-/// instead, a body read while the writer passes through it looks whole once the writer has
-/// written the end marker too).
-pub(super) fn read_cts(read: impl Fn(u64, &mut [u8]), at: u64) -> Cts {
-    use std::sync::atomic::fence;
+/// (the provider's `read_registered_in_order`: one call, one lock of the userspace engine,
+/// per entry). A seqlock read, as NCCL's net_ib reads its FIFO: the end marker, a fence, the
+/// body, a fence, the start marker (`read` copies the pieces in the order given, with the
+/// fences between them). The copy is whole when both markers match: the end marker says the
+/// body before it was written; a start marker still equal to it after the body says no newer
+/// write of the slot began meanwhile (front to back instead, a body read while the writer
+/// passes through it looks whole once the writer has written the end marker too).
+pub(super) fn read_cts(read: impl Fn(Pieces<'_, '_>), at: u64) -> Cts {
     let mut cts = Cts::default();
     let b = bytemuck::bytes_of_mut(&mut cts);
-    read(at + CTS_END as u64, &mut b[CTS_END..]);
-    fence(Ordering::Acquire);
-    read(at + 4, &mut b[4..CTS_END]);
-    fence(Ordering::Acquire);
-    read(at, &mut b[..4]);
+    let (start, rest) = b.split_at_mut(4);
+    let (body, end) = rest.split_at_mut(CTS_END - 4);
+    read(&mut [(at + CTS_END as u64, end), (at + 4, body), (at, start)]);
     cts
 }
 
@@ -100,8 +99,8 @@ pub(super) fn dist(a: u32, b: u32) -> i32 {
 /// last messages sent (to match a message to a buffer of an entry as the receiver does).
 ///
 /// The methods that take `read` and `fifo` copy entries of the FIFO at address `fifo`
-/// through `read` (the provider's `read_registered`), and only inside its [`CTS_SLOTS`]
-/// entries.
+/// through `read` (the provider's `read_registered_in_order`, see [`read_cts`]), and only
+/// inside its [`CTS_SLOTS`] entries.
 pub(super) struct CtsReader {
     /// Sequence number of the oldest clear-to-send slot that may still be needed.
     seq: u32,
@@ -161,7 +160,7 @@ impl CtsReader {
     /// at most FIFO receives unfinished).
     pub(super) fn cts_for(
         &mut self,
-        read: impl Fn(u64, &mut [u8]),
+        read: impl Fn(Pieces<'_, '_>),
         fifo: u64,
         m: u32,
     ) -> Option<Cts> {
@@ -195,7 +194,7 @@ impl CtsReader {
 
     /// Take the credits of every entry written so far, without consuming any: the freshest
     /// may sit behind the entry of a receive that later messages still need.
-    pub(super) fn refresh_credits(&mut self, read: impl Fn(u64, &mut [u8]), fifo: u64) {
+    pub(super) fn refresh_credits(&mut self, read: impl Fn(Pieces<'_, '_>), fifo: u64) {
         let mut seq = self.seq;
         for _ in 0..CTS_SLOTS {
             let slot = Self::slot_addr(fifo, seq);
@@ -301,6 +300,7 @@ impl CtsWriter {
 mod tests {
     use super::*;
     use std::cell::Cell;
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     /// Where the test FIFOs pretend to live: reads are mapped onto a `Vec<Cts>`.
@@ -324,8 +324,8 @@ mod tests {
             (slot, cts)
         }
 
-        fn read(&self) -> impl Fn(u64, &mut [u8]) + '_ {
-            move |at: u64, out: &mut [u8]| {
+        fn read(&self) -> impl Fn(Pieces<'_, '_>) + '_ {
+            in_order(move |at: u64, out: &mut [u8]| {
                 let bytes: &[u8] = bytemuck::cast_slice(&self.0);
                 let off = at.checked_sub(BASE).expect("read below the FIFO") as usize;
                 assert!(
@@ -335,6 +335,19 @@ mod tests {
                     bytes.len()
                 );
                 out.copy_from_slice(&bytes[off..off + out.len()]);
+            })
+        }
+    }
+
+    /// A reader of pieces, as the providers' `read_registered_in_order`, from a reader of
+    /// one piece: each piece in order, a fence between.
+    fn in_order(read: impl Fn(u64, &mut [u8])) -> impl Fn(Pieces<'_, '_>) {
+        move |pieces: Pieces<'_, '_>| {
+            for (i, (at, out)) in pieces.iter_mut().enumerate() {
+                if i > 0 {
+                    std::sync::atomic::fence(Ordering::Acquire);
+                }
+                read(*at, out);
             }
         }
     }
@@ -445,7 +458,7 @@ mod tests {
                             *o = if k < done { new_b[k] } else { old_b[k] };
                         }
                     };
-                    let got = read_cts(read, BASE);
+                    let got = read_cts(in_order(read), BASE);
                     assert_eq!(calls.get(), 3);
                     if got.seq != got.seq_end {
                         continue; // refused: retried on the next poll
@@ -545,7 +558,7 @@ mod tests {
         let mut reads = 0u64;
         while !stop.load(Ordering::Relaxed) {
             reads += 1;
-            let c = read_cts(read, base);
+            let c = read_cts(in_order(&read), base);
             if c.seq == c.seq_end && c.seq != 0 {
                 accepted += 1;
                 if bytemuck::bytes_of(&c) != bytemuck::bytes_of(&entry(c.seq)) {

@@ -126,7 +126,9 @@ impl RoceRecv {
         let (slot, cts) = self.cts.stamp(cts);
         self.staging[slot] = cts;
         let wr = SendWr {
-            wr_id: u64::MAX,
+            // No completion is asked for; below the bit providers keep (the NIC provider
+            // refuses ids with it).
+            wr_id: crate::rdma::verbs::PROVIDER_WR_ID_BIT - 1,
             opcode: WrOpcode::Write,
             sge: Some(Sge {
                 addr: &self.staging[slot] as *const Cts as u64,

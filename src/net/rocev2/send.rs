@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::cts::{dist, Cts, CtsReader, CTS_EAGER_ONLY, CTS_SLOTS};
+use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
 use super::{no_device_copy, reg_explicit, wc_error, EMPTY_WC, FIFO, IMM_SIZE_BITS};
@@ -80,7 +80,7 @@ impl RoceSend {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
         // SAFETY: `CtsReader` reads only inside the FIFO at `fifo`, registered with this
         // provider at connect and deregistered only when this comm is dropped.
-        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        let read = |p: Pieces<'_, '_>| unsafe { verbs.read_registered_in_order(p) };
         self.cts.cts_for(read, fifo, m)
     }
 
@@ -88,7 +88,7 @@ impl RoceSend {
     fn refresh_credits(&mut self) {
         let (verbs, fifo) = (&self.verbs, self.fifo_addr());
         // SAFETY: as in `cts_for`: reads inside the FIFO, registered while this comm lives.
-        let read = |a, b: &mut [u8]| unsafe { verbs.read_registered(a, b) };
+        let read = |p: Pieces<'_, '_>| unsafe { verbs.read_registered_in_order(p) };
         self.cts.refresh_credits(read, fifo);
     }
 
@@ -371,15 +371,18 @@ impl SendComm for RoceSend {
     }
 }
 
-/// `wr_id` of the marker a closing send comm posts (requests count up from 0).
-const DRAIN_MARK: u64 = u64::MAX;
+/// `wr_id` of the marker a closing send comm posts (requests count up from 0), below the bit
+/// providers keep: the NIC provider hides successful completions with it (those of the
+/// sends it signals itself), and a marker of `u64::MAX` never came back.
+const DRAIN_MARK: u64 = crate::rdma::verbs::PROVIDER_WR_ID_BIT - 1;
 
 /// Wait until everything posted on `qp` so far has been acknowledged by the peer: RC
 /// completes in order, so a signaled zero-length RDMA WRITE (which touches no memory and
 /// needs no rkey) posted after it completes only then. Eager and inline sends were reported
 /// done when posted, and the staging memory they are sent from is freed with the comm: a
 /// destroy right after the last call would otherwise lose them. Ends early when the QP
-/// fails, when the peer's process is gone, or after the provider's drain limit.
+/// fails, when the peer's process is gone, or after the provider's drain limit. The one
+/// drain of a closing connection: providers' `destroy_qp` does not wait again.
 fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
     // Nothing unacknowledged (the userspace engine can tell): no marker, no wait — a peer
     // that already left would otherwise hold the close up until it is seen gone.

@@ -7,9 +7,10 @@ use super::recv::written;
 use super::setup::{decode_info, encode_info, handle_with_port, INFO};
 use super::*;
 use crate::net::{PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, SendComm};
-use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode};
+use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode, PROVIDER_WR_ID_BIT};
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, TcpListener};
+use std::time::Duration;
 
 fn pair(net: &RoceNet) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
     crate::net::connect_pair(net)
@@ -522,14 +523,29 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
 
 /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
 /// must agree), recording every send work request (opcode, inline, local address,
-/// remote address); with `Some(n)` in the last field every queue pair is granted `n`
-/// bytes of inline data, as a NIC may grant less than its provider asked for.
+/// remote address); with `Some(n)` in the fourth field every queue pair is granted `n`
+/// bytes of inline data, as a NIC may grant less than its provider asked for. The last
+/// field but one counts reads of registered memory, each one lock of the userspace engine:
+/// [`Reads`]. With `Some(limit)` in the last field its completions are the NIC provider's:
+/// successful ones whose id has [`PROVIDER_WR_ID_BIT`] are hidden (its own signals), and a
+/// close drains for at most `limit`. Like a NIC, it never says sends were acknowledged.
 struct Wrapped(
     UserVerbs,
     parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
     bool,
     Option<usize>,
+    Reads,
+    Option<Duration>,
 );
+
+/// Calls of `read_registered` and of `read_registered_in_order`, and the pieces the
+/// latter copied.
+#[derive(Default)]
+struct Reads {
+    single: std::sync::atomic::AtomicUsize,
+    in_order: std::sync::atomic::AtomicUsize,
+    pieces: std::sync::atomic::AtomicUsize,
+}
 
 impl Wrapped {
     fn new(ip: IpAddr, nic: bool) -> Wrapped {
@@ -537,6 +553,8 @@ impl Wrapped {
             UserVerbs::with(ip, 0, None).unwrap(),
             parking_lot::Mutex::new(Vec::new()),
             nic,
+            None,
+            Reads::default(),
             None,
         )
     }
@@ -596,7 +614,27 @@ impl Verbs for Wrapped {
         self.0.post_recv(qp, wr)
     }
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
-        self.0.poll_cq(qp, out)
+        let n = self.0.poll_cq(qp, out)?;
+        if self.5.is_none() {
+            return Ok(n);
+        }
+        let mut k = 0;
+        for i in 0..n {
+            let w = out[i];
+            if w.wr_id & PROVIDER_WR_ID_BIT != 0 && w.status == WcStatus::Success {
+                continue;
+            }
+            out[k] = Wc {
+                wr_id: w.wr_id & !PROVIDER_WR_ID_BIT,
+                ..w
+            };
+            k += 1;
+        }
+        Ok(k)
+    }
+    // `sends_acknowledged`: the trait's `false`, as a NIC (a close always drains).
+    fn drain_limit(&self) -> Duration {
+        self.5.unwrap_or_else(crate::os::wait::timeout_from_env)
     }
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         self.0.poll_fds(out)
@@ -605,9 +643,83 @@ impl Verbs for Wrapped {
         self.0.qp_state(qp)
     }
     unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
+        self.4.single.fetch_add(1, Ordering::Relaxed);
         // SAFETY: this function's contract, passed on to the provider it wraps.
         unsafe { self.0.read_registered(addr, out) }
     }
+    unsafe fn read_registered_in_order(&self, pieces: &mut [(u64, &mut [u8])]) {
+        self.4.in_order.fetch_add(1, Ordering::Relaxed);
+        self.4.pieces.fetch_add(pieces.len(), Ordering::Relaxed);
+        // SAFETY: this function's contract, passed on to the provider it wraps.
+        unsafe { self.0.read_registered_in_order(pieces) }
+    }
+}
+
+/// Issue 19 item 11 on a NIC: a closing send comm drains once, through its own marker (a
+/// signaled zero-length RDMA WRITE), and returns when that marker completes — not at the
+/// drain limit because the provider took the marker's completion for one of its own
+/// signals and hid it (a marker of `u64::MAX` has the provider's bit: 3 s, the limit here).
+/// The NIC provider's `destroy_qp` drains no more (it cannot run here: no RDMA device).
+#[test]
+fn a_closing_send_comm_drains_once_and_sees_its_marker_on_a_nic() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let mut w = Wrapped::new(lo, false);
+    w.5 = Some(Duration::from_secs(3));
+    let rec = Arc::new(w);
+    let net = RoceNet::over(rec.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    for len in [100usize, 100_000] {
+        let data = vec![5u8; len];
+        let (buf, got) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+        assert_eq!((got, &buf[..len]), (len, &data[..]));
+    }
+    rec.1.lock().clear();
+    let t = std::time::Instant::now();
+    drop(s);
+    let took = t.elapsed();
+    let markers = rec
+        .1
+        .lock()
+        .iter()
+        .filter(|w| (w.0, w.2, w.3) == (WrOpcode::Write, 0, 0))
+        .count();
+    assert_eq!(markers, 1, "drain markers posted by one close");
+    assert!(
+        took < Duration::from_secs(1),
+        "the close took {took:?}: its drain marker's completion never came back"
+    );
+    drop(r);
+}
+
+/// Issue 19: the sender's seqlock read of a clear-to-send entry (end marker, body, start
+/// marker) is one call of the provider, one lock of the userspace engine, not one per
+/// piece; and the entries read so are right (rendezvous messages land whole).
+#[test]
+fn a_clear_to_send_entry_is_read_under_one_lock() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    for len in [20_000usize, 100_000, 1 << 20] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 + len) as u8).collect();
+        let (buf, got) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+        assert_eq!((got, &buf[..len]), (len, &data[..]));
+    }
+    let (single, in_order, pieces) = (
+        rec.4.single.load(Ordering::Relaxed),
+        rec.4.in_order.load(Ordering::Relaxed),
+        rec.4.pieces.load(Ordering::Relaxed),
+    );
+    assert_eq!(
+        single, 0,
+        "clear-to-send entries read piece by piece: {single} provider calls, one lock each"
+    );
+    assert!(in_order > 0, "no clear-to-send entry was read");
+    assert_eq!(
+        pieces,
+        3 * in_order,
+        "each read: end marker, body, start marker"
+    );
 }
 
 /// Inline data is what each queue pair was granted, not one value for the provider: on

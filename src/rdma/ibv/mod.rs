@@ -20,7 +20,8 @@
 //!
 //! Its modules: `settings` (from the environment), `convert` (values to and from
 //! libibverbs'), `dmabuf` (dmabuf registration), `events` (the async-event thread),
-//! `teardown` (destroying a QP).
+//! `teardown` (freeing a QP: its owner, the network, drained it first if it wanted its sends
+//! acknowledged).
 
 mod convert;
 mod dmabuf;
@@ -33,7 +34,7 @@ pub use settings::IbSettings;
 
 use dmabuf::{probe_dmabuf, reg_dmabuf_fn};
 use events::async_events;
-use teardown::{drain, free_qp};
+use teardown::free_qp;
 
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr};
@@ -59,13 +60,20 @@ const QUEUE: u32 = 512;
 const MAX_QPS: usize = 4096;
 /// An unsignaled send is signaled (hidden) this often, so the send queue drains.
 pub const SIGNAL_EVERY: u32 = QUEUE / 4;
-/// Marks the completions of those forced signals.
-const HIDDEN: u64 = 1 << 63;
-/// `wr_id` of the zero-length write `destroy_qp` waits for.
-const DRAIN_ID: u64 = HIDDEN | 0x7fff_ffff_ffff_fffe;
-/// Longest `destroy_qp` waits for the QP's sends to be acknowledged (the IB retry count
-/// usually ends a hopeless wait sooner, with an error completion).
-const DESTROY_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+/// Marks the completions of those forced signals (the bit callers leave to the provider).
+const HIDDEN: u64 = super::verbs::PROVIDER_WR_ID_BIT;
+
+/// `wr_id` as the caller posts it, refused when it uses the bit kept for forced signals: its
+/// successful completion would be hidden (a drain marker with it never came back, and the
+/// close waited until its limit), its failed one reported under another id.
+fn caller_wr_id(wr_id: u64, what: &str) -> Result<u64> {
+    if wr_id & HIDDEN != 0 {
+        return Err(Error::Internal(format!(
+            "{what} work request id {wr_id:#x} uses bit 63, which the NIC provider keeps for the sends it signals itself: ids must stay below 2^63 (rdma::verbs::PROVIDER_WR_ID_BIT)"
+        )));
+    }
+    Ok(wr_id)
+}
 
 fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -748,7 +756,9 @@ impl Verbs for IbvVerbs {
         let q = unsafe { Box::from_raw(p) };
         self.flags.lock().retain(|(n, _)| *n != q.qpn);
         self.held.fetch_sub(1, Ordering::Relaxed);
-        drain(&q);
+        // No drain here: the network drains what it posted before it destroys its QP
+        // (`drain_sends`, once, within `drain_limit`, the communicator's deadline), and
+        // only when it wants to (not after a failure or an abort).
         free_qp(*q);
     }
 
@@ -757,7 +767,7 @@ impl Verbs for IbvVerbs {
         let mut sge = sge_of(wr.sge);
         // SAFETY: a zeroed work request is valid; the fields used are set below.
         let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-        w.wr_id = wr.wr_id;
+        w.wr_id = caller_wr_id(wr.wr_id, "send")?;
         if wr.sge.is_some() {
             w.sg_list = &mut sge;
             w.num_sge = 1;
@@ -794,7 +804,7 @@ impl Verbs for IbvVerbs {
         let q = self.qp(id)?;
         let mut sge = sge_of(wr.sge);
         let mut w = ffi::ibv_recv_wr {
-            wr_id: wr.wr_id,
+            wr_id: caller_wr_id(wr.wr_id, "receive")?,
             next: ptr::null_mut(),
             sg_list: ptr::null_mut(),
             num_sge: 0,
@@ -995,5 +1005,23 @@ mod tests {
         assert!(e.contains("granted 0 bytes"), "{e}");
         let e = inline_flag(&wr(100, true), 64).unwrap_err().to_string();
         assert!(e.contains("granted 64 bytes"), "{e}");
+    }
+
+    /// Work request ids keep clear of the bit that marks the provider's own signals: every
+    /// id below it is posted as it is (the network's drain marker, `PROVIDER_WR_ID_BIT - 1`,
+    /// included), any id with it is refused, naming the id (a drain marker of `u64::MAX`
+    /// had its completion hidden as a forced signal, and the close waited out its limit).
+    #[test]
+    fn work_request_ids_leave_the_providers_bit_alone() {
+        for id in [0, 1, 4096, HIDDEN - 2, HIDDEN - 1] {
+            assert_eq!(caller_wr_id(id, "send").unwrap(), id);
+        }
+        for id in [HIDDEN, HIDDEN | 5, u64::MAX] {
+            let e = caller_wr_id(id, "send").unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{id:#x}")) && e.contains("bit 63"),
+                "{e}"
+            );
+        }
     }
 }

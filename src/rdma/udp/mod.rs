@@ -1206,6 +1206,21 @@ impl Verbs for UserVerbs {
         unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
     }
 
+    unsafe fn read_registered_in_order(&self, pieces: &mut [(u64, &mut [u8])]) {
+        let _g = self.d.lock();
+        for (i, (addr, out)) in pieces.iter_mut().enumerate() {
+            if i > 0 {
+                std::sync::atomic::fence(Ordering::Acquire);
+            }
+            // SAFETY: as in `read_registered`, piece by piece: each lies inside a region
+            // registered here (this function's contract), and the engine writes registered
+            // memory only while holding the lock held for all of them.
+            unsafe {
+                std::ptr::copy_nonoverlapping(*addr as *const u8, out.as_mut_ptr(), out.len())
+            };
+        }
+    }
+
     fn qp_state(&self, qp: QpId) -> Result<QpState> {
         self.d.lock().engine.qp_state(qpn(qp))
     }
