@@ -13,6 +13,9 @@ void raise(const std::string& msg) {
 
 namespace {
 
+// The queue whose worker thread this is (null on other threads).
+thread_local const Queue* workerOf = nullptr;
+
 std::exception_ptr errorOf(const std::string& msg) {
   try {
     raise(msg);
@@ -94,10 +97,10 @@ void WorkRoccl::execute(const Comm& comm) {
 
 void WorkRoccl::fail(const std::string& why) {
   complete(errorOf(why));
+  publish();
 }
 
 void WorkRoccl::complete(std::exception_ptr error) {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_.load()) {
@@ -105,39 +108,55 @@ void WorkRoccl::complete(std::exception_ptr error) {
     }
     error_ = error;
     done_.store(true, std::memory_order_release);
-    future = future_;
   }
   cv_.notify_all();
-  // Outside the lock: the future's callbacks run here and may issue more collectives.
-  if (future) {
-    if (error) {
-      future->setError(error);
-    } else {
-      future->markCompleted(c10::IValue(outputs));
+}
+
+void WorkRoccl::publish() {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (published_) {
+      return;
     }
+    published_ = true;
+    future = future_;
+    error = error_;
+  }
+  // The future's callbacks run here, with the queue free: they may issue and wait for
+  // more collectives.
+  if (future) {
+    markFuture(future, error);
+  }
+}
+
+void WorkRoccl::markFuture(
+    const c10::intrusive_ptr<c10::ivalue::Future>& future,
+    std::exception_ptr error) {
+  if (error) {
+    future->setError(error);
+  } else {
+    future->markCompleted(c10::IValue(outputs));
   }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkRoccl::getFuture() {
   c10::intrusive_ptr<c10::ivalue::Future> future;
-  bool completeNow = false;
+  bool markNow = false;
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()));
-      completeNow = done_.load();
+      markNow = published_;
       error = error_;
     }
     future = future_;
   }
-  if (completeNow) {
-    if (error) {
-      future->setError(error);
-    } else {
-      future->markCompleted(c10::IValue(outputs));
-    }
+  if (markNow) {
+    markFuture(future, error);
   }
   return future;
 }
@@ -182,6 +201,7 @@ Queue::~Queue() {
 }
 
 void Queue::loop() {
+  workerOf = this;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(
@@ -194,10 +214,12 @@ void Queue::loop() {
     running_ = true;
     lock.unlock();
     w->execute(*comm_);
-    w.reset();
     lock.lock();
     running_ = false;
-    idle_.notify_all();
+    lock.unlock();
+    w->publish();
+    w.reset();
+    lock.lock();
   }
 }
 
@@ -208,7 +230,9 @@ void Queue::submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async) {
       raise("roccl: " + w->name + ": " + closed_);
     }
     works_.push_back(w);
-    if (async) {
+    // A call from a future's callback on the worker thread runs at once (the worker
+    // cannot run it while the callback waits for it).
+    if (async && workerOf != this) {
       wake_.notify_one();
       return;
     }
@@ -234,11 +258,11 @@ bool Queue::runIfNext(WorkRoccl* w) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     running_ = false;
-    idle_.notify_all();
     if (!works_.empty() || stopping_) {
       wake_.notify_one();
     }
   }
+  keep->publish();
   return true;
 }
 

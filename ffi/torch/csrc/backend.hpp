@@ -55,6 +55,8 @@ class WorkRoccl : public c10d::Work {
 
   // Run the steps, the point-to-point operations and the copies back, then complete.
   void execute(const Comm& comm);
+  // Complete the future (its callbacks run here): called once the queue is free again.
+  void publish();
   // Complete with an error without running (the process group was aborted or shut down).
   void fail(const std::string& why);
 
@@ -67,12 +69,16 @@ class WorkRoccl : public c10d::Work {
 
  private:
   void complete(std::exception_ptr error);
+  void markFuture(
+      const c10::intrusive_ptr<c10::ivalue::Future>& future,
+      std::exception_ptr error);
 
   std::weak_ptr<Queue> queue_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
   std::exception_ptr error_;
+  bool published_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -102,7 +108,6 @@ class Queue {
   rust::Box<Comm> comm_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::condition_variable idle_;
   std::deque<c10::intrusive_ptr<WorkRoccl>> works_;
   bool running_ = false;
   bool stopping_ = false;
