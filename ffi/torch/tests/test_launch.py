@@ -70,7 +70,7 @@ def test_entry_point_registers_without_import():
     assert "backend roccl [1.0, 1.0, 1.0]" in out.stdout
 
 
-def _killed(rank, world, path, timeout_s, results):
+def _killed(rank, world, path, timeout_s, results, how="kill"):
     import roccl  # noqa: F401
 
     dist.init_process_group(
@@ -81,7 +81,10 @@ def _killed(rank, world, path, timeout_s, results):
     dist.all_reduce(t)
     dist.barrier()
     if rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(timeout_s + 30)  # hung: alive, but it makes no call
+        os._exit(0)
     time.sleep(0.5)
     start = time.monotonic()
     try:
@@ -93,9 +96,8 @@ def _killed(rank, world, path, timeout_s, results):
     # Exit without destroy_process_group: the process must not hang at exit.
 
 
-@pytest.mark.parametrize("net", ["default", "tcp"])
-def test_a_killed_rank_makes_the_others_raise_naming_it(net):
-    world, timeout_s = 3, 15
+def _failing_rank(how, net, timeout_s):
+    world = 3
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     env = dict(os.environ)
@@ -104,24 +106,36 @@ def test_a_killed_rank_makes_the_others_raise_naming_it(net):
     try:
         with tempfile.TemporaryDirectory() as d:
             procs = [
-                ctx.Process(target=_killed, args=(r, world, f"{d}/store", timeout_s, results))
+                ctx.Process(target=_killed, args=(r, world, f"{d}/store", timeout_s, results, how))
                 for r in range(world)
             ]
             for p in procs:
                 p.start()
             got = [results.get(timeout=timeout_s + 60) for _ in range(world - 1)]
-            for p in procs:
+            for p in procs[: world - 1]:
                 p.join(timeout=30)
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            hung = [r for r, p in enumerate(procs[: world - 1]) if p.is_alive()]
             for p in procs:
                 if p.is_alive():
                     p.kill()
+                p.join(timeout=5)
     finally:
         os.environ.clear()
         os.environ.update(env)
     assert not hung, f"ranks {hung} did not exit"
-    assert procs[world - 1].exitcode == -signal.SIGKILL
+    if how == "kill":
+        assert procs[world - 1].exitcode == -signal.SIGKILL
     for rank, msg, took in got:
-        assert msg != "no error", f"rank {rank}: all_reduce went on without the killed rank"
+        assert msg != "no error", f"rank {rank}: all_reduce went on without rank {world - 1}"
         assert f"rank {world - 1}" in msg, f"rank {rank}: the error does not name rank {world - 1}: {msg}"
         assert took < timeout_s + 5, f"rank {rank}: raised after {took:.1f} s (timeout {timeout_s} s)"
+        print(f"rank {rank} raised after {took:.2f} s: {msg}")
+
+
+@pytest.mark.parametrize("net", ["default", "tcp"])
+def test_a_killed_rank_makes_the_others_raise_naming_it(net):
+    _failing_rank("kill", net, timeout_s=15)
+
+
+def test_a_hung_rank_makes_the_others_raise_within_the_timeout():
+    _failing_rank("hang", "default", timeout_s=6)
