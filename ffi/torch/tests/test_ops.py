@@ -110,10 +110,15 @@ class Checks:
                 f"rank {self.rank}: {what}: got {g[bad].item()} want {w[bad].item()} at {bad}"
             )
 
+    def summary(self):
+        """The failures, one line per kind of check (what comes before its size)."""
+        kinds = {}
+        for f in self.failures:
+            kinds.setdefault(f.split(" n=")[0].split(":")[1].strip(), []).append(f)
+        return "\n".join(f"{len(v):4} x {k}; first: {v[0]}" for k, v in kinds.items())
+
     def done(self):
-        assert not self.failures, f"{len(self.failures)} of {self.count} checks failed:\n" + "\n".join(
-            self.failures[:40]
-        )
+        assert not self.failures, f"{len(self.failures)} of {self.count} checks failed:\n" + self.summary()
         assert self.count > 0
 
 
@@ -236,9 +241,9 @@ def all_to_all_checks(c, rank, world):
             dist.all_to_all_single(out, xs[rank])
             want = torch.cat([xs[r][rank * rows : (rank + 1) * rows] for r in range(world)])
             c.equal(f"all_to_all_single even {dtype} rows={rows}", out, want)
-            # Uneven: rank i sends (i + 2j) % 3 * k rows to rank j.
+            # Uneven: rank i sends ((i + 2j) % 3 + j % 2) * k rows to rank j (some none).
             k = 1 if n < 100 else 1000
-            split = lambda i, j: ((i + 2 * j) % 3) * k  # noqa: E731
+            split = lambda i, j: ((i + 2 * j) % 3 + j % 2) * k  # noqa: E731
             ins = [values(r, sum(split(r, j) for j in range(world)) * 2, dtype, seed + 1).reshape(-1, 2) for r in range(world)]
             send_splits = [split(rank, j) for j in range(world)]
             recv_splits = [split(i, rank) for i in range(world)]
@@ -424,7 +429,12 @@ def every_op(rank, world, full):
 
     for section in SECTIONS:
         start = time.monotonic()
-        section(c, rank, world)
+        try:
+            section(c, rank, world)
+        except Exception:
+            # Say what had failed before (the other ranks cannot go on past this).
+            print(c.summary(), flush=True)
+            raise
         if os.environ.get("ROCCL_TORCH_TEST_VERBOSE"):
             print(f"rank {rank}: {section.__name__}: {time.monotonic() - start:.2f} s", flush=True)
     c.done()

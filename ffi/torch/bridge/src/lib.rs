@@ -12,6 +12,8 @@ use std::time::Duration;
 use roccl_core::{CallOpts, Collective, Communicator, Config, DataType, P2p, RedOp, UniqueId};
 
 #[cxx::bridge(namespace = "roccl_torch")]
+// `collective` takes its buffers as address and length pairs: ten plain arguments.
+#[allow(clippy::too_many_arguments)]
 mod bridge {
     /// Which collective [`Comm::collective`] runs.
     #[derive(Debug)]
@@ -274,7 +276,9 @@ impl Comm {
         guarded(&self.who(), "send/recv", || {
             let n = sends.len();
             if peers.len() != n || addrs.len() != n || bytes.len() != n {
-                return Err("the lists of sends, peers, buffers and lengths differ in length".into());
+                return Err(
+                    "the lists of sends, peers, buffers and lengths differ in length".into(),
+                );
             }
             for i in 0..n {
                 check_buf(addrs[i], bytes[i], "a buffer")?;
