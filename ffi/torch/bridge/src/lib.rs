@@ -1,0 +1,415 @@
+//! The bridge between roccl's torch.distributed backend (C++, `ffi/torch/csrc`) and the Rust
+//! core, through `cxx`. An FFI edge: the C++ side passes tensor addresses and lengths (in
+//! bytes) that torch gave it, and they become slices here, after their checks, and nowhere
+//! else. Every function runs behind a panic guard and returns `Result`, so that roccl's
+//! errors reach C++ as exceptions that carry roccl's message, with this rank's number, and
+//! no panic crosses the boundary.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+use roccl_core::{CallOpts, Collective, Communicator, Config, DataType, P2p, RedOp, UniqueId};
+
+#[cxx::bridge(namespace = "roccl_torch")]
+// `collective` takes its buffers as address and length pairs: ten plain arguments.
+#[allow(clippy::too_many_arguments)]
+mod bridge {
+    /// Which collective [`Comm::collective`] runs.
+    #[derive(Debug)]
+    enum Kind {
+        AllReduce,
+        Broadcast,
+        Reduce,
+        AllGather,
+        ReduceScatter,
+        AllToAll,
+        Barrier,
+    }
+
+    /// Element types, numbered as NCCL's `ncclDataType_t` (and roccl's `DataType`).
+    #[derive(Debug)]
+    enum Dtype {
+        I8 = 0,
+        U8 = 1,
+        I32 = 2,
+        U32 = 3,
+        I64 = 4,
+        U64 = 5,
+        F16 = 6,
+        F32 = 7,
+        F64 = 8,
+        Bf16 = 9,
+        F8E4M3 = 10,
+        F8E5M2 = 11,
+    }
+
+    /// Reductions, numbered as NCCL's `ncclRedOp_t` (and roccl's `RedOp`).
+    #[derive(Debug)]
+    enum Reduction {
+        Sum = 0,
+        Prod = 1,
+        Max = 2,
+        Min = 3,
+        Avg = 4,
+    }
+
+    extern "Rust" {
+        type Comm;
+
+        /// A new unique id (this process serves its rendezvous root): what rank 0 publishes
+        /// through torch's Store.
+        fn unique_id() -> Result<Vec<u8>>;
+        /// Join the communicator of `id` as `rank` of `nranks`; `timeout_ms` replaces
+        /// `ROCCL_TIMEOUT` (the other `ROCCL_*` settings apply).
+        fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>>;
+        fn rank(self: &Comm) -> usize;
+        fn nranks(self: &Comm) -> usize;
+        /// The network the communicator uses (`shm`, `tcp`, `tcp+shm`, ...).
+        fn net_name(self: &Comm) -> String;
+        /// Run one collective now, on this thread. `in_place`: the input is in `recv`.
+        ///
+        /// # Safety
+        /// `send_addr` (unless `in_place`) is readable for `send_bytes` bytes and
+        /// `recv_addr` writable for `recv_bytes` bytes until this returns, and nothing else
+        /// writes them meanwhile.
+        unsafe fn collective(
+            self: &Comm,
+            kind: Kind,
+            dtype: Dtype,
+            op: Reduction,
+            root: usize,
+            send_addr: usize,
+            send_bytes: usize,
+            in_place: bool,
+            recv_addr: usize,
+            recv_bytes: usize,
+        ) -> Result<()>;
+        /// Run sends (`sends[i]`) and receives together, to and from `peers[i]`, on the
+        /// buffers `addrs[i]` of `bytes[i]` bytes; messages between two ranks match in order.
+        ///
+        /// # Safety
+        /// Each buffer is readable (a send) or writable (a receive) for its length until this
+        /// returns, and nothing else writes it meanwhile.
+        unsafe fn exchange(
+            self: &Comm,
+            sends: &[bool],
+            peers: &[usize],
+            addrs: &[usize],
+            bytes: &[usize],
+        ) -> Result<()>;
+        /// Close the connections now: a call blocked on another thread returns an error.
+        fn abort(self: &Comm);
+        /// The error that made the communicator unusable, or an empty string.
+        fn async_error(self: &Comm) -> String;
+    }
+}
+
+pub use bridge::{Dtype, Kind, Reduction};
+
+/// A communicator, shared by the backend's threads (a call and `abort` may overlap).
+pub struct Comm {
+    inner: Arc<Communicator>,
+}
+
+/// The text of a panic's payload.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Run `f` behind a panic guard; errors get `who` (the rank) and `what` (the call) in front.
+fn guarded<T>(who: &str, what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| format!("roccl{who}: {what}: {e}")),
+        Err(p) => Err(format!(
+            "roccl{who}: {what}: internal error (a bug in roccl, please report it): {}",
+            panic_text(&*p)
+        )),
+    }
+}
+
+fn unique_id() -> Result<Vec<u8>, String> {
+    guarded("", "creating the unique id", || {
+        UniqueId::new()
+            .map(|id| id.as_bytes().to_vec())
+            .map_err(|e| e.to_string())
+    })
+}
+
+fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>, String> {
+    let who = format!(" rank {rank}");
+    guarded(&who, "joining the communicator", || {
+        let id = UniqueId::from_bytes(id).map_err(|e| {
+            format!("{e} (the id read from torch's Store is not rank 0's roccl unique id)")
+        })?;
+        let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
+        if timeout_ms > 0 {
+            cfg.waiter.timeout = Duration::from_millis(timeout_ms);
+        }
+        let c = Communicator::init_with(&id, nranks, rank, cfg).map_err(|e| e.to_string())?;
+        Ok(Box::new(Comm { inner: Arc::new(c) }))
+    })
+}
+
+fn dtype_of(d: Dtype) -> Result<DataType, String> {
+    DataType::from_nccl(i32::from(d.repr)).ok_or_else(|| format!("unknown data type {}", d.repr))
+}
+
+fn op_of(o: Reduction) -> Result<RedOp, String> {
+    RedOp::from_nccl(i32::from(o.repr)).ok_or_else(|| format!("unknown reduction {}", o.repr))
+}
+
+/// Checks an address and length from C++.
+fn check_buf(addr: usize, len: usize, name: &str) -> Result<(), String> {
+    if len > 0 && addr == 0 {
+        return Err(format!("{name} is NULL but its length is {len} bytes"));
+    }
+    if len > isize::MAX as usize || addr.checked_add(len).is_none() {
+        return Err(format!("{name} of {len} bytes overflows the address space"));
+    }
+    Ok(())
+}
+
+fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// # Safety
+/// `addr` is readable for `len` bytes while the slice lives (checked by `check_buf`).
+unsafe fn read<'a>(addr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: non-NULL (check_buf) and readable for `len` bytes per the caller's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// # Safety
+/// `addr` is writable for `len` bytes while the slice lives, and no other slice over it is
+/// used meanwhile.
+unsafe fn write<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: non-NULL (check_buf), writable per the caller's contract; callers refuse
+    // buffers that overlap another one of the same call.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+impl Comm {
+    fn who(&self) -> String {
+        format!(" rank {}/{}", self.inner.rank(), self.inner.nranks())
+    }
+
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn nranks(&self) -> usize {
+        self.inner.nranks()
+    }
+
+    fn net_name(&self) -> String {
+        self.inner.net_name().to_string()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn collective(
+        &self,
+        kind: Kind,
+        dtype: Dtype,
+        op: Reduction,
+        root: usize,
+        send_addr: usize,
+        send_bytes: usize,
+        in_place: bool,
+        recv_addr: usize,
+        recv_bytes: usize,
+    ) -> Result<(), String> {
+        let name = format!("{kind:?}");
+        guarded(&self.who(), &name, || {
+            let dt = dtype_of(dtype)?;
+            let coll = match kind {
+                Kind::AllReduce => Collective::AllReduce(op_of(op)?),
+                Kind::Broadcast => Collective::Broadcast { root },
+                Kind::Reduce => Collective::Reduce {
+                    op: op_of(op)?,
+                    root,
+                },
+                Kind::AllGather => Collective::AllGather,
+                Kind::ReduceScatter => Collective::ReduceScatter(op_of(op)?),
+                Kind::AllToAll => Collective::AllToAll,
+                Kind::Barrier => Collective::Barrier,
+                _ => return Err(format!("unknown collective {}", kind.repr)),
+            };
+            check_buf(recv_addr, recv_bytes, "the output")?;
+            if !in_place {
+                check_buf(send_addr, send_bytes, "the input")?;
+                if overlap((send_addr, send_bytes), (recv_addr, recv_bytes)) {
+                    return Err(
+                        "the input and the output overlap without being the same buffer (run it in place, or pass separate tensors)"
+                            .into(),
+                    );
+                }
+            }
+            // SAFETY: the caller's contract; checked above for NULL, overflow and overlap.
+            let send = (!in_place).then(|| unsafe { read(send_addr, send_bytes) });
+            // SAFETY: as above.
+            let recv = unsafe { write(recv_addr, recv_bytes) };
+            self.inner
+                .run_raw(coll, dt, send, recv, &CallOpts::default())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    unsafe fn exchange(
+        &self,
+        sends: &[bool],
+        peers: &[usize],
+        addrs: &[usize],
+        bytes: &[usize],
+    ) -> Result<(), String> {
+        guarded(&self.who(), "send/recv", || {
+            let n = sends.len();
+            if peers.len() != n || addrs.len() != n || bytes.len() != n {
+                return Err(
+                    "the lists of sends, peers, buffers and lengths differ in length".into(),
+                );
+            }
+            for i in 0..n {
+                check_buf(addrs[i], bytes[i], "a buffer")?;
+                if peers[i] >= self.inner.nranks() {
+                    return Err(format!(
+                        "peer {} is out of range for {} ranks",
+                        peers[i],
+                        self.inner.nranks()
+                    ));
+                }
+                for j in 0..i {
+                    if (!sends[i] || !sends[j])
+                        && overlap((addrs[i], bytes[i]), (addrs[j], bytes[j]))
+                    {
+                        return Err(
+                            "two buffers of one send/recv batch overlap, one of them for receiving"
+                                .into(),
+                        );
+                    }
+                }
+            }
+            let mut ops: Vec<P2p<'_>> = (0..n)
+                .map(|i| {
+                    if sends[i] {
+                        P2p::Send {
+                            peer: peers[i],
+                            // SAFETY: the caller's contract; checked above.
+                            buf: unsafe { read(addrs[i], bytes[i]) },
+                        }
+                    } else {
+                        P2p::Recv {
+                            peer: peers[i],
+                            // SAFETY: the caller's contract; checked above, no overlap.
+                            buf: unsafe { write(addrs[i], bytes[i]) },
+                        }
+                    }
+                })
+                .collect();
+            self.inner.p2p(&mut ops).map_err(|e| e.to_string())
+        })
+    }
+
+    fn abort(&self) {
+        let _ = catch_unwind(AssertUnwindSafe(|| self.inner.abort()));
+    }
+
+    fn async_error(&self) -> String {
+        catch_unwind(AssertUnwindSafe(|| self.inner.async_error()))
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks as threads: an all-reduce through the bridge's byte interface, a batch of
+    /// sends and receives, and errors that name the rank and the call.
+    #[test]
+    fn collectives_and_errors_through_the_bridge() {
+        std::env::set_var("ROCCL_NET", "tcp");
+        let id = unique_id().unwrap();
+        let threads: Vec<_> = (0..2)
+            .map(|r| {
+                let id = id.clone();
+                std::thread::spawn(move || {
+                    let c = init(&id, 2, r, 20_000).unwrap();
+                    let mut x = [r as f32 + 1.0; 3];
+                    // SAFETY: x lives across the call.
+                    unsafe {
+                        c.collective(
+                            Kind::AllReduce,
+                            Dtype::F32,
+                            Reduction::Sum,
+                            0,
+                            0,
+                            0,
+                            true,
+                            x.as_mut_ptr() as usize,
+                            12,
+                        )
+                    }
+                    .unwrap();
+                    assert_eq!(x, [3.0; 3]);
+                    let out = [r as u8; 4];
+                    let mut got = [9u8; 4];
+                    let peer = 1 - r;
+                    // SAFETY: both buffers live across the call.
+                    unsafe {
+                        c.exchange(
+                            &[true, false],
+                            &[peer, peer],
+                            &[out.as_ptr() as usize, got.as_mut_ptr() as usize],
+                            &[4, 4],
+                        )
+                    }
+                    .unwrap();
+                    assert_eq!(got, [peer as u8; 4]);
+                    // SAFETY: refused before any access (overlapping input and output).
+                    let e = unsafe {
+                        c.collective(
+                            Kind::AllReduce,
+                            Dtype::F32,
+                            Reduction::Sum,
+                            0,
+                            x.as_ptr() as usize + 4,
+                            8,
+                            false,
+                            x.as_mut_ptr() as usize,
+                            8,
+                        )
+                    }
+                    .unwrap_err();
+                    assert!(e.contains(&format!("rank {r}/2")), "{e}");
+                    assert!(e.contains("overlap"), "{e}");
+                    // SAFETY: refused before any access (NULL with a length).
+                    let e = unsafe { c.exchange(&[true], &[peer], &[0], &[4]) }.unwrap_err();
+                    assert!(e.contains("NULL"), "{e}");
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_bad_unique_id_is_refused_with_a_reason() {
+        let e = init(&[1, 2, 3], 2, 0, 1000).err().unwrap();
+        assert!(e.contains("rank 0") && e.contains("unique id"), "{e}");
+    }
+}

@@ -1,0 +1,244 @@
+// roccl's torch.distributed backend: a c10d::Backend over the Rust core (through the cxx
+// bridge of ffi/torch/bridge). Every operation becomes a WorkRoccl: a list of steps (calls
+// into roccl on tensor memory), point-to-point operations run together at the end, and
+// copies back into the caller's tensors. Works run in issue order, on the process group's
+// worker thread, or on the caller's thread when it waits for the next work in line (a
+// blocking call runs at once, without a thread switch).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "roccl-torch/src/lib.rs.h"
+#include "rust/cxx.h"
+
+namespace roccl_torch {
+
+class Queue;
+
+// One point-to-point operation of a work (the tensor keeps its memory alive).
+struct P2pOp {
+  bool send;
+  size_t peer;
+  at::Tensor tensor;
+};
+
+class WorkRoccl : public c10d::Work {
+ public:
+  WorkRoccl(
+      int rank,
+      c10d::OpType type,
+      const char* title,
+      std::weak_ptr<Queue> queue);
+  ~WorkRoccl() override = default;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+  void abort() override;
+
+  // Run the steps, the point-to-point operations and the copies back, then complete.
+  void execute(const Comm& comm);
+  // Complete the future (its callbacks run here): called once the queue is free again.
+  void publish();
+  // Complete with an error without running (the process group was aborted or shut down).
+  void fail(const std::string& why);
+
+  // What the work does, filled in before it is submitted.
+  std::vector<std::function<void(const Comm&)>> steps;
+  std::vector<P2pOp> p2p;
+  std::vector<std::function<void()>> finish;
+  std::vector<at::Tensor> outputs;
+  std::string name;
+
+ private:
+  void complete(std::exception_ptr error);
+  void markFuture(
+      const c10::intrusive_ptr<c10::ivalue::Future>& future,
+      std::exception_ptr error);
+
+  std::weak_ptr<Queue> queue_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr error_;
+  bool published_ = false;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The works of one process group, in issue order, and the thread that runs them.
+class Queue {
+ public:
+  Queue(rust::Box<Comm> comm);
+  ~Queue();
+
+  // Queue `w`; with `async == false` run it on this thread when it is next in line.
+  void submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async);
+  // Run `w` on this thread if it is the next work and none is running; true if it ran.
+  bool runIfNext(WorkRoccl* w);
+  // Wait until every queued work has run, then stop the worker thread.
+  void shutdown();
+  // Close roccl's connections (a running work fails), fail the queued works, stop.
+  void abort();
+  const Comm& comm() const {
+    return *comm_;
+  }
+  size_t pending();
+
+ private:
+  void loop();
+  void stopWorker();
+
+  rust::Box<Comm> comm_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<c10::intrusive_ptr<WorkRoccl>> works_;
+  bool running_ = false;
+  bool stopping_ = false;
+  std::string closed_;  // why no more works are taken, once closed
+  std::thread worker_;
+};
+
+class ProcessGroupRoccl : public c10d::Backend {
+ public:
+  ProcessGroupRoccl(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout);
+  ~ProcessGroupRoccl() override;
+
+  const std::string getBackendName() const override {
+    return "roccl";
+  }
+  c10::intrusive_ptr<Backend::Options> getBackendOptions() override {
+    return options_;
+  }
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  bool supportsSplitting() const override {
+    return true;
+  }
+  std::string netName() const;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts =
+          c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts =
+          c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts =
+          c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts =
+          c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplits,
+      std::vector<int64_t>& inputSplits,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dstRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int srcRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Backend::Options>& opts) override;
+
+  void abort() override;
+  void shutdown() override;
+
+ private:
+  // A new work, or the open coalesced one.
+  c10::intrusive_ptr<WorkRoccl> work(c10d::OpType type, const char* title);
+  // Queue `w` unless it is the open coalesced work.
+  c10::intrusive_ptr<c10d::Work> submit(
+      const c10::intrusive_ptr<WorkRoccl>& w,
+      bool async);
+
+  c10::intrusive_ptr<Backend::Options> options_;
+  std::shared_ptr<Queue> queue_;
+  c10::intrusive_ptr<WorkRoccl> coalesced_;
+};
+
+// Raise c10::DistBackendError with `msg` (what Python sees as DistBackendError).
+[[noreturn]] void raise(const std::string& msg);
+
+} // namespace roccl_torch

@@ -1,0 +1,34 @@
+// The Python module roccl._C: the backend class, registered under torch's c10d Backend type.
+#include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "backend.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The c10d types (Backend, Store) must be registered with pybind11 first.
+  py::module_::import("torch.distributed");
+  py::class_<
+      roccl_torch::ProcessGroupRoccl,
+      c10d::Backend,
+      c10::intrusive_ptr<roccl_torch::ProcessGroupRoccl>>(m, "ProcessGroupRoccl")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Store>& store,
+                      int rank,
+                      int size,
+                      std::chrono::milliseconds timeout) {
+            return c10::make_intrusive<roccl_torch::ProcessGroupRoccl>(
+                store, rank, size, timeout);
+          }),
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "net_name",
+          &roccl_torch::ProcessGroupRoccl::netName,
+          "The network roccl uses between the ranks (shm, tcp, tcp+shm, ...).");
+}
