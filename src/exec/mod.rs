@@ -875,11 +875,22 @@ impl<'a> Exec<'a> {
                 std::io::Error::other(crate::net::LocalFault),
             );
         }
-        let suspect = self
+        // A peer waited on whose process this host sees stopped or gone is the suspect (and
+        // says why); else the first peer waited on.
+        let seen = self
             .ops
             .iter()
-            .find(|o| o.active && !o.done)
-            .map(|o| o.peer as usize);
+            .filter(|o| o.active && !o.done)
+            .find_map(|o| {
+                let p = o.peer as usize;
+                Some((p, self.links.peer_state(p)?))
+            });
+        let suspect = seen.as_ref().map(|s| s.0).or_else(|| {
+            self.ops
+                .iter()
+                .find(|o| o.active && !o.done)
+                .map(|o| o.peer as usize)
+        });
         self.links.suspect = suspect;
         let mut peers: Vec<String> = self
             .ops
@@ -895,11 +906,10 @@ impl<'a> Exec<'a> {
             .collect();
         peers.dedup();
         // What this host can see of the peer waited on (exited, stopped) says why.
-        let why = suspect
-            .and_then(|p| self.links.peer_state(p).map(|s| format!("rank {p}: {s}")))
-            .unwrap_or_else(|| {
-                "the peer may have died, hung, or called a different collective".into()
-            });
+        let why = seen.map_or_else(
+            || "the peer may have died, hung, or called a different collective".into(),
+            |(p, s)| format!("rank {p}: {s}"),
+        );
         let detail = format!(
             "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on: {}; {why}",
             self.links.rank,

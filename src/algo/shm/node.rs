@@ -984,13 +984,19 @@ impl Node {
             })
             .map(|p| p.to_string())
             .collect();
-        // A peer whose process this rank sees (same pid namespace) may be stopped.
-        let pid = self.cma_pids.get(r).copied().filter(|&p| p != 0);
-        let why = match pid {
-            Some(p) if crate::os::process::process_stopped(p) => format!(
-                "rank {r}: its process (pid {p} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
+        // A peer whose process this rank sees (same pid namespace) may be stopped: the rank
+        // waited on first, then any rank behind.
+        let stopped = std::iter::once(r)
+            .chain((0..self.pids.len()).filter(|&p| p != self.me))
+            .find_map(|q| {
+                let pid = self.cma_pids.get(q).copied().filter(|&p| p != 0)?;
+                crate::os::process::process_stopped(pid).then_some((q, pid))
+            });
+        let why = match stopped {
+            Some((q, p)) => format!(
+                "rank {q}: its process (pid {p} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
             ),
-            _ => "the peer may have hung or called a different collective".into(),
+            None => "the peer may have hung or called a different collective".into(),
         };
         Error::Timeout(format!(
             "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on rank {r} in a shared-memory collective (ranks behind: {}); {why}",
