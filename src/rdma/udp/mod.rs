@@ -90,7 +90,12 @@ const CLOSED_QUIET: Duration = Duration::from_millis(250);
 struct Driver {
     engine: Engine,
     rx: Socket,
-    tx: HashMap<u16, TxSocket>,
+    /// The socket of each QP by its port (the packets' UDP source port). They stay
+    /// unconnected: Linux gives the datagrams of a connected UDP socket a counting IPv4
+    /// identification, and the ICRC covers that field, which this provider sets to the GSO
+    /// segment index (0 for a lone datagram, as unconnected sockets with DF get); a NIC
+    /// receiving from it would find every ICRC wrong (`tests/capture`).
+    tx: HashMap<u16, Socket>,
     /// The provider's side of each QP the engine holds.
     qps: HashMap<Qpn, QpSide>,
     /// Some QP was destroyed and waits to be freed (see [`Driver::reap_closed`]).
@@ -123,15 +128,6 @@ struct Driver {
     reported: super::engine::Stats,
     /// Scratch list of QPs to free (kept: no allocation per progress while some linger).
     reap_buf: Vec<Qpn>,
-}
-
-/// The socket a QP sends from (its port is the packets' UDP source port). It stays
-/// unconnected: Linux gives the datagrams of a connected UDP socket a counting IPv4
-/// identification, and the ICRC covers that field, which this provider sets to the GSO segment
-/// index (0 for a lone datagram, as unconnected sockets with DF get); a NIC receiving from it
-/// would find every ICRC wrong (`tests/capture`).
-struct TxSocket {
-    sock: Socket,
 }
 
 /// The userspace RoCE v2 provider.
@@ -614,7 +610,7 @@ impl Driver {
     fn send_one(&mut self, dest: SocketAddr, src_port: u16, data: &[u8]) {
         if let Some(s) = self.tx.get(&src_port) {
             // A full socket buffer drops the datagram; the RC protocol retransmits it.
-            let _ = s.sock.send_to(data, &dest.into());
+            let _ = s.send_to(data, &dest.into());
         }
     }
 
@@ -761,10 +757,10 @@ impl Driver {
 
     fn flush_port(&mut self, first: usize, groups: &[Group]) {
         let n = groups.len();
-        let Some(tx) = self.tx.get(&groups[0].src_port) else {
+        let Some(sock) = self.tx.get(&groups[0].src_port) else {
             return;
         };
-        let fd = tx.sock.as_raw_fd();
+        let fd = sock.as_raw_fd();
         let addrs: [SockAddr; GROUPS] = std::array::from_fn(|i| {
             SockAddr::from(groups.get(i).map_or(groups[0].dest, |g| g.dest))
         });
@@ -1048,7 +1044,7 @@ impl Verbs for UserVerbs {
             }
         };
         d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
-        d.tx.insert(port, TxSocket { sock: tx });
+        d.tx.insert(port, tx);
         let psn = d.next_psn;
         d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
         d.qps.insert(
