@@ -917,7 +917,17 @@ impl Node {
                 Ok(true) => {}
             }
             self.flush_wakes();
-            self.check_peer(r, abort)?;
+            if let Err(e) = self.check_peer(r, abort) {
+                // A peer that passed this step and then left at once (its communicator
+                // destroyed right after the call) marked itself broken after publishing:
+                // what it published still counts.
+                let v = word.load(Ordering::Acquire);
+                return if self.passed(c, v, k) {
+                    done(v)
+                } else {
+                    Err(e)
+                };
+            }
             let sleepers = &header(self.seg(r)).sleepers;
             sleepers.fetch_add(1, Ordering::SeqCst);
             let v = word.load(Ordering::SeqCst);
