@@ -2,6 +2,8 @@
 // torch's Store, coalescing, split, abort and shutdown. The collectives are in ops.cpp.
 #include "backend.hpp"
 
+#include <cstdlib>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/exception.h>
 
@@ -37,7 +39,16 @@ WorkRoccl::WorkRoccl(
     : c10d::Work(rank, type), name(title), queue_(std::move(queue)) {}
 
 bool WorkRoccl::isCompleted() {
-  return done_.load(std::memory_order_acquire);
+  if (done_.load(std::memory_order_acquire)) {
+    return true;
+  }
+  // Polled: held sends and receives must start (the caller may poll in a loop).
+  if (mergeable) {
+    if (auto queue = queue_.lock()) {
+      queue->hurry();
+    }
+  }
+  return false;
 }
 
 bool WorkRoccl::isSuccess() const {
@@ -54,45 +65,89 @@ std::vector<at::Tensor> WorkRoccl::result() {
   return outputs;
 }
 
-void WorkRoccl::execute(const Comm& comm) {
-  std::exception_ptr error;
+namespace {
+
+// Run `ops` as one group of sends and receives.
+void runExchange(const Comm& comm, const std::vector<const P2pOp*>& ops) {
+  if (ops.empty()) {
+    return;
+  }
+  std::vector<size_t> peers, addrs, bytes;
+  // std::vector<bool> has no data(): a plain array.
+  std::unique_ptr<bool[]> sends(new bool[ops.size()]);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    sends[i] = ops[i]->send;
+    peers.push_back(ops[i]->peer);
+    addrs.push_back(reinterpret_cast<size_t>(ops[i]->tensor.data_ptr()));
+    bytes.push_back(ops[i]->tensor.numel() * ops[i]->tensor.element_size());
+  }
+  comm.exchange(
+      rust::Slice<const bool>(sends.get(), ops.size()),
+      rust::Slice<const size_t>(peers.data(), peers.size()),
+      rust::Slice<const size_t>(addrs.data(), addrs.size()),
+      rust::Slice<const size_t>(bytes.data(), bytes.size()));
+}
+
+// Run `f`; what it throws, as the exception a work completes with.
+template <class F>
+std::exception_ptr guarded(const std::string& name, F f) {
   try {
+    f();
+  } catch (const rust::Error& e) {
+    return errorOf(e.what());
+  } catch (const c10::Error&) {
+    return std::current_exception();
+  } catch (const std::exception& e) {
+    return errorOf(std::string("roccl: ") + name + ": " + e.what());
+  } catch (...) {
+    return errorOf(std::string("roccl: ") + name + ": unknown C++ exception");
+  }
+  return nullptr;
+}
+
+} // namespace
+
+void WorkRoccl::execute(const Comm& comm) {
+  complete(guarded(name, [&] {
     for (auto& step : steps) {
       step(comm);
     }
-    if (!p2p.empty()) {
-      std::vector<bool> sends;
-      std::vector<size_t> peers, addrs, bytes;
-      for (auto& op : p2p) {
-        sends.push_back(op.send);
-        peers.push_back(op.peer);
-        addrs.push_back(reinterpret_cast<size_t>(op.tensor.data_ptr()));
-        bytes.push_back(op.tensor.numel() * op.tensor.element_size());
-      }
-      // std::vector<bool> has no data(): copy into a plain array.
-      std::unique_ptr<bool[]> flags(new bool[sends.size()]);
-      for (size_t i = 0; i < sends.size(); ++i) {
-        flags[i] = sends[i];
-      }
-      comm.exchange(
-          rust::Slice<const bool>(flags.get(), sends.size()),
-          rust::Slice<const size_t>(peers.data(), peers.size()),
-          rust::Slice<const size_t>(addrs.data(), addrs.size()),
-          rust::Slice<const size_t>(bytes.data(), bytes.size()));
+    std::vector<const P2pOp*> ops;
+    for (auto& op : p2p) {
+      ops.push_back(&op);
     }
+    runExchange(comm, ops);
     for (auto& f : finish) {
       f();
     }
-  } catch (const rust::Error& e) {
-    error = errorOf(e.what());
-  } catch (const c10::Error& e) {
-    error = std::current_exception();
-  } catch (const std::exception& e) {
-    error = errorOf(std::string("roccl: ") + name + ": " + e.what());
-  } catch (...) {
-    error = errorOf(std::string("roccl: ") + name + ": unknown C++ exception");
+  }));
+}
+
+void WorkRoccl::executeTogether(
+    const std::vector<c10::intrusive_ptr<WorkRoccl>>& works,
+    const Comm& comm) {
+  if (works.size() == 1) {
+    works[0]->execute(comm);
+    return;
   }
-  complete(error);
+  std::vector<const P2pOp*> ops;
+  for (auto& w : works) {
+    for (auto& op : w->p2p) {
+      ops.push_back(&op);
+    }
+  }
+  auto error = guarded(works[0]->name, [&] { runExchange(comm, ops); });
+  for (auto& w : works) {
+    if (error) {
+      w->complete(error);
+      continue;
+    }
+    w->complete(guarded(w->name, [&] {
+      for (auto& f : w->finish) {
+        f();
+      }
+    }));
+  }
 }
 
 void WorkRoccl::fail(const std::string& why) {
@@ -155,6 +210,11 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkRoccl::getFuture() {
     }
     future = future_;
   }
+  if (!markNow && mergeable) {
+    if (auto queue = queue_.lock()) {
+      queue->hurry();
+    }
+  }
   if (markNow) {
     markFuture(future, error);
   }
@@ -162,16 +222,29 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkRoccl::getFuture() {
 }
 
 bool WorkRoccl::wait(std::chrono::milliseconds timeout) {
+  std::shared_ptr<Queue> queue;
   if (!done_.load(std::memory_order_acquire)) {
-    // Next in line with nothing running: run it here, without a thread switch.
-    if (auto queue = queue_.lock()) {
-      queue->runIfNext(this);
+    queue = queue_.lock();
+    // Next in line with nothing running: run it here, without a thread switch; else the
+    // worker runs it, held sends and receives included.
+    if (queue && !queue->runIfNext(this)) {
+      queue->hurry(+1);
+    } else {
+      queue.reset();
     }
   }
   std::unique_lock<std::mutex> lock(mutex_);
+  bool finished = true;
   if (timeout == kNoTimeout || timeout.count() < 0) {
     cv_.wait(lock, [&] { return done_.load(); });
-  } else if (!cv_.wait_for(lock, timeout, [&] { return done_.load(); })) {
+  } else {
+    finished = cv_.wait_for(lock, timeout, [&] { return done_.load(); });
+  }
+  lock.unlock();
+  if (queue) {
+    queue->hurry(-1);
+  }
+  if (!finished) {
     raise(
         "roccl: " + name + " did not complete within " +
         std::to_string(timeout.count()) +
@@ -192,12 +265,101 @@ void WorkRoccl::abort() {
 // ---------------------------------------------------------------------------------------
 // Queue
 
-Queue::Queue(rust::Box<Comm> comm) : comm_(std::move(comm)) {
+namespace {
+
+std::chrono::microseconds holdFromEnv() {
+  const char* v = std::getenv("ROCCL_TORCH_P2P_HOLD_US");
+  if (v == nullptr || *v == '\0') {
+    return std::chrono::microseconds(1000);
+  }
+  char* end = nullptr;
+  long long us = std::strtoll(v, &end, 10);
+  if (end == v || *end != '\0' || us < 0) {
+    raise(
+        std::string("roccl: ROCCL_TORCH_P2P_HOLD_US=") + v +
+        " is not a number of microseconds (0 or more)");
+  }
+  return std::chrono::microseconds(us);
+}
+
+// Most sends and receives grouped into one exchange.
+constexpr size_t kMaxGroup = 64;
+
+} // namespace
+
+Queue::Queue(rust::Box<Comm> comm)
+    : comm_(std::move(comm)), hold_(holdFromEnv()) {
   worker_ = std::thread([this] { loop(); });
 }
 
 Queue::~Queue() {
   shutdown();
+}
+
+std::vector<c10::intrusive_ptr<WorkRoccl>> Queue::takeLocked(
+    WorkRoccl* upTo,
+    bool force,
+    std::chrono::steady_clock::time_point* due) {
+  std::vector<c10::intrusive_ptr<WorkRoccl>> taken;
+  if (running_ || works_.empty()) {
+    return taken;
+  }
+  if (!works_.front()->mergeable) {
+    if (upTo == nullptr || works_.front().get() == upTo) {
+      taken.push_back(works_.front());
+      works_.pop_front();
+    }
+    return taken;
+  }
+  // The group of sends and receives at the front.
+  size_t n = 0, ops = 0;
+  bool hasUpTo = upTo == nullptr, closed = false;
+  while (n < works_.size()) {
+    auto& w = works_[n];
+    if (!w->mergeable) {
+      closed = true; // a work of another kind is behind: the group is complete
+      break;
+    }
+    if (n > 0 && ops + w->p2p.size() > kMaxGroup) {
+      closed = true;
+      break;
+    }
+    ops += w->p2p.size();
+    hasUpTo = hasUpTo || w.get() == upTo;
+    ++n;
+  }
+  if (!hasUpTo) {
+    return taken;
+  }
+  auto start = works_.front()->queuedAt + hold_;
+  if (!(force || closed || stopping_ || hurried_ || waiters_ > 0 ||
+        std::chrono::steady_clock::now() >= start)) {
+    if (due != nullptr) {
+      *due = start;
+    }
+    return taken;
+  }
+  hurried_ = false;
+  for (size_t i = 0; i < n; ++i) {
+    taken.push_back(works_.front());
+    works_.pop_front();
+  }
+  return taken;
+}
+
+void Queue::runTaken(std::vector<c10::intrusive_ptr<WorkRoccl>>& taken) {
+  WorkRoccl::executeTogether(taken, *comm_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+    if (!works_.empty() || stopping_) {
+      wake_.notify_one();
+    }
+  }
+  for (auto& w : taken) {
+    w->publish();
+  }
+  taken.clear();
 }
 
 void Queue::loop() {
@@ -209,16 +371,16 @@ void Queue::loop() {
     if (works_.empty()) {
       return; // stopping, and every queued work has run
     }
-    auto w = works_.front();
-    works_.pop_front();
+    auto due = std::chrono::steady_clock::time_point::max();
+    auto taken = takeLocked(nullptr, false, &due);
+    if (taken.empty()) {
+      // Held sends and receives: until they are due, hurried, or joined by other work.
+      wake_.wait_until(lock, due);
+      continue;
+    }
     running_ = true;
     lock.unlock();
-    w->execute(*comm_);
-    lock.lock();
-    running_ = false;
-    lock.unlock();
-    w->publish();
-    w.reset();
+    runTaken(taken);
     lock.lock();
   }
 }
@@ -229,6 +391,7 @@ void Queue::submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async) {
     if (!closed_.empty()) {
       raise("roccl: " + w->name + ": " + closed_);
     }
+    w->queuedAt = std::chrono::steady_clock::now();
     works_.push_back(w);
     // A call from a future's callback on the worker thread runs at once (the worker
     // cannot run it while the callback waits for it).
@@ -244,26 +407,26 @@ void Queue::submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async) {
 }
 
 bool Queue::runIfNext(WorkRoccl* w) {
-  c10::intrusive_ptr<WorkRoccl> keep;
+  std::vector<c10::intrusive_ptr<WorkRoccl>> taken;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (running_ || works_.empty() || works_.front().get() != w) {
+    taken = takeLocked(w, true, nullptr);
+    if (taken.empty()) {
       return false;
     }
-    keep = works_.front();
-    works_.pop_front();
     running_ = true;
   }
-  keep->execute(*comm_);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    running_ = false;
-    if (!works_.empty() || stopping_) {
-      wake_.notify_one();
-    }
-  }
-  keep->publish();
+  runTaken(taken);
   return true;
+}
+
+void Queue::hurry(int waiting) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiters_ += waiting;
+  if (waiting >= 0) {
+    hurried_ = true;
+  }
+  wake_.notify_one();
 }
 
 size_t Queue::pending() {
@@ -399,6 +562,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::endCoalescing() {
       coalesced_, "roccl: endCoalescing was called without startCoalescing");
   auto w = std::move(coalesced_);
   coalesced_.reset();
+  // A batch of only sends and receives (batch_isend_irecv) may join the ones around it.
+  w->mergeable = w->steps.empty() && !w->p2p.empty();
   queue_->submit(w, true);
   return w;
 }

@@ -4,9 +4,16 @@
 // copies back into the caller's tensors. Works run in issue order, on the process group's
 // worker thread, or on the caller's thread when it waits for the next work in line (a
 // blocking call runs at once, without a thread switch).
+//
+// Sends and receives issued one by one (isend/irecv, or batches of only those) are held
+// back briefly and run together with the sends and receives queued right behind them, as
+// one group: `isend(a, peer); irecv(b, peer); wait()` on both sides cannot deadlock, whatever
+// the sizes. A held group starts when any work is waited for or polled, when a work of
+// another kind is queued behind it, or after ROCCL_TORCH_P2P_HOLD_US (default 1000 µs).
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -60,12 +67,22 @@ class WorkRoccl : public c10d::Work {
   // Complete with an error without running (the process group was aborted or shut down).
   void fail(const std::string& why);
 
+  // Run `works` (each only sends and receives) as one group of sends and receives, then
+  // complete each of them.
+  static void executeTogether(
+      const std::vector<c10::intrusive_ptr<WorkRoccl>>& works,
+      const Comm& comm);
+
   // What the work does, filled in before it is submitted.
   std::vector<std::function<void(const Comm&)>> steps;
   std::vector<P2pOp> p2p;
   std::vector<std::function<void()>> finish;
   std::vector<at::Tensor> outputs;
   std::string name;
+  // Only sends and receives, issued on their own: may be held back and grouped with the
+  // sends and receives behind it (see the top of this file).
+  bool mergeable = false;
+  std::chrono::steady_clock::time_point queuedAt;
 
  private:
   void complete(std::exception_ptr error);
@@ -90,8 +107,12 @@ class Queue {
 
   // Queue `w`; with `async == false` run it on this thread when it is next in line.
   void submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async);
-  // Run `w` on this thread if it is the next work and none is running; true if it ran.
+  // Run `w` on this thread if it is the next work (or in the group of held sends and
+  // receives at the front) and none is running; true if it ran.
   bool runIfNext(WorkRoccl* w);
+  // Someone waits for or polls a work: held sends and receives start now. `waiting`: a
+  // wait begins (+1) or ends (-1); held groups start at once while any wait is on.
+  void hurry(int waiting = 0);
   // Wait until every queued work has run, then stop the worker thread.
   void shutdown();
   // Close roccl's connections (a running work fails), fail the queued works, stop.
@@ -104,6 +125,15 @@ class Queue {
  private:
   void loop();
   void stopWorker();
+  // With the lock held: the works to run next (the front one, or the group of held sends
+  // and receives at the front, which must contain `upTo` when given), or none when the
+  // front group may still wait for more.
+  std::vector<c10::intrusive_ptr<WorkRoccl>> takeLocked(
+      WorkRoccl* upTo,
+      bool force,
+      std::chrono::steady_clock::time_point* due);
+  // Run what takeLocked returned, on this thread, then publish it (the lock not held).
+  void runTaken(std::vector<c10::intrusive_ptr<WorkRoccl>>& taken);
 
   rust::Box<Comm> comm_;
   std::mutex mutex_;
@@ -111,6 +141,9 @@ class Queue {
   std::deque<c10::intrusive_ptr<WorkRoccl>> works_;
   bool running_ = false;
   bool stopping_ = false;
+  bool hurried_ = false;  // a work was polled: held sends and receives start
+  int waiters_ = 0;  // waits in progress
+  std::chrono::microseconds hold_;  // how long sends and receives may be held
   std::string closed_;  // why no more works are taken, once closed
   std::thread worker_;
 };

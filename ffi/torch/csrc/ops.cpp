@@ -773,6 +773,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::send(
   dtypeOf(tensors[0], "send");
   auto w = work(c10d::OpType::SEND, "roccl:send");
   w->p2p.push_back({true, static_cast<size_t>(dstRank), tensors[0].contiguous()});
+  w->mergeable = w.get() != coalesced_.get();
   return submit(w, true);
 }
 
@@ -786,6 +787,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::recv(
   auto w = work(c10d::OpType::RECV, "roccl:recv");
   w->p2p.push_back({false, static_cast<size_t>(srcRank), workingCopy(*w, tensors[0])});
   w->outputs.push_back(tensors[0]);
+  w->mergeable = w.get() != coalesced_.get();
   return submit(w, true);
 }
 
