@@ -25,7 +25,10 @@ fn bench(c: &mut Criterion) {
                     DataType::F32,
                     None,
                     &mut buf,
-                    &CallOpts { algo: Some(algo) },
+                    &CallOpts {
+                        algo: Some(algo),
+                        ..Default::default()
+                    },
                 )
                 .unwrap();
             }
@@ -52,7 +55,10 @@ fn bench(c: &mut Criterion) {
                             DataType::F32,
                             None,
                             &mut buf,
-                            &CallOpts { algo: Some(algo) },
+                            &CallOpts {
+                                algo: Some(algo),
+                                ..Default::default()
+                            },
                         )
                         .unwrap();
                     }

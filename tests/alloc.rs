@@ -86,7 +86,10 @@ fn count_allocs(f: impl FnOnce()) -> usize {
 
 /// One collective call as the benchmark makes it (out of place, f32 sum).
 fn call(c: &Communicator, coll: Collective, algo: Algo, send: &[u8], recv: &mut [u8]) {
-    let opts = CallOpts { algo: Some(algo) };
+    let opts = CallOpts {
+        algo: Some(algo),
+        ..Default::default()
+    };
     let send = match coll {
         Collective::Broadcast { .. } => None,
         _ => Some(send),

@@ -155,7 +155,10 @@ fn deterministic(net: roccl::net::NetKind) {
             let mut first: Option<Vec<u32>> = None;
             for _ in 0..3 {
                 let mut out = vec![0f32; input.len()];
-                let opts = CallOpts { algo: Some(algo) };
+                let opts = CallOpts {
+                    algo: Some(algo),
+                    ..Default::default()
+                };
                 c.run_raw(
                     Collective::AllReduce(RedOp::Sum),
                     DataType::F32,
@@ -303,7 +306,10 @@ fn connect_all_opens_the_mesh_during_init() {
                     DataType::F32,
                     Some(bytemuck::cast_slice(&[1f32; 4096])),
                     bytemuck::cast_slice_mut(&mut out),
-                    &CallOpts { algo: Some(algo) },
+                    &CallOpts {
+                        algo: Some(algo),
+                        ..Default::default()
+                    },
                 )
                 .unwrap();
                 assert!(out.iter().all(|x| *x == n as f32));

@@ -78,7 +78,10 @@ fn float_averages(net: NetKind, n: usize, algos: &[Algo]) {
                 if matches!(algo, Algo::ShmOneShot | Algo::ShmTwoShot) && !c.shm_collectives() {
                     continue;
                 }
-                let opts = CallOpts { algo: Some(algo) };
+                let opts = CallOpts {
+                    algo: Some(algo),
+                    ..Default::default()
+                };
                 let input = fill(dt, count, mine);
                 let tol = |i: usize| 2.0 * ulp(dt, want(i));
                 let what = format!("{dt} avg n={n} algo={algo} net={net:?}");

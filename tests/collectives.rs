@@ -198,6 +198,7 @@ fn windowed_ring_keeps_every_element_in_place() {
         let mut recv = vec![0f32; 16384];
         let opts = roccl::CallOpts {
             algo: Some(Algo::Ring),
+            ..Default::default()
         };
         for _ in 0..3 {
             c.run_raw(

@@ -222,6 +222,56 @@ fn hung_rank(cfg: Config) {
     }
 }
 
+/// A per-call timeout (`CallOpts::timeout`, what torch's per-operation timeouts become)
+/// replaces the communicator's for that call only: a collective and a batch of receives
+/// waiting on a rank that never calls give up after it, naming that rank, though the
+/// communicator's own timeout is a minute.
+#[test]
+fn a_per_call_timeout_replaces_the_communicators() {
+    use roccl::{CallOpts, Collective, DataType, P2p};
+    for p2p in [false, true] {
+        run_ranks(2, short(60), move |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(3));
+                return;
+            }
+            let opts = CallOpts {
+                timeout: Some(Duration::from_millis(500)),
+                ..Default::default()
+            };
+            let mut buf = vec![1u8; 64];
+            let t = Instant::now();
+            let e = if p2p {
+                c.p2p_with(
+                    &mut [P2p::Recv {
+                        peer: 1,
+                        buf: &mut buf,
+                    }],
+                    &opts,
+                )
+            } else {
+                c.run_raw(
+                    Collective::AllReduce(RedOp::Sum),
+                    DataType::F32,
+                    None,
+                    &mut buf,
+                    &opts,
+                )
+                .map(|_| ())
+            }
+            .unwrap_err()
+            .to_string();
+            assert!(names(&e, 1), "p2p={p2p}: {e}");
+            assert!(e.contains("500ms"), "p2p={p2p}: {e}");
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "p2p={p2p}: took {:?}",
+                t.elapsed()
+            );
+        });
+    }
+}
+
 /// Different calls on different ranks whose messages have the same sizes: every network
 /// carries each call's tag, so the first exchange fails on both ranks naming both calls,
 /// instead of summing one call's bytes into the other's.

@@ -119,6 +119,7 @@ fn single_copy_buffers_are_free_when_the_call_returns() {
         let count = (8 << 20) / 4 + 7;
         let opts = CallOpts {
             algo: Some(Algo::ShmTwoShot),
+            ..Default::default()
         };
         let mut buf = vec![0u8; count * 4];
         let mut got = vec![0u8; count * 4];
@@ -182,6 +183,7 @@ fn single_copy_buffers_are_free_when_the_call_returns() {
 fn opts_one() -> roccl::CallOpts {
     roccl::CallOpts {
         algo: Some(roccl::Algo::ShmOneShot),
+        ..Default::default()
     }
 }
 
@@ -202,6 +204,7 @@ fn different_shared_memory_variants_are_refused() {
                 } else {
                     Algo::ShmTwoShot
                 }),
+                ..Default::default()
             };
             let mut buf = vec![0u8; count * 4];
             let r = c.run_raw(
@@ -261,7 +264,10 @@ fn sleeping_ranks_are_woken_by_the_publish() {
                     for (j, x) in buf.chunks_exact_mut(4).enumerate() {
                         x.copy_from_slice(&((me + 1) as f32 * (j % 7) as f32).to_le_bytes());
                     }
-                    let opts = CallOpts { algo: Some(algo) };
+                    let opts = CallOpts {
+                        algo: Some(algo),
+                        ..Default::default()
+                    };
                     c.run_raw(coll, DataType::F32, None, &mut buf, &opts)
                         .unwrap_or_else(|e| panic!("rank {me}, call {i}: {e}"));
                     let want = |j: usize| match coll {
@@ -305,6 +311,7 @@ fn a_broadcast_reader_that_gave_up_is_not_written_to() {
                 c.barrier().unwrap();
                 let opts = CallOpts {
                     algo: Some(Algo::ShmOneShot),
+                    ..Default::default()
                 };
                 let mut buf = vec![rank as u8 + 1; len];
                 let bcast = |buf: &mut [u8]| {

@@ -874,7 +874,10 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
         a,
         dt,
         op,
-        opts: CallOpts { algo },
+        opts: CallOpts {
+            algo,
+            ..Default::default()
+        },
         dev: open_device(a)?,
     };
     let lead = c.rank() == 0;

@@ -13,6 +13,9 @@ use super::Communicator;
 pub struct CallOpts {
     /// Force an algorithm for this call (if the collective has it).
     pub algo: Option<Algo>,
+    /// Give up after this long without progress, for this call only (instead of the
+    /// communicator's `ROCCL_TIMEOUT`).
+    pub timeout: Option<std::time::Duration>,
 }
 
 /// What a call did.
@@ -108,7 +111,11 @@ impl Communicator {
         recv: &mut [u8],
         opts: &CallOpts,
     ) -> Result<CallInfo> {
-        self.with_turn(|state| state.execute(coll, dt, send, recv, opts))
+        self.with_turn(|state| {
+            state.with_timeout(opts.timeout, |state| {
+                state.execute(coll, dt, send, recv, opts)
+            })
+        })
     }
 
     fn typed<T: Element>(
@@ -250,6 +257,12 @@ impl Communicator {
     /// next receive from oneself.
     pub fn p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.with_turn(|state| state.p2p(ops))
+    }
+
+    /// [`Communicator::p2p`] with per-call options (`opts.timeout`; `opts.algo` does not
+    /// apply).
+    pub fn p2p_with(&self, ops: &mut [P2p<'_>], opts: &CallOpts) -> Result<()> {
+        self.with_turn(|state| state.with_timeout(opts.timeout, |state| state.p2p(ops)))
     }
 
     /// Block until every rank has called `barrier`.

@@ -266,6 +266,21 @@ impl State {
         choice
     }
 
+    /// Run `f` with the timeout `timeout` (when given) in place of the communicator's.
+    pub(super) fn with_timeout<R>(
+        &mut self,
+        timeout: Option<std::time::Duration>,
+        f: impl FnOnce(&mut Self) -> R,
+    ) -> R {
+        let Some(t) = timeout else {
+            return f(self);
+        };
+        let saved = std::mem::replace(&mut self.cfg.waiter.timeout, t);
+        let r = f(self);
+        self.cfg.waiter.timeout = saved;
+        r
+    }
+
     pub(super) fn execute(
         &mut self,
         coll: Collective,

@@ -252,7 +252,10 @@ pub fn one(
         "{algo} asked of a communicator without shared-memory collectives: iterate algos_on()"
     );
     let es = dt.size();
-    let opts = CallOpts { algo: Some(algo) };
+    let opts = CallOpts {
+        algo: Some(algo),
+        ..Default::default()
+    };
     let what = format!(
         "{k:?} {dt} {op} count={count} algo={algo} in_place={in_place} n={n} rank={me} root={root}"
     );

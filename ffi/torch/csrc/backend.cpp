@@ -67,8 +67,11 @@ std::vector<at::Tensor> WorkRoccl::result() {
 
 namespace {
 
-// Run `ops` as one group of sends and receives.
-void runExchange(const Comm& comm, const std::vector<const P2pOp*>& ops) {
+// Run `ops` as one group of sends and receives (`timeoutMs`: 0 for the group's timeout).
+void runExchange(
+    const Comm& comm,
+    const std::vector<const P2pOp*>& ops,
+    uint64_t timeoutMs) {
   if (ops.empty()) {
     return;
   }
@@ -85,7 +88,8 @@ void runExchange(const Comm& comm, const std::vector<const P2pOp*>& ops) {
       rust::Slice<const bool>(sends.get(), ops.size()),
       rust::Slice<const size_t>(peers.data(), peers.size()),
       rust::Slice<const size_t>(addrs.data(), addrs.size()),
-      rust::Slice<const size_t>(bytes.data(), bytes.size()));
+      rust::Slice<const size_t>(bytes.data(), bytes.size()),
+      timeoutMs);
 }
 
 // Run `f`; what it throws, as the exception a work completes with.
@@ -110,13 +114,13 @@ std::exception_ptr guarded(const std::string& name, F f) {
 void WorkRoccl::execute(const Comm& comm) {
   complete(guarded(name, [&] {
     for (auto& step : steps) {
-      step(comm);
+      step(comm, timeoutMs());
     }
     std::vector<const P2pOp*> ops;
     for (auto& op : p2p) {
       ops.push_back(&op);
     }
-    runExchange(comm, ops);
+    runExchange(comm, ops, timeoutMs());
     for (auto& f : finish) {
       f();
     }
@@ -136,7 +140,7 @@ void WorkRoccl::executeTogether(
       ops.push_back(&op);
     }
   }
-  auto error = guarded(works[0]->name, [&] { runExchange(comm, ops); });
+  auto error = guarded(works[0]->name, [&] { runExchange(comm, ops, works[0]->timeoutMs()); });
   for (auto& w : works) {
     if (error) {
       w->complete(error);
@@ -542,7 +546,12 @@ c10::intrusive_ptr<WorkRoccl> ProcessGroupRoccl::work(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::submit(
     const c10::intrusive_ptr<WorkRoccl>& w,
-    bool async) {
+    bool async,
+    std::chrono::milliseconds timeout) {
+  if (timeout != c10d::kUnsetTimeout &&
+      (w->timeout == c10d::kUnsetTimeout || timeout < w->timeout)) {
+    w->timeout = timeout; // a coalesced work takes the shortest of its operations'
+  }
   if (w.get() != coalesced_.get()) {
     queue_->submit(w, async);
   }

@@ -74,7 +74,8 @@ class WorkRoccl : public c10d::Work {
       const Comm& comm);
 
   // What the work does, filled in before it is submitted.
-  std::vector<std::function<void(const Comm&)>> steps;
+  // Each step gets the work's timeout in ms (0: the process group's).
+  std::vector<std::function<void(const Comm&, uint64_t)>> steps;
   std::vector<P2pOp> p2p;
   std::vector<std::function<void()>> finish;
   std::vector<at::Tensor> outputs;
@@ -83,6 +84,11 @@ class WorkRoccl : public c10d::Work {
   // sends and receives behind it (see the top of this file).
   bool mergeable = false;
   std::chrono::steady_clock::time_point queuedAt;
+  // The operation's own timeout (c10d's per-operation option), or kUnsetTimeout.
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
+  uint64_t timeoutMs() const {
+    return timeout.count() > 0 ? static_cast<uint64_t>(timeout.count()) : 0;
+  }
 
  private:
   void complete(std::exception_ptr error);
@@ -261,10 +267,11 @@ class ProcessGroupRoccl : public c10d::Backend {
  private:
   // A new work, or the open coalesced one.
   c10::intrusive_ptr<WorkRoccl> work(c10d::OpType type, const char* title);
-  // Queue `w` unless it is the open coalesced work.
+  // Queue `w` unless it is the open coalesced work; `timeout`: the operation's own.
   c10::intrusive_ptr<c10d::Work> submit(
       const c10::intrusive_ptr<WorkRoccl>& w,
-      bool async);
+      bool async,
+      std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
 
   c10::intrusive_ptr<Backend::Options> options_;
   std::shared_ptr<Queue> queue_;

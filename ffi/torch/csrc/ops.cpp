@@ -225,7 +225,7 @@ void addCollective(
     at::Tensor send,
     bool inPlace,
     at::Tensor recv) {
-  w.steps.push_back([=](const Comm& c) {
+  w.steps.push_back([=](const Comm& c, uint64_t timeoutMs) {
     c.collective(
         kind,
         dt,
@@ -235,7 +235,8 @@ void addCollective(
         inPlace ? 0 : bytesOf(send),
         inPlace,
         addrOf(recv),
-        bytesOf(recv));
+        bytesOf(recv),
+        timeoutMs);
   });
 }
 
@@ -259,7 +260,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allreduce(
   addCollective(
       *w, Kind::AllReduce, dtypeOf(t, "allreduce"), red.op, 0, buf, true, buf);
   w->outputs.push_back(t);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allreduce_coalesced(
@@ -284,7 +285,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allreduce_coalesced(
         buf);
     w->outputs.push_back(t);
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce(
@@ -309,7 +310,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce(
       true,
       buf);
   w->outputs.push_back(t);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::broadcast(
@@ -333,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::broadcast(
       true,
       buf);
   w->outputs.push_back(t);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::_allgather_base(
   auto w = work(c10d::OpType::_ALLGATHER_BASE, "roccl:all_gather_into_tensor");
   addAllgatherBase(*w, output, input, getRank(), getSize(), "all_gather_into_tensor");
   w->outputs.push_back(output);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather_into_tensor_coalesced(
@@ -391,7 +392,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather_into_tensor_coalesce
         *w, outputs[i], inputs[i], getRank(), getSize(), "allgather_into_tensor_coalesced");
     w->outputs.push_back(outputs[i]);
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 namespace {
@@ -445,7 +446,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather(
   for (auto& o : outputs[0]) {
     w->outputs.push_back(o);
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather_coalesced(
@@ -463,7 +464,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather_coalesced(
       w->outputs.push_back(o);
     }
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -513,7 +514,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::_reduce_scatter_base(
   addReduceScatterBase(
       *w, output, input, opts.reduceOp, getRank(), getSize(), "reduce_scatter_tensor");
   w->outputs.push_back(output);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce_scatter_tensor_coalesced(
@@ -535,7 +536,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce_scatter_tensor_coalesce
         "reduce_scatter_tensor_coalesced");
     w->outputs.push_back(outputs[i]);
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce_scatter(
@@ -563,7 +564,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::reduce_scatter(
   addReduceScatterBase(
       *w, outputs[0], flat, opts.reduceOp, getRank(), getSize(), "reduce_scatter");
   w->outputs.push_back(outputs[0]);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -652,7 +653,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::alltoall_base(
     }
   }
   w->outputs.push_back(output);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::alltoall(
@@ -681,7 +682,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::alltoall(
     }
     w->outputs.push_back(outputs[p]);
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::gather(
@@ -719,7 +720,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::gather(
       w->p2p.push_back({true, root, in});
     }
   }
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::scatter(
@@ -744,7 +745,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::scatter(
       }
       if (static_cast<size_t>(p) == root) {
         // The root's own block: copied in a step (steps run before the copies back).
-        w->steps.push_back([out, i](const Comm&) mutable { out.copy_(i.view(out.sizes())); });
+        w->steps.push_back([out, i](const Comm&, uint64_t) mutable { out.copy_(i.view(out.sizes())); });
       } else if (i.numel() > 0) {
         w->p2p.push_back({true, static_cast<size_t>(p), i});
       }
@@ -758,7 +759,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::scatter(
     }
   }
   w->outputs.push_back(outputs[0]);
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -801,10 +802,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::recvAnysource(
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::barrier(
     const c10d::BarrierOptions& opts) {
   auto w = work(c10d::OpType::BARRIER, "roccl:barrier");
-  w->steps.push_back([](const Comm& c) {
-    c.collective(Kind::Barrier, Dtype::U8, Reduction::Sum, 0, 0, 0, true, 0, 0);
+  w->steps.push_back([](const Comm& c, uint64_t timeoutMs) {
+    c.collective(Kind::Barrier, Dtype::U8, Reduction::Sum, 0, 0, 0, true, 0, 0, timeoutMs);
   });
-  return submit(w, opts.asyncOp);
+  return submit(w, opts.asyncOp, opts.timeout);
 }
 
 } // namespace roccl_torch

@@ -77,7 +77,7 @@ def _killed(rank, world, path, timeout_s, results, how="kill"):
         "roccl", init_method=f"file://{path}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    t = torch.ones(1 << 16)
+    t = torch.ones(1 << 16 if world <= 3 else 1 << 21)
     dist.all_reduce(t)
     dist.barrier()
     if rank == world - 1:
@@ -96,13 +96,12 @@ def _killed(rank, world, path, timeout_s, results, how="kill"):
     # Exit without destroy_process_group: the process must not hang at exit.
 
 
-def _failing_rank(how, net, timeout_s):
-    world = 3
+def _failing_rank(how, net, timeout_s, world=3):
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     env = dict(os.environ)
-    if net == "tcp":
-        os.environ["ROCCL_NET"] = "tcp"
+    if net != "default":
+        os.environ["ROCCL_NET"] = net
     try:
         with tempfile.TemporaryDirectory() as d:
             procs = [
@@ -130,14 +129,9 @@ def _failing_rank(how, net, timeout_s):
         assert took < timeout_s + 5, f"rank {rank}: raised after {took:.1f} s (timeout {timeout_s} s)"
         print(f"rank {rank} raised after {took:.2f} s: {msg}")
     named = [rank for rank, msg, _ in got if f"rank {world - 1}" in msg]
-    if how == "kill":
-        # A killed rank's connections close: every other rank names it.
-        assert len(named) == world - 1, f"not every rank named the killed rank {world - 1}: {got}"
-    else:
-        # A hung rank: the rank waiting on it names it; a rank waiting on that rank in turn
-        # may time out first and name the rank it waited on (roccl's timeout names the
-        # direct peer; known gap, docs/TORCH.md).
-        assert named, f"no rank named the hung rank {world - 1}: {got}"
+    # A killed rank's connections close; a hung rank's neighbours time out and tell the
+    # others which rank they waited on: every other rank names it.
+    assert len(named) == world - 1, f"not every rank named the {how} rank {world - 1}: {got}"
 
 
 @pytest.mark.parametrize("net", ["default", "tcp"])
@@ -145,5 +139,26 @@ def test_a_killed_rank_makes_the_others_raise_naming_it(net):
     _failing_rank("kill", net, timeout_s=15)
 
 
-def test_a_hung_rank_makes_the_others_raise_within_the_timeout():
-    _failing_rank("hang", "default", timeout_s=6)
+@pytest.mark.parametrize("net,world", [("default", 3), ("tcp", 4), ("rocev2", 4)])
+def test_a_hung_rank_makes_the_others_raise_within_the_timeout(net, world):
+    _failing_rank("hang", net, timeout_s=6, world=world)
+
+
+def _per_op_timeout(rank, world):
+    if rank == 1:
+        time.sleep(4)  # never makes the call rank 0 waits in
+        return
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(milliseconds=500)
+    t = torch.ones(4)
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError) as e:
+        dist.group.WORLD.allreduce([t], opts).wait()
+    took = time.monotonic() - start
+    assert "rank 1" in str(e.value) and "500ms" in str(e.value), str(e.value)
+    assert took < 3, f"the operation's 500 ms timeout took {took:.1f} s (the group's is 60 s)"
+
+
+def test_an_operations_own_timeout_applies():
+    """c10d's per-operation timeout (AllreduceOptions.timeout) replaces the group's."""
+    run(2, _per_op_timeout, timeout_s=60)

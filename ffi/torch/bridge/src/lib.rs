@@ -68,6 +68,7 @@ mod bridge {
         /// The network the communicator uses (`shm`, `tcp`, `tcp+shm`, ...).
         fn net_name(self: &Comm) -> String;
         /// Run one collective now, on this thread. `in_place`: the input is in `recv`.
+        /// `timeout_ms`: this call's timeout (0: the communicator's).
         ///
         /// # Safety
         /// `send_addr` (unless `in_place`) is readable for `send_bytes` bytes and
@@ -84,9 +85,11 @@ mod bridge {
             in_place: bool,
             recv_addr: usize,
             recv_bytes: usize,
+            timeout_ms: u64,
         ) -> Result<()>;
         /// Run sends (`sends[i]`) and receives together, to and from `peers[i]`, on the
         /// buffers `addrs[i]` of `bytes[i]` bytes; messages between two ranks match in order.
+        /// `timeout_ms`: this call's timeout (0: the communicator's).
         ///
         /// # Safety
         /// Each buffer is readable (a send) or writable (a receive) for its length until this
@@ -97,6 +100,7 @@ mod bridge {
             peers: &[usize],
             addrs: &[usize],
             bytes: &[usize],
+            timeout_ms: u64,
         ) -> Result<()>;
         /// Close the connections now: a call blocked on another thread returns an error.
         fn abort(self: &Comm);
@@ -160,6 +164,14 @@ fn dtype_of(d: Dtype) -> Result<DataType, String> {
 
 fn op_of(o: Reduction) -> Result<RedOp, String> {
     RedOp::from_nccl(i32::from(o.repr)).ok_or_else(|| format!("unknown reduction {}", o.repr))
+}
+
+/// A call's options: its own timeout when `timeout_ms` is not 0.
+fn call_opts(timeout_ms: u64) -> CallOpts {
+    CallOpts {
+        timeout: (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms)),
+        ..Default::default()
+    }
 }
 
 /// Checks an address and length from C++.
@@ -228,6 +240,7 @@ impl Comm {
         in_place: bool,
         recv_addr: usize,
         recv_bytes: usize,
+        timeout_ms: u64,
     ) -> Result<(), String> {
         let name = format!("{kind:?}");
         guarded(&self.who(), &name, || {
@@ -260,7 +273,7 @@ impl Comm {
             // SAFETY: as above.
             let recv = unsafe { write(recv_addr, recv_bytes) };
             self.inner
-                .run_raw(coll, dt, send, recv, &CallOpts::default())
+                .run_raw(coll, dt, send, recv, &call_opts(timeout_ms))
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         })
@@ -272,6 +285,7 @@ impl Comm {
         peers: &[usize],
         addrs: &[usize],
         bytes: &[usize],
+        timeout_ms: u64,
     ) -> Result<(), String> {
         guarded(&self.who(), "send/recv", || {
             let n = sends.len();
@@ -317,7 +331,9 @@ impl Comm {
                     }
                 })
                 .collect();
-            self.inner.p2p(&mut ops).map_err(|e| e.to_string())
+            self.inner
+                .p2p_with(&mut ops, &call_opts(timeout_ms))
+                .map_err(|e| e.to_string())
         })
     }
 
@@ -361,6 +377,7 @@ mod tests {
                             true,
                             x.as_mut_ptr() as usize,
                             12,
+                            0,
                         )
                     }
                     .unwrap();
@@ -375,6 +392,7 @@ mod tests {
                             &[peer, peer],
                             &[out.as_ptr() as usize, got.as_mut_ptr() as usize],
                             &[4, 4],
+                            0,
                         )
                     }
                     .unwrap();
@@ -391,13 +409,14 @@ mod tests {
                             false,
                             x.as_mut_ptr() as usize,
                             8,
+                            0,
                         )
                     }
                     .unwrap_err();
                     assert!(e.contains(&format!("rank {r}/2")), "{e}");
                     assert!(e.contains("overlap"), "{e}");
                     // SAFETY: refused before any access (NULL with a length).
-                    let e = unsafe { c.exchange(&[true], &[peer], &[0], &[4]) }.unwrap_err();
+                    let e = unsafe { c.exchange(&[true], &[peer], &[0], &[4], 0) }.unwrap_err();
                     assert!(e.contains("NULL"), "{e}");
                 })
             })
