@@ -31,4 +31,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "net_name",
           &roccl_torch::ProcessGroupRoccl::netName,
           "The network roccl uses between the ranks (shm, tcp, tcp+shm, ...).");
+  m.def(
+      "_launcher_env",
+      [] {
+        try {
+          auto l = ::roccl_torch::launcher_env();
+          py::dict d;
+          d["launcher"] = std::string(l.launcher);
+          d["rank"] = l.rank;
+          d["nranks"] = l.nranks;
+          d["host"] = std::string(l.host);
+          d["port"] = l.port;
+          return d;
+        } catch (const rust::Error& e) {
+          throw std::runtime_error(e.what());
+        }
+      },
+      "Rank, size and rank 0's host and port, from the launcher's environment (srun, mpirun, "
+      "torchrun or ROCCL_*), by roccl's rules.");
 }

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["register", "ProcessGroupRoccl"]
+__all__ = ["register", "ProcessGroupRoccl", "env_from_launcher"]
 
 ProcessGroupRoccl = _C.ProcessGroupRoccl
 
@@ -22,6 +22,40 @@ def _create_backend(opts, backend_options=None):
     group publishes roccl's unique id through the group's Store, the others read it; the
     group's timeout is roccl's timeout."""
     return _C.ProcessGroupRoccl(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+# Each launcher's variable for a process's rank on its node.
+_LOCAL_RANK = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+
+
+def env_from_launcher():
+    """Let ``init_process_group("roccl")`` (``env://``) run under ``srun`` or ``mpirun``, not
+    only under torchrun: fill in RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+    where they are unset, from the launcher's variables, by roccl's rules (docs/TORCH.md):
+    under Slurm rank 0's host is the first host of the step's node list and the port
+    ``29400 + (SLURM_JOB_ID + SLURM_STEP_ID) % 1000``, the same on every task; set
+    MASTER_PORT yourself to choose another. Returns the variables it set. Under torchrun it
+    sets nothing."""
+    import os
+
+    info = _C._launcher_env()
+    if info["launcher"] == "torchrun":
+        return {}
+    want = {"RANK": str(info["rank"]), "WORLD_SIZE": str(info["nranks"])}
+    if info["host"]:
+        want["MASTER_ADDR"] = info["host"]
+        want["MASTER_PORT"] = str(info["port"])
+    local = next((os.environ[v] for v in _LOCAL_RANK if os.environ.get(v)), None)
+    if local is not None:
+        want["LOCAL_RANK"] = local
+    done = {k: v for k, v in want.items() if not os.environ.get(k)}
+    if "MASTER_ADDR" not in want and not os.environ.get("MASTER_ADDR"):
+        raise RuntimeError(
+            f"roccl: the {info['launcher']} environment names no host for rank 0: set "
+            "MASTER_ADDR and MASTER_PORT (or ROCCL_ROOT=host:port)"
+        )
+    os.environ.update(done)
+    return done
 
 
 def register():

@@ -162,3 +162,48 @@ def _per_op_timeout(rank, world):
 def test_an_operations_own_timeout_applies():
     """c10d's per-operation timeout (AllreduceOptions.timeout) replaces the group's."""
     run(2, _per_op_timeout, timeout_s=60)
+
+
+SRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+import roccl
+set_now = roccl.env_from_launcher()
+dist.init_process_group("roccl")
+t = torch.full((4,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+print("rank", os.environ["SLURM_PROCID"], sorted(set_now), os.environ["MASTER_ADDR"],
+      os.environ["LOCAL_RANK"], t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_under_srun_without_torchrun():
+    """Tasks started as srun starts them (only Slurm's variables, no RANK, WORLD_SIZE or
+    MASTER_*): roccl.env_from_launcher() fills in what env:// needs, rank 0's host from the
+    node list and the port from the job and step ids."""
+    import socket
+
+    base = 29400
+    for job in range(1000):  # a job id whose derived port is free here
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + job))
+                break
+            except OSError:
+                continue
+    world = 3
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    procs = []
+    for r in range(world):
+        e = dict(env, SLURM_PROCID=str(r), SLURM_NTASKS=str(world), SLURM_LOCALID=str(r),
+                 SLURM_JOB_ID=str(1000 + job), SLURM_STEP_ID="0",
+                 SLURM_STEP_NODELIST="localhost", SLURM_JOB_NODELIST="localhost,other[1-3]")
+        procs.append(subprocess.Popen([sys.executable, "-c", SRUN_SCRIPT], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"task {r}: {err}"
+        want = (f"rank {r} ['LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE'] "
+                f"localhost {r} [6.0, 6.0, 6.0, 6.0]")
+        assert want in out, f"task {r}: {out}"

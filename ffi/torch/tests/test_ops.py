@@ -372,6 +372,24 @@ def subgroup_checks(c, rank, world):
     ranks = evens if rank % 2 == 0 else odds
     c.equal("subgroup all_gather", out, torch.tensor([float(r) for r in ranks]).repeat_interleave(2))
     dist.barrier()
+    # split_group (c10d's Backend::split): the highest ranks in reverse order, then the rest
+    # (a rank's place in its split is its rank in the new group); the last split may hold
+    # one rank.
+    high = list(range(world - 1, (world - 1) // 2, -1))
+    low = [r for r in range(world) if r not in high]
+    sub = dist.split_group(split_ranks=[high, low])
+    assert sub is not None, f"rank {rank}: split_group gave no group"
+    mine = high if rank in high else low
+    c.equal("split rank", torch.tensor(float(dist.get_rank(sub))), torch.tensor(float(mine.index(rank))))
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    c.equal("split all_reduce", t, torch.full((3,), float(sum(r + 1 for r in mine))))
+    src = mine[0]
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=src, group=sub)
+    c.equal("split broadcast", b, torch.full((2,), float(src)))
+    dist.destroy_process_group(sub)
+    dist.barrier()
 
 
 def error_checks(c, rank, world):

@@ -54,8 +54,25 @@ mod bridge {
         Avg = 4,
     }
 
+    /// Rank, size and rendezvous address of a launch, read from the launcher's environment.
+    #[derive(Debug)]
+    struct Launch {
+        /// `roccl`, `torchrun`, `ompi`, `mpich` or `slurm`.
+        launcher: String,
+        rank: usize,
+        nranks: usize,
+        /// Rank 0's host (empty when the environment names no host).
+        host: String,
+        /// The port roccl's conventions give the launch there.
+        port: u16,
+    }
+
     extern "Rust" {
         type Comm;
+
+        /// What the launcher's environment says (srun, mpirun, torchrun or ROCCL_*), by
+        /// roccl's own rules (`Communicator::from_env`).
+        fn launcher_env() -> Result<Launch>;
 
         /// A new unique id (this process serves its rendezvous root): what rank 0 publishes
         /// through torch's Store.
@@ -109,7 +126,7 @@ mod bridge {
     }
 }
 
-pub use bridge::{Dtype, Kind, Reduction};
+pub use bridge::{Dtype, Kind, Launch, Reduction};
 
 /// A communicator, shared by the backend's threads (a call and `abort` may overlap).
 pub struct Comm {
@@ -140,6 +157,23 @@ fn unique_id() -> Result<Vec<u8>, String> {
         UniqueId::new()
             .map(|id| id.as_bytes().to_vec())
             .map_err(|e| e.to_string())
+    })
+}
+
+fn launcher_env() -> Result<Launch, String> {
+    guarded("", "reading the launcher's environment", || {
+        let env = roccl_core::bootstrap::env::from_env().map_err(|e| e.to_string())?;
+        let (host, port) = match env.root {
+            roccl_core::bootstrap::env::Root::Addr { host, port } => (host, port),
+            _ => (String::new(), 0),
+        };
+        Ok(Launch {
+            launcher: env.launcher.to_string(),
+            rank: env.rank,
+            nranks: env.nranks,
+            host,
+            port,
+        })
     })
 }
 
