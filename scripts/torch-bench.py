@@ -3,7 +3,11 @@
 
   all-reduce: torch-level dist.all_reduce of 8 B and 16 MiB (float32), 2 and 4 processes,
     over roccl's default network (shared memory here) and with ROCCL_NET=tcp, next to
-    roccl-perf's figure for the same size and network;
+    roccl-perf's figure for the same size and network; at 8 B also with torch's flight
+    recorder off (TORCH_FR_BUFFER_SIZE=0: torch attaches it to every backend that does not
+    record itself, roccl included, Gloo not) and torch's own cost per call, timed on its
+    no-op "fake" backend (also without the recorder), so that what roccl adds to a call,
+    beyond torch and beyond roccl-perf's own time, shows;
   decode: a small random transformer (8 layers, hidden 1024, 16 heads, MLP 4x) split over 2
     and 4 processes as ColwiseParallel / RowwiseParallel split it (q, k, v and the MLP's up
     projection by columns, the attention's output and the MLP's down projection by rows, one
@@ -48,13 +52,19 @@ def _worker(rank, world, backend, env, port, task, args, results):
     torch.set_num_threads(1)
     import roccl  # noqa: F401
 
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    if backend == "fake":
+        # torch's own no-op backend: what a call costs in torch alone (nothing is sent).
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     out = task(rank, world, *args)
     if rank == 0:
         results.put(out)
@@ -135,18 +145,30 @@ def bench_allreduce(reps, quick):
         env = {} if net == "auto" else {"ROCCL_NET": "tcp"}
         for world in worlds:
             for nbytes in [8, 16 << 20]:
-                times = {"roccl": [], "gloo": []}
+                small = nbytes <= 4096
+                runs = [("roccl", "roccl", env), ("gloo", "gloo", env)]
+                if small:
+                    no_fr = dict(env, TORCH_FR_BUFFER_SIZE="0")
+                    runs += [("roccl, no FR", "roccl", no_fr), ("torch alone", "fake", no_fr)]
+                times = {name: [] for name, _, _ in runs}
                 for _ in range(reps):
-                    for be in ["roccl", "gloo"]:
-                        times[be].append(launch(world, be, env, allreduce_task, nbytes, 0.5 if quick else 1.5))
-                r = statistics.median(times["roccl"])
-                g = statistics.median(times["gloo"])
+                    for name, be, e in runs:
+                        times[name].append(launch(world, be, e, allreduce_task, nbytes, 0.5 if quick else 1.5))
+                med = {name: statistics.median(t) for name, t in times.items()}
+                r, g = med["roccl"], med["gloo"]
                 perf = roccl_perf(world, nbytes, net)
                 rows.append((net, world, nbytes, r, g, perf))
+                extra = ""
+                if small:
+                    added = med["roccl, no FR"] - med["torch alone"] - perf
+                    extra = (
+                        f"  no FR: roccl {fmt_us(med['roccl, no FR'])}, torch alone "
+                        f"{fmt_us(med['torch alone'])}: roccl's binding adds {added:.1f} µs"
+                    )
                 print(
                     f"all_reduce {nbytes:>9} B  {world} procs  net={net:<4}  roccl {fmt_us(r):>10}  "
-                    f"gloo {fmt_us(g):>10}  gloo/roccl {g / r:5.1f}x  roccl-perf {fmt_us(perf):>10}  "
-                    f"(runs: roccl {', '.join(fmt_us(x) for x in times['roccl'])}; gloo {', '.join(fmt_us(x) for x in times['gloo'])})",
+                    f"gloo {fmt_us(g):>10}  gloo/roccl {g / r:5.1f}x  roccl-perf {fmt_us(perf):>10}{extra}  "
+                    f"(runs: {'; '.join(name + ' ' + ', '.join(fmt_us(x) for x in t) for name, t in times.items())})",
                     flush=True,
                 )
     return rows
