@@ -81,6 +81,7 @@ impl Waiter {
             w: self,
             last: None,
             spins: 0,
+            next_yield: YIELD_EVERY,
         }
     }
 }
@@ -92,7 +93,16 @@ pub struct WaitState<'a> {
     /// (a collective that completes at once never reads it).
     last: Option<Instant>,
     spins: u32,
+    /// When (time idle) the spin phase next gives way to other runnable threads.
+    next_yield: Duration,
 }
+
+/// How often a spinning wait calls `sched_yield`: when nothing else wants its core the call
+/// returns at once (about 0.3 µs per 20 µs of spinning); when something does (the peer rank
+/// scheduled on this core, a compile, torch's threads), that gets the core instead of
+/// waiting for the end of this thread's time slice, which cost an 8-byte torch all-reduce
+/// about 1 ms with a busy process beside the 2 ranks on 2 cores (docs/PERFORMANCE.md).
+const YIELD_EVERY: Duration = Duration::from_micros(20);
 
 /// The wait ran past the timeout.
 #[derive(Debug)]
@@ -103,6 +113,7 @@ impl WaitState<'_> {
     pub fn progressed(&mut self) {
         self.spins = 0;
         self.last = None;
+        self.next_yield = YIELD_EVERY;
     }
 
     /// Whether the next [`WaitState::idle`] would block in `poll(2)` (so the caller collects
@@ -133,7 +144,12 @@ impl WaitState<'_> {
         self.spins = 8;
         let idle = self.last.get_or_insert_with(Instant::now).elapsed();
         if idle < self.w.spin {
-            std::hint::spin_loop();
+            if idle >= self.next_yield {
+                self.next_yield = idle + YIELD_EVERY;
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             return Ok(false);
         }
         if idle >= self.w.timeout {
