@@ -1,12 +1,15 @@
 """Builds roccl's torch.distributed backend: the Rust core and the cxx bridge with cargo
 (ffi/torch/bridge, a static library; CARGO_TARGET_DIR is honoured), then the C++ extension
-roccl._C against the torch of this environment (torch.utils.cpp_extension).
+roccl._C against the torch of this environment (torch.utils.cpp_extension). The package also
+carries roccl's NCCL-named library and its NCCL/RCCL network plugin (roccl/lib/), for
+roccl.nccl_library_path() and roccl.net_plugin_path().
 
     pip install --no-build-isolation ./ffi/torch
 """
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,7 +36,8 @@ class Build(BuildExtension):
                 "--no-build-isolation ./ffi/torch from the repository's root)"
             )
         subprocess.check_call(
-            ["cargo", "build", "--release", "-p", "roccl-torch", "--manifest-path", str(MANIFEST)]
+            ["cargo", "build", "--release", "-p", "roccl-torch", "-p", "roccl-nccl",
+             "-p", "roccl-netplugin", "--manifest-path", str(MANIFEST)]
         )
         release = target_dir() / "release"
         library = release / "libroccl_torch.a"
@@ -51,6 +55,20 @@ class Build(BuildExtension):
             ext.extra_objects.append(str(library))
             ext.depends.append(str(library))
         super().run()
+        # The NCCL-named library and the network plugin, under the names NCCL, RCCL and
+        # vLLM look for, without their debug information.
+        lib = (HERE if self.inplace else Path(self.build_lib)) / "roccl" / "lib"
+        lib.mkdir(parents=True, exist_ok=True)
+        for built, names in [
+            ("libroccl_nccl.so", ["libroccl-nccl.so"]),
+            ("libnccl_net_roccl.so", ["libnccl-net-roccl.so", "librccl-net-roccl.so"]),
+        ]:
+            for name in names:
+                dest = lib / name
+                shutil.copyfile(release / built, dest)
+                dest.chmod(0o755)
+                if shutil.which("strip"):
+                    subprocess.call(["strip", "--strip-debug", str(dest)])
 
 
 setup(

@@ -12,7 +12,13 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["register", "ProcessGroupRoccl", "env_from_launcher"]
+__all__ = [
+    "register",
+    "ProcessGroupRoccl",
+    "env_from_launcher",
+    "nccl_library_path",
+    "net_plugin_path",
+]
 
 ProcessGroupRoccl = _C.ProcessGroupRoccl
 
@@ -56,6 +62,30 @@ def env_from_launcher():
         )
     os.environ.update(done)
     return done
+
+
+def _lib(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "lib" / name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"roccl: {path} is missing: reinstall the package (pip install "
+            "--no-build-isolation ./ffi/torch builds it)"
+        )
+    return str(path)
+
+
+def nccl_library_path():
+    """The path of ``libroccl-nccl.so``, roccl under NCCL's names and ABI: what vLLM's
+    ``VLLM_NCCL_SO_PATH`` (or any program that loads NCCL by path) can point at."""
+    return _lib("libroccl-nccl.so")
+
+
+def net_plugin_path(rccl=False):
+    """The path of roccl's network plugin for NCCL (``libnccl-net-roccl.so``) or, with
+    ``rccl=True``, for RCCL (``librccl-net-roccl.so``): set ``NCCL_NET_PLUGIN`` to it (docs/PLUGIN.md)."""
+    return _lib("librccl-net-roccl.so" if rccl else "libnccl-net-roccl.so")
 
 
 def register():

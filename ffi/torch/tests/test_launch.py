@@ -207,3 +207,23 @@ def test_under_srun_without_torchrun():
         want = (f"rank {r} ['LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE'] "
                 f"localhost {r} [6.0, 6.0, 6.0, 6.0]")
         assert want in out, f"task {r}: {out}"
+
+
+def test_the_installed_libraries_load():
+    """roccl.nccl_library_path() is a library with NCCL's API (as vLLM loads it) and
+    roccl.net_plugin_path() a network plugin NCCL and RCCL can load."""
+    import ctypes
+
+    import roccl
+
+    nccl = ctypes.CDLL(roccl.nccl_library_path())
+    version = ctypes.c_int(0)
+    assert nccl.ncclGetVersion(ctypes.byref(version)) == 0
+    assert version.value >= 21800, version.value
+    assert nccl.ncclGetErrorString(0)
+    for rccl in (False, True):
+        path = roccl.net_plugin_path(rccl=rccl)
+        assert path.endswith("librccl-net-roccl.so" if rccl else "libnccl-net-roccl.so")
+        plugin = ctypes.CDLL(path)
+        for symbol in ("ncclNetPlugin_v8", "ncclNetPlugin_v10"):
+            assert hasattr(plugin, symbol), f"{path} has no {symbol}"
