@@ -281,4 +281,7 @@ class ProcessGroupRoccl : public c10d::Backend {
 // Raise c10::DistBackendError with `msg` (what Python sees as DistBackendError).
 [[noreturn]] void raise(const std::string& msg);
 
+// roccl's data type for `t` (refused with a message naming `op` when roccl has none).
+Dtype dtypeOf(const at::Tensor& t, const std::string& op);
+
 } // namespace roccl_torch

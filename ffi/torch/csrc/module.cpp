@@ -7,6 +7,10 @@
 
 namespace py = pybind11;
 
+namespace roccl_torch {
+void bindCommunicator(py::module_& m); // communicator.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The c10d types (Backend, Store) must be registered with pybind11 first.
   py::module_::import("torch.distributed");
@@ -31,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "net_name",
           &roccl_torch::ProcessGroupRoccl::netName,
           "The network roccl uses between the ranks (shm, tcp, tcp+shm, ...).");
+  roccl_torch::bindCommunicator(m);
   m.def(
       "_launcher_env",
       [] {

@@ -9,38 +9,6 @@
 
 namespace roccl_torch {
 
-namespace {
-
-std::string str(at::ScalarType t) {
-  return c10::toString(t);
-}
-
-size_t bytesOf(const at::Tensor& t) {
-  return static_cast<size_t>(t.numel()) * t.element_size();
-}
-
-size_t addrOf(const at::Tensor& t) {
-  return reinterpret_cast<size_t>(t.data_ptr());
-}
-
-// A CPU, strided tensor (others are refused with what to do instead).
-void checkTensor(const at::Tensor& t, const std::string& op) {
-  if (!t.defined()) {
-    raise("roccl: " + op + ": got an undefined tensor");
-  }
-  if (t.layout() != at::kStrided) {
-    raise(
-        "roccl does not support " + c10::str(t.layout()) + " tensors (" + op +
-        "): pass a dense (strided) tensor");
-  }
-  if (!t.device().is_cpu()) {
-    raise(
-        "roccl does not support tensors on " + t.device().str() + " (" + op +
-        "): this build runs collectives on CPU tensors; move the tensor to the CPU, or use a "
-        "device:backend pair such as init_process_group(\"cpu:roccl,cuda:nccl\")");
-  }
-}
-
 Dtype dtypeOf(const at::Tensor& t, const std::string& op) {
   switch (t.scalar_type()) {
     case at::kChar:
@@ -70,10 +38,42 @@ Dtype dtypeOf(const at::Tensor& t, const std::string& op) {
       return Dtype::F8E5M2;
     default:
       raise(
-          "roccl does not support the data type " + str(t.scalar_type()) + " (" +
+          "roccl does not support the data type " + std::string(c10::toString(t.scalar_type())) + " (" +
           op +
           "): roccl takes float32/64, float16, bfloat16, int8, uint8, int32, int64, "
           "bool, float8_e4m3fn and float8_e5m2");
+  }
+}
+
+namespace {
+
+std::string str(at::ScalarType t) {
+  return c10::toString(t);
+}
+
+size_t bytesOf(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.element_size();
+}
+
+size_t addrOf(const at::Tensor& t) {
+  return reinterpret_cast<size_t>(t.data_ptr());
+}
+
+// A CPU, strided tensor (others are refused with what to do instead).
+void checkTensor(const at::Tensor& t, const std::string& op) {
+  if (!t.defined()) {
+    raise("roccl: " + op + ": got an undefined tensor");
+  }
+  if (t.layout() != at::kStrided) {
+    raise(
+        "roccl does not support " + c10::str(t.layout()) + " tensors (" + op +
+        "): pass a dense (strided) tensor");
+  }
+  if (!t.device().is_cpu()) {
+    raise(
+        "roccl does not support tensors on " + t.device().str() + " (" + op +
+        "): this build runs collectives on CPU tensors; move the tensor to the CPU, or use a "
+        "device:backend pair such as init_process_group(\"cpu:roccl,cuda:nccl\")");
   }
 }
 

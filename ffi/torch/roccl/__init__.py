@@ -1,7 +1,11 @@
-"""roccl as a torch.distributed backend.
+"""roccl as a torch.distributed backend, and roccl's collectives for other Python programs.
 
     import roccl                       # registers the backend "roccl" (CPU tensors)
     torch.distributed.init_process_group("roccl")
+
+    uid = roccl.unique_id()            # one process; pass the bytes to every rank
+    comm = roccl.Communicator(uid, nranks, rank)
+    comm.all_reduce(numpy_array)       # numpy arrays, other buffers, CPU tensors
 
 With this package installed, ``init_process_group("roccl")`` also works without the import:
 torch finds the backend through the entry point ``torch.distributed.backends``.
@@ -15,12 +19,16 @@ from . import _C
 __all__ = [
     "register",
     "ProcessGroupRoccl",
+    "Communicator",
+    "unique_id",
     "env_from_launcher",
     "nccl_library_path",
     "net_plugin_path",
 ]
 
 ProcessGroupRoccl = _C.ProcessGroupRoccl
+Communicator = _C.Communicator
+unique_id = _C.unique_id
 
 
 def _create_backend(opts, backend_options=None):
