@@ -94,6 +94,13 @@ pub const SETTINGS: &[Setting] = &[
         accepts: UINT,
         valid: Some(uint),
     },
+    // Read by the torch backend (ffi/torch/csrc/backend.cpp): how long single sends and
+    // receives are held back to be grouped with those queued behind them.
+    Setting {
+        name: "ROCCL_TORCH_P2P_HOLD_US",
+        accepts: UINT,
+        valid: Some(uint),
+    },
     Setting {
         name: "ROCCL_DEBUG",
         accepts: "WARN or INFO (also VERSION, TRACE, DEBUG as NCCL_DEBUG)",
@@ -435,7 +442,7 @@ mod tests {
                 let p = e.path();
                 if p.is_dir() {
                     stack.push(p);
-                } else if p.extension().is_some_and(|x| x == "rs") {
+                } else if p.extension().is_some_and(|x| x == "rs" || x == "cpp") {
                     let text = std::fs::read_to_string(&p).unwrap();
                     if p.ends_with("envvar.rs") {
                         continue;
