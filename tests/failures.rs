@@ -222,6 +222,43 @@ fn hung_rank(cfg: Config) {
     }
 }
 
+/// A hung rank in a ring: rank 0 waits on the hung rank 3, rank 1 on rank 0, rank 2 on rank
+/// 1 (and on sending to rank 3). Every rank must blame rank 3, not the live rank it waited
+/// on: each that times out tells every other rank — the rank it blames included, which is
+/// how rank 0 learns that rank 1, blamed by rank 2, is alive (rank 0 blamed rank 1 when the
+/// notices left out the rank they blamed: seen in the torch suite over rocev2); and a rank
+/// sending its notices accepts the others' meanwhile (over rocev2 a connect needs the peer's
+/// accept: ranks 1 and 2, each sending while the other sent, heard nothing and named the
+/// rank they waited on). Each of the two fixes alone fails this test.
+#[test]
+fn a_hung_rank_in_a_ring_is_blamed_by_every_rank() {
+    for net in [roccl::net::NetKind::Tcp, roccl::net::NetKind::RoceV2] {
+        let mut cfg = short(2);
+        cfg.net = net;
+        cfg.algo = Some(roccl::Algo::Ring);
+        run_ranks(4, cfg, move |c| {
+            let mut buf = vec![1f32; 1 << 20];
+            c.all_reduce_in_place(&mut buf, RedOp::Sum).unwrap();
+            if c.rank() == 3 {
+                std::thread::sleep(Duration::from_secs(7));
+                return;
+            }
+            let e = c.all_reduce_in_place(&mut buf, RedOp::Sum).unwrap_err();
+            let blamed_3 = match &e {
+                Error::Remote { rank, .. } => *rank == 3,
+                // A plain timeout: every peer it lists as waited on must be rank 3.
+                Error::Timeout(m) => m
+                    .split("waiting on: ")
+                    .nth(1)
+                    .and_then(|w| w.split(';').next())
+                    .is_some_and(|w| w.split(", ").all(|p| p.ends_with("rank 3"))),
+                _ => false,
+            };
+            assert!(blamed_3, "{net:?} rank {}: {e}", c.rank());
+        });
+    }
+}
+
 /// A per-call timeout (`CallOpts::timeout`, what torch's per-operation timeouts become)
 /// replaces the communicator's for that call only: a collective and a batch of receives
 /// waiting on a rank that never calls give up after it, naming that rank, though the

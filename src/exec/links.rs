@@ -733,15 +733,18 @@ impl Links {
     }
 
     /// Best effort: tell every other rank that `cause` failed, so that ranks not connected
-    /// to it learn which rank to blame. Bounded to about `budget` in total.
+    /// to it learn which rank to blame. Bounded to about `budget` in total. `cause` is told
+    /// too: it may be alive, waiting on another rank, and must learn that this rank is alive
+    /// (a rank that sent a notice is not the culprit) — in a ring where rank 1 waits on rank
+    /// 0, which waits on the hung rank 3, rank 0 would otherwise count rank 2's vote against
+    /// rank 1 as much as its own against rank 3, and could blame rank 1. And a rank blamed
+    /// while it waits passes the blame on to the rank it waits for.
     pub fn notify_abort(&mut self, cause: usize, budget: Duration) {
         if self.notified {
             return;
         }
         self.notified = true;
-        let others: Vec<usize> = (0..self.nranks)
-            .filter(|&p| p != self.rank && p != cause)
-            .collect();
+        let others: Vec<usize> = (0..self.nranks).filter(|&p| p != self.rank).collect();
         self.send_notices(&others, ABORT | cause as u32, None, budget);
     }
 
@@ -768,6 +771,10 @@ impl Links {
         }
         let len = if tag.is_some() { HELLO_MAX } else { 16 };
         while !pending.is_empty() && Instant::now() < end {
+            // The others may be sending theirs at this moment: over networks whose connect
+            // needs the peer's accept (the userspace RoCE v2 engine), two ranks each waiting
+            // for the other to accept would exchange nothing.
+            let _ = self.accept_pending();
             pending.retain_mut(|(conn, sent)| {
                 if let Some(h) = sent {
                     return !matches!(h.comm.test(h.req), Ok(Some(_)) | Err(_));
