@@ -141,55 +141,74 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// Run `f` behind a panic guard; errors get `who` (the rank) and `what` (the call) in front.
-fn guarded<T>(who: &str, what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r.map_err(|e| format!("roccl{who}: {what}: {e}")),
-        Err(p) => Err(format!(
-            "roccl{who}: {what}: internal error (a bug in roccl, please report it): {}",
+/// Run `f` behind a panic guard; errors get `label()` (the rank and the call: " rank R/N",
+/// "what", formatted only on an error, so that a call that succeeds allocates nothing here)
+/// in front.
+fn guarded<T>(
+    label: impl FnOnce() -> (String, String),
+    f: impl FnOnce() -> Result<T, String>,
+) -> Result<T, String> {
+    let r = catch_unwind(AssertUnwindSafe(f));
+    let text = |e: String| {
+        let (who, what) = label();
+        format!("roccl{who}: {what}: {e}")
+    };
+    match r {
+        Ok(r) => r.map_err(text),
+        Err(p) => Err(text(format!(
+            "internal error (a bug in roccl, please report it): {}",
             panic_text(&*p)
-        )),
+        ))),
     }
 }
 
 fn unique_id() -> Result<Vec<u8>, String> {
-    guarded("", "creating the unique id", || {
-        UniqueId::new()
-            .map(|id| id.as_bytes().to_vec())
-            .map_err(|e| e.to_string())
-    })
+    guarded(
+        || (String::new(), "creating the unique id".into()),
+        || {
+            UniqueId::new()
+                .map(|id| id.as_bytes().to_vec())
+                .map_err(|e| e.to_string())
+        },
+    )
 }
 
 fn launcher_env() -> Result<Launch, String> {
-    guarded("", "reading the launcher's environment", || {
-        let env = roccl_core::bootstrap::env::from_env().map_err(|e| e.to_string())?;
-        let (host, port) = match env.root {
-            roccl_core::bootstrap::env::Root::Addr { host, port } => (host, port),
-            _ => (String::new(), 0),
-        };
-        Ok(Launch {
-            launcher: env.launcher.to_string(),
-            rank: env.rank,
-            nranks: env.nranks,
-            host,
-            port,
-        })
-    })
+    guarded(
+        || (String::new(), "reading the launcher's environment".into()),
+        || {
+            let env = roccl_core::bootstrap::env::from_env().map_err(|e| e.to_string())?;
+            let (host, port) = match env.root {
+                roccl_core::bootstrap::env::Root::Addr { host, port } => (host, port),
+                _ => (String::new(), 0),
+            };
+            Ok(Launch {
+                launcher: env.launcher.to_string(),
+                rank: env.rank,
+                nranks: env.nranks,
+                host,
+                port,
+            })
+        },
+    )
 }
 
 fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>, String> {
     let who = format!(" rank {rank}");
-    guarded(&who, "joining the communicator", || {
-        let id = UniqueId::from_bytes(id).map_err(|e| {
-            format!("{e} (the id read from torch's Store is not rank 0's roccl unique id)")
-        })?;
-        let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
-        if timeout_ms > 0 {
-            cfg.waiter.timeout = Duration::from_millis(timeout_ms);
-        }
-        let c = Communicator::init_with(&id, nranks, rank, cfg).map_err(|e| e.to_string())?;
-        Ok(Box::new(Comm { inner: Arc::new(c) }))
-    })
+    guarded(
+        || (who, "joining the communicator".into()),
+        || {
+            let id = UniqueId::from_bytes(id).map_err(|e| {
+                format!("{e} (the id read from torch's Store is not rank 0's roccl unique id)")
+            })?;
+            let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
+            if timeout_ms > 0 {
+                cfg.waiter.timeout = Duration::from_millis(timeout_ms);
+            }
+            let c = Communicator::init_with(&id, nranks, rank, cfg).map_err(|e| e.to_string())?;
+            Ok(Box::new(Comm { inner: Arc::new(c) }))
+        },
+    )
 }
 
 fn dtype_of(d: Dtype) -> Result<DataType, String> {
@@ -276,41 +295,43 @@ impl Comm {
         recv_bytes: usize,
         timeout_ms: u64,
     ) -> Result<(), String> {
-        let name = format!("{kind:?}");
-        guarded(&self.who(), &name, || {
-            let dt = dtype_of(dtype)?;
-            let coll = match kind {
-                Kind::AllReduce => Collective::AllReduce(op_of(op)?),
-                Kind::Broadcast => Collective::Broadcast { root },
-                Kind::Reduce => Collective::Reduce {
-                    op: op_of(op)?,
-                    root,
-                },
-                Kind::AllGather => Collective::AllGather,
-                Kind::ReduceScatter => Collective::ReduceScatter(op_of(op)?),
-                Kind::AllToAll => Collective::AllToAll,
-                Kind::Barrier => Collective::Barrier,
-                _ => return Err(format!("unknown collective {}", kind.repr)),
-            };
-            check_buf(recv_addr, recv_bytes, "the output")?;
-            if !in_place {
-                check_buf(send_addr, send_bytes, "the input")?;
-                if overlap((send_addr, send_bytes), (recv_addr, recv_bytes)) {
-                    return Err(
+        guarded(
+            || (self.who(), format!("{kind:?}")),
+            || {
+                let dt = dtype_of(dtype)?;
+                let coll = match kind {
+                    Kind::AllReduce => Collective::AllReduce(op_of(op)?),
+                    Kind::Broadcast => Collective::Broadcast { root },
+                    Kind::Reduce => Collective::Reduce {
+                        op: op_of(op)?,
+                        root,
+                    },
+                    Kind::AllGather => Collective::AllGather,
+                    Kind::ReduceScatter => Collective::ReduceScatter(op_of(op)?),
+                    Kind::AllToAll => Collective::AllToAll,
+                    Kind::Barrier => Collective::Barrier,
+                    _ => return Err(format!("unknown collective {}", kind.repr)),
+                };
+                check_buf(recv_addr, recv_bytes, "the output")?;
+                if !in_place {
+                    check_buf(send_addr, send_bytes, "the input")?;
+                    if overlap((send_addr, send_bytes), (recv_addr, recv_bytes)) {
+                        return Err(
                         "the input and the output overlap without being the same buffer (run it in place, or pass separate tensors)"
                             .into(),
                     );
+                    }
                 }
-            }
-            // SAFETY: the caller's contract; checked above for NULL, overflow and overlap.
-            let send = (!in_place).then(|| unsafe { read(send_addr, send_bytes) });
-            // SAFETY: as above.
-            let recv = unsafe { write(recv_addr, recv_bytes) };
-            self.inner
-                .run_raw(coll, dt, send, recv, &call_opts(timeout_ms))
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        })
+                // SAFETY: the caller's contract; checked above for NULL, overflow and overlap.
+                let send = (!in_place).then(|| unsafe { read(send_addr, send_bytes) });
+                // SAFETY: as above.
+                let recv = unsafe { write(recv_addr, recv_bytes) };
+                self.inner
+                    .run_raw(coll, dt, send, recv, &call_opts(timeout_ms))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            },
+        )
     }
 
     unsafe fn exchange(
@@ -321,54 +342,57 @@ impl Comm {
         bytes: &[usize],
         timeout_ms: u64,
     ) -> Result<(), String> {
-        guarded(&self.who(), "send/recv", || {
-            let n = sends.len();
-            if peers.len() != n || addrs.len() != n || bytes.len() != n {
-                return Err(
-                    "the lists of sends, peers, buffers and lengths differ in length".into(),
-                );
-            }
-            for i in 0..n {
-                check_buf(addrs[i], bytes[i], "a buffer")?;
-                if peers[i] >= self.inner.nranks() {
-                    return Err(format!(
-                        "peer {} is out of range for {} ranks",
-                        peers[i],
-                        self.inner.nranks()
-                    ));
+        guarded(
+            || (self.who(), "send/recv".into()),
+            || {
+                let n = sends.len();
+                if peers.len() != n || addrs.len() != n || bytes.len() != n {
+                    return Err(
+                        "the lists of sends, peers, buffers and lengths differ in length".into(),
+                    );
                 }
-                for j in 0..i {
-                    if (!sends[i] || !sends[j])
-                        && overlap((addrs[i], bytes[i]), (addrs[j], bytes[j]))
-                    {
-                        return Err(
+                for i in 0..n {
+                    check_buf(addrs[i], bytes[i], "a buffer")?;
+                    if peers[i] >= self.inner.nranks() {
+                        return Err(format!(
+                            "peer {} is out of range for {} ranks",
+                            peers[i],
+                            self.inner.nranks()
+                        ));
+                    }
+                    for j in 0..i {
+                        if (!sends[i] || !sends[j])
+                            && overlap((addrs[i], bytes[i]), (addrs[j], bytes[j]))
+                        {
+                            return Err(
                             "two buffers of one send/recv batch overlap, one of them for receiving"
                                 .into(),
                         );
+                        }
                     }
                 }
-            }
-            let mut ops: Vec<P2p<'_>> = (0..n)
-                .map(|i| {
-                    if sends[i] {
-                        P2p::Send {
-                            peer: peers[i],
-                            // SAFETY: the caller's contract; checked above.
-                            buf: unsafe { read(addrs[i], bytes[i]) },
+                let mut ops: Vec<P2p<'_>> = (0..n)
+                    .map(|i| {
+                        if sends[i] {
+                            P2p::Send {
+                                peer: peers[i],
+                                // SAFETY: the caller's contract; checked above.
+                                buf: unsafe { read(addrs[i], bytes[i]) },
+                            }
+                        } else {
+                            P2p::Recv {
+                                peer: peers[i],
+                                // SAFETY: the caller's contract; checked above, no overlap.
+                                buf: unsafe { write(addrs[i], bytes[i]) },
+                            }
                         }
-                    } else {
-                        P2p::Recv {
-                            peer: peers[i],
-                            // SAFETY: the caller's contract; checked above, no overlap.
-                            buf: unsafe { write(addrs[i], bytes[i]) },
-                        }
-                    }
-                })
-                .collect();
-            self.inner
-                .p2p_with(&mut ops, &call_opts(timeout_ms))
-                .map_err(|e| e.to_string())
-        })
+                    })
+                    .collect();
+                self.inner
+                    .p2p_with(&mut ops, &call_opts(timeout_ms))
+                    .map_err(|e| e.to_string())
+            },
+        )
     }
 
     fn abort(&self) {
