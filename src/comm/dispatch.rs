@@ -392,7 +392,8 @@ impl State {
             }
         }
         if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
-            self.links.notify_abort(c, Duration::from_millis(500));
+            self.links
+                .notify_abort(c, false, Duration::from_millis(500));
         }
         self.links.close_all();
     }

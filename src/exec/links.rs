@@ -687,7 +687,7 @@ impl Links {
         if timed_out {
             if let Some(s) = own {
                 // Tell the others first: they may be waiting on us and blame us otherwise.
-                self.notify_abort(s, Duration::from_millis(300));
+                self.notify_abort(s, true, Duration::from_millis(300));
             }
         }
         // After a timeout the real culprit's neighbours time out at about the same moment,
@@ -733,18 +733,22 @@ impl Links {
     }
 
     /// Best effort: tell every other rank that `cause` failed, so that ranks not connected
-    /// to it learn which rank to blame. Bounded to about `budget` in total. `cause` is told
-    /// too: it may be alive, waiting on another rank, and must learn that this rank is alive
-    /// (a rank that sent a notice is not the culprit) — in a ring where rank 1 waits on rank
-    /// 0, which waits on the hung rank 3, rank 0 would otherwise count rank 2's vote against
-    /// rank 1 as much as its own against rank 3, and could blame rank 1. And a rank blamed
-    /// while it waits passes the blame on to the rank it waits for.
-    pub fn notify_abort(&mut self, cause: usize, budget: Duration) {
+    /// to it learn which rank to blame. Bounded to about `budget` in total. With
+    /// `tell_cause` (after a timeout), `cause` is told too: it may be alive, waiting on
+    /// another rank, and must learn that this rank is alive (a rank that sent a notice is not
+    /// the culprit) — in a ring where rank 1 waits on rank 0, which waits on the hung rank 3,
+    /// rank 0 would otherwise count rank 2's vote against rank 1 as much as its own against
+    /// rank 3, and could blame rank 1; a rank blamed while it waits passes the blame on to
+    /// the rank it waits for. Without (a peer that broke its connection or sent what this
+    /// rank refused), the cause already knows what went wrong from its own side.
+    pub fn notify_abort(&mut self, cause: usize, tell_cause: bool, budget: Duration) {
         if self.notified {
             return;
         }
         self.notified = true;
-        let others: Vec<usize> = (0..self.nranks).filter(|&p| p != self.rank).collect();
+        let others: Vec<usize> = (0..self.nranks)
+            .filter(|&p| p != self.rank && (tell_cause || p != cause))
+            .collect();
         self.send_notices(&others, ABORT | cause as u32, None, budget);
     }
 
