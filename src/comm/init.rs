@@ -355,10 +355,19 @@ impl Communicator {
             Root::UniqueIdHex(h) => UniqueId::from_hex(h)?,
             Root::Addr { host, port } => {
                 let addr = resolve(host, *port)?;
+                let secret = bootstrap::env::job_secret()?;
+                if secret.is_none() {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        crate::warn!(
+                            "no ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE: the ranks of this job are authenticated by the root's address and port only ({addr}), as with NCCL; anyone who can reach that port can join the job. Give every rank the same secret (e.g. ROCCL_JOB_SECRET=$(openssl rand -hex 16) exported before launching) to refuse strangers"
+                        )
+                    });
+                }
                 if info.rank == 0 {
-                    bootstrap::serve_root(addr)?
+                    bootstrap::serve_root_with(addr, secret)?
                 } else {
-                    UniqueId::for_address(addr)
+                    UniqueId::for_address_with(addr, secret)
                 }
             }
         };
