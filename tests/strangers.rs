@@ -1,7 +1,7 @@
 //! Strangers at every listener (issue 22): processes that reach a rank's ports without
 //! belonging to the job — port scanners, idle and half-open connections, random bytes,
-//! well-formed messages without the job secret — while a job runs. The job completes; the
-//! impostor cannot register or abort.
+//! well-formed messages without the job secret, a forged abort notice — while a job runs.
+//! The job completes with checked results; the impostor cannot register, connect or abort.
 //!
 //! The ranks are threads of this process, so the ports attacked are found the way a
 //! stranger on the host would: every TCP port this process listens on (`/proc`).
@@ -10,10 +10,15 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use common::strangers::*;
+use common::*;
+use roccl::algo::model::Tuning;
 use roccl::bootstrap::{rendezvous, UniqueId};
+use roccl::net::NetKind;
+use roccl::{Communicator, Config, RedOp};
 
 /// The job secret of the launcher-mode tests.
 const SECRET: [u8; 16] = *b"0123456789abcdef";
@@ -26,6 +31,172 @@ fn launcher_root(addr: SocketAddr) -> UniqueId {
 /// The id every other rank computes from the root's address and the job secret.
 fn launcher_id(addr: SocketAddr) -> UniqueId {
     UniqueId::for_address_with(addr, Some(SECRET))
+}
+
+fn cfg(net: NetKind) -> Config {
+    let mut c = config(Tuning::default());
+    c.net = net;
+    // Through the network's connections (not the shared segments of ranks on one host).
+    c.algo = Some(roccl::Algo::Ring);
+    c.waiter.timeout = Duration::from_secs(20);
+    c
+}
+
+/// `n` ranks join (`id`), strangers attack every listener of this process, then each rank
+/// runs `rounds` all-reduces (the connections open after the attack) and checks them.
+fn job_under_attack(net: NetKind, n: usize, rounds: usize, attack: &(dyn Fn() + Sync)) {
+    let id = UniqueId::new().unwrap();
+    let joined = Barrier::new(n + 1);
+    let attacked = Barrier::new(n + 1);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (joined, attacked, c) = (&joined, &attacked, cfg(net));
+                s.spawn(move || {
+                    let c = Communicator::init_with(&id, n, r, c);
+                    joined.wait();
+                    attacked.wait();
+                    let c = c.expect("init");
+                    for round in 0..rounds {
+                        let mut v: Vec<f32> =
+                            (0..1000).map(|i| (r * 1000 + i + round) as f32).collect();
+                        c.all_reduce_in_place(&mut v, RedOp::Sum)
+                            .unwrap_or_else(|e| panic!("rank {r} round {round}: {e}"));
+                        for (i, x) in v.iter().enumerate() {
+                            let want: usize = (0..n).map(|q| q * 1000 + i + round).sum();
+                            assert_eq!(*x, want as f32, "rank {r} round {round} element {i}");
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        joined.wait();
+        attack();
+        attacked.wait();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(Box::new(format!(
+                    "rank {r} failed: {:?}",
+                    e.downcast_ref::<String>()
+                )));
+            }
+        }
+    });
+}
+
+/// Strangers at every listening port; the connections stay open until the job is over.
+fn strangers_everywhere(net: NetKind) {
+    let before = roccl::bootstrap::auth::refused();
+    let held = parking_lot::Mutex::new(Vec::new());
+    job_under_attack(net, 3, 10, &|| {
+        let ports = listening_ports();
+        assert!(!ports.is_empty(), "no listener found");
+        for (k, p) in ports.iter().enumerate() {
+            held.lock().extend(strangers_at(*p, 77 + 10 * k as u64));
+        }
+        // Let the listeners see them before the job connects.
+        std::thread::sleep(Duration::from_millis(100));
+    });
+    // The strangers reached the listeners, which refused them.
+    assert!(roccl::bootstrap::auth::refused() > before);
+    drop(held);
+}
+
+/// Before the fix, the RoCE v2 setup listener kept a stranger's bad entry and failed every
+/// later accept: the first all-reduce ended with "connecting over rocev2: … refused".
+#[test]
+fn strangers_do_not_stop_a_rocev2_job() {
+    strangers_everywhere(NetKind::RoceV2);
+}
+
+#[test]
+fn strangers_do_not_stop_a_tcp_job() {
+    strangers_everywhere(NetKind::Tcp);
+}
+
+/// Before the fix, a stranger's bytes at the shared-memory setup port were read as a
+/// segment name and the failure to open it was the listener's error: the job ended.
+#[test]
+fn strangers_do_not_stop_a_shm_job() {
+    strangers_everywhere(NetKind::Shm);
+}
+
+/// A forged abort notice as the old wire format allowed, computed from the unique id's
+/// nonce (in launcher mode a function of the root port): a TCP hello with one socket, then
+/// one message carrying the executor's hello with the abort bit. Before the fix it ended a
+/// TCP job ("another rank aborted the communicator").
+fn forged_abort(at: SocketAddr, comm_id: u32, claimed: u32) -> Option<TcpStream> {
+    let port = at.port();
+    let mut s = TcpStream::connect_timeout(&at, Duration::from_secs(1)).ok()?;
+    let mut m = Vec::new();
+    m.extend_from_slice(&0x4f4c_4548u32.to_le_bytes()); // TCP hello "HELO"
+    m.extend_from_slice(&(0x1234_5678_9abc_def0u64 ^ port as u64).to_le_bytes());
+    m.extend_from_slice(&0u16.to_le_bytes()); // socket 0
+    m.extend_from_slice(&1u16.to_le_bytes()); // of 1
+    m.extend_from_slice(&16u64.to_le_bytes()); // message 0, 16 bytes
+    m.extend_from_slice(&0u32.to_le_bytes()); // tag
+    m.extend_from_slice(&0x4753_4d52u32.to_le_bytes()); // "RMSG"
+    m.extend_from_slice(&0x4c4c_4f52u32.to_le_bytes()); // executor hello "ROLL"
+    m.extend_from_slice(&claimed.to_le_bytes()); // from rank
+    m.extend_from_slice(&(0x8000_0000u32 | claimed).to_le_bytes()); // abort, blaming it
+    m.extend_from_slice(&comm_id.to_le_bytes());
+    s.write_all(&m).ok()?;
+    Some(s)
+}
+
+#[test]
+fn a_forged_abort_notice_does_not_end_a_tcp_job() {
+    let held = parking_lot::Mutex::new(Vec::new());
+    // Every rank of this process computes the id the old way: the nonce is in the id.
+    let comm_id_of = |id: &UniqueId| {
+        let b = id.as_bytes();
+        let nonce = u64::from_le_bytes(b[24..32].try_into().unwrap());
+        (nonce ^ (nonce >> 32)) as u32
+    };
+    let n = 3;
+    let id = UniqueId::new().unwrap();
+    let comm_id = comm_id_of(&id);
+    let joined = Barrier::new(n + 1);
+    let attacked = Barrier::new(n + 1);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (joined, attacked, c) = (&joined, &attacked, cfg(NetKind::Tcp));
+                s.spawn(move || {
+                    let c = Communicator::init_with(&id, n, r, c).expect("init");
+                    let mut v = vec![1f32; 64];
+                    c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+                    joined.wait();
+                    attacked.wait();
+                    let t = Instant::now();
+                    let mut round = 0;
+                    while t.elapsed() < Duration::from_millis(2500) {
+                        let mut v = vec![(r + round) as f32; 64];
+                        c.all_reduce_in_place(&mut v, RedOp::Sum)
+                            .unwrap_or_else(|e| panic!("rank {r} round {round}: {e}"));
+                        let want: usize = (0..n).map(|q| q + round).sum();
+                        assert_eq!(v, vec![want as f32; 64], "rank {r} round {round}");
+                        round += 1;
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                })
+            })
+            .collect();
+        joined.wait();
+        for p in listening_ports() {
+            held.lock().extend(forged_abort(p, comm_id, 1));
+        }
+        attacked.wait();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(Box::new(format!(
+                    "rank {r} failed: {:?}",
+                    e.downcast_ref::<String>()
+                )));
+            }
+        }
+    });
 }
 
 /// Register `rank` of `nranks` with `id` from a thread.

@@ -83,6 +83,9 @@ impl Communicator {
         // The network's own waits (retransmission, draining at close) end at this
         // communicator's deadline, not at one read from the environment.
         net.set_timeout(cfg.waiter.timeout);
+        // Connections prove that they belong to this job (docs/SECURITY.md).
+        let job_key = id.job_key();
+        net.set_job_key(&job_key);
         // Whether GPU memory can go to peers over this network. Connections keep eager
         // messages: the executor hands the network a GPU copy for those.
         let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
@@ -103,6 +106,7 @@ impl Communicator {
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
         let shm = if cfg.net == NetKind::Auto && crate::envvar::switch_or("ROCCL_SHM", true) {
             match net::shm::ShmNet::new().and_then(|n| {
+                net::Net::set_job_key(&n, &job_key);
                 let (h, l) = net::Net::listen(&n, 0)?;
                 Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
             }) {

@@ -95,3 +95,34 @@ fn cma_copy(pid: i32, remote: u64, local: *mut u8, len: usize, write: bool) -> s
     }
     Ok(())
 }
+
+/// The user owning the other end of a TCP connection over IPv4 loopback whose ends are
+/// `local` (ours) and `peer`, from `/proc/net/tcp` (what `SO_PEERCRED` tells of a Unix
+/// socket); `None` when it cannot be found.
+pub fn loopback_peer_uid(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<u32> {
+    let hex = |a: std::net::SocketAddr| -> Option<String> {
+        match a.ip() {
+            std::net::IpAddr::V4(v) => {
+                let o = v.octets();
+                Some(format!(
+                    "{:02X}{:02X}{:02X}{:02X}:{:04X}",
+                    o[3],
+                    o[2],
+                    o[1],
+                    o[0],
+                    a.port()
+                ))
+            }
+            std::net::IpAddr::V6(_) => None,
+        }
+    };
+    let (l, p) = (hex(local)?, hex(peer)?);
+    let text = std::fs::read_to_string("/proc/self/net/tcp").ok()?;
+    text.lines().skip(1).find_map(|line| {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        // The peer's socket: its local address is `peer`, its remote one `local`.
+        (w.len() > 7 && w[1] == p && w[2] == l)
+            .then(|| w[7].parse().ok())
+            .flatten()
+    })
+}
