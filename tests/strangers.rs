@@ -42,9 +42,10 @@ fn cfg(net: NetKind) -> Config {
     c
 }
 
-/// `n` ranks join (`id`), strangers attack every listener of this process, then each rank
-/// runs `rounds` all-reduces (the connections open after the attack) and checks them.
-fn job_under_attack(net: NetKind, n: usize, rounds: usize, attack: &(dyn Fn() + Sync)) {
+/// `n` ranks join (`id`) and, if `warm`, run one all-reduce (their connections are open);
+/// strangers attack every listener of this process, then each rank runs `rounds`
+/// all-reduces (without `warm`, the connections open after the attack) and checks them.
+fn job_under_attack(net: NetKind, n: usize, rounds: usize, warm: bool, attack: &(dyn Fn() + Sync)) {
     let id = UniqueId::new().unwrap();
     let joined = Barrier::new(n + 1);
     let attacked = Barrier::new(n + 1);
@@ -54,6 +55,10 @@ fn job_under_attack(net: NetKind, n: usize, rounds: usize, attack: &(dyn Fn() + 
                 let (joined, attacked, c) = (&joined, &attacked, cfg(net));
                 s.spawn(move || {
                     let c = Communicator::init_with(&id, n, r, c);
+                    if let (true, Ok(c)) = (warm, &c) {
+                        let mut v = vec![1f32; 64];
+                        c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+                    }
                     joined.wait();
                     attacked.wait();
                     let c = c.expect("init");
@@ -89,7 +94,7 @@ fn job_under_attack(net: NetKind, n: usize, rounds: usize, attack: &(dyn Fn() + 
 fn strangers_everywhere(net: NetKind) {
     let before = roccl::bootstrap::auth::refused();
     let held = parking_lot::Mutex::new(Vec::new());
-    job_under_attack(net, 3, 10, &|| {
+    job_under_attack(net, 3, 10, false, &|| {
         let ports = listening_ports();
         assert!(!ports.is_empty(), "no listener found");
         for (k, p) in ports.iter().enumerate() {
@@ -120,6 +125,65 @@ fn strangers_do_not_stop_a_tcp_job() {
 #[test]
 fn strangers_do_not_stop_a_shm_job() {
     strangers_everywhere(NetKind::Shm);
+}
+
+/// RoCE v2 datagrams a local stranger can send to the userspace engine's UDP ports from the
+/// peers' own address (it binds the same IP): NAKs "remote access error" with valid ICRCs to
+/// the queue-pair numbers the engine used to hand out in sequence (generations 1-8, slots
+/// 0-31), with random PSNs, and random bytes. Before the engine checked PSNs against what is
+/// outstanding and drew QP numbers from the OS random source, such NAKs ended the job.
+#[test]
+fn spoofed_datagrams_do_not_stop_a_rocev2_job() {
+    use roccl::rdma::wire;
+    job_under_attack(NetKind::RoceV2, 3, 30, true, &|| {
+        let targets = udp_ports();
+        assert!(!targets.is_empty(), "no UDP port found");
+        let mut sent = 0;
+        for (k, at) in targets.iter().enumerate() {
+            let Ok(s) = std::net::UdpSocket::bind(SocketAddr::new(at.ip(), 0)) else {
+                continue;
+            };
+            let from = s.local_addr().unwrap();
+            let ip = wire::IpInfo {
+                src: from.ip(),
+                dst: at.ip(),
+                src_port: from.port(),
+                dst_port: at.port(),
+            };
+            let rnd = noise(900 + k as u64, 4 * 8 * 32);
+            for gen in 1..=8u32 {
+                for slot in 0..32u32 {
+                    let r = 4 * (((gen - 1) * 32 + slot) as usize);
+                    let psn = u32::from_le_bytes(rnd[r..r + 4].try_into().unwrap()) & 0xff_ffff;
+                    let p = wire::Packet {
+                        bth: wire::Bth {
+                            opcode: wire::Opcode::Ack,
+                            solicited: false,
+                            mig_req: false,
+                            pad: 0,
+                            pkey: wire::DEFAULT_PKEY,
+                            fecn: false,
+                            becn: false,
+                            dest_qp: gen << 12 | slot,
+                            ack_req: false,
+                            psn,
+                        },
+                        reth: None,
+                        imm: None,
+                        aeth: Some(wire::Aeth::nak(0, wire::NakCode::RemoteAccessError)),
+                        payload: &[],
+                    };
+                    let mut buf = [0u8; 128];
+                    let n = wire::encode(&p, &ip, &mut buf).unwrap();
+                    sent += usize::from(s.send_to(&buf[..n], at).is_ok());
+                }
+            }
+            for j in 0..32 {
+                let _ = s.send_to(&noise(77 + j, 20 + 40 * j as usize), at);
+            }
+        }
+        assert!(sent > 0);
+    });
 }
 
 /// A forged abort notice as the old wire format allowed, computed from the unique id's

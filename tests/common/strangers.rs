@@ -53,16 +53,26 @@ pub fn proc_addr(a: &str) -> SocketAddr {
 
 /// Every TCP address this process listens on (IPv4 and IPv6; a wildcard as loopback).
 pub fn listening_ports() -> Vec<SocketAddr> {
+    sockets_of(&["/proc/self/net/tcp", "/proc/self/net/tcp6"], "0A")
+}
+
+/// Every UDP address this process has bound (IPv4 and IPv6; a wildcard as loopback).
+pub fn udp_ports() -> Vec<SocketAddr> {
+    sockets_of(&["/proc/self/net/udp", "/proc/self/net/udp6"], "07")
+}
+
+/// The local addresses of this process's sockets in `files` (`/proc/net/...`) in `state`.
+fn sockets_of(files: &[&str], state: &str) -> Vec<SocketAddr> {
     let mine = own_socket_inodes();
     let mut ports = Vec::new();
-    for f in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+    for f in files {
         let Ok(text) = std::fs::read_to_string(f) else {
             continue;
         };
         for line in text.lines().skip(1) {
             let w: Vec<&str> = line.split_whitespace().collect();
-            if w.len() < 10 || w[3] != "0A" {
-                continue; // not LISTEN
+            if w.len() < 10 || w[3] != state {
+                continue;
             }
             let inode: u64 = w[9].parse().unwrap_or(0);
             if !mine.contains(&inode) {
