@@ -921,6 +921,9 @@ impl RecvComm for ShmRecv {
 }
 
 #[cfg(test)]
+mod strangers;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
