@@ -17,7 +17,7 @@
 //!
 //! Strangers: the handle carries the listener's random 16-byte token (bytes 32..48); the
 //! name message is followed by a 16-byte tag (HMAC-SHA256 under the key of the job and the
-//! token, [`crate::net::NetKey`]). Before it opens anything the listener checks that the
+//! token, `net::NetKey`). Before it opens anything the listener checks that the
 //! connecting process runs as this user (the owner of its loopback socket), the tag (and that
 //! it was not seen before), that the name is one roccl makes (`/roccl-` then digits, `-` and
 //! hex) and the ring size; [`Segment::open`] then refuses a segment of another user or

@@ -13,7 +13,7 @@
 //! A new connection opens its sockets and sends a 32-byte hello on each
 //! (`magic`, `conn id: u64` from the OS random source, `index: u16`, `count: u16`, bit 15 of
 //! the count set on a duplex connection, then a 16-byte tag: HMAC-SHA256 of the first 16
-//! bytes under the listener's key, see [`crate::net::NetKey`]); the listener drops a socket
+//! bytes under the listener's key, see `net::NetKey`); the listener drops a socket
 //! whose tag does not check, or that repeats one already seen, before grouping it, and drops
 //! one that has not sent its hello within `SETUP_DEADLINE`. It groups sockets by connection
 //! id and hands out the receive comm once all have arrived. The listen handle carries the
