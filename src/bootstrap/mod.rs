@@ -471,7 +471,9 @@ fn run_root(l: TcpListener, id: UniqueId) {
                 joined.len(),
                 crate::error::ranks_list(&missing())
             );
-            for j in joined.values_mut() {
+            // Highest rank first, as in `fail_all`: rank 0's process, which usually hosts
+            // this thread, exits as soon as it reads the error.
+            for j in joined.values_mut().rev() {
                 send_error(&mut j.stream, &msg);
             }
             return;
