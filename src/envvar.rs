@@ -6,7 +6,8 @@
 //! first, so that communicator init refuses a bad value even of a setting that is read later
 //! deep inside a network (where the reader, [`value_or`], cannot return an error). The
 //! launcher variables (`ROCCL_RANK`, `ROCCL_NRANKS`, `ROCCL_ROOT`, `ROCCL_ROOT_PORT`,
-//! `ROCCL_UNIQUE_ID`) are parsed as strictly by [`crate::bootstrap::env`].
+//! `ROCCL_UNIQUE_ID`, `ROCCL_JOB_SECRET`, `ROCCL_JOB_SECRET_FILE`) are parsed as strictly by
+//! [`crate::bootstrap::env`].
 //!
 //! [`Config::from_env`]: crate::Config::from_env
 //! [`check`]: crate::comm::settings::check
@@ -402,12 +403,14 @@ mod tests {
     }
 
     /// The launcher variables (rank, size, root), read by the bootstrap, not settings.
-    const LAUNCHER: [&str; 6] = [
+    const LAUNCHER: [&str; 8] = [
         "ROCCL_RANK",
         "ROCCL_NRANKS",
         "ROCCL_ROOT",
         "ROCCL_ROOT_PORT",
         "ROCCL_UNIQUE_ID",
+        "ROCCL_JOB_SECRET",
+        "ROCCL_JOB_SECRET_FILE",
         "ROCCL_SOCKET_IFNAME",
     ];
 

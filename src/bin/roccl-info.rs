@@ -129,10 +129,12 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
     for (kind, name) in kinds {
         // One port for both phases: each root serves one rendezvous and closes.
         let at = base;
+        // The job secret, if the launcher gave one (ROCCL_JOB_SECRET).
+        let secret = roccl::bootstrap::env::job_secret().map_err(|e| e.to_string())?;
         let id = if listen {
-            roccl::bootstrap::serve_root(at).map_err(|e| e.to_string())?
+            roccl::bootstrap::serve_root_with(at, secret).map_err(|e| e.to_string())?
         } else {
-            UniqueId::for_address(at)
+            UniqueId::for_address_with(at, secret)
         };
         let mut cfg = Config::from_env().map_err(|e| e.to_string())?;
         cfg.net = kind;

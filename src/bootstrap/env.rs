@@ -45,6 +45,13 @@
 //!
 //! By convention the rank 0 process hosts the root listener on a [`Root::Addr`].
 //!
+//! # Job secret
+//!
+//! With an address root, every rank computes the unique id from the address; what proves
+//! that a process belongs to the job is the secret in `ROCCL_JOB_SECRET` (or in the file
+//! `ROCCL_JOB_SECRET_FILE` names), the same on every rank ([`job_secret`]). Without one,
+//! anyone who can reach the root's port can join (as with NCCL): init says so once.
+//!
 //! Variables set to an empty (or blank) value count as unset; values are trimmed. Every error is
 //! an [`Error::InvalidArgument`] saying what was missing or wrong and how to fix it.
 
@@ -138,6 +145,57 @@ const CONVENTIONS: &[Convention] = &[
 /// the rules). Variables that are not valid Unicode count as unset.
 pub fn from_env() -> Result<EnvInfo> {
     from_lookup(&|name| std::env::var(name).ok())
+}
+
+/// The job secret of launcher mode from the process environment (see [`job_secret_from`]).
+pub fn job_secret() -> Result<Option<[u8; crate::bootstrap::SECRET_BYTES]>> {
+    job_secret_from(&|name| std::env::var(name).ok())
+}
+
+/// Shortest `ROCCL_JOB_SECRET` taken as a pass phrase.
+const MIN_SECRET_CHARS: usize = 16;
+
+/// The job secret: `ROCCL_JOB_SECRET`, or the contents of the file `ROCCL_JOB_SECRET_FILE`
+/// names (trimmed); 32 hex digits are the secret's 128 bits, any other text of at least 16
+/// characters is hashed (SHA-256, first 128 bits). `None` when neither is set.
+pub fn job_secret_from(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<[u8; crate::bootstrap::SECRET_BYTES]>> {
+    use sha2::Digest;
+    let var = |name: &str| get(name).filter(|v| !v.trim().is_empty());
+    let (text, from) = match (var("ROCCL_JOB_SECRET"), var("ROCCL_JOB_SECRET_FILE")) {
+        (Some(_), Some(_)) => {
+            return Err(Error::arg(
+                "both ROCCL_JOB_SECRET and ROCCL_JOB_SECRET_FILE are set: set one",
+            ))
+        }
+        (Some(v), None) => (v, "ROCCL_JOB_SECRET".to_string()),
+        (None, Some(f)) => {
+            let f = f.trim().to_string();
+            let text = std::fs::read_to_string(&f).map_err(|e| {
+                Error::arg(format!(
+                    "ROCCL_JOB_SECRET_FILE={f}: cannot read the job secret ({e}); every rank needs the same file"
+                ))
+            })?;
+            (text, format!("the file {f} (ROCCL_JOB_SECRET_FILE)"))
+        }
+        (None, None) => return Ok(None),
+    };
+    let t = text.trim();
+    let mut out = [0u8; crate::bootstrap::SECRET_BYTES];
+    if t.len() == 32 && t.bytes().all(|c| c.is_ascii_hexdigit()) {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).expect("checked hex");
+        }
+    } else if t.chars().count() >= MIN_SECRET_CHARS {
+        out.copy_from_slice(&sha2::Sha256::digest(t.as_bytes())[..crate::bootstrap::SECRET_BYTES]);
+    } else {
+        return Err(Error::arg(format!(
+            "the job secret in {from} is {} characters: use at least {MIN_SECRET_CHARS} (e.g. 32 hex digits from `openssl rand -hex 16`)",
+            t.chars().count()
+        )));
+    }
+    Ok(Some(out))
 }
 
 /// Same as [`from_env`], reading variables through `get` (which returns `None` for unset
@@ -502,6 +560,53 @@ mod tests {
 
     fn hex_id() -> String {
         "0123456789abcdefABCDEF".chars().cycle().take(256).collect()
+    }
+
+    #[test]
+    fn job_secrets() {
+        let get = |vars: &'static [(&'static str, &'static str)]| {
+            move |n: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(job_secret_from(&get(&[])).unwrap(), None);
+        let hex = job_secret_from(&get(&[(
+            "ROCCL_JOB_SECRET",
+            " 000102030405060708090a0b0c0d0e0f\n",
+        )]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(hex, core::array::from_fn(|i| i as u8));
+        let a = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "correct horse battery")])).unwrap();
+        let b = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "correct horse battery!")])).unwrap();
+        assert!(a.is_some() && a != b);
+        let e = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "short")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least 16"), "{e}");
+        let e = job_secret_from(&get(&[
+            ("ROCCL_JOB_SECRET", "correct horse battery"),
+            ("ROCCL_JOB_SECRET_FILE", "/x"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("set one"), "{e}");
+        let e = job_secret_from(&get(&[(
+            "ROCCL_JOB_SECRET_FILE",
+            "/nonexistent/roccl-secret",
+        )]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("/nonexistent/roccl-secret"), "{e}");
+        let f = std::env::temp_dir().join(format!("roccl-secret-{}", std::process::id()));
+        std::fs::write(&f, "000102030405060708090a0b0c0d0e0f\n").unwrap();
+        let path: &'static str = Box::leak(f.to_string_lossy().to_string().into_boxed_str());
+        let vars: &'static [(&str, &str)] =
+            Box::leak(vec![("ROCCL_JOB_SECRET_FILE", path)].into_boxed_slice());
+        assert_eq!(job_secret_from(&get(vars)).unwrap(), Some(hex));
+        let _ = std::fs::remove_file(f);
     }
 
     #[test]

@@ -6,11 +6,24 @@
 //! sends every rank the table of all blobs. If the timeout passes first, every waiting
 //! rank gets an error that lists the ranks that never arrived.
 //!
-//! Wire format (all little endian). Registration: `magic u32 "RBST"`, `nonce u64`,
-//! `rank u32`, `nranks u32`, `blob_len u32`, `timeout_ms u32`, blob. The root gives up
-//! `timeout_ms` (the smallest any rank sent) after the first registration. Reply: `status u8` (0 ok, 1 error);
-//! ok: `n × (len u32, bytes)`; error: `len u32`, UTF-8 message.
+//! Ids: bytes `0..4` magic "RCID", `4` address family (4 or 6), `5` flags (bit 0: the id
+//! carries a job secret), `6..8` port, `8..24` address, `24..32` nonce, `32..48` the job
+//! secret (128 bits from the OS random source; zero without one), the rest zero.
+//!
+//! Wire format (all little endian). Registration: `magic u32 "RBS2"`, `nonce u64`,
+//! `rank u32`, `nranks u32`, `blob_len u32`, `timeout_ms u32`, blob, then a 16-byte tag
+//! (HMAC-SHA256 under a key derived from the id's secret, over everything before it; see
+//! [`auth`]). The root drops a registration whose tag does not check (counted, logged once
+//! per source) and answers it with an error, so that only ranks that know the secret can
+//! join, set the timeout or fail the rendezvous. The root gives up `timeout_ms` (the smallest
+//! any rank sent) after the first registration. Reply: `status u8` (0 ok, 1 error); ok:
+//! `n × (len u32, bytes)`; error: `len u32`, UTF-8 message.
+//!
+//! The root never blocks on one connection: it reads every connection without blocking, and
+//! drops one that has not sent a whole registration [`REG_DEADLINE`] after it connected (idle
+//! port scanners, half-sent messages), or that sends garbage.
 
+pub mod auth;
 pub mod env;
 pub mod ifaces;
 
@@ -22,7 +35,17 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 
 const ID_MAGIC: u32 = 0x4449_4352; // "RCID"
-const REG_MAGIC: u32 = 0x5453_4252; // "RBST"
+const REG_MAGIC: u32 = 0x3253_4252; // "RBS2"
+/// Bytes of a registration before its blob.
+const REG_HDR: usize = 28;
+/// Flag of an id's byte 5: it carries a job secret.
+const ID_HAS_SECRET: u8 = 1;
+/// Bytes of a job secret.
+pub const SECRET_BYTES: usize = 16;
+/// How long the root waits for a connection's whole registration (a rank sends it at once).
+pub const REG_DEADLINE: Duration = Duration::from_secs(10);
+/// Most connections the root reads at once; more are refused until some finish.
+const MAX_PENDING: usize = 1024;
 const MAX_BLOB: usize = 1 << 20;
 
 /// Size of a unique id in bytes (as `NCCL_UNIQUE_ID_BYTES`).
@@ -38,22 +61,18 @@ pub struct UniqueId {
 impl std::fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.root() {
-            Ok((a, n)) => write!(f, "UniqueId(root {a}, nonce {n:016x})"),
+            Ok((a, n)) => write!(
+                f,
+                "UniqueId(root {a}, nonce {n:016x}, {})",
+                if self.has_secret() {
+                    "with a job secret"
+                } else {
+                    "no job secret"
+                }
+            ),
             Err(_) => write!(f, "UniqueId(invalid)"),
         }
     }
-}
-
-fn nonce() -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    let mut x = t ^ ((std::process::id() as u64) << 32) ^ (&t as *const u64 as u64);
-    // splitmix64 finalizer
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 impl UniqueId {
@@ -67,19 +86,30 @@ impl UniqueId {
         let addr = l
             .local_addr()
             .map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
-        let id = UniqueId::from_parts(addr, nonce());
-        spawn_root(l, id.nonce());
+        let id = UniqueId::from_parts(
+            addr,
+            u64::from_le_bytes(auth::random()?),
+            Some(auth::random()?),
+        );
+        spawn_root(l, id);
         Ok(id)
     }
 
     /// An id for a root at `addr` that some process serves with [`serve_root`] (environment
-    /// launch: rank 0 serves the root at `ROCCL_ROOT` / `MASTER_ADDR`). The nonce is fixed, so
-    /// every rank computes the same id from the address alone.
+    /// launch: rank 0 serves the root at `ROCCL_ROOT` / `MASTER_ADDR`), without a job secret:
+    /// the nonce is fixed, so every rank computes the same id from the address alone, and
+    /// anyone who reaches the port can join. See [`UniqueId::for_address_with`].
     pub fn for_address(addr: SocketAddr) -> UniqueId {
-        UniqueId::from_parts(addr, 0x726f_6363_6c00_0000 ^ addr.port() as u64)
+        UniqueId::for_address_with(addr, None)
     }
 
-    fn from_parts(addr: SocketAddr, nonce: u64) -> UniqueId {
+    /// [`UniqueId::for_address`] with the job secret every rank was given
+    /// (`ROCCL_JOB_SECRET`, [`env::job_secret`]): only processes that know it can join.
+    pub fn for_address_with(addr: SocketAddr, secret: Option<[u8; SECRET_BYTES]>) -> UniqueId {
+        UniqueId::from_parts(addr, 0x726f_6363_6c00_0000 ^ addr.port() as u64, secret)
+    }
+
+    fn from_parts(addr: SocketAddr, nonce: u64, secret: Option<[u8; SECRET_BYTES]>) -> UniqueId {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[0..4].copy_from_slice(&ID_MAGIC.to_le_bytes());
         b[6..8].copy_from_slice(&addr.port().to_le_bytes());
@@ -94,7 +124,23 @@ impl UniqueId {
             }
         }
         b[24..32].copy_from_slice(&nonce.to_le_bytes());
+        if let Some(k) = secret {
+            b[5] = ID_HAS_SECRET;
+            b[32..48].copy_from_slice(&k);
+        }
         UniqueId { bytes: b }
+    }
+
+    /// Whether the id carries a job secret (ids of [`UniqueId::new`] always do; address ids
+    /// only with `ROCCL_JOB_SECRET`).
+    pub fn has_secret(&self) -> bool {
+        self.bytes[5] & ID_HAS_SECRET != 0
+    }
+
+    /// The key every registration and connection of this id's communicator is authenticated
+    /// with: derived from the secret (all zero without one), the root address and the nonce.
+    pub fn job_key(&self) -> auth::JobKey {
+        auth::JobKey::from_secret(&self.bytes[32..48], &self.bytes[0..32])
     }
 
     /// Rebuild an id from its bytes; checks the format.
@@ -148,6 +194,12 @@ impl UniqueId {
                 "not a roccl unique id (bad magic): pass the bytes produced by UniqueId::new / rocclGetUniqueId unchanged",
             ));
         }
+        if b[5] & !ID_HAS_SECRET != 0 {
+            return Err(Error::arg(format!(
+                "unique id has unknown flags {:#04x} (from a newer roccl?)",
+                b[5]
+            )));
+        }
         let port = u16::from_le_bytes([b[6], b[7]]);
         let ip: IpAddr = match b[4] {
             4 => <[u8; 4]>::try_from(&b[8..12]).unwrap().into(),
@@ -168,12 +220,19 @@ impl UniqueId {
 
 /// Serve the root of one communicator on `addr` in a background thread (environment
 /// launch: rank 0 calls this with the agreed address before joining).
+/// The id has no job secret (see [`serve_root_with`]).
 pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {
+    serve_root_with(addr, None)
+}
+
+/// [`serve_root`] for a job with the secret `secret` (`ROCCL_JOB_SECRET`): the root admits
+/// only registrations made with it.
+pub fn serve_root_with(addr: SocketAddr, secret: Option<[u8; SECRET_BYTES]>) -> Result<UniqueId> {
     let l = bind_retry(addr, Duration::from_secs(5))?;
     // Port 0 (a single rank with no agreed port) binds any free port: publish that one.
     let port = l.local_addr().map(|a| a.port()).unwrap_or(addr.port());
-    let id = UniqueId::for_address(SocketAddr::new(addr.ip(), port));
-    spawn_root(l, id.nonce());
+    let id = UniqueId::for_address_with(SocketAddr::new(addr.ip(), port), secret);
+    spawn_root(l, id);
     Ok(id)
 }
 
@@ -218,13 +277,14 @@ struct Joined {
     from: SocketAddr,
 }
 
-fn spawn_root(l: TcpListener, nonce: u64) {
+fn spawn_root(l: TcpListener, id: UniqueId) {
     std::thread::Builder::new()
         .name("roccl-root".into())
-        .spawn(move || run_root(l, nonce))
+        .spawn(move || run_root(l, id))
         .expect("spawning the bootstrap root thread");
 }
 
+#[derive(Debug)]
 struct Reg {
     rank: usize,
     nranks: usize,
@@ -232,35 +292,122 @@ struct Reg {
     timeout: Duration,
 }
 
-fn read_reg(s: &mut TcpStream, nonce: u64) -> std::io::Result<Option<Reg>> {
-    let mut h = [0u8; 28];
-    s.read_exact(&mut h)?;
-    let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
-    let n = u64::from_le_bytes(h[4..12].try_into().unwrap());
-    if magic != REG_MAGIC || n != nonce {
-        return Ok(None);
+/// The key of registrations with the root of `id`.
+fn reg_key(id: &UniqueId) -> auth::JobKey {
+    id.job_key().derive(b"registration")
+}
+
+/// A registration: header, blob, tag.
+fn encode_reg(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    blob: &[u8],
+    timeout: Duration,
+) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(REG_HDR + blob.len() + auth::TAG_BYTES);
+    msg.extend_from_slice(&REG_MAGIC.to_le_bytes());
+    msg.extend_from_slice(&id.nonce().to_le_bytes());
+    msg.extend_from_slice(&(rank as u32).to_le_bytes());
+    msg.extend_from_slice(&(nranks as u32).to_le_bytes());
+    msg.extend_from_slice(&(blob.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&(timeout.as_millis().min(u32::MAX as u128) as u32).to_le_bytes());
+    msg.extend_from_slice(blob);
+    let tag = reg_key(id).tag(&[&msg]);
+    msg.extend_from_slice(&tag);
+    msg
+}
+
+/// What the bytes a connection sent so far are.
+#[derive(Debug)]
+enum Parsed {
+    /// A registration needs this many bytes in all; not all have arrived.
+    Need(usize),
+    /// A whole registration whose tag checks.
+    Reg(Reg),
+    /// Not a registration of this root's job: why, and whether to answer (a roccl rank
+    /// with another id or secret gets told; garbage does not).
+    Refused(String, bool),
+}
+
+/// The root's parser, without I/O: `b` is everything a connection sent so far.
+fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
+    if b.len() < REG_HDR {
+        // Garbage is refused as soon as its first bytes show it.
+        if b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) != REG_MAGIC {
+            return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
+        }
+        return Parsed::Need(REG_HDR);
     }
-    let rank = u32::from_le_bytes(h[12..16].try_into().unwrap()) as usize;
-    let nranks = u32::from_le_bytes(h[16..20].try_into().unwrap()) as usize;
-    let len = u32::from_le_bytes(h[20..24].try_into().unwrap()) as usize;
-    let timeout = Duration::from_millis(u32::from_le_bytes(h[24..28].try_into().unwrap()) as u64);
+    let u32at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+    if u32at(0) != REG_MAGIC {
+        return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
+    }
+    let len = u32at(20) as usize;
     if len > MAX_BLOB {
-        return Ok(None);
+        return Parsed::Refused(
+            format!("registration blob of {len} bytes is too large"),
+            false,
+        );
     }
-    let mut blob = vec![0u8; len];
-    s.read_exact(&mut blob)?;
-    Ok(Some(Reg {
-        rank,
-        nranks,
-        blob,
-        timeout,
-    }))
+    let total = REG_HDR + len + auth::TAG_BYTES;
+    if b.len() < total {
+        return Parsed::Need(total);
+    }
+    if u64::from_le_bytes(b[4..12].try_into().unwrap()) != nonce {
+        return Parsed::Refused(
+            "the registration is for another communicator (its unique id differs: a rank of another job, or of an earlier run on the same port?)".into(),
+            true,
+        );
+    }
+    if !key.verify(
+        &[&b[..total - auth::TAG_BYTES]],
+        &b[total - auth::TAG_BYTES..total],
+    ) {
+        return Parsed::Refused(
+            "the registration is not authenticated by this job's secret (every rank must be given the same unique id, or in launcher mode the same ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE)".into(),
+            true,
+        );
+    }
+    Parsed::Reg(Reg {
+        rank: u32at(12) as usize,
+        nranks: u32at(16) as usize,
+        blob: b[REG_HDR..REG_HDR + len].to_vec(),
+        timeout: Duration::from_millis(u32at(24) as u64),
+    })
+}
+
+/// A connection to the root whose registration has not all arrived.
+struct Incoming {
+    stream: TcpStream,
+    from: SocketAddr,
+    got: Vec<u8>,
+    deadline: Instant,
+}
+
+/// Read what `c` has sent, up to `want` bytes in all, without blocking; `Err` when the
+/// connection is closed or failed.
+fn read_some(c: &mut Incoming, want: usize) -> std::io::Result<()> {
+    let mut buf = [0u8; 16 * 1024];
+    while c.got.len() < want {
+        let n = (want - c.got.len()).min(buf.len());
+        match c.stream.read(&mut buf[..n]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => c.got.extend_from_slice(&buf[..k]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn send_error(s: &mut TcpStream, msg: &str) {
     let mut out = vec![1u8];
     out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     out.extend_from_slice(msg.as_bytes());
+    let _ = s.set_nonblocking(false);
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
     let _ = s.write_all(&out);
 }
 
@@ -288,7 +435,9 @@ fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String
     msg
 }
 
-fn run_root(l: TcpListener, nonce: u64) {
+fn run_root(l: TcpListener, id: UniqueId) {
+    let nonce = id.nonce();
+    let key = reg_key(&id);
     let mut start = Instant::now();
     let mut timeout = ROOT_IDLE;
     let mut first = true;
@@ -298,6 +447,7 @@ fn run_root(l: TcpListener, nonce: u64) {
         .map_or_else(|_| "?".to_string(), |a| a.to_string());
     let _ = l.set_nonblocking(true);
     let mut joined: BTreeMap<usize, Joined> = BTreeMap::new();
+    let mut incoming: Vec<Incoming> = Vec::new();
     let mut nranks: Option<usize> = None;
     // The job was set up wrong: every rank gets this, also those that register later (until
     // the timeout), so that none waits out the timeout.
@@ -321,7 +471,9 @@ fn run_root(l: TcpListener, nonce: u64) {
                 joined.len(),
                 crate::error::ranks_list(&missing())
             );
-            for j in joined.values_mut() {
+            // Highest rank first, as in `fail_all`: rank 0's process, which usually hosts
+            // this thread, exits as soon as it reads the error.
+            for j in joined.values_mut().rev() {
                 send_error(&mut j.stream, &msg);
             }
             return;
@@ -337,63 +489,135 @@ fn run_root(l: TcpListener, nonce: u64) {
                 crate::error::ranks_list(&missing()),
             );
         }
-        match l.accept() {
-            Ok((mut s, from)) => {
-                let _ = s.set_nonblocking(false);
-                let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                let _ = s.set_nodelay(true);
-                let Ok(Some(Reg {
-                    rank,
-                    nranks: n,
-                    blob,
-                    timeout: t,
-                })) = read_reg(&mut s, nonce)
-                else {
-                    continue;
-                };
-                if let Some(msg) = &failed {
-                    send_error(&mut s, msg);
-                    continue;
-                }
-                if first {
-                    first = false;
-                    start = Instant::now();
-                    last_said = start;
-                    timeout = t;
-                } else {
-                    timeout = timeout.min(t);
-                }
-                // A job set up wrong fails on every rank at once, naming what is wrong.
-                let want = *nranks.get_or_insert(n);
-                let refused = if n != want {
-                    Some(format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"))
-                } else if rank >= n {
-                    Some(format!(
-                        "rank {rank} (from {from}) is out of range for {n} ranks"
-                    ))
-                } else {
-                    joined.get(&rank).map(|j| format!(
-                        "rank {rank} joined twice (from {} and from {from}): two processes were given the same rank; check the ranks the launcher hands out",
-                        j.from
-                    ))
-                };
-                if let Some(msg) = refused {
-                    failed = Some(fail_all(&mut joined, &mut s, msg));
-                    continue;
-                }
-                joined.insert(
-                    rank,
-                    Joined {
+        let mut progressed = false;
+        loop {
+            match l.accept() {
+                Ok((s, from)) => {
+                    progressed = true;
+                    if incoming.len() >= MAX_PENDING {
+                        auth::refuse(
+                            "bootstrap root",
+                            Some(from.ip()),
+                            "too many connections at once",
+                        );
+                        continue;
+                    }
+                    let _ = s.set_nonblocking(true);
+                    let _ = s.set_nodelay(true);
+                    incoming.push(Incoming {
                         stream: s,
-                        blob,
                         from,
-                    },
-                );
+                        got: Vec::new(),
+                        deadline: Instant::now() + REG_DEADLINE,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut i = 0;
+        while i < incoming.len() {
+            let c = &mut incoming[i];
+            let before = c.got.len();
+            let mut parsed = parse_reg(&c.got, nonce, &key);
+            while let Parsed::Need(want) = parsed {
+                if let Err(e) = read_some(c, want) {
+                    parsed = Parsed::Refused(
+                        format!("the connection closed before a whole registration ({e})"),
+                        false,
+                    );
+                    break;
+                }
+                if c.got.len() < want {
+                    break;
+                }
+                parsed = parse_reg(&c.got, nonce, &key);
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            progressed |= c.got.len() != before;
+            let reg = match parsed {
+                Parsed::Need(_) if Instant::now() < c.deadline => {
+                    i += 1;
+                    continue;
+                }
+                Parsed::Need(_) => {
+                    let c = incoming.swap_remove(i);
+                    auth::refuse(
+                        "bootstrap root",
+                        Some(c.from.ip()),
+                        &format!(
+                            "no whole registration within {REG_DEADLINE:.0?} ({} bytes)",
+                            c.got.len()
+                        ),
+                    );
+                    continue;
+                }
+                Parsed::Refused(why, answer) => {
+                    let mut c = incoming.swap_remove(i);
+                    auth::refuse("bootstrap root", Some(c.from.ip()), &why);
+                    if answer {
+                        send_error(&mut c.stream, &format!("bootstrap root at {at}: {why}"));
+                    }
+                    continue;
+                }
+                Parsed::Reg(r) => r,
+            };
+            let Incoming {
+                stream: mut s,
+                from,
+                ..
+            } = incoming.swap_remove(i);
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+            let Reg {
+                rank,
+                nranks: n,
+                blob,
+                timeout: t,
+            } = reg;
+            if let Some(msg) = &failed {
+                send_error(&mut s, msg);
+                continue;
+            }
+            if first {
+                first = false;
+                start = Instant::now();
+                last_said = start;
+                timeout = t;
+            } else {
+                timeout = timeout.min(t);
+            }
+            // A job set up wrong fails on every rank at once, naming what is wrong.
+            let want = *nranks.get_or_insert(n);
+            let refused = if n != want {
+                Some(format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"))
+            } else if rank >= n {
+                Some(format!(
+                    "rank {rank} (from {from}) is out of range for {n} ranks"
+                ))
+            } else {
+                joined.get(&rank).map(|j| format!(
+                    "rank {rank} joined twice (from {} and from {from}): two processes were given the same rank; check the ranks the launcher hands out",
+                    j.from
+                ))
+            };
+            if let Some(msg) = refused {
+                failed = Some(fail_all(&mut joined, &mut s, msg));
+                continue;
+            }
+            joined.insert(
+                rank,
+                Joined {
+                    stream: s,
+                    blob,
+                    from,
+                },
+            );
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
     let mut table = vec![0u8];
@@ -452,7 +676,7 @@ pub fn rendezvous_abortable(
             "rank {rank} is out of range: nranks is {nranks}"
         )));
     }
-    let (addr, nonce) = id.root()?;
+    let (addr, _) = id.root()?;
     let start = Instant::now();
     let mut last_said = start;
     let mut s = loop {
@@ -479,14 +703,7 @@ pub fn rendezvous_abortable(
         }
     };
     let _ = s.set_nodelay(true);
-    let mut msg = Vec::with_capacity(28 + blob.len());
-    msg.extend_from_slice(&REG_MAGIC.to_le_bytes());
-    msg.extend_from_slice(&nonce.to_le_bytes());
-    msg.extend_from_slice(&(rank as u32).to_le_bytes());
-    msg.extend_from_slice(&(nranks as u32).to_le_bytes());
-    msg.extend_from_slice(&(blob.len() as u32).to_le_bytes());
-    msg.extend_from_slice(&(timeout.as_millis().min(u32::MAX as u128) as u32).to_le_bytes());
-    msg.extend_from_slice(blob);
+    let msg = encode_reg(id, rank, nranks, blob, timeout);
     s.write_all(&msg).map_err(|e| {
         Error::sys(
             format!("sending rank {rank}'s registration to the root at {addr}"),
@@ -594,6 +811,70 @@ mod tests {
     }
 
     #[test]
+    fn ids_carry_a_secret_from_the_os() {
+        let a = UniqueId::new().unwrap();
+        let b = UniqueId::new().unwrap();
+        assert!(a.has_secret() && b.has_secret());
+        assert_ne!(a.as_bytes()[32..48], b.as_bytes()[32..48]);
+        assert_ne!(a.job_key(), b.job_key());
+        assert_eq!(UniqueId::from_bytes(a.as_bytes()).unwrap(), a);
+        assert!(format!("{a:?}").contains("with a job secret"));
+        let at: SocketAddr = "10.0.0.1:29500".parse().unwrap();
+        let open = UniqueId::for_address(at);
+        assert!(!open.has_secret());
+        let s1 = UniqueId::for_address_with(at, Some([1; SECRET_BYTES]));
+        let s2 = UniqueId::for_address_with(at, Some([2; SECRET_BYTES]));
+        assert_eq!(s1.root().unwrap(), open.root().unwrap());
+        assert_ne!(s1.job_key(), open.job_key());
+        assert_ne!(s1.job_key(), s2.job_key());
+        let mut bad = *s1.as_bytes();
+        bad[5] = 0x80;
+        assert!(UniqueId::from_bytes(&bad).is_err());
+    }
+
+    #[test]
+    fn the_parser_takes_only_registrations_of_this_job() {
+        let id = UniqueId::new().unwrap();
+        let (key, nonce) = (reg_key(&id), id.nonce());
+        let reg = encode_reg(&id, 1, 3, b"blob", Duration::from_secs(2));
+        match parse_reg(&reg, nonce, &key) {
+            Parsed::Reg(r) => {
+                assert_eq!((r.rank, r.nranks, r.blob.as_slice()), (1, 3, &b"blob"[..]));
+                assert_eq!(r.timeout, Duration::from_secs(2));
+            }
+            p => panic!("{p:?}"),
+        }
+        for k in 0..reg.len() {
+            assert!(
+                matches!(parse_reg(&reg[..k], nonce, &key), Parsed::Need(_)),
+                "{k}"
+            );
+        }
+        for i in 0..reg.len() {
+            let mut b = reg.clone();
+            b[i] ^= 1;
+            assert!(!matches!(parse_reg(&b, nonce, &key), Parsed::Reg(_)), "{i}");
+        }
+        // Same root and nonce, another secret: refused, and told why.
+        let other = UniqueId::from_parts(id.root().unwrap().0, nonce, Some([7; SECRET_BYTES]));
+        let forged = encode_reg(&other, 1, 3, b"blob", Duration::from_secs(2));
+        match parse_reg(&forged, nonce, &key) {
+            Parsed::Refused(why, true) => assert!(why.contains("not authenticated"), "{why}"),
+            p => panic!("{p:?}"),
+        }
+        assert!(matches!(
+            parse_reg(b"GET / HTTP/1.1", nonce, &key),
+            Parsed::Refused(_, false)
+        ));
+        let mut huge = reg[..REG_HDR].to_vec();
+        huge[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            parse_reg(&huge, nonce, &key),
+            Parsed::Refused(_, false)
+        ));
+    }
+
+    #[test]
     fn rendezvous_exchanges_blobs() {
         let id = UniqueId::new().unwrap();
         let hs: Vec<_> = (0..3)
@@ -614,7 +895,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let id = UniqueId::for_address(addr);
-        spawn_root(l, id.nonce());
+        spawn_root(l, id);
         let t = Instant::now();
         let e = rendezvous(&id, 1, 4, b"x", Duration::from_millis(500))
             .unwrap_err()

@@ -83,6 +83,9 @@ impl Communicator {
         // The network's own waits (retransmission, draining at close) end at this
         // communicator's deadline, not at one read from the environment.
         net.set_timeout(cfg.waiter.timeout);
+        // Connections prove that they belong to this job (docs/SECURITY.md).
+        let job_key = id.job_key();
+        net.set_job_key(&job_key);
         // Whether GPU memory can go to peers over this network. Connections keep eager
         // messages: the executor hands the network a GPU copy for those.
         let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
@@ -103,6 +106,7 @@ impl Communicator {
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
         let shm = if cfg.net == NetKind::Auto && crate::envvar::switch_or("ROCCL_SHM", true) {
             match net::shm::ShmNet::new().and_then(|n| {
+                net::Net::set_job_key(&n, &job_key);
                 let (h, l) = net::Net::listen(&n, 0)?;
                 Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
             }) {
@@ -355,10 +359,19 @@ impl Communicator {
             Root::UniqueIdHex(h) => UniqueId::from_hex(h)?,
             Root::Addr { host, port } => {
                 let addr = resolve(host, *port)?;
+                let secret = bootstrap::env::job_secret()?;
+                if secret.is_none() {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        crate::warn!(
+                            "no ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE: the ranks of this job are authenticated by the root's address and port only ({addr}), as with NCCL; anyone who can reach that port can join the job. Give every rank the same secret (e.g. ROCCL_JOB_SECRET=$(openssl rand -hex 16) exported before launching) to refuse strangers"
+                        )
+                    });
+                }
                 if info.rank == 0 {
-                    bootstrap::serve_root(addr)?
+                    bootstrap::serve_root_with(addr, secret)?
                 } else {
-                    UniqueId::for_address(addr)
+                    UniqueId::for_address_with(addr, secret)
                 }
             }
         };

@@ -18,6 +18,7 @@ use std::fmt;
 use std::io::{Read, Write};
 use std::sync::Arc;
 
+use crate::bootstrap::auth::{JobKey, TAG_BYTES};
 use crate::error::{Error, Result};
 
 /// Largest connection handle, as in NCCL (`NCCL_NET_HANDLE_MAXSIZE`).
@@ -166,6 +167,92 @@ pub trait Net: Send + Sync {
     /// retransmits, backing off, until then (a NIC keeps IB's retry count); networks that
     /// never give up on their own ignore it. Applies to connections made afterwards.
     fn set_timeout(&self, _timeout: std::time::Duration) {}
+    /// The key of the job (from its unique id, [`crate::bootstrap::UniqueId::job_key`]):
+    /// listeners made afterwards admit only connections whose hello proves knowledge of it
+    /// and of the listener's handle, checked before anything is allocated for them; connections
+    /// made afterwards prove it. Without a call, connections prove knowledge of the
+    /// listener's handle only (a random token in it). Networks without listeners of their
+    /// own ignore it.
+    fn set_job_key(&self, _key: &JobKey) {}
+}
+
+/// How long a listener waits for a new connection's hello (a roccl peer sends it at once):
+/// idle and half-sent connections are dropped after it.
+pub(crate) const SETUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The job key a network authenticates its connections with ([`Net::set_job_key`]), and the
+/// keys of its listeners: HMAC-SHA256 of the job key over the network's name and the
+/// listener's token, a random 128-bit value published in the listener's handle.
+pub(crate) struct NetKey(parking_lot::Mutex<JobKey>);
+
+impl NetKey {
+    /// Before [`Net::set_job_key`]: a fixed key, so that the token alone authenticates.
+    pub(crate) fn new() -> NetKey {
+        NetKey(parking_lot::Mutex::new(JobKey::from_secret(
+            &[],
+            b"no job key",
+        )))
+    }
+
+    pub(crate) fn set(&self, key: &JobKey) {
+        *self.0.lock() = *key;
+    }
+
+    /// The key of connections to the listener of `net` whose handle holds `token`.
+    pub(crate) fn for_token(&self, net: &str, token: &[u8]) -> JobKey {
+        let label = [
+            b"roccl listener v1 ".as_slice(),
+            net.as_bytes(),
+            b" ",
+            token,
+        ]
+        .concat();
+        self.0.lock().derive(&label)
+    }
+
+    /// A new listener's token and the key of its connections.
+    pub(crate) fn listener(&self, net: &str) -> Result<([u8; TOKEN_BYTES], JobKey)> {
+        let token = crate::bootstrap::auth::random::<TOKEN_BYTES>()?;
+        Ok((token, self.for_token(net, &token)))
+    }
+}
+
+/// Bytes of a listener's token in its handle.
+pub(crate) const TOKEN_BYTES: usize = 16;
+
+/// The hello tags a listener has accepted, to refuse a replayed hello (bounded: the oldest
+/// are forgotten first).
+pub(crate) struct SeenTags {
+    set: std::collections::HashSet<[u8; TAG_BYTES]>,
+    order: std::collections::VecDeque<[u8; TAG_BYTES]>,
+}
+
+impl SeenTags {
+    const MAX: usize = 1 << 16;
+
+    pub(crate) fn new() -> SeenTags {
+        SeenTags {
+            set: Default::default(),
+            order: Default::default(),
+        }
+    }
+
+    /// False if `tag` was seen before (a replay); remembers it.
+    pub(crate) fn first(&mut self, tag: &[u8]) -> bool {
+        let Ok(t) = <[u8; TAG_BYTES]>::try_from(tag) else {
+            return false;
+        };
+        if !self.set.insert(t) {
+            return false;
+        }
+        self.order.push_back(t);
+        if self.order.len() > Self::MAX {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        true
+    }
 }
 
 /// The error of a network that cannot register GPU memory.
@@ -473,6 +560,9 @@ pub(crate) struct Side {
     want: usize,
     /// A connect still under way (see [`Side::dial`]): the peer and the error's label.
     dialing: Option<(std::net::SocketAddr, &'static str)>,
+    /// When it was made (an accepted side that has not sent its part by [`SETUP_DEADLINE`]
+    /// is dropped).
+    born: std::time::Instant,
 }
 
 impl Side {
@@ -487,7 +577,18 @@ impl Side {
             inb: Vec::new(),
             want: 0,
             dialing: None,
+            born: std::time::Instant::now(),
         })
+    }
+
+    /// Whether [`SETUP_DEADLINE`] has passed since the side was made.
+    pub(crate) fn overdue(&self) -> bool {
+        self.born.elapsed() > SETUP_DEADLINE
+    }
+
+    /// The peer's IP address, for the log of a refused stranger.
+    pub(crate) fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        self.s.peer_addr().ok().map(|a| a.ip())
     }
 
     /// Start connecting to `peer` without blocking: [`Side::pump`] moves nothing until the
@@ -811,4 +912,54 @@ pub(crate) fn connect_pair(net: &dyn Net) -> (Box<dyn SendComm>, Box<dyn RecvCom
         }
     }
     (s.unwrap(), r.unwrap())
+}
+
+/// A rank of another job (or one without the secret) that has the listener's handle: its
+/// well-formed hello, under another job key, is refused (counted) on every network and
+/// never becomes a connection; a connection of the job then works.
+#[cfg(test)]
+#[test]
+fn a_hello_under_another_jobs_key_is_refused_on_every_network() {
+    use std::time::{Duration, Instant};
+    let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+    type Make = fn(std::net::IpAddr) -> Box<dyn Net>;
+    let makes: [Make; 3] = [
+        |ip| Box::new(tcp::TcpNet::with_addr(ip).unwrap()),
+        |ip| Box::new(rocev2::RoceNet::userspace(ip).unwrap()),
+        |_| Box::new(shm::ShmNet::new().unwrap()),
+    ];
+    for make in makes {
+        let (ours, theirs) = (make(lo), make(lo));
+        ours.set_job_key(&JobKey::from_secret(&[1; 16], b"job"));
+        theirs.set_job_key(&JobKey::from_secret(&[2; 16], b"job"));
+        let (h, mut l) = ours.listen(0).unwrap();
+        let before = crate::bootstrap::auth::refused();
+        let mut impostor = theirs.connect(0, &h).unwrap();
+        let t = Instant::now();
+        while crate::bootstrap::auth::refused() == before {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{}: the impostor's hello was not refused",
+                ours.name()
+            );
+            let _ = impostor.poll();
+            assert!(
+                l.accept().unwrap().is_none(),
+                "{}: an impostor was accepted",
+                ours.name()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut c = ours.connect(0, &h).unwrap();
+        let (mut s, mut r) = (None, None);
+        while s.is_none() || r.is_none() {
+            assert!(t.elapsed() < Duration::from_secs(20), "{}", ours.name());
+            if s.is_none() {
+                s = c.poll().unwrap();
+            }
+            if r.is_none() {
+                r = l.accept().unwrap();
+            }
+        }
+    }
 }

@@ -79,6 +79,16 @@ impl Segment {
         } else {
             0
         };
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if st.st_uid != me {
+            // SAFETY: our descriptor.
+            unsafe { libc::close(fd) };
+            return Err(Error::InvalidUsage(format!(
+                "a shared-memory segment belongs to user {} where this rank runs as user {me}: not one of this job's, refused",
+                st.st_uid
+            )));
+        }
         if size < len as u64 {
             // SAFETY: our descriptor.
             unsafe { libc::close(fd) };

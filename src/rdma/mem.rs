@@ -54,12 +54,20 @@ pub enum AccessError {
     Denied,
 }
 
-/// The registered regions of one engine. Keys are `index << 8 | generation` so a stale key
-/// of a deregistered region does not match its successor.
+/// The registered regions of one engine. Keys are `index << 16 | 16 random bits` (from the
+/// OS random source, unlike the slot's last key): a stale key of a deregistered region does
+/// not match its successor, and a stranger cannot guess a key from another (issue 22).
 #[derive(Default)]
 pub struct MrTable {
     regions: Vec<Option<Region>>,
-    generation: u8,
+}
+
+/// Bits of a key below its slot.
+const KEY_SLOT_SHIFT: u32 = 16;
+
+/// The slot of `key`.
+fn slot_of(key: u32) -> usize {
+    (key >> KEY_SLOT_SHIFT) as usize
 }
 
 impl MrTable {
@@ -75,7 +83,6 @@ impl MrTable {
         if addr.checked_add(len).is_none() {
             return Err(Error::arg("memory region wraps around the address space"));
         }
-        self.generation = self.generation.wrapping_add(1);
         let slot = self
             .regions
             .iter()
@@ -84,10 +91,16 @@ impl MrTable {
                 self.regions.push(None);
                 self.regions.len() - 1
             });
-        if slot >= 1 << 23 {
-            return Err(Error::arg("too many memory regions"));
+        if slot >= 1 << (32 - KEY_SLOT_SHIFT) {
+            return Err(Error::arg("too many memory regions (65536 at once)"));
         }
-        let key = ((slot as u32) << 8) | self.generation as u32;
+        let mut r = [0u8; 2];
+        getrandom::getrandom(&mut r).map_err(|e| {
+            Error::Internal(format!(
+                "the operating system's random source failed ({e}): cannot make a memory key"
+            ))
+        })?;
+        let key = ((slot as u32) << KEY_SLOT_SHIFT) | u32::from(u16::from_le_bytes(r));
         self.regions[slot] = Some(Region {
             addr,
             len,
@@ -175,7 +188,7 @@ impl MrTable {
                 return Err(e);
             }
         };
-        if let Some(Some(r)) = self.regions.get_mut((key >> 8) as usize) {
+        if let Some(Some(r)) = self.regions.get_mut(slot_of(key)) {
             r.host = host;
             r.mapping = Some((p as usize, map_len));
         }
@@ -184,7 +197,7 @@ impl MrTable {
 
     /// Remove a registration.
     pub fn deregister(&mut self, key: u32) -> Result<()> {
-        match self.regions.get_mut((key >> 8) as usize) {
+        match self.regions.get_mut(slot_of(key)) {
             Some(r @ Some(_)) if r.as_ref().is_some_and(|x| x.key == key) => {
                 if let Some(Region {
                     mapping: Some((a, l)),
@@ -210,7 +223,7 @@ impl MrTable {
     ) -> std::result::Result<usize, AccessError> {
         let r = self
             .regions
-            .get((key >> 8) as usize)
+            .get(slot_of(key))
             .and_then(|r| r.as_ref())
             .filter(|r| r.key == key)
             .ok_or(AccessError::BadKey)?;
@@ -284,6 +297,37 @@ impl Drop for MrTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys of successive registrations in one slot are not a counter (before: the key's
+    /// low byte counted 1, 2, 3...), and an old key never reaches its successor.
+    #[test]
+    fn memory_keys_are_not_guessable() {
+        let mut buf = vec![0u8; 64];
+        let mut t = MrTable::default();
+        let mut keys = Vec::new();
+        for _ in 0..8 {
+            // SAFETY: `buf` outlives the table's use below.
+            let k =
+                unsafe { t.register(buf.as_mut_ptr() as usize, 64, Access::REMOTE_WRITE) }.unwrap();
+            keys.push(k);
+            t.deregister(k).unwrap();
+        }
+        let steps = keys
+            .windows(2)
+            .filter(|w| w[1].wrapping_sub(w[0]) == 1)
+            .count();
+        assert!(steps < 3, "sequential keys: {keys:x?}");
+        // SAFETY: as above.
+        let last =
+            unsafe { t.register(buf.as_mut_ptr() as usize, 64, Access::REMOTE_WRITE) }.unwrap();
+        let base = buf.as_ptr() as u64;
+        for k in keys.into_iter().filter(|k| *k != last) {
+            assert_eq!(
+                t.write(k, base, &[1], Access::REMOTE_WRITE),
+                Err(AccessError::BadKey)
+            );
+        }
+    }
 
     #[test]
     fn keys_bounds_and_rights() {

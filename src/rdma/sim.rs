@@ -1195,3 +1195,5 @@ fn loss_cost() {
         eprintln!("{line}");
     }
 }
+
+mod strangers;

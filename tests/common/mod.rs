@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+pub mod strangers;
+
 use roccl::algo::model::Tuning;
 use roccl::comm::Waiter;
 use roccl::net::NetKind;

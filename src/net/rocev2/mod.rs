@@ -76,6 +76,8 @@ pub struct RoceNet {
     dmabuf: bool,
     /// GPU memory may be posted: connections send and receive without CPU copies.
     device_buffers: AtomicBool,
+    /// The key connection setups are authenticated with ([`Net::set_job_key`]).
+    key: crate::net::NetKey,
 }
 
 impl RoceNet {
@@ -89,6 +91,7 @@ impl RoceNet {
             speed_mbps: None,
             pci_path: None,
             device_buffers: AtomicBool::new(false),
+            key: crate::net::NetKey::new(),
         })
     }
 
@@ -112,6 +115,7 @@ impl RoceNet {
             speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
             pci_path: port.and_then(|p| p.pci.clone()),
             device_buffers: AtomicBool::new(false),
+            key: crate::net::NetKey::new(),
         })
     }
 
@@ -124,6 +128,7 @@ impl RoceNet {
             pci_path: None,
             dmabuf: false,
             device_buffers: AtomicBool::new(false),
+            key: crate::net::NetKey::new(),
         }
     }
 
@@ -201,6 +206,10 @@ impl Net for RoceNet {
 
     fn set_timeout(&self, timeout: std::time::Duration) {
         self.verbs.set_timeout(timeout);
+    }
+
+    fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
+        self.key.set(key);
     }
 
     fn expect_device_buffers(&self) {

@@ -3,6 +3,15 @@
 //! configuration, provider kind), and the two state machines — [`RoceConnecting`] on the
 //! sending side and [`RoceListen`]'s accepting connections on the receiving side — that end
 //! in a [`RoceSend`] and a [`RoceRecv`].
+//!
+//! Authentication: the handle carries the listener's random 16-byte token (bytes 28..44);
+//! the connector's setup message is followed by a 16-byte tag (HMAC-SHA256 under the key of
+//! the job and that token, [`crate::net::NetKey`]), which the listener checks — and refuses a
+//! repeated one — before it creates a queue pair or bounce buffers; the listener's answer is
+//! followed by a tag over the answer and the request's tag, which the connector checks before
+//! connecting its queue pair. A stranger's connection (bad tag, garbage, idle past
+//! [`crate::net::SETUP_DEADLINE`], closed early) is dropped, counted and logged once per
+//! source; it never fails the listener.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -15,6 +24,7 @@ use super::recv::RoceRecv;
 use super::regcache::RegCache;
 use super::send::RoceSend;
 use super::{RoceNet, EMPTY_WC, FIFO};
+use crate::bootstrap::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
 use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
@@ -23,6 +33,26 @@ pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
 const INFO_MAGIC: u32 = 0x5851_5152; // "RQPX"
 /// Bytes of a setup message.
 pub(super) const INFO: usize = 64;
+/// Bytes of a setup message's tag.
+pub(super) const TAG: usize = crate::bootstrap::auth::TAG_BYTES;
+/// Where the listener's token is in the handle.
+const HANDLE_TOKEN: usize = 28;
+/// Label of the setup keys (the NIC and the userspace engine connect alike).
+const KEY_LABEL: &str = "rocev2";
+
+/// The tag of a listener's answer `info` to the request whose tag is `req_tag`.
+pub(super) fn reply_tag(key: &JobKey, info: &[u8], req_tag: &[u8]) -> [u8; TAG] {
+    key.tag(&[b"reply", info, req_tag])
+}
+
+/// The key of connections to the listener of `handle`.
+pub(super) fn conn_key(net: &RoceNet, handle: &NetHandle) -> JobKey {
+    let b = handle.as_bytes();
+    net.key.for_token(
+        KEY_LABEL,
+        &b[HANDLE_TOKEN..HANDLE_TOKEN + crate::net::TOKEN_BYTES],
+    )
+}
 
 /// Most receive work requests a peer may say it posts: the sender sizes its staging
 /// buffers (`slots × eager size`) by that number, so it is bounded before anything is
@@ -147,12 +177,16 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
     l.set_nonblocking(true)
         .map_err(|e| Error::sys("fcntl on the RoCE v2 setup listener", e))?;
     let a = l.local_addr().map_err(|e| Error::sys("getsockname", e))?;
-    let mut h = [0u8; 28];
+    let (token, key) = net.key.listener(KEY_LABEL)?;
+    let mut h = [0u8; HANDLE_TOKEN + crate::net::TOKEN_BYTES];
     h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
     put_addr(&mut h[4..24], a);
+    h[HANDLE_TOKEN..].copy_from_slice(&token);
     Ok((
         NetHandle::from_bytes(&h)?,
         Box::new(RoceListen {
+            key,
+            seen: crate::net::SeenTags::new(),
             listener: l,
             verbs: Arc::clone(&net.verbs),
             pending: Vec::new(),
@@ -184,14 +218,16 @@ pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Conne
         )?
     };
     let eager = net.eager_cfg()?;
-    side.queue(&encode_info(
-        &ep,
-        Some(&mr),
-        Some(eager),
-        net.verbs.hardware(),
-    ));
-    side.expect(INFO);
+    let key = conn_key(net, handle);
+    let info = encode_info(&ep, Some(&mr), Some(eager), net.verbs.hardware());
+    let req_tag = key.tag(&[&info]);
+    side.queue(&info);
+    side.queue(&req_tag);
+    side.expect(INFO + TAG);
     Ok(Box::new(RoceConnecting {
+        key,
+        req_tag,
+        peer_setup: peer,
         side,
         verbs: Arc::clone(&net.verbs),
         qp,
@@ -213,6 +249,11 @@ pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
 }
 
 pub(super) struct RoceConnecting {
+    /// The key of this setup, and the tag of our request (the answer's tag covers it).
+    key: JobKey,
+    req_tag: [u8; TAG],
+    /// The listener's setup address.
+    peer_setup: SocketAddr,
     side: Side,
     verbs: Arc<dyn Verbs>,
     qp: QpId,
@@ -231,6 +272,13 @@ impl Connecting for RoceConnecting {
         }
         if !self.replied {
             let b: [u8; INFO] = self.side.inb[..INFO].try_into().unwrap();
+            let tag = &self.side.inb[INFO..INFO + TAG];
+            if !self.key.verify(&[b"reply", &b, &self.req_tag], tag) {
+                return Err(Error::InvalidUsage(format!(
+                    "RoCE v2 connection setup with {}: the answer is not authenticated by this job's key (a process of another job, or without the job secret, listens at the peer's address)",
+                    self.peer_setup
+                )));
+            }
             let (peer, _, _, peer_eager) = decode_info(&b)?;
             same_provider(&b, &*self.verbs)?;
             check_peer_slots(peer_eager.slots, peer.addr)?;
@@ -322,6 +370,10 @@ struct Accepted {
 }
 
 pub(super) struct RoceListen {
+    /// The key setup messages are authenticated with.
+    key: JobKey,
+    /// Tags of the setup messages accepted (a replayed one is refused).
+    seen: crate::net::SeenTags,
     /// The setup listener (its address is in the handle).
     listener: TcpListener,
     verbs: Arc<dyn Verbs>,
@@ -334,39 +386,83 @@ impl ListenComm for RoceListen {
         loop {
             match self.listener.accept() {
                 Ok((s, _)) => {
-                    let mut side = Side::new(s)?;
-                    side.expect(INFO);
+                    let Ok(mut side) = Side::new(s) else {
+                        continue; // a socket already gone: drop it
+                    };
+                    side.expect(INFO + TAG);
                     self.pending.push(Accepting {
                         side,
                         accepted: None,
                     });
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(Error::sys("accept on the RoCE v2 setup listener", e)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // Out of descriptors, a connection reset before accept...: the listener itself
+                // is fine; try again at the next call.
+                Err(_) => break,
             }
         }
         let mut i = 0;
         while i < self.pending.len() {
             let accepting = &mut self.pending[i];
-            let ready = match accepting.side.pump() {
-                Ok(r) => r,
-                Err(_) => {
-                    if let Some(accepted) = self.pending.swap_remove(i).accepted {
-                        self.verbs.destroy_qp(accepted.qp);
-                        let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
-                    }
-                    continue;
-                }
+            let pumped = accepting.side.pump();
+            let bad = match &pumped {
+                Err(e) => Some(format!("the connection failed during setup ({e})")),
+                Ok(false) if accepting.side.overdue() => Some(format!(
+                    "no whole setup message within {:.0?} ({} bytes)",
+                    crate::net::SETUP_DEADLINE,
+                    accepting.side.inb.len()
+                )),
+                _ => None,
             };
-            if !ready {
+            if let Some(why) = bad {
+                let gone = self.pending.swap_remove(i);
+                // A peer that had its setup message accepted is one of ours: its errors are
+                // its own to report.
+                if gone.accepted.is_none() {
+                    auth::refuse("RoCE v2 setup listener", gone.side.peer_ip(), &why);
+                }
+                if let Some(accepted) = gone.accepted {
+                    self.verbs.destroy_qp(accepted.qp);
+                    let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
+                }
+                continue;
+            }
+            if pumped.ok() != Some(true) {
                 i += 1;
                 continue;
             }
             if accepting.accepted.is_none() {
                 let b: [u8; INFO] = accepting.side.inb[..INFO].try_into().unwrap();
-                let (peer, fifo_addr, fifo_rkey, sender_eager) = decode_info(&b)?;
-                same_provider(&b, &*self.verbs)?;
-                let (qp, ep) = self.verbs.create_qp()?;
+                let tag: [u8; TAG] = accepting.side.inb[INFO..INFO + TAG].try_into().unwrap();
+                let refused = if !self.key.verify(&[&b], &tag) {
+                    Some("a setup message not authenticated by this job's key (garbage, a rank of another job, or without the job secret)")
+                } else if !self.seen.first(&tag) {
+                    Some("a replayed setup message")
+                } else {
+                    None
+                };
+                if let Some(why) = refused {
+                    let gone = self.pending.swap_remove(i);
+                    auth::refuse("RoCE v2 setup listener", gone.side.peer_ip(), why);
+                    continue;
+                }
+                // An authenticated peer set up differently: its error is the job's.
+                let checked =
+                    decode_info(&b).and_then(|d| same_provider(&b, &*self.verbs).map(|()| d));
+                let (peer, fifo_addr, fifo_rkey, sender_eager) = match checked {
+                    Ok(d) => d,
+                    Err(e) => {
+                        self.pending.swap_remove(i);
+                        return Err(e);
+                    }
+                };
+                let (qp, ep) = match self.verbs.create_qp() {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.pending.swap_remove(i);
+                        return Err(e);
+                    }
+                };
                 // Receives are posted before the sender learns our endpoint: its first
                 // message (eager, without a clear-to-send) always finds one.
                 let cfg = self.eager;
@@ -378,12 +474,14 @@ impl ListenComm for RoceListen {
                     Ok(b) => b,
                     Err(e) => {
                         self.verbs.destroy_qp(qp);
+                        self.pending.swap_remove(i);
                         return Err(e);
                     }
                 };
-                accepting
-                    .side
-                    .queue(&encode_info(&ep, None, Some(cfg), self.verbs.hardware()));
+                let answer = encode_info(&ep, None, Some(cfg), self.verbs.hardware());
+                let accepting = &mut self.pending[i];
+                accepting.side.queue(&answer);
+                accepting.side.queue(&reply_tag(&self.key, &answer, &tag));
                 accepting.side.expect(1); // the sender's "ready"
                 accepting.accepted = Some(Accepted {
                     qp,

@@ -4,7 +4,7 @@
 use super::eager::{EagerCfg, EAGER_DEFAULT};
 use super::flush::FLUSH_READS;
 use super::recv::written;
-use super::setup::{decode_info, encode_info, handle_with_port, INFO};
+use super::setup::{conn_key, decode_info, encode_info, handle_with_port, reply_tag, INFO, TAG};
 use super::*;
 use crate::net::{PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, SendComm};
 use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode, PROVIDER_WR_ID_BIT};
@@ -332,17 +332,21 @@ fn a_peer_claiming_absurd_receive_buffers_is_refused() {
     let port = fake.local_addr().unwrap().port();
     let (h, _l) = net.listen(0).unwrap();
     let mut c = net.connect(0, &handle_with_port(&h, port)).unwrap();
+    let key = conn_key(&net, &h);
     let peer = std::thread::spawn(move || {
         let (mut s, _) = fake.accept().unwrap();
-        let mut req = [0u8; INFO];
+        let mut req = [0u8; INFO + TAG];
         s.read_exact(&mut req).unwrap();
-        // Answer with the connector's own endpoint (a QP connected to itself).
-        let (ep, _, _, _) = decode_info(&req).unwrap();
+        // Answer with the connector's own endpoint (a QP connected to itself), as a peer of
+        // the job would (it knows the key).
+        let (ep, _, _, _) = decode_info(req[..INFO].try_into().unwrap()).unwrap();
         let eager = EagerCfg {
             size: EAGER_DEFAULT,
             slots: u32::MAX,
         };
-        s.write_all(&encode_info(&ep, None, Some(eager), false))
+        let answer = encode_info(&ep, None, Some(eager), false);
+        s.write_all(&answer).unwrap();
+        s.write_all(&reply_tag(&key, &answer, &req[INFO..]))
             .unwrap();
         s
     });

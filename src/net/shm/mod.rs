@@ -14,6 +14,16 @@
 //! `poll(2)` raises its flag in the segment; the other side then writes a doorbell byte on the
 //! TCP connection after it produced or consumed. That connection also tells when the peer's
 //! process is gone.
+//!
+//! Strangers: the handle carries the listener's random 16-byte token (bytes 32..48); the
+//! name message is followed by a 16-byte tag (HMAC-SHA256 under the key of the job and the
+//! token, `net::NetKey`). Before it opens anything the listener checks that the
+//! connecting process runs as this user (the owner of its loopback socket), the tag (and that
+//! it was not seen before), that the name is one roccl makes (`/roccl-` then digits, `-` and
+//! hex) and the ring size; [`Segment::open`] then refuses a segment of another user or
+//! shorter than the ring. A connection that fails any check, sends garbage, closes early or
+//! sends nothing for `SETUP_DEADLINE` is dropped, counted and logged once per source, never
+//! an error of the listener.
 
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -32,6 +42,10 @@ use crate::os::shm::Segment;
 
 const HANDLE_MAGIC: u32 = 0x4d48_5352; // "RSHM"
 const NAME_MSG: usize = 96;
+/// Bytes of the name message's tag.
+const TAG: usize = crate::bootstrap::auth::TAG_BYTES;
+/// Where the listener's token is in the handle.
+const HANDLE_TOKEN: usize = 32;
 /// Bytes of a message header in the ring: length (u64), tag (u32), kind (u32: 0 payload
 /// follows, 1 direct), and for a direct message the sender's address (u64), pid (u32) and
 /// direct sequence number (u32).
@@ -188,6 +202,8 @@ pub struct ShmNet {
     ring: usize,
     /// Direct (single-copy) messages from this size on (usize::MAX: never).
     cma: usize,
+    /// The key connections are authenticated with ([`Net::set_job_key`]).
+    key: super::NetKey,
 }
 
 impl ShmNet {
@@ -197,8 +213,19 @@ impl ShmNet {
             host: host_id(),
             ring: ring_size()?,
             cma: cma_threshold(),
+            key: super::NetKey::new(),
         })
     }
+}
+
+/// Whether `name` is one [`ShmNet`]'s connect makes: `/roccl-`, then digits, `-` and hex.
+fn valid_segment_name(name: &[u8]) -> bool {
+    name.len() <= 64
+        && name.starts_with(b"/roccl-")
+        && name.len() > 7
+        && name[7..]
+            .iter()
+            .all(|c| c.is_ascii_hexdigit() || *c == b'-')
 }
 
 impl Net for ShmNet {
@@ -241,19 +268,27 @@ impl Net for ShmNet {
             .local_addr()
             .map_err(|e| Error::sys("getsockname", e))?
             .port();
-        let mut h = [0u8; 32];
+        let (token, key) = self.key.listener("shm")?;
+        let mut h = [0u8; HANDLE_TOKEN + super::TOKEN_BYTES];
         h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
         h[4..6].copy_from_slice(&port.to_le_bytes());
         h[8..16].copy_from_slice(&(self.ring as u64).to_le_bytes());
         h[16..32].copy_from_slice(&self.host);
+        h[HANDLE_TOKEN..].copy_from_slice(&token);
         Ok((
             NetHandle::from_bytes(&h)?,
             Box::new(ShmListen {
+                key,
+                seen: super::SeenTags::new(),
                 l,
                 pending: Vec::new(),
                 cma: self.cma,
             }),
         ))
+    }
+
+    fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
+        self.key.set(key);
     }
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
@@ -279,9 +314,8 @@ impl Net for ShmNet {
             "/roccl-{}-{}-{:x}",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.subsec_nanos())
+            // Unpredictable, so that no other user can take the name first.
+            u64::from_le_bytes(crate::bootstrap::auth::random()?)
         );
         let cname = CString::new(name.clone()).expect("no NUL in the name");
         let seg = Segment::create(&cname, SEG_HDR + ring)?;
@@ -292,7 +326,11 @@ impl Net for ShmNet {
         msg[NAME_MSG - 24..NAME_MSG - 20].copy_from_slice(&std::process::id().to_le_bytes());
         let probe = &CMA_PROBE as *const u64 as u64;
         msg[NAME_MSG - 16..NAME_MSG - 8].copy_from_slice(&probe.to_le_bytes());
+        let key = self
+            .key
+            .for_token("shm", &b[HANDLE_TOKEN..HANDLE_TOKEN + super::TOKEN_BYTES]);
         side.queue(&msg);
+        side.queue(&key.tag(&[&msg]));
         side.expect(1);
         Ok(Box::new(ShmConnecting {
             side,
@@ -362,6 +400,10 @@ impl Connecting for ShmConnecting {
 }
 
 struct ShmListen {
+    /// The key name messages are authenticated with.
+    key: crate::bootstrap::auth::JobKey,
+    /// Tags of the name messages accepted (a replayed one is refused).
+    seen: super::SeenTags,
     l: TcpListener,
     pending: Vec<Side>,
     cma: usize,
@@ -371,38 +413,92 @@ impl ListenComm for ShmListen {
     fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
         loop {
             match self.l.accept() {
-                Ok((s, _)) => {
-                    let mut side = Side::new(s)?;
-                    side.expect(NAME_MSG);
+                Ok((s, from)) => {
+                    // The peer must run as this user (what SO_PEERCRED says of a Unix socket).
+                    let me = s.local_addr().ok();
+                    // SAFETY: geteuid has no preconditions.
+                    let uid = unsafe { libc::geteuid() };
+                    if let Some(theirs) =
+                        me.and_then(|me| crate::os::process::loopback_peer_uid(me, from))
+                    {
+                        if theirs != uid {
+                            crate::bootstrap::auth::refuse(
+                                "shared-memory setup listener",
+                                Some(from.ip()),
+                                &format!(
+                                    "a process of user {theirs}, not of this job's user {uid}"
+                                ),
+                            );
+                            continue;
+                        }
+                    }
+                    let Ok(mut side) = Side::new(s) else {
+                        continue;
+                    };
+                    side.expect(NAME_MSG + TAG);
                     self.pending.push(side);
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(Error::sys("accept on the shared-memory setup listener", e)),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // Out of descriptors, a connection reset before accept...: try again later.
+                Err(_) => break,
             }
         }
         let mut i = 0;
         while i < self.pending.len() {
-            let ready = match self.pending[i].pump() {
-                Ok(r) => r,
-                Err(_) => {
-                    self.pending.swap_remove(i);
+            let pumped = self.pending[i].pump();
+            let bad = match &pumped {
+                Err(e) => Some(format!("the connection failed during setup ({e})")),
+                Ok(false) if self.pending[i].overdue() => Some(format!(
+                    "no whole setup message within {:.0?}",
+                    super::SETUP_DEADLINE
+                )),
+                Ok(false) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(true) => None,
+            };
+            let mut side = self.pending.swap_remove(i);
+            let refuse = |why: &str| {
+                crate::bootstrap::auth::refuse("shared-memory setup listener", side.peer_ip(), why)
+            };
+            if let Some(why) = bad {
+                refuse(&why);
+                continue;
+            }
+            let (msg, tag) = side.inb.split_at(NAME_MSG);
+            if !self.key.verify(&[msg], tag) {
+                refuse("a setup message not authenticated by this job's key (garbage, a rank of another job, or without the job secret)");
+                continue;
+            }
+            if !self.seen.first(tag) {
+                refuse("a replayed setup message");
+                continue;
+            }
+            let n = usize::from(side.inb[0]).min(NAME_MSG - 25);
+            let raw = &side.inb[1..1 + n];
+            let name = match CString::new(raw) {
+                Ok(c) if valid_segment_name(raw) => c,
+                _ => {
+                    refuse("a segment name roccl does not make");
                     continue;
                 }
             };
-            if !ready {
-                i += 1;
-                continue;
-            }
-            let mut side = self.pending.swap_remove(i);
-            let n = usize::from(side.inb[0]).min(NAME_MSG - 25);
-            let name = CString::new(&side.inb[1..1 + n])
-                .map_err(|_| Error::InvalidUsage("shared-memory setup: bad segment name".into()))?;
             let ring = u64::from_le_bytes(side.inb[NAME_MSG - 8..NAME_MSG].try_into().unwrap());
-            let ring = usize::try_from(ring)
+            let Some(ring) = usize::try_from(ring)
                 .ok()
-                .filter(|r| r.is_power_of_two() && *r >= 1 << 16)
-                .ok_or_else(|| Error::InvalidUsage("shared-memory setup: bad ring size".into()))?;
-            let seg = Segment::open(&name, SEG_HDR + ring)?;
+                .filter(|r| r.is_power_of_two() && (1 << 16..=1 << 30).contains(r))
+            else {
+                refuse(&format!("a ring size of {ring} bytes"));
+                continue;
+            };
+            let seg = match Segment::open(&name, SEG_HDR + ring) {
+                Ok(s) => s,
+                Err(e) => {
+                    refuse(&format!("its segment cannot be mapped: {e}"));
+                    continue;
+                }
+            };
             // Can we read the sender's memory? (Not across PID namespaces, or under a ptrace
             // policy like Yama's scope 1+ between sibling processes.)
             let pid =
@@ -414,7 +510,10 @@ impl ListenComm for ShmListen {
                 && cma_read(pid as i32, probe, bytemuck::bytes_of_mut(&mut word)).is_ok()
                 && word == CMA_PROBE;
             side.queue(&[if cma { 2 } else { 1 }]);
-            while !side.pump()? {}
+            // One byte to a fresh socket's empty buffer: sent at once, or the peer is gone.
+            if !matches!(side.pump(), Ok(true)) {
+                continue;
+            }
             return Ok(Some(Box::new(ShmRecv {
                 seg,
                 pid: pid as i32,
@@ -822,6 +921,9 @@ impl RecvComm for ShmRecv {
 }
 
 #[cfg(test)]
+mod strangers;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -830,8 +932,72 @@ mod tests {
             host: host_id(),
             ring,
             cma,
+            key: crate::net::NetKey::new(),
         };
         super::super::connect_pair(&net)
+    }
+
+    /// A peer that knows the job's key but names a segment shorter than the ring it claims
+    /// (before the size check: SIGBUS at the first touch), a name roccl does not make, or
+    /// garbage, is dropped: no fault, no error of the listener, which then connects a real
+    /// peer. Without the key, a well-formed message is dropped as well.
+    #[test]
+    fn bad_setup_messages_are_dropped_and_the_listener_goes_on() {
+        use std::time::{Duration, Instant};
+        let net = ShmNet::new().unwrap();
+        net.set_job_key(&crate::bootstrap::auth::JobKey::from_secret(
+            &[3; 16], b"test",
+        ));
+        let (h, mut l) = net.listen(0).unwrap();
+        let b = *h.as_bytes();
+        let port = u16::from_le_bytes([b[4], b[5]]);
+        let token = &b[HANDLE_TOKEN..HANDLE_TOKEN + crate::net::TOKEN_BYTES];
+        let key = net.key.for_token("shm", token);
+        let wrong = crate::net::NetKey::new().for_token("shm", token);
+        let tiny = format!("/roccl-{}-9999-abc", std::process::id());
+        let ctiny = CString::new(tiny.clone()).unwrap();
+        let _seg = Segment::create(&ctiny, 4096).unwrap();
+        let send = |name: &str, ring: u64, key: &crate::bootstrap::auth::JobKey| {
+            let mut s = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).unwrap();
+            let mut msg = [0u8; NAME_MSG];
+            msg[0] = name.len() as u8;
+            msg[1..1 + name.len()].copy_from_slice(name.as_bytes());
+            msg[NAME_MSG - 8..].copy_from_slice(&ring.to_le_bytes());
+            s.write_all(&msg).unwrap();
+            s.write_all(&key.tag(&[&msg])).unwrap();
+            s
+        };
+        let before = crate::bootstrap::auth::refused();
+        let _held = [
+            send(&tiny, 1 << 20, &key),
+            send("/../../etc/passwd", 1 << 20, &key),
+            send(&tiny, 3, &key),
+            send(&tiny, 1 << 16, &wrong),
+        ];
+        let mut garbage = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).unwrap();
+        garbage.write_all(&[0xa5; NAME_MSG + TAG]).unwrap();
+        let t = Instant::now();
+        while crate::bootstrap::auth::refused() < before + 5 {
+            assert!(l.accept().unwrap().is_none());
+            assert!(t.elapsed() < Duration::from_secs(5), "not all refused");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // SAFETY: unlinking the name this test created.
+        unsafe { libc::shm_unlink(ctiny.as_ptr()) };
+        let mut c = net.connect(0, &h).unwrap();
+        let (mut sent, mut got) = (None, None);
+        while sent.is_none() || got.is_none() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the listener no longer connects"
+            );
+            if sent.is_none() {
+                sent = c.poll().unwrap();
+            }
+            if got.is_none() {
+                got = l.accept().unwrap();
+            }
+        }
     }
 
     /// The consumer position the sender reads from shared memory is the peer's word: one

@@ -10,10 +10,14 @@
 //! reads socket 0 through a 64 KiB buffer, so a small message costs one `recv`, and reads
 //! large parts straight into the destination (no copy).
 //!
-//! A new connection opens its sockets and sends a 16-byte hello on each
-//! (`magic`, `conn id: u64`, `index: u16`, `count: u16`, bit 15 of the count set on a duplex
-//! connection); the listener groups sockets by connection id and hands out the receive comm
-//! once all have arrived.
+//! A new connection opens its sockets and sends a 32-byte hello on each
+//! (`magic`, `conn id: u64` from the OS random source, `index: u16`, `count: u16`, bit 15 of
+//! the count set on a duplex connection, then a 16-byte tag: HMAC-SHA256 of the first 16
+//! bytes under the listener's key, see `net::NetKey`); the listener drops a socket
+//! whose tag does not check, or that repeats one already seen, before grouping it, and drops
+//! one that has not sent its hello within `SETUP_DEADLINE`. It groups sockets by connection
+//! id and hands out the receive comm once all have arrived. The listen handle carries the
+//! listener's 16-byte token at bytes 48..64.
 
 //!
 //! The modules: `setup` (connecting and accepting), `io` (socket calls and the layout of
@@ -37,6 +41,10 @@ const HANDLE_MAGIC: u32 = 0x5043_5452; // "RTCP"
 const HELLO_MAGIC: u32 = 0x4f4c_4548; // "HELO"
 const MSG_MAGIC: u32 = 0x4753_4d52; // "RMSG"
 const HDR: usize = 16;
+/// Bytes of a hello: the 16 that say which connection and socket, and their tag.
+const HELLO: usize = HDR + crate::bootstrap::auth::TAG_BYTES;
+/// Where the listener's token is in the handle.
+const HANDLE_TOKEN: usize = 48;
 /// Bits of a header's first word that hold the payload length (the top 16 hold the message's
 /// number).
 const LEN_MASK: u64 = (1 << 48) - 1;
@@ -74,6 +82,8 @@ pub struct TcpNet {
     /// Connections carry messages both ways (`ROCCL_TCP_DUPLEX`, default on; see
     /// [`Net::duplex`]).
     duplex: bool,
+    /// The key connections are authenticated with ([`Net::set_job_key`]).
+    key: super::NetKey,
 }
 
 impl TcpNet {
@@ -104,6 +114,7 @@ impl TcpNet {
                 b => Some(b),
             },
             duplex: crate::envvar::switch_or("ROCCL_TCP_DUPLEX", true),
+            key: super::NetKey::new(),
         })
     }
 
@@ -127,8 +138,15 @@ impl TcpNet {
 /// Byte of the handle that says whether its listener takes duplex connections.
 const HANDLE_DUPLEX: usize = 32;
 
-fn encode_handle(sa: SocketAddr, nsocks: usize, split: usize, duplex: bool) -> Result<NetHandle> {
-    let mut b = [0u8; 48];
+fn encode_handle(
+    sa: SocketAddr,
+    nsocks: usize,
+    split: usize,
+    duplex: bool,
+    token: &[u8; super::TOKEN_BYTES],
+) -> Result<NetHandle> {
+    let mut b = [0u8; HANDLE_TOKEN + super::TOKEN_BYTES];
+    b[HANDLE_TOKEN..].copy_from_slice(token);
     b[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
     b[4] = nsocks as u8;
     match sa.ip() {
@@ -256,5 +274,9 @@ impl Net for TcpNet {
 
     fn connect_duplex(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
         self.dial(handle, self.duplex && handle.as_bytes()[HANDLE_DUPLEX] == 1)
+    }
+
+    fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
+        self.key.set(key);
     }
 }

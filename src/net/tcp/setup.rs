@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use socket2::{Domain, Protocol, Socket, Type};
@@ -15,9 +14,10 @@ use super::io::{recv_raw, send_raw, Layout};
 use super::recv::TcpRecvComm;
 use super::send::TcpSendComm;
 use super::{
-    decode_handle, duplex_inline, encode_handle, tune, TcpNet, HDR, HELLO_DUPLEX, HELLO_MAGIC,
-    MAX_SOCKS,
+    decode_handle, duplex_inline, encode_handle, tune, TcpNet, HANDLE_TOKEN, HDR, HELLO,
+    HELLO_DUPLEX, HELLO_MAGIC, MAX_SOCKS,
 };
+use crate::bootstrap::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::net::{
     connect_done, start_connect, Connecting, ListenComm, NetHandle, PollFd, RecvComm, SendComm,
@@ -30,12 +30,9 @@ impl TcpNet {
         let (sa, per_way, split) = decode_handle(handle)?;
         let nsocks = if duplex { 1 + 2 * per_way } else { per_way };
         let count = nsocks as u16 | if duplex { HELLO_DUPLEX } else { 0 };
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let id = nanos ^ ((std::process::id() as u64) << 40) ^ NEXT.fetch_add(1, Ordering::Relaxed);
+        let token = &handle.as_bytes()[HANDLE_TOKEN..HANDLE_TOKEN + crate::net::TOKEN_BYTES];
+        let key = self.key.for_token("tcp", token);
+        let id = u64::from_le_bytes(auth::random()?);
         let mut socks = Vec::with_capacity(nsocks);
         let sndbuf = self.sndbuf_for(sa.ip());
         for i in 0..nsocks {
@@ -47,11 +44,13 @@ impl TcpNet {
                     .map_err(|e| Error::sys("setsockopt(SO_SNDBUF)", e))?;
             }
             start_connect(&s, sa, "")?;
-            let mut hello = [0u8; HDR];
+            let mut hello = [0u8; HELLO];
             hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
             hello[4..12].copy_from_slice(&id.to_le_bytes());
             hello[12..14].copy_from_slice(&(i as u16).to_le_bytes());
             hello[14..16].copy_from_slice(&count.to_le_bytes());
+            let tag = key.tag(&[&hello[..HDR]]);
+            hello[HDR..].copy_from_slice(&tag);
             socks.push(PendingSock {
                 sock: s,
                 hello,
@@ -87,10 +86,13 @@ impl TcpNet {
             .ok()
             .and_then(|a| a.as_socket())
             .ok_or_else(|| Error::Internal("listener has no local address".into()))?;
-        let handle = encode_handle(local, self.nsocks, self.split, self.duplex)?;
+        let (token, key) = self.key.listener("tcp")?;
+        let handle = encode_handle(local, self.nsocks, self.split, self.duplex, &token)?;
         Ok((
             handle,
             Box::new(TcpListen {
+                key,
+                seen: crate::net::SeenTags::new(),
                 sock: s,
                 split: self.split,
                 local_sndbuf: self.local_sndbuf,
@@ -103,7 +105,7 @@ impl TcpNet {
 
 pub(super) struct PendingSock {
     sock: Socket,
-    hello: [u8; HDR],
+    hello: [u8; HELLO],
     sent: usize,
     connected: bool,
 }
@@ -143,14 +145,14 @@ impl Connecting for TcpConnecting {
                 }
                 p.connected = true;
             }
-            while p.sent < HDR {
+            while p.sent < HELLO {
                 match send_raw(p.sock.as_raw_fd(), &p.hello[p.sent..]) {
                     Ok(n) => p.sent += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => return Err(Error::sys(format!("sending hello to {}", self.peer), e)),
                 }
             }
-            if p.sent < HDR {
+            if p.sent < HELLO {
                 all = false;
             }
         }
@@ -179,11 +181,17 @@ impl Connecting for TcpConnecting {
 
 pub(super) struct Incoming {
     sock: Socket,
-    hello: [u8; HDR],
+    from: Option<std::net::IpAddr>,
+    hello: [u8; HELLO],
     got: usize,
+    since: std::time::Instant,
 }
 
 pub(super) struct TcpListen {
+    /// The key hellos are authenticated with.
+    key: JobKey,
+    /// Tags of the hellos accepted (a replayed hello is refused).
+    seen: crate::net::SeenTags,
     sock: Socket,
     /// Split threshold published in our handle; senders cut messages with it (both ways on
     /// a duplex connection).
@@ -199,12 +207,16 @@ impl ListenComm for TcpListen {
     fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
         loop {
             match self.sock.accept() {
-                Ok((s, _)) => {
-                    tune(&s)?;
+                Ok((s, from)) => {
+                    if tune(&s).is_err() {
+                        continue; // a socket already reset by its peer: drop it
+                    }
                     self.pending.push(Incoming {
                         sock: s,
-                        hello: [0; HDR],
+                        from: from.as_socket().map(|a| a.ip()),
+                        hello: [0; HELLO],
                         got: 0,
+                        since: std::time::Instant::now(),
                     });
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -216,11 +228,11 @@ impl ListenComm for TcpListen {
         while i < self.pending.len() {
             let inc = &mut self.pending[i];
             let mut drop_it = false;
-            while inc.got < HDR {
+            while inc.got < HELLO {
                 match recv_raw(
                     inc.sock.as_raw_fd(),
                     inc.hello[inc.got..].as_mut_ptr(),
-                    HDR - inc.got,
+                    HELLO - inc.got,
                 ) {
                     Ok(0) => {
                         drop_it = true; // connection closed before hello: ignore it
@@ -234,18 +246,47 @@ impl ListenComm for TcpListen {
                     }
                 }
             }
+            if inc.got < HELLO && !drop_it && inc.since.elapsed() > crate::net::SETUP_DEADLINE {
+                auth::refuse(
+                    "tcp setup listener",
+                    inc.from,
+                    &format!(
+                        "no whole hello within {:.0?} ({} of {HELLO} bytes)",
+                        crate::net::SETUP_DEADLINE,
+                        inc.got
+                    ),
+                );
+                drop_it = true;
+            }
             if drop_it {
                 self.pending.swap_remove(i);
                 continue;
             }
-            if inc.got < HDR {
+            if inc.got < HELLO {
                 i += 1;
                 continue;
             }
             let inc = self.pending.swap_remove(i);
             let h = &inc.hello;
             if u32::from_le_bytes(h[0..4].try_into().unwrap()) != HELLO_MAGIC {
-                continue; // a stranger (port scan, wrong program): drop it
+                auth::refuse(
+                    "tcp setup listener",
+                    inc.from,
+                    "not a roccl hello (bad magic)",
+                );
+                continue;
+            }
+            if !self.key.verify(&[&h[..HDR]], &h[HDR..]) {
+                auth::refuse(
+                    "tcp setup listener",
+                    inc.from,
+                    "a hello not authenticated by this job's key (a rank of another job, or without the job secret)",
+                );
+                continue;
+            }
+            if !self.seen.first(&h[HDR..]) {
+                auth::refuse("tcp setup listener", inc.from, "a replayed hello");
+                continue;
             }
             let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
             let idx = u16::from_le_bytes([h[12], h[13]]) as usize;

@@ -16,6 +16,7 @@ fn net(nsocks: usize) -> TcpNet {
         split: 64 * 1024,
         local_sndbuf: Some(LOCAL_SNDBUF),
         duplex: true,
+        key: crate::net::NetKey::new(),
     }
 }
 

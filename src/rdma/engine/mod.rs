@@ -262,6 +262,13 @@ pub struct Stats {
     pub timeouts: u64,
     /// Tail-loss probes sent.
     pub tail_probes: u64,
+    /// Datagrams dropped because they came from another address than their QP's peer (as a
+    /// NIC checks the source GID): strangers and spoofers.
+    pub wrong_source: u64,
+    /// ACKs and NAKs dropped because their PSN lies outside what the QP has outstanding
+    /// (IBTA: ghost acknowledgements are ignored), so a forged one neither completes nor
+    /// fails anything.
+    pub ghost_acks: u64,
 }
 
 struct Qp {
@@ -575,6 +582,17 @@ impl Engine {
 
     /// Create a QP in RESET whose packets leave from UDP port `src_port`.
     pub fn create_qp(&mut self, send_cq: CqId, recv_cq: CqId, src_port: u16) -> Result<Qpn> {
+        self.create_qp_gen(send_cq, recv_cq, src_port, None)
+    }
+
+    /// [`Engine::create_qp`] with the QPN's generation bits given (`None`: random).
+    fn create_qp_gen(
+        &mut self,
+        send_cq: CqId,
+        recv_cq: CqId,
+        src_port: u16,
+        generation: Option<u32>,
+    ) -> Result<Qpn> {
         if send_cq >= self.cqs.len() || recv_cq >= self.cqs.len() {
             return Err(Error::arg("create_qp: unknown completion queue"));
         }
@@ -586,7 +604,16 @@ impl Engine {
                 self.qps.push(None);
                 self.qps.len() - 1
             });
-        self.qpn_gen = self.qpn_gen.wrapping_add(1);
+        // A generation from the OS random source (unlike the last one), so that stale
+        // packets miss new QPs and a stranger cannot guess a QP's number from another's.
+        let mut r = [0u8; 4];
+        let drawn = getrandom::getrandom(&mut r).map(|()| u32::from_le_bytes(r) & 0xfff);
+        let next = match (generation, drawn) {
+            (Some(g), _) => g,
+            (None, Ok(g)) if g != self.qpn_gen & 0xfff => g,
+            _ => self.qpn_gen.wrapping_add(1),
+        };
+        self.qpn_gen = next;
         // Low 12 bits: the slot; high bits: a generation, so stale packets miss new QPs.
         let qpn = ((self.qpn_gen & 0xfff) << 12 | slot as u32) & PSN_MASK;
         let qpn = if qpn < 2 { qpn | 0x1000 } else { qpn }; // QPs 0 and 1 are special in IB
@@ -760,8 +787,9 @@ impl Engine {
 
     fn create_qp_at(&mut self, qpn: Qpn, scq: CqId, rcq: CqId, port: u16) -> Qpn {
         let saved = self.qpn_gen;
-        self.qpn_gen = (qpn >> 12).wrapping_sub(1);
-        let n = self.create_qp(scq, rcq, port).unwrap_or(qpn);
+        let n = self
+            .create_qp_gen(scq, rcq, port, Some(qpn >> 12))
+            .unwrap_or(qpn);
         self.qpn_gen = saved;
         n
     }
@@ -1025,6 +1053,10 @@ impl Engine {
             return;
         };
         if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
+            return;
+        }
+        if from.ip() != qp.attr.dest.ip() {
+            self.stats.wrong_source += 1;
             return;
         }
         let op = pkt.bth.opcode;

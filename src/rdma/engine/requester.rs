@@ -65,6 +65,18 @@ impl Engine {
             return;
         }
         let Some(aeth) = pkt.aeth else { return };
+        // Only what is outstanding can be acknowledged or refused: an ACK of a PSN not sent
+        // yet, or a NAK of one already acknowledged or not sent yet, is a ghost (a stale or
+        // forged packet) and is dropped, as IBTA requires.
+        let ghost = match aeth.kind() {
+            Some(AckKind::Ack { .. }) => psn_diff(psn, qp.sent_hi) >= 0,
+            Some(_) => psn_diff(psn, qp.acked) < 0 || psn_diff(psn, qp.sent_hi) >= 0,
+            None => false,
+        };
+        if ghost && aeth.syndrome & 0xe0 != HOLE_SYNDROME {
+            self.stats.ghost_acks += 1;
+            return;
+        }
         if aeth.syndrome & 0xe0 == HOLE_SYNDROME {
             // A hole report: resend the missing packets it names (it acknowledges nothing).
             if qp.attr.selective {

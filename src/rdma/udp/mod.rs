@@ -1045,7 +1045,13 @@ impl Verbs for UserVerbs {
         };
         d.engine.modify_qp(q, QpState::Init, &QpAttr::default())?;
         d.tx.insert(port, tx);
-        let psn = d.next_psn;
+        // The first PSN from the OS random source (a stranger cannot guess it from another
+        // QP's); the generator only if that fails.
+        let mut r = [0u8; 4];
+        let psn = match getrandom::getrandom(&mut r) {
+            Ok(()) => u32::from_le_bytes(r) & 0x00ff_ffff,
+            Err(_) => d.next_psn,
+        };
         d.next_psn = (d.next_psn.wrapping_mul(1_103_515_245).wrapping_add(12_345)) & 0x00ff_ffff;
         d.qps.insert(
             q,

@@ -1,0 +1,403 @@
+//! Strangers at every listener (issue 22): processes that reach a rank's ports without
+//! belonging to the job — port scanners, idle and half-open connections, random bytes,
+//! well-formed messages without the job secret, a forged abort notice — while a job runs.
+//! The job completes with checked results; the impostor cannot register, connect or abort.
+//!
+//! The ranks are threads of this process, so the ports attacked are found the way a
+//! stranger on the host would: every TCP port this process listens on (`/proc`).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use common::strangers::*;
+use common::*;
+use roccl::algo::model::Tuning;
+use roccl::bootstrap::{rendezvous, UniqueId};
+use roccl::net::NetKind;
+use roccl::{Communicator, Config, RedOp};
+
+/// The job secret of the launcher-mode tests.
+const SECRET: [u8; 16] = *b"0123456789abcdef";
+
+/// Launcher mode with a job secret: rank 0 serves the root at `addr` (port 0: any).
+fn launcher_root(addr: SocketAddr) -> UniqueId {
+    roccl::bootstrap::serve_root_with(addr, Some(SECRET)).unwrap()
+}
+
+/// The id every other rank computes from the root's address and the job secret.
+fn launcher_id(addr: SocketAddr) -> UniqueId {
+    UniqueId::for_address_with(addr, Some(SECRET))
+}
+
+fn cfg(net: NetKind) -> Config {
+    let mut c = config(Tuning::default());
+    c.net = net;
+    // Through the network's connections (not the shared segments of ranks on one host).
+    c.algo = Some(roccl::Algo::Ring);
+    c.waiter.timeout = Duration::from_secs(20);
+    c
+}
+
+/// `n` ranks join (`id`) and, if `warm`, run one all-reduce (their connections are open);
+/// strangers attack every listener of this process, then each rank runs `rounds`
+/// all-reduces (without `warm`, the connections open after the attack) and checks them.
+fn job_under_attack(net: NetKind, n: usize, rounds: usize, warm: bool, attack: &(dyn Fn() + Sync)) {
+    let id = UniqueId::new().unwrap();
+    let joined = Barrier::new(n + 1);
+    let attacked = Barrier::new(n + 1);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (joined, attacked, c) = (&joined, &attacked, cfg(net));
+                s.spawn(move || {
+                    let c = Communicator::init_with(&id, n, r, c);
+                    if let (true, Ok(c)) = (warm, &c) {
+                        let mut v = vec![1f32; 64];
+                        c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+                    }
+                    joined.wait();
+                    attacked.wait();
+                    let c = c.expect("init");
+                    for round in 0..rounds {
+                        let mut v: Vec<f32> =
+                            (0..1000).map(|i| (r * 1000 + i + round) as f32).collect();
+                        c.all_reduce_in_place(&mut v, RedOp::Sum)
+                            .unwrap_or_else(|e| panic!("rank {r} round {round}: {e}"));
+                        for (i, x) in v.iter().enumerate() {
+                            let want: usize = (0..n).map(|q| q * 1000 + i + round).sum();
+                            assert_eq!(*x, want as f32, "rank {r} round {round} element {i}");
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        joined.wait();
+        attack();
+        attacked.wait();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(Box::new(format!(
+                    "rank {r} failed: {:?}",
+                    e.downcast_ref::<String>()
+                )));
+            }
+        }
+    });
+}
+
+/// Strangers at every listening port; the connections stay open until the job is over.
+fn strangers_everywhere(net: NetKind) {
+    let before = roccl::bootstrap::auth::refused();
+    let held = parking_lot::Mutex::new(Vec::new());
+    job_under_attack(net, 3, 10, false, &|| {
+        let ports = listening_ports();
+        assert!(!ports.is_empty(), "no listener found");
+        for (k, p) in ports.iter().enumerate() {
+            held.lock().extend(strangers_at(*p, 77 + 10 * k as u64));
+        }
+        // Let the listeners see them before the job connects.
+        std::thread::sleep(Duration::from_millis(100));
+    });
+    // The strangers reached the listeners, which refused them.
+    assert!(roccl::bootstrap::auth::refused() > before);
+    drop(held);
+}
+
+/// Before the fix, the RoCE v2 setup listener kept a stranger's bad entry and failed every
+/// later accept: the first all-reduce ended with "connecting over rocev2: … refused".
+#[test]
+fn strangers_do_not_stop_a_rocev2_job() {
+    strangers_everywhere(NetKind::RoceV2);
+}
+
+#[test]
+fn strangers_do_not_stop_a_tcp_job() {
+    strangers_everywhere(NetKind::Tcp);
+}
+
+/// Before the fix, a stranger's bytes at the shared-memory setup port were read as a
+/// segment name and the failure to open it was the listener's error: the job ended.
+#[test]
+fn strangers_do_not_stop_a_shm_job() {
+    strangers_everywhere(NetKind::Shm);
+}
+
+/// RoCE v2 datagrams a local stranger can send to the userspace engine's UDP ports from the
+/// peers' own address (it binds the same IP): NAKs "remote access error" with valid ICRCs to
+/// the queue-pair numbers the engine used to hand out in sequence (generations 1-8, slots
+/// 0-31), with random PSNs, and random bytes. Before the engine checked PSNs against what is
+/// outstanding and drew QP numbers from the OS random source, such NAKs ended the job.
+#[test]
+fn spoofed_datagrams_do_not_stop_a_rocev2_job() {
+    use roccl::rdma::wire;
+    job_under_attack(NetKind::RoceV2, 3, 30, true, &|| {
+        let targets = udp_ports();
+        assert!(!targets.is_empty(), "no UDP port found");
+        let mut sent = 0;
+        for (k, at) in targets.iter().enumerate() {
+            let Ok(s) = std::net::UdpSocket::bind(SocketAddr::new(at.ip(), 0)) else {
+                continue;
+            };
+            let from = s.local_addr().unwrap();
+            let ip = wire::IpInfo {
+                src: from.ip(),
+                dst: at.ip(),
+                src_port: from.port(),
+                dst_port: at.port(),
+            };
+            let rnd = noise(900 + k as u64, 4 * 8 * 32);
+            for gen in 1..=8u32 {
+                for slot in 0..32u32 {
+                    let r = 4 * (((gen - 1) * 32 + slot) as usize);
+                    let psn = u32::from_le_bytes(rnd[r..r + 4].try_into().unwrap()) & 0xff_ffff;
+                    let p = wire::Packet {
+                        bth: wire::Bth {
+                            opcode: wire::Opcode::Ack,
+                            solicited: false,
+                            mig_req: false,
+                            pad: 0,
+                            pkey: wire::DEFAULT_PKEY,
+                            fecn: false,
+                            becn: false,
+                            dest_qp: gen << 12 | slot,
+                            ack_req: false,
+                            psn,
+                        },
+                        reth: None,
+                        imm: None,
+                        aeth: Some(wire::Aeth::nak(0, wire::NakCode::RemoteAccessError)),
+                        payload: &[],
+                    };
+                    let mut buf = [0u8; 128];
+                    let n = wire::encode(&p, &ip, &mut buf).unwrap();
+                    sent += usize::from(s.send_to(&buf[..n], at).is_ok());
+                }
+            }
+            for j in 0..32 {
+                let _ = s.send_to(&noise(77 + j, 20 + 40 * j as usize), at);
+            }
+        }
+        assert!(sent > 0);
+    });
+}
+
+/// A forged abort notice as the old wire format allowed, computed from the unique id's
+/// nonce (in launcher mode a function of the root port): a TCP hello with one socket, then
+/// one message carrying the executor's hello with the abort bit. Before the fix it ended a
+/// TCP job ("another rank aborted the communicator").
+fn forged_abort(at: SocketAddr, comm_id: u32, claimed: u32) -> Option<TcpStream> {
+    let port = at.port();
+    let mut s = TcpStream::connect_timeout(&at, Duration::from_secs(1)).ok()?;
+    let mut m = Vec::new();
+    m.extend_from_slice(&0x4f4c_4548u32.to_le_bytes()); // TCP hello "HELO"
+    m.extend_from_slice(&(0x1234_5678_9abc_def0u64 ^ port as u64).to_le_bytes());
+    m.extend_from_slice(&0u16.to_le_bytes()); // socket 0
+    m.extend_from_slice(&1u16.to_le_bytes()); // of 1
+    m.extend_from_slice(&16u64.to_le_bytes()); // message 0, 16 bytes
+    m.extend_from_slice(&0u32.to_le_bytes()); // tag
+    m.extend_from_slice(&0x4753_4d52u32.to_le_bytes()); // "RMSG"
+    m.extend_from_slice(&0x4c4c_4f52u32.to_le_bytes()); // executor hello "ROLL"
+    m.extend_from_slice(&claimed.to_le_bytes()); // from rank
+    m.extend_from_slice(&(0x8000_0000u32 | claimed).to_le_bytes()); // abort, blaming it
+    m.extend_from_slice(&comm_id.to_le_bytes());
+    s.write_all(&m).ok()?;
+    Some(s)
+}
+
+#[test]
+fn a_forged_abort_notice_does_not_end_a_tcp_job() {
+    let held = parking_lot::Mutex::new(Vec::new());
+    // Every rank of this process computes the id the old way: the nonce is in the id.
+    let comm_id_of = |id: &UniqueId| {
+        let b = id.as_bytes();
+        let nonce = u64::from_le_bytes(b[24..32].try_into().unwrap());
+        (nonce ^ (nonce >> 32)) as u32
+    };
+    let n = 3;
+    let id = UniqueId::new().unwrap();
+    let comm_id = comm_id_of(&id);
+    let joined = Barrier::new(n + 1);
+    let attacked = Barrier::new(n + 1);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (joined, attacked, c) = (&joined, &attacked, cfg(NetKind::Tcp));
+                s.spawn(move || {
+                    let c = Communicator::init_with(&id, n, r, c).expect("init");
+                    let mut v = vec![1f32; 64];
+                    c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+                    joined.wait();
+                    attacked.wait();
+                    let t = Instant::now();
+                    let mut round = 0;
+                    while t.elapsed() < Duration::from_millis(2500) {
+                        let mut v = vec![(r + round) as f32; 64];
+                        c.all_reduce_in_place(&mut v, RedOp::Sum)
+                            .unwrap_or_else(|e| panic!("rank {r} round {round}: {e}"));
+                        let want: usize = (0..n).map(|q| q + round).sum();
+                        assert_eq!(v, vec![want as f32; 64], "rank {r} round {round}");
+                        round += 1;
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                })
+            })
+            .collect();
+        joined.wait();
+        for p in listening_ports() {
+            held.lock().extend(forged_abort(p, comm_id, 1));
+        }
+        attacked.wait();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(Box::new(format!(
+                    "rank {r} failed: {:?}",
+                    e.downcast_ref::<String>()
+                )));
+            }
+        }
+    });
+}
+
+/// Register `rank` of `nranks` with `id` from a thread.
+fn register(
+    id: UniqueId,
+    rank: usize,
+    nranks: usize,
+    timeout: Duration,
+) -> std::thread::JoinHandle<roccl::Result<Vec<Vec<u8>>>> {
+    std::thread::spawn(move || rendezvous(&id, rank, nranks, &[rank as u8; 5], timeout))
+}
+
+/// Before the fix the root read one connection at a time, blocking up to 10 s on each: idle
+/// connections made the rendezvous time out ("ranks … never arrived" — they had).
+#[test]
+fn idle_slow_and_garbage_connections_do_not_stall_the_root() {
+    let id = launcher_root("127.0.0.1:0".parse().unwrap());
+    let (addr, _) = id.root().unwrap();
+    let mut held = strangers_at(addr, 5);
+    for _ in 0..4 {
+        held.push(TcpStream::connect(addr).unwrap());
+    }
+    // A slow sender: one byte of a registration every 300 ms.
+    let slow = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        for b in 0x3253_4252u32.to_le_bytes().iter().cycle().take(20) {
+            if s.write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    let others = launcher_id(addr);
+    let hs: Vec<_> = (0..3)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { others },
+                r,
+                3,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    for h in hs {
+        let table = h.join().unwrap().expect("rendezvous");
+        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "the rendezvous took {:?}",
+        t.elapsed()
+    );
+    drop(held);
+    slow.join().unwrap();
+}
+
+/// An impostor who knows the root's address and port (launcher mode) but not the job
+/// secret: it cannot register as a rank (before the fix it was accepted as rank 2 and got
+/// every rank's blob), nor abort the rendezvous with a 1 ms timeout (before the fix: every
+/// rank failed).
+#[test]
+fn an_impostor_that_knows_the_port_cannot_register_or_abort() {
+    let id = launcher_root("127.0.0.1:0".parse().unwrap());
+    let (addr, _) = id.root().unwrap();
+    // What anyone can compute from the port: the id without the secret.
+    let forged = UniqueId::for_address(addr);
+    let impostor = register(forged, 2, 3, Duration::from_millis(1));
+    let e = impostor.join().unwrap();
+    if let Ok(t) = &e {
+        panic!("the impostor joined and got {} blobs", t.len());
+    }
+    let e = e.unwrap_err().to_string();
+    assert!(e.contains("not authenticated"), "{e}");
+    std::thread::sleep(Duration::from_millis(50));
+    let others = launcher_id(addr);
+    let hs: Vec<_> = (0..3)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { others },
+                r,
+                3,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    for h in hs {
+        let table = h.join().unwrap().expect("rendezvous");
+        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
+    }
+}
+
+/// A rank that knows the secret but is late (the rendezvous is over) gets the usual error:
+/// nobody serves the root any more.
+#[test]
+fn a_late_rank_with_the_secret_gets_the_usual_error() {
+    let id = launcher_root("127.0.0.1:0".parse().unwrap());
+    let (addr, _) = id.root().unwrap();
+    let hs: Vec<_> = (0..2)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { launcher_id(addr) },
+                r,
+                2,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap().expect("rendezvous");
+    }
+    let e = rendezvous(&launcher_id(addr), 1, 2, b"x", Duration::from_millis(600))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("could not reach the bootstrap root") || e.contains("root exited"),
+        "{e}"
+    );
+}
+
+/// Plain bytes of a reply from the root (to see that strangers get nothing).
+#[test]
+fn garbage_gets_no_answer_from_the_root() {
+    let id = UniqueId::new().unwrap();
+    let (addr, _) = id.root().unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&noise(9, 200)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut b = [0u8; 16];
+    // Closed without a word (0 bytes) rather than answered.
+    assert_eq!(s.read(&mut b).unwrap_or(0), 0);
+    // The root still serves the job.
+    let hs: Vec<_> = (0..2)
+        .map(|r| register(id, r, 2, Duration::from_secs(8)))
+        .collect();
+    for h in hs {
+        h.join().unwrap().expect("rendezvous");
+    }
+}
