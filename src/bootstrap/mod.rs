@@ -36,6 +36,9 @@ use crate::error::{Error, Result};
 
 const ID_MAGIC: u32 = 0x4449_4352; // "RCID"
 const REG_MAGIC: u32 = 0x3253_4252; // "RBS2"
+/// Magic of the registrations of roccl before the job secret: answered with an error naming
+/// the version mismatch (the old rank prints it) rather than dropped.
+const OLD_REG_MAGIC: u32 = 0x5453_4252; // "RBST"
 /// Bytes of a registration before its blob.
 const REG_HDR: usize = 28;
 /// Flag of an id's byte 5: it carries a job secret.
@@ -332,6 +335,12 @@ enum Parsed {
 
 /// The root's parser, without I/O: `b` is everything a connection sent so far.
 fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
+    if b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) == OLD_REG_MAGIC {
+        return Parsed::Refused(
+            "a registration of an older roccl (without the job secret): every rank must run the same roccl version".into(),
+            true,
+        );
+    }
     if b.len() < REG_HDR {
         // Garbage is refused as soon as its first bytes show it.
         if b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) != REG_MAGIC {
@@ -866,6 +875,10 @@ mod tests {
             parse_reg(b"GET / HTTP/1.1", nonce, &key),
             Parsed::Refused(_, false)
         ));
+        match parse_reg(b"RBST", nonce, &key) {
+            Parsed::Refused(why, true) => assert!(why.contains("older roccl"), "{why}"),
+            p => panic!("{p:?}"),
+        }
         let mut huge = reg[..REG_HDR].to_vec();
         huge[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
