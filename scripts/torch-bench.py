@@ -17,7 +17,7 @@
 Runs alternate between the backends (roccl, gloo, roccl, gloo, ...) and the medians are
 reported with their ratio: this machine is noisy, a single run says little.
 
-  python3 scripts/torch-bench.py [--reps 3] [--quick] [--only allreduce|decode]
+  python3 scripts/torch-bench.py [--reps 3] [--quick] [--only allreduce|decode] [--bind]
 
 Needs torch and the roccl package (pip install --no-build-isolation ./ffi/torch).
 """
@@ -49,6 +49,8 @@ def free_port():
 
 def _worker(rank, world, backend, env, port, task, args, results):
     os.environ.update(env)
+    if os.environ.get("TORCH_BENCH_BIND") == "1" and world <= os.cpu_count():
+        os.sched_setaffinity(0, {rank})  # as roccl-perf binds its ranks (--bind auto)
     torch.set_num_threads(1)
     import roccl  # noqa: F401
 
@@ -278,7 +280,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="alternating runs per backend (median reported)")
     ap.add_argument("--quick", action="store_true", help="2 processes, shorter runs")
     ap.add_argument("--only", choices=["allreduce", "decode"])
+    ap.add_argument("--bind", action="store_true",
+                    help="bind rank r to CPU r (as roccl-perf does with a CPU per rank)")
     a = ap.parse_args()
+    if a.bind:
+        os.environ["TORCH_BENCH_BIND"] = "1"
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
     if a.only in (None, "allreduce"):
         bench_allreduce(a.reps, a.quick)
