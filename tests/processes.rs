@@ -59,6 +59,7 @@ fn perf_spawns_ranks_and_checks_every_op() {
             "net",
             "ranks",
             "time_us",
+            "mean_us",
             "algbw_gbs",
             "busbw_gbs",
             "wrong",

@@ -3,7 +3,8 @@
 //! `roccl-perf --op all_reduce --ranks 4` spawns 4 local rank processes; launched by
 //! torchrun/srun/mpirun (or with ROCCL_RANK/ROCCL_NRANKS/ROCCL_ROOT) it joins as one rank.
 //! Sizes are total buffer bytes as in nccl-tests. `time_us` is the median over iterations
-//! of the slowest rank's time; busbw uses nccl-tests' factors.
+//! of the slowest rank's time (`mean_us`, in the JSON, their mean: what a loop timed as a
+//! whole gets); busbw uses nccl-tests' factors.
 
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -343,6 +344,8 @@ struct Row {
     net: String,
     ranks: usize,
     time_us: f64,
+    /// The mean of the per-iteration times (slowest rank each), where `time_us` is the median.
+    mean_us: f64,
     algbw_gbs: f64,
     busbw_gbs: f64,
     wrong: u64,
@@ -666,6 +669,7 @@ impl Bench<'_> {
         self.c.all_reduce_in_place(&mut times, RedOp::Max)?;
         times.sort_by(|a, b| a.total_cmp(b));
         let med = times[times.len() / 2];
+        let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
         let wrong = if self.a.check {
             self.check(o, bytes, earlier)?
         } else {
@@ -704,6 +708,7 @@ impl Bench<'_> {
             net: self.c.net_name().into(),
             ranks: n,
             time_us: med,
+            mean_us: mean,
             algbw_gbs: algbw,
             busbw_gbs: algbw * o.bus_factor(n),
             wrong,
