@@ -274,7 +274,7 @@ namespace {
 std::chrono::microseconds holdFromEnv() {
   const char* v = std::getenv("ROCCL_TORCH_P2P_HOLD_US");
   if (v == nullptr || *v == '\0') {
-    return std::chrono::microseconds(1000);
+    return std::chrono::microseconds(10000);
   }
   char* end = nullptr;
   long long us = std::strtoll(v, &end, 10);

@@ -9,7 +9,7 @@
 // back briefly and run together with the sends and receives queued right behind them, as
 // one group: `isend(a, peer); irecv(b, peer); wait()` on both sides cannot deadlock, whatever
 // the sizes. A held group starts when any work is waited for or polled, when a work of
-// another kind is queued behind it, or after ROCCL_TORCH_P2P_HOLD_US (default 1000 µs).
+// another kind is queued behind it, or after ROCCL_TORCH_P2P_HOLD_US (default 10 ms).
 #pragma once
 
 #include <atomic>
