@@ -825,10 +825,10 @@ fn write_through(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
     assert!(dst == src, "{}-byte write corrupted", src.len());
 }
 
-/// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.
-fn inject_nak(s: &mut Sim, psn: u32) {
+/// Hand engine 0 an acknowledgement `aeth` for `psn` that claims to come from `from` (ICRC
+/// and all, at engine 0's QP number).
+fn inject_ack(s: &mut Sim, from: SocketAddr, aeth: super::wire::Aeth, psn: u32) {
     use super::wire;
-    let from = SocketAddr::from((IPS[1], 50_001));
     let ip = wire::IpInfo {
         src: from.ip(),
         dst: IpAddr::from(IPS[0]),
@@ -850,13 +850,25 @@ fn inject_nak(s: &mut Sim, psn: u32) {
         },
         reth: None,
         imm: None,
-        aeth: Some(wire::Aeth::nak(0, wire::NakCode::PsnSequenceError)),
+        aeth: Some(aeth),
         payload: &[],
     };
     let mut buf = [0u8; 128];
     let n = wire::encode(&p, &ip, &mut buf).unwrap();
     let now = s.now();
     s.eng[0].handle_datagram(now, from, &buf[..n]);
+}
+
+/// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.
+fn inject_nak(s: &mut Sim, psn: u32) {
+    use super::wire;
+    let from = SocketAddr::from((IPS[1], 50_001));
+    inject_ack(
+        s,
+        from,
+        wire::Aeth::nak(0, wire::NakCode::PsnSequenceError),
+        psn,
+    );
 }
 
 /// Item 24 of issue 19: a sequence-error NAK that acknowledges progress gives the requester

@@ -6,38 +6,6 @@
 use super::*;
 use crate::rdma::wire;
 
-/// Hand engine 0 an acknowledgement `aeth` for `psn` that claims to come from `from`.
-fn inject(s: &mut Sim, from: SocketAddr, aeth: wire::Aeth, psn: u32) {
-    let ip = wire::IpInfo {
-        src: from.ip(),
-        dst: IpAddr::from(IPS[0]),
-        src_port: from.port(),
-        dst_port: 4791,
-    };
-    let p = wire::Packet {
-        bth: wire::Bth {
-            opcode: wire::Opcode::Ack,
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: wire::DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: s.qp[0],
-            ack_req: false,
-            psn,
-        },
-        reth: None,
-        imm: None,
-        aeth: Some(aeth),
-        payload: &[],
-    };
-    let mut buf = [0u8; 128];
-    let n = wire::encode(&p, &ip, &mut buf).unwrap();
-    let now = s.now();
-    s.eng[0].handle_datagram(now, from, &buf[..n]);
-}
-
 /// Before the checks, the first forged NAK (a remote access error from a stranger's
 /// address) put the QP in error: one datagram killed a connection.
 #[test]
@@ -57,8 +25,8 @@ fn forged_acknowledgements_neither_complete_nor_fail_anything() {
     let peer = SocketAddr::from((IPS[1], 50_001));
     let rts = |s: &mut Sim| s.eng[0].qp_state(s.qp[0]).unwrap() == QpState::Rts;
     // A stranger's NAK for an outstanding PSN, and its ACK of everything.
-    inject(&mut s, stranger, fatal, first);
-    inject(
+    inject_ack(&mut s, stranger, fatal, first);
+    inject_ack(
         &mut s,
         stranger,
         wire::Aeth::ack(0),
@@ -67,9 +35,9 @@ fn forged_acknowledgements_neither_complete_nor_fail_anything() {
     assert!(rts(&mut s), "a stranger's NAK failed the QP");
     assert_eq!(s.eng[0].stats().wrong_source, 2);
     // From the peer's address: PSNs outside what is outstanding.
-    inject(&mut s, peer, fatal, (first + 100) & 0x00ff_ffff);
-    inject(&mut s, peer, fatal, (first - 1) & 0x00ff_ffff);
-    inject(
+    inject_ack(&mut s, peer, fatal, (first + 100) & 0x00ff_ffff);
+    inject_ack(&mut s, peer, fatal, (first - 1) & 0x00ff_ffff);
+    inject_ack(
         &mut s,
         peer,
         wire::Aeth::ack(0),
@@ -81,7 +49,7 @@ fn forged_acknowledgements_neither_complete_nor_fail_anything() {
     s.drain(0, &mut wc);
     assert!(wc.is_empty(), "a ghost ACK completed the write: {wc:?}");
     // The control: the peer's NAK of an outstanding PSN is believed.
-    inject(&mut s, peer, fatal, (first + 1) & 0x00ff_ffff);
+    inject_ack(&mut s, peer, fatal, (first + 1) & 0x00ff_ffff);
     assert!(!rts(&mut s));
     s.drain(0, &mut wc);
     assert_eq!(wc[0].status, WcStatus::RemAccessErr);
