@@ -17,9 +17,11 @@
 #     8 bytes of 1s, then the IPv4 header with TOS, TTL and checksum set to 1s, the UDP header
 #     with checksum 1s, the BTH with its first reserved byte 1s, the rest of the transport
 #     headers and payload), independently of roccl's code, when python3 is available;
-#   - the IPv4 identification and DF flag: DF set, and the identification equal to the packet's
-#     GSO segment index, which roccl carries in the BTH's six reserved bits because its
-#     receiver cannot see the IP header when it checks the ICRC (0 for packets sent alone).
+#   - the IPv4 identification and DF flag: DF set, and the identification below 64 (a packet's
+#     index in a UDP GSO send, 0 for packets sent alone; roccl's receiver recovers it from the
+#     ICRC), and some packets with a non-zero one (GSO was exercised);
+#   - a clean wire: every reserved field is zero (BTH: the six bits of byte 4, the seven of
+#     byte 8, the transport version; the pad bytes).
 # Prints the packet count per BTH opcode. Exits non-zero when a check fails.
 # Needs root (namespaces, capture); installs tshark and ethtool with apt-get when missing.
 set -euo pipefail
@@ -217,7 +219,7 @@ if [ "$bad_df" -ne 0 ]; then
   echo "FAIL: $bad_df packets without DF, which roccl's ICRC assumes"
   status=1
 fi
-echo "   (each identification must equal the GSO segment index in the BTH's reserved bits: checked below)"
+echo "   (each identification must be below 64, and reserved fields zero: checked below)"
 
 echo "-- ICRC"
 if tshark -G fields 2>/dev/null | awk -F'\t' '{print $3}' | grep -qx "infiniband.invariant.crc.status"; then
@@ -243,7 +245,7 @@ else:
     sys.exit("not a pcap file")
 linktype = struct.unpack(end + "I", data[20:24])[0] & 0x0FFFFFFF
 off, total, good, bad, skipped = 24, 0, 0, 0, 0
-id_ok, id_bad, segments = 0, 0, 0
+id_ok, id_bad, segments, reserved_bad = 0, 0, 0, 0
 while off + 16 <= len(data):
     caplen, origlen = struct.unpack(end + "II", data[off + 8:off + 16])
     pkt = data[off + 16:off + 16 + caplen]
@@ -268,16 +270,33 @@ while off + 16 <= len(data):
         skipped += 1
         continue
     # roccl's convention: the IPv4 identification of a datagram cut from a UDP GSO send is its
-    # segment index, which the BTH carries in its six reserved bits (0 for packets sent alone).
-    ipid, seg = struct.unpack(">H", ip[4:6])[0], udp[12] & 0x3F
-    if ipid == seg:
+    # segment index (0 for packets sent alone, below 64), found by the receiver from the ICRC.
+    ipid = struct.unpack(">H", ip[4:6])[0]
+    if ipid < 64:
         id_ok += 1
-        segments += seg > 0
+        segments += ipid > 0
     else:
         id_bad += 1
         if id_bad <= 5:
-            print("   IPv4 id %d but BTH segment index %d (psn 0x%06x)"
-                  % (ipid, seg, struct.unpack(">I", bytes(udp[16:20]))[0] & 0xFFFFFF))
+            print("   IPv4 id %d is not a GSO segment index below 64 (psn 0x%06x)"
+                  % (ipid, struct.unpack(">I", bytes(udp[16:20]))[0] & 0xFFFFFF))
+    # Reserved fields are sent as zero: BTH byte 4 bits 0-5, byte 8 bits 0-6, the transport
+    # version (byte 1 bits 0-3), and the pad bytes before the ICRC.
+    pad = (udp[9] >> 4) & 3
+    dirty = []
+    if udp[12] & 0x3F:
+        dirty.append("BTH byte 4 reserved bits 0x%02x" % (udp[12] & 0x3F))
+    if udp[16] & 0x7F:
+        dirty.append("BTH byte 8 reserved bits 0x%02x" % (udp[16] & 0x7F))
+    if udp[9] & 0x0F:
+        dirty.append("transport version %d" % (udp[9] & 0x0F))
+    if pad and any(udp[-4 - pad:-4]):
+        dirty.append("non-zero pad bytes")
+    if dirty:
+        reserved_bad += 1
+        if reserved_bad <= 5:
+            print("   reserved fields not zero (psn 0x%06x): %s"
+                  % (struct.unpack(">I", bytes(udp[16:20]))[0] & 0xFFFFFF, ", ".join(dirty)))
     hdr = bytearray(ip[:ihl])
     hdr[1] = 0xFF  # DSCP and ECN
     hdr[8] = 0xFF  # TTL
@@ -298,11 +317,14 @@ while off + 16 <= len(data):
                   % (bth[0], struct.unpack(">I", bytes(bth[8:12]))[0] & 0xFFFFFF, got, want))
 print("   recomputed here from the captured bytes: %d packets, %d good, %d bad%s"
       % (total, good, bad, ", %d truncated (not checked)" % skipped if skipped else ""))
-print("   IPv4 identification = BTH segment index: %d packets, %d not (%d were segments 1.. of"
-      " a GSO send, i.e. had a non-zero identification)" % (id_ok, id_bad, segments))
-sys.exit(1 if bad or id_bad or total == 0 else 0)
+print("   IPv4 identification below 64: %d packets, %d not (%d were segments 1.. of a GSO send,"
+      " i.e. had a non-zero identification)" % (id_ok, id_bad, segments))
+print("   reserved fields: %d packets with a non-zero one" % reserved_bad)
+if segments == 0:
+    print("   no packet was a segment 1.. of a GSO send: the GSO path was not exercised")
+sys.exit(1 if bad or id_bad or reserved_bad or segments == 0 or total == 0 else 0)
 EOF
-    echo "FAIL: ICRC or IPv4 identification check"
+    echo "FAIL: ICRC, IPv4 identification, GSO or reserved-field check"
     status=1
   fi
 else

@@ -460,17 +460,17 @@ pub fn encode(pkt: &Packet, ip: &IpInfo, buf: &mut [u8]) -> Result<usize, &'stat
     encode_segment(pkt, ip, 0, buf)
 }
 
-/// Largest number of packets the userspace provider sends as one UDP GSO datagram: the
-/// segment index travels in the six reserved bits of the BTH (see [`encode_segment`]).
+/// Largest number of packets the userspace provider sends as one UDP GSO datagram: a
+/// receiver recovers segment indexes below this from the ICRC (see [`encode_segment`]).
 pub const MAX_SEGMENTS: usize = 64;
 
 /// Like [`encode`], for a packet that leaves as segment `seg` (0..[`MAX_SEGMENTS`]) of a UDP
 /// GSO send. The kernel (or the NIC) cuts such a send into datagrams whose IPv4
 /// identifications count up from the send's own: 0 for roccl's unconnected DF sockets, so
-/// segment `seg` carries identification `seg`, and its ICRC must cover that. The receiver cannot
-/// see the IP header, so the index also travels in the BTH's six reserved bits (byte 4, bits
-/// 0–5, which the ICRC masks and receivers ignore); [`decode`] takes the identification from
-/// there. A packet sent on its own is segment 0: identification 0, reserved bits 0.
+/// segment `seg` carries identification `seg`, and its ICRC must cover that. Nothing else in
+/// the packet says so (the BTH's reserved bits stay zero, as the specification asks): the
+/// receiver, which cannot see the IP header, recovers the identification from the ICRC
+/// itself ([`decode`]). A packet sent on its own is segment 0.
 pub fn encode_segment(
     pkt: &Packet,
     ip: &IpInfo,
@@ -525,7 +525,7 @@ pub fn encode_segment(
     out[0] = op as u8;
     out[1] = u8::from(b.solicited) << 7 | u8::from(b.mig_req) << 6 | (pad as u8) << 4;
     out[2..4].copy_from_slice(&b.pkey.to_be_bytes());
-    out[4] = u8::from(b.fecn) << 7 | u8::from(b.becn) << 6 | seg;
+    out[4] = u8::from(b.fecn) << 7 | u8::from(b.becn) << 6;
     put24(&mut out[5..8], b.dest_qp);
     out[8] = u8::from(b.ack_req) << 7;
     put24(&mut out[9..12], b.psn);
@@ -554,8 +554,8 @@ pub fn encode_segment(
     Ok(len)
 }
 
-/// Re-mark an encoded packet (`datagram`: BTH .. ICRC) as GSO segment `seg` and recompute its
-/// ICRC, for a packet that was encoded for one position of a GSO send and leaves at another.
+/// Recompute the ICRC of an encoded packet (`datagram`: BTH .. ICRC) for GSO segment `seg`,
+/// for a packet that was encoded for one position of a GSO send and leaves at another.
 pub fn reseal(datagram: &mut [u8], ip: &IpInfo, seg: u8) -> Result<(), &'static str> {
     if datagram.len() < BTH_LEN + ICRC_LEN {
         return Err("datagram too short");
@@ -563,7 +563,6 @@ pub fn reseal(datagram: &mut [u8], ip: &IpInfo, seg: u8) -> Result<(), &'static 
     if usize::from(seg) >= MAX_SEGMENTS {
         return Err("GSO segment index beyond MAX_SEGMENTS");
     }
-    datagram[4] = (datagram[4] & 0xc0) | seg;
     let end = datagram.len() - ICRC_LEN;
     let crc = icrc_ipv4_id(ip, u16::from(seg), IPV4_DF, &datagram[..end]);
     datagram[end..].copy_from_slice(&crc.to_le_bytes());
@@ -573,9 +572,9 @@ pub fn reseal(datagram: &mut [u8], ip: &IpInfo, seg: u8) -> Result<(), &'static 
 /// Decode and verify the ICRC (strip pad). With `check_icrc == false` the ICRC is not verified
 /// (for captures whose IP header the receiver cannot know).
 ///
-/// The ICRC is checked with the IPv4 convention of [`icrc`] (DF, and identification 0 — or the
-/// GSO segment index in the BTH's reserved bits, see [`encode_segment`]); packets from other
-/// senders can be checked with `check_icrc == false` and [`icrc_ipv4_id`].
+/// The ICRC is checked with the IPv4 convention of [`icrc`] (DF, and identification 0 — or a
+/// GSO segment index below [`MAX_SEGMENTS`], found from the ICRC, see [`encode_segment`]);
+/// packets from other senders can be checked with `check_icrc == false` and [`icrc_ipv4_id`].
 /// Reserved BTH bits and pad contents are ignored, as the specification asks of receivers.
 pub fn decode<'a>(
     udp_payload: &'a [u8],
@@ -604,10 +603,10 @@ pub fn decode<'a>(
             d[body_end + 2],
             d[body_end + 3],
         ]);
-        // The IPv4 identification is the GSO segment index carried in the BTH's reserved
-        // bits (0 for a packet sent on its own); see [`encode_segment`].
-        let want = icrc_ipv4_id(ip, u16::from(d[4] & 0x3f), IPV4_DF, &d[..body_end]);
-        if got != want {
+        // The IPv4 identification is 0, or the packet's index in a GSO send: the ICRC
+        // says which (see [`segment_of`]).
+        let want = icrc_ipv4_id(ip, 0, IPV4_DF, &d[..body_end]);
+        if got != want && segment_of(ip, body_end, got ^ want).is_none() {
             return Err(DecodeError::BadIcrc { got, want });
         }
     }
@@ -654,6 +653,83 @@ pub fn decode<'a>(
         aeth,
         payload: &d[at..body_end - usize::from(pad)],
     })
+}
+
+/// The IPv4 identification (1..[`MAX_SEGMENTS`]) whose ICRC differs from the ICRC with
+/// identification 0 by `diff`, for a packet of `body` bytes before its ICRC; `None` when no
+/// identification does (a corrupt packet, or IPv6, which has none).
+///
+/// The CRC is linear: two messages of one length that differ only in the identification
+/// field have ICRCs that differ by the CRC (initial value and final XOR 0) of that difference
+/// followed by the zeros of the rest of the message. That depends only on the length, so the
+/// differences of the 63 identifications are computed once per packet length (a GSO send's
+/// packets share one) and kept in a small per-thread cache; finding the identification of a
+/// segment then costs no pass over the packet beyond the one for identification 0.
+fn segment_of(ip: &IpInfo, body: usize, diff: u32) -> Option<u16> {
+    use std::cell::RefCell;
+    /// Lengths whose tables are kept (round robin).
+    const KEPT: usize = 4;
+    type Table = (usize, [u32; MAX_SEGMENTS]);
+    thread_local! {
+        static TABLES: RefCell<(usize, [Table; KEPT])> =
+            const { RefCell::new((0, [(usize::MAX, [0; MAX_SEGMENTS]); KEPT])) };
+    }
+    if !matches!(
+        (ip.src.to_canonical(), ip.dst.to_canonical()),
+        (IpAddr::V4(_), IpAddr::V4(_))
+    ) {
+        return None;
+    }
+    // Bytes of the ICRC's input after the identification field: the rest of the IPv4 header,
+    // the UDP header, and the packet up to its ICRC.
+    let after = IPV4_HDR_LEN - 6 + UDP_HDR_LEN + body;
+    TABLES.with(|t| {
+        let mut t = t.borrow_mut();
+        let (next, tables) = &mut *t;
+        let k = match tables.iter().position(|(len, _)| *len == after) {
+            Some(k) => k,
+            None => {
+                let k = *next;
+                *next = (k + 1) % KEPT;
+                tables[k] = (after, id_differences(after));
+                k
+            }
+        };
+        let table = &tables[k].1;
+        (1..MAX_SEGMENTS)
+            .find(|&id| table[id] == diff)
+            .map(|id| id as u16)
+    })
+}
+
+/// For each identification `id` below [`MAX_SEGMENTS`], the difference it makes to an ICRC
+/// whose input has `after` bytes after the identification field.
+fn id_differences(after: usize) -> [u32; MAX_SEGMENTS] {
+    const ZEROS: [u8; 4096] = [0; 4096];
+    // The CRC with initial value and final XOR 0 (crc32fast continues from a finished CRC,
+    // which it inverts first), of the identification's big-endian bytes and `after` zeros.
+    let raw = |id: u16| -> u32 {
+        let mut h = crc32fast::Hasher::new_with_initial(!0);
+        h.update(&id.to_be_bytes());
+        let mut left = after;
+        while left > 0 {
+            let n = left.min(ZEROS.len());
+            h.update(&ZEROS[..n]);
+            left -= n;
+        }
+        !h.finalize()
+    };
+    const BITS: usize = MAX_SEGMENTS.trailing_zeros() as usize;
+    let bits: [u32; BITS] = std::array::from_fn(|b| raw(1 << b));
+    let mut table = [0u32; MAX_SEGMENTS];
+    for (id, d) in table.iter_mut().enumerate() {
+        *d = bits
+            .iter()
+            .enumerate()
+            .filter(|(b, _)| id >> b & 1 == 1)
+            .fold(0, |acc, (_, x)| acc ^ x);
+    }
+    table
 }
 
 /// The ICRC of a UDP payload (BTH .. end of pad, i.e. without the 4 ICRC bytes), per the fact
@@ -803,49 +879,69 @@ mod tests {
     }
 
     #[test]
-    fn gso_segments_carry_their_ipv4_id() {
+    fn gso_segments_carry_their_ipv4_id_in_the_icrc_alone() {
         let ip = ip4([10, 0, 0, 1], [10, 0, 0, 2], 49152, ROCEV2_PORT);
         let payload: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         let p = packet(Opcode::WriteMiddle, &payload, 3);
         let mut zero = vec![0u8; 4200];
         let n = encode(&p, &ip, &mut zero).unwrap();
+        assert_eq!(zero[4] & 0x3f, 0, "reserved bits are sent as zero");
         for seg in [1u8, 2, 17, 63] {
             let mut b = vec![0u8; 4200];
             assert_eq!(encode_segment(&p, &ip, seg, &mut b).unwrap(), n);
-            // Same packet, index in the reserved bits, ICRC over IPv4 id `seg`.
-            assert_eq!(b[4] & 0x3f, seg);
-            assert_eq!(b[4] & 0xc0, zero[4] & 0xc0);
-            assert_eq!(b[..4], zero[..4]);
-            assert_eq!(b[5..n - 4], zero[5..n - 4]);
+            // Same packet, reserved bits zero, ICRC over IPv4 id `seg`.
+            assert_eq!(b[..n - 4], zero[..n - 4]);
             let crc = u32::from_le_bytes(b[n - 4..n].try_into().unwrap());
             assert_eq!(crc, icrc_ipv4_id(&ip, u16::from(seg), IPV4_DF, &b[..n - 4]));
             assert_ne!(crc, icrc(&ip, &b[..n - 4]));
             let d = decode(&b[..n], &ip, true).unwrap();
             assert_eq!(d.payload, &payload[..]);
             assert_eq!(d.bth, p.bth);
-            // Moved to another position without a new ICRC: rejected.
-            let mut moved = b.clone();
-            moved[4] = (moved[4] & 0xc0) | (seg ^ 1);
-            assert!(matches!(
-                decode(&moved[..n], &ip, true),
-                Err(DecodeError::BadIcrc { .. })
-            ));
+            assert_eq!(
+                segment_of(&ip, n - 4, crc ^ icrc(&ip, &b[..n - 4])),
+                Some(u16::from(seg))
+            );
+            // Any flipped bit (in the payload or in the ICRC) is still caught.
+            for bit in [0, 8 * 20 + 3, 8 * (n - 5), 8 * (n - 1) + 7] {
+                let mut bad = b.clone();
+                bad[bit / 8] ^= 1 << (bit % 8);
+                assert!(
+                    matches!(
+                        decode(&bad[..n], &ip, true),
+                        Err(DecodeError::BadIcrc { .. })
+                    ),
+                    "segment {seg}, bit {bit}"
+                );
+            }
             // Resealed for position 0: identical to a packet sent on its own.
             super::reseal(&mut b[..n], &ip, 0).unwrap();
             assert_eq!(b[..n], zero[..n]);
             super::reseal(&mut b[..n], &ip, seg).unwrap();
             assert!(decode(&b[..n], &ip, true).is_ok());
         }
+        // Identifications of 64 and above are not taken (no GSO send is that long).
+        let mut b = zero.clone();
+        let crc = icrc_ipv4_id(&ip, 64, IPV4_DF, &b[..n - 4]);
+        b[n - 4..n].copy_from_slice(&crc.to_le_bytes());
+        assert!(decode(&b[..n], &ip, true).is_err());
+        // Packets of other lengths, interleaved, each find their own table.
+        for len in [0usize, 1, 100, 1500, 4096, 9000] {
+            let body = vec![0x5au8; len];
+            let p = packet(Opcode::SendOnly, &body, 9);
+            let mut b = vec![0u8; 9200];
+            let n = encode_segment(&p, &ip, 5, &mut b).unwrap();
+            assert_eq!(decode(&b[..n], &ip, true).unwrap().payload, &body[..]);
+        }
         assert!(encode_segment(&p, &ip, MAX_SEGMENTS as u8, &mut zero).is_err());
         assert!(super::reseal(&mut zero[..n], &ip, 64).is_err());
         assert!(super::reseal(&mut zero[..8], &ip, 1).is_err());
-        // IPv6 has no identification: the index changes nothing but the reserved bits.
+        // IPv6 has no identification: the index changes nothing.
         let ip = ip6("fd00::1", "fd00::2", 49152, ROCEV2_PORT);
         let mut a = vec![0u8; 4200];
         let mut b = vec![0u8; 4200];
         encode(&p, &ip, &mut a).unwrap();
         encode_segment(&p, &ip, 5, &mut b).unwrap();
-        assert_eq!(a[n - 4..n], b[n - 4..n]);
+        assert_eq!(a[..n], b[..n]);
         assert!(decode(&b[..n], &ip, true).is_ok());
     }
 

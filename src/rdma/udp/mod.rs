@@ -615,8 +615,15 @@ impl Driver {
     }
 
     /// Start a new send group (slot `ng`) holding the packet of `t` now at `at` in the arena,
-    /// flushing first when every slot is taken. Returns the group's index.
-    fn open_group(&mut self, groups: &mut Vec<Group>, t: Transmit, at: usize) -> usize {
+    /// encoded for GSO position `encoded_for`, flushing first when every slot is taken.
+    /// Returns the group's index.
+    fn open_group(
+        &mut self,
+        groups: &mut Vec<Group>,
+        t: Transmit,
+        at: usize,
+        encoded_for: u8,
+    ) -> usize {
         if groups.len() == GROUPS {
             self.flush(groups);
             groups.clear();
@@ -626,7 +633,7 @@ impl Driver {
         if at != start {
             self.txarena.copy_within(at..at + t.len, start);
         }
-        if self.txarena[start + 4] & 0x3f != 0 {
+        if encoded_for != 0 {
             let ip = wire::IpInfo {
                 src: self.local_ip,
                 dst: t.dest.ip(),
@@ -697,11 +704,11 @@ impl Driver {
                     continue;
                 }
                 g.open = false;
-                self.open_group(&mut groups, t, at);
+                self.open_group(&mut groups, t, at, seg);
                 continue;
             }
             let Some((f, rng)) = &mut self.faults else {
-                self.open_group(&mut groups, t, at);
+                self.open_group(&mut groups, t, at, 0);
                 continue;
             };
             if rng.chance(f.drop) {
@@ -726,10 +733,10 @@ impl Driver {
             }
             let dup = rng.chance(f.dup);
             count(1, u64::from(dup));
-            let g = self.open_group(&mut groups, t, at);
+            let g = self.open_group(&mut groups, t, at, 0);
             groups[g].open = false;
             if dup {
-                let d = self.open_group(&mut groups, t, g * GSO_BYTES);
+                let d = self.open_group(&mut groups, t, g * GSO_BYTES, 0);
                 groups[d].open = false;
             }
         }
