@@ -54,6 +54,11 @@ impl JobKey {
         JobKey(m.finalize().into_bytes().into())
     }
 
+    /// The key's 256 bits (for a cipher keyed by it, [`super::seal::SealKey`]).
+    pub(crate) fn bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     /// The tag of the concatenation of `parts`.
     pub fn tag(&self, parts: &[&[u8]]) -> [u8; TAG_BYTES] {
         let mut m = mac(&self.0);

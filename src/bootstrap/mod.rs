@@ -26,6 +26,7 @@
 pub mod auth;
 pub mod env;
 pub mod ifaces;
+pub mod seal;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -43,6 +44,10 @@ const OLD_REG_MAGIC: u32 = 0x5453_4252; // "RBST"
 const REG_HDR: usize = 28;
 /// Flag of an id's byte 5: it carries a job secret.
 const ID_HAS_SECRET: u8 = 1;
+/// Flag of an id's byte 5: the job's bootstrap and TCP traffic are encrypted ([`seal`]).
+const ID_ENCRYPTED: u8 = 2;
+/// Magic of a registration of an encrypted job: its blob is sealed, and so is the reply.
+const SEALED_REG_MAGIC: u32 = 0x3353_4252; // "RBS3"
 /// Bytes of a job secret.
 pub const SECRET_BYTES: usize = 16;
 /// How long the root waits for a connection's whole registration (a rank sends it at once).
@@ -82,7 +87,16 @@ impl UniqueId {
     /// Start a root in this process (a background thread that serves one communicator's
     /// rendezvous, then exits) on the interface chosen by `ROCCL_SOCKET_IFNAME`, and return
     /// its id.
+    ///
+    /// The job is encrypted when `ROCCL_ENCRYPT=1` (or [`seal::set`]) asks for it
+    /// ([`UniqueId::new_with`]).
     pub fn new() -> Result<UniqueId> {
+        UniqueId::new_with(seal::requested())
+    }
+
+    /// [`UniqueId::new`], saying whether the job's bootstrap and TCP traffic are encrypted
+    /// (docs/SECURITY.md); every rank follows the id.
+    pub fn new_with(encrypt: bool) -> Result<UniqueId> {
         let ip = ifaces::local_addr(None)?;
         let l = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
@@ -93,6 +107,7 @@ impl UniqueId {
             addr,
             u64::from_le_bytes(auth::random()?),
             Some(auth::random()?),
+            encrypt,
         );
         spawn_root(l, id);
         Ok(id)
@@ -108,11 +123,22 @@ impl UniqueId {
 
     /// [`UniqueId::for_address`] with the job secret every rank was given
     /// (`ROCCL_JOB_SECRET`, [`env::job_secret`]): only processes that know it can join.
+    /// Encrypted when this process asks for it ([`seal::requested`]); every rank must.
     pub fn for_address_with(addr: SocketAddr, secret: Option<[u8; SECRET_BYTES]>) -> UniqueId {
-        UniqueId::from_parts(addr, 0x726f_6363_6c00_0000 ^ addr.port() as u64, secret)
+        UniqueId::from_parts(
+            addr,
+            0x726f_6363_6c00_0000 ^ addr.port() as u64,
+            secret,
+            seal::requested(),
+        )
     }
 
-    fn from_parts(addr: SocketAddr, nonce: u64, secret: Option<[u8; SECRET_BYTES]>) -> UniqueId {
+    fn from_parts(
+        addr: SocketAddr,
+        nonce: u64,
+        secret: Option<[u8; SECRET_BYTES]>,
+        encrypt: bool,
+    ) -> UniqueId {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[0..4].copy_from_slice(&ID_MAGIC.to_le_bytes());
         b[6..8].copy_from_slice(&addr.port().to_le_bytes());
@@ -131,6 +157,9 @@ impl UniqueId {
             b[5] = ID_HAS_SECRET;
             b[32..48].copy_from_slice(&k);
         }
+        if encrypt {
+            b[5] |= ID_ENCRYPTED;
+        }
         UniqueId { bytes: b }
     }
 
@@ -140,10 +169,20 @@ impl UniqueId {
         self.bytes[5] & ID_HAS_SECRET != 0
     }
 
+    /// Whether the job's bootstrap and TCP traffic are encrypted (`ROCCL_ENCRYPT` where the
+    /// id was made; docs/SECURITY.md).
+    pub fn encrypted(&self) -> bool {
+        self.bytes[5] & ID_ENCRYPTED != 0
+    }
+
     /// The key every registration and connection of this id's communicator is authenticated
-    /// with: derived from the secret (all zero without one), the root address and the nonce.
+    /// with: derived from the secret (all zero without one), the root address, the nonce and
+    /// the flags, and from the pre-shared key of [`seal::set`] where one was given.
     pub fn job_key(&self) -> auth::JobKey {
-        auth::JobKey::from_secret(&self.bytes[32..48], &self.bytes[0..32])
+        seal::mix_psk(auth::JobKey::from_secret(
+            &self.bytes[32..48],
+            &self.bytes[0..32],
+        ))
     }
 
     /// Rebuild an id from its bytes; checks the format.
@@ -197,7 +236,7 @@ impl UniqueId {
                 "not a roccl unique id (bad magic): pass the bytes produced by UniqueId::new / rocclGetUniqueId unchanged",
             ));
         }
-        if b[5] & !ID_HAS_SECRET != 0 {
+        if b[5] & !(ID_HAS_SECRET | ID_ENCRYPTED) != 0 {
             return Err(Error::arg(format!(
                 "unique id has unknown flags {:#04x} (from a newer roccl?)",
                 b[5]
@@ -278,6 +317,8 @@ struct Joined {
     blob: Vec<u8>,
     /// Where its registration came from.
     from: SocketAddr,
+    /// Its registration's tag (an encrypted job's reply is bound to it).
+    tag: [u8; auth::TAG_BYTES],
 }
 
 fn spawn_root(l: TcpListener, id: UniqueId) {
@@ -291,8 +332,23 @@ fn spawn_root(l: TcpListener, id: UniqueId) {
 struct Reg {
     rank: usize,
     nranks: usize,
+    /// As sent: sealed when `sealed` ([`open_blob`]).
     blob: Vec<u8>,
     timeout: Duration,
+    /// The registration is of an encrypted job (its blob sealed, [`SEALED_REG_MAGIC`]).
+    sealed: bool,
+    /// Its tag: the reply of an encrypted job is bound to it.
+    tag: [u8; auth::TAG_BYTES],
+}
+
+/// The key blobs of an encrypted job's registrations are sealed with.
+fn blob_key(id: &UniqueId) -> seal::SealKey {
+    seal::SealKey::new(&id.job_key().derive(b"registration blob seal"))
+}
+
+/// The key an encrypted job's reply tables are sealed with (each bound to its registration).
+fn table_key(id: &UniqueId) -> seal::SealKey {
+    seal::SealKey::new(&id.job_key().derive(b"reply table seal"))
 }
 
 /// The key of registrations with the root of `id`.
@@ -307,9 +363,16 @@ fn encode_reg(
     nranks: usize,
     blob: &[u8],
     timeout: Duration,
-) -> Vec<u8> {
+) -> Result<Vec<u8>> {
+    let sealed;
+    let (magic, blob) = if id.encrypted() {
+        sealed = blob_key(id).seal_random(&[], blob)?;
+        (SEALED_REG_MAGIC, &sealed[..])
+    } else {
+        (REG_MAGIC, blob)
+    };
     let mut msg = Vec::with_capacity(REG_HDR + blob.len() + auth::TAG_BYTES);
-    msg.extend_from_slice(&REG_MAGIC.to_le_bytes());
+    msg.extend_from_slice(&magic.to_le_bytes());
     msg.extend_from_slice(&id.nonce().to_le_bytes());
     msg.extend_from_slice(&(rank as u32).to_le_bytes());
     msg.extend_from_slice(&(nranks as u32).to_le_bytes());
@@ -318,7 +381,7 @@ fn encode_reg(
     msg.extend_from_slice(blob);
     let tag = reg_key(id).tag(&[&msg]);
     msg.extend_from_slice(&tag);
-    msg
+    Ok(msg)
 }
 
 /// What the bytes a connection sent so far are.
@@ -343,13 +406,16 @@ fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
     }
     if b.len() < REG_HDR {
         // Garbage is refused as soon as its first bytes show it.
-        if b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) != REG_MAGIC {
+        if b.len() >= 4
+            && ![REG_MAGIC, SEALED_REG_MAGIC]
+                .contains(&u32::from_le_bytes(b[0..4].try_into().unwrap()))
+        {
             return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
         }
         return Parsed::Need(REG_HDR);
     }
     let u32at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-    if u32at(0) != REG_MAGIC {
+    if u32at(0) != REG_MAGIC && u32at(0) != SEALED_REG_MAGIC {
         return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
     }
     let len = u32at(20) as usize;
@@ -374,7 +440,7 @@ fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
         &b[total - auth::TAG_BYTES..total],
     ) {
         return Parsed::Refused(
-            "the registration is not authenticated by this job's secret (every rank must be given the same unique id, or in launcher mode the same ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE)".into(),
+            "the registration is not authenticated by this job's secret (every rank must be given the same unique id, or in launcher mode the same ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE and ROCCL_ENCRYPT; with ncclSetEncryption, the same pre-shared key)".into(),
             true,
         );
     }
@@ -383,7 +449,37 @@ fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
         nranks: u32at(16) as usize,
         blob: b[REG_HDR..REG_HDR + len].to_vec(),
         timeout: Duration::from_millis(u32at(24) as u64),
+        sealed: u32at(0) == SEALED_REG_MAGIC,
+        tag: b[total - auth::TAG_BYTES..total].try_into().unwrap(),
     })
+}
+
+/// The blob of an authenticated registration, opened where the job is encrypted; `Err` with
+/// why it is refused (it does not encrypt as the job does, or its blob does not open).
+fn open_blob(id: &UniqueId, reg: &Reg) -> std::result::Result<Vec<u8>, String> {
+    match (reg.sealed, id.encrypted()) {
+        (false, false) => Ok(reg.blob.clone()),
+        (true, true) => blob_key(id)
+            .open_random(&[], &reg.blob)
+            .ok_or_else(|| "its sealed blob does not open with this job's key".to_string()),
+        (sealed, _) => Err(format!(
+            "rank {} {} but this job {} (ROCCL_ENCRYPT, or ncclSetEncryption, must be the same on every rank)",
+            reg.rank,
+            if sealed { "encrypts" } else { "does not encrypt" },
+            if sealed { "does not" } else { "does" },
+        )),
+    }
+}
+
+/// Whether a refused registration starts with the magic of the other encryption setting
+/// than `id`'s (so the refusal can say so).
+fn other_encryption(b: &[u8], id: &UniqueId) -> bool {
+    let other = if id.encrypted() {
+        REG_MAGIC
+    } else {
+        SEALED_REG_MAGIC
+    };
+    b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) == other
 }
 
 /// A connection to the root whose registration has not all arrived.
@@ -563,8 +659,15 @@ fn run_root(l: TcpListener, id: UniqueId) {
                     );
                     continue;
                 }
-                Parsed::Refused(why, answer) => {
+                Parsed::Refused(mut why, answer) => {
                     let mut c = incoming.swap_remove(i);
+                    if answer && other_encryption(&c.got, &id) {
+                        why = format!(
+                            "a registration {} encryption, but this job {} (ROCCL_ENCRYPT, or ncclSetEncryption, must be the same on every rank)",
+                            if id.encrypted() { "without" } else { "with" },
+                            if id.encrypted() { "encrypts" } else { "does not" },
+                        );
+                    }
                     auth::refuse("bootstrap root", Some(c.from.ip()), &why);
                     if answer {
                         send_error(&mut c.stream, &format!("bootstrap root at {at}: {why}"));
@@ -580,11 +683,20 @@ fn run_root(l: TcpListener, id: UniqueId) {
             } = incoming.swap_remove(i);
             let _ = s.set_nonblocking(false);
             let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+            let blob = match open_blob(&id, &reg) {
+                Ok(b) => b,
+                Err(why) => {
+                    auth::refuse("bootstrap root", Some(from.ip()), &why);
+                    send_error(&mut s, &format!("bootstrap root at {at}: {why}"));
+                    continue;
+                }
+            };
             let Reg {
                 rank,
                 nranks: n,
-                blob,
                 timeout: t,
+                tag,
+                ..
             } = reg;
             if let Some(msg) = &failed {
                 send_error(&mut s, msg);
@@ -622,6 +734,7 @@ fn run_root(l: TcpListener, id: UniqueId) {
                     stream: s,
                     blob,
                     from,
+                    tag,
                 },
             );
         }
@@ -629,13 +742,26 @@ fn run_root(l: TcpListener, id: UniqueId) {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    let mut table = vec![0u8];
+    let mut table = Vec::new();
     for j in joined.values() {
         table.extend_from_slice(&(j.blob.len() as u32).to_le_bytes());
         table.extend_from_slice(&j.blob);
     }
+    // An encrypted job's reply: status 0, the sealed table's length, the table sealed for
+    // each rank and bound to its registration (a reply cannot be replayed to another).
+    let tkey = id.encrypted().then(|| table_key(&id));
     for j in joined.values_mut() {
-        let _ = j.stream.write_all(&table);
+        let reply = match &tkey {
+            None => [&[0u8][..], &table].concat(),
+            Some(k) => match k.seal_random(&j.tag, &table) {
+                Ok(sealed) => [&[0u8][..], &(sealed.len() as u32).to_le_bytes(), &sealed].concat(),
+                Err(e) => {
+                    send_error(&mut j.stream, &format!("bootstrap root: {e}"));
+                    continue;
+                }
+            },
+        };
+        let _ = j.stream.write_all(&reply);
     }
 }
 
@@ -712,7 +838,7 @@ pub fn rendezvous_abortable(
         }
     };
     let _ = s.set_nodelay(true);
-    let msg = encode_reg(id, rank, nranks, blob, timeout);
+    let msg = encode_reg(id, rank, nranks, blob, timeout)?;
     s.write_all(&msg).map_err(|e| {
         Error::sys(
             format!("sending rank {rank}'s registration to the root at {addr}"),
@@ -775,6 +901,28 @@ pub fn rendezvous_abortable(
             Error::InvalidUsage(text)
         });
     }
+    if id.encrypted() {
+        rd(&mut s, &mut len4)?;
+        let n = u32::from_le_bytes(len4) as usize;
+        if n > nranks.saturating_mul(4 + MAX_BLOB) + seal::SEAL_OVERHEAD {
+            return Err(Error::Internal(format!(
+                "the bootstrap root at {addr} announced a reply of {n} bytes, more than {nranks} ranks' blobs"
+            )));
+        }
+        let mut sealed = vec![0u8; n];
+        rd(&mut s, &mut sealed)?;
+        let tag = &msg[msg.len() - auth::TAG_BYTES..];
+        let table = table_key(id).open_random(tag, &sealed).ok_or_else(|| {
+            Error::InvalidUsage(format!(
+                "rank {rank}: the reply of the bootstrap root at {addr} does not open with this job's key (a stranger answering on the root's port?)"
+            ))
+        })?;
+        return parse_table(&table, nranks).ok_or_else(|| {
+            Error::Internal(format!(
+                "rank {rank}: the bootstrap root's reply does not hold {nranks} blobs"
+            ))
+        });
+    }
     let mut out = Vec::with_capacity(nranks);
     for _ in 0..nranks {
         rd(&mut s, &mut len4)?;
@@ -787,6 +935,18 @@ pub fn rendezvous_abortable(
         out.push(b);
     }
     Ok(out)
+}
+
+/// The `nranks` blobs of a reply table (each a u32 LE length and its bytes, nothing after);
+/// `None` when it is not one.
+fn parse_table(mut t: &[u8], nranks: usize) -> Option<Vec<Vec<u8>>> {
+    let mut out = Vec::with_capacity(nranks);
+    for _ in 0..nranks {
+        let n = u32::from_le_bytes(t.get(..4)?.try_into().ok()?) as usize;
+        out.push(t.get(4..4 + n)?.to_vec());
+        t = &t[4 + n..];
+    }
+    t.is_empty().then_some(out)
 }
 
 /// An identity of this host: equal on two ranks iff they share a machine (hostname and
@@ -845,7 +1005,7 @@ mod tests {
     fn the_parser_takes_only_registrations_of_this_job() {
         let id = UniqueId::new().unwrap();
         let (key, nonce) = (reg_key(&id), id.nonce());
-        let reg = encode_reg(&id, 1, 3, b"blob", Duration::from_secs(2));
+        let reg = encode_reg(&id, 1, 3, b"blob", Duration::from_secs(2)).unwrap();
         match parse_reg(&reg, nonce, &key) {
             Parsed::Reg(r) => {
                 assert_eq!((r.rank, r.nranks, r.blob.as_slice()), (1, 3, &b"blob"[..]));
@@ -865,8 +1025,9 @@ mod tests {
             assert!(!matches!(parse_reg(&b, nonce, &key), Parsed::Reg(_)), "{i}");
         }
         // Same root and nonce, another secret: refused, and told why.
-        let other = UniqueId::from_parts(id.root().unwrap().0, nonce, Some([7; SECRET_BYTES]));
-        let forged = encode_reg(&other, 1, 3, b"blob", Duration::from_secs(2));
+        let other =
+            UniqueId::from_parts(id.root().unwrap().0, nonce, Some([7; SECRET_BYTES]), false);
+        let forged = encode_reg(&other, 1, 3, b"blob", Duration::from_secs(2)).unwrap();
         match parse_reg(&forged, nonce, &key) {
             Parsed::Refused(why, true) => assert!(why.contains("not authenticated"), "{why}"),
             p => panic!("{p:?}"),
@@ -901,6 +1062,65 @@ mod tests {
             let t = h.join().unwrap().unwrap();
             assert_eq!(t, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
         }
+    }
+
+    #[test]
+    fn an_encrypted_rendezvous_seals_blobs_and_refuses_ranks_that_do_not_encrypt() {
+        let id = UniqueId::new_with(true).unwrap();
+        assert!(id.encrypted() && id.has_secret());
+        assert!(!UniqueId::new_with(false).unwrap().encrypted());
+        assert_eq!(UniqueId::from_bytes(id.as_bytes()).unwrap(), id);
+        // The registration's blob is sealed: the marker is not on the wire.
+        let marker = b"a listener's address and token";
+        let reg = encode_reg(&id, 1, 3, marker, Duration::from_secs(2)).unwrap();
+        assert!(!reg.windows(marker.len()).any(|w| w == marker));
+        match parse_reg(&reg, id.nonce(), &reg_key(&id)) {
+            Parsed::Reg(r) => {
+                assert!(r.sealed);
+                assert_eq!(open_blob(&id, &r).unwrap(), marker);
+            }
+            p => panic!("{p:?}"),
+        }
+        // A rank given the same id without the encryption flag is refused, told why.
+        let mut plain = *id.as_bytes();
+        plain[5] &= !ID_ENCRYPTED;
+        let plain = UniqueId::from_bytes(&plain).unwrap();
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    rendezvous(&id, r, 3, &[r as u8; 5], Duration::from_secs(3))
+                })
+            })
+            .collect();
+        let e = rendezvous(&plain, 2, 3, &[2; 5], Duration::from_secs(3))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("without encryption") && e.contains("ROCCL_ENCRYPT"),
+            "{e}"
+        );
+        for h in hs {
+            assert!(h.join().unwrap().is_err(), "rank 2 never joined");
+        }
+        // An encrypted job whose ranks agree completes, each reply sealed for its rank.
+        let id = UniqueId::new_with(true).unwrap();
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    rendezvous(&id, r, 3, &[r as u8; 5], Duration::from_secs(10))
+                })
+            })
+            .collect();
+        for h in hs {
+            let t = h.join().unwrap().unwrap();
+            assert_eq!(t, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
+        }
+        assert_eq!(
+            parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0], 2),
+            Some(vec![vec![9], vec![]])
+        );
+        assert_eq!(parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0, 7], 2), None);
+        assert_eq!(parse_table(&[5, 0, 0, 0, 9], 1), None);
     }
 
     #[test]

@@ -86,6 +86,21 @@ impl Communicator {
         // Connections prove that they belong to this job (docs/SECURITY.md).
         let job_key = id.job_key();
         net.set_job_key(&job_key);
+        if crate::bootstrap::seal::requested() && !id.encrypted() {
+            return Err(Error::InvalidUsage(format!(
+                "rank {rank}: ROCCL_ENCRYPT=1 (or ncclSetEncryption) here, but the unique id was made without encryption: ask for it where the id is made (rank 0, before rocclGetUniqueId / ncclGetUniqueId), or on every rank in launcher mode"
+            )));
+        }
+        net.set_encryption(id.encrypted());
+        if id.encrypted() && !net.encrypts() && cfg.net != NetKind::Shm {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                crate::warn!(
+                    "ROCCL_ENCRYPT: the bootstrap is encrypted, but data over {} is not (RDMA cannot be encrypted in software without losing zero copy; shared memory stays on the host): use ROCCL_NET=tcp to encrypt the data too, or IPsec/MACsec below roccl (docs/SECURITY.md)",
+                    net.name()
+                )
+            });
+        }
         // Whether GPU memory can go to peers over this network. Connections keep eager
         // messages: the executor hands the network a GPU copy for those.
         let net_gpu = if cfg.gpu_direct != GpuDirect::Off {

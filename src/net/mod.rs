@@ -174,6 +174,15 @@ pub trait Net: Send + Sync {
     /// listener's handle only (a random token in it). Networks without listeners of their
     /// own ignore it.
     fn set_job_key(&self, _key: &JobKey) {}
+    /// Encrypt the connections made afterwards (the job's unique id says so,
+    /// [`crate::bootstrap::UniqueId::encrypted`]; keys from the job key). Networks that
+    /// cannot ignore it and say so in [`Net::encrypts`].
+    fn set_encryption(&self, _on: bool) {}
+    /// Whether this network encrypts what it carries after [`Net::set_encryption`]: TCP
+    /// does; RDMA cannot without losing zero copy, and shared memory never leaves the host.
+    fn encrypts(&self) -> bool {
+        false
+    }
 }
 
 /// How long a listener waits for a new connection's hello (a roccl peer sends it at once):
@@ -183,19 +192,33 @@ pub(crate) const SETUP_DEADLINE: std::time::Duration = std::time::Duration::from
 /// The job key a network authenticates its connections with ([`Net::set_job_key`]), and the
 /// keys of its listeners: HMAC-SHA256 of the job key over the network's name and the
 /// listener's token, a random 128-bit value published in the listener's handle.
-pub(crate) struct NetKey(parking_lot::Mutex<JobKey>);
+pub(crate) struct NetKey(
+    parking_lot::Mutex<JobKey>,
+    /// Connections are encrypted ([`Net::set_encryption`]).
+    std::sync::atomic::AtomicBool,
+);
 
 impl NetKey {
     /// Before [`Net::set_job_key`]: a fixed key, so that the token alone authenticates.
     pub(crate) fn new() -> NetKey {
-        NetKey(parking_lot::Mutex::new(JobKey::from_secret(
-            &[],
-            b"no job key",
-        )))
+        NetKey(
+            parking_lot::Mutex::new(JobKey::from_secret(&[], b"no job key")),
+            std::sync::atomic::AtomicBool::new(false),
+        )
     }
 
     pub(crate) fn set(&self, key: &JobKey) {
         *self.0.lock() = *key;
+    }
+
+    /// Encrypt the connections made afterwards (or not).
+    pub(crate) fn set_encryption(&self, on: bool) {
+        self.1.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether connections made now are encrypted.
+    pub(crate) fn encrypting(&self) -> bool {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The key of connections to the listener of `net` whose handle holds `token`.

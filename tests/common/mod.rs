@@ -38,7 +38,14 @@ pub fn run_ranks<F>(n: usize, cfg: Config, f: F)
 where
     F: Fn(Communicator) + Send + Sync,
 {
-    let id = UniqueId::new().expect("unique id");
+    run_ranks_of(UniqueId::new().expect("unique id"), n, cfg, f)
+}
+
+/// [`run_ranks`] with the communicator of `id`.
+pub fn run_ranks_of<F>(id: UniqueId, n: usize, cfg: Config, f: F)
+where
+    F: Fn(Communicator) + Send + Sync,
+{
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
@@ -386,7 +393,12 @@ pub fn net_matrix(net: NetKind, name: &str, n: usize, tuning: Tuning) {
 /// [`net_matrix`] with a whole configuration. Communicators whose every rank is on shared
 /// memory must have the shared-memory collectives, and no other may.
 pub fn net_matrix_cfg(cfg: Config, name: &str, n: usize) {
-    run_ranks(n, cfg, |c| {
+    net_matrix_of(UniqueId::new().expect("unique id"), cfg, name, n)
+}
+
+/// [`net_matrix_cfg`] on the communicator of `id`.
+pub fn net_matrix_of(id: UniqueId, cfg: Config, name: &str, n: usize) {
+    run_ranks_of(id, n, cfg, |c| {
         assert_eq!(c.net_name(), name);
         assert_eq!(c.shm_collectives(), name == "shm" && n > 1, "{name}");
         for k in KINDS {

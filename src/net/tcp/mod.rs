@@ -18,12 +18,16 @@
 //! one that has not sent its hello within `SETUP_DEADLINE`. It groups sockets by connection
 //! id and hands out the receive comm once all have arrived. The listen handle carries the
 //! listener's 16-byte token at bytes 48..64.
+//!
+//! On an encrypted job (`ROCCL_ENCRYPT`) bit 14 of the hello's count is set, and after the
+//! hello each socket's bytes each way are AES-256-GCM records (`records`).
 
 //!
 //! The modules: `setup` (connecting and accepting), `io` (socket calls and the layout of
 //! a message over the sockets), `send` and `recv` (the comms).
 
 mod io;
+mod records;
 mod recv;
 mod send;
 mod setup;
@@ -57,6 +61,8 @@ const MAX_SOCKS: usize = 8;
 const MAX_FDS: usize = MAX_SOCKS + 1;
 /// Bit of the hello's socket count: the connection is duplex (see [`io::Layout`]).
 const HELLO_DUPLEX: u16 = 0x8000;
+/// Bit of the hello's socket count: the connection is encrypted (see [`records`]).
+const HELLO_SEALED: u16 = 0x4000;
 /// On a duplex connection, payloads up to this size travel with their header on the shared
 /// socket, where the peer's data carries their acknowledgement; larger ones with their header
 /// on the direction's own sockets (`ROCCL_TCP_DUPLEX_INLINE`). 2 ranks over loopback: 8 B–8
@@ -278,5 +284,13 @@ impl Net for TcpNet {
 
     fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
         self.key.set(key);
+    }
+
+    fn set_encryption(&self, on: bool) {
+        self.key.set_encryption(on);
+    }
+
+    fn encrypts(&self) -> bool {
+        self.key.encrypting()
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use socket2::Socket;
 
 use super::io::{io_err, recv_raw, shut, Layout};
+use super::records::{Crypt, Opener};
 use super::send::TcpSendComm;
 use super::{is_local, HDR, LEN_MASK, MAX_FDS, MSG_MAGIC, RXBUF, RX_DIRECT};
 use crate::error::{Error, Result};
@@ -75,11 +76,31 @@ pub(super) struct TcpRecvComm {
     seq: u16,
     /// The socket that carried the last header.
     last_head: u8,
+    /// An encrypted connection's share ([`Crypt`]), and an opener per socket (empty when
+    /// the job does not encrypt).
+    crypt: Option<Crypt>,
+    open: Vec<Opener>,
+}
+
+/// `recv` on socket `j`, through its opener on an encrypted connection.
+fn read(open: &mut [Opener], fds: &[i32], j: usize, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    match open.get_mut(j) {
+        Some(o) => o.recv(fds[j], ptr, len),
+        None => recv_raw(fds[j], ptr, len),
+    }
 }
 
 impl TcpRecvComm {
-    pub(super) fn new(socks: Vec<Arc<Socket>>, back: Vec<Arc<Socket>>, layout: Layout) -> Self {
+    pub(super) fn new(
+        socks: Vec<Arc<Socket>>,
+        back: Vec<Arc<Socket>>,
+        layout: Layout,
+        crypt: Option<Crypt>,
+    ) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
+        let open = crypt
+            .as_ref()
+            .map_or_else(Vec::new, |c| c.keys.openers(&c.own));
         let peer = socks
             .first()
             .and_then(|s| s.peer_addr().ok())
@@ -106,6 +127,8 @@ impl TcpRecvComm {
             rx_end_seen: false,
             last_head: 0,
             seq: 0,
+            crypt,
+            open,
         }
     }
 
@@ -139,7 +162,7 @@ impl TcpRecvComm {
         }
         let free = RXBUF - self.rx_end;
         let ptr = self.rx[self.rx_end..].as_mut_ptr();
-        match recv_raw(self.fds[0], ptr, free) {
+        match read(&mut self.open, &self.fds, 0, ptr, free) {
             Ok(0) => Ok(None),
             Ok(n) => {
                 self.rx_end += n;
@@ -202,7 +225,7 @@ impl TcpRecvComm {
                 }
                 if sock == 1 && self.hdr1_got < HDR && !self.hdr1_end {
                     let at = self.hdr1[self.hdr1_got..].as_mut_ptr();
-                    match recv_raw(self.fds[1], at, HDR - self.hdr1_got) {
+                    match read(&mut self.open, &self.fds, 1, at, HDR - self.hdr1_got) {
                         Ok(0) if self.hdr1_got == 0 => self.hdr1_end = true,
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => {
@@ -326,7 +349,7 @@ impl TcpRecvComm {
                     let slot = &mut self.slots[index];
                     let want = (e - s) - slot.off[1];
                     let dst = slot.dst + s + slot.off[1];
-                    match recv_raw(self.fds[1], dst as *mut u8, want) {
+                    match read(&mut self.open, &self.fds, 1, dst as *mut u8, want) {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[1] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
@@ -362,7 +385,7 @@ impl TcpRecvComm {
                     self.rx_start += k;
                     slot.off[0] += k;
                 } else if want >= RX_DIRECT {
-                    match recv_raw(self.fds[0], dst as *mut u8, want) {
+                    match read(&mut self.open, &self.fds, 0, dst as *mut u8, want) {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[0] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
@@ -394,7 +417,7 @@ impl TcpRecvComm {
                 let want = (e - s) - slot.off[j];
                 if want > 0 {
                     let dst = slot.dst + s + slot.off[j];
-                    match recv_raw(self.fds[j], dst as *mut u8, want) {
+                    match read(&mut self.open, &self.fds, j, dst as *mut u8, want) {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[j] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -520,11 +543,13 @@ impl RecvComm for TcpRecvComm {
                 let _ = s.set_send_buffer_size(b);
             }
         }
+        let crypt = self.crypt.as_ref().map(Crypt::reversed);
         Some(Box::new(TcpSendComm::new(
             socks,
             Vec::new(),
             self.layout,
             peer,
+            crypt,
         )))
     }
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use socket2::Socket;
 
 use super::io::{io_err, send2, shut, Layout};
+use super::records::{Crypt, Sealer};
 use super::recv::TcpRecvComm;
 use super::{HDR, LEN_MASK, MAX_FDS, MSG_MAGIC};
 use crate::error::{Error, Result};
@@ -37,6 +38,10 @@ pub(super) struct TcpSendComm {
     /// Per socket: the message it is sending (absolute sequence number).
     cur: [u64; MAX_FDS],
     failed: Option<String>,
+    /// An encrypted connection's share ([`Crypt`]), and a sealer per socket (empty when
+    /// the job does not encrypt).
+    crypt: Option<Crypt>,
+    seal: Vec<Sealer>,
 }
 
 impl TcpSendComm {
@@ -45,9 +50,15 @@ impl TcpSendComm {
         back: Vec<Arc<Socket>>,
         layout: Layout,
         peer: SocketAddr,
+        crypt: Option<Crypt>,
     ) -> Self {
         let fds = socks.iter().map(|s| s.as_raw_fd()).collect();
+        let seal = crypt
+            .as_ref()
+            .map_or_else(Vec::new, |c| c.keys.sealers(&c.own));
         TcpSendComm {
+            crypt,
+            seal,
             socks,
             back,
             fds,
@@ -81,10 +92,14 @@ impl TcpSendComm {
                 let total = hdr + (e - s);
                 if m.off[j] < total {
                     let o = m.off[j];
-                    let r = if o < hdr {
-                        send2(self.fds[j], &m.hdr[o..], m.addr + s, e - s)
+                    let (a, b_ptr, b_len) = if o < hdr {
+                        (&m.hdr[o..], m.addr + s, e - s)
                     } else {
-                        send2(self.fds[j], &[], m.addr + s + (o - hdr), total - o)
+                        (&[][..], m.addr + s + (o - hdr), total - o)
+                    };
+                    let r = match self.seal.get_mut(j) {
+                        Some(sealer) => sealer.send2(self.fds[j], a, b_ptr, b_len),
+                        None => send2(self.fds[j], a, b_ptr, b_len),
                     };
                     match r {
                         Ok(w) => m.off[j] += w,
@@ -179,7 +194,13 @@ impl SendComm for TcpSendComm {
         }
         let mut socks = vec![Arc::clone(&self.socks[0])];
         socks.append(&mut self.back);
-        Some(Box::new(TcpRecvComm::new(socks, Vec::new(), self.layout)))
+        let crypt = self.crypt.as_ref().map(Crypt::reversed);
+        Some(Box::new(TcpRecvComm::new(
+            socks,
+            Vec::new(),
+            self.layout,
+            crypt,
+        )))
     }
 }
 

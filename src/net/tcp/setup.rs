@@ -11,11 +11,12 @@ use std::sync::Arc;
 use socket2::{Domain, Protocol, Socket, Type};
 
 use super::io::{recv_raw, send_raw, Layout};
+use super::records::{ConnKeys, Crypt};
 use super::recv::TcpRecvComm;
 use super::send::TcpSendComm;
 use super::{
     decode_handle, duplex_inline, encode_handle, tune, TcpNet, HANDLE_TOKEN, HDR, HELLO,
-    HELLO_DUPLEX, HELLO_MAGIC, MAX_SOCKS,
+    HELLO_DUPLEX, HELLO_MAGIC, HELLO_SEALED, MAX_SOCKS,
 };
 use crate::bootstrap::auth::{self, JobKey};
 use crate::error::{Error, Result};
@@ -29,10 +30,14 @@ impl TcpNet {
     pub(super) fn dial(&self, handle: &NetHandle, duplex: bool) -> Result<Box<dyn Connecting>> {
         let (sa, per_way, split) = decode_handle(handle)?;
         let nsocks = if duplex { 1 + 2 * per_way } else { per_way };
-        let count = nsocks as u16 | if duplex { HELLO_DUPLEX } else { 0 };
+        let sealed = self.key.encrypting();
+        let count = nsocks as u16
+            | if duplex { HELLO_DUPLEX } else { 0 }
+            | if sealed { HELLO_SEALED } else { 0 };
         let token = &handle.as_bytes()[HANDLE_TOKEN..HANDLE_TOKEN + crate::net::TOKEN_BYTES];
         let key = self.key.for_token("tcp", token);
         let id = u64::from_le_bytes(auth::random()?);
+        let keys = sealed.then(|| ConnKeys::new(&key, id, true));
         let mut socks = Vec::with_capacity(nsocks);
         let sndbuf = self.sndbuf_for(sa.ip());
         for i in 0..nsocks {
@@ -61,6 +66,7 @@ impl TcpNet {
         Ok(Box::new(TcpConnecting {
             peer: sa,
             socks,
+            keys,
             layout: Layout {
                 split,
                 inline: duplex.then(duplex_inline),
@@ -91,6 +97,7 @@ impl TcpNet {
         Ok((
             handle,
             Box::new(TcpListen {
+                sealed: self.key.encrypting(),
                 key,
                 seen: crate::net::SeenTags::new(),
                 sock: s,
@@ -113,6 +120,8 @@ pub(super) struct PendingSock {
 pub(super) struct TcpConnecting {
     peer: SocketAddr,
     socks: Vec<PendingSock>,
+    /// The connection's keys when the job encrypts.
+    keys: Option<ConnKeys>,
     layout: Layout,
 }
 
@@ -161,11 +170,13 @@ impl Connecting for TcpConnecting {
         }
         let socks: Vec<Arc<Socket>> = self.socks.drain(..).map(|p| Arc::new(p.sock)).collect();
         let (own, back) = ways(socks, self.layout.inline.is_some());
+        let crypt = self.keys.map(|k| Crypt::new(k, own.len(), back.len()));
         Ok(Some(Box::new(TcpSendComm::new(
             own,
             back,
             self.layout,
             self.peer,
+            crypt,
         ))))
     }
 
@@ -190,6 +201,8 @@ pub(super) struct Incoming {
 pub(super) struct TcpListen {
     /// The key hellos are authenticated with.
     key: JobKey,
+    /// The job encrypts: so must every connection.
+    sealed: bool,
     /// Tags of the hellos accepted (a replayed hello is refused).
     seen: crate::net::SeenTags,
     sock: Socket,
@@ -292,7 +305,19 @@ impl ListenComm for TcpListen {
             let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
             let count = u16::from_le_bytes([h[14], h[15]]);
             let duplex = count & HELLO_DUPLEX != 0;
-            let n = (count & !HELLO_DUPLEX) as usize;
+            if (count & HELLO_SEALED != 0) != self.sealed {
+                auth::refuse(
+                    "tcp setup listener",
+                    inc.from,
+                    if self.sealed {
+                        "an unencrypted connection to an encrypted job"
+                    } else {
+                        "an encrypted connection to a job that does not encrypt"
+                    },
+                );
+                continue;
+            }
+            let n = (count & !(HELLO_DUPLEX | HELLO_SEALED)) as usize;
             let per_way = if duplex { n.saturating_sub(1) / 2 } else { n };
             let shape_ok = !duplex || n % 2 == 1;
             if per_way == 0 || per_way > MAX_SOCKS || idx >= n || !shape_ok {
@@ -320,7 +345,10 @@ impl ListenComm for TcpListen {
                     split: self.split,
                     inline: duplex.then(duplex_inline),
                 };
-                let mut comm = TcpRecvComm::new(own, back, layout);
+                let crypt = self.sealed.then(|| {
+                    Crypt::new(ConnKeys::new(&self.key, id, false), own.len(), back.len())
+                });
+                let mut comm = TcpRecvComm::new(own, back, layout, crypt);
                 comm.local_sndbuf = self.local_sndbuf;
                 return Ok(Some(Box::new(comm)));
             }

@@ -350,3 +350,206 @@ fn handles_are_checked() {
     assert_eq!(n.properties(0).unwrap().max_recvs, MAX_RECVS as u32);
     assert!(n.properties(1).is_err());
 }
+
+/// A network whose connections are encrypted (`ROCCL_ENCRYPT`).
+fn sealed(nsocks: usize, duplex: bool) -> TcpNet {
+    let n = TcpNet {
+        duplex,
+        ..net(nsocks)
+    };
+    n.key.set(&crate::bootstrap::auth::JobKey::from_secret(
+        &[9; 16], b"job",
+    ));
+    n.key.set_encryption(true);
+    n
+}
+
+/// Connect to `h` (a handle of `l`'s listener, or one pointing at a relay to it).
+fn dial(
+    n: &TcpNet,
+    h: &NetHandle,
+    l: &mut Box<dyn ListenComm>,
+    duplex: bool,
+) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
+    let mut c = if duplex {
+        n.connect_duplex(0, h).unwrap()
+    } else {
+        n.connect(0, h).unwrap()
+    };
+    let (mut s, mut r) = (None, None);
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while s.is_none() || r.is_none() {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "connecting took over 20 s"
+        );
+        if s.is_none() {
+            s = c.poll().unwrap();
+        }
+        if r.is_none() {
+            r = l.accept().unwrap();
+        }
+    }
+    (s.unwrap(), r.unwrap())
+}
+
+#[test]
+fn encrypted_connections_carry_every_size_one_way_and_both_ways() {
+    let sizes = [0usize, 1, 7, 4096, 65535, 65536, 65537, 300_001, 4 << 20];
+    for nsocks in [1, 3] {
+        let n = sealed(nsocks, false);
+        let (h, mut l) = n.listen(0).unwrap();
+        let (mut s, mut r) = dial(&n, &h, &mut l, false);
+        exchange(&mut *s, &mut *r, &sizes, nsocks, 5);
+        exchange(&mut *s, &mut *r, &sizes, nsocks + 1, 0);
+        let n = sealed(nsocks, true);
+        let (h, mut l) = n.listen(0).unwrap();
+        let (mut s, mut r) = dial(&n, &h, &mut l, true);
+        let mut back_s = r.reverse().expect("a sending side back");
+        let mut back_r = s.reverse().expect("a receiving side back");
+        exchange(&mut *s, &mut *r, &sizes, 1, 3);
+        exchange(&mut *back_s, &mut *back_r, &sizes, 2, 0);
+        exchange(&mut *s, &mut *r, &sizes, 3, 0);
+    }
+    // An unencrypted dialer is refused by an encrypted listener (and the other way round).
+    let on = sealed(1, false);
+    let off = net(1);
+    off.key.set(&crate::bootstrap::auth::JobKey::from_secret(
+        &[9; 16], b"job",
+    ));
+    for (a, b) in [(&on, &off), (&off, &on)] {
+        let (h, mut l) = a.listen(0).unwrap();
+        let mut c = b.connect(0, &h).unwrap();
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(300);
+        while std::time::Instant::now() < until {
+            let _ = c.poll().unwrap();
+            assert!(
+                l.accept().unwrap().is_none(),
+                "a connection that does not encrypt as the listener"
+            );
+        }
+    }
+}
+
+/// A TCP relay to `to`: keeps what dialers send through it, flipping the byte at offset
+/// `flip` of each connection's stream where one is given.
+fn relay(
+    to: std::net::SocketAddr,
+    flip: Option<usize>,
+) -> (u16, std::sync::Arc<parking_lot::Mutex<Vec<u8>>>) {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let kept = std::sync::Arc::clone(&seen);
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let Ok(mut up) = std::net::TcpStream::connect(to) else {
+                return;
+            };
+            let (mut c2, mut up2) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut up2, &mut c2);
+                let _ = c2.shutdown(std::net::Shutdown::Write);
+            });
+            let kept = std::sync::Arc::clone(&kept);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 65536];
+                let mut at = 0;
+                while let Ok(k) = c.read(&mut buf) {
+                    if k == 0 {
+                        break;
+                    }
+                    if let Some(f) = flip.filter(|f| (at..at + k).contains(f)) {
+                        buf[f - at] ^= 0x20;
+                    }
+                    at += k;
+                    kept.lock().extend_from_slice(&buf[..k]);
+                    if up.write_all(&buf[..k]).is_err() {
+                        break;
+                    }
+                }
+                let _ = up.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// `h` with its port replaced by `port`.
+fn with_port(h: &NetHandle, port: u16) -> NetHandle {
+    let mut b = h.as_bytes().to_vec();
+    b[6..8].copy_from_slice(&port.to_le_bytes());
+    NetHandle::from_bytes(&b).unwrap()
+}
+
+#[test]
+fn an_encrypted_connection_shows_no_plaintext_on_the_wire_and_tampering_is_an_error() {
+    let marker = b"ROCCL-PLAINTEXT-MARKER!";
+    let payload: Vec<u8> = marker.iter().cycle().take(300_000).copied().collect();
+    for encrypt in [false, true] {
+        let n = if encrypt {
+            sealed(2, false)
+        } else {
+            TcpNet {
+                duplex: false,
+                ..net(2)
+            }
+        };
+        let (h, mut l) = n.listen(0).unwrap();
+        let (port, seen) = relay(decode_handle(&h).unwrap().0, None);
+        let (mut s, mut r) = dial(&n, &with_port(&h, port), &mut l, false);
+        let mut got = vec![0u8; payload.len()];
+        let rb = RecvBuf {
+            ptr: got.as_mut_ptr(),
+            len: got.len(),
+            tag: 1,
+        };
+        // SAFETY: `payload` and `got` outlive the requests, completed by `settle`.
+        let (q, p) = unsafe {
+            (
+                r.irecv(&[rb]).unwrap().unwrap(),
+                s.isend(payload.as_ptr(), payload.len(), 1, None)
+                    .unwrap()
+                    .unwrap(),
+            )
+        };
+        settle(&mut *s, &mut *r, &[p], &[(q, 1)]);
+        assert!(got == payload);
+        let wire = seen.lock().clone();
+        assert!(wire.len() > payload.len());
+        let shows = wire.windows(marker.len()).any(|w| w == marker);
+        assert_eq!(shows, !encrypt, "plaintext on the wire: {shows}");
+    }
+    // A byte changed on the way (inside the first record, after the 32-byte hello) is an
+    // error naming the failed authentication, never a wrong result.
+    let n = sealed(1, false);
+    let (h, mut l) = n.listen(0).unwrap();
+    let (port, _) = relay(decode_handle(&h).unwrap().0, Some(32 + 40));
+    let (mut s, mut r) = dial(&n, &with_port(&h, port), &mut l, false);
+    let mut got = vec![0u8; payload.len()];
+    let rb = RecvBuf {
+        ptr: got.as_mut_ptr(),
+        len: got.len(),
+        tag: 1,
+    };
+    // SAFETY: as above; the receive fails, and `got` outlives the comms.
+    let p = unsafe {
+        r.irecv(&[rb]).unwrap().unwrap();
+        s.isend(payload.as_ptr(), payload.len(), 1, None)
+            .unwrap()
+            .unwrap()
+    };
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let err = loop {
+        assert!(std::time::Instant::now() < give_up, "no error within 20 s");
+        let _ = s.test(p);
+        match r.test(ReqId(0), &mut [0]) {
+            Err(e) => break e.to_string(),
+            Ok(done) => assert!(!done, "a tampered message was delivered"),
+        }
+    };
+    assert!(err.contains("failed authentication"), "{err}");
+    drop((s, r, l, got));
+}
