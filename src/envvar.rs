@@ -194,6 +194,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_ENCRYPT",
+        accepts: SWITCH,
+        valid: Some(switch),
+    },
+    Setting {
         name: "ROCCL_TCP_DUPLEX_INLINE",
         accepts: UINT,
         valid: Some(uint),

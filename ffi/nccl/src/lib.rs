@@ -324,3 +324,83 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(
         )
     })
 }
+
+/// `ncclEncryptionConfig_t` (NCCL 2.32): a versioned struct.
+#[repr(C)]
+struct NcclEncryptionConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    mode: c_int,
+    psk: *const c_char,
+}
+
+/// `NCCL_API_MAGIC`, which NCCL's versioned structs carry.
+const NCCL_API_MAGIC: u32 = 0xcafe_beef;
+/// `NCCL_ENCRYPTION_MODE_NONE` and `NCCL_ENCRYPTION_MODE_PSK`.
+const ENCRYPTION_NONE: c_int = 0;
+const ENCRYPTION_PSK: c_int = 1;
+
+/// Encrypt (mode PSK) or stop encrypting (mode NONE) the jobs of ids made and communicators
+/// joined afterwards in this process: roccl's `ROCCL_ENCRYPT` (docs/SECURITY.md), with the
+/// pre-shared key mixed into the job key, so every rank must call it with the same key
+/// (the rank that makes the unique id before `ncclGetUniqueId`, every other before joining).
+#[no_mangle]
+pub unsafe extern "C" fn ncclSetEncryption(config: *const c_void) -> ncclResult_t {
+    boundary("ncclSetEncryption", || {
+        if config.is_null() {
+            return fail(INVALID_ARGUMENT, "ncclSetEncryption: config is NULL");
+        }
+        // SAFETY: a non-NULL config points at the caller's struct, whose first field is its
+        // size in bytes; only the fields that size covers are read below.
+        let size = unsafe { *(config as *const usize) };
+        if size < std::mem::size_of::<NcclEncryptionConfig>() {
+            return fail(
+                INVALID_ARGUMENT,
+                &format!(
+                    "ncclSetEncryption: config.size is {size}, smaller than ncclEncryptionConfig_t ({} bytes): initialize it with NCCL_ENCRYPTION_CONFIG_INITIALIZER",
+                    std::mem::size_of::<NcclEncryptionConfig>()
+                ),
+            );
+        }
+        // SAFETY: the caller's struct is at least as large as ours (checked above).
+        let c = unsafe { &*(config as *const NcclEncryptionConfig) };
+        if c.magic != NCCL_API_MAGIC {
+            return fail(
+                INVALID_ARGUMENT,
+                &format!(
+                    "ncclSetEncryption: config.magic is {:#x}, not NCCL_API_MAGIC: initialize the config with NCCL_ENCRYPTION_CONFIG_INITIALIZER",
+                    c.magic
+                ),
+            );
+        }
+        match c.mode {
+            ENCRYPTION_NONE => {
+                roccl_core::bootstrap::seal::set(false, None);
+                0
+            }
+            ENCRYPTION_PSK if c.psk.is_null() => fail(
+                INVALID_ARGUMENT,
+                "ncclSetEncryption: mode NCCL_ENCRYPTION_MODE_PSK needs config.psk (the pre-shared key, a NUL-terminated string every rank gives alike)",
+            ),
+            ENCRYPTION_PSK => {
+                // SAFETY: a non-NULL psk is a NUL-terminated string, per the API.
+                let psk = unsafe { CStr::from_ptr(c.psk) }.to_bytes();
+                if psk.is_empty() {
+                    return fail(
+                        INVALID_ARGUMENT,
+                        "ncclSetEncryption: config.psk is empty: give a pre-shared key (e.g. 32 random hex digits)",
+                    );
+                }
+                roccl_core::bootstrap::seal::set(true, Some(psk));
+                0
+            }
+            m => fail(
+                INVALID_ARGUMENT,
+                &format!(
+                    "ncclSetEncryption: unknown mode {m} (NCCL_ENCRYPTION_MODE_NONE = 0, NCCL_ENCRYPTION_MODE_PSK = 1)"
+                ),
+            ),
+        }
+    })
+}
