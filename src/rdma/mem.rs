@@ -70,6 +70,22 @@ fn slot_of(key: u32) -> usize {
     (key >> KEY_SLOT_SHIFT) as usize
 }
 
+/// 16 bits from the OS random source for a key, other than `not` (a region's old bits).
+fn key_bits(not: Option<u16>) -> Result<u16> {
+    loop {
+        let mut r = [0u8; 2];
+        getrandom::getrandom(&mut r).map_err(|e| {
+            Error::Internal(format!(
+                "the operating system's random source failed ({e}): cannot make a memory key"
+            ))
+        })?;
+        let bits = u16::from_le_bytes(r);
+        if Some(bits) != not {
+            return Ok(bits);
+        }
+    }
+}
+
 impl MrTable {
     /// Register `len` bytes at `addr`; returns the key (used as both lkey and rkey).
     ///
@@ -94,13 +110,7 @@ impl MrTable {
         if slot >= 1 << (32 - KEY_SLOT_SHIFT) {
             return Err(Error::arg("too many memory regions (65536 at once)"));
         }
-        let mut r = [0u8; 2];
-        getrandom::getrandom(&mut r).map_err(|e| {
-            Error::Internal(format!(
-                "the operating system's random source failed ({e}): cannot make a memory key"
-            ))
-        })?;
-        let key = ((slot as u32) << KEY_SLOT_SHIFT) | u32::from(u16::from_le_bytes(r));
+        let key = ((slot as u32) << KEY_SLOT_SHIFT) | u32::from(key_bits(None)?);
         self.regions[slot] = Some(Region {
             addr,
             len,
@@ -193,6 +203,22 @@ impl MrTable {
             r.mapping = Some((p as usize, map_len));
         }
         Ok(key)
+    }
+
+    /// Give region `key` the rights `access` and a new key (as `ibv_rereg_mr` with
+    /// `IBV_REREG_MR_CHANGE_ACCESS`, and a new rkey): the old key no longer reaches it.
+    /// Returns the new key.
+    pub fn rekey(&mut self, key: u32, access: Access) -> Result<u32> {
+        let r = self
+            .regions
+            .get_mut(slot_of(key))
+            .and_then(|r| r.as_mut())
+            .filter(|r| r.key == key)
+            .ok_or_else(|| Error::arg(format!("no memory region with key {key:#x}")))?;
+        let bits = key_bits(Some(key as u16))?;
+        r.key = (key & !0xffff) | u32::from(bits);
+        r.access = access;
+        Ok(r.key)
     }
 
     /// Remove a registration.
@@ -327,6 +353,41 @@ mod tests {
                 Err(AccessError::BadKey)
             );
         }
+    }
+
+    /// A region rekeyed to local rights: its old key reaches nothing, the new one cannot be
+    /// written remotely; given remote rights back, it has yet another key.
+    #[test]
+    fn rekeying_revokes_remote_access() {
+        let mut buf = vec![0u8; 64];
+        let mut t = MrTable::default();
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        // SAFETY: `buf` outlives the table's use below.
+        let k = unsafe { t.register(buf.as_mut_ptr() as usize, 64, rw) }.unwrap();
+        let base = buf.as_ptr() as u64;
+        t.write(k, base, &[1], Access::REMOTE_WRITE).unwrap();
+        let local = t.rekey(k, Access::LOCAL_WRITE).unwrap();
+        assert_ne!(local, k);
+        assert_eq!(local >> 16, k >> 16, "same slot");
+        assert_eq!(
+            t.write(k, base, &[2], Access::REMOTE_WRITE),
+            Err(AccessError::BadKey)
+        );
+        assert_eq!(
+            t.write(local, base, &[2], Access::REMOTE_WRITE),
+            Err(AccessError::Denied)
+        );
+        t.write(local, base, &[3], Access::LOCAL_WRITE).unwrap();
+        let again = t.rekey(local, rw).unwrap();
+        assert_ne!(again, local);
+        t.write(again, base, &[4], Access::REMOTE_WRITE).unwrap();
+        assert_eq!(
+            t.write(local, base, &[5], Access::LOCAL_WRITE),
+            Err(AccessError::BadKey)
+        );
+        assert!(t.rekey(local, rw).is_err(), "an old key cannot rekey");
+        assert_eq!(buf[0], 4);
+        t.deregister(again).unwrap();
     }
 
     #[test]

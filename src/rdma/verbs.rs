@@ -73,6 +73,17 @@ pub trait Verbs: Send + Sync {
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr>;
     /// Release a registration.
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
+    /// Give registration `mr` the rights `access` and new keys, after which its old rkey
+    /// reaches nothing (`ibv_rereg_mr` with `IBV_REREG_MR_CHANGE_ACCESS`, plus a new key):
+    /// what the registration cache does to a receive buffer it keeps after the application
+    /// got it back. Only providers with [`Verbs::cacheable_registrations`] need it.
+    fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
+        let _ = (mr, access);
+        Err(crate::error::Error::Internal(format!(
+            "{}: changing a registration's rights is not supported",
+            self.name()
+        )))
+    }
     /// Whether the provider registers dmabuf memory (GPU memory its driver exports).
     fn dmabuf_supported(&self) -> bool {
         false

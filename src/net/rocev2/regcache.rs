@@ -11,6 +11,12 @@
 //! reused) with a registration still cached is harmless: the userspace engine
 //! ([`crate::rdma::verbs::Verbs::cacheable_registrations`]). Elsewhere every request
 //! registers and deregisters its own buffers, as before.
+//!
+//! A cached entry with remote rights loses them when its last request is done (the
+//! application has its buffer back): the provider gives it local rights only and a new key
+//! ([`Verbs::rekey_mr`]), so an rkey seen on the wire in a clear-to-send reaches nothing
+//! once the receive completed; the next request that needs remote rights gets them back
+//! under yet another key (docs/SECURITY.md).
 
 use crate::error::Result;
 use crate::rdma::verbs::{Access, Mr, Verbs};
@@ -21,6 +27,8 @@ pub const CAPACITY: usize = 32;
 struct Entry {
     mr: Mr,
     access: Access,
+    /// Idle, with its remote rights revoked (see the module's doc).
+    revoked: bool,
     /// Requests in flight using it.
     users: u32,
     last_use: u64,
@@ -88,9 +96,24 @@ impl RegCache {
         }
         if self.enabled {
             let end = addr + len as u64;
-            if let Some(e) = self.entries.iter_mut().find(|e| {
+            if let Some(i) = self.entries.iter().position(|e| {
                 e.mr.addr <= addr && end <= e.mr.addr + e.mr.len as u64 && e.access.has(access)
             }) {
+                let e = &mut self.entries[i];
+                if e.revoked {
+                    match verbs.rekey_mr(&e.mr, e.access) {
+                        Ok(m) => {
+                            e.mr = m;
+                            e.revoked = false;
+                        }
+                        Err(_) => {
+                            let e = self.entries.swap_remove(i);
+                            let _ = verbs.dereg_mr(&e.mr);
+                            // SAFETY: forwarded contract.
+                            return unsafe { self.acquire(verbs, addr, len, access) };
+                        }
+                    }
+                }
                 e.users += 1;
                 e.last_use = self.clock;
                 self.hits += 1;
@@ -123,6 +146,7 @@ impl RegCache {
         self.entries.push(Entry {
             mr,
             access,
+            revoked: false,
             users: 1,
             last_use: self.clock,
         });
@@ -173,10 +197,24 @@ impl RegCache {
             *users = users.saturating_sub(1);
             return;
         }
-        match self.entries.iter_mut().find(|e| e.mr.lkey == mr.lkey) {
-            Some(e) => e.users = e.users.saturating_sub(1),
-            None => {
-                let _ = verbs.dereg_mr(mr);
+        let Some(i) = self.entries.iter().position(|e| e.mr.lkey == mr.lkey) else {
+            let _ = verbs.dereg_mr(mr);
+            return;
+        };
+        let e = &mut self.entries[i];
+        e.users = e.users.saturating_sub(1);
+        let remote = e.access.has(Access::REMOTE_WRITE) || e.access.has(Access::REMOTE_READ);
+        if e.users == 0 && remote {
+            match verbs.rekey_mr(&e.mr, Access::LOCAL_WRITE) {
+                Ok(m) => {
+                    e.mr = m;
+                    e.revoked = true;
+                }
+                Err(_) => {
+                    // A provider that cannot revoke: do not keep the registration.
+                    let e = self.entries.swap_remove(i);
+                    let _ = verbs.dereg_mr(&e.mr);
+                }
             }
         }
     }
@@ -200,23 +238,32 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Mutex;
 
-    /// Counts registrations; `cacheable` says what it tells the cache.
+    /// Counts registrations; `cacheable` says what it tells the cache; keys live, with
+    /// whether each has remote rights; `rekeys` says whether it can change rights.
     struct Counting {
         cacheable: bool,
+        rekeys: bool,
         next: AtomicU32,
         live: Mutex<Vec<u32>>,
+        remote: Mutex<Vec<u32>>,
     }
 
     impl Counting {
         fn new(cacheable: bool) -> Counting {
             Counting {
                 cacheable,
+                rekeys: true,
                 next: AtomicU32::new(1),
                 live: Mutex::new(Vec::new()),
+                remote: Mutex::new(Vec::new()),
             }
         }
         fn live(&self) -> usize {
             self.live.lock().unwrap().len()
+        }
+        /// Keys that reach memory remotely now.
+        fn remote(&self) -> Vec<u32> {
+            self.remote.lock().unwrap().clone()
         }
     }
 
@@ -224,9 +271,12 @@ mod tests {
         fn name(&self) -> String {
             "counting".into()
         }
-        unsafe fn reg_mr(&self, addr: u64, len: usize, _: Access) -> Result<Mr> {
+        unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
             let k = self.next.fetch_add(1, Ordering::Relaxed);
             self.live.lock().unwrap().push(k);
+            if access.has(Access::REMOTE_WRITE) {
+                self.remote.lock().unwrap().push(k);
+            }
             Ok(Mr {
                 addr,
                 len,
@@ -241,7 +291,27 @@ mod tests {
                 .position(|k| *k == mr.lkey)
                 .expect("double deregistration");
             l.swap_remove(i);
+            self.remote.lock().unwrap().retain(|k| *k != mr.lkey);
             Ok(())
+        }
+        fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
+            if !self.rekeys {
+                return Err(Error::Internal("cannot rekey".into()));
+            }
+            let k = self.next.fetch_add(1, Ordering::Relaxed);
+            let mut l = self.live.lock().unwrap();
+            let i = l.iter().position(|x| *x == mr.lkey).expect("a live key");
+            l[i] = k;
+            let mut r = self.remote.lock().unwrap();
+            r.retain(|x| *x != mr.lkey);
+            if access.has(Access::REMOTE_WRITE) {
+                r.push(k);
+            }
+            Ok(Mr {
+                lkey: k,
+                rkey: k,
+                ..*mr
+            })
         }
         fn cacheable_registrations(&self) -> bool {
             self.cacheable
@@ -280,7 +350,9 @@ mod tests {
         c.release(&v, &a);
         let b = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
         let sub = unsafe { c.acquire(&v, 0x1800, 100, Access::LOCAL_WRITE) }.unwrap();
-        assert_eq!((a.lkey, b.lkey, sub.lkey), (a.lkey, a.lkey, a.lkey));
+        // The same registration (one live), under a new key since it was idle.
+        assert_ne!(b.lkey, a.lkey);
+        assert_eq!(sub.lkey, b.lkey);
         assert_eq!((c.hits, c.misses, v.live()), (2, 1, 1));
         // More rights than the entry has, or a range beyond it: new registrations.
         let all = unsafe { c.acquire(&v, 0x1000, 4096, Access::ALL) }.unwrap();
@@ -313,6 +385,48 @@ mod tests {
         c.release(&v, &again);
         c.clear(&v);
         assert_eq!(v.live(), 0);
+    }
+
+    /// A receive buffer's cached registration loses its remote rights when its last
+    /// request is done: the key a peer was told reaches nothing once the application has
+    /// the buffer back; the next request gets remote rights under a new key.
+    #[test]
+    fn idle_entries_lose_remote_rights() {
+        let v = Counting::new(true);
+        let mut c = RegCache::new(&v);
+        // SAFETY (all acquires): the fake provider touches no memory.
+        let a = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        let a2 = unsafe { c.acquire(&v, 0x1000, 64, RW) }.unwrap();
+        assert_eq!(a.lkey, a2.lkey);
+        assert_eq!(v.remote(), vec![a.rkey]);
+        c.release(&v, &a);
+        assert_eq!(v.remote(), vec![a.rkey], "still in use by a2");
+        c.release(&v, &a2);
+        assert!(v.remote().is_empty(), "idle: no remote key");
+        assert_eq!(v.live(), 1, "still cached");
+        let b = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        assert_eq!(v.remote(), vec![b.rkey]);
+        assert!(b.rkey != a.rkey);
+        c.release(&v, &b);
+        assert!(v.remote().is_empty());
+        // Local-only entries are not rekeyed.
+        let l = unsafe { c.acquire(&v, 0x9000, 64, Access::LOCAL_WRITE) }.unwrap();
+        c.release(&v, &l);
+        let l2 = unsafe { c.acquire(&v, 0x9000, 64, Access::LOCAL_WRITE) }.unwrap();
+        assert_eq!(l.lkey, l2.lkey);
+        c.release(&v, &l2);
+        c.clear(&v);
+        assert_eq!(v.live(), 0);
+        // A provider that cannot change rights: idle remote entries are not kept.
+        let v = Counting {
+            rekeys: false,
+            ..Counting::new(true)
+        };
+        let mut c = RegCache::new(&v);
+        let a = unsafe { c.acquire(&v, 0x1000, 4096, RW) }.unwrap();
+        c.release(&v, &a);
+        assert_eq!((v.live(), v.remote().len()), (0, 0));
+        c.clear(&v);
     }
 
     #[test]

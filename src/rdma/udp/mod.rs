@@ -984,6 +984,15 @@ impl Verbs for UserVerbs {
         self.d.lock().engine.mrs.deregister(mr.lkey)
     }
 
+    fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
+        let key = self.d.lock().engine.mrs.rekey(mr.lkey, access)?;
+        Ok(Mr {
+            lkey: key,
+            rkey: key,
+            ..*mr
+        })
+    }
+
     fn dmabuf_supported(&self) -> bool {
         self.sim_gpu.load(Ordering::Relaxed)
     }
