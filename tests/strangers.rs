@@ -44,15 +44,26 @@ fn cfg(net: NetKind) -> Config {
 
 /// `n` ranks join (`id`) and, if `warm`, run one all-reduce (their connections are open);
 /// strangers attack every listener of this process, then each rank runs `rounds`
-/// all-reduces (without `warm`, the connections open after the attack) and checks them.
-fn job_under_attack(net: NetKind, n: usize, rounds: usize, warm: bool, attack: &(dyn Fn() + Sync)) {
+/// all-reduces (without `warm`, the connections open after the attack) and checks them;
+/// `after` runs once they all have, while their communicators are still alive.
+fn job_under_attack(
+    net: NetKind,
+    n: usize,
+    rounds: usize,
+    warm: bool,
+    attack: &(dyn Fn() + Sync),
+    after: &(dyn Fn() + Sync),
+) {
     let id = UniqueId::new().unwrap();
     let joined = Barrier::new(n + 1);
     let attacked = Barrier::new(n + 1);
+    let finished = Barrier::new(n + 1);
+    let checked = Barrier::new(n + 1);
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let (joined, attacked, c) = (&joined, &attacked, cfg(net));
+                let (finished, checked) = (&finished, &checked);
                 s.spawn(move || {
                     let c = Communicator::init_with(&id, n, r, c);
                     if let (true, Ok(c)) = (warm, &c) {
@@ -73,12 +84,20 @@ fn job_under_attack(net: NetKind, n: usize, rounds: usize, warm: bool, attack: &
                         }
                         std::thread::sleep(Duration::from_millis(20));
                     }
+                    finished.wait();
+                    checked.wait();
                 })
             })
             .collect();
         joined.wait();
         attack();
         attacked.wait();
+        finished.wait();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(after));
+        checked.wait();
+        if let Err(e) = r {
+            std::panic::resume_unwind(e);
+        }
         for (r, h) in hs.into_iter().enumerate() {
             if let Err(e) = h.join() {
                 std::panic::resume_unwind(Box::new(format!(
@@ -91,18 +110,54 @@ fn job_under_attack(net: NetKind, n: usize, rounds: usize, warm: bool, attack: &
 }
 
 /// Strangers at every listening port; the connections stay open until the job is over.
+/// Once the job has run, no listener still holds the socket of a stranger that sent garbage
+/// (nothing leaked: each was refused and closed while the job ran).
 fn strangers_everywhere(net: NetKind) {
     let before = roccl::bootstrap::auth::refused();
     let held = parking_lot::Mutex::new(Vec::new());
-    job_under_attack(net, 3, 10, false, &|| {
-        let ports = listening_ports();
-        assert!(!ports.is_empty(), "no listener found");
-        for (k, p) in ports.iter().enumerate() {
-            held.lock().extend(strangers_at(*p, 77 + 10 * k as u64));
+    let after = || {
+        let garbage: Vec<SocketAddr> = held
+            .lock()
+            .iter()
+            .filter(|(kind, _)| *kind == Stranger::Garbage)
+            .filter_map(|(_, s): &(Stranger, TcpStream)| s.local_addr().ok())
+            .collect();
+        assert!(!garbage.is_empty());
+        let give_up = Instant::now() + Duration::from_secs(5);
+        loop {
+            let kept: Vec<SocketAddr> = peers_of_own_sockets()
+                .into_iter()
+                .filter(|a| garbage.contains(a))
+                .collect();
+            if kept.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < give_up,
+                "{net:?}: listeners still hold {} of the {} garbage strangers' sockets: {kept:?}",
+                kept.len(),
+                garbage.len()
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
-        // Let the listeners see them before the job connects.
-        std::thread::sleep(Duration::from_millis(100));
-    });
+    };
+    job_under_attack(
+        net,
+        3,
+        10,
+        false,
+        &|| {
+            let ports = listening_ports();
+            assert!(!ports.is_empty(), "no listener found");
+            for (k, p) in ports.iter().enumerate() {
+                held.lock()
+                    .extend(strangers_of_kinds_at(*p, 77 + 10 * k as u64));
+            }
+            // Let the listeners see them before the job connects.
+            std::thread::sleep(Duration::from_millis(100));
+        },
+        &after,
+    );
     // The strangers reached the listeners, which refused them.
     assert!(roccl::bootstrap::auth::refused() > before);
     drop(held);
@@ -135,55 +190,62 @@ fn strangers_do_not_stop_a_shm_job() {
 #[test]
 fn spoofed_datagrams_do_not_stop_a_rocev2_job() {
     use roccl::rdma::wire;
-    job_under_attack(NetKind::RoceV2, 3, 30, true, &|| {
-        let targets = udp_ports();
-        assert!(!targets.is_empty(), "no UDP port found");
-        let mut sent = 0;
-        for (k, at) in targets.iter().enumerate() {
-            let Ok(s) = std::net::UdpSocket::bind(SocketAddr::new(at.ip(), 0)) else {
-                continue;
-            };
-            let from = s.local_addr().unwrap();
-            let ip = wire::IpInfo {
-                src: from.ip(),
-                dst: at.ip(),
-                src_port: from.port(),
-                dst_port: at.port(),
-            };
-            let rnd = noise(900 + k as u64, 4 * 8 * 32);
-            for gen in 1..=8u32 {
-                for slot in 0..32u32 {
-                    let r = 4 * (((gen - 1) * 32 + slot) as usize);
-                    let psn = u32::from_le_bytes(rnd[r..r + 4].try_into().unwrap()) & 0xff_ffff;
-                    let p = wire::Packet {
-                        bth: wire::Bth {
-                            opcode: wire::Opcode::Ack,
-                            solicited: false,
-                            mig_req: false,
-                            pad: 0,
-                            pkey: wire::DEFAULT_PKEY,
-                            fecn: false,
-                            becn: false,
-                            dest_qp: gen << 12 | slot,
-                            ack_req: false,
-                            psn,
-                        },
-                        reth: None,
-                        imm: None,
-                        aeth: Some(wire::Aeth::nak(0, wire::NakCode::RemoteAccessError)),
-                        payload: &[],
-                    };
-                    let mut buf = [0u8; 128];
-                    let n = wire::encode(&p, &ip, &mut buf).unwrap();
-                    sent += usize::from(s.send_to(&buf[..n], at).is_ok());
+    job_under_attack(
+        NetKind::RoceV2,
+        3,
+        30,
+        true,
+        &|| {
+            let targets = udp_ports();
+            assert!(!targets.is_empty(), "no UDP port found");
+            let mut sent = 0;
+            for (k, at) in targets.iter().enumerate() {
+                let Ok(s) = std::net::UdpSocket::bind(SocketAddr::new(at.ip(), 0)) else {
+                    continue;
+                };
+                let from = s.local_addr().unwrap();
+                let ip = wire::IpInfo {
+                    src: from.ip(),
+                    dst: at.ip(),
+                    src_port: from.port(),
+                    dst_port: at.port(),
+                };
+                let rnd = noise(900 + k as u64, 4 * 8 * 32);
+                for gen in 1..=8u32 {
+                    for slot in 0..32u32 {
+                        let r = 4 * (((gen - 1) * 32 + slot) as usize);
+                        let psn = u32::from_le_bytes(rnd[r..r + 4].try_into().unwrap()) & 0xff_ffff;
+                        let p = wire::Packet {
+                            bth: wire::Bth {
+                                opcode: wire::Opcode::Ack,
+                                solicited: false,
+                                mig_req: false,
+                                pad: 0,
+                                pkey: wire::DEFAULT_PKEY,
+                                fecn: false,
+                                becn: false,
+                                dest_qp: gen << 12 | slot,
+                                ack_req: false,
+                                psn,
+                            },
+                            reth: None,
+                            imm: None,
+                            aeth: Some(wire::Aeth::nak(0, wire::NakCode::RemoteAccessError)),
+                            payload: &[],
+                        };
+                        let mut buf = [0u8; 128];
+                        let n = wire::encode(&p, &ip, &mut buf).unwrap();
+                        sent += usize::from(s.send_to(&buf[..n], at).is_ok());
+                    }
+                }
+                for j in 0..32 {
+                    let _ = s.send_to(&noise(77 + j, 20 + 40 * j as usize), at);
                 }
             }
-            for j in 0..32 {
-                let _ = s.send_to(&noise(77 + j, 20 + 40 * j as usize), at);
-            }
-        }
-        assert!(sent > 0);
-    });
+            assert!(sent > 0);
+        },
+        &|| {},
+    );
 }
 
 /// A forged abort notice as the old wire format allowed, computed from the unique id's

@@ -99,24 +99,66 @@ pub fn noise(seed: u64, n: usize) -> Vec<u8> {
         .collect()
 }
 
+/// What a stranger of [`strangers_of_kinds_at`] does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stranger {
+    /// Sends random bytes (more than any listener's first message).
+    Garbage,
+    /// Sends nothing.
+    Idle,
+    /// Sends the first bytes of a plausible message and stops.
+    Half,
+}
+
 /// Strangers at `port`: three connections that send random bytes, one idle connection, and
 /// one that sends half of a plausible message and stops. Returns the connections still
 /// open (they stay so while the job runs).
 pub fn strangers_at(at: SocketAddr, seed: u64) -> Vec<TcpStream> {
+    strangers_of_kinds_at(at, seed)
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect()
+}
+
+/// [`strangers_at`], each with what it does.
+pub fn strangers_of_kinds_at(at: SocketAddr, seed: u64) -> Vec<(Stranger, TcpStream)> {
     let mut keep = Vec::new();
     for k in 0..3 {
         if let Ok(mut s) = TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
-            let _ = s.write_all(&noise(seed + k, 64 + 100 * k as usize));
-            keep.push(s);
+            let _ = s.write_all(&noise(seed + k, 200 + 100 * k as usize));
+            keep.push((Stranger::Garbage, s));
         }
     }
     if let Ok(s) = TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
-        keep.push(s);
+        keep.push((Stranger::Idle, s));
     }
     if let Ok(mut s) = TcpStream::connect_timeout(&at, Duration::from_secs(1)) {
         // The first bytes of a registration / TCP hello / RoCE setup message.
         let _ = s.write_all(&[0x52, 0x42, 0x53, 0x32, 1, 2, 3]);
-        keep.push(s);
+        keep.push((Stranger::Half, s));
     }
     keep
+}
+
+/// The remote addresses of this process's TCP sockets that are connected (or whose peer
+/// has closed and which are still open).
+pub fn peers_of_own_sockets() -> Vec<SocketAddr> {
+    let mine = own_socket_inodes();
+    let mut out = Vec::new();
+    for f in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            // 01 ESTABLISHED, 08 CLOSE_WAIT.
+            if w.len() < 10 || !(w[3] == "01" || w[3] == "08") {
+                continue;
+            }
+            if mine.contains(&w[9].parse().unwrap_or(0)) {
+                out.push(proc_addr(w[2]));
+            }
+        }
+    }
+    out
 }
