@@ -467,3 +467,8 @@ def test_every_op(world):
 
 def test_every_op_over_tcp():
     run(2, every_op, False, env={"ROCCL_NET": "tcp"})
+
+
+def test_every_op_encrypted_over_tcp():
+    # ROCCL_ENCRYPT: rank 0's unique id says the job encrypts; bootstrap and TCP are sealed.
+    run(2, every_op, False, env={"ROCCL_NET": "tcp", "ROCCL_ENCRYPT": "1"})
