@@ -116,7 +116,8 @@ typedef enum {
 } rocclRedOp_t;
 
 /* Communicator options for rocclCommInitRankConfig and rocclCommSplit. Initialize with
- * ROCCL_CONFIG_INITIALIZER, then set fields. */
+ * ROCCL_CONFIG_INITIALIZER, then set fields. Its magic (ROCCL_CONFIG_MAGIC) is not NCCL's:
+ * an ncclConfig_t, laid out differently, is refused here (libroccl-nccl.so takes those). */
 typedef struct {
   size_t size;          /* sizeof(rocclConfig_t), set by the initializer */
   unsigned int magic;   /* set by the initializer */
@@ -126,8 +127,9 @@ typedef struct {
   const char* netName;  /* network ("auto", "tcp"); NULL: ROCCL_NET or auto */
 } rocclConfig_t;
 
+#define ROCCL_CONFIG_MAGIC 0x524f4343u /* "ROCC" */
 #define ROCCL_CONFIG_INITIALIZER \
-  { sizeof(rocclConfig_t), 0xcafebeefu, ROCCL_VERSION_CODE, ROCCL_CONFIG_UNDEF_INT, NULL }
+  { sizeof(rocclConfig_t), ROCCL_CONFIG_MAGIC, ROCCL_VERSION_CODE, ROCCL_CONFIG_UNDEF_INT, NULL }
 
 /* Version code of the library (ROCCL_VERSION_CODE of the build). Errors: version NULL. */
 rocclResult_t rocclGetVersion(int* version);

@@ -296,10 +296,18 @@ impl Communicator {
         let abort_flag = Arc::clone(&links.abort);
         let connect_all = cfg.connect_all;
         let broken = Arc::new(Broken::default());
+        // The id's root address and nonce (never its secret), hashed.
+        let id_hash = {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(&id.as_bytes()[..32]);
+            u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
+        };
         let comm = Communicator {
             shared: Arc::new(Shared {
                 rank,
                 nranks,
+                id_hash,
+                encrypted: id.encrypted(),
                 net: name,
                 flat: node.is_some(),
                 gpu_direct_min: cfg.gpu_direct_min,
@@ -412,7 +420,7 @@ impl Communicator {
         let mut id = [0u8; crate::bootstrap::UNIQUE_ID_BYTES];
         let mut created = Ok(());
         if group.first() == Some(&me) {
-            match UniqueId::new() {
+            match UniqueId::new_with(self.shared.encrypted) {
                 Ok(u) => id.copy_from_slice(u.as_bytes()),
                 Err(e) => created = Err(e),
             }

@@ -67,6 +67,11 @@ struct State {
 struct Shared {
     rank: usize,
     nranks: usize,
+    /// Equal on every rank of this communicator, different for others
+    /// ([`Communicator::id_hash`]).
+    id_hash: u64,
+    /// The job encrypts (its unique id says so): communicators split from it do too.
+    encrypted: bool,
     net: &'static str,
     flat: bool,
     /// Smallest message of a GPU-direct call ([`Config::gpu_direct_min`]).
@@ -133,6 +138,13 @@ pub struct Communicator {
 }
 
 impl Communicator {
+    /// A 64-bit value equal on every rank of this communicator and different for other
+    /// communicators (from the unique id's root address and nonce, not its secret): what
+    /// NCCL calls the communicator's hash.
+    pub fn id_hash(&self) -> u64 {
+        self.shared.id_hash
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.shared.rank

@@ -230,6 +230,13 @@ static void rank_main(int r, int n, rocclUniqueId id) {
   /* non-blocking init on odd ranks */
   if (r % 2) {
     rocclConfig_t cfg = ROCCL_CONFIG_INITIALIZER;
+    /* An NCCL-initialized config (NCCL's magic, another layout) is refused, not misread. */
+    rocclConfig_t nccl_like = cfg;
+    nccl_like.magic = 0xcafebeefu;
+    EXPECT(rocclCommInitRankConfig(&comm, n, id, r, &nccl_like) == rocclInvalidArgument,
+           "an ncclConfig_t magic was accepted");
+    EXPECT(strstr(rocclGetLastError(NULL), "ncclConfig_t") != NULL, "message: %s",
+           rocclGetLastError(NULL));
     cfg.blocking = 0;
     rocclResult_t res = rocclCommInitRankConfig(&comm, n, id, r, &cfg);
     EXPECT(res == rocclInProgress || res == rocclSuccess, "nonblocking init %d", (int)res);

@@ -3,7 +3,7 @@
 pynccl wrapper does: the same symbol names and argument types, a unique id created on rank 0
 and handed to the others out of band, out-of-place all-reduce, grouped broadcasts as an
 all-gatherv, send/recv pairs in a group, reduce, all-gather, reduce-scatter, bad arguments,
-the window calls vLLM looks up, destroy, and failing calls with stderr a closed pipe (their
+window registration, destroy, and failing calls with stderr a closed pipe (their
 WARN lines cannot be written; the calls still return their codes). Host memory; a NULL stream, or with
 --streams a stream handle per rank on roccl's simulated device (ROCCL_DEVICE=sim: every call
 returns at once and runs ordered on its stream; results are checked after a blocking call on
@@ -194,8 +194,10 @@ def rank_main(path, rank, world, id_file):
     assert f["ncclAllReduce"](send, recv, n, 99, SUM, comm, null) == 4
     assert b"invalid argument" in f["ncclGetErrorString"](4)
     win = ncclWindow_t()
-    assert f["ncclCommWindowRegister"](comm, recv, 4 * n, ctypes.byref(win), 0) == 5
+    assert f["ncclCommWindowRegister"](comm, recv, 4 * n, ctypes.byref(win), 0) == 0
     nccl.AllReduce(send, recv, n, FLOAT32, SUM, comm, null)
+    assert f["ncclCommWindowDeregister"](comm, win) == 0
+    assert f["ncclCommWindowDeregister"](comm, win) == 4, "a window deregistered twice"
     expect(recv, [float(sum((r * 3 + i) % 7 - 2 for r in range(world))) for i in range(n)], "all_reduce after errors")
 
     nccl.CommDestroy(comm)

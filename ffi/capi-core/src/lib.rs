@@ -32,7 +32,8 @@ const IN_PROGRESS: rocclResult_t = 7;
 
 /// Version code: major * 10000 + minor * 100 + patch.
 const VERSION_CODE: c_int = 100;
-const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// `ROCCL_CONFIG_MAGIC` ("ROCC"): not NCCL's, whose `ncclConfig_t` is laid out otherwise.
+const CONFIG_MAGIC: u32 = 0x524f_4343;
 const SPLIT_NOCOLOR: c_int = -1;
 
 /// `rocclUniqueId`: 128 opaque bytes.
@@ -48,7 +49,7 @@ pub struct rocclUniqueId {
 pub struct rocclConfig_t {
     /// `sizeof(rocclConfig_t)`.
     pub size: usize,
-    /// `0xcafebeef`.
+    /// `ROCCL_CONFIG_MAGIC`.
     pub magic: u32,
     /// The version code the caller was built against.
     pub version: u32,
@@ -150,6 +151,8 @@ struct Handle {
     abort: Arc<std::sync::atomic::AtomicBool>,
     /// The thread of a non-blocking init, joined when the handle goes.
     init: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Suspended ([`suspend`]): calls are refused until [`resume`].
+    suspended: std::sync::atomic::AtomicBool,
 }
 
 impl Handle {
@@ -159,6 +162,7 @@ impl Handle {
             cond: parking_lot::Condvar::new(),
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             init: Mutex::new(None),
+            suspended: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -212,6 +216,11 @@ fn lookup(comm: rocclComm_t) -> R<Arc<Handle>> {
 /// The ready communicator behind `comm`.
 fn ready(comm: rocclComm_t) -> R<Arc<Communicator>> {
     let h = lookup(comm)?;
+    if h.suspended.load(std::sync::atomic::Ordering::Acquire) {
+        return Err(usage(
+            "the communicator is suspended (ncclCommSuspend): call ncclCommResume before using it",
+        ));
+    }
     let st = h.state.lock();
     match &*st {
         State::Ready(c) => Ok(Arc::clone(c)),
@@ -460,9 +469,11 @@ fn config_of(config: *const rocclConfig_t) -> R<(bool, Config)> {
         return Ok((true, cfg));
     };
     if c.magic != CONFIG_MAGIC || c.size < std::mem::size_of::<rocclConfig_t>() {
-        return Err(arg(
-            "config was not initialized with ROCCL_CONFIG_INITIALIZER",
-        ));
+        return Err(arg(if c.magic == 0xcafe_beef {
+            "config is an ncclConfig_t (NCCL's magic), whose layout differs from rocclConfig_t: initialize a rocclConfig_t with ROCCL_CONFIG_INITIALIZER, or call libroccl-nccl.so's ncclCommInitRankConfig"
+        } else {
+            "config was not initialized with ROCCL_CONFIG_INITIALIZER"
+        }));
     }
     if !c.net_name.is_null() {
         // SAFETY: a NUL-terminated string per the header.
@@ -1062,4 +1073,78 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
         };
         results.into_iter().collect::<R<Vec<()>>>().map(|_| ())
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// For the NCCL-named library: what NCCL's API has beyond roccl's C ABI.
+
+/// Run `f` on the ready communicator behind `comm` (refused while it is suspended,
+/// initializing, failed, destroyed), inside the C layer's panic guard; `name` prefixes the
+/// last-error message.
+pub fn with_comm(
+    name: &str,
+    comm: rocclComm_t,
+    f: impl FnOnce(&Communicator) -> Result<(), String>,
+) -> rocclResult_t {
+    guard(name, || {
+        let c = ready(comm)?;
+        f(&c).map_err(usage)
+    })
+}
+
+/// Wait until every call issued on `comm` before this one has run (stream-ordered calls
+/// included: a job queued behind them on the communicator's worker).
+fn quiesce(c: &Communicator) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    c.enqueue(Box::new(move |_| {
+        let _ = tx.send(());
+    }));
+    let limit = roccl_core::comm::timeout();
+    rx.recv_timeout(limit).map_err(|_| {
+        CErr(
+            INTERNAL_ERROR,
+            format!("the communicator's earlier calls did not finish within {limit:.0?} (ROCCL_TIMEOUT)"),
+        )
+    })
+}
+
+/// Suspend `comm`: wait for its outstanding work, then refuse calls until [`resume`]. roccl
+/// keeps no GPU memory per communicator (staging buffers belong to the process and are
+/// released when idle), so `NCCL_SUSPEND_MEM` has nothing more to free; connections stay
+/// open, so resuming costs nothing.
+pub fn suspend(comm: rocclComm_t, flags: c_int) -> rocclResult_t {
+    guard("ncclCommSuspend", || {
+        if flags & !1 != 0 {
+            return Err(arg(format!(
+                "unknown flags {flags:#x} (NCCL_SUSPEND_MEM = 1)"
+            )));
+        }
+        let c = ready(comm)?;
+        quiesce(&c)?;
+        let h = lookup(comm)?;
+        if h.suspended.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Err(usage("the communicator is already suspended"));
+        }
+        Ok(())
+    })
+}
+
+/// Resume a communicator suspended by [`suspend`].
+pub fn resume(comm: rocclComm_t) -> rocclResult_t {
+    guard("ncclCommResume", || {
+        let h = lookup(comm)?;
+        if !h.suspended.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            return Err(usage(
+                "the communicator is not suspended (ncclCommSuspend first)",
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// The rank, size and hash (equal on every rank) of the ready communicator `comm`.
+pub fn comm_info(comm: rocclComm_t) -> Result<(usize, usize, u64), (rocclResult_t, String)> {
+    ready(comm)
+        .map(|c| (c.rank(), c.nranks(), c.id_hash()))
+        .map_err(|CErr(code, m)| (code, m))
 }

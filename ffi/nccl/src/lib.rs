@@ -11,6 +11,9 @@
 
 #![allow(non_camel_case_types, clippy::missing_safety_doc)]
 
+mod config;
+mod host;
+
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -23,27 +26,15 @@ pub type ncclStream_t = *mut c_void;
 /// `ncclWindow_t` (opaque).
 pub type ncclWindow_t = *mut c_void;
 
+const SYSTEM_ERROR: ncclResult_t = 2;
 const INTERNAL_ERROR: ncclResult_t = 3;
 const INVALID_ARGUMENT: ncclResult_t = 4;
 const INVALID_USAGE: ncclResult_t = 5;
 const IN_PROGRESS: ncclResult_t = 7;
 
-/// The NCCL version this library answers with: NCCL 2.27.3, whose ABI it follows
-/// (`ROCCL_NCCL_VERSION` overrides it for programs that gate features on the version).
-pub const NCCL_VERSION: c_int = 22703;
-
-/// `ncclConfig_t` up to `netName`: the fields NCCL has had at these offsets since 2.14.
-#[repr(C)]
-struct NcclConfigHead {
-    size: usize,
-    magic: u32,
-    version: u32,
-    blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
-}
+/// The NCCL version this library answers with: NCCL 2.32.3, whose host API it exports
+/// (docs/NCCL.md; `ROCCL_NCCL_VERSION` overrides it for programs that gate features on it).
+pub const NCCL_VERSION: c_int = 23203;
 
 /// Log a failing call's message (the C layer recorded it as the thread's last error).
 fn checked(r: ncclResult_t) -> ncclResult_t {
@@ -142,25 +133,6 @@ pub unsafe extern "C" fn ncclCommInitRank(
     })
 }
 
-/// Translate NCCL's config (its `blocking` field; `netName` names NCCL networks, so roccl
-/// keeps `ROCCL_NET`). NULL stays NULL.
-fn config(config: *mut c_void) -> Result<Option<capi::rocclConfig_t>, ncclResult_t> {
-    if config.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: C passes an ncclConfig_t, which starts with these fields.
-    let c = unsafe { &*(config as *const NcclConfigHead) };
-    if c.magic != 0xcafe_beef || c.size < std::mem::size_of::<NcclConfigHead>() {
-        return Err(fail(
-            INVALID_ARGUMENT,
-            "ncclConfig_t was not initialized with NCCL_CONFIG_INITIALIZER",
-        ));
-    }
-    let mut r = capi::CONFIG_INITIALIZER;
-    r.blocking = c.blocking;
-    Ok(Some(r))
-}
-
 /// Like ncclCommInitRank with a config (`blocking = 0`: returns ncclInProgress).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitRankConfig(
@@ -171,11 +143,19 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     cfg: *mut c_void,
 ) -> ncclResult_t {
     boundary("ncclCommInitRankConfig", || {
-        let mut c = match config(cfg) {
+        let mut c = match config::read(cfg, "ncclCommInitRankConfig") {
             Ok(c) => c,
             Err(r) => return r,
         };
-        let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+        if let Some(name) = c.as_ref().and_then(|c| c.name.as_deref()) {
+            roccl_core::log::log(
+                roccl_core::log::Level::Info,
+                format_args!("ncclCommInitRankConfig: communicator {name:?} (config.commName)"),
+            );
+        }
+        let p = c
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |c| &mut c.roccl as *mut _);
         // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
         checked(unsafe { capi::rocclCommInitRankConfig(comm, nranks, comm_id, rank, p) })
     })
@@ -204,11 +184,13 @@ pub unsafe extern "C" fn ncclCommSplit(
     cfg: *mut c_void,
 ) -> ncclResult_t {
     boundary("ncclCommSplit", || {
-        let mut c = match config(cfg) {
+        let mut c = match config::read(cfg, "ncclCommSplit") {
             Ok(c) => c,
             Err(r) => return r,
         };
-        let p = c.as_mut().map_or(std::ptr::null_mut(), |c| c as *mut _);
+        let p = c
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |c| &mut c.roccl as *mut _);
         // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
         checked(unsafe { capi::rocclCommSplit(comm, color, key, newcomm, p) })
     })
@@ -286,42 +268,6 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) 
             unsafe { *device = 0 };
         }
         r
-    })
-}
-
-/// Symmetric-memory windows (NCCL ≥ 2.27) are not supported: a clear error, so that a
-/// program that tries them (vLLM with `VLLM_USE_NCCL_SYMM_MEM=1`) says why.
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommWindowRegister(
-    _comm: ncclComm_t,
-    _buff: *mut c_void,
-    _size: usize,
-    win: *mut ncclWindow_t,
-    _flags: c_int,
-) -> ncclResult_t {
-    boundary("ncclCommWindowRegister", || {
-        if !win.is_null() {
-            // SAFETY: non-NULL storage for one handle.
-            unsafe { *win = std::ptr::null_mut() };
-        }
-        fail(
-            INVALID_USAGE,
-            "ncclCommWindowRegister: symmetric-memory windows are not supported by roccl (in vLLM, leave VLLM_USE_NCCL_SYMM_MEM unset)",
-        )
-    })
-}
-
-/// See [`ncclCommWindowRegister`].
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommWindowDeregister(
-    _comm: ncclComm_t,
-    _win: ncclWindow_t,
-) -> ncclResult_t {
-    boundary("ncclCommWindowDeregister", || {
-        fail(
-            INVALID_USAGE,
-            "ncclCommWindowDeregister: symmetric-memory windows are not supported by roccl",
-        )
     })
 }
 
