@@ -63,6 +63,8 @@ release="$(cargo metadata --format-version 1 --no-deps |
 python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3
 ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 2
 python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3 --streams
+echo "== NCCL 2.32's real nccl.h: a C program compiled against it links against libroccl-nccl.so alone"
+tests/nccl/header/run.sh "$release"
 echo "== vLLM 0.33's pynccl use of libroccl-nccl.so, CUDA and ROCm platform rules (tests/nccl/test_vllm.py)"
 python3 tests/nccl/test_vllm.py "$release/libroccl_nccl.so" 3
 echo "== ncclSetEncryption: encrypted ranks over TCP, the wire captured on lo (no plaintext), a wrong key refused"

@@ -1,0 +1,1 @@
+/* See cuda_runtime.h: nothing nccl.h needs from here. */
