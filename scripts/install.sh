@@ -7,6 +7,13 @@
 #   lib/pkgconfig/roccl.pc        (pkg-config --cflags --libs roccl)
 #   lib/libnccl-net-roccl.so, lib/librccl-net-roccl.so   (NCCL/RCCL network plugin,
 #                                 NCCL_NET_PLUGIN=roccl; docs/PLUGIN.md)
+#   lib/net-plugin-default/libnccl-net.so -> ../libnccl-net-roccl.so
+#   lib/net-plugin-default/librccl-net.so -> ../librccl-net-roccl.so
+#                                 (the names NCCL and RCCL load with NCCL_NET_PLUGIN unset:
+#                                 LD_LIBRARY_PATH=$prefix/lib/net-plugin-default. Not in lib/:
+#                                 where lib/ is on the loader's path (LD_LIBRARY_PATH for
+#                                 libroccl, or /usr/local/lib with ldconfig) every NCCL/RCCL
+#                                 program would take roccl as its network without asking)
 #   lib/libroccl-nccl.so          (roccl under NCCL's names and ABI: VLLM_NCCL_SO_PATH)
 #   lib/nccl-compat/libnccl.so.2, lib/nccl-compat/librccl.so.1 -> ../libroccl-nccl.so
 #                                 (for programs that load NCCL/RCCL by those names:
@@ -50,6 +57,10 @@ for name in libnccl-net-roccl.so librccl-net-roccl.so; do
   install -m 0755 "$out"/libnccl_net_roccl.so "$prefix/lib/$name"
   strip --strip-debug "$prefix/lib/$name" 2>/dev/null || true
 done
+# NCCL_NET_PLUGIN unset: NCCL dlopens libnccl-net.so, RCCL librccl-net.so (docs/PLUGIN.md).
+install -d "$prefix/lib/net-plugin-default"
+ln -sf ../libnccl-net-roccl.so "$prefix/lib/net-plugin-default/libnccl-net.so"
+ln -sf ../librccl-net-roccl.so "$prefix/lib/net-plugin-default/librccl-net.so"
 install -m 0755 "$out"/libroccl_nccl.so "$prefix/lib/libroccl-nccl.so"
 strip --strip-debug "$prefix/lib/libroccl-nccl.so" 2>/dev/null || true
 install -d "$prefix/lib/nccl-compat"

@@ -2,6 +2,9 @@
  * Drives roccl's NCCL/RCCL network plugin the way NCCL's proxy does.
  *
  *   harness [LIBNAME]     (default libnccl-net-roccl.so, found through LD_LIBRARY_PATH)
+ *   harness --lookup LOADER EXPECT VERSION
+ *                         (find the plugin as LOADER would from NCCL_NET_PLUGIN: see
+ *                         "The loaders' lookup" below)
  *
  * 1. Loads the library with dlopen and looks the plugin up as NCCL does: ncclNetPlugin_v12,
  *    then v11 ... down to v8; reports the first found.
@@ -17,6 +20,9 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <link.h>
+#include <limits.h>
+#include <libgen.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -486,7 +492,206 @@ static int side(const char *lib, int v, int fd, int sender) {
   return 0;
 }
 
+/* ---- The loaders' lookup (harness --lookup LOADER EXPECT VERSION) --------------------------
+ *
+ * Finds the plugin from NCCL_NET_PLUGIN (as this process's environment has it) the way one
+ * loader does, with dlopen(RTLD_NOW | RTLD_LOCAL) as the loaders call it; takes the first
+ * ncclNetPlugin_vN the loader knows, newest first; calls the table's init and devices (the
+ * loader goes on to the next entry of the list when the library is missing, has no version
+ * it knows, or init/devices fail); and checks that the library it ended with is EXPECT (a
+ * path: compared by directory, after resolving links, and file name, so each installed name
+ * is checked itself even where one name links to another) or "none", at VERSION, named
+ * "roccl". Prints every name tried.
+ *
+ * What the loaders do (read from their sources, reimplemented here; no loader code copied):
+ *
+ * NCCL 2.28 .. 2.30.7 (NVIDIA/nccl src/plugin/net.cc, initPluginLibsOnceFunc;
+ * src/plugin/plugin_open.cc, openPluginLib/tryOpenLib; at v2.28.3-1 .. v2.30.7, 5067397c):
+ *   - NCCL_NET_PLUGIN unset: one entry, "libnccl-net.so".
+ *   - Set: "none" (any case) means the empty list; otherwise the value is split with
+ *     strtok_r(",") (empty items vanish; at most NCCL_NET_MAX_PLUGINS - 2 = 14 entries;
+ *     names of 255 characters or more are dropped). An empty value is an empty list (not the
+ *     default): only NCCL's internal IB and Socket networks remain.
+ *   - Each entry, in list order: dlopen(entry) as given (a path, or a file name that the
+ *     dynamic linker searches: LD_LIBRARY_PATH, the cache, /lib, /usr/lib); if that fails and
+ *     the entry has no '/' and is not "lib*.so", dlopen("libnccl-net-<entry>.so").
+ *     ("STATIC_PLUGIN", or any case-insensitive prefix of it, dlopens the program itself;
+ *     not reproduced here.)
+ *   - In the library, ncclNetPlugin_v12, v11, ... v6 (2.28 and 2.29: from v11; src/plugin/
+ *     net.cc ncclNetVersion[]); the first found is used; none: the next entry. Then init and
+ *     devices (> 0); on failure the next entry. The first that works is used and the other
+ *     external entries are disabled; the internal networks come after the list.
+ * NCCL 2.27.5 .. 2.27.7: as 2.28, but "none" is not special (it is tried as a name, then as
+ *   libnccl-net-none.so), and versions from v10.
+ * NCCL 2.27.3: the list as above, but each entry is tried as given only if it looks like
+ *   "lib?*.so" (at least 7 characters), else only as libnccl-net-<entry>.so: a full path
+ *   (not starting with "lib") is never tried as given (src/plugin/plugin_open.cc at v2.27.3-1).
+ * NCCL 2.26 (src/plugin/net.cc at v2.26.2-1: ncclOpenNetPluginLib(ncclGetEnv(...))): one
+ *   value, not split; unset or empty: libnccl-net.so; else the value as given, then
+ *   libnccl-net-<value>.so (always, even for a path); versions v10 .. v6.
+ * RCCL of the rocm-systems tree (NCCL 2.29 merged; ROCm/rocm-systems
+ *   projects/rccl/src/plugin/plugin_open.cc and net.cc at 03a89144): NCCL 2.28's rules with prefix
+ *   "librccl-net" (pluginPrefix[NET]) and default "librccl-net.so" (defaultNetPlugin);
+ *   versions v12 .. v6. Only the net plugin is renamed: RCCL's tuner/profiler/env keep
+ *   libnccl-*.
+ * RCCL of ROCm 6.3 (ROCm/rccl src/net.cc openNetPluginLib on release-staging/rocm-rel-6.3):
+ *   one value, not split; unset or empty: librccl-net.so; else the value as given, then
+ *   librccl-net-<value>.so; versions ncclNetPlugin_v8, v7, v6, v5 (v8 first).
+ * RCCL of ROCm 5.1 .. 6.2 (ROCm/rccl src/net.cc ncclNetPluginInit at rocm-6.2.0, rocm-5.4.0,
+ *   rocm-5.3.0): one value; unset or empty: librccl-net.so; else only librccl-net-<value>.so
+ *   (never the value as given: no paths, no file names); ROCm 6.2 looks for v8 .. v5, ROCm
+ *   5.4 .. 6.1 for v6 and v5 (so they cannot load roccl, which starts at v8), 5.1 .. 5.3 for
+ *   v5. ROCm 5.0 (src/init.cc initNetPlugin) only ever opened librccl-net.so.
+ * RCCL merges NCCL's sources, and NCCL's commits in RCCL's history carry libnccl-net names
+ *   (ROCm/rccl src/net.cc at 1c7c014c, c4e2aa6c, d97a32fa, f9c3dc25, ab2b89c4, each put back
+ *   to librccl-net by the following merge): hence both NCCL and RCCL names are installed.
+ */
+enum { AS_GIVEN_THEN_PREFIXED, CURRENT, V2_27_3, PREFIXED_ONLY };
+typedef struct {
+  const char *id, *what, *prefix;
+  int split, none, empty_is_default, rule, newest, oldest;
+} loader_t;
+static const loader_t loaders[] = {
+  {"nccl", "NCCL 2.30", "libnccl-net", 1, 1, 0, CURRENT, 12, 6},
+  {"nccl-2.28", "NCCL 2.28/2.29", "libnccl-net", 1, 1, 0, CURRENT, 11, 6},
+  {"nccl-2.27", "NCCL 2.27.5-2.27.7", "libnccl-net", 1, 0, 0, CURRENT, 10, 6},
+  {"nccl-2.27.3", "NCCL 2.27.3", "libnccl-net", 1, 0, 0, V2_27_3, 10, 6},
+  {"nccl-2.26", "NCCL 2.26", "libnccl-net", 0, 0, 1, AS_GIVEN_THEN_PREFIXED, 10, 6},
+  {"rccl", "RCCL (rocm-systems)", "librccl-net", 1, 1, 0, CURRENT, 12, 6},
+  {"rccl-6.3", "RCCL of ROCm 6.3", "librccl-net", 0, 0, 1, AS_GIVEN_THEN_PREFIXED, 8, 5},
+  {"rccl-6.2", "RCCL of ROCm 6.2", "librccl-net", 0, 0, 1, PREFIXED_ONLY, 8, 5},
+  {"rccl-6.1", "RCCL of ROCm 5.4-6.1", "librccl-net", 0, 0, 1, PREFIXED_ONLY, 6, 5},
+};
+
+static int is_lib_so(const char *s, size_t min) {
+  size_t l = strlen(s);
+  return l >= min && strncmp(s, "lib", 3) == 0 && strcmp(s + l - 3, ".so") == 0;
+}
+
+/* The names one entry is tried under, in order (at most 2). */
+static int names_for(const loader_t *L, const char *entry, int is_default, char out[2][PATH_MAX]) {
+  if (is_default) { snprintf(out[0], PATH_MAX, "%s.so", L->prefix); return 1; }
+  int n = 0;
+  int prefixed = 1;
+  switch (L->rule) {
+  case CURRENT:
+    snprintf(out[n++], PATH_MAX, "%s", entry);
+    prefixed = strchr(entry, '/') == NULL && !is_lib_so(entry, 3);
+    break;
+  case V2_27_3:
+    if (is_lib_so(entry, strlen("libX.so"))) { snprintf(out[n++], PATH_MAX, "%s", entry); prefixed = 0; }
+    break;
+  case PREFIXED_ONLY:
+    break;
+  default:
+    snprintf(out[n++], PATH_MAX, "%s", entry);
+    break;
+  }
+  if (prefixed) snprintf(out[n++], PATH_MAX, "%s-%s.so", L->prefix, entry);
+  return n;
+}
+
+/* Directory (links resolved) + "/" + file name. */
+static void canon(const char *p, char *out) {
+  char a[PATH_MAX], b[PATH_MAX], dir[PATH_MAX];
+  snprintf(a, sizeof a, "%s", p);
+  snprintf(b, sizeof b, "%s", p);
+  if (!realpath(dirname(a), dir)) snprintf(dir, sizeof dir, "?");
+  snprintf(out, 2 * PATH_MAX + 2, "%s/%s", dir, basename(b));
+}
+
+static char why[PATH_MAX + 64] = "empty list"; /* why the last entry was passed over */
+
+/* 0: this entry gives a working plugin (*hp, *vp, path); 1: the loader goes on. */
+static int try_entry(const loader_t *L, const char *entry, int is_default, void **hp, int *vp, char *path) {
+  char names[2][PATH_MAX];
+  int k = names_for(L, entry, is_default, names);
+  void *h = NULL;
+  for (int i = 0; i < k && !h; i++) {
+    h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    printf("     dlopen(\"%s\"): %s\n", names[i], h ? "loaded" : "not found");
+  }
+  if (!h) { snprintf(why, sizeof why, "%s not found", names[k - 1]); return 1; }
+  struct link_map *lm = NULL;
+  if (dlinfo(h, RTLD_DI_LINKMAP, &lm) != 0 || !lm) { dlclose(h); return 1; }
+  snprintf(path, PATH_MAX, "%s", lm->l_name);
+  net_t net = {0, NULL, NULL}, *n = &net;
+  for (int v = L->newest; v >= L->oldest && !net.tbl; v--) {
+    char sym[32];
+    snprintf(sym, sizeof sym, "ncclNetPlugin_v%d", v);
+    net.tbl = dlsym(h, sym);
+    net.v = v;
+  }
+  if (!net.tbl || net.v < 8) { /* roccl exports v8 .. v12 only */
+    snprintf(why, sizeof why, "no ncclNetPlugin_v%d..v%d in it", L->newest, L->oldest);
+    printf("     %s: %s: unsupported, next entry\n", path, why);
+    dlclose(h);
+    return 1;
+  }
+  int nd = 0;
+  if (n_init(n) != 0 || n_devices(n, &nd) != 0 || nd <= 0) {
+    snprintf(why, sizeof why, "ncclNetPlugin_v%d init/devices failed", net.v);
+    printf("     %s: %s, next entry\n", path, why);
+    return 1;
+  }
+  printf("     %s: ncclNetPlugin_v%d \"%s\", init ok, %d device(s)\n", path, net.v, *(const char **)net.tbl, nd);
+  if (net.v >= 11) T(net_v11_t)->finalize(n->ctx);
+  *hp = net.tbl;
+  *vp = net.v;
+  return 0;
+}
+
+static int lookup_main(int argc, char **argv) {
+  if (argc != 5) { fprintf(stderr, "usage: harness --lookup LOADER EXPECT(path|none) VERSION\n"); return 2; }
+  setvbuf(stdout, NULL, _IONBF, 0); /* the trace before a FAIL line */
+  const loader_t *L = NULL;
+  for (size_t i = 0; i < sizeof loaders / sizeof loaders[0]; i++)
+    if (strcmp(loaders[i].id, argv[2]) == 0) L = &loaders[i];
+  if (!L) { fprintf(stderr, "unknown loader %s\n", argv[2]); return 2; }
+  const char *expect = argv[3];
+  int want_v = atoi(argv[4]);
+  const char *env = getenv("NCCL_NET_PLUGIN");
+  printf("   %-12s NCCL_NET_PLUGIN=%s%s%s (%s)\n", L->id, env ? "\"" : "", env ? env : "(unset)", env ? "\"" : "", L->what);
+  void *tbl = NULL;
+  int v = 0;
+  char path[PATH_MAX] = "";
+  if (!env || (!*env && L->empty_is_default)) {
+    try_entry(L, NULL, 1, &tbl, &v, path);
+  } else if (!(L->none && strcasecmp(env, "none") == 0)) {
+    char *list = strdup(env), *save = NULL;
+    int count = 0;
+    for (char *e = L->split ? strtok_r(list, ",", &save) : list; e && !tbl; e = L->split ? strtok_r(NULL, ",", &save) : NULL) {
+      if (!*e) break; /* an unsplit empty value (only the unsplit loaders get here) */
+      if (++count > 14) break;
+      if (strlen(e) + 1 > 255) continue;
+      try_entry(L, e, 0, &tbl, &v, path);
+    }
+    free(list);
+  }
+  if (!tbl) {
+    printf("     -> no external plugin (%s): %s's internal networks\n", why, L->id);
+    if (strcmp(expect, "none") == 0) return 0;
+    fprintf(stderr, "FAIL: %s with NCCL_NET_PLUGIN=%s did not find %s\n", L->id, env ? env : "(unset)", expect);
+    return 1;
+  }
+  char got[2 * PATH_MAX + 2], want[2 * PATH_MAX + 2];
+  canon(path, got);
+  if (strcmp(expect, "none") == 0) {
+    fprintf(stderr, "FAIL: %s with NCCL_NET_PLUGIN=%s loaded %s, wanted none\n", L->id, env ? env : "(unset)", got);
+    return 1;
+  }
+  canon(expect, want);
+  if (strcmp(got, want) != 0 || v != want_v || strcmp(*(const char **)tbl, "roccl") != 0) {
+    fprintf(stderr, "FAIL: %s with NCCL_NET_PLUGIN=%s: got %s ncclNetPlugin_v%d \"%s\", wanted %s ncclNetPlugin_v%d \"roccl\"\n",
+            L->id, env ? env : "(unset)", got, v, *(const char **)tbl, want, want_v);
+    return 1;
+  }
+  printf("     -> %s, ncclNetPlugin_v%d, as expected\n", got, v);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "--lookup") == 0) return lookup_main(argc, argv);
   const char *lib = argc > 1 ? argv[1] : "libnccl-net-roccl.so";
   alarm(120);
   void *h = load(lib);
