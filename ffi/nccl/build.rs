@@ -8,5 +8,18 @@ fn main() {
     // own calls to them inside it, so a libroccl.so loaded in the same process never
     // interposes (each library keeps its own communicator table).
     println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
+    // NCCL's profiling aliases: every pnccl name the export list holds is the function of
+    // the same name without the p (the linker binds both to one address).
+    let map = std::fs::read_to_string(format!("{dir}/exports.map")).expect("exports.map");
+    for name in map
+        .lines()
+        .map(|l| l.trim().trim_end_matches(';'))
+        .filter(|l| l.starts_with("pnccl"))
+    {
+        println!(
+            "cargo:rustc-cdylib-link-arg=-Wl,--defsym={name}={}",
+            &name[1..]
+        );
+    }
     println!("cargo:rerun-if-changed=exports.map");
 }
