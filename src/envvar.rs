@@ -194,6 +194,21 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_METRICS_ADDR",
+        accepts: "host:port, or a port (0: any free port), for GET /metrics and /status",
+        valid: Some(|v| {
+            v.parse::<u16>().is_ok()
+                || v
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+        }),
+    },
+    Setting {
+        name: "ROCCL_STUCK_WARN",
+        accepts: "seconds, a number above 0: a call without progress for that long logs what it waits on (default a third of ROCCL_TIMEOUT)",
+        valid: Some(|v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite())),
+    },
+    Setting {
         name: "ROCCL_ENCRYPT",
         accepts: SWITCH,
         valid: Some(switch),

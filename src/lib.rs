@@ -29,6 +29,7 @@ pub mod error;
 pub(crate) mod exec;
 #[doc(hidden)]
 pub mod log;
+pub mod metrics;
 pub mod net;
 #[doc(hidden)]
 pub mod os;

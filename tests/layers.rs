@@ -23,7 +23,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("providers and rendezvous", &["rdma", "device", "bootstrap"]),
     (
         "OS primitives and foundations",
-        &["os", "types", "error", "log", "envvar", "reduce"],
+        &["os", "types", "error", "log", "envvar", "reduce", "metrics"],
     ),
 ];
 

@@ -53,6 +53,11 @@ pub enum Algo {
 }
 
 impl Algo {
+    /// The names of [`Algo::ALL`], in its order.
+    pub const NAMES: [&'static str; 7] = [
+        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2",
+    ];
+
     /// Every algorithm (what `ROCCL_ALGO` and `roccl-perf --algo` accept, besides `auto`).
     pub const ALL: [Algo; 7] = [
         Algo::Ring,

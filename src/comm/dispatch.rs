@@ -15,6 +15,23 @@ use crate::types::{DataType, RedOp};
 
 use super::{agree, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
 
+/// The index of `crate::metrics::KINDS` a collective is counted under.
+fn metrics_kind(c: &Collective) -> usize {
+    match c {
+        Collective::AllReduce(_) => 0,
+        Collective::Broadcast { .. } => 1,
+        Collective::Reduce { .. } => 2,
+        Collective::AllGather => 3,
+        Collective::ReduceScatter(_) => 4,
+        Collective::AllToAll => 5,
+        Collective::SendRecv { .. } => METRICS_P2P,
+        _ => 7,
+    }
+}
+
+/// `crate::metrics::KINDS`' point-to-point entry.
+const METRICS_P2P: usize = 6;
+
 /// Bytes of the scratch buffer of averages ([`avg_premultiplied`]) a communicator keeps from
 /// call to call: a reduce or reduce-scatter average of narrow floats up to this input takes
 /// no allocation once warm; a larger one allocates its scratch for the call, and it is given
@@ -141,6 +158,18 @@ impl State {
         ops: &mut [P2pMem<'_>],
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<()> {
+        let bytes: usize = ops.iter().map(|o| o.len()).sum();
+        if let Some(m) = &self.links.metrics {
+            m.call_start(METRICS_P2P, bytes);
+        }
+        let r = self.p2p_counted(ops, dev);
+        if let Some(m) = &self.links.metrics {
+            m.call_done();
+        }
+        r
+    }
+
+    fn p2p_counted(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
         self.usable()?;
         let (n, me) = (self.links.nranks, self.links.rank);
         for o in ops.iter() {
@@ -249,6 +278,7 @@ impl State {
         if let Some((k, d, b, f, choice)) = self.last_choice {
             if k == kind && d == dt && b == bytes && f == forced {
                 self.call_tag = agree::with_algo(self.call_tag, choice.0);
+                self.note_algo(choice.0);
                 return choice;
             }
         }
@@ -263,7 +293,16 @@ impl State {
         );
         self.last_choice = Some((kind, dt, bytes, forced, choice));
         self.call_tag = agree::with_algo(self.call_tag, choice.0);
+        self.note_algo(choice.0);
         choice
+    }
+
+    /// Tell the counters which algorithm the call in flight runs.
+    fn note_algo(&self, algo: Algo) {
+        if let Some(m) = &self.links.metrics {
+            let i = Algo::ALL.iter().position(|a| *a == algo).unwrap_or(0);
+            m.call_algo(i + 1);
+        }
     }
 
     /// Run `f` with the timeout `timeout` (when given) in place of the communicator's.
@@ -318,6 +357,9 @@ impl State {
             _ => recv.len(),
         };
         self.call_tag = agree::call_tag(&coll, dt, bytes);
+        if let Some(m) = &self.links.metrics {
+            m.call_start(metrics_kind(&coll), bytes);
+        }
         // The scratch buffer of averages leaves `self` while the call borrows it.
         let mut scratch = std::mem::take(&mut self.premul);
         let r = match avg_premultiplied(
@@ -338,6 +380,9 @@ impl State {
         let r = r.map_err(|e| self.explain_mismatch(e));
         if let Err(e) = &r {
             self.failed(e);
+        }
+        if let Some(m) = &self.links.metrics {
+            m.call_done();
         }
         self.call_tag = 0;
         r

@@ -293,15 +293,41 @@ impl Communicator {
             .collect();
         links.timeout_grace =
             (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
-        let abort_flag = Arc::clone(&links.abort);
-        let connect_all = cfg.connect_all;
-        let broken = Arc::new(Broken::default());
-        // The id's root address and nonce (never its secret), hashed.
+        // Counters, always on (crate::metrics), and the endpoint where ROCCL_METRICS_ADDR asks.
         let id_hash = {
             use sha2::Digest;
             let d = sha2::Sha256::digest(&id.as_bytes()[..32]);
             u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
         };
+        let metrics = crate::metrics::CommMetrics::new(
+            rank,
+            nranks,
+            id_hash,
+            name,
+            &crate::algo::Algo::NAMES,
+        );
+        for e in &links.endpoints {
+            let w = Arc::downgrade(&e.net);
+            metrics.add_net_source(
+                e.net.name(),
+                Box::new(move |out| {
+                    if let Some(n) = w.upgrade() {
+                        n.counters(out)
+                    }
+                }),
+            );
+        }
+        links.metrics = Some(metrics);
+        links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
+            s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
+            _ => cfg.waiter.timeout / 3,
+        };
+        if let Some(Err(e)) = crate::metrics::http::start_from_env() {
+            crate::warn!("{e}: no metrics endpoint");
+        }
+        let abort_flag = Arc::clone(&links.abort);
+        let connect_all = cfg.connect_all;
+        let broken = Arc::new(Broken::default());
         let comm = Communicator {
             shared: Arc::new(Shared {
                 rank,

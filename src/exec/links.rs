@@ -83,6 +83,11 @@ pub(crate) struct Links {
     pub timeout_grace: Duration,
     /// Set by `Communicator::abort` from any thread; every wait checks it.
     pub abort: Arc<std::sync::atomic::AtomicBool>,
+    /// This rank's counters (`crate::metrics`), when the communicator keeps them.
+    pub metrics: Option<Arc<crate::metrics::CommMetrics>>,
+    /// How long a call may go without progress before it logs what it waits on
+    /// (`ROCCL_STUCK_WARN`; default a third of the timeout).
+    pub stuck_warn: Duration,
     /// Vectors the executor reuses from call to call.
     pub scratch_ops: Vec<super::Op>,
     pub scratch_fds: Vec<PollFd>,
@@ -162,6 +167,8 @@ impl Links {
             notified: false,
             timeout_grace: Duration::from_millis(500),
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            metrics: None,
+            stuck_warn: Duration::MAX,
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
             scratch_users: Vec::with_capacity(64),

@@ -836,6 +836,14 @@ impl<'a> Exec<'a> {
                 self.ops[i].done = true;
                 self.inflight -= 1;
                 any = true;
+                if let Some(m) = &self.links.metrics {
+                    let size = self.ops[i].size;
+                    if o.send {
+                        m.sent(peer, size);
+                    } else {
+                        m.received(peer, size);
+                    }
+                }
             }
         }
         Ok(any)
@@ -956,6 +964,7 @@ impl<'a> Exec<'a> {
             }
             if w.will_block() {
                 self.links.listen_fds(&mut fds);
+                self.note_waiting();
             }
             let r = w.idle(&fds);
             self.fds = fds;
@@ -988,6 +997,21 @@ impl<'a> Exec<'a> {
                 }
                 Ok(false) => {}
             }
+        }
+    }
+
+    /// About to sleep without progress: tell the counters which peers the call waits on
+    /// (for `/status`), and log once per call when it has waited past `ROCCL_STUCK_WARN`.
+    fn note_waiting(&self) {
+        let Some(m) = &self.links.metrics else {
+            return;
+        };
+        let mut peers = arrayvec::ArrayVec::<usize, 64>::new();
+        for o in self.ops.iter().filter(|o| o.active && !o.done) {
+            let _ = peers.try_push(o.peer as usize);
+        }
+        if let Some(what) = m.waiting_on(&peers, self.links.stuck_warn) {
+            crate::warn!("{what} (ROCCL_STUCK_WARN; the call fails after ROCCL_TIMEOUT)");
         }
     }
 

@@ -178,6 +178,11 @@ pub trait Net: Send + Sync {
     /// [`crate::bootstrap::UniqueId::encrypted`]; keys from the job key). Networks that
     /// cannot ignore it and say so in [`Net::encrypts`].
     fn set_encryption(&self, _on: bool) {}
+    /// Append this network's counters (`name`, value) for the metrics endpoint (RoCE v2:
+    /// the provider's retransmissions, NAKs, drops...). Networks without counters add none.
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        let _ = out;
+    }
     /// Whether this network encrypts what it carries after [`Net::set_encryption`]: TCP
     /// does; RDMA cannot without losing zero copy, and shared memory never leaves the host.
     fn encrypts(&self) -> bool {

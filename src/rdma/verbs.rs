@@ -73,6 +73,11 @@ pub trait Verbs: Send + Sync {
     unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr>;
     /// Release a registration.
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
+    /// Append the provider's counters (`name`, value) for the metrics endpoint:
+    /// retransmissions, NAKs, timeouts, drops... Providers without counters add none.
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        let _ = out;
+    }
     /// Give registration `mr` the rights `access` and new keys, after which its old rkey
     /// reaches nothing (`ibv_rereg_mr` with `IBV_REREG_MR_CHANGE_ACCESS`, plus a new key):
     /// what the registration cache does to a receive buffer it keeps after the application

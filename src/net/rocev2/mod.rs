@@ -161,6 +161,10 @@ pub fn peer_memory() -> bool {
 }
 
 impl Net for RoceNet {
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        self.verbs.counters(out);
+    }
+
     fn name(&self) -> &'static str {
         if self.verbs.hardware() {
             "verbs"

@@ -984,6 +984,24 @@ impl Verbs for UserVerbs {
         self.d.lock().engine.mrs.deregister(mr.lkey)
     }
 
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        let s = self.stats();
+        out.extend([
+            ("rx_packets", s.rx_packets),
+            ("tx_packets", s.tx_packets),
+            ("retransmits", s.retransmits),
+            ("timeouts", s.timeouts),
+            ("tail_probes", s.tail_probes),
+            ("rnr_naks_sent", s.rnr_naks_sent),
+            ("icrc_errors", s.icrc_errors),
+            ("malformed", s.malformed),
+            ("duplicates", s.duplicates),
+            ("out_of_sequence", s.out_of_sequence),
+            ("wrong_source", s.wrong_source),
+            ("ghost_acks", s.ghost_acks),
+        ]);
+    }
+
     fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
         let key = self.d.lock().engine.mrs.rekey(mr.lkey, access)?;
         Ok(Mr {

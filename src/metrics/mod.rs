@@ -1,0 +1,485 @@
+//! Counters kept per communicator, per peer and per network, always on (relaxed atomics:
+//! a few nanoseconds per message and per call), and the registry the metrics endpoint
+//! reads them from (`ROCCL_METRICS_ADDR`, [`http`]).
+//!
+//! A communicator registers its [`CommMetrics`] at init; the executor adds each completed
+//! message's bytes to its peer's counters, the dispatcher each call's count, bytes and time
+//! to its collective and algorithm, and marks the call in flight (and, once it waits without
+//! progress, the peers it waits on) for `/status` and the stuck-call warning. Networks give
+//! their own counters through a source closure read only when scraped.
+
+pub mod http;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+/// Names of the call kinds counted (the index [`CommMetrics::call_done`] takes).
+pub const KINDS: [&str; 8] = [
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "p2p",
+    "other",
+];
+/// Algorithms per kind that are counted apart (index 0: none, for point-to-point calls).
+pub const MAX_ALGOS: usize = 8;
+
+/// One peer's traffic.
+#[derive(Default)]
+pub struct PeerCounters {
+    /// Payload bytes of completed sends to the peer.
+    pub bytes_sent: AtomicU64,
+    /// Payload bytes of completed receives from the peer.
+    pub bytes_received: AtomicU64,
+    /// Completed sends.
+    pub messages_sent: AtomicU64,
+    /// Completed receives.
+    pub messages_received: AtomicU64,
+}
+
+/// One (kind, algorithm)'s calls.
+#[derive(Default)]
+pub struct CallCounters {
+    /// Calls completed (successfully or not).
+    pub calls: AtomicU64,
+    /// Bytes of their buffers (as every rank passes them).
+    pub bytes: AtomicU64,
+    /// Nanoseconds spent in them.
+    pub nanos: AtomicU64,
+}
+
+/// A source of a network's counters: appends `(name, value)` pairs when scraped.
+pub type NetSource = Box<dyn Fn(&mut Vec<(&'static str, u64)>) + Send + Sync>;
+
+/// The call in flight and what it waits on.
+#[derive(Default)]
+struct InFlight {
+    active: AtomicBool,
+    kind: AtomicUsize,
+    algo: AtomicUsize,
+    bytes: AtomicU64,
+    /// Nanoseconds since the registry's epoch when it started.
+    started: AtomicU64,
+    /// Peers the call waits on, set when it found nothing to do (not on the fast path).
+    waiting: Mutex<Vec<usize>>,
+    /// The stuck warning was given for this call.
+    warned: AtomicBool,
+}
+
+/// The counters of one communicator (one rank of it).
+pub struct CommMetrics {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the communicator.
+    pub nranks: usize,
+    /// Equal on every rank of the communicator (its hash).
+    pub comm: u64,
+    /// The network's name.
+    pub net: &'static str,
+    /// Names of the algorithms (index 1.. of a call's algorithm).
+    pub algos: &'static [&'static str],
+    /// Per peer (index = rank).
+    pub peers: Vec<PeerCounters>,
+    calls: Vec<CallCounters>,
+    inflight: InFlight,
+    nets: Mutex<Vec<(&'static str, NetSource)>>,
+}
+
+/// Time since the process's first use of the metrics (for `started`).
+fn now_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+impl CommMetrics {
+    /// The counters of rank `rank` of `nranks` of communicator `comm` over `net`, with the
+    /// names of its algorithms.
+    pub fn new(
+        rank: usize,
+        nranks: usize,
+        comm: u64,
+        net: &'static str,
+        algos: &'static [&'static str],
+    ) -> Arc<CommMetrics> {
+        let m = Arc::new(CommMetrics {
+            rank,
+            nranks,
+            comm,
+            net,
+            algos,
+            peers: (0..nranks).map(|_| PeerCounters::default()).collect(),
+            calls: (0..KINDS.len() * MAX_ALGOS)
+                .map(|_| CallCounters::default())
+                .collect(),
+            inflight: InFlight::default(),
+            nets: Mutex::new(Vec::new()),
+        });
+        REGISTRY.lock().push(Arc::downgrade(&m));
+        m
+    }
+
+    /// A completed send of `bytes` to `peer`.
+    #[inline]
+    pub fn sent(&self, peer: usize, bytes: usize) {
+        if let Some(p) = self.peers.get(peer) {
+            p.bytes_sent.fetch_add(bytes as u64, Relaxed);
+            p.messages_sent.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// A completed receive of `bytes` from `peer`.
+    #[inline]
+    pub fn received(&self, peer: usize, bytes: usize) {
+        if let Some(p) = self.peers.get(peer) {
+            p.bytes_received.fetch_add(bytes as u64, Relaxed);
+            p.messages_received.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// A call of `kind` (index into [`KINDS`]) on `bytes` starts.
+    pub fn call_start(&self, kind: usize, bytes: usize) {
+        let f = &self.inflight;
+        f.kind.store(kind, Relaxed);
+        f.algo.store(0, Relaxed);
+        f.bytes.store(bytes as u64, Relaxed);
+        f.started.store(now_ns(), Relaxed);
+        f.warned.store(false, Relaxed);
+        f.active.store(true, Relaxed);
+    }
+
+    /// The call in flight runs algorithm `algo` (1.. into [`CommMetrics::algos`]).
+    pub fn call_algo(&self, algo: usize) {
+        self.inflight.algo.store(algo, Relaxed);
+    }
+
+    /// The call in flight is over: counted under its kind and algorithm.
+    pub fn call_done(&self) {
+        let f = &self.inflight;
+        if !f.active.swap(false, Relaxed) {
+            return;
+        }
+        let kind = f.kind.load(Relaxed).min(KINDS.len() - 1);
+        let algo = f.algo.load(Relaxed).min(MAX_ALGOS - 1);
+        let c = &self.calls[kind * MAX_ALGOS + algo];
+        c.calls.fetch_add(1, Relaxed);
+        c.bytes.fetch_add(f.bytes.load(Relaxed), Relaxed);
+        c.nanos
+            .fetch_add(now_ns().saturating_sub(f.started.load(Relaxed)), Relaxed);
+        f.waiting.lock().clear();
+    }
+
+    /// The call in flight found nothing to do for a while and waits on `peers` (called when
+    /// it is about to sleep, not per message). Returns how long the call has run and, the
+    /// first time it passes `warn_after`, its description for a warning.
+    pub fn waiting_on(&self, peers: &[usize], warn_after: std::time::Duration) -> Option<String> {
+        let f = &self.inflight;
+        if !f.active.load(Relaxed) {
+            return None;
+        }
+        {
+            let mut w = f.waiting.lock();
+            w.clear();
+            w.extend_from_slice(peers);
+            w.sort_unstable();
+            w.dedup();
+        }
+        let age = now_ns().saturating_sub(f.started.load(Relaxed));
+        if age < warn_after.as_nanos() as u64 || f.warned.swap(true, Relaxed) {
+            return None;
+        }
+        Some(self.describe_inflight(age))
+    }
+
+    fn describe_inflight(&self, age_ns: u64) -> String {
+        let f = &self.inflight;
+        let peers = f.waiting.lock().clone();
+        format!(
+            "rank {} (communicator {:016x}): {} of {} bytes{} has made no progress for {:.1} s; it waits on rank(s) {:?}",
+            self.rank,
+            self.comm,
+            KINDS[f.kind.load(Relaxed).min(KINDS.len() - 1)],
+            f.bytes.load(Relaxed),
+            self.algo_name(f.algo.load(Relaxed))
+                .map(|a| format!(" ({a})"))
+                .unwrap_or_default(),
+            age_ns as f64 / 1e9,
+            peers
+        )
+    }
+
+    fn algo_name(&self, algo: usize) -> Option<&'static str> {
+        algo.checked_sub(1).and_then(|i| self.algos.get(i)).copied()
+    }
+
+    /// Add a source of the network's counters (`net`: its name, a label).
+    pub fn add_net_source(&self, net: &'static str, src: NetSource) {
+        self.nets.lock().push((net, src));
+    }
+
+    /// The counters of a (kind, algorithm) pair.
+    pub fn calls(&self, kind: usize, algo: usize) -> &CallCounters {
+        &self.calls[kind.min(KINDS.len() - 1) * MAX_ALGOS + algo.min(MAX_ALGOS - 1)]
+    }
+}
+
+/// Every communicator alive in this process.
+static REGISTRY: Mutex<Vec<Weak<CommMetrics>>> = Mutex::new(Vec::new());
+
+/// The live communicators' counters (dropping those that are gone).
+pub fn live() -> Vec<Arc<CommMetrics>> {
+    let mut r = REGISTRY.lock();
+    r.retain(|w| w.strong_count() > 0);
+    r.iter().filter_map(Weak::upgrade).collect()
+}
+
+/// Escape a Prometheus label value.
+fn label(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Every live communicator's counters in the Prometheus text format (names `roccl_*`).
+pub fn prometheus() -> String {
+    use std::fmt::Write;
+    let comms = live();
+    let mut out = String::new();
+    let mut family = |name: &str, help: &str, kind: &str, rows: &mut dyn FnMut(&mut String)| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        rows(&mut out);
+    };
+    let base = |m: &CommMetrics| {
+        format!(
+            "rank=\"{}\",comm=\"{:016x}\",network=\"{}\"",
+            m.rank,
+            m.comm,
+            label(m.net)
+        )
+    };
+    type Pick = fn(&CallCounters) -> f64;
+    let call_families: [(&str, &str, Pick); 3] = [
+        (
+            "roccl_calls_total",
+            "Calls completed, by collective and algorithm.",
+            |c| c.calls.load(Relaxed) as f64,
+        ),
+        (
+            "roccl_call_bytes_total",
+            "Bytes of the buffers of the calls completed.",
+            |c| c.bytes.load(Relaxed) as f64,
+        ),
+        (
+            "roccl_call_seconds_total",
+            "Time spent in the calls completed.",
+            |c| c.nanos.load(Relaxed) as f64 / 1e9,
+        ),
+    ];
+    for (name, help, pick) in call_families {
+        family(name, help, "counter", &mut |o| {
+            for m in &comms {
+                for (k, kind) in KINDS.iter().enumerate() {
+                    for a in 0..MAX_ALGOS {
+                        let c = m.calls(k, a);
+                        if c.calls.load(Relaxed) == 0 {
+                            continue;
+                        }
+                        let _ = writeln!(
+                            o,
+                            "{name}{{{},collective=\"{}\",algorithm=\"{}\"}} {}",
+                            base(m),
+                            kind,
+                            m.algo_name(a).unwrap_or("none"),
+                            pick(c)
+                        );
+                    }
+                }
+            }
+        });
+    }
+    type PeerPick = fn(&PeerCounters) -> u64;
+    let peer_families: [(&str, &str, PeerPick); 4] = [
+        (
+            "roccl_peer_bytes_sent_total",
+            "Payload bytes sent to each peer.",
+            |p| p.bytes_sent.load(Relaxed),
+        ),
+        (
+            "roccl_peer_bytes_received_total",
+            "Payload bytes received from each peer.",
+            |p| p.bytes_received.load(Relaxed),
+        ),
+        (
+            "roccl_peer_messages_sent_total",
+            "Messages sent to each peer.",
+            |p| p.messages_sent.load(Relaxed),
+        ),
+        (
+            "roccl_peer_messages_received_total",
+            "Messages received from each peer.",
+            |p| p.messages_received.load(Relaxed),
+        ),
+    ];
+    for (name, help, pick) in peer_families {
+        family(name, help, "counter", &mut |o| {
+            for m in &comms {
+                for (peer, p) in m.peers.iter().enumerate() {
+                    if peer != m.rank {
+                        let _ = writeln!(o, "{name}{{{},peer=\"{peer}\"}} {}", base(m), pick(p));
+                    }
+                }
+            }
+        });
+    }
+    family(
+        "roccl_call_in_flight_seconds",
+        "How long the call in flight has run (0: none).",
+        "gauge",
+        &mut |o| {
+            for m in &comms {
+                let f = &m.inflight;
+                let age = if f.active.load(Relaxed) {
+                    now_ns().saturating_sub(f.started.load(Relaxed)) as f64 / 1e9
+                } else {
+                    0.0
+                };
+                let _ = writeln!(o, "roccl_call_in_flight_seconds{{{}}} {age}", base(m));
+            }
+        },
+    );
+    // Each network's own counters, one family per counter name.
+    let mut net_rows: Vec<(&'static str, String, u64)> = Vec::new();
+    for m in &comms {
+        for (net, src) in m.nets.lock().iter() {
+            let mut v = Vec::new();
+            src(&mut v);
+            for (name, value) in v {
+                net_rows.push((
+                    name,
+                    format!(
+                        "rank=\"{}\",comm=\"{:016x}\",network=\"{}\"",
+                        m.rank,
+                        m.comm,
+                        label(net)
+                    ),
+                    value,
+                ));
+            }
+        }
+    }
+    net_rows.sort_by(|a, b| a.0.cmp(b.0));
+    let mut i = 0;
+    while i < net_rows.len() {
+        let name = net_rows[i].0;
+        let _ = writeln!(
+            out,
+            "# HELP roccl_net_{name}_total The network's {name} counter."
+        );
+        let _ = writeln!(out, "# TYPE roccl_net_{name}_total counter");
+        while i < net_rows.len() && net_rows[i].0 == name {
+            let _ = writeln!(
+                out,
+                "roccl_net_{name}_total{{{}}} {}",
+                net_rows[i].1, net_rows[i].2
+            );
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Every live communicator and its call in flight, as JSON (`/status`).
+pub fn status() -> serde_json::Value {
+    let comms: Vec<serde_json::Value> = live()
+        .iter()
+        .map(|m| {
+            let f = &m.inflight;
+            let inflight = f.active.load(Relaxed).then(|| {
+                let age = now_ns().saturating_sub(f.started.load(Relaxed));
+                serde_json::json!({
+                    "collective": KINDS[f.kind.load(Relaxed).min(KINDS.len() - 1)],
+                    "algorithm": m.algo_name(f.algo.load(Relaxed)),
+                    "bytes": f.bytes.load(Relaxed),
+                    "running_s": age as f64 / 1e9,
+                    "waiting_on": f.waiting.lock().clone(),
+                })
+            });
+            serde_json::json!({
+                "rank": m.rank,
+                "nranks": m.nranks,
+                "comm": format!("{:016x}", m.comm),
+                "network": m.net,
+                "pid": std::process::id(),
+                "in_flight": inflight,
+            })
+        })
+        .collect();
+    serde_json::json!({ "communicators": comms })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_reach_the_text_format_and_the_status() {
+        let m = CommMetrics::new(1, 3, 0xabcd, "tcp", &["ring", "tree"]);
+        m.call_start(0, 4096);
+        m.call_algo(1);
+        m.sent(0, 100);
+        m.sent(2, 50);
+        m.received(2, 70);
+        let s = status();
+        let me = s["communicators"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["comm"] == "000000000000abcd")
+            .unwrap()
+            .clone();
+        assert_eq!(me["in_flight"]["collective"], "all_reduce");
+        assert_eq!(me["in_flight"]["algorithm"], "ring");
+        assert!(m
+            .waiting_on(&[2, 0, 2], std::time::Duration::from_secs(3600))
+            .is_none());
+        let w = m.waiting_on(&[2], std::time::Duration::ZERO).unwrap();
+        assert!(
+            w.contains("waits on rank(s) [2]") && w.contains("all_reduce"),
+            "{w}"
+        );
+        assert!(
+            m.waiting_on(&[2], std::time::Duration::ZERO).is_none(),
+            "warned once"
+        );
+        m.call_done();
+        let t = prometheus();
+        let line = |prefix: &str| {
+            t.lines()
+                .find(|l| l.starts_with(prefix) && l.contains("comm=\"000000000000abcd\""))
+                .map(|l| l.rsplit(' ').next().unwrap().to_string())
+        };
+        assert_eq!(line("roccl_calls_total{").as_deref(), Some("1"));
+        assert!(t.contains("collective=\"all_reduce\",algorithm=\"ring\""));
+        assert_eq!(line("roccl_call_bytes_total{").as_deref(), Some("4096"));
+        let sent: Vec<&str> = t
+            .lines()
+            .filter(|l| l.starts_with("roccl_peer_bytes_sent_total{") && l.contains("abcd"))
+            .collect();
+        assert_eq!(sent.len(), 2, "no line for the rank itself");
+        assert!(sent
+            .iter()
+            .any(|l| l.contains("peer=\"0\"") && l.ends_with(" 100")));
+        assert!(t.contains("# TYPE roccl_calls_total counter"));
+        drop(m);
+        assert!(
+            !prometheus().contains("abcd"),
+            "a dropped communicator leaves"
+        );
+    }
+}
