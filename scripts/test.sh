@@ -50,6 +50,8 @@ else
   echo "== GPU tests SKIPPED: no GPU here (HIP and CUDA were checked to report 'no device');" \
     "stream-ordered collectives ran on the simulated device only"
 fi
+echo "== fuzz targets, 15 s each on the kept corpus (scripts/fuzz.sh)"
+scripts/fuzz.sh 15
 echo "== benches (each run once, as a smoke test)"
 cargo test --release --benches
 echo "== C ABI: header vs symbols, C and C++ programs, example"

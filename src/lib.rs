@@ -27,6 +27,9 @@ pub mod device;
 pub mod envvar;
 pub mod error;
 pub(crate) mod exec;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 #[doc(hidden)]
 pub mod log;
 pub mod metrics;

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// name modules of its own layer (as long as no cycle forms) and of every layer below.
 /// Adding a layer or a module is one line here (and one in docs/ARCHITECTURE.md).
 const LAYERS: &[(&str, &[&str])] = &[
-    ("bindings and tools", &["bin", "tool"]),
+    ("bindings and tools", &["bin", "tool", "fuzzing"]),
     ("communicator and stream scheduling", &["comm"]),
     ("algorithms and cost model", &["algo"]),
     ("executor", &["exec"]),

@@ -482,6 +482,49 @@ fn other_encryption(b: &[u8], id: &UniqueId) -> bool {
     b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) == other
 }
 
+/// Checks of the root's registration parser without I/O, for the fuzz targets. `sign`:
+/// first make `b` a registration of this job as far as its bytes go (the nonce of the key's
+/// id, a good tag), so that what follows the authentication is reached too.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_registration(b: &[u8], sign: bool) {
+    let id = UniqueId::for_address_with(
+        SocketAddr::from(([127, 0, 0, 1], 1)),
+        Some([7; SECRET_BYTES]),
+    );
+    let key = reg_key(&id);
+    let nonce = id.nonce();
+    let mut b = b.to_vec();
+    if sign && b.len() >= REG_HDR {
+        b[4..12].copy_from_slice(&nonce.to_le_bytes());
+        let len = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
+        let total = REG_HDR.saturating_add(len).saturating_add(auth::TAG_BYTES);
+        if b.len() >= total {
+            let tag = key.tag(&[&b[..total - auth::TAG_BYTES]]);
+            b[total - auth::TAG_BYTES..total].copy_from_slice(&tag);
+        }
+    }
+    match parse_reg(&b, nonce, &key) {
+        Parsed::Need(n) => assert!(n > b.len(), "needs {n} of {} bytes", b.len()),
+        Parsed::Reg(r) => {
+            assert!(r.blob.len() <= MAX_BLOB);
+            // A sealed blob of random bytes must be refused, not a panic.
+            let _ = open_blob(&id, &r);
+        }
+        Parsed::Refused(..) => {}
+    }
+}
+
+/// A registration of `blob` as rank `rank` of `nranks` for the fuzz targets' job (the one
+/// [`fuzz_registration`] signs for): a seed of its corpus.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_seed_registration(rank: usize, nranks: usize, blob: &[u8]) -> Vec<u8> {
+    let id = UniqueId::for_address_with(
+        SocketAddr::from(([127, 0, 0, 1], 1)),
+        Some([7; SECRET_BYTES]),
+    );
+    encode_reg(&id, rank, nranks, blob, Duration::from_secs(30)).unwrap_or_default()
+}
+
 /// A connection to the root whose registration has not all arrived.
 struct Incoming {
     stream: TcpStream,

@@ -201,6 +201,72 @@ pub(super) fn parse_blob(
     })
 }
 
+/// Checks of a rendezvous table without I/O, for the fuzz targets: every blob is parsed as
+/// rank 0 of the table parses it (with rank 0's network and settings, read from its bytes,
+/// so that a table of one job gets past the checks), then the cost model's inputs are agreed
+/// from the parsed blobs and an algorithm chosen for a few calls.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(table: &[&[u8]], shm_net: bool, node: Option<(usize, bool)>) {
+    let Some(first) = table.first().filter(|b| b.len() == BLOB_LEN) else {
+        return;
+    };
+    let net = std::str::from_utf8(&first[12..28])
+        .unwrap_or("?")
+        .trim_end_matches('\0');
+    let mut mine = [0u64; SETTINGS.len()];
+    for (i, m) in mine.iter_mut().enumerate() {
+        let at = AT_SETTINGS + 8 * i;
+        *m = u64::from_le_bytes(first[at..at + 8].try_into().expect("8 bytes"));
+    }
+    let Ok(blobs) = table
+        .iter()
+        .enumerate()
+        .map(|(r, b)| parse_blob(r, b, 0, net, &mine))
+        .collect::<Result<Vec<_>>>()
+    else {
+        return;
+    };
+    let cost = agreed_cost(&blobs, shm_net, node);
+    let _ = slowest_speeds(&blobs);
+    let tuning = crate::algo::model::Tuning::default();
+    for kind in [
+        crate::algo::model::CollKind::AllReduce,
+        crate::algo::model::CollKind::Broadcast,
+        crate::algo::model::CollKind::AllGather,
+    ] {
+        for bytes in [0usize, 8, 1 << 20, 1 << 30] {
+            let forced = ALGOS.get(mine[0] as usize).copied();
+            let _ = crate::algo::model::choose_for(
+                kind,
+                DataType::F32,
+                blobs.len(),
+                bytes,
+                &cost,
+                forced,
+                &tuning,
+            );
+        }
+    }
+}
+
+/// A blob of this rank with network `net` and its `handle`, under the settings of the
+/// environment: a seed of the fuzz targets' corpus.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_seed_blob(
+    handle: &NetHandle,
+    net: &str,
+    shm: Option<&NetHandle>,
+) -> Result<Vec<u8>> {
+    let cfg = Config::from_env()?;
+    let mine = settings(&cfg, super::stream::ops::stream_chunk()?);
+    let inputs = HostInputs {
+        cores: 2,
+        latency_us: 20.0,
+        speed_mbps: 10_000,
+    };
+    Ok(blob(handle, net, shm, false, &mine, inputs))
+}
+
 /// How one rank sees the job, from the table alone.
 struct View {
     local_ranks: usize,

@@ -30,6 +30,8 @@ use crate::exec::links::Links;
 pub(crate) use crate::exec::{Mem, MemMut};
 pub use crate::os::wait::Waiter;
 use crate::types::DataType;
+#[cfg(feature = "fuzzing")]
+pub(crate) use agree::{fuzz, fuzz_seed_blob};
 pub(crate) use api::P2pMem;
 pub use api::{CallInfo, CallOpts, Collective, P2p};
 pub use config::{Config, GpuDirect, GPU_DIRECT_MIN, RING_WINDOW};

@@ -58,6 +58,8 @@ use regcache::{Pinned, RegCache};
 
 #[cfg(test)]
 pub(crate) use setup::handle_with_port;
+#[cfg(feature = "fuzzing")]
+pub(crate) use setup::{fuzz, fuzz_seed};
 
 /// Clear-to-send slots per connection (= requests in flight).
 pub const FIFO: usize = MAX_REQUESTS;

@@ -195,16 +195,85 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
     ))
 }
 
-/// Start connecting `net` to the listener of `handle`: the FIFO is registered and the
-/// first setup message queued here; [`RoceConnecting::poll`] does the rest.
-pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+/// The setup listener's address in a handle.
+pub(super) fn decode_handle(handle: &NetHandle) -> Result<SocketAddr> {
     let b = handle.as_bytes();
     if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
         return Err(Error::arg(
             "not a roccl RoCE v2 connection handle: was it produced by another network?",
         ));
     }
-    let peer = get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))?;
+    get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))
+}
+
+/// Checks of a setup message or answer (its tag checked) without I/O, for the fuzz
+/// targets: decode it as the listener and the connector do, and encode it back.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(handle: &[u8], info: &[u8]) {
+    if let Ok(h) = NetHandle::from_bytes(handle) {
+        if let Ok(a) = decode_handle(&h) {
+            let mut b = *h.as_bytes();
+            put_addr(&mut b[4..24], a);
+            let again = NetHandle::from_bytes(&b).expect("a handle's size");
+            assert_eq!(decode_handle(&again).ok(), Some(a), "handle round trip");
+        }
+    }
+    let Ok(b) = <[u8; INFO]>::try_from(info) else {
+        return;
+    };
+    if let Ok((ep, fifo_addr, fifo_rkey, eager)) = decode_info(&b) {
+        let _ = check_peer_slots(eager.slots, ep.addr);
+        let mr = Mr {
+            addr: fifo_addr,
+            len: CTS_SLOTS * CTS_BYTES,
+            lkey: 0,
+            rkey: fifo_rkey,
+        };
+        let again = encode_info(&ep, Some(&mr), Some(eager), b[56] != 0);
+        let back = decode_info(&again).expect("an encoded setup message decodes");
+        assert_eq!(
+            (
+                back.0.addr,
+                back.0.qpn,
+                back.0.psn,
+                back.0.mtu,
+                back.1,
+                back.2,
+                back.3
+            ),
+            (ep.addr, ep.qpn, ep.psn, ep.mtu, fifo_addr, fifo_rkey, eager),
+            "setup message round trip"
+        );
+    }
+}
+
+/// A handle of a listener at `setup` and a setup message of a connector whose queue pair
+/// is at `ep`: seeds of the fuzz targets' corpus.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_seed(setup: SocketAddr, ep: &QpEndpoint) -> (Vec<u8>, Vec<u8>) {
+    let mut h = [0u8; HANDLE_TOKEN + crate::net::TOKEN_BYTES];
+    h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
+    put_addr(&mut h[4..24], setup);
+    let mr = Mr {
+        addr: 0x7f00_0000_1000,
+        len: CTS_SLOTS * CTS_BYTES,
+        lkey: 1,
+        rkey: 0x1234,
+    };
+    let eager = EagerCfg {
+        size: 8192,
+        slots: EAGER_SLOTS,
+    };
+    (
+        h.to_vec(),
+        encode_info(ep, Some(&mr), Some(eager), false).to_vec(),
+    )
+}
+
+/// Start connecting `net` to the listener of `handle`: the FIFO is registered and the
+/// first setup message queued here; [`RoceConnecting::poll`] does the rest.
+pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+    let peer = decode_handle(handle)?;
     let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
     let (qp, ep) = net.verbs.create_qp()?;
     let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);

@@ -228,6 +228,97 @@ fn valid_segment_name(name: &[u8]) -> bool {
             .all(|c| c.is_ascii_hexdigit() || *c == b'-')
 }
 
+/// The setup listener's port and the size of the segment to create (header and ring) from
+/// a handle of this host's shared-memory network (`host`: this host's boot id).
+pub(crate) fn decode_handle(handle: &NetHandle, host: &[u8; 16]) -> Result<(u16, usize)> {
+    let b = handle.as_bytes();
+    if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
+        return Err(Error::arg(
+            "not a roccl shared-memory handle: was it produced by another network?",
+        ));
+    }
+    if b[16..32] != host[..] {
+        return Err(Error::InvalidUsage(
+            "the shared-memory network connects ranks of one host only, and this peer runs on another (boot ids differ): use ROCCL_NET=tcp, rocev2 or verbs across hosts".into(),
+        ));
+    }
+    let port = u16::from_le_bytes([b[4], b[5]]);
+    // The listener's ring: what ROCCL_SHM_RING allows (a ring of 0 bytes or one whose
+    // segment size overflows would be created, then divided by or indexed past).
+    let ring = u64::from_le_bytes(b[8..16].try_into().unwrap());
+    let Some(ring) = usize::try_from(ring)
+        .ok()
+        .filter(|r| r.is_power_of_two() && (1 << 16..=1 << 30).contains(r))
+    else {
+        return Err(Error::arg(format!(
+            "the shared-memory handle asks for a ring of {ring} bytes, not a power of two from 65536 to 1073741824: was it produced by another roccl version, or damaged?"
+        )));
+    };
+    Ok((port, SEG_HDR + ring))
+}
+
+/// What a connector's setup message (its tag checked) says: its segment's name, ring size,
+/// process id and the address of its probe word (for the single-copy check).
+#[derive(Debug)]
+pub(crate) struct NameMsg {
+    /// The segment's name (`/roccl-...`).
+    pub name: CString,
+    /// Bytes of the segment's ring (a power of two, 64 KiB to 1 GiB).
+    pub ring: usize,
+    /// The connector's process id.
+    pub pid: u32,
+    /// Where [`CMA_PROBE`] is in the connector's memory.
+    pub probe: u64,
+}
+
+/// Parse a setup message of [`NAME_MSG`] bytes; `Err`: why it is refused.
+pub(crate) fn parse_name_msg(msg: &[u8]) -> std::result::Result<NameMsg, String> {
+    if msg.len() != NAME_MSG {
+        return Err(format!(
+            "a setup message of {} bytes, not {NAME_MSG}",
+            msg.len()
+        ));
+    }
+    let n = usize::from(msg[0]).min(NAME_MSG - 25);
+    let raw = &msg[1..1 + n];
+    let name = match CString::new(raw) {
+        Ok(c) if valid_segment_name(raw) => c,
+        _ => return Err("a segment name roccl does not make".into()),
+    };
+    let ring = u64::from_le_bytes(msg[NAME_MSG - 8..NAME_MSG].try_into().unwrap());
+    let Some(ring) = usize::try_from(ring)
+        .ok()
+        .filter(|r| r.is_power_of_two() && (1 << 16..=1 << 30).contains(r))
+    else {
+        return Err(format!("a ring size of {ring} bytes"));
+    };
+    Ok(NameMsg {
+        name,
+        ring,
+        pid: u32::from_le_bytes(msg[NAME_MSG - 24..NAME_MSG - 20].try_into().unwrap()),
+        probe: u64::from_le_bytes(msg[NAME_MSG - 16..NAME_MSG - 8].try_into().unwrap()),
+    })
+}
+
+/// Checks of a handle and a setup message (its tag checked) without I/O, for the fuzz
+/// targets: decode them as the connector and the listener do.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(handle: &[u8], msg: &[u8]) {
+    if let Ok(h) = NetHandle::from_bytes(handle) {
+        let host: [u8; 16] = h.as_bytes()[16..32].try_into().unwrap();
+        if let Ok((_, seg_len)) = decode_handle(&h, &host) {
+            assert!(
+                seg_len > SEG_HDR,
+                "a segment without a ring: {seg_len} bytes"
+            );
+        }
+    }
+    if let Ok(m) = parse_name_msg(msg) {
+        assert!(valid_segment_name(m.name.as_bytes()), "{m:?}");
+        assert!(m.ring.is_power_of_two(), "{m:?}");
+    }
+}
+
 impl Net for ShmNet {
     fn name(&self) -> &'static str {
         "shm"
@@ -293,18 +384,8 @@ impl Net for ShmNet {
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
         let b = handle.as_bytes();
-        if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
-            return Err(Error::arg(
-                "not a roccl shared-memory handle: was it produced by another network?",
-            ));
-        }
-        if b[16..32] != self.host {
-            return Err(Error::InvalidUsage(
-                "the shared-memory network connects ranks of one host only, and this peer runs on another (boot ids differ): use ROCCL_NET=tcp, rocev2 or verbs across hosts".into(),
-            ));
-        }
-        let port = u16::from_le_bytes([b[4], b[5]]);
-        let ring = u64::from_le_bytes(b[8..16].try_into().unwrap()) as usize;
+        let (port, seg_len) = decode_handle(handle, &self.host)?;
+        let ring = seg_len - SEG_HDR;
         let mut side = Side::dial(
             SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port),
             "shared-memory setup: ",
@@ -318,7 +399,7 @@ impl Net for ShmNet {
             u64::from_le_bytes(crate::bootstrap::auth::random()?)
         );
         let cname = CString::new(name.clone()).expect("no NUL in the name");
-        let seg = Segment::create(&cname, SEG_HDR + ring)?;
+        let seg = Segment::create(&cname, seg_len)?;
         let mut msg = [0u8; NAME_MSG];
         msg[0] = name.len() as u8;
         msg[1..1 + name.len()].copy_from_slice(name.as_bytes());
@@ -475,22 +556,17 @@ impl ListenComm for ShmListen {
                 refuse("a replayed setup message");
                 continue;
             }
-            let n = usize::from(side.inb[0]).min(NAME_MSG - 25);
-            let raw = &side.inb[1..1 + n];
-            let name = match CString::new(raw) {
-                Ok(c) if valid_segment_name(raw) => c,
-                _ => {
-                    refuse("a segment name roccl does not make");
+            let NameMsg {
+                name,
+                ring,
+                pid,
+                probe,
+            } = match parse_name_msg(msg) {
+                Ok(m) => m,
+                Err(why) => {
+                    refuse(&why);
                     continue;
                 }
-            };
-            let ring = u64::from_le_bytes(side.inb[NAME_MSG - 8..NAME_MSG].try_into().unwrap());
-            let Some(ring) = usize::try_from(ring)
-                .ok()
-                .filter(|r| r.is_power_of_two() && (1 << 16..=1 << 30).contains(r))
-            else {
-                refuse(&format!("a ring size of {ring} bytes"));
-                continue;
             };
             let seg = match Segment::open(&name, SEG_HDR + ring) {
                 Ok(s) => s,
@@ -501,10 +577,6 @@ impl ListenComm for ShmListen {
             };
             // Can we read the sender's memory? (Not across PID namespaces, or under a ptrace
             // policy like Yama's scope 1+ between sibling processes.)
-            let pid =
-                u32::from_le_bytes(side.inb[NAME_MSG - 24..NAME_MSG - 20].try_into().unwrap());
-            let probe =
-                u64::from_le_bytes(side.inb[NAME_MSG - 16..NAME_MSG - 8].try_into().unwrap());
             let mut word = 0u64;
             let cma = self.cma != usize::MAX
                 && cma_read(pid as i32, probe, bytemuck::bytes_of_mut(&mut word)).is_ok()
@@ -941,6 +1013,32 @@ mod tests {
     /// (before the size check: SIGBUS at the first touch), a name roccl does not make, or
     /// garbage, is dropped: no fault, no error of the listener, which then connects a real
     /// peer. Without the key, a well-formed message is dropped as well.
+    /// Found by the fuzz target `net_setup` (corpus entry `crash-shm-handle-ring-0`): a
+    /// handle whose ring size is 0 (or so large that the segment's size overflows) made the
+    /// connector create a segment without a ring.
+    #[test]
+    fn a_handle_with_a_bad_ring_size_is_refused() {
+        let net = ShmNet::new().unwrap();
+        let (h, _l) = net.listen(0).unwrap();
+        assert!(decode_handle(&h, &net.host).is_ok());
+        for ring in [
+            0u64,
+            1,
+            4096,
+            (1 << 20) + 1,
+            1 << 31,
+            u64::MAX,
+            u64::MAX - 100,
+        ] {
+            let mut b = *h.as_bytes();
+            b[8..16].copy_from_slice(&ring.to_le_bytes());
+            let bad = NetHandle::from_bytes(&b).unwrap();
+            let e = decode_handle(&bad, &net.host).unwrap_err();
+            assert!(e.to_string().contains("ring of"), "{ring}: {e}");
+            assert!(net.connect(0, &bad).is_err(), "{ring}");
+        }
+    }
+
     #[test]
     fn bad_setup_messages_are_dropped_and_the_listener_goes_on() {
         use std::time::{Duration, Instant};

@@ -193,6 +193,35 @@ fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
     Ok((SocketAddr::new(ip, port), nsocks, split.max(4096)))
 }
 
+/// Checks of a handle and a hello (its tag checked) without I/O, for the fuzz targets:
+/// decode them as the connector and the listener do, and a decoded handle encodes back.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(handle: &[u8], hello: &[u8]) {
+    if let Ok(h) = NetHandle::from_bytes(handle) {
+        if let Ok((sa, nsocks, split)) = decode_handle(&h) {
+            let b = h.as_bytes();
+            let token: [u8; super::TOKEN_BYTES] = b
+                [HANDLE_TOKEN..HANDLE_TOKEN + super::TOKEN_BYTES]
+                .try_into()
+                .unwrap();
+            let again = encode_handle(sa, nsocks, split, b[HANDLE_DUPLEX] != 0, &token)
+                .expect("a handle's size");
+            assert_eq!(
+                decode_handle(&again).ok(),
+                Some((sa, nsocks, split)),
+                "handle round trip"
+            );
+        }
+    }
+    if let Ok(h) = <[u8; HELLO]>::try_from(hello) {
+        if let Some(s) = setup::hello_shape(&h) {
+            assert!(s.idx < s.n, "{s:?}");
+            let per_way = if s.duplex { (s.n - 1) / 2 } else { s.n };
+            assert!((1..=MAX_SOCKS).contains(&per_way), "{s:?}");
+        }
+    }
+}
+
 /// `SO_SNDBUF` for a peer on the same host (the kernel doubles it: 512 KiB of socket
 /// buffer). With autotuning the buffer grows to 4 MiB and the sender copies into skb pages
 /// that have left the caches: 2 ranks, 16 MiB all-reduce over loopback 5.4-5.6 ms with this

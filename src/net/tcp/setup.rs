@@ -190,6 +190,46 @@ impl Connecting for TcpConnecting {
     }
 }
 
+/// What an authenticated hello says: the connection it belongs to, which of its sockets
+/// this one is, how many there are, and whether the connection is duplex.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Hello {
+    /// The connection id (one per connect).
+    pub id: u64,
+    /// This socket's place in the connection, below `n`.
+    pub idx: usize,
+    /// The connection's sockets, both ways together.
+    pub n: usize,
+    /// Whether the connection is duplex (a shared socket, then each way's own).
+    pub duplex: bool,
+    /// Whether the connection is encrypted ([`super::records`]).
+    pub sealed: bool,
+}
+
+/// The fields of a hello whose magic and tag have been checked, or `None` when its shape
+/// is not one a roccl connector makes (no sockets, too many, an index outside them, or a
+/// duplex connection without a shared socket and two equal ways).
+pub(crate) fn hello_shape(h: &[u8; HELLO]) -> Option<Hello> {
+    let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
+    let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
+    let count = u16::from_le_bytes([h[14], h[15]]);
+    let duplex = count & HELLO_DUPLEX != 0;
+    let sealed = count & HELLO_SEALED != 0;
+    let n = (count & !(HELLO_DUPLEX | HELLO_SEALED)) as usize;
+    let per_way = if duplex { n.saturating_sub(1) / 2 } else { n };
+    let shape_ok = !duplex || n % 2 == 1;
+    if per_way == 0 || per_way > MAX_SOCKS || idx >= n || !shape_ok {
+        return None;
+    }
+    Some(Hello {
+        id,
+        idx,
+        n,
+        duplex,
+        sealed,
+    })
+}
+
 pub(super) struct Incoming {
     sock: Socket,
     from: Option<std::net::IpAddr>,
@@ -301,11 +341,17 @@ impl ListenComm for TcpListen {
                 auth::refuse("tcp setup listener", inc.from, "a replayed hello");
                 continue;
             }
-            let id = u64::from_le_bytes(h[4..12].try_into().unwrap());
-            let idx = u16::from_le_bytes([h[12], h[13]]) as usize;
-            let count = u16::from_le_bytes([h[14], h[15]]);
-            let duplex = count & HELLO_DUPLEX != 0;
-            if (count & HELLO_SEALED != 0) != self.sealed {
+            let Some(Hello {
+                id,
+                idx,
+                n,
+                duplex,
+                sealed,
+            }) = hello_shape(h)
+            else {
+                continue;
+            };
+            if sealed != self.sealed {
                 auth::refuse(
                     "tcp setup listener",
                     inc.from,
@@ -316,13 +362,7 @@ impl ListenComm for TcpListen {
                     },
                 );
                 continue;
-            }
-            let n = (count & !(HELLO_DUPLEX | HELLO_SEALED)) as usize;
-            let per_way = if duplex { n.saturating_sub(1) / 2 } else { n };
-            let shape_ok = !duplex || n % 2 == 1;
-            if per_way == 0 || per_way > MAX_SOCKS || idx >= n || !shape_ok {
-                continue;
-            }
+            };
             let g = self
                 .groups
                 .entry(id)
