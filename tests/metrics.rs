@@ -183,7 +183,14 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
         } else {
             let watcher = std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(900));
-                let s = get(roccl::metrics::http::address().unwrap(), "/status");
+                let addr = roccl::metrics::http::address().unwrap();
+                let s = get(addr, "/status");
+                // What roccl-info --status prints from it.
+                let report = roccl::tool::status::report(&[addr.to_string()]);
+                assert!(
+                    report.contains("rank 1 is waited on by rank(s) [0]"),
+                    "{report}"
+                );
                 let v: serde_json::Value = serde_json::from_str(&s).unwrap();
                 v["communicators"]
                     .as_array()
@@ -206,6 +213,10 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
             c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
         }
     });
+
+    // An endpoint that does not answer is named, not an error of the report.
+    let r = roccl::tool::status::report(&["127.0.0.1:1".to_string()]);
+    assert!(r.contains("127.0.0.1:1: no answer"), "{r}");
 
     // 4. RoCE v2: no retransmission on a clean link, some under injected loss.
     // (retransmissions, out-of-sequence packets) of a job.

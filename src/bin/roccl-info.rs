@@ -263,6 +263,12 @@ fn main() -> ExitCode {
         .as_slice()
     {
         [] => {}
+        ["--status", addrs @ ..] if !addrs.is_empty() => {
+            let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            let r = roccl::tool::status::report(&addrs);
+            roccl::tool::print_line(format_args!("{}", r.trim_end()));
+            return ExitCode::SUCCESS;
+        }
         ["--listen", a] | ["--peer", a] => {
             return match link_test(args[0] == "--listen", a) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -273,7 +279,7 @@ fn main() -> ExitCode {
             };
         }
         _ => {
-            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)");
+            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)\n       roccl-info --status ADDR...    which rank the others wait for, from the ranks' ROCCL_METRICS_ADDR endpoints");
             return ExitCode::from(2);
         }
     }

@@ -1,8 +1,9 @@
 //! Helpers of roccl's command-line tools (`roccl-perf`, `roccl-info`): output that ends the
 //! tool quietly when its standard output is closed (`roccl-perf | head`), and the launcher of
-//! `roccl-perf --ranks N` (`launch`).
+//! `roccl-perf --ranks N` (`launch`), and `roccl-info --status` (`status`).
 
 pub mod launch;
+pub mod status;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};
