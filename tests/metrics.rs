@@ -206,7 +206,7 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
             let f = &me["in_flight"];
             assert_eq!(f["collective"], "all_reduce", "{me}");
             assert_eq!(f["waiting_on"], serde_json::json!([1]), "{me}");
-            assert!(f["running_s"].as_f64().unwrap() > 0.5, "{me}");
+            assert!(f["waiting_s"].as_f64().unwrap() > 0.5, "{me}");
         }
         if c.rank() == 1 {
             let mut v = vec![1f32; 100];

@@ -300,8 +300,8 @@ impl State {
     /// Tell the counters which algorithm the call in flight runs.
     fn note_algo(&self, algo: Algo) {
         if let Some(m) = &self.links.metrics {
-            let i = Algo::ALL.iter().position(|a| *a == algo).unwrap_or(0);
-            m.call_algo(i + 1);
+            // `Algo::ALL` lists the variants in declaration order (`Algo::NAMES` too).
+            m.call_algo(algo as usize + 1);
         }
     }
 

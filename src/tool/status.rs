@@ -98,7 +98,7 @@ pub fn report(addrs: &[String]) -> String {
             }
             let _ = writeln!(
                 out,
-                "  rank {rank} ({from}, pid {}): {} of {} bytes{} for {:.1} s{}",
+                "  rank {rank} ({from}, pid {}): {} of {} bytes{}, waiting {:.1} s{}",
                 c["pid"],
                 f["collective"].as_str().unwrap_or("?"),
                 f["bytes"],
@@ -106,7 +106,7 @@ pub fn report(addrs: &[String]) -> String {
                     .as_str()
                     .map(|a| format!(" ({a})"))
                     .unwrap_or_default(),
-                f["running_s"].as_f64().unwrap_or(0.0),
+                f["waiting_s"].as_f64().unwrap_or(0.0),
                 if peers.is_empty() {
                     String::new()
                 } else {
