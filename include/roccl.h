@@ -4,16 +4,27 @@
  * NCCL's API with the prefix nccl -> roccl: same argument order, types and numeric values,
  * with cudaStream_t -> rocclStream_t. Link with -lroccl (pkg-config --cflags --libs roccl).
  *
- * Memory and streams: buffers are host memory. With a NULL stream a call outside a group
- * returns when its operation is complete. With a non-NULL stream the call returns at once;
+ * Memory and streams: buffers are host memory, or device memory of the GPU runtime. The
+ * NULL stream has NCCL's meaning. Without a GPU runtime (none built or openable, or
+ * ROCCL_DEVICE=none) buffers are host memory and a call outside a group returns when its
+ * operation is complete. With a runtime (ROCCL_DEVICE=hip, cuda or sim, or unset and one
+ * opens), NULL is the runtime's legacy default stream: when any buffer is device memory the
+ * CPU cannot access (the runtime says so; roccl does not take it on trust), the call is
+ * ordered on that stream as below and the CPU never touches the buffer; when all buffers are
+ * host-accessible, the call waits for the work queued on the default stream, runs, and
+ * returns when complete. A program that wants the per-thread default stream passes its
+ * handle (cudaStreamPerThread) like any stream. With a non-NULL stream the call returns at once;
  * the operation starts after all work enqueued earlier on that stream and work enqueued later
  * waits for it (buffers must stay valid until then); a failure is reported by
  * rocclCommGetAsyncError. Streams need a GPU runtime: ROCCL_DEVICE=sim selects roccl's
  * simulated device (any non-NULL handle is a stream; for testing stream-ordered code without
  * a GPU); roccl built with --features hip or cuda orders calls on that runtime's streams
  * (written and built, not yet run on a real GPU: docs/GPU.md). Without one, a non-NULL stream
- * is rejected with rocclInvalidArgument. A stream being captured into a graph is refused with
- * rocclInvalidUsage. Calls between rocclGroupStart and
+ * is rejected with rocclInvalidArgument. A call on a stream being captured into a graph
+ * (CUDA stream capture, HIP graphs) records work that runs the collective at every replay of
+ * the graph, with the buffers' contents at that replay (keep them valid while the graph
+ * lives); a group spanning several streams cannot be captured (rocclInvalidUsage). Calls
+ * between rocclGroupStart and
  * rocclGroupEnd are queued and run together by the outermost rocclGroupEnd, which returns
  * when all are complete: send/receive exchanges in any pattern, and several communicators
  * driven from one thread, cannot deadlock. Within a group, each communicator runs its
@@ -63,7 +74,8 @@ extern "C" {
 /* Opaque communicator handle. */
 typedef struct rocclComm* rocclComm_t;
 
-/* Stream handle (cudaStream_t / hipStream_t); NULL: blocking call on host memory. */
+/* Stream handle (cudaStream_t / hipStream_t); NULL: the runtime's default stream, or a
+ * blocking call on host memory without a runtime (see the top of this file). */
 typedef void* rocclStream_t;
 
 /* Identifies a communicator being created; made by rocclGetUniqueId on one rank and passed

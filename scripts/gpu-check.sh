@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: build roccl with the GPU runtime, run stream-ordered collectives
 # on device buffers through the C ABI (ranks as threads sharing the GPU), then roccl-perf on
-# device buffers (ranks as processes sharing the GPU); every result checked, short tables.
+# device buffers (ranks as processes sharing the GPU); every result checked, short tables;
+# then graph capture (an all-reduce and a broadcast captured in global mode, replayed with
+# new inputs) and NCCL's NULL stream on device memory (examples/gpu_capture.rs).
 # Not part of CI, which runs the same programs on the simulated device.
 #   scripts/gpu-check.sh [cuda|hip|sim] [RANKS] [MAX_BYTES]
 # Default runtime: cuda when an NVIDIA driver is present, hip when /dev/kfd exists.
@@ -22,9 +24,10 @@ case "$rt" in
   sim) export ROCCL_SIM_DELAY_US=${ROCCL_SIM_DELAY_US:-0} ;;
   *) echo "gpu-check: unknown runtime '$rt' (cuda, hip or sim)" >&2; exit 2 ;;
 esac
-cargo build --release --quiet -p roccl-capi-core --example gpu_check "${features[@]}"
+cargo build --release --quiet -p roccl-capi-core --example gpu_check --example gpu_capture "${features[@]}"
 cargo build --release --quiet -p roccl --bin roccl-perf "${features[@]}"
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(uname -n), runtime $rt"
 ROCCL_DEVICE=$rt target/release/examples/gpu_check "$ranks" "$max"
+ROCCL_DEVICE=$rt target/release/examples/gpu_capture "$ranks" "$((max / 4))"
 target/release/roccl-perf --op all_reduce,all_gather,broadcast,reduce_scatter --ranks "$ranks" \
   --device "$rt" -b 1K -e "$max" -f 16 --iters 20 --warmup 5

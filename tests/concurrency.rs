@@ -32,7 +32,7 @@ fn watchdog(limit: Duration, what: &str, f: impl FnOnce() + Send + 'static) {
 
 /// The one call every thread makes: an 8-byte sum of ones.
 fn all_reduce_part(n: usize, done: Arc<AtomicUsize>) -> Part {
-    Box::new(move |turn| {
+    Arc::new(move |turn| {
         let mut x = 1i64.to_le_bytes();
         turn.run_raw(
             Collective::AllReduce(RedOp::Sum),
@@ -219,9 +219,10 @@ fn a_stream_that_never_arrives_times_out() {
             let c = Arc::new(c);
             let stream = dev.create_stream();
             let (release, blocked) = mpsc::channel::<()>();
+            let blocked = parking_lot::Mutex::new(blocked);
             // Work before the call that does not end (until the test releases it).
             dev.launch(stream, move || {
-                let _ = blocked.recv_timeout(Duration::from_secs(30));
+                let _ = blocked.lock().recv_timeout(Duration::from_secs(30));
             })
             .unwrap();
             let as_dev: Arc<dyn Device> = dev.clone();

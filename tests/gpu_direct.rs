@@ -53,7 +53,7 @@ fn produce(
     sim: &SimDevice,
     stream: StreamId,
     b: &Arc<SimBuffer>,
-    v: impl Fn(usize) -> f64 + Send + 'static,
+    v: impl Fn(usize) -> f64 + Send + Sync + 'static,
 ) {
     let b = Arc::clone(b);
     sim.launch(stream, move || {

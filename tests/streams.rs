@@ -91,7 +91,7 @@ fn case(k: Kind, dt: DataType, op: RedOp, count: usize, n: usize, me: usize, roo
 
 /// The work of one collective on device buffers.
 fn part(coll: Collective, dt: DataType, send: Arc<SimBuffer>, recv: Arc<SimBuffer>) -> Part {
-    Box::new(move |turn| {
+    Arc::new(move |turn| {
         send.with(|s| {
             recv.with(|r| {
                 turn.run_raw(coll, dt, Some(s), r, &CallOpts::default())
@@ -103,7 +103,7 @@ fn part(coll: Collective, dt: DataType, send: Arc<SimBuffer>, recv: Arc<SimBuffe
 
 /// The work of one in-place collective on a device buffer.
 fn part_in_place(coll: Collective, dt: DataType, buf: Arc<SimBuffer>) -> Part {
-    Box::new(move |turn| {
+    Arc::new(move |turn| {
         buf.with(|x| {
             turn.run_raw(coll, dt, None, x, &CallOpts::default())
                 .map(|_| ())
@@ -224,7 +224,7 @@ fn back_to_back(host_fn_only: bool) {
                 })
                 .unwrap();
                 let b = Arc::clone(&buf);
-                let p: Part = Box::new(move |turn| {
+                let p: Part = Arc::new(move |turn| {
                     b.with(|x| {
                         turn.run_raw(
                             Collective::AllReduce(RedOp::Sum),
@@ -287,7 +287,7 @@ fn group_two_streams(host_fn_only: bool) {
         })
         .unwrap();
         let inplace = |buf: Arc<SimBuffer>| -> Part {
-            Box::new(move |turn| {
+            Arc::new(move |turn| {
                 buf.with(|x| {
                     turn.run_raw(
                         Collective::AllReduce(RedOp::Sum),
@@ -334,41 +334,93 @@ fn group_two_streams(host_fn_only: bool) {
     });
 }
 
-/// A stream being captured into a graph is refused with an error that names the workaround;
-/// a collective that fails on its stream still releases the stream and reports the error
-/// through the communicator.
+/// A call captured on a device whose streams cannot wait on flags (the host node blocks
+/// until the collective is done) replays correctly: 2 ranks capture producer, in-place
+/// all-reduce and consumer into a graph, replay it 20 times with a new round number each
+/// time, and see every round's sum; a group spanning a captured and another stream is
+/// refused by name. Then a collective that fails on its stream still releases the stream
+/// and reports the error through the communicator.
 #[test]
-fn capture_is_refused_and_failures_release_the_stream() {
-    let dev = SimDevice::new(DELAY);
+fn captured_calls_replay_and_failures_release_the_stream() {
+    // No delay: the consumer runs as soon as the host node returns, so a node that returned
+    // before the collective was done would show stale sums.
+    let dev = SimDevice::new(Duration::ZERO);
+    dev.set_host_fn_only(true);
     let as_dev: Arc<dyn Device> = dev.clone();
-    run_ranks(1, config(Tuning::default()), |c| {
-        let c = Arc::new(c);
-        let s = dev.create_stream();
-        let buf = dev.alloc(16);
-        dev.set_capturing(s, true).unwrap();
-        let e = enqueue(
-            &as_dev,
-            &[s],
-            vec![(
-                Arc::clone(&c),
-                part_in_place(
+    let plain = SimDevice::new(DELAY);
+    let as_plain: Arc<dyn Device> = plain.clone();
+    let sum = |buf: Arc<SimBuffer>| -> Part {
+        Arc::new(move |turn| {
+            buf.with(|x| {
+                turn.run_raw(
                     Collective::AllReduce(RedOp::Sum),
                     DataType::F32,
-                    Arc::clone(&buf),
-                ),
-            )],
+                    None,
+                    x,
+                    &CallOpts::default(),
+                )
+                .map(|_| ())
+            })
+        })
+    };
+    run_ranks(2, config(Tuning::default()), |c| {
+        let c = Arc::new(c);
+        let me = c.rank();
+        let s = dev.create_stream();
+        let other = dev.create_stream();
+        let buf = dev.alloc(64);
+        let round = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        dev.begin_capture(s).unwrap();
+        let (b, r) = (Arc::clone(&buf), Arc::clone(&round));
+        dev.launch(s, move || {
+            let v = (me as f32 + r.load(std::sync::atomic::Ordering::Relaxed) as f32).to_le_bytes();
+            b.with(|x| x.chunks_mut(4).for_each(|e| e.copy_from_slice(&v)));
+        })
+        .unwrap();
+        enqueue(
+            &as_dev,
+            &[s],
+            vec![(Arc::clone(&c), sum(Arc::clone(&buf)))],
+            timeout(),
+        )
+        .unwrap();
+        let (b, out) = (Arc::clone(&buf), Arc::clone(&seen));
+        dev.launch(s, move || {
+            out.lock()
+                .push(b.with(|x| f32::from_le_bytes(x[60..64].try_into().unwrap())));
+            b.with(|x| x.fill(0xee));
+        })
+        .unwrap();
+        let e = enqueue(
+            &as_dev,
+            &[s, other],
+            vec![
+                (Arc::clone(&c), sum(Arc::clone(&buf))),
+                (Arc::clone(&c), sum(Arc::clone(&buf))),
+            ],
             timeout(),
         )
         .unwrap_err();
         assert!(
-            matches!(e, Error::InvalidUsage(_)) && e.to_string().contains("eager"),
+            matches!(e, Error::InvalidUsage(_)) && e.to_string().contains("captured stream"),
             "{e}"
         );
-        dev.set_capturing(s, false).unwrap();
-        // 15 bytes is not a whole number of f32: the collective fails on the worker.
+        let graph = dev.end_capture(s).unwrap();
+        for k in 0..20u32 {
+            dev.synchronize(s).unwrap();
+            round.store(k, std::sync::atomic::Ordering::Relaxed);
+            dev.graph_launch(&graph, s).unwrap();
+        }
+        dev.synchronize(s).unwrap();
+        let want: Vec<f32> = (0..20u32).map(|k| (1 + 2 * k) as f32).collect();
+        assert_eq!(*seen.lock(), want, "rank {me}: one sum per replay");
+        // 15 bytes is not a whole number of f32: the collective fails on the worker (on a
+        // device with stream waits, where the call returns before it runs).
+        let (dev, s) = (&plain, plain.create_stream());
         let odd = dev.alloc(15);
         enqueue(
-            &as_dev,
+            &as_plain,
             &[s],
             vec![(
                 Arc::clone(&c),

@@ -90,6 +90,10 @@ struct Api {
         unsafe extern "C" fn(*mut c_void),
         *mut c_void,
     ) -> CuResult,
+    /// `cuThreadExchangeStreamCaptureMode` (CUDA 10.1 and later).
+    exchange_capture_mode: Option<unsafe extern "C" fn(*mut c_int) -> CuResult>,
+    /// `cuDriverGetVersion`.
+    driver_get_version: unsafe extern "C" fn(*mut c_int) -> CuResult,
     /// `cuMemGetHandleForAddressRange` (CUDA 11.7 and later).
     get_handle_for_address_range:
         Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> CuResult>,
@@ -146,6 +150,10 @@ fn load() -> Result<&'static Api> {
                 mem_free: as_fn(sym(c"cuMemFree_v2")?),
                 device_get_attribute: as_fn(sym(c"cuDeviceGetAttribute")?),
                 launch_host_func: as_fn(sym(c"cuLaunchHostFunc")?),
+                driver_get_version: as_fn(sym(c"cuDriverGetVersion")?),
+                exchange_capture_mode: sym(c"cuThreadExchangeStreamCaptureMode")
+                    .ok()
+                    .map(|p| as_fn(p)),
                 get_handle_for_address_range: sym(c"cuMemGetHandleForAddressRange")
                     .ok()
                     .map(|p| as_fn(p)),
@@ -176,12 +184,46 @@ fn check(api: &Api, call: &str, r: CuResult) -> Result<()> {
     ))
 }
 
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
+
+/// The calling thread in relaxed capture mode while it lives (as NCCL does around its
+/// allocations): a call made while the application captures a stream in global mode (the
+/// default of PyTorch's graphs) may then allocate pinned memory, which the other modes
+/// forbid.
+struct Relaxed {
+    api: &'static Api,
+    prev: Option<c_int>,
+}
+
+impl Relaxed {
+    fn new(api: &'static Api) -> Relaxed {
+        let prev = api.exchange_capture_mode.and_then(|f| {
+            let mut mode = CAPTURE_MODE_RELAXED;
+            // SAFETY: valid storage for one mode; the driver swaps it with the thread's.
+            (unsafe { f(&mut mode) } == CUDA_SUCCESS).then_some(mode)
+        });
+        Relaxed { api, prev }
+    }
+}
+
+impl Drop for Relaxed {
+    fn drop(&mut self) {
+        if let (Some(f), Some(mut mode)) = (self.api.exchange_capture_mode, self.prev) {
+            // SAFETY: as in `new`: the thread's previous mode goes back.
+            unsafe { f(&mut mode) };
+        }
+    }
+}
+
 /// The CUDA driver, on device 0's primary context.
 pub struct CudaDevice {
     api: &'static Api,
     ctx: usize,
     /// 64-bit stream memory operations work (else: host functions).
     can_wait: bool,
+    /// The driver's version (`cuDriverGetVersion`: 1000 * major + 10 * minor).
+    version: c_int,
     copy_stream: std::sync::OnceLock<StreamId>,
 }
 
@@ -219,10 +261,16 @@ impl CudaDevice {
         check(api, "cuDeviceGetAttribute", unsafe {
             (api.device_get_attribute)(&mut can_wait, ATTR_64_BIT_STREAM_MEM_OPS, dev)
         })?;
+        let mut version = 0;
+        // SAFETY: valid storage for one int.
+        check(api, "cuDriverGetVersion", unsafe {
+            (api.driver_get_version)(&mut version)
+        })?;
         let d = CudaDevice {
             api,
             ctx: ctx as usize,
             can_wait: can_wait != 0,
+            version,
             copy_stream: std::sync::OnceLock::new(),
         };
         d.bind_thread()?;
@@ -349,6 +397,30 @@ impl Device for CudaDevice {
         check(self.api, "cuLaunchHostFunc", r)
     }
 
+    fn host_fn_repeat(&self, stream: StreamId, f: Arc<dyn Fn() + Send + Sync>) -> Result<()> {
+        let data = super::host_fn_repeat_data(f);
+        // SAFETY: the trampoline borrows `data` (made just above, never freed once launched)
+        // at every replay of the graph; `stream` is the application's, being captured.
+        let r = unsafe {
+            (self.api.launch_host_func)(
+                stream as *mut c_void,
+                super::host_fn_repeat_trampoline,
+                data,
+            )
+        };
+        if r != CUDA_SUCCESS {
+            // SAFETY: the launch failed, so the driver will not call the trampoline.
+            unsafe { super::host_fn_repeat_drop(data) };
+        }
+        check(self.api, "cuLaunchHostFunc (captured)", r)
+    }
+
+    fn capture_waits(&self) -> bool {
+        // Stream memory operations are recorded into graphs (batch memory-op nodes) by
+        // CUDA 12 drivers; older ones block in the host node instead.
+        self.can_wait && self.version >= 12000
+    }
+
     fn dmabuf_export(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
         use std::os::fd::FromRawFd;
         let Some(f) = self.api.get_handle_for_address_range else {
@@ -384,6 +456,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let _relaxed = Relaxed::new(self.api);
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the returned pointer.
         check(self.api, "cuMemHostAlloc", unsafe {
@@ -398,6 +471,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let _relaxed = Relaxed::new(self.api);
         let mut p = 0u64;
         // SAFETY: valid storage for the device pointer.
         check(self.api, "cuMemAlloc", unsafe {
@@ -458,6 +532,7 @@ impl Device for CudaDevice {
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {
+        let _relaxed = Relaxed::new(self.api);
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the pointer.
         check(self.api, "cuMemHostAlloc", unsafe {

@@ -178,6 +178,65 @@ fn check(call: &str, code: c_int) -> Result<()> {
     }
 }
 
+/// `hipLaunchHostFunc`'s type.
+type Launch =
+    unsafe extern "C" fn(*mut c_void, unsafe extern "C" fn(*mut c_void), *mut c_void) -> c_int;
+
+/// `hipLaunchHostFunc`, looked up at run time: HIP 5.2 (Debian's libamdhip64) does not have
+/// it.
+fn launch_host_func() -> Result<Launch> {
+    static LAUNCH: std::sync::OnceLock<Option<Launch>> = std::sync::OnceLock::new();
+    let launch = LAUNCH.get_or_init(|| {
+        // SAFETY: the symbol has this signature (hip_runtime_api.h).
+        runtime_sym(c"hipLaunchHostFunc")
+            .map(|p| unsafe { std::mem::transmute::<*mut c_void, Launch>(p) })
+    });
+    launch.ok_or_else(|| {
+        Error::InvalidUsage(
+            "this HIP runtime has no hipLaunchHostFunc: stream-ordered collectives need stream waits on this device, and graph capture needs a newer ROCm".into(),
+        )
+    })
+}
+
+/// `hipStreamCaptureModeRelaxed`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
+
+/// `hipThreadExchangeStreamCaptureMode`'s type.
+type ExchangeMode = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The calling thread in relaxed capture mode while it lives (as NCCL and RCCL do around
+/// their allocations): a call made while the application captures a stream in global mode
+/// may then allocate pinned memory. A runtime without the call is left as it is.
+struct Relaxed {
+    prev: Option<(ExchangeMode, c_int)>,
+}
+
+impl Relaxed {
+    fn new() -> Relaxed {
+        static EXCHANGE: std::sync::OnceLock<Option<ExchangeMode>> = std::sync::OnceLock::new();
+        let f = *EXCHANGE.get_or_init(|| {
+            // SAFETY: the symbol has this signature (hip_runtime_api.h; the enum is an int).
+            runtime_sym(c"hipThreadExchangeStreamCaptureMode")
+                .map(|p| unsafe { std::mem::transmute::<*mut c_void, ExchangeMode>(p) })
+        });
+        let prev = f.and_then(|f| {
+            let mut mode = CAPTURE_MODE_RELAXED;
+            // SAFETY: valid storage for one mode; the runtime swaps it with the thread's.
+            (unsafe { f(&mut mode) } == HIP_SUCCESS).then_some((f, mode))
+        });
+        Relaxed { prev }
+    }
+}
+
+impl Drop for Relaxed {
+    fn drop(&mut self) {
+        if let Some((f, mut mode)) = self.prev {
+            // SAFETY: as in `new`: the thread's previous mode goes back.
+            unsafe { f(&mut mode) };
+        }
+    }
+}
+
 /// The HIP runtime.
 pub struct HipDevice {
     version: c_int,
@@ -366,23 +425,7 @@ impl Device for HipDevice {
     }
 
     fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
-        // Looked up at run time: HIP 5.2 (Debian's libamdhip64) does not have it.
-        type Launch = unsafe extern "C" fn(
-            *mut c_void,
-            unsafe extern "C" fn(*mut c_void),
-            *mut c_void,
-        ) -> c_int;
-        static LAUNCH: std::sync::OnceLock<Option<Launch>> = std::sync::OnceLock::new();
-        let launch = LAUNCH.get_or_init(|| {
-            // SAFETY: the symbol has this signature (hip_runtime_api.h).
-            runtime_sym(c"hipLaunchHostFunc")
-                .map(|p| unsafe { std::mem::transmute::<*mut c_void, Launch>(p) })
-        });
-        let Some(launch) = *launch else {
-            return Err(Error::InvalidUsage(
-                "this HIP runtime has neither stream waits on this device nor hipLaunchHostFunc: stream-ordered collectives need a newer ROCm".into(),
-            ));
-        };
+        let launch = launch_host_func()?;
         let data = super::host_fn_data(f);
         // SAFETY: the trampoline takes `data` (made just above) and runs it once; `stream`
         // is the application's.
@@ -392,6 +435,25 @@ impl Device for HipDevice {
             unsafe { super::host_fn_drop(data) };
         }
         check("hipLaunchHostFunc", r)
+    }
+
+    fn host_fn_repeat(&self, stream: StreamId, f: Arc<dyn Fn() + Send + Sync>) -> Result<()> {
+        let launch = launch_host_func()?;
+        let data = super::host_fn_repeat_data(f);
+        // SAFETY: the trampoline borrows `data` (made just above, never freed once launched)
+        // at every replay of the graph; `stream` is the application's, being captured.
+        let r = unsafe {
+            launch(
+                stream as *mut c_void,
+                super::host_fn_repeat_trampoline,
+                data,
+            )
+        };
+        if r != HIP_SUCCESS {
+            // SAFETY: the launch failed, so the runtime will not call the trampoline.
+            unsafe { super::host_fn_repeat_drop(data) };
+        }
+        check("hipLaunchHostFunc (captured)", r)
     }
 
     fn is_capturing(&self, stream: StreamId) -> Result<bool> {
@@ -417,6 +479,7 @@ impl Device for HipDevice {
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let _relaxed = Relaxed::new();
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the returned pointer.
         check("hipHostMalloc", unsafe {
@@ -430,6 +493,7 @@ impl Device for HipDevice {
     }
 
     fn alloc_device(&self, bytes: usize) -> Result<Arc<dyn Alloc>> {
+        let _relaxed = Relaxed::new();
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid storage for the returned pointer.
         check("hipMalloc", unsafe { hipMalloc(&mut ptr, bytes) })?;
@@ -527,6 +591,7 @@ impl Device for HipDevice {
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {
+        let _relaxed = Relaxed::new();
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is valid storage for the returned pointer.
         check("hipExtMallocWithFlags(hipMallocSignalMemory)", unsafe {

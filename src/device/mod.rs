@@ -139,7 +139,10 @@ pub trait Device: Send + Sync {
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()>;
     /// Enqueue on `stream`: hold later work until `flag >= value`.
     fn stream_wait(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()>;
-    /// Whether `stream` is being captured into a graph (`true`: collectives refuse it).
+    /// Whether `stream` is being captured into a graph (stream capture: CUDA's
+    /// `cuStreamIsCapturing`, `hipStreamIsCapturing`; the simulated device's capture mode).
+    /// Stream-ordered calls then record work that is correct on every replay
+    /// (`comm::stream`).
     fn is_capturing(&self, stream: StreamId) -> Result<bool>;
     /// Flags the streams can write and wait on.
     fn flags(&self, n: usize) -> Result<FlagSlab>;
@@ -204,6 +207,25 @@ pub trait Device: Send + Sync {
             self.name()
         )))
     }
+    /// Enqueue on `stream`, which is being captured, a host function that runs at every
+    /// replay of the graph, once the work before it in the graph is done; later work waits
+    /// until it returns (a host node: `cuLaunchHostFunc` / `hipLaunchHostFunc` under
+    /// capture). `f` is kept as long as the graph may run (the simulated device: as long as
+    /// its graph; CUDA and HIP: for the life of the process).
+    fn host_fn_repeat(&self, stream: StreamId, f: Arc<dyn Fn() + Send + Sync>) -> Result<()> {
+        let _ = (stream, f);
+        Err(Error::InvalidUsage(format!(
+            "the {} runtime has no host functions: stream-ordered collectives cannot be captured into a graph there",
+            self.name()
+        )))
+    }
+    /// Whether stream memory operations ([`Device::stream_write`], [`Device::stream_wait`])
+    /// may be recorded into a captured graph. Then a captured collective's host node only
+    /// hands the work over and the stream waits on a flag; otherwise the host node blocks
+    /// until the collective is done.
+    fn capture_waits(&self) -> bool {
+        false
+    }
 }
 
 /// The page-aligned range around `addr..addr + len` that runtimes export as a dmabuf, and
@@ -246,6 +268,36 @@ unsafe extern "C" fn host_fn_trampoline(data: *mut std::ffi::c_void) {
     // SAFETY: the caller's contract.
     let f = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce() + Send>>()) };
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+/// A repeatable host function as the `void *` a runtime hands back to
+/// [`host_fn_repeat_trampoline`] at every replay. Never freed: a graph may be replayed until
+/// the process ends (tying it to the graph's life with user objects is left to do).
+#[cfg(any(feature = "hip", feature = "cuda"))]
+fn host_fn_repeat_data(f: Arc<dyn Fn() + Send + Sync>) -> *mut std::ffi::c_void {
+    Box::into_raw(Box::new(f)).cast()
+}
+
+/// Free a repeatable host function's data whose launch failed.
+///
+/// # Safety
+/// `data` came from [`host_fn_repeat_data`] and no runtime will call it.
+#[cfg(any(feature = "hip", feature = "cuda"))]
+unsafe fn host_fn_repeat_drop(data: *mut std::ffi::c_void) {
+    // SAFETY: the caller's contract: made by `host_fn_repeat_data`, used nowhere else.
+    drop(unsafe { Box::from_raw(data.cast::<Arc<dyn Fn() + Send + Sync>>()) });
+}
+
+/// What the runtime calls for a host node at every replay: runs the function without
+/// consuming it; a panic stops here.
+///
+/// # Safety
+/// `data` came from [`host_fn_repeat_data`] (it is never freed while the graph lives).
+#[cfg(any(feature = "hip", feature = "cuda"))]
+unsafe extern "C" fn host_fn_repeat_trampoline(data: *mut std::ffi::c_void) {
+    // SAFETY: the caller's contract: a live `Arc<dyn Fn>` made by `host_fn_repeat_data`.
+    let f = unsafe { &*data.cast::<Arc<dyn Fn() + Send + Sync>>() };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f()));
 }
 
 /// Enqueue on `stream`: store `value` in `flag` once the work before is done — with a

@@ -3,6 +3,12 @@
 //! after a random delay of up to `max_delay`) and out of step with the caller. A collective
 //! that does not wait for the work before it on its stream, or that lets later work run
 //! before it finished, then reads or leaves wrong data, and the tests see it.
+//!
+//! Streams can be captured into graphs as CUDA's stream capture does: between
+//! [`SimDevice::begin_capture`] and [`SimDevice::end_capture`] the work enqueued on the
+//! stream is recorded instead of run, and [`SimDevice::graph_launch`] replays it, as often as
+//! wanted. What CUDA refuses during capture is refused here too and invalidates the capture
+//! (synchronizing or querying the stream, one-shot host functions).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,11 +41,40 @@ struct Queue {
     closed: bool,
 }
 
+/// Work recorded into a graph: runs at every replay.
+type Node = Arc<dyn Fn() + Send + Sync>;
+
+/// A capture in progress.
+#[derive(Default)]
+struct Capture {
+    nodes: Vec<Node>,
+    /// Why the capture is invalid (an operation that cannot be captured was tried).
+    invalid: Option<String>,
+}
+
 /// One simulated stream.
 struct SimStream {
     q: Mutex<Queue>,
     cv: Condvar,
-    capturing: AtomicBool,
+    capture: Mutex<Option<Capture>>,
+}
+
+/// Work captured from a stream ([`SimDevice::end_capture`]), replayed by
+/// [`SimDevice::graph_launch`].
+pub struct SimGraph {
+    nodes: Vec<Node>,
+}
+
+impl SimGraph {
+    /// Its number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether it records nothing.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
 }
 
 /// Where the bytes of a simulated buffer are.
@@ -245,7 +280,7 @@ impl SimDevice {
                 closed: false,
             }),
             cv: Condvar::new(),
-            capturing: AtomicBool::new(false),
+            capture: Mutex::new(None),
         });
         let worker = Arc::clone(&s);
         let max = self.max_delay;
@@ -292,17 +327,47 @@ impl SimDevice {
         })
     }
 
-    /// Enqueue `f` on `stream` (a kernel, or a copy).
-    pub fn launch(&self, stream: StreamId, f: impl FnOnce() + Send + 'static) -> Result<()> {
+    /// Enqueue `f` on `stream` (a kernel, or a copy); while the stream is captured, record
+    /// it into the graph instead (it then runs at every replay).
+    pub fn launch(&self, stream: StreamId, f: impl Fn() + Send + Sync + 'static) -> Result<()> {
         let s = self.stream(stream)?;
+        if let Some(c) = &mut *s.capture.lock() {
+            c.nodes.push(Arc::new(f));
+            return Ok(());
+        }
         s.q.lock().items.push_back(Box::new(f));
         s.cv.notify_all();
         Ok(())
     }
 
-    /// Block until everything enqueued on `stream` so far has run.
+    /// Enqueue `f` on `stream` to run once: refused while the stream is captured (a graph
+    /// runs its work at every replay).
+    fn launch_once(&self, stream: StreamId, f: Item, what: &str) -> Result<()> {
+        let s = self.stream(stream)?;
+        self.refuse_in_capture(&s, stream, what)?;
+        s.q.lock().items.push_back(f);
+        s.cv.notify_all();
+        Ok(())
+    }
+
+    /// Refuse an operation that cannot be captured, and invalidate the capture (as CUDA's
+    /// `cudaErrorStreamCaptureUnsupported` does).
+    fn refuse_in_capture(&self, s: &SimStream, stream: StreamId, what: &str) -> Result<()> {
+        if let Some(c) = &mut *s.capture.lock() {
+            let msg = format!(
+                "{what} on stream {stream:#x} while it is being captured into a graph: not capturable (the capture is invalidated)"
+            );
+            c.invalid.get_or_insert_with(|| msg.clone());
+            return Err(Error::InvalidUsage(msg));
+        }
+        Ok(())
+    }
+
+    /// Block until everything enqueued on `stream` so far has run; refused while the stream
+    /// is captured.
     pub fn synchronize(&self, stream: StreamId) -> Result<()> {
         let s = self.stream(stream)?;
+        self.refuse_in_capture(&s, stream, "synchronizing")?;
         let mut q = s.q.lock();
         while !q.items.is_empty() || q.running > 0 {
             s.cv.wait(&mut q);
@@ -310,9 +375,51 @@ impl SimDevice {
         Ok(())
     }
 
-    /// Start or stop "capturing" `stream` into a graph (collectives then refuse it).
-    pub fn set_capturing(&self, stream: StreamId, on: bool) -> Result<()> {
-        self.stream(stream)?.capturing.store(on, Ordering::Relaxed);
+    /// Whether everything enqueued on `stream` has run (`cudaStreamQuery`, an event query);
+    /// refused while the stream is captured.
+    pub fn query(&self, stream: StreamId) -> Result<bool> {
+        let s = self.stream(stream)?;
+        self.refuse_in_capture(&s, stream, "querying")?;
+        let q = s.q.lock();
+        Ok(q.items.is_empty() && q.running == 0)
+    }
+
+    /// Start capturing `stream` into a graph (`cudaStreamBeginCapture`): from now on, work
+    /// enqueued on it is recorded, not run.
+    pub fn begin_capture(&self, stream: StreamId) -> Result<()> {
+        let s = self.stream(stream)?;
+        let mut c = s.capture.lock();
+        if c.is_some() {
+            return Err(Error::InvalidUsage(format!(
+                "stream {stream:#x} is already being captured"
+            )));
+        }
+        *c = Some(Capture::default());
+        Ok(())
+    }
+
+    /// End the capture of `stream` (`cudaStreamEndCapture`): the graph of the work recorded,
+    /// or the error that invalidated the capture.
+    pub fn end_capture(&self, stream: StreamId) -> Result<SimGraph> {
+        let s = self.stream(stream)?;
+        let c = s.capture.lock().take().ok_or_else(|| {
+            Error::InvalidUsage(format!("stream {stream:#x} is not being captured"))
+        })?;
+        match c.invalid {
+            Some(why) => Err(Error::InvalidUsage(format!(
+                "the capture of stream {stream:#x} was invalidated: {why}"
+            ))),
+            None => Ok(SimGraph { nodes: c.nodes }),
+        }
+    }
+
+    /// Replay `graph` on `stream` (`cudaGraphLaunch`): its work runs in order after the work
+    /// enqueued before on the stream, and before the work enqueued after.
+    pub fn graph_launch(&self, graph: &SimGraph, stream: StreamId) -> Result<()> {
+        for n in &graph.nodes {
+            let n = Arc::clone(n);
+            self.launch(stream, move || n())?;
+        }
         Ok(())
     }
 
@@ -483,7 +590,15 @@ impl Device for SimDevice {
     }
 
     fn host_fn(&self, stream: StreamId, f: Box<dyn FnOnce() + Send>) -> Result<()> {
-        self.launch(stream, f)
+        self.launch_once(stream, f, "a one-shot host function")
+    }
+
+    fn host_fn_repeat(&self, stream: StreamId, f: Arc<dyn Fn() + Send + Sync>) -> Result<()> {
+        self.launch(stream, move || f())
+    }
+
+    fn capture_waits(&self) -> bool {
+        self.stream_waits()
     }
 
     fn create_stream(&self) -> Result<StreamId> {
@@ -534,7 +649,7 @@ impl Device for SimDevice {
     }
 
     fn is_capturing(&self, stream: StreamId) -> Result<bool> {
-        Ok(self.stream(stream)?.capturing.load(Ordering::Relaxed))
+        Ok(self.stream(stream)?.capture.lock().is_some())
     }
 
     fn flags(&self, n: usize) -> Result<FlagSlab> {

@@ -302,11 +302,75 @@ fn submit(c: Arc<Communicator>, w: Op, stream: StreamId) -> R {
     if queued {
         Ok(())
     } else if stream == 0 {
-        // SAFETY: C keeps the (checked, host) buffers valid until this blocking call returns.
-        Ok(unsafe { ops::run_now(&c, &[w]) }?)
+        null_stream(vec![(c, w)])
     } else {
         on_streams(vec![(c, w)], &[stream])
     }
+}
+
+/// Calls (one, or a group's) given a NULL stream, with NCCL's meaning. With a GPU runtime
+/// present (`ROCCL_DEVICE` unset and a runtime opens, or `hip`, `cuda`, `sim`), NULL is the
+/// runtime's legacy default stream (CUDA's `CU_STREAM_LEGACY` behaviour of handle 0, HIP's
+/// null stream, the simulated device's stream 0): if any buffer is memory the CPU cannot
+/// access, the calls are stream-ordered on that stream (they return at once, like NCCL's)
+/// and the CPU never touches the buffers; if all buffers are host-accessible, the calls
+/// wait for the work queued on the default stream and then run at once, returning when done
+/// (so host memory works as before, in the stream's order). Without a runtime: host memory,
+/// run at once, as always. The buffers are classified by the runtime, not taken on trust.
+fn null_stream(ops: Vec<(Arc<Communicator>, Op)>) -> R {
+    let Ok((dev, sim)) = device() else {
+        return run_blocking(ops);
+    };
+    if let Some(sim) = &sim {
+        sim.adopt_stream(0);
+    }
+    let mut on_device = false;
+    for b in ops.iter().flat_map(|(_, w)| w.bufs()).flatten() {
+        if b.0.len > 0 && !dev.classify(b.0.addr)?.host_accessible {
+            on_device = true;
+        }
+    }
+    if on_device {
+        let streams = vec![0; ops.len()];
+        return on_streams(ops, &streams);
+    }
+    dev.bind_thread()?;
+    dev.synchronize(0)?;
+    run_blocking(ops)
+}
+
+/// Run `ops` now on host memory and return when all are done: per communicator, in the
+/// order of first use; communicators run concurrently so that one thread can drive several
+/// ranks of the same clique.
+fn run_blocking(ops: Vec<(Arc<Communicator>, Op)>) -> R {
+    let mut per: Vec<(Arc<Communicator>, Vec<Op>)> = Vec::new();
+    for (c, w) in ops {
+        match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
+            Some((_, v)) => v.push(w),
+            None => per.push((c, vec![w])),
+        }
+    }
+    // SAFETY: C keeps the (checked, host) buffers valid until this blocking call returns;
+    // overlaps within a group were refused.
+    let run = |c: &Communicator, w: &[Op]| -> R { Ok(unsafe { ops::run_now(c, w) }?) };
+    let results: Vec<R> = if per.len() <= 1 {
+        per.iter().map(|(c, w)| run(c, w)).collect()
+    } else {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = per
+                .iter()
+                .map(|(c, w)| s.spawn(move || run(c, w)))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CErr(INTERNAL_ERROR, "group worker panicked".into()))
+                    })
+                })
+                .collect()
+        })
+    };
+    results.into_iter().collect::<R<Vec<()>>>().map(|_| ())
 }
 
 /// The device layer, and the simulated device when that is it (it adopts streams).
@@ -1042,36 +1106,10 @@ pub extern "C" fn rocclGroupEnd() -> rocclResult_t {
             }
             return on_streams(ops, &streams);
         }
-        // Per communicator, in the order of first use; communicators run concurrently so
-        // that one thread can drive several ranks of the same clique.
-        let mut per: Vec<(Arc<Communicator>, Vec<Op>)> = Vec::new();
-        for (c, w) in ops {
-            match per.iter_mut().find(|(k, _)| Arc::ptr_eq(k, &c)) {
-                Some((_, v)) => v.push(w),
-                None => per.push((c, vec![w])),
-            }
+        if ops.is_empty() {
+            return Ok(());
         }
-        // SAFETY: C keeps the buffers valid until this blocking call returns; overlaps were
-        // refused above.
-        let run = |c: &Communicator, w: &[Op]| -> R { Ok(unsafe { ops::run_now(c, w) }?) };
-        let results: Vec<R> = if per.len() <= 1 {
-            per.iter().map(|(c, w)| run(c, w)).collect()
-        } else {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = per
-                    .iter()
-                    .map(|(c, w)| s.spawn(move || run(c, w)))
-                    .collect();
-                hs.into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(CErr(INTERNAL_ERROR, "group worker panicked".into()))
-                        })
-                    })
-                    .collect()
-            })
-        };
-        results.into_iter().collect::<R<Vec<()>>>().map(|_| ())
+        null_stream(ops)
     })
 }
 

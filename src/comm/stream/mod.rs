@@ -13,6 +13,18 @@
 //!
 //! Big calls run in steps staged through pinned buffers ([`enqueue_steps`], [`staging`]);
 //! [`ops`] holds the operations on raw memory that the C ABI and roccl-perf share.
+//!
+//! A call on a stream that is being captured into a graph (CUDA stream capture, HIP graphs,
+//! the simulated device's capture mode) records work that is right at every replay: the
+//! copies in, a host node (the runtime runs it at each replay once the work before it is
+//! done) that hands the collective to the communicators' workers, and the copies out after
+//! the collective is done. Where the runtime can capture stream memory operations the host
+//! node returns at once and the stream waits on a flag that the node's collective sets
+//! (reset by a captured write at the start of every replay); elsewhere the host node blocks
+//! until the collective is done, which holds the runtime's host-function thread meanwhile (as
+//! NCCL's early designs did): ranks of one process whose host nodes share that thread could
+//! wait on each other, so there one rank per process is the safe layout. The staging
+//! buffers and the node live as long as the graph may run ([`Device::host_fn_repeat`]).
 
 pub mod ops;
 
@@ -164,7 +176,8 @@ impl Slots {
 
 /// The work of one communicator in a stream-ordered operation, run on its worker thread
 /// with the communicator's turn.
-pub type Part = Box<dyn FnOnce(&mut Turn) -> Result<()> + Send>;
+/// It may run more than once: a call captured into a graph runs at every replay.
+pub type Part = Arc<dyn Fn(&mut Turn) -> Result<()> + Send + Sync>;
 
 /// Run `parts` (one per communicator) ordered with `streams`: after all work enqueued
 /// before on every stream, and before all work enqueued after. Returns at once.
@@ -241,12 +254,19 @@ pub fn enqueue_steps(
             "a staging copy on a stream the operation does not use".into(),
         ));
     }
-    for &s in &distinct {
-        if dev.is_capturing(s)? {
+    let capturing = distinct
+        .iter()
+        .map(|&s| dev.is_capturing(s))
+        .collect::<Result<Vec<bool>>>()?;
+    if capturing.iter().any(|&c| c) {
+        if distinct.len() > 1 {
             return Err(Error::InvalidUsage(format!(
-                "stream {s:#x} is being captured into a graph: roccl's stream-ordered collectives cannot be replayed from a graph yet; run this collective outside capture (eager mode; in vLLM --enforce-eager)"
+                "a group on {} streams while stream {:#x} is being captured into a graph: roccl captures calls of one stream only; give every call of the group the captured stream",
+                distinct.len(),
+                distinct[capturing.iter().position(|&c| c).unwrap_or(0)]
             )));
         }
+        return capture(dev, distinct[0], steps, bufs);
     }
     if !dev.stream_waits() {
         return run_synchronously(dev, &distinct, steps, bufs);
@@ -338,6 +358,95 @@ pub fn enqueue_steps(
                 }
             }));
         }
+    }
+    Ok(())
+}
+
+/// A stream-ordered call recorded into a graph: what its host node does at every replay.
+struct Captured {
+    /// The parts of each step, in order.
+    steps: Vec<Vec<(Arc<Communicator>, Part)>>,
+    /// The staging buffers the captured copies use: kept as long as the graph.
+    _bufs: Vec<Arc<dyn Alloc>>,
+    /// Set to 1 when the collective is done (the stream waits on it); `None`: the host node
+    /// blocks instead.
+    done: Option<Flag>,
+}
+
+/// Signals a replay's end when the last of its jobs is gone, run or dropped unrun (a
+/// communicator that went away must not leave the stream waiting forever).
+struct Finish {
+    done: Option<Flag>,
+    tx: std::sync::mpsc::Sender<()>,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if let Some(d) = &self.done {
+            d.word().store(1, Ordering::Release);
+        }
+        let _ = self.tx.send(());
+    }
+}
+
+impl Captured {
+    /// Hand the steps to the communicators' workers (each runs its calls in the order they
+    /// were handed over, so all steps go at once); with no flag, wait until all are done.
+    fn replay(&self) {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let finish = Arc::new(Finish {
+            done: self.done.clone(),
+            tx,
+        });
+        for (comm, part) in self.steps.iter().flatten() {
+            let (part, finish) = (Arc::clone(part), Arc::clone(&finish));
+            comm.enqueue(Box::new(move |turn: &mut Turn| {
+                if let Err(e) = part(turn) {
+                    turn.fail(&e);
+                }
+                drop(finish);
+            }));
+        }
+        drop(finish);
+        if self.done.is_none() {
+            let _ = rx.recv();
+        }
+    }
+}
+
+/// [`enqueue_steps`] on a stream being captured: the copies in of every step, a host node
+/// that runs the steps at every replay, the copies out (module docs). Refuses, with the
+/// runtime's error, what the runtime cannot capture.
+fn capture(
+    dev: &Arc<dyn Device>,
+    stream: StreamId,
+    steps: Vec<Step>,
+    bufs: Vec<Arc<dyn Alloc>>,
+) -> Result<()> {
+    let done = if dev.capture_waits() {
+        Some(dev.flags(1)?.handle(0))
+    } else {
+        None
+    };
+    if let Some(d) = &done {
+        // Every replay starts from 0: the previous one's wait has seen 1.
+        dev.stream_write(stream, d, 0)?;
+    }
+    for c in steps.iter().flat_map(|s| &s.before) {
+        dev.copy_async(stream, c.dst, c.src, c.bytes)?;
+    }
+    let after: Vec<StreamCopy> = steps.iter().flat_map(|s| s.after.clone()).collect();
+    let node = Captured {
+        steps: steps.into_iter().map(|s| s.parts).collect(),
+        _bufs: bufs,
+        done: done.clone(),
+    };
+    dev.host_fn_repeat(stream, Arc::new(move || node.replay()))?;
+    if let Some(d) = &done {
+        dev.stream_wait(stream, d, 1)?;
+    }
+    for c in after {
+        dev.copy_async(stream, c.dst, c.src, c.bytes)?;
     }
     Ok(())
 }

@@ -509,7 +509,8 @@ type OpsOf = Vec<(Op, Direct)>;
 /// Every buffer is valid for its length (written ones writable) until the streams have
 /// passed the operation, and nothing else writes it meanwhile (the stream's order keeps the
 /// application's own kernels out); buffers that are written do not overlap other buffers
-/// of the group ([`check_group`]).
+/// of the group ([`check_group`]). On a stream being captured into a graph, "until the
+/// streams have passed the operation" means for as long as the graph may be replayed.
 pub unsafe fn run_on_streams(
     dev: &Arc<dyn Device>,
     ops: Vec<(Arc<Communicator>, Op, StreamId)>,
@@ -543,12 +544,13 @@ pub unsafe fn run_on_streams(
             .into_iter()
             .map(|(c, ops)| {
                 let dev = Arc::clone(dev);
-                let part: Part = Box::new(move |turn: &mut Turn| {
+                let part: Part = Arc::new(move |turn: &mut Turn| {
                     // SAFETY: the caller's contract: the buffers (or their staging copies,
                     // filled before the step starts and kept until the worker and the streams
                     // are done with them) stay valid until the stream has passed the
-                    // operation, which waits for this part.
-                    unsafe { run(turn, ops, !single, Some(&dev)) }
+                    // operation, which waits for this part (at every replay of a graph
+                    // that captured it: the program keeps them for the graph's life).
+                    unsafe { run(turn, ops.iter().copied(), !single, Some(&dev)) }
                 });
                 (c, part)
             })

@@ -30,10 +30,10 @@ pub fn produce(
     sim: &SimDevice,
     stream: usize,
     b: &Arc<SimBuffer>,
-    v: impl Fn(usize) -> f32 + Send + 'static,
+    v: impl Fn(usize) -> f32 + Send + Sync + 'static,
 ) {
     let b = Arc::clone(b);
-    sim.launch(stream, move || put(&b, v)).unwrap();
+    sim.launch(stream, move || put(&b, &v)).unwrap();
 }
 
 /// Consumer: snapshot `b`, then scribble over `bs`.
