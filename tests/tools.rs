@@ -857,5 +857,10 @@ fn plot_draws_runs_of_two_networks_as_svg() {
         &["no result"],
     );
     refused(&["--plot", svg.to_str().unwrap()], &[], &["--json files"]);
+    refused(
+        &["--plot", "perf.png", &files[0]],
+        &[],
+        &["--plot perf.png", ".svg"],
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

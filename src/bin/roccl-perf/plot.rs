@@ -117,6 +117,11 @@ pub fn plot(out: &str, files: &[String]) -> Result<(), String> {
     if files.is_empty() {
         return Err("--plot OUT.svg needs one or more --json files of runs after it".into());
     }
+    if !out.to_ascii_lowercase().ends_with(".svg") {
+        return Err(format!(
+            "--plot {out}: the chart is SVG: name it .svg (for a PNG: rsvg-convert OUT.svg -o OUT.png)"
+        ));
+    }
     let mut series = Vec::new();
     for f in files {
         let (path, label) = match f.split_once('=') {
