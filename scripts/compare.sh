@@ -58,12 +58,12 @@ mpicc -O2 scripts/compare/mpi_allreduce.c -o "$out/mpi_bench"
 common=(--op "$op" --ranks "$ranks" -b "$min" -e "$max" -f "$factor" --iters "$iters" --warmup "$warmup")
 # MPI_Bcast and Gloo's broadcast work in place: so does roccl's here (out of place, its root
 # also copies its input to its output).
-if [ "$op" = broadcast ]; then common+=(--inplace); fi
+if [ "$op" = broadcast ]; then common+=(--inplace); else common+=(--out-of-place); fi
 roccl() { # label, extra args
   local label=$1
   shift
   target/release/roccl-perf "${common[@]}" "$@" 2>&1 |
-    awk -v l="$label" -v op="$op" '$1 == op {print l, $2, $8, $10}'
+    awk -v l="$label" -v op="$op" '$1 == op {t = $8; b = $10; if (t == "-") {t = $12; b = $14}; print l, $2, t, b}'
 }
 mpi() { # label, btl list
   mpirun --allow-run-as-root --oversubscribe -np "$ranks" --mca pml ob1 --mca btl "$2" \

@@ -130,12 +130,12 @@ def roccl_perf(world, nbytes, net):
         out = Path(d) / "perf.json"
         subprocess.check_call(
             [f"{target}/release/roccl-perf", "--ranks", str(world), "-b", str(nbytes), "-e", str(nbytes),
-             "--iters", "2000" if nbytes < 4096 else "20", "--warmup", "20", "--net", net, "--json", str(out)],
+             "--iters", "2000" if nbytes < 4096 else "20", "--warmup", "20", "--out-of-place", "--net", net, "--json", str(out)],
             stdout=subprocess.DEVNULL,
         )
         # The mean per call, as the torch loop is timed (a loop over n calls, divided by n);
         # roccl-perf's printed figure is the median.
-        return json.loads(out.read_text())[0]["mean_us"]
+        return json.loads(out.read_text())["results"][0]["mean_us"]
 
 
 def fmt_us(us):

@@ -44,11 +44,18 @@ fn perf_spawns_ranks_and_checks_every_op() {
         ],
         &[("ROCCL_SOCKET_IFNAME", "lo")],
     );
-    let rows: Vec<serde_json::Value> =
+    let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    // 7 sized ops × 4 sizes (8, 128, 2K, 32K) + barrier
-    assert_eq!(rows.len(), 7 * 4 + 1, "{rows:?}");
-    for r in &rows {
+    assert_eq!(doc["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(doc["wrong_total"], 0);
+    assert!(doc["avg_busbw_gbs"].as_f64().unwrap() > 0.0, "{doc}");
+    assert_eq!(doc["header"]["iters"], 3);
+    let rows = doc["results"].as_array().unwrap();
+    // 6 sized ops with an in-place form × 4 sizes (8, 128, 2K, 32K) × out of place and in
+    // place, sendrecv × 4 sizes out of place, barrier.
+    assert_eq!(rows.len(), 6 * 4 * 2 + 4 + 1, "{rows:?}");
+    assert_eq!(rows.iter().filter(|r| r["inplace"] == true).count(), 6 * 4);
+    for r in rows {
         for k in [
             "op",
             "bytes",
@@ -60,6 +67,11 @@ fn perf_spawns_ranks_and_checks_every_op() {
             "ranks",
             "time_us",
             "mean_us",
+            "min_us",
+            "p99_us",
+            "max_us",
+            "inplace",
+            "blocking",
             "algbw_gbs",
             "busbw_gbs",
             "wrong",
@@ -68,7 +80,13 @@ fn perf_spawns_ranks_and_checks_every_op() {
         }
         assert_eq!(r["wrong"], 0);
         assert_eq!(r["ranks"], 4);
-        assert!(r["time_us"].as_f64().unwrap() > 0.0);
+        let t = |k: &str| r[k].as_f64().unwrap();
+        assert!(t("time_us") > 0.0);
+        assert!(
+            t("min_us") <= t("time_us") && t("time_us") <= t("p99_us"),
+            "{r}"
+        );
+        assert!(t("p99_us") <= t("max_us"), "{r}");
     }
     let _ = std::fs::remove_file(json);
 }

@@ -45,7 +45,7 @@ fn a_rank_stopped_for_a_second_is_waited_for() {
             "256K",
             "-e",
             "256K",
-            "-i",
+            "-n",
             "4000",
             "-w",
             "5",

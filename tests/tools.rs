@@ -48,7 +48,7 @@ fn perf_into_a_closed_pipe_ends_quietly() {
     for ranks in ["1", "2"] {
         let mut child = Command::new(PERF)
             .args([
-                "--ranks", ranks, "-b", "8", "-e", "1K", "-i", "2", "-w", "1",
+                "--ranks", ranks, "-b", "8", "-e", "1K", "-n", "2", "-w", "1",
             ])
             .stdout(closed_pipe())
             .stderr(Stdio::piped())
@@ -151,7 +151,7 @@ impl Job {
                 "8",
                 "-e",
                 "8",
-                "-i",
+                "-n",
                 "100000000",
                 "-w",
                 "0",
@@ -332,7 +332,7 @@ fn bad_arguments_are_refused_once() {
         &["-b 1M", "-e 1K"],
     );
     refused(&["-b", "1M", "-e", "1K"], &[], &["-b 1M", "-e 1K"]);
-    refused(&["--ranks", "2", "-i", "0"], &[], &["--iters 0"]);
+    refused(&["--ranks", "2", "-n", "0"], &[], &["--iters 0"]);
     refused(&["-e", "100000G"], &[], &["-e 100000G", "available"]);
     refused(
         &["--ranks", "3", "-e", "100000G"],
@@ -425,9 +425,18 @@ fn help_lists_what_the_parsers_accept() {
     for a in &algos[1..] {
         assert!(a.parse::<Algo>().is_ok(), "{a}");
     }
-    let dts: Vec<String> = DataType::ALL.iter().map(|d| d.name().to_string()).collect();
+    let all = || std::iter::once("all".to_string());
+    let dts: Vec<String> = DataType::ALL
+        .iter()
+        .map(|d| d.name().to_string())
+        .chain(all())
+        .collect();
     assert_eq!(help_values(&help, "--dtype"), dts);
-    let ops: Vec<String> = RedOp::ALL.iter().map(|o| o.name().to_string()).collect();
+    let ops: Vec<String> = RedOp::ALL
+        .iter()
+        .map(|o| o.name().to_string())
+        .chain(all())
+        .collect();
     assert_eq!(help_values(&help, "--redop"), ops);
     // Every network, each named once (a new kind fails to compile here until it is listed).
     let nets = help_values(&help, "--net");
@@ -465,7 +474,7 @@ fn help_lists_what_the_parsers_accept() {
 fn table_headers_sit_over_their_columns() {
     let (status, out, err) = perf(
         &[
-            "--ranks", "2", "-b", "8", "-e", "1K", "-f", "128", "-i", "2", "-w", "1",
+            "--ranks", "2", "-b", "8", "-e", "1K", "-f", "128", "-n", "2", "-w", "1",
         ],
         &[],
     );
@@ -502,7 +511,7 @@ fn an_algorithm_that_does_not_apply_is_not_replaced_silently() {
             "1K",
             "-e",
             "1K",
-            "-i",
+            "-n",
             "2",
         ],
         &[],
@@ -544,7 +553,7 @@ fn free_port() -> u16 {
 /// A rank of a job joined from the environment (`ROCCL_RANK` of `nranks`, root at `root`).
 fn env_rank(rank: usize, nranks: usize, root: &str, timeout: &str) -> Child {
     Command::new(PERF)
-        .args(["-e", "1K", "-i", "1", "-w", "0"])
+        .args(["-e", "1K", "-n", "1", "-w", "0"])
         .env("ROCCL_RANK", rank.to_string())
         .env("ROCCL_NRANKS", nranks.to_string())
         .env("ROCCL_ROOT", root)
@@ -628,4 +637,230 @@ fn info_peer_with_nothing_listening_says_so() {
     let e = stderr_of(&mut child);
     assert_eq!(s.code(), Some(2), "{e}");
     assert!(e.contains(&format!("nothing answers at {at}")), "{e}");
+}
+
+/// Run roccl-perf, which must succeed; its standard output.
+fn perf_ok(args: &[&str]) -> String {
+    let (status, out, err) = perf(args, &[]);
+    assert!(status.success(), "{args:?}: {status}\n{out}\n{err}");
+    out
+}
+
+/// The JSON file `--json` wrote.
+fn json_of(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn short_flags_mean_what_they_mean_in_nccl_tests() {
+    let dir = tempdir("flags");
+    let json = dir.join("run.json");
+    let j = json.to_str().unwrap();
+    // -n iterations, -w warm-up, -c 0 no check, -z 0 issued without waiting, -T timeout,
+    // -i step bytes (with -f 1), -o/-d nccl-tests' names.
+    let out = perf_ok(&[
+        "--ranks", "2", "-b", "1K", "-e", "3K", "-f", "1", "-i", "1K", "-n", "7", "-w", "1", "-c",
+        "0", "-z", "0", "-T", "33", "-o", "max", "-d", "float", "-J", j,
+    ]);
+    let doc = json_of(&json);
+    let h = &doc["header"];
+    assert_eq!(
+        (h["iters"].as_u64(), h["warmup"].as_u64()),
+        (Some(7), Some(1)),
+        "{h}"
+    );
+    assert_eq!(
+        (h["check"].as_u64(), h["blocking"].as_bool()),
+        (Some(0), Some(false)),
+        "{h}"
+    );
+    assert_eq!(h["timeout_s"].as_f64(), Some(33.0), "{h}");
+    assert_eq!(h["ranks"], 2);
+    let rows = doc["results"].as_array().unwrap();
+    let sizes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [1024, 1024, 2048, 2048, 3072, 3072], "{doc}");
+    for r in rows {
+        assert!(r["wrong"].is_null(), "{r}");
+        assert_eq!(
+            (r["redop"].as_str(), r["dtype"].as_str()),
+            (Some("max"), Some("f32"))
+        );
+        assert_eq!(r["iters"], 7);
+    }
+    assert!(doc["wrong_total"].is_null());
+    // #wrong says N/A in both placements, and the closing lines are nccl-tests'.
+    let data: Vec<&str> = out.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(data.len(), 3, "{out}");
+    assert!(data.iter().all(|l| l.matches("N/A").count() == 2), "{out}");
+    assert!(out.contains("# Avg bus bandwidth    : "), "{out}");
+    assert!(out.contains("# wrong results: N/A"), "{out}");
+    assert!(out
+        .lines()
+        .next()
+        .unwrap()
+        .contains(&format!("version {}", env!("CARGO_PKG_VERSION"))));
+    // --version; and checked runs say 0 in both placements, blocking or not.
+    let v = Command::new(PERF).arg("--version").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&v.stdout).trim(),
+        format!("roccl-perf {}", env!("CARGO_PKG_VERSION"))
+    );
+    for z in ["0", "1"] {
+        let out = perf_ok(&[
+            "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1", "-z", z,
+            "--stats",
+        ]);
+        assert!(
+            out.contains("# wrong results: 0\n# Out of bounds values : 0 OK"),
+            "{out}"
+        );
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("all_reduce"))
+            .unwrap();
+        // op .. algo, then (time, algbw, busbw, #wrong, min, p99, max) twice.
+        assert_eq!(row.split_whitespace().count(), 7 + 2 * 7, "{row}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn nccl_tests_flags_roccl_cannot_honour_are_refused() {
+    refused(&["-g", "2"], &[], &["-g/--ngpus 2", "--ranks"]);
+    refused(
+        &["--ranks", "2", "-t", "4"],
+        &[],
+        &["-t/--nthreads 4", "--ranks"],
+    );
+    refused(&["-G", "1"], &[], &["-G/--cudagraph"]);
+    refused(&["-T", "0"], &[], &["-T 0"]);
+    refused(&["-i", "0", "-f", "1"], &[], &["-i 0"]);
+    refused(
+        &["--ranks", "2", "--check-iters", "-z", "0"],
+        &[],
+        &["-z 0"],
+    );
+}
+
+fn tempdir(what: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("roccl-perf-{what}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Whether `s` is well-formed XML (elements nested and closed, attributes quoted); the
+/// elements' names and attributes, in order.
+fn xml_elements(s: &str) -> Result<Vec<(String, String)>, String> {
+    let (mut stack, mut found, mut rest) = (Vec::<String>::new(), Vec::new(), s);
+    while let Some(i) = rest.find('<') {
+        rest = &rest[i + 1..];
+        let end = rest.find('>').ok_or("a tag is not closed")?;
+        let tag = &rest[..end];
+        rest = &rest[end + 1..];
+        if tag.starts_with('?') || tag.starts_with('!') {
+            continue;
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            match stack.pop() {
+                Some(open) if open == name.trim() => {}
+                other => return Err(format!("</{name}> closes {other:?}")),
+            }
+            continue;
+        }
+        let (body, empty) = match tag.strip_suffix('/') {
+            Some(b) => (b, true),
+            None => (tag, false),
+        };
+        let (name, attrs) = body.split_once(' ').unwrap_or((body, ""));
+        if attrs.matches('"').count() % 2 != 0 || attrs.contains('<') {
+            return Err(format!("bad attributes in <{tag}>"));
+        }
+        found.push((name.to_string(), attrs.to_string()));
+        if !empty {
+            stack.push(name.to_string());
+        }
+    }
+    match (stack.is_empty(), found.first()) {
+        (true, Some((root, _))) if root == "svg" => Ok(found),
+        _ => Err(format!("unclosed {stack:?} or no <svg> root")),
+    }
+}
+
+#[test]
+fn plot_draws_runs_of_two_networks_as_svg() {
+    let dir = tempdir("plot");
+    let mut files = Vec::new();
+    for net in ["tcp", "shm"] {
+        let f = dir.join(format!("{net}.json"));
+        perf_ok(&[
+            "--ranks",
+            "2",
+            "--net",
+            net,
+            "-b",
+            "8",
+            "-e",
+            "64K",
+            "-f",
+            "8",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--json",
+            f.to_str().unwrap(),
+        ]);
+        files.push(f.to_str().unwrap().to_string());
+    }
+    let svg = dir.join("perf.svg");
+    let peer = format!("{}=a peer & co", files[0]);
+    perf_ok(&["--plot", svg.to_str().unwrap(), &files[0], &files[1], &peer]);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let elems = xml_elements(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+    // Per run a line in each panel (latency, bus bandwidth), with a point per size.
+    let lines: Vec<&String> = elems
+        .iter()
+        .filter(|(n, a)| n == "polyline" && a.contains("class=\"series\""))
+        .map(|(_, a)| a)
+        .collect();
+    assert_eq!(lines.len(), 2 * 3, "{text}");
+    for l in &lines {
+        let points = l
+            .split("points=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert_eq!(
+            points.split_whitespace().count(),
+            5,
+            "a point per size (8 B-32K): {l}"
+        );
+    }
+    for label in [
+        "tcp all_reduce, 2 ranks",
+        "shm all_reduce, 2 ranks",
+        "a peer &amp; co",
+    ] {
+        assert!(
+            text.contains(&format!(">{label}</text>")),
+            "no legend {label}:\n{text}"
+        );
+    }
+    // A run without results is refused, not drawn as an empty chart.
+    let empty = dir.join("empty.json");
+    std::fs::write(&empty, r#"{"results": []}"#).unwrap();
+    refused(
+        &["--plot", svg.to_str().unwrap(), empty.to_str().unwrap()],
+        &[],
+        &["no result"],
+    );
+    refused(&["--plot", svg.to_str().unwrap()], &[], &["--json files"]);
+    refused(
+        &["--plot", "perf.png", &files[0]],
+        &[],
+        &["--plot perf.png", ".svg"],
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
