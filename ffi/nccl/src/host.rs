@@ -405,11 +405,19 @@ fn elem(dt: c_int) -> usize {
     roccl_core::DataType::from_nccl(dt).map_or(0, |d| d.size())
 }
 
-/// The rank and size of `comm`, or the failing code (message set).
-fn shape(name: &str, comm: ncclComm_t) -> Result<(usize, usize), ncclResult_t> {
-    capi::comm_info(comm)
+/// This rank and the size of `comm`, with `root` checked against it, or the failing code
+/// (message set).
+fn rooted(name: &str, comm: ncclComm_t, root: c_int) -> Result<(usize, usize), ncclResult_t> {
+    let (me, n) = capi::comm_info(comm)
         .map(|(r, n, _)| (r, n))
-        .map_err(|(code, m)| fail(code, &format!("{name}: {m}")))
+        .map_err(|(code, m)| fail(code, &format!("{name}: {m}")))?;
+    if root < 0 || root as usize >= n {
+        return Err(fail(
+            INVALID_ARGUMENT,
+            &format!("{name}: root {root} is out of range for {n} ranks"),
+        ));
+    }
+    Ok((me, n))
 }
 
 /// Run `body` (sends and receives) as one group, as NCCL builds gather and scatter.
@@ -439,16 +447,10 @@ pub unsafe extern "C" fn ncclGather(
     stream: ncclStream_t,
 ) -> ncclResult_t {
     boundary("ncclGather", || {
-        let (me, n) = match shape("ncclGather", comm) {
+        let (me, n) = match rooted("ncclGather", comm, root) {
             Ok(s) => s,
             Err(r) => return r,
         };
-        if root < 0 || root as usize >= n {
-            return fail(
-                INVALID_ARGUMENT,
-                &format!("ncclGather: root {root} is out of range for {n} ranks"),
-            );
-        }
         let block = count.saturating_mul(elem(datatype));
         grouped(|| {
             if me == root as usize {
@@ -489,16 +491,10 @@ pub unsafe extern "C" fn ncclScatter(
     stream: ncclStream_t,
 ) -> ncclResult_t {
     boundary("ncclScatter", || {
-        let (me, n) = match shape("ncclScatter", comm) {
+        let (me, n) = match rooted("ncclScatter", comm, root) {
             Ok(s) => s,
             Err(r) => return r,
         };
-        if root < 0 || root as usize >= n {
-            return fail(
-                INVALID_ARGUMENT,
-                &format!("ncclScatter: root {root} is out of range for {n} ranks"),
-            );
-        }
         let block = count.saturating_mul(elem(datatype));
         grouped(|| {
             let own_in_place = me == root as usize
