@@ -135,7 +135,12 @@ impl CommMetrics {
             calls: (0..KINDS.len() * MAX_ALGOS)
                 .map(|_| CallCounters::default())
                 .collect(),
-            inflight: InFlight::default(),
+            inflight: InFlight {
+                // Room for every peer a call may wait on (the executor passes at most 64):
+                // no allocation on the waiting path.
+                waiting: Mutex::new(Vec::with_capacity(64.max(nranks))),
+                ..InFlight::default()
+            },
             nets: Mutex::new(Vec::new()),
         });
         REGISTRY.lock().push(Arc::downgrade(&m));
@@ -221,7 +226,8 @@ impl CommMetrics {
         {
             let mut w = f.waiting.lock();
             w.clear();
-            w.extend_from_slice(peers);
+            let room = w.capacity();
+            w.extend_from_slice(&peers[..peers.len().min(room)]);
             w.sort_unstable();
             w.dedup();
         }
