@@ -204,6 +204,11 @@ pub const SETTINGS: &[Setting] = &[
         }),
     },
     Setting {
+        name: "ROCCL_TRACE",
+        accepts: "a file path; %r is replaced by the rank (Chrome trace-event JSON per rank)",
+        valid: Some(|v| !v.trim().is_empty()),
+    },
+    Setting {
         name: "ROCCL_STUCK_WARN",
         accepts: "seconds, a number above 0: a call without progress for that long logs what it waits on (default a third of ROCCL_TIMEOUT)",
         valid: Some(|v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite())),

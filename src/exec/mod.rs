@@ -235,6 +235,8 @@ pub(crate) struct Op {
     active: bool,
     done: bool,
     size: usize,
+    /// When it was posted (`metrics::now_ns`), where the communicator is traced; else 0.
+    posted: u64,
 }
 
 const MAX_OPS: usize = 128;
@@ -430,6 +432,7 @@ impl<'a> Exec<'a> {
             active: false,
             done: false,
             size: 0,
+            posted: 0,
         });
         Ok(self.ops.len() - 1)
     }
@@ -543,6 +546,10 @@ impl<'a> Exec<'a> {
             active: true,
             done: false,
             size: 0,
+            posted: match self.links.metrics.as_ref().and_then(|m| m.trace()) {
+                Some(_) => crate::metrics::now_ns(),
+                None => 0,
+            },
         };
         self.inflight += 1;
         Ok(Tok(i as u32))
@@ -842,6 +849,10 @@ impl<'a> Exec<'a> {
                         m.sent(peer, size);
                     } else {
                         m.received(peer, size);
+                    }
+                    if let Some(t) = m.trace() {
+                        let dur = crate::metrics::now_ns().saturating_sub(o.posted);
+                        t.message(o.send, peer, size, o.posted, dur);
                     }
                 }
             }

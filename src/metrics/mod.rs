@@ -15,6 +15,7 @@
 //! all-reduce pays a few nanoseconds (docs/PERFORMANCE.md).
 
 pub mod http;
+pub mod trace;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
@@ -107,10 +108,22 @@ pub struct CommMetrics {
     calls: Vec<CallCounters>,
     inflight: InFlight,
     nets: Mutex<Vec<(&'static str, NetSource)>>,
+    /// The trace `ROCCL_TRACE` asks for ([`trace`]), and when the traced call started.
+    trace: Option<trace::Trace>,
+    trace_start: AtomicU64,
 }
 
-/// Time since the process's first use of the metrics (for `started`).
-fn now_ns() -> u64 {
+impl Drop for CommMetrics {
+    fn drop(&mut self) {
+        if let Some(t) = &self.trace {
+            t.write();
+        }
+    }
+}
+
+/// Nanoseconds since the process's first use of the metrics (the clock of `started` and of
+/// trace events).
+pub fn now_ns() -> u64 {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
@@ -142,7 +155,15 @@ impl CommMetrics {
                 ..InFlight::default()
             },
             nets: Mutex::new(Vec::new()),
+            trace: trace::Trace::from_env(rank, comm),
+            trace_start: AtomicU64::new(0),
         });
+        if let Some(t) = &m.trace {
+            crate::info!(
+                "rank {rank}: tracing to {} (ROCCL_TRACE)",
+                t.path().display()
+            );
+        }
         REGISTRY.lock().push(Arc::downgrade(&m));
         m
     }
@@ -185,6 +206,9 @@ impl CommMetrics {
         );
         f.warned.store(false, Relaxed);
         f.active.store(true, Relaxed);
+        if self.trace.is_some() {
+            self.trace_start.store(now_ns(), Relaxed);
+        }
     }
 
     /// The call in flight runs algorithm `algo` (1.. into [`CommMetrics::algos`]).
@@ -213,6 +237,23 @@ impl CommMetrics {
         if f.started.load(Relaxed) != 0 {
             f.waiting.lock().clear();
         }
+        if let Some(t) = &self.trace {
+            let start = self.trace_start.load(Relaxed);
+            t.call(
+                KINDS[kind],
+                f.bytes.load(Relaxed),
+                self.algo_name(algo),
+                self.net,
+                start,
+                now_ns().saturating_sub(start),
+            );
+        }
+    }
+
+    /// The trace of this rank, when `ROCCL_TRACE` asked for one.
+    #[inline]
+    pub fn trace(&self) -> Option<&trace::Trace> {
+        self.trace.as_ref()
     }
 
     /// The call in flight found nothing to do for a while and waits on `peers` (called when

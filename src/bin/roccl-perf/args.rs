@@ -97,6 +97,10 @@ pub struct Args {
     /// Write the header, every result and the summary as JSON to FILE.
     #[arg(long, short = 'J', visible_alias = "output_file")]
     pub json: Option<String>,
+    /// Write a Chrome trace (Perfetto, chrome://tracing) per rank to this path, `%r` replaced
+    /// by the rank (sets ROCCL_TRACE; join the files with scripts/trace-merge.py).
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<String>,
     /// Bind spawned ranks to CPUs: auto (one CPU each when there are enough), none.
     #[arg(long, default_value = "auto")]
     pub bind: String,

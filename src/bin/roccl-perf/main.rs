@@ -308,6 +308,10 @@ fn main() -> ExitCode {
     if a.net != "auto" {
         std::env::set_var("ROCCL_NET", &a.net);
     }
+    if let Some(t) = &a.trace {
+        // Every rank (those --ranks starts inherit it) writes its own file.
+        std::env::set_var("ROCCL_TRACE", t);
+    }
     if std::env::var_os(LAUNCHED).is_some() {
         // Our launcher ends the job quietly when rank 0 finds standard output closed.
         roccl::tool::set_closed_stdout_status(roccl::tool::EXIT_STDOUT_CLOSED);
