@@ -24,8 +24,11 @@ struct Event {
     ts: u64,
     dur: u64,
     tid: usize,
-    /// Extra `args` as JSON members (without braces).
-    args: String,
+    bytes: u64,
+    /// The peer of a message; the algorithm and network of a call (formatted at writing).
+    peer: usize,
+    algo: Option<&'static str>,
+    net: &'static str,
 }
 
 /// A rank's trace.
@@ -79,8 +82,8 @@ impl Trace {
         &self,
         kind: &'static str,
         bytes: u64,
-        algo: Option<&str>,
-        net: &str,
+        algo: Option<&'static str>,
+        net: &'static str,
         ts: u64,
         dur: u64,
     ) {
@@ -90,11 +93,10 @@ impl Trace {
             ts,
             dur,
             tid: 0,
-            args: format!(
-                "\"bytes\":{bytes},\"algorithm\":{},\"network\":{}",
-                serde_json::to_string(&algo).unwrap_or_default(),
-                serde_json::to_string(net).unwrap_or_default()
-            ),
+            bytes,
+            peer: 0,
+            algo,
+            net,
         });
     }
 
@@ -106,7 +108,10 @@ impl Trace {
             ts,
             dur,
             tid: 1 + peer,
-            args: format!("\"peer\":{peer},\"bytes\":{bytes}"),
+            bytes: bytes as u64,
+            peer,
+            algo: None,
+            net: "",
         });
     }
 
@@ -121,6 +126,16 @@ impl Trace {
             self.comm
         ));
         for e in events.iter() {
+            let args = if e.cat == "call" {
+                format!(
+                    "\"bytes\":{},\"algorithm\":{},\"network\":{}",
+                    e.bytes,
+                    serde_json::to_string(&e.algo).unwrap_or_default(),
+                    serde_json::to_string(e.net).unwrap_or_default()
+                )
+            } else {
+                format!("\"peer\":{},\"bytes\":{}", e.peer, e.bytes)
+            };
             out.push_str(&format!(
                 ",\n{{\"name\":\"{}\",\"cat\":\"{}\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":{pid},\"tid\":{},\"args\":{{{}}}}}",
                 e.name,
@@ -128,7 +143,7 @@ impl Trace {
                 e.ts as f64 / 1e3,
                 e.dur as f64 / 1e3,
                 e.tid,
-                e.args
+                args
             ));
         }
         out.push_str("\n]}\n");
