@@ -7,7 +7,7 @@
 //! deep inside a network (where the reader, [`value_or`], cannot return an error). The
 //! launcher variables (`ROCCL_RANK`, `ROCCL_NRANKS`, `ROCCL_ROOT`, `ROCCL_ROOT_PORT`,
 //! `ROCCL_UNIQUE_ID`, `ROCCL_JOB_SECRET`, `ROCCL_JOB_SECRET_FILE`) are parsed as strictly by
-//! [`crate::bootstrap::env`].
+//! [`crate::bootstrap::env`]; `ROCCL_TRACE` is a path (any value is one).
 //!
 //! [`Config::from_env`]: crate::Config::from_env
 //! [`check`]: crate::comm::settings::check
@@ -202,11 +202,6 @@ pub const SETTINGS: &[Setting] = &[
                     .rsplit_once(':')
                     .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
         }),
-    },
-    Setting {
-        name: "ROCCL_TRACE",
-        accepts: "a file path; %r is replaced by the rank (Chrome trace-event JSON per rank)",
-        valid: Some(|v| !v.trim().is_empty()),
     },
     Setting {
         name: "ROCCL_STUCK_WARN",
@@ -427,8 +422,10 @@ mod tests {
         assert!(!switch_value("X", Some("maybe".into()), false));
     }
 
-    /// The launcher variables (rank, size, root), read by the bootstrap, not settings.
-    const LAUNCHER: [&str; 8] = [
+    /// The launcher variables (rank, size, root), read by the bootstrap, and free-form
+    /// paths (`ROCCL_TRACE`): not settings with a check.
+    const LAUNCHER: [&str; 9] = [
+        "ROCCL_TRACE",
         "ROCCL_RANK",
         "ROCCL_NRANKS",
         "ROCCL_ROOT",
