@@ -952,8 +952,14 @@ pub fn rendezvous_abortable(
                 "the bootstrap root at {addr} announced a reply of {n} bytes, more than {nranks} ranks' blobs"
             )));
         }
-        let mut sealed = vec![0u8; n];
-        rd(&mut s, &mut sealed)?;
+        // Grown as the bytes arrive (a megabyte at a time): a root that announces more than
+        // it sends makes this rank wait out its timeout, not allocate what it announced.
+        let mut sealed = Vec::new();
+        while sealed.len() < n {
+            let at = sealed.len();
+            sealed.resize(at + (n - at).min(1 << 20), 0);
+            rd(&mut s, &mut sealed[at..])?;
+        }
         let tag = &msg[msg.len() - auth::TAG_BYTES..];
         let table = table_key(id).open_random(tag, &sealed).ok_or_else(|| {
             Error::InvalidUsage(format!(
