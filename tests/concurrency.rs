@@ -252,3 +252,72 @@ fn a_stream_that_never_arrives_times_out() {
         });
     });
 }
+
+/// A stream-ordered call that timed out waiting for its stream gives its flags up only once
+/// that stream has passed them: the stream still writes its "ready" flag when it gets there,
+/// and a later call that reused the flags would see that late write lower its own and wait
+/// until it times out (the hang CI once met when this test's neighbour ran beside
+/// `many_threads_share_one_communicator`).
+#[test]
+fn a_timed_out_calls_flags_are_not_reused_while_its_stream_may_write_them() {
+    watchdog(Duration::from_secs(60), "late stream write", || {
+        let dev = SimDevice::new(Duration::ZERO);
+        let as_dev: Arc<dyn Device> = dev.clone();
+        let mut cfg = config(Tuning::default());
+        cfg.waiter.timeout = Duration::from_secs(1);
+        let one = |cfg: &roccl::Config| {
+            let id = roccl::UniqueId::new().unwrap();
+            Arc::new(Communicator::init_with(&id, 1, 0, cfg.clone()).unwrap())
+        };
+        let (late, stuck) = (one(&cfg), one(&cfg));
+        // The first call's stream is held up until the test lets it go; the call times out.
+        let held = dev.create_stream();
+        let (release, blocked) = mpsc::channel::<()>();
+        let blocked = parking_lot::Mutex::new(blocked);
+        dev.launch(held, move || {
+            let _ = blocked.lock().recv_timeout(Duration::from_secs(30));
+        })
+        .unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        let part = all_reduce_part(1, Arc::clone(&n));
+        enqueue(
+            &as_dev,
+            &[held],
+            vec![(Arc::clone(&late), part)],
+            cfg.waiter.timeout,
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        while late.async_error().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "no timeout");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The next call (likely on the same flags, were they free) reaches its stream while
+        // its communicator's worker is busy; then the first stream goes on and writes.
+        let (open, gate) = mpsc::channel::<()>();
+        let gate = parking_lot::Mutex::new(gate);
+        stuck.enqueue(Box::new(move |_| {
+            let _ = gate.lock().recv_timeout(Duration::from_secs(30));
+        }));
+        let other = dev.create_stream();
+        let part = all_reduce_part(1, Arc::clone(&n));
+        enqueue(
+            &as_dev,
+            &[other],
+            vec![(Arc::clone(&stuck), part)],
+            cfg.waiter.timeout,
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        release.send(()).unwrap();
+        dev.synchronize(held).unwrap();
+        open.send(()).unwrap();
+        dev.synchronize(other).unwrap();
+        assert!(stuck.async_error().is_none(), "{:?}", stuck.async_error());
+        assert_eq!(
+            n.load(Ordering::Relaxed),
+            1,
+            "the second call ran, the first did not"
+        );
+    });
+}

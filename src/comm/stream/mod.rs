@@ -168,6 +168,24 @@ impl Slots {
         }
     }
 
+    /// Give slot `i` of generation `g` back once its `nready` streams have written their
+    /// ready flags. A step that failed before its streams got there (a timeout) must not
+    /// lend the flags out: a stream's late write of `g` would lower the flag of the next
+    /// user (generation `g + 1`), which would then wait for ever. Such a slot waits with the
+    /// staging buffers until the streams pass.
+    fn give_when_passed(&self, i: usize, g: u64, nready: usize) {
+        let passed =
+            (0..nready).all(|k| self.slab.flag(i * PER_SLOT + k).load(Ordering::Acquire) >= g);
+        if passed {
+            self.give(i, g);
+        } else {
+            let ready = (0..nready)
+                .map(|k| self.slab.handle(i * PER_SLOT + k))
+                .collect();
+            self.staging.busy.lock().push((ready, i, g, Vec::new()));
+        }
+    }
+
     fn give(&self, i: usize, g: u64) {
         self.free.lock().push((i, g));
         self.freed.notify_one();
@@ -353,7 +371,7 @@ pub fn enqueue_steps(
                 if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
                     done.word().store(g, Ordering::Release);
                     if give_back {
-                        table.give(slot, g);
+                        table.give_when_passed(slot, g, nready);
                     }
                 }
             }));
