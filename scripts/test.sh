@@ -71,6 +71,8 @@ echo "== vLLM 0.33's pynccl use of libroccl-nccl.so, CUDA and ROCm platform rule
 python3 tests/nccl/test_vllm.py "$release/libroccl_nccl.so" 3
 echo "== ncclSetEncryption: encrypted ranks over TCP, the wire captured on lo (no plaintext), a wrong key refused"
 python3 tests/nccl/test_encryption.py "$release/libroccl_nccl.so"
+echo "== ncclCommShrink after a rank is killed, ncclCommGrow with a new process, ncclCommRevoke (tests/nccl/test_shrink.py)"
+python3 tests/nccl/test_shrink.py "$release/libroccl_nccl.so"
 echo "== torch.distributed backend: torch from PyPI (cached), pip install ./ffi/torch, pytest over 2-4 processes"
 ffi/torch/tests/run.sh
 echo "== stream-ordered collectives and roccl-perf on device-only buffers of the simulated device (scripts/gpu-check.sh sim)"

@@ -27,6 +27,7 @@ pub mod auth;
 pub mod env;
 pub mod ifaces;
 pub mod seal;
+pub mod spare;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};

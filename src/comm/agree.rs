@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 use crate::types::{DataType, RedOp};
 
-const VERSION: u32 = 6;
+const VERSION: u32 = 7;
 
 /// The settings every rank must share, in blob order.
 const SETTINGS: [&str; 9] = [
@@ -42,9 +42,19 @@ const ALGOS: [Algo; 7] = Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the
-/// process (pid and pid namespace: a peer of the same host can tell its state).
-pub(super) const BLOB_LEN: usize =
-    4 + 8 + 16 + HANDLE_MAX + 8 + HANDLE_MAX + 8 + 8 * SETTINGS.len() + HOST_LEN + PROC_LEN;
+/// process (pid and pid namespace: a peer of the same host can tell its state), the spare
+/// rendezvous listener (`bootstrap::spare`).
+pub(super) const BLOB_LEN: usize = 4
+    + 8
+    + 16
+    + HANDLE_MAX
+    + 8
+    + HANDLE_MAX
+    + 8
+    + 8 * SETTINGS.len()
+    + HOST_LEN
+    + PROC_LEN
+    + SPARE_LEN;
 const AT_FLAGS: usize = 28 + HANDLE_MAX;
 const AT_SHM: usize = AT_FLAGS + 8;
 const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
@@ -53,6 +63,8 @@ const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
 const HOST_LEN: usize = 12;
 const AT_PROC: usize = AT_HOST + HOST_LEN;
 const PROC_LEN: usize = 12;
+const AT_SPARE: usize = AT_PROC + PROC_LEN;
+const SPARE_LEN: usize = 24;
 
 /// The values of [`SETTINGS`] for `cfg`.
 pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len()] {
@@ -110,6 +122,8 @@ pub(super) struct Blob {
     /// Its process id and pid namespace.
     pub pid: u32,
     pub pid_ns: u64,
+    /// Its spare rendezvous listener (shrink and grow), if it could bind one.
+    pub spare: Option<std::net::SocketAddr>,
 }
 
 /// This rank's blob.
@@ -120,6 +134,7 @@ pub(super) fn blob(
     node: bool,
     settings: &[u64; SETTINGS.len()],
     inputs: HostInputs,
+    spare: Option<std::net::SocketAddr>,
 ) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
     b.extend_from_slice(&VERSION.to_le_bytes());
@@ -139,6 +154,7 @@ pub(super) fn blob(
     b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
     b.extend_from_slice(&std::process::id().to_le_bytes());
     b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
+    b.extend_from_slice(&bootstrap::spare::encode_addr(spare));
     debug_assert_eq!(b.len(), BLOB_LEN);
     b
 }
@@ -198,6 +214,7 @@ pub(super) fn parse_blob(
         },
         pid: word(b, AT_PROC),
         pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
+        spare: bootstrap::spare::decode_addr(&b[AT_SPARE..AT_SPARE + SPARE_LEN]),
     })
 }
 
@@ -264,7 +281,7 @@ pub(crate) fn fuzz_seed_blob(
         latency_us: 20.0,
         speed_mbps: 10_000,
     };
-    Ok(blob(handle, net, shm, false, &mine, inputs))
+    Ok(blob(handle, net, shm, false, &mine, inputs, None))
 }
 
 /// How one rank sees the job, from the table alone.
@@ -486,15 +503,26 @@ mod tests {
     fn rendezvous_blob_carries_both_handles_and_the_host_inputs() {
         let s = settings(&cfg(), 4 << 20);
         let host = inputs(16, 2.5, 100_000);
-        let b = blob(&handle(7), "tcp", Some(&handle(9)), true, &s, host);
+        let spare: std::net::SocketAddr = "10.1.2.3:4567".parse().unwrap();
+        let b = blob(
+            &handle(7),
+            "tcp",
+            Some(&handle(9)),
+            true,
+            &s,
+            host,
+            Some(spare),
+        );
         assert_eq!(b.len(), BLOB_LEN);
         let p = parse_blob(3, &b, 0, "tcp", &s).unwrap();
         assert!(p.node);
         assert_eq!(p.handle.as_bytes()[..40], [7u8; 40]);
         assert_eq!(p.shm.unwrap().as_bytes()[..40], [9u8; 40]);
         assert_eq!(p.inputs, host);
-        let plain = blob(&handle(7), "tcp", None, false, &s, host);
-        assert!(parse_blob(3, &plain, 0, "tcp", &s).unwrap().shm.is_none());
+        assert_eq!(p.spare, Some(spare));
+        let plain = blob(&handle(7), "tcp", None, false, &s, host, None);
+        let p = parse_blob(3, &plain, 0, "tcp", &s).unwrap();
+        assert!(p.shm.is_none() && p.spare.is_none());
         let e = parse_blob(3, &b, 0, "rocev2", &s).unwrap_err().to_string();
         assert!(e.contains("rank 3") && e.contains("ROCCL_NET"), "{e}");
         let e = parse_blob(5, &b[..100], 0, "tcp", &s)
@@ -529,7 +557,7 @@ mod tests {
         cases.push((c, 4 << 20, "ROCCL_GPU_DIRECT_MIN=1"));
         for (c, chunk, want) in cases {
             let theirs = settings(&c, chunk);
-            let b = blob(&handle(1), "tcp", None, false, &theirs, host);
+            let b = blob(&handle(1), "tcp", None, false, &theirs, host, None);
             let e = parse_blob(2, &b, 1, "tcp", &mine)
                 .expect_err("refused")
                 .to_string();
@@ -541,7 +569,15 @@ mod tests {
         // Direct against doubling (both unset on one side): named too.
         let mut c = base.clone();
         c.algo = Some(Algo::Direct);
-        let b = blob(&handle(1), "tcp", None, false, &settings(&c, 4 << 20), host);
+        let b = blob(
+            &handle(1),
+            "tcp",
+            None,
+            false,
+            &settings(&c, 4 << 20),
+            host,
+            None,
+        );
         let e = parse_blob(0, &b, 1, "tcp", &mine).unwrap_err().to_string();
         assert!(e.contains("ROCCL_ALGO=direct") && e.contains("auto"), "{e}");
     }
@@ -561,6 +597,7 @@ mod tests {
                 inputs,
                 pid: 0,
                 pid_ns: 0,
+                spare: None,
             })
             .collect()
     }

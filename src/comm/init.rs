@@ -154,6 +154,13 @@ impl Communicator {
         };
         let props = net.properties(0)?;
         let mine = agree::settings(&cfg, stream::ops::stream_chunk()?);
+        // A listener for later rendezvous without a new unique id (shrink, grow).
+        let spare = bootstrap::spare::SpareRoot::bind(local)
+            .inspect_err(|e| {
+                crate::info!("rank {rank}: no spare rendezvous listener ({e}): shrink and grow will be refused")
+            })
+            .ok();
+        let given = cfg.clone();
         let table = bootstrap::rendezvous_abortable(
             id,
             rank,
@@ -169,6 +176,7 @@ impl Communicator {
                     latency_us: props.latency_us,
                     speed_mbps: props.speed_mbps,
                 },
+                spare.as_ref().map(|s| s.addr()),
             ),
             cfg.waiter.timeout,
             abort,
@@ -359,6 +367,14 @@ impl Communicator {
                 worker: Mutex::new(None),
                 worker_wait,
                 abort: abort_flag,
+                reshape: super::reshape::Reshape {
+                    spare,
+                    spares: blobs.iter().map(|b| b.spare).collect(),
+                    key: id.job_key(),
+                    cfg: given,
+                    count: AtomicU64::new(0),
+                    revoked: std::sync::atomic::AtomicBool::new(false),
+                },
             }),
         };
         if connect_all {

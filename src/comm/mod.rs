@@ -11,6 +11,7 @@ mod config;
 mod dispatch;
 mod init;
 mod queue;
+mod reshape;
 pub mod settings;
 pub mod stream;
 #[cfg(test)]
@@ -97,6 +98,8 @@ struct Shared {
     worker_wait: Waiter,
     /// Raised by `abort` without the state lock, so a blocked call sees it.
     abort: Arc<std::sync::atomic::AtomicBool>,
+    /// What shrink and grow need (`reshape`).
+    reshape: reshape::Reshape,
 }
 
 /// Work for the worker thread, as it runs in a turn.
@@ -185,11 +188,13 @@ impl Communicator {
     /// communicator: the blocked call notices within one wait pass (at most ~20 ms when
     /// sleeping) and returns an error; then the connections are closed.
     pub fn abort(&self) {
+        self.abort_with("communicator aborted by the application");
+    }
+
+    /// [`Communicator::abort`], leaving `why` as the communicator's error.
+    fn abort_with(&self, why: &str) {
         self.shared.abort.store(true, Ordering::SeqCst);
-        self.shared.broken.set(
-            ErrorKind::InvalidUsage,
-            "communicator aborted by the application".into(),
-        );
+        self.shared.broken.set(ErrorKind::InvalidUsage, why.into());
         let mut state = self.shared.state.lock();
         if let Some(node) = &state.node {
             node.mark_broken();

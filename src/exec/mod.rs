@@ -945,7 +945,7 @@ impl<'a> Exec<'a> {
     fn check_abort(&self) -> Result<()> {
         if self.links.abort.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(Error::InvalidUsage(
-                "the communicator was aborted by the application (Communicator::abort / rocclCommAbort)".into(),
+                "the communicator was aborted by the application (Communicator::abort / rocclCommAbort), or revoked (ncclCommRevoke, ncclCommShrink with NCCL_SHRINK_ABORT)".into(),
             ));
         }
         Ok(())

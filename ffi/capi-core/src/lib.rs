@@ -19,6 +19,8 @@ use roccl_core::device::{Device, StreamId};
 use roccl_core::error::ErrorKind;
 use roccl_core::{Collective, Communicator, Config, DataType, Error, RedOp, UniqueId};
 
+pub mod reshape;
+
 /// `rocclResult_t`.
 pub type rocclResult_t = c_int;
 const SUCCESS: rocclResult_t = 0;
@@ -561,8 +563,21 @@ fn init_rank(
     let (n, r) = rank_args(nranks, rank)?;
     let uid = id_of(&id)?;
     let (blocking, cfg) = config_of(config)?;
+    make(out, blocking, r, move |abort| {
+        Communicator::init_abortable(&uid, n, r, cfg, abort)
+    })
+}
+
+/// Make a communicator with `f` into `*out`: here when `blocking`, else on a thread of its
+/// own while the handle says rocclInProgress (`f` watches the handle's abort flag).
+fn make(
+    out: &mut rocclComm_t,
+    blocking: bool,
+    r: usize,
+    f: impl FnOnce(&std::sync::atomic::AtomicBool) -> roccl_core::Result<Communicator> + Send + 'static,
+) -> R {
     if blocking {
-        let c = Communicator::init_with(&uid, n, r, cfg)?;
+        let c = f(&std::sync::atomic::AtomicBool::new(false))?;
         *out = register(ready_handle(c));
         return Ok(());
     }
@@ -573,9 +588,7 @@ fn init_rank(
         .name(format!("roccl-init-r{r}"))
         .spawn(move || {
             let h = th;
-            let res = catch_unwind(AssertUnwindSafe(|| {
-                Communicator::init_abortable(&uid, n, r, cfg, &abort)
-            }));
+            let res = catch_unwind(AssertUnwindSafe(|| f(&abort)));
             let st = match res {
                 Ok(Ok(c)) => State::Ready(Arc::new(c)),
                 Ok(Err(e)) => State::Failed(code_of(e.kind()), e.to_string()),
@@ -788,6 +801,8 @@ pub unsafe extern "C" fn rocclCommGetAsyncError(
                 set_last_error(msg);
                 *code
             }
+            // Revoked: quiescent once revoke returned (NCCL: ncclSuccess then).
+            State::Ready(c) if c.revoked() => SUCCESS,
             State::Ready(c) => match c.async_error_kind() {
                 None => SUCCESS,
                 Some((k, msg)) => {

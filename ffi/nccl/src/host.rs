@@ -604,6 +604,77 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
 }
 
 // ---------------------------------------------------------------------------------------
+// Shrink, grow, revoke (capi's reshape module; the core's comm::reshape)
+
+/// A new communicator without the excluded ranks (usable after they died; with
+/// `NCCL_SHRINK_ABORT` the parent's calls still waiting on them end first).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: ncclComm_t,
+    exclude: *mut c_int,
+    n_exclude: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut c_void,
+    flags: c_int,
+) -> ncclResult_t {
+    boundary("ncclCommShrink", || {
+        let c = match super::config::read(config, "ncclCommShrink") {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        let p = c
+            .as_ref()
+            .map_or(std::ptr::null(), |c| &c.roccl as *const _);
+        // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+        checked(unsafe { capi::reshape::shrink(comm, exclude, n_exclude, newcomm, p, flags) })
+    })
+}
+
+/// Stop the communicator's work: only shrink, destroy and abort remain.
+#[no_mangle]
+pub extern "C" fn ncclCommRevoke(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
+    boundary("ncclCommRevoke", || {
+        checked(capi::reshape::revoke(comm, flags))
+    })
+}
+
+/// The id the new ranks of the communicator's next grow join with.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetUniqueId(
+    comm: ncclComm_t,
+    id: *mut ncclUniqueId,
+) -> ncclResult_t {
+    boundary("ncclCommGetUniqueId", || {
+        // SAFETY: forwarded with the same contract.
+        checked(unsafe { capi::reshape::grow_id(comm, id) })
+    })
+}
+
+/// Grow the communicator to `nranks` ranks (existing ranks: `comm`, rank -1; new ranks:
+/// NULL, the id of ncclCommGetUniqueId and their rank).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGrow(
+    comm: ncclComm_t,
+    nranks: c_int,
+    id: *const ncclUniqueId,
+    rank: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut c_void,
+) -> ncclResult_t {
+    boundary("ncclCommGrow", || {
+        let c = match super::config::read(config, "ncclCommGrow") {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        let p = c
+            .as_ref()
+            .map_or(std::ptr::null(), |c| &c.roccl as *const _);
+        // SAFETY: forwarded with the same contract; `p` is NULL or points at `c`, alive here.
+        checked(unsafe { capi::reshape::grow(comm, nranks, id, rank, newcomm, p) })
+    })
+}
+
+// ---------------------------------------------------------------------------------------
 // What roccl does not have (yet): clear errors
 
 macro_rules! missing {
@@ -620,18 +691,6 @@ macro_rules! missing {
 }
 
 missing! {
-    /// Not in roccl (see docs/NCCL.md).
-    fn ncclCommShrink(comm: ncclComm_t, exclude: *mut c_int, n_exclude: c_int, newcomm: *mut ncclComm_t, config: *mut c_void, flags: c_int)
-        => "not supported by roccl yet: make a new communicator from a new unique id among the surviving ranks (docs/NCCL.md)";
-    /// Not in roccl.
-    fn ncclCommRevoke(comm: ncclComm_t, flags: c_int)
-        => "not supported by roccl yet: use ncclCommAbort (docs/NCCL.md)";
-    /// Not in roccl.
-    fn ncclCommGrow(comm: ncclComm_t, nranks: c_int, id: *const ncclUniqueId, rank: c_int, newcomm: *mut ncclComm_t, config: *mut c_void)
-        => "not supported by roccl yet: make a new communicator of all the ranks from a new unique id (docs/NCCL.md)";
-    /// Not in roccl.
-    fn ncclCommGetUniqueId(comm: ncclComm_t, id: *mut ncclUniqueId)
-        => "not supported by roccl yet (it belongs to ncclCommGrow): use ncclGetUniqueId (docs/NCCL.md)";
     /// Not in roccl.
     fn ncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: ncclComm_t)
         => "not supported by roccl yet: scale the input and use ncclSum (docs/NCCL.md)";
