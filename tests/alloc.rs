@@ -246,6 +246,7 @@ fn no_allocation_per_call_on_raw_buffers() {
                     dt: DataType::F32,
                     send: Some(raw(&send)),
                     recv: raw_mut(&mut recv),
+                    premul: None,
                 },
                 Op::Send {
                     peer: (me + 1) % n,

@@ -102,6 +102,7 @@ fn coll(c: Collective, send: Option<&Arc<SimBuffer>>, recv: &Arc<SimBuffer>) -> 
         dt: DT,
         send: send.map(|s| raw_of(s)),
         recv: raw_of(recv),
+        premul: None,
     }
 }
 

@@ -16,6 +16,11 @@ pub struct CallOpts {
     /// Give up after this long without progress, for this call only (instead of the
     /// communicator's `ROCCL_TIMEOUT`).
     pub timeout: Option<std::time::Duration>,
+    /// Multiply this rank's input by this scalar before a [`RedOp::Sum`] all-reduce, reduce
+    /// or reduce-scatter (NCCL's `ncclRedOpCreatePreMulSum`): the scalar's little-endian
+    /// bytes, in the call's data type, in the first `dt.size()` bytes. Each rank may pass
+    /// its own (or none); the caller's input is never written.
+    pub premul: Option<[u8; 8]>,
 }
 
 /// What a call did.

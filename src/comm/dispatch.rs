@@ -32,7 +32,7 @@ fn metrics_kind(c: &Collective) -> usize {
 /// `crate::metrics::KINDS`' point-to-point entry.
 const METRICS_P2P: usize = 6;
 
-/// Bytes of the scratch buffer of averages ([`avg_premultiplied`]) a communicator keeps from
+/// Bytes of the scratch buffer of averages ([`premultiplied`]) a communicator keeps from
 /// call to call: a reduce or reduce-scatter average of narrow floats up to this input takes
 /// no allocation once warm; a larger one allocates its scratch for the call, and it is given
 /// back after it (one big average does not hold its size for the communicator's life).
@@ -40,17 +40,20 @@ pub(super) const PREMUL_KEEP: usize = 4 << 20;
 
 /// An average of 16- and 8-bit floats overflows when summed first (8 ranks × f16 10000 sum
 /// to inf; 4 ranks × e4m3 300 saturate at 448): as NCCL does, each rank's input is divided
-/// by the number of ranks first and the call runs as a sum. All-reduce scales into its output
-/// and runs in place; reduce and reduce-scatter scale into `scratch` (kept from call to
-/// call; the caller's input is never written). `f32` and `f64` sum, then divide: exact for
+/// by the number of ranks first and the call runs as a sum. A pre-multiplied sum
+/// ([`CallOpts::premul`], NCCL's `ncclRedOpCreatePreMulSum`) multiplies each rank's input by
+/// its scalar the same way, for every data type. All-reduce scales into its output and runs
+/// in place; reduce and reduce-scatter scale into `scratch` (kept from call to call; the
+/// caller's input is never written). `f32` and `f64` averages sum, then divide: exact for
 /// the usual inputs, and their sums overflow only past 3.4e38 (1.8e308) per element.
 /// Integers sum in their type (wrapping, as NCCL) and divide toward zero. Other calls come
 /// back as they are.
 #[allow(clippy::type_complexity)]
-fn avg_premultiplied<'a>(
+fn premultiplied<'a>(
     coll: Collective,
     dt: DataType,
     (me, n): (usize, usize),
+    premul: Option<[u8; 8]>,
     send: Option<Mem<'a>>,
     recv: MemMut<'a>,
     scratch: &'a mut Vec<u8>,
@@ -59,19 +62,31 @@ fn avg_premultiplied<'a>(
         dt,
         DataType::F16 | DataType::Bf16 | DataType::F8E4M3 | DataType::F8E5M2
     );
+    let op = match coll {
+        Collective::AllReduce(op)
+        | Collective::Reduce { op, .. }
+        | Collective::ReduceScatter(op) => Some(op),
+        _ => None,
+    };
+    if premul.is_some() && op != Some(RedOp::Sum) {
+        return Err(Error::arg(format!(
+            "a pre-multiplied sum is a sum of an all-reduce, reduce or reduce-scatter, not {coll:?}"
+        )));
+    }
+    let avg = op == Some(RedOp::Avg) && narrow && n > 1;
+    if premul.is_none() && !avg {
+        return Ok((coll, send, recv));
+    }
     let (sum, input_len) = match coll {
-        Collective::AllReduce(RedOp::Avg) => (Collective::AllReduce(RedOp::Sum), recv.len()),
-        Collective::Reduce {
-            op: RedOp::Avg,
-            root,
-        } => (
+        Collective::AllReduce(_) => (Collective::AllReduce(RedOp::Sum), recv.len()),
+        Collective::Reduce { root, .. } => (
             Collective::Reduce {
                 op: RedOp::Sum,
                 root,
             },
             send.map_or(recv.len(), |s| s.len()),
         ),
-        Collective::ReduceScatter(RedOp::Avg) => (
+        Collective::ReduceScatter(_) => (
             Collective::ReduceScatter(RedOp::Sum),
             send.map_or(recv.len(), |s| s.len()),
         ),
@@ -87,15 +102,19 @@ fn avg_premultiplied<'a>(
             }
             _ => true,
         };
-    if !narrow || n == 1 || !fits {
+    if !fits {
         return Ok((coll, send, recv));
     }
+    let scale = |x: &mut [u8]| match &premul {
+        Some(s) => crate::reduce::premultiply(x, dt, &s[..dt.size()]),
+        None => crate::reduce::finish_avg(x, dt, n),
+    };
     if let Collective::AllReduce(_) = coll {
         let out = recv.into_slice()?;
         if let Some(s) = host(send)? {
             crate::reduce::copy_large(out, s);
         }
-        crate::reduce::finish_avg(out, dt, n)?;
+        scale(out)?;
         return Ok((sum, None, MemMut::host(out)));
     }
     // Reduce and reduce-scatter read their input into the scratch buffer, scaled.
@@ -115,7 +134,7 @@ fn avg_premultiplied<'a>(
             _ => MemMut::host(out),
         }
     };
-    crate::reduce::finish_avg(scratch, dt, n)?;
+    scale(scratch)?;
     Ok((sum, Some(Mem::host(scratch)), recv))
 }
 
@@ -362,10 +381,11 @@ impl State {
         }
         // The scratch buffer of averages leaves `self` while the call borrows it.
         let mut scratch = std::mem::take(&mut self.premul);
-        let r = match avg_premultiplied(
+        let r = match premultiplied(
             coll,
             dt,
             (self.links.rank, self.links.nranks),
+            opts.premul,
             send,
             recv,
             &mut scratch,

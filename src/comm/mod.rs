@@ -49,7 +49,7 @@ struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<crate::algo::shm::node::Node>,
-    /// Scaled inputs of averages of narrow floats (see `avg_premultiplied`), kept from call
+    /// Scaled inputs of averages of narrow floats (see `premultiplied`), kept from call
     /// to call up to `dispatch::PREMUL_KEEP` bytes.
     premul: Vec<u8>,
     /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
@@ -269,9 +269,10 @@ impl Communicator {
         dt: DataType,
         send: Option<Mem<'_>>,
         recv: MemMut<'_>,
+        opts: &CallOpts,
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
-        self.with_turn(|state| state.execute_mem(coll, dt, send, recv, &CallOpts::default(), dev))
+        self.with_turn(|state| state.execute_mem(coll, dt, send, recv, opts, dev))
     }
 
     /// [`Communicator::p2p`] on buffers that may be GPU memory.

@@ -228,10 +228,10 @@ impl Turn<'_> {
         dt: DataType,
         send: Option<Mem<'_>>,
         recv: MemMut<'_>,
+        opts: &CallOpts,
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<CallInfo> {
-        self.state
-            .execute_mem(coll, dt, send, recv, &CallOpts::default(), dev)
+        self.state.execute_mem(coll, dt, send, recv, opts, dev)
     }
 
     /// [`Communicator::p2p_mem`], within this turn.

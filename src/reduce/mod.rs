@@ -65,6 +65,30 @@ pub fn reduce_to(dst: &mut [u8], a: &[u8], b: &[u8], dtype: DataType, op: RedOp)
     Ok(())
 }
 
+/// `buf[i]` = `buf[i]` × `scalar` (NCCL's pre-multiplied sum): `scalar` is one element of
+/// `dtype`, its bytes as in memory. Multiplies as [`RedOp::Prod`] does (integers wrap, narrow
+/// floats compute in `f32` and round to nearest-even), against a stack block of copies of the
+/// scalar, so no allocation.
+pub fn premultiply(buf: &mut [u8], dtype: DataType, scalar: &[u8]) -> Result<()> {
+    check("premultiply", dtype, &[buf.len()])?;
+    let size = dtype.size();
+    if scalar.len() != size {
+        return Err(Error::Internal(format!(
+            "premultiply: a {dtype} scalar is {size} bytes, got {}",
+            scalar.len()
+        )));
+    }
+    let mut s = Stage::new();
+    for c in s.0.chunks_exact_mut(size) {
+        c.copy_from_slice(scalar);
+    }
+    for c in buf.chunks_mut(STAGE_BYTES) {
+        let k = c.len();
+        dispatch!(dtype, drive(c, None, &s.0[..k], RedOp::Prod));
+    }
+    Ok(())
+}
+
 /// `buf[i]` = `buf[i]` / nranks.
 ///
 /// Integers divide truncating toward zero; `f16`/`bf16` and `f32` divide in `f32`, `f64` in

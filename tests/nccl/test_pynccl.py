@@ -53,6 +53,9 @@ SIGNATURES = {
     "ncclGroupEnd": (ncclResult_t, []),
     "ncclCommWindowRegister": (ncclResult_t, [ncclComm_t, buffer_type, ctypes.c_size_t, ctypes.POINTER(ncclWindow_t), ctypes.c_int]),
     "ncclCommWindowDeregister": (ncclResult_t, [ncclComm_t, ncclWindow_t]),
+    # Not in vLLM's list: NCCL's pre-multiplied sums (torch's PREMUL_SUM over NCCL).
+    "ncclRedOpCreatePreMulSum": (ncclResult_t, [ctypes.POINTER(ncclRedOp_t), buffer_type, ncclDataType_t, ctypes.c_int, ncclComm_t]),
+    "ncclRedOpDestroy": (ncclResult_t, [ncclRedOp_t, ncclComm_t]),
 }
 
 
@@ -200,8 +203,50 @@ def rank_main(path, rank, world, id_file):
     assert f["ncclCommWindowDeregister"](comm, win) == 4, "a window deregistered twice"
     expect(recv, [float(sum((r * 3 + i) % 7 - 2 for r in range(world))) for i in range(n)], "all_reduce after errors")
 
+    premul_sums(nccl, comm, rank, world, stream, sync)
     nccl.CommDestroy(comm)
     print(f"rank {rank}: ok (NCCL version code {v.value})", flush=True)
+
+
+def premul_sums(nccl, comm, rank, world, stream, sync):
+    """ncclRedOpCreatePreMulSum: a scalar read at creation (host immediate), one read when
+    each call runs (ncclScalarDevice), integers; ops used on the wrong type or after
+    ncclRedOpDestroy are refused."""
+    f = nccl.f
+    n = 1031
+    x = [float((rank + i) % 4) for i in range(n)]
+    xs = lambda r: [float((r + i) % 4) for i in range(n)]
+    send, recv = floats(x), floats([0.0] * n)
+    imm, scalar = ctypes.c_int(), ctypes.c_float(rank + 1.0)
+    nccl.RedOpCreatePreMulSum(ctypes.byref(imm), ctypes.byref(scalar), FLOAT32, 1, comm)
+    scalar.value = 100.0  # read at creation: this value is not used
+    nccl.AllReduce(send, recv, n, FLOAT32, imm.value, comm, stream)
+    sync()
+    expect(recv, [sum((r + 1) * xs(r)[i] for r in range(world)) for i in range(n)], "premul sum (immediate)")
+    late, dev = ctypes.c_int(), ctypes.c_float(0.0)
+    nccl.RedOpCreatePreMulSum(ctypes.byref(late), ctypes.byref(dev), FLOAT32, 0, comm)
+    per = n // world
+    block = floats([0.0] * per)
+    for k in (2.0, 0.5):
+        dev.value = k * (rank + 1)
+        nccl.ReduceScatter(send, block, per, FLOAT32, late.value, comm, stream)
+        sync()
+        want = [sum(k * (r + 1) * xs(r)[rank * per + i] for r in range(world)) for i in range(per)]
+        expect(block, want, f"premul reduce-scatter (scalar read at run time, {k})")
+    ints, iscalar = ctypes.c_int(), ctypes.c_int(-3)
+    nccl.RedOpCreatePreMulSum(ctypes.byref(ints), ctypes.byref(iscalar), INT32, 1, comm)
+    ibuf = (ctypes.c_int * n)(*[rank + i for i in range(n)])
+    nccl.Reduce(ibuf, ibuf, n, INT32, ints.value, 0, comm, stream)
+    sync()
+    if rank == 0:
+        expect(ibuf, [-3 * sum(r + i for r in range(world)) for i in range(n)], "premul reduce (int32)")
+    assert f["ncclAllReduce"](send, recv, n, INT32, imm.value, comm, stream) == 4, "an f32 op on int32"
+    assert f["ncclRedOpDestroy"](imm.value, comm) == 0
+    assert f["ncclAllReduce"](send, recv, n, FLOAT32, imm.value, comm, stream) == 4, "a destroyed op"
+    assert f["ncclRedOpDestroy"](imm.value, comm) == 4, "an op destroyed twice"
+    assert f["ncclRedOpDestroy"](SUM, comm) == 4, "a built-in op destroyed"
+    for o in (late, ints):
+        assert f["ncclRedOpDestroy"](o.value, comm) == 0
 
 
 def closed_stderr_main(path):

@@ -17,8 +17,9 @@ use roccl_core::comm::stream::ops::{self, Op, RawBuf};
 use roccl_core::device::sim::SimDevice;
 use roccl_core::device::{Device, StreamId};
 use roccl_core::error::ErrorKind;
-use roccl_core::{Collective, Communicator, Config, DataType, Error, RedOp, UniqueId};
+use roccl_core::{Collective, Communicator, Config, DataType, Error, UniqueId};
 
+pub mod premul;
 pub mod reshape;
 
 /// `rocclResult_t`.
@@ -246,14 +247,6 @@ fn dtype(d: c_int) -> R<DataType> {
     DataType::from_nccl(d).ok_or_else(|| {
         arg(format!(
             "datatype {d} is not a roccl data type (rocclInt8 0 … rocclFloat8e5m2 11)"
-        ))
-    })
-}
-
-fn redop(o: c_int) -> R<RedOp> {
-    RedOp::from_nccl(o).ok_or_else(|| {
-        arg(format!(
-            "op {o} is not a roccl reduction (rocclSum 0 … rocclAvg 4)"
         ))
     })
 }
@@ -699,6 +692,7 @@ pub unsafe extern "C" fn rocclCommFinalize(comm: rocclComm_t) -> rocclResult_t {
 
 fn remove(comm: rocclComm_t) -> R<Arc<Handle>> {
     let h = lookup(comm)?;
+    premul::forget(comm);
     if let Some(m) = COMMS.write().as_mut() {
         m.remove(&(comm as usize));
     }
@@ -858,7 +852,7 @@ pub unsafe extern "C" fn rocclAllReduce(
     stream: *mut c_void,
 ) -> rocclResult_t {
     coll("rocclAllReduce", comm, stream, datatype, |_, dt| {
-        let op = redop(op)?;
+        let (op, premul) = premul::resolve(op, comm, dt)?;
         let b = count_bytes(count, dt, "count")?;
         let recv = cbuf(recvbuff, b, "recvbuff")?;
         let send = place(cbuf(sendbuff, b, "sendbuff")?, recv, 0)?;
@@ -867,6 +861,7 @@ pub unsafe extern "C" fn rocclAllReduce(
             dt,
             send,
             recv,
+            premul,
         })
     })
 }
@@ -896,6 +891,7 @@ pub unsafe extern "C" fn rocclBroadcast(
             dt,
             send,
             recv,
+            premul: None,
         })
     })
 }
@@ -937,7 +933,7 @@ pub unsafe extern "C" fn rocclReduce(
     stream: *mut c_void,
 ) -> rocclResult_t {
     coll("rocclReduce", comm, stream, datatype, |c, dt| {
-        let op = redop(op)?;
+        let (op, premul) = premul::resolve(op, comm, dt)?;
         let root = check_rank(root, c, "root")?;
         let b = count_bytes(count, dt, "count")?;
         let send = cbuf(sendbuff, b, "sendbuff")?;
@@ -954,6 +950,7 @@ pub unsafe extern "C" fn rocclReduce(
             dt,
             send,
             recv,
+            premul,
         })
     })
 }
@@ -982,6 +979,7 @@ pub unsafe extern "C" fn rocclAllGather(
             dt,
             send,
             recv,
+            premul: None,
         })
     })
 }
@@ -998,7 +996,7 @@ pub unsafe extern "C" fn rocclReduceScatter(
     stream: *mut c_void,
 ) -> rocclResult_t {
     coll("rocclReduceScatter", comm, stream, datatype, |c, dt| {
-        let op = redop(op)?;
+        let (op, premul) = premul::resolve(op, comm, dt)?;
         let b = count_bytes(recvcount, dt, "recvcount")?;
         let total = count_bytes(
             recvcount.saturating_mul(c.nranks()),
@@ -1014,6 +1012,7 @@ pub unsafe extern "C" fn rocclReduceScatter(
                 dt,
                 send: None,
                 recv: send,
+                premul,
             });
         }
         if send.overlaps(&recv) {
@@ -1026,6 +1025,7 @@ pub unsafe extern "C" fn rocclReduceScatter(
             dt,
             send: Some(send),
             recv,
+            premul,
         })
     })
 }
@@ -1049,6 +1049,7 @@ pub unsafe extern "C" fn rocclAlltoAll(
             dt,
             send,
             recv,
+            premul: None,
         })
     })
 }

@@ -674,6 +674,29 @@ pub unsafe extern "C" fn ncclCommGrow(
     })
 }
 
+/// A reduction that sums each rank's input times `scalar` (capi's premul module).
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: *mut c_void,
+    datatype: c_int,
+    residence: c_int,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    boundary("ncclRedOpCreatePreMulSum", || {
+        // SAFETY: forwarded with the same contract.
+        checked(unsafe { capi::premul::create(op, scalar, datatype, residence, comm) })
+    })
+}
+
+/// Forget an op of ncclRedOpCreatePreMulSum.
+#[no_mangle]
+pub extern "C" fn ncclRedOpDestroy(op: c_int, comm: ncclComm_t) -> ncclResult_t {
+    boundary("ncclRedOpDestroy", || {
+        checked(capi::premul::destroy(op, comm))
+    })
+}
+
 // ---------------------------------------------------------------------------------------
 // What roccl does not have (yet): clear errors
 
@@ -691,12 +714,6 @@ macro_rules! missing {
 }
 
 missing! {
-    /// Not in roccl.
-    fn ncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: ncclComm_t)
-        => "not supported by roccl yet: scale the input and use ncclSum (docs/NCCL.md)";
-    /// Not in roccl.
-    fn ncclRedOpDestroy(op: c_int, comm: ncclComm_t)
-        => "no custom reduction exists in roccl (ncclRedOpCreatePreMulSum is not supported yet)";
     /// Not in roccl.
     fn ncclPutSignal(local: *const c_void, count: usize, datatype: c_int, peer: c_int, win: ncclWindow_t, off: usize, sig: c_int, ctx: c_int, flags: u32, comm: ncclComm_t, stream: ncclStream_t)
         => "one-sided operations are not supported by roccl: use ncclSend/ncclRecv (docs/NCCL.md)";

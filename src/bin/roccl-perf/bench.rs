@@ -342,6 +342,7 @@ impl Bench<'_> {
             dt: self.dt,
             send: (!inplace).then(|| raw(send)),
             recv: raw(recv),
+            premul: None,
         }
     }
 

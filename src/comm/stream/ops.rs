@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::{enqueue_steps, staging, Part, Step, StreamCopy, MAX_STEPS};
-use crate::comm::{Collective, Communicator, Mem, MemMut, P2pMem, Turn};
+use crate::comm::{CallOpts, Collective, Communicator, Mem, MemMut, P2pMem, Turn};
 use crate::device::{Alloc, Device, StreamId};
 use crate::error::{Error, Result};
 use crate::types::DataType;
@@ -79,6 +79,8 @@ pub enum Op {
         send: Option<RawBuf>,
         /// Output.
         recv: RawBuf,
+        /// This rank's pre-multiplier of a sum ([`CallOpts::premul`]).
+        premul: Option<Premul>,
     },
     /// Send `buf` to `peer` (grouped with the other point-to-point operations).
     Send {
@@ -133,6 +135,43 @@ pub fn check_group(ops: &[(Arc<Communicator>, Op)]) -> Result<()> {
     Ok(())
 }
 
+/// The scalar of a pre-multiplied sum ([`CallOpts::premul`]): its value, or the address of
+/// one element that is read when the operation runs (NCCL's `ncclScalarDevice`: a kernel
+/// enqueued before the call on its stream may write it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Premul {
+    /// The element's bytes (the first `dt.size()`).
+    Value([u8; 8]),
+    /// Where the element is: host memory, or memory of the call's GPU runtime.
+    At(usize),
+}
+
+/// The value of `p` for an operation on `dt`, reading an address now (through the runtime
+/// `dev` where the CPU cannot read it).
+///
+/// # Safety
+/// An address is valid for `dt.size()` bytes: host memory, or memory of `dev`.
+unsafe fn premul_value(p: Premul, dt: DataType, dev: Option<&Arc<dyn Device>>) -> Result<[u8; 8]> {
+    let addr = match p {
+        Premul::Value(v) => return Ok(v),
+        Premul::At(a) => a,
+    };
+    let n = dt.size();
+    let mut v = [0u8; 8];
+    if let Some(dev) = dev.filter(|d| d.classify(addr).is_ok_and(|i| !i.host_accessible)) {
+        let staged = dev.alloc_staging(n)?;
+        let s = dev.copy_stream()?;
+        dev.copy_async(s, staged.addr(), addr, n)?;
+        dev.synchronize(s)?;
+        // SAFETY: the copy into the staging buffer (host memory of at least `n` bytes) is done.
+        unsafe { std::ptr::copy_nonoverlapping(staged.addr() as *const u8, v.as_mut_ptr(), n) };
+    } else {
+        // SAFETY: host memory valid for `n` bytes, per the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), n) };
+    }
+    Ok(v)
+}
+
 /// Which buffers of an operation are GPU memory that moves without staging (see
 /// [`Communicator::gpu_direct`]); the others are host-accessible memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -152,6 +191,7 @@ trait Runner {
         dt: DataType,
         s: Option<Mem<'_>>,
         r: MemMut<'_>,
+        premul: Option<[u8; 8]>,
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<()>;
     fn p2p(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()>;
@@ -168,9 +208,14 @@ macro_rules! runner {
                 dt: DataType,
                 s: Option<Mem<'_>>,
                 r: MemMut<'_>,
+                premul: Option<[u8; 8]>,
                 dev: Option<&Arc<dyn Device>>,
             ) -> Result<()> {
-                self.run_mem(coll, dt, s, r, dev).map(|_| ())
+                let opts = CallOpts {
+                    premul,
+                    ..CallOpts::default()
+                };
+                self.run_mem(coll, dt, s, r, &opts, dev).map(|_| ())
             }
             fn p2p(&mut self, ops: &mut [P2pMem<'_>], dev: Option<&Arc<dyn Device>>) -> Result<()> {
                 self.p2p_mem(ops, dev)
@@ -250,9 +295,15 @@ unsafe fn run_one<'a>(
             dt,
             send,
             recv,
+            premul,
         } => {
             let s = send.map(|s| read(s, direct.send));
-            c.coll(coll, dt, s, write(recv, direct.recv), dev)?;
+            // SAFETY: an address of the scalar is valid per the caller's contract.
+            let premul = match premul {
+                Some(p) => Some(unsafe { premul_value(p, dt, dev) }?),
+                None => None,
+            };
+            c.coll(coll, dt, s, write(recv, direct.recv), premul, dev)?;
         }
         Op::Send { peer, buf } => p2p.push(P2pMem::Send {
             peer,
@@ -349,6 +400,7 @@ fn split(op: Op) -> Result<Vec<Op>> {
         dt,
         send,
         recv,
+        premul,
     } = op
     else {
         return Ok(vec![op]);
@@ -371,6 +423,7 @@ fn split(op: Op) -> Result<Vec<Op>> {
             dt,
             send: send.map(|s| part(s, off, len)),
             recv: part(recv, off, len),
+            premul,
         })
         .collect())
 }
