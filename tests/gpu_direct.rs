@@ -411,6 +411,18 @@ fn run(sim: &Arc<SimDevice>, n: usize, cfg: Config, counts: &[usize], expect_dir
                     sim.synchronize(stream).unwrap();
                     assert_eq!(c.async_error(), None, "{what}");
                     check_all(&format!("{what}, 80 buffers in one call:"), checks);
+                    // ncclCommSuspend(NCCL_SUSPEND_MEM): the cached registrations go (they
+                    // pin the GPU memory they name); later calls register again.
+                    let r = c.release_memory();
+                    assert!(
+                        r.registrations > 0,
+                        "{what}: nothing cached to release: {r:?}"
+                    );
+                    assert_eq!(c.release_memory().registrations, 0, "{what}");
+                    let checks = direct_round(&sim, &c, stream, 777, 9);
+                    sim.synchronize(stream).unwrap();
+                    assert_eq!(c.async_error(), None, "{what}");
+                    check_all(&format!("{what}, after release_memory:"), checks);
                 }
                 // A reduction on device memory still goes through staging, in stream order.
                 gate.wait();

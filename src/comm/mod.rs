@@ -42,6 +42,15 @@ pub use queue::{Handle, Turn};
 const MISMATCH_TEXT: &str =
     ": every rank must make the same collective calls, with the same arguments, in the same order";
 
+/// What [`Communicator::release_memory`] gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Cached GPU registrations released.
+    pub registrations: usize,
+    /// Bytes of scratch and idle staging buffers freed.
+    pub bytes: usize,
+}
+
 /// What the cost model chose for a call.
 type Choice = (Algo, Pipeline);
 
@@ -189,6 +198,32 @@ impl Communicator {
     /// sleeping) and returns an error; then the connections are closed.
     pub fn abort(&self) {
         self.abort_with("communicator aborted by the application");
+    }
+
+    /// Give back what this communicator holds for speed and can make again when needed
+    /// (NCCL's `ncclCommSuspend` with `NCCL_SUSPEND_MEM`): its cached GPU registrations
+    /// (which keep the GPU memory they name allocated and pinned, even after the program
+    /// frees it), its scratch buffers, and the process's idle staging buffers. Runs in
+    /// turn, after the calls issued before it. Connections stay open: closing one needs
+    /// its peer's agreement (docs/NCCL.md).
+    pub fn release_memory(&self) -> Released {
+        let mut out = self.with_turn(|state| {
+            let mut out = Released::default();
+            let mut i = 0;
+            while i < state.links.dev_cache.len() {
+                if state.links.drop_cached(i) {
+                    out.registrations += 1;
+                } else {
+                    i += 1;
+                }
+            }
+            out.bytes = state.premul.capacity() + 8 * state.stage.capacity();
+            state.premul = Vec::new();
+            state.stage = Vec::new();
+            out
+        });
+        out.bytes += stream::release_idle_staging();
+        out
     }
 
     /// [`Communicator::abort`], leaving `why` as the communicator's error.

@@ -1162,10 +1162,10 @@ fn quiesce(c: &Communicator) -> R {
     })
 }
 
-/// Suspend `comm`: wait for its outstanding work, then refuse calls until [`resume`]. roccl
-/// keeps no GPU memory per communicator (staging buffers belong to the process and are
-/// released when idle), so `NCCL_SUSPEND_MEM` has nothing more to free; connections stay
-/// open, so resuming costs nothing.
+/// Suspend `comm`: wait for its outstanding work, then refuse calls until [`resume`]. With
+/// `NCCL_SUSPEND_MEM` it releases its cached GPU registrations, scratch and the process's
+/// idle staging buffers ([`Communicator::release_memory`]); connections stay open, so
+/// resuming costs nothing but registering again.
 pub fn suspend(comm: rocclComm_t, flags: c_int) -> rocclResult_t {
     guard("ncclCommSuspend", || {
         if flags & !1 != 0 {
@@ -1178,6 +1178,15 @@ pub fn suspend(comm: rocclComm_t, flags: c_int) -> rocclResult_t {
         let h = lookup(comm)?;
         if h.suspended.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return Err(usage("the communicator is already suspended"));
+        }
+        if flags & 1 != 0 {
+            let r = c.release_memory();
+            roccl_core::info!(
+                "ncclCommSuspend(NCCL_SUSPEND_MEM): rank {} released {} cached GPU registrations and {} bytes of buffers",
+                c.rank(),
+                r.registrations,
+                r.bytes
+            );
         }
         Ok(())
     })

@@ -119,10 +119,11 @@ struct Slots {
     staging: StagingPool,
 }
 
+/// One table of slots per process and backend (a process uses one GPU runtime).
+static SLOTS_OF: std::sync::OnceLock<Mutex<Vec<(&'static str, &'static Slots)>>> =
+    std::sync::OnceLock::new();
+
 fn slots(dev: &dyn Device) -> Result<&'static Slots> {
-    // One table per process and backend (a process uses one GPU runtime).
-    static SLOTS_OF: std::sync::OnceLock<Mutex<Vec<(&'static str, &'static Slots)>>> =
-        std::sync::OnceLock::new();
     let table = SLOTS_OF.get_or_init(|| Mutex::new(Vec::new()));
     let mut t = table.lock();
     if let Some((_, s)) = t.iter().find(|(n, _)| *n == dev.name()) {
@@ -222,6 +223,23 @@ pub struct Step {
     pub parts: Vec<(Arc<Communicator>, Part)>,
     /// Copies after the step.
     pub after: Vec<StreamCopy>,
+}
+
+/// Free the staging buffers no stream-ordered call uses (of every device this process
+/// used); returns their bytes. Buffers in use stay, and the pool grows again on demand.
+pub fn release_idle_staging() -> usize {
+    let Some(table) = SLOTS_OF.get() else {
+        return 0;
+    };
+    let mut bytes = 0;
+    for (_, s) in table.lock().iter() {
+        for (slot, g) in s.staging.sweep() {
+            s.give(slot, g);
+        }
+        let idle = std::mem::take(&mut *s.staging.free.lock());
+        bytes += idle.iter().map(|b| b.len()).sum::<usize>();
+    }
+    bytes
 }
 
 /// A staging buffer of at least `bytes` bytes from the device's pool.
