@@ -173,6 +173,69 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
         }
     });
 
+    // 2b. The live view (roccl-info --watch): per-peer round-trip time (TCP's, read from
+    // the socket), a send throughput estimate from the big sends, rates between two looks.
+    let id = UniqueId::new().unwrap();
+    run_ranks_of(id, 2, cfg(NetKind::Tcp), |c| {
+        let hex = comm_hex(&c);
+        let burst = |c: &Communicator| {
+            for _ in 0..20 {
+                match c.rank() {
+                    0 => c.send(&vec![1u8; 1 << 20], 1).unwrap(),
+                    _ => c.recv(&mut vec![0u8; 1 << 20], 0).unwrap(),
+                }
+            }
+        };
+        burst(&c);
+        c.barrier().unwrap();
+        let addr = roccl::metrics::http::address().unwrap().to_string();
+        let before =
+            (c.rank() == 0).then(|| roccl::tool::watch::snapshot(std::slice::from_ref(&addr)));
+        burst(&c);
+        c.barrier().unwrap();
+        if let Some(before) = before {
+            let after = roccl::tool::watch::snapshot(&[addr]);
+            let view = roccl::tool::watch::render(Some(&before), &after);
+            let block: String = view
+                .split("communicator ")
+                .find(|b| b.starts_with(&hex))
+                .unwrap_or_else(|| panic!("{view}"))
+                .to_string();
+            let row = block
+                .lines()
+                .find(|l| l.split_whitespace().take(2).eq(["0", "1"]))
+                .unwrap_or_else(|| panic!("no row of rank 0 to peer 1:\n{view}"));
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            assert!(row.contains(" us ") && row.contains("B/s"), "{row}\n{view}");
+            // 20 MiB moved between the two looks.
+            assert!(
+                cols.iter()
+                    .any(|c| c.starts_with("MB") || c.starts_with("GB")),
+                "{row}"
+            );
+            let status: serde_json::Value =
+                serde_json::from_str(&get(roccl::metrics::http::address().unwrap(), "/status"))
+                    .unwrap();
+            let me = status["communicators"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|x| x["comm"] == hex.as_str() && x["rank"] == 0)
+                .cloned()
+                .unwrap();
+            let peer = &me["peers"][0];
+            assert_eq!(peer["rank"], 1, "{me}");
+            assert_eq!(peer["bytes_sent"], 40u64 << 20, "{me}");
+            let rtt = peer["rtt_s"].as_f64().expect("an RTT from the TCP socket");
+            assert!(rtt > 0.0 && rtt < 1.0, "{me}");
+            let bps = peer["send_throughput_Bps"]
+                .as_f64()
+                .expect("a throughput estimate");
+            assert!(bps > 1e7, "{me}");
+        }
+        c.barrier().unwrap();
+    });
+
     // 3. A call that waits: /status names the peer it waits on, and the stuck warning
     // fires (ROCCL_STUCK_WARN=0.3).
     let id = UniqueId::new().unwrap();

@@ -269,6 +269,35 @@ fn main() -> ExitCode {
             roccl::tool::print_line(format_args!("{}", r.trim_end()));
             return ExitCode::SUCCESS;
         }
+        ["--watch", rest @ ..] if !rest.is_empty() => {
+            let mut addrs = Vec::new();
+            let (mut interval, mut count) = (std::time::Duration::from_secs(1), None);
+            let mut it = rest.iter();
+            while let Some(&a) = it.next() {
+                match a {
+                    "--interval" | "--count" => {
+                        let v = it.next().and_then(|v| v.parse::<f64>().ok());
+                        match (a, v) {
+                            ("--interval", Some(s)) if s > 0.0 && s < 86400.0 => {
+                                interval = std::time::Duration::from_secs_f64(s)
+                            }
+                            ("--count", Some(c)) if c >= 1.0 => count = Some(c as u64),
+                            _ => {
+                                errln!("roccl-info: {a} needs a positive number (--interval seconds, --count refreshes)");
+                                return ExitCode::from(2);
+                            }
+                        }
+                    }
+                    _ => addrs.push(a.to_string()),
+                }
+            }
+            if addrs.is_empty() {
+                errln!("roccl-info --watch: give the ranks' ROCCL_METRICS_ADDR endpoints");
+                return ExitCode::from(2);
+            }
+            roccl::tool::watch::run(&addrs, interval, count);
+            return ExitCode::SUCCESS;
+        }
         ["--listen", a] | ["--peer", a] => {
             return match link_test(args[0] == "--listen", a) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -279,7 +308,7 @@ fn main() -> ExitCode {
             };
         }
         _ => {
-            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)\n       roccl-info --status ADDR...    which rank the others wait for, from the ranks' ROCCL_METRICS_ADDR endpoints");
+            errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)\n       roccl-info --status ADDR...    which rank the others wait for, from the ranks' ROCCL_METRICS_ADDR endpoints\n       roccl-info --watch ADDR... [--interval S] [--count N]   per-peer round-trip time, throughput and rates, refreshed");
             return ExitCode::from(2);
         }
     }

@@ -98,6 +98,8 @@ pub(crate) struct Links {
     pub device_mem: Vec<Option<bool>>,
     /// GPU buffers registered through their dmabufs, kept across calls (see [`DevCached`]).
     pub dev_cache: Vec<DevCached>,
+    /// Sends completed (the peer's round-trip time is read every `metrics::RTT_EVERY`).
+    pub sends_done: u64,
     /// Clock of `dev_cache` uses (least recently used goes first).
     pub dev_clock: u64,
     /// Number of the executor's current call (entries it uses are never released).
@@ -174,6 +176,7 @@ impl Links {
             scratch_users: Vec::with_capacity(64),
             device_mem: vec![None; nranks],
             dev_cache: Vec::new(),
+            sends_done: 0,
             dev_clock: 0,
             dev_epoch: 0,
             local_pids: vec![None; nranks],

@@ -546,9 +546,14 @@ impl<'a> Exec<'a> {
             active: true,
             done: false,
             size: 0,
-            posted: match self.links.metrics.as_ref().and_then(|m| m.trace()) {
-                Some(_) => crate::metrics::now_ns(),
-                None => 0,
+            // Timed where traced, and big sends for the throughput estimate.
+            posted: match &self.links.metrics {
+                Some(mt)
+                    if mt.trace().is_some() || (send && m.1 >= crate::metrics::THROUGHPUT_MIN) =>
+                {
+                    crate::metrics::now_ns()
+                }
+                _ => 0,
             },
         };
         self.inflight += 1;
@@ -843,16 +848,30 @@ impl<'a> Exec<'a> {
                 self.ops[i].done = true;
                 self.inflight -= 1;
                 any = true;
+                // The transport's round-trip time, read once in a while (a system call on TCP).
+                let mut rtt = None;
+                if o.send && self.links.metrics.is_some() {
+                    self.links.sends_done = self.links.sends_done.wrapping_add(1);
+                    if self.links.sends_done % crate::metrics::RTT_EVERY == 1 {
+                        rtt = self.links.send_comm(peer, ch)?.rtt();
+                    }
+                }
                 if let Some(m) = &self.links.metrics {
                     let size = self.ops[i].size;
+                    let dur = || crate::metrics::now_ns().saturating_sub(o.posted);
                     if o.send {
                         m.sent(peer, size);
+                        if o.posted != 0 && size >= crate::metrics::THROUGHPUT_MIN {
+                            m.throughput(peer, size, dur());
+                        }
+                        if let Some(rtt) = rtt {
+                            m.rtt(peer, rtt);
+                        }
                     } else {
                         m.received(peer, size);
                     }
                     if let Some(t) = m.trace() {
-                        let dur = crate::metrics::now_ns().saturating_sub(o.posted);
-                        t.message(o.send, peer, size, o.posted, dur);
+                        t.message(o.send, peer, size, o.posted, dur());
                     }
                 }
             }

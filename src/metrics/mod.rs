@@ -56,7 +56,19 @@ pub struct PeerCounters {
     pub messages_sent: AtomicU64,
     /// Completed receives.
     pub messages_received: AtomicU64,
+    /// The connection's round-trip time as its transport last reported it (TCP's smoothed
+    /// RTT, the RoCE engine's), nanoseconds; 0 until known. Read every [`RTT_EVERY`] sends.
+    pub rtt_ns: AtomicU64,
+    /// Running estimate of the send throughput to the peer, bytes per second: sends of
+    /// [`THROUGHPUT_MIN`] bytes or more, from post to completion, averaged with weight 1/8.
+    pub throughput_bps: AtomicU64,
 }
+
+/// The peer's round-trip time is read from the transport once per this many sends.
+pub const RTT_EVERY: u64 = 64;
+/// Smallest send whose time counts toward the throughput estimate (smaller ones measure
+/// latency, not bandwidth).
+pub const THROUGHPUT_MIN: usize = 64 << 10;
 
 /// One (kind, algorithm)'s calls.
 #[derive(Default)]
@@ -175,6 +187,31 @@ impl CommMetrics {
             bump(&p.bytes_sent, bytes as u64);
             bump(&p.messages_sent, 1);
         }
+    }
+
+    /// The transport's round-trip time to `peer`.
+    #[inline]
+    pub fn rtt(&self, peer: usize, rtt: std::time::Duration) {
+        if let Some(p) = self.peers.get(peer) {
+            p.rtt_ns.store(rtt.as_nanos() as u64, Relaxed);
+        }
+    }
+
+    /// A send of `bytes` (at least [`THROUGHPUT_MIN`]) to `peer` took `nanos` from post to
+    /// completion.
+    #[inline]
+    pub fn throughput(&self, peer: usize, bytes: usize, nanos: u64) {
+        let Some(p) = self.peers.get(peer) else {
+            return;
+        };
+        let bps = (bytes as u128 * 1_000_000_000 / u128::from(nanos.max(1))) as u64;
+        let old = p.throughput_bps.load(Relaxed);
+        let new = if old == 0 {
+            bps
+        } else {
+            old - old / 8 + bps / 8
+        };
+        p.throughput_bps.store(new, Relaxed);
     }
 
     /// A completed receive of `bytes` from `peer`.
@@ -424,6 +461,36 @@ pub fn prometheus() -> String {
             }
         });
     }
+    type PeerGauge = fn(&PeerCounters) -> Option<f64>;
+    let peer_gauges: [(&str, &str, PeerGauge); 2] = [
+        (
+            "roccl_peer_rtt_seconds",
+            "Round-trip time to each peer as its transport measures it (TCP's smoothed RTT, the RoCE engine's); absent until known.",
+            |p| match p.rtt_ns.load(Relaxed) {
+                0 => None,
+                v => Some(v as f64 / 1e9),
+            },
+        ),
+        (
+            "roccl_peer_send_throughput_bytes_per_second",
+            "Running estimate of the send throughput to each peer (sends of 64 KiB or more, post to completion); absent until one.",
+            |p| match p.throughput_bps.load(Relaxed) {
+                0 => None,
+                v => Some(v as f64),
+            },
+        ),
+    ];
+    for (name, help, pick) in peer_gauges {
+        family(name, help, "gauge", &mut |o| {
+            for m in &comms {
+                for (peer, p) in m.peers.iter().enumerate() {
+                    if let (true, Some(v)) = (peer != m.rank, pick(p)) {
+                        let _ = writeln!(o, "{name}{{{},peer=\"{peer}\"}} {v}", base(m));
+                    }
+                }
+            }
+        });
+    }
     family(
         "roccl_call_waiting_seconds",
         "How long the call in flight has waited without progress (0: none).",
@@ -504,13 +571,35 @@ pub fn status() -> serde_json::Value {
                     "waiting_on": f.waiting.lock().clone(),
                 })
             });
+            let peers: Vec<serde_json::Value> = m
+                .peers
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| *r != m.rank)
+                .map(|(r, p)| {
+                    let rtt = p.rtt_ns.load(Relaxed);
+                    let bps = p.throughput_bps.load(Relaxed);
+                    serde_json::json!({
+                        "rank": r,
+                        "bytes_sent": p.bytes_sent.load(Relaxed),
+                        "bytes_received": p.bytes_received.load(Relaxed),
+                        "messages_sent": p.messages_sent.load(Relaxed),
+                        "messages_received": p.messages_received.load(Relaxed),
+                        "rtt_s": (rtt != 0).then(|| rtt as f64 / 1e9),
+                        "send_throughput_Bps": (bps != 0).then_some(bps),
+                    })
+                })
+                .collect();
+            let calls: u64 = m.calls.iter().map(|c| c.calls.load(Relaxed)).sum();
             serde_json::json!({
                 "rank": m.rank,
                 "nranks": m.nranks,
                 "comm": format!("{:016x}", m.comm),
                 "network": m.net,
                 "pid": std::process::id(),
+                "calls": calls,
                 "in_flight": inflight,
+                "peers": peers,
             })
         })
         .collect();

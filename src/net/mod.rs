@@ -367,6 +367,11 @@ pub trait SendComm: Send {
     fn local_fault(&self) -> Option<String> {
         None
     }
+    /// The connection's current round-trip time as the transport measures it (TCP's
+    /// smoothed RTT, the RoCE engine's), where it has one.
+    fn rtt(&self) -> Option<std::time::Duration> {
+        None
+    }
 
     /// The receiving side of this connection for messages the peer sends back through its
     /// [`RecvComm::reverse`] (on networks where [`Net::duplex`] says so; once per

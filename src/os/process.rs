@@ -165,6 +165,25 @@ pub fn loopback_peer_uid(local: std::net::SocketAddr, peer: std::net::SocketAddr
         .then(|| u32::from_ne_bytes(reply[80..84].try_into().unwrap()))
 }
 
+/// The kernel's smoothed round-trip time of the TCP socket `fd` (`TCP_INFO`'s `tcpi_rtt`),
+/// or `None` when it cannot say.
+pub fn tcp_rtt(fd: i32) -> Option<std::time::Duration> {
+    // SAFETY: tcp_info is plain data; all zero is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is writable storage of `len` bytes; the kernel writes at most `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && info.tcpi_rtt > 0).then(|| std::time::Duration::from_micros(info.tcpi_rtt as u64))
+}
+
 #[cfg(test)]
 mod peer_tests {
     /// The other end of a loopback connection of this process is this user's.

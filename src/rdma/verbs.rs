@@ -128,6 +128,12 @@ pub trait Verbs: Send + Sync {
     }
     /// Whether the peer has acknowledged every send posted on `qp` (nothing to drain at
     /// close). `false` where the provider cannot tell (a NIC): the close then drains.
+    /// The queue pair's smoothed round-trip time, where the provider measures one (the
+    /// userspace engine does, from its acknowledgements; a NIC does not say).
+    fn qp_rtt(&self, _qp: QpId) -> Option<std::time::Duration> {
+        None
+    }
+
     fn sends_acknowledged(&self, qp: QpId) -> bool {
         let _ = qp;
         false

@@ -1,9 +1,10 @@
 //! Helpers of roccl's command-line tools (`roccl-perf`, `roccl-info`): output that ends the
 //! tool quietly when its standard output is closed (`roccl-perf | head`), and the launcher of
-//! `roccl-perf --ranks N` (`launch`), and `roccl-info --status` (`status`).
+//! `roccl-perf --ranks N` (`launch`), `roccl-info --status` (`status`) and `roccl-info --watch` (`watch`).
 
 pub mod launch;
 pub mod status;
+pub mod watch;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};

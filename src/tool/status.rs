@@ -9,12 +9,13 @@ use serde_json::Value;
 
 /// One rank's view: its communicators (from one endpoint, which may serve several ranks of
 /// one process).
-struct Seen {
-    from: String,
-    comms: Vec<Value>,
+pub(crate) struct Seen {
+    pub(crate) from: String,
+    pub(crate) comms: Vec<Value>,
 }
 
-fn fetch(addr: &str) -> Result<Seen, String> {
+/// The `/status` of the endpoint `addr` (`host:port` or a URL).
+pub(crate) fn fetch(addr: &str) -> Result<Seen, String> {
     let url = if addr.starts_with("http://") {
         format!("{}/status", addr.trim_end_matches('/'))
     } else {

@@ -284,6 +284,10 @@ impl SendComm for RoceSend {
         self.verbs.local_fault()
     }
 
+    fn rtt(&self) -> Option<std::time::Duration> {
+        self.verbs.qp_rtt(self.qp)
+    }
+
     fn abandon(&mut self) {
         // Closing after a failure or an abort: no drain (the peer may be the failure).
         self.failed

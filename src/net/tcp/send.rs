@@ -124,6 +124,10 @@ impl TcpSendComm {
 }
 
 impl SendComm for TcpSendComm {
+    fn rtt(&self) -> Option<std::time::Duration> {
+        crate::os::process::tcp_rtt(*self.fds.first()?)
+    }
+
     unsafe fn isend(
         &mut self,
         data: *const u8,

@@ -680,6 +680,11 @@ impl Engine {
         self.qp(qpn).map_or(true, |q| q.sq.is_empty())
     }
 
+    /// A QP's smoothed round-trip time (from acknowledged sends; `None` before the first).
+    pub fn qp_rtt(&mut self, qpn: Qpn) -> Option<Duration> {
+        self.qp(qpn).ok().and_then(|q| q.srtt)
+    }
+
     /// State of a QP.
     pub fn qp_state(&mut self, qpn: Qpn) -> Result<QpState> {
         Ok(self.qp(qpn)?.state)

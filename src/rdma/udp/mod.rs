@@ -1264,6 +1264,10 @@ impl Verbs for UserVerbs {
     fn sends_acknowledged(&self, qp: QpId) -> bool {
         self.d.lock().engine.sends_acknowledged(qpn(qp))
     }
+
+    fn qp_rtt(&self, qp: QpId) -> Option<std::time::Duration> {
+        self.d.lock().engine.qp_rtt(qpn(qp))
+    }
 }
 
 #[cfg(test)]
