@@ -144,14 +144,24 @@ pub fn render(prev: Option<&Snapshot>, cur: &Snapshot) -> String {
                 );
             }
             let f = &c["in_flight"];
+            let on: Vec<u64> = f["waiting_on"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
             if !f.is_null() {
                 let _ = writeln!(
                     out,
-                    "  rank {rank} ({from}): in {} of {} bytes, waiting {:.1} s on {}",
+                    "  rank {rank} ({from}): in {} of {} bytes, {}",
                     f["collective"].as_str().unwrap_or("?"),
                     f["bytes"],
-                    f["waiting_s"].as_f64().unwrap_or(0.0),
-                    f["waiting_on"]
+                    if on.is_empty() {
+                        "running".to_string()
+                    } else {
+                        format!(
+                            "waiting {:.1} s on rank(s) {on:?}",
+                            f["waiting_s"].as_f64().unwrap_or(0.0)
+                        )
+                    }
                 );
             }
         }
