@@ -619,3 +619,70 @@ fn a_rank_killed_during_init_leaves_no_segment() {
         assert!(!seg(r).exists(), "{} left behind", seg(r).display());
     }
 }
+
+/// A rank stopped with SIGSTOP (a debugger, a hung node): the others' `/status` says they
+/// wait on it, and `roccl-info --status` (and `--watch`) over every rank's endpoint names it
+/// and says its own endpoint does not answer.
+#[test]
+fn a_stopped_rank_is_named_by_the_status_of_the_others() {
+    let id = roccl::UniqueId::new().unwrap();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut kids: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(PERF)
+                .args(["-b", "8", "-e", "8", "-n", "100000000", "-w", "0", "-c", "0"])
+                .args(["--net", "tcp"])
+                .env("ROCCL_UNIQUE_ID", id.to_hex())
+                .env("ROCCL_RANK", r.to_string())
+                .env("ROCCL_NRANKS", "3")
+                .env("ROCCL_TIMEOUT", "60")
+                .env("ROCCL_METRICS_ADDR", format!("127.0.0.1:{}", ports[r]))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    // Running: every endpoint answers, and no rank waits for long.
+    let t = Instant::now();
+    loop {
+        let r = roccl::tool::status::report(&addrs);
+        if r.matches("communicator ").count() == 1 && !r.contains("no answer") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "the job did not start:\n{r}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // SAFETY: kill has no memory effects; the pid is our child's.
+    assert_eq!(unsafe { libc::kill(kids[2].id() as i32, libc::SIGSTOP) }, 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let info = env!("CARGO_BIN_EXE_roccl-info");
+    let out = Command::new(info).arg("--status").args(&addrs).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let watch = Command::new(info)
+        .arg("--watch")
+        .args(&addrs)
+        .args(["--count", "1"])
+        .output()
+        .unwrap();
+    let view = String::from_utf8_lossy(&watch.stdout).into_owned();
+    for k in &mut kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("{}: no answer", addrs[2])),
+        "the stopped rank's endpoint:\n{text}"
+    );
+    assert!(
+        text.contains("=> rank 2 is waited on by rank(s)") && text.contains("did not answer"),
+        "{text}"
+    );
+    assert!(text.contains("all_reduce of 8 bytes"), "{text}");
+    assert!(
+        view.contains(&format!("{}: no answer", addrs[2])) && view.contains("waiting"),
+        "{view}"
+    );
+}
