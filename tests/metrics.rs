@@ -133,6 +133,15 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
                     assert!(s > 0.0, "{a} -> {b} moved nothing");
                 }
             }
+            // The TCP network's own counters: every rank set up connections.
+            let conns = samples(&t, "roccl_net_connections_total", &comm);
+            for r in ["0", "1", "2"] {
+                assert!(
+                    sum(&conns, &[("rank", r), ("network", "tcp")]) >= 2.0,
+                    "rank {r}\n{t}"
+                );
+            }
+            assert!(t.contains("roccl_net_short_writes_total{"), "{t}");
             let status: serde_json::Value = serde_json::from_str(&get(addr, "/status")).unwrap();
             let mine: Vec<_> = status["communicators"]
                 .as_array()
@@ -232,6 +241,38 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
                 .as_f64()
                 .expect("a throughput estimate");
             assert!(bps > 1e7, "{me}");
+        }
+        c.barrier().unwrap();
+    });
+
+    // 2c. Shared memory's own counters: a receiver that waits long enough sleeps and its
+    // sender rings its doorbell; a collective through the shared segments that waits sleeps
+    // on a futex and the late rank wakes it.
+    let id = UniqueId::new().unwrap();
+    run_ranks_of(id, 2, cfg(NetKind::Shm), |c| {
+        let hex = comm_hex(&c);
+        let mut b = [0u8; 64];
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+            c.send(&b, 0).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+        } else {
+            c.recv(&mut b, 1).unwrap();
+        }
+        let mut v = [1f32; 16];
+        c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+        assert_eq!(v, [2f32; 16]);
+        c.barrier().unwrap();
+        if c.rank() == 0 {
+            let t = get(roccl::metrics::http::address().unwrap(), "/metrics");
+            let n = |name: &str, r: &str| {
+                sum(&samples(&t, name, &hex), &[("rank", r), ("network", "shm")])
+            };
+            assert!(n("roccl_net_sleeps_total", "0") >= 1.0, "{t}");
+            assert!(n("roccl_net_wakeups_total", "1") >= 1.0, "{t}");
+            assert!(c.shm_collectives(), "no shared segments");
+            assert!(n("roccl_net_node_sleeps_total", "0") >= 1.0, "{t}");
+            assert!(n("roccl_net_node_wakeups_total", "1") >= 1.0, "{t}");
         }
         c.barrier().unwrap();
     });

@@ -630,7 +630,18 @@ fn a_stopped_rank_is_named_by_the_status_of_the_others() {
     let mut kids: Vec<_> = (0..3)
         .map(|r| {
             Command::new(PERF)
-                .args(["-b", "8", "-e", "8", "-n", "100000000", "-w", "0", "-c", "0"])
+                .args([
+                    "-b",
+                    "8",
+                    "-e",
+                    "8",
+                    "-n",
+                    "100000000",
+                    "-w",
+                    "0",
+                    "-c",
+                    "0",
+                ])
                 .args(["--net", "tcp"])
                 .env("ROCCL_UNIQUE_ID", id.to_hex())
                 .env("ROCCL_RANK", r.to_string())
@@ -651,14 +662,21 @@ fn a_stopped_rank_is_named_by_the_status_of_the_others() {
         if r.matches("communicator ").count() == 1 && !r.contains("no answer") {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(30), "the job did not start:\n{r}");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the job did not start:\n{r}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     // SAFETY: kill has no memory effects; the pid is our child's.
     assert_eq!(unsafe { libc::kill(kids[2].id() as i32, libc::SIGSTOP) }, 0);
     std::thread::sleep(Duration::from_millis(1500));
     let info = env!("CARGO_BIN_EXE_roccl-info");
-    let out = Command::new(info).arg("--status").args(&addrs).output().unwrap();
+    let out = Command::new(info)
+        .arg("--status")
+        .args(&addrs)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let watch = Command::new(info)
         .arg("--watch")

@@ -325,6 +325,22 @@ impl Communicator {
                 }),
             );
         }
+        if let Some(n) = &node {
+            let s = std::sync::Arc::clone(&n.stats);
+            metrics.add_net_source(
+                "shm",
+                Box::new(move |out| {
+                    out.push((
+                        "node_sleeps",
+                        s.sleeps.load(std::sync::atomic::Ordering::Relaxed),
+                    ));
+                    out.push((
+                        "node_wakeups",
+                        s.wakeups.load(std::sync::atomic::Ordering::Relaxed),
+                    ));
+                }),
+            );
+        }
         links.metrics = Some(metrics);
         links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
             s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),

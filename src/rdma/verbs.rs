@@ -11,6 +11,48 @@ pub use super::mem::Access;
 use crate::error::Result;
 use crate::os::wait::PollFd;
 
+/// Completions in error, by status, as a provider counts them ([`Verbs::completion_error`])
+/// and reports them among its counters (`completion_errors_<status>`).
+#[derive(Default)]
+pub struct WcErrors([std::sync::atomic::AtomicU64; 32]);
+
+/// Counter names by status number (libibverbs' numbering).
+const WC_ERROR_NAMES: [(WcStatus, &str); 15] = [
+    (WcStatus::LocLenErr, "completion_errors_loc_len"),
+    (WcStatus::LocQpOpErr, "completion_errors_loc_qp_op"),
+    (WcStatus::LocProtErr, "completion_errors_loc_prot"),
+    (WcStatus::WrFlushErr, "completion_errors_wr_flush"),
+    (WcStatus::BadRespErr, "completion_errors_bad_resp"),
+    (WcStatus::LocAccessErr, "completion_errors_loc_access"),
+    (WcStatus::RemInvReqErr, "completion_errors_rem_inv_req"),
+    (WcStatus::RemAccessErr, "completion_errors_rem_access"),
+    (WcStatus::RemOpErr, "completion_errors_rem_op"),
+    (WcStatus::RetryExcErr, "completion_errors_retry_exc"),
+    (WcStatus::RnrRetryExcErr, "completion_errors_rnr_retry_exc"),
+    (WcStatus::RemAbortErr, "completion_errors_rem_abort"),
+    (WcStatus::FatalErr, "completion_errors_fatal"),
+    (WcStatus::GeneralErr, "completion_errors_general"),
+    (WcStatus::Success, "completion_errors_other"),
+];
+
+impl WcErrors {
+    /// One completion in error with `status`.
+    pub fn note(&self, status: WcStatus) {
+        let i = (status as usize).min(31);
+        self.0[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Append the statuses seen (every one when `all`), as counters.
+    pub fn report(&self, out: &mut Vec<(&'static str, u64)>, all: bool) {
+        for (s, name) in WC_ERROR_NAMES {
+            let v = self.0[(s as usize).min(31)].load(std::sync::atomic::Ordering::Relaxed);
+            if all || v > 0 {
+                out.push((name, v));
+            }
+        }
+    }
+}
+
 /// The top bit of a work request id belongs to the provider (the NIC provider marks the
 /// sends it signals on its own with it and hides their completions): ids the network posts
 /// stay below it, and the NIC provider refuses any that does not.
@@ -77,6 +119,11 @@ pub trait Verbs: Send + Sync {
     /// retransmissions, NAKs, timeouts, drops... Providers without counters add none.
     fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
         let _ = out;
+    }
+    /// A completion of this provider came back in error with `status` (the network saw it):
+    /// counted, for [`Verbs::counters`].
+    fn completion_error(&self, status: WcStatus) {
+        let _ = status;
     }
     /// Give registration `mr` the rights `access` and new keys, after which its old rkey
     /// reaches nothing (`ibv_rereg_mr` with `IBV_REREG_MR_CHANGE_ACCESS`, plus a new key):

@@ -326,6 +326,16 @@ pub(crate) struct Node {
     /// Counters published since the last [`Node::flush_wakes`] (a bit per counter word)
     /// whose sleepers have not been looked for yet.
     unwoken: Cell<u8>,
+    /// Futex sleeps and wakes of this rank (`metrics`: `roccl_net_node_sleeps_total`, …).
+    pub(crate) stats: std::sync::Arc<NodeStats>,
+}
+
+/// What the shared-memory collectives count: waits that slept on a futex, and futex wakes
+/// of sleeping peers.
+#[derive(Default)]
+pub(crate) struct NodeStats {
+    pub(crate) sleeps: std::sync::atomic::AtomicU64,
+    pub(crate) wakeups: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: the mappings are plain shared memory; all cross-rank access goes through the
@@ -483,6 +493,7 @@ impl Node {
             calls64: 0,
             tag: 0,
             unwoken: Cell::new(0),
+            stats: std::sync::Arc::default(),
         }))
     }
 
@@ -804,6 +815,7 @@ impl Node {
         let words = [&h.arrive[0].word, &h.arrive[1].word, &h.result, &h.done];
         for (i, w) in words.into_iter().enumerate() {
             if bits & (1 << i) != 0 {
+                self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
                 futex_wake(w);
             }
         }
@@ -932,6 +944,7 @@ impl Node {
             sleepers.fetch_add(1, Ordering::SeqCst);
             let v = word.load(Ordering::SeqCst);
             if !self.passed(c, v, k) {
+                self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
                 futex_wait(word, v as u32, w.nap);
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);

@@ -242,6 +242,7 @@ const EMPTY_WC: Wc = Wc {
 };
 
 fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
+    verbs.completion_error(w.status);
     let hint = crate::rdma::hints::wc_hint(w.status, &verbs.name(), &peer.ip().to_string());
     let hint = if hint.is_empty() {
         String::new()

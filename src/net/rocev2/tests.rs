@@ -1022,4 +1022,11 @@ fn completion_errors_carry_their_cause() {
         )),
         ErrorKind::Other
     );
+    // Each is counted by status, for the metrics endpoint.
+    let mut c = Vec::new();
+    verbs.counters(&mut c);
+    let get = |n: &str| c.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
+    assert_eq!(get("completion_errors_retry_exc"), Some(1), "{c:?}");
+    assert_eq!(get("completion_errors_rem_access"), Some(1), "{c:?}");
+    assert_eq!(get("completion_errors_wr_flush"), Some(0), "{c:?}");
 }

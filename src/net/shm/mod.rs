@@ -31,6 +31,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::{
     Connecting, ListenComm, Liveness, MemHandle, Net, NetHandle, NetProperties, PollFd, PtrSupport,
@@ -198,6 +199,8 @@ fn always_ready() -> i32 {
 
 /// The shared-memory network.
 pub struct ShmNet {
+    /// Its counters ([`Net::counters`]), shared with its connections.
+    stats: Arc<ShmStats>,
     host: [u8; 16],
     ring: usize,
     /// Direct (single-copy) messages from this size on (usize::MAX: never).
@@ -210,6 +213,7 @@ impl ShmNet {
     /// Open (`ROCCL_SHM_RING` sets the ring size).
     pub fn new() -> Result<ShmNet> {
         Ok(ShmNet {
+            stats: Arc::default(),
             host: host_id(),
             ring: ring_size()?,
             cma: cma_threshold(),
@@ -369,6 +373,7 @@ impl Net for ShmNet {
         Ok((
             NetHandle::from_bytes(&h)?,
             Box::new(ShmListen {
+                stats: Arc::clone(&self.stats),
                 key,
                 seen: super::SeenTags::new(),
                 l,
@@ -380,6 +385,13 @@ impl Net for ShmNet {
 
     fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
         self.key.set(key);
+    }
+
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        out.extend([
+            ("sleeps", self.stats.sleeps.load(Ordering::Relaxed)),
+            ("wakeups", self.stats.wakeups.load(Ordering::Relaxed)),
+        ]);
     }
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
@@ -414,6 +426,7 @@ impl Net for ShmNet {
         side.queue(&key.tag(&[&msg]));
         side.expect(1);
         Ok(Box::new(ShmConnecting {
+            stats: Arc::clone(&self.stats),
             side,
             seg: Some(seg),
             name: cname,
@@ -430,7 +443,17 @@ pub(crate) fn handle_with_port(h: &NetHandle, port: u16) -> NetHandle {
     NetHandle::from_bytes(&b).unwrap()
 }
 
+/// What a shared-memory network counts (`roccl_net_*_total{network="shm"}`): waits where
+/// a side raised its sleeping flag before sleeping in `poll(2)`, and doorbells rung to wake
+/// a sleeping peer.
+#[derive(Default)]
+struct ShmStats {
+    sleeps: AtomicU64,
+    wakeups: AtomicU64,
+}
+
 struct ShmConnecting {
+    stats: Arc<ShmStats>,
     side: Side,
     seg: Option<Segment>,
     name: CString,
@@ -460,6 +483,7 @@ impl Connecting for ShmConnecting {
             .map_err(|e| Error::sys("dup of the shared-memory setup socket", e))?;
         let cma = self.side.inb.first() == Some(&2);
         Ok(Some(Box::new(ShmSend {
+            stats: Arc::clone(&self.stats),
             seg,
             direct_from: if cma { self.cma } else { usize::MAX },
             direct_sent: 0,
@@ -481,6 +505,7 @@ impl Connecting for ShmConnecting {
 }
 
 struct ShmListen {
+    stats: Arc<ShmStats>,
     /// The key name messages are authenticated with.
     key: crate::bootstrap::auth::JobKey,
     /// Tags of the name messages accepted (a replayed one is refused).
@@ -587,6 +612,7 @@ impl ListenComm for ShmListen {
                 continue;
             }
             return Ok(Some(Box::new(ShmRecv {
+                stats: Arc::clone(&self.stats),
                 seg,
                 pid: pid as i32,
                 direct_seen: 0,
@@ -644,6 +670,7 @@ fn ring_used(cap: u64, head: u64, tail: u64, whose: &str) -> Result<u64> {
 }
 
 struct ShmSend {
+    stats: Arc<ShmStats>,
     seg: Segment,
     /// Messages from this size on go direct (usize::MAX: never).
     direct_from: usize,
@@ -730,6 +757,7 @@ impl ShmSend {
             h.head.store(self.head, Ordering::Release);
             if h.recv_sleeping.load(Ordering::SeqCst) != 0 {
                 ring_doorbell(&self.live.side);
+                self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
             }
         }
         Ok(())
@@ -797,6 +825,7 @@ impl SendComm for ShmSend {
         });
         if self.blocked() {
             h.send_sleeping.store(1, Ordering::SeqCst);
+            self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
             // Room or an acknowledgement appeared between the last look and the flag: do not
             // sleep.
             let cap = self.seg.cap() as u64;
@@ -819,6 +848,7 @@ struct RReq {
 }
 
 struct ShmRecv {
+    stats: Arc<ShmStats>,
     seg: Segment,
     /// The sender's process, for direct messages.
     pid: i32,
@@ -903,6 +933,7 @@ impl ShmRecv {
                     h.direct_done.store(self.direct_seen, Ordering::Release);
                     if h.send_sleeping.load(Ordering::SeqCst) != 0 {
                         ring_doorbell(&self.live.side);
+                        self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
                     }
                     continue;
                 }
@@ -933,6 +964,7 @@ impl ShmRecv {
             h.tail.store(self.tail, Ordering::Release);
             if h.send_sleeping.load(Ordering::SeqCst) != 0 {
                 ring_doorbell(&self.live.side);
+                self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
             }
         }
         let waiting = self.reqs.iter().any(|r| !r.g.done());
@@ -981,6 +1013,7 @@ impl RecvComm for ShmRecv {
         });
         if self.reqs.iter().any(|r| !r.g.done()) {
             h.recv_sleeping.store(1, Ordering::SeqCst);
+            self.stats.sleeps.fetch_add(1, Ordering::Relaxed);
             // Data arrived between the last look and the flag: do not sleep.
             if h.head.load(Ordering::SeqCst) != self.tail {
                 out.push(PollFd {
@@ -1001,6 +1034,7 @@ mod tests {
 
     fn pair(ring: usize, cma: usize) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
         let net = ShmNet {
+            stats: Arc::default(),
             host: host_id(),
             ring,
             cma,
@@ -1122,6 +1156,7 @@ mod tests {
         let side = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let _other = l.accept().unwrap();
         let mut s = ShmSend {
+            stats: Arc::default(),
             seg,
             direct_from: usize::MAX,
             direct_sent: 0,

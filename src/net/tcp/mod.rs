@@ -35,6 +35,8 @@ mod setup;
 mod tests;
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use socket2::Socket;
 
@@ -90,6 +92,24 @@ pub struct TcpNet {
     duplex: bool,
     /// The key connections are authenticated with ([`Net::set_job_key`]).
     key: super::NetKey,
+    /// Its counters ([`Net::counters`]), shared with its connections.
+    stats: Arc<TcpStats>,
+}
+
+/// What a TCP network counts (`roccl_net_*_total{network="tcp"}`): connections set up,
+/// sends the kernel took only part of (a full socket buffer: the rest waits), and sends it
+/// took none of.
+#[derive(Default)]
+pub(super) struct TcpStats {
+    pub(super) connections: AtomicU64,
+    pub(super) short_writes: AtomicU64,
+    pub(super) send_would_block: AtomicU64,
+}
+
+impl TcpStats {
+    pub(super) fn count(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl TcpNet {
@@ -121,6 +141,7 @@ impl TcpNet {
             },
             duplex: crate::envvar::switch_or("ROCCL_TCP_DUPLEX", true),
             key: super::NetKey::new(),
+            stats: Arc::default(),
         })
     }
 
@@ -321,5 +342,17 @@ impl Net for TcpNet {
 
     fn encrypts(&self) -> bool {
         self.key.encrypting()
+    }
+
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        let s = &self.stats;
+        out.extend([
+            ("connections", s.connections.load(Ordering::Relaxed)),
+            ("short_writes", s.short_writes.load(Ordering::Relaxed)),
+            (
+                "send_would_block",
+                s.send_would_block.load(Ordering::Relaxed),
+            ),
+        ]);
     }
 }

@@ -47,6 +47,8 @@ pub(super) struct Slot {
 }
 
 pub(super) struct TcpRecvComm {
+    /// The network's counters (handed to the way back, [`RecvComm::reverse`]).
+    pub(super) stats: Arc<super::TcpStats>,
     socks: Vec<Arc<Socket>>,
     /// A duplex connection's sockets of the way back, until [`RecvComm::reverse`].
     back: Vec<Arc<Socket>>,
@@ -121,6 +123,7 @@ impl TcpRecvComm {
             failed: None,
             peer,
             local_sndbuf: None,
+            stats: Arc::default(),
             hdr1: [0; HDR],
             hdr1_got: 0,
             hdr1_end: false,
@@ -544,13 +547,9 @@ impl RecvComm for TcpRecvComm {
             }
         }
         let crypt = self.crypt.as_ref().map(Crypt::reversed);
-        Some(Box::new(TcpSendComm::new(
-            socks,
-            Vec::new(),
-            self.layout,
-            peer,
-            crypt,
-        )))
+        let mut comm = TcpSendComm::new(socks, Vec::new(), self.layout, peer, crypt);
+        comm.stats = Arc::clone(&self.stats);
+        Some(Box::new(comm))
     }
 }
 

@@ -26,6 +26,8 @@ pub(super) struct SendMsg {
 }
 
 pub(super) struct TcpSendComm {
+    /// The network's counters.
+    pub(super) stats: Arc<super::TcpStats>,
     socks: Vec<Arc<Socket>>,
     /// A duplex connection's sockets of the way back, until [`SendComm::reverse`].
     back: Vec<Arc<Socket>>,
@@ -68,6 +70,7 @@ impl TcpSendComm {
             base: 0,
             cur: [0; MAX_FDS],
             failed: None,
+            stats: Arc::default(),
         }
     }
 
@@ -102,8 +105,16 @@ impl TcpSendComm {
                         None => send2(self.fds[j], a, b_ptr, b_len),
                     };
                     match r {
-                        Ok(w) => m.off[j] += w,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Ok(w) => {
+                            if w < a.len() + b_len {
+                                super::TcpStats::count(&self.stats.short_writes);
+                            }
+                            m.off[j] += w;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            super::TcpStats::count(&self.stats.send_would_block);
+                            break;
+                        }
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                         Err(e) => {
                             let err = io_err("TCP send", Some(self.peer), e);
@@ -199,12 +210,9 @@ impl SendComm for TcpSendComm {
         let mut socks = vec![Arc::clone(&self.socks[0])];
         socks.append(&mut self.back);
         let crypt = self.crypt.as_ref().map(Crypt::reversed);
-        Some(Box::new(TcpRecvComm::new(
-            socks,
-            Vec::new(),
-            self.layout,
-            crypt,
-        )))
+        let mut comm = TcpRecvComm::new(socks, Vec::new(), self.layout, crypt);
+        comm.stats = Arc::clone(&self.stats);
+        Some(Box::new(comm))
     }
 }
 

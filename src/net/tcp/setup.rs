@@ -14,6 +14,7 @@ use super::io::{recv_raw, send_raw, Layout};
 use super::records::{ConnKeys, Crypt};
 use super::recv::TcpRecvComm;
 use super::send::TcpSendComm;
+use super::TcpStats;
 use super::{
     decode_handle, duplex_inline, encode_handle, tune, TcpNet, HANDLE_TOKEN, HDR, HELLO,
     HELLO_DUPLEX, HELLO_MAGIC, HELLO_SEALED, MAX_SOCKS,
@@ -67,6 +68,7 @@ impl TcpNet {
             peer: sa,
             socks,
             keys,
+            stats: Arc::clone(&self.stats),
             layout: Layout {
                 split,
                 inline: duplex.then(duplex_inline),
@@ -103,6 +105,7 @@ impl TcpNet {
                 sock: s,
                 split: self.split,
                 local_sndbuf: self.local_sndbuf,
+                stats: Arc::clone(&self.stats),
                 pending: Vec::new(),
                 groups: HashMap::new(),
             }),
@@ -123,6 +126,7 @@ pub(super) struct TcpConnecting {
     /// The connection's keys when the job encrypts.
     keys: Option<ConnKeys>,
     layout: Layout,
+    stats: Arc<TcpStats>,
 }
 
 /// A connection's sockets: those of the direction of its opener (the shared one first) and,
@@ -171,13 +175,10 @@ impl Connecting for TcpConnecting {
         let socks: Vec<Arc<Socket>> = self.socks.drain(..).map(|p| Arc::new(p.sock)).collect();
         let (own, back) = ways(socks, self.layout.inline.is_some());
         let crypt = self.keys.map(|k| Crypt::new(k, own.len(), back.len()));
-        Ok(Some(Box::new(TcpSendComm::new(
-            own,
-            back,
-            self.layout,
-            self.peer,
-            crypt,
-        ))))
+        TcpStats::count(&self.stats.connections);
+        let mut comm = TcpSendComm::new(own, back, self.layout, self.peer, crypt);
+        comm.stats = Arc::clone(&self.stats);
+        Ok(Some(Box::new(comm)))
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
@@ -251,6 +252,7 @@ pub(super) struct TcpListen {
     split: usize,
     /// `SO_SNDBUF` for sending back to a peer on this host ([`RecvComm::reverse`]).
     local_sndbuf: Option<usize>,
+    stats: Arc<TcpStats>,
     pending: Vec<Incoming>,
     /// Sockets of connections still arriving, by connection id, and whether it is duplex.
     groups: HashMap<u64, (bool, Vec<Option<Socket>>)>,
@@ -390,6 +392,8 @@ impl ListenComm for TcpListen {
                 });
                 let mut comm = TcpRecvComm::new(own, back, layout, crypt);
                 comm.local_sndbuf = self.local_sndbuf;
+                comm.stats = Arc::clone(&self.stats);
+                TcpStats::count(&self.stats.connections);
                 return Ok(Some(Box::new(comm)));
             }
         }

@@ -17,6 +17,7 @@ fn net(nsocks: usize) -> TcpNet {
         local_sndbuf: Some(LOCAL_SNDBUF),
         duplex: true,
         key: crate::net::NetKey::new(),
+        stats: Default::default(),
     }
 }
 

@@ -200,6 +200,8 @@ pub struct IbvVerbs {
     /// The communicator's deadline in ms ([`Verbs::set_timeout`]; 0: `ROCCL_TIMEOUT`): how
     /// long a closing connection waits for the peer's acknowledgements.
     drain_ms: std::sync::atomic::AtomicU64,
+    /// Completions in error the network saw, by status.
+    wc_errors: crate::rdma::verbs::WcErrors,
 }
 
 impl IbvVerbs {
@@ -358,6 +360,7 @@ impl IbvVerbs {
             events: Some(events),
             dev,
             drain_ms: std::sync::atomic::AtomicU64::new(0),
+            wc_errors: Default::default(),
         })
     }
 
@@ -479,6 +482,14 @@ impl Drop for IbvVerbs {
 }
 
 impl Verbs for IbvVerbs {
+    fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
+        self.wc_errors.report(out, true);
+    }
+
+    fn completion_error(&self, status: WcStatus) {
+        self.wc_errors.note(status);
+    }
+
     fn set_timeout(&self, timeout: std::time::Duration) {
         // The NIC keeps IB's retry count; only the drain at close follows the deadline.
         self.drain_ms.store(

@@ -138,6 +138,8 @@ pub struct UserVerbs {
     stop: Arc<AtomicBool>,
     /// Pose as a NIC that reaches GPU memory (`ROCCL_ROCEV2_SIM_GPU=1`; see `rdma::sim_gpu`).
     sim_gpu: AtomicBool,
+    /// Completions in error the network saw, by status.
+    wc_errors: crate::rdma::verbs::WcErrors,
 }
 
 /// The background progress thread: what a NIC does without the host. It receives,
@@ -375,6 +377,7 @@ impl UserVerbs {
             local,
             stop,
             sim_gpu: AtomicBool::new(super::sim_gpu()),
+            wc_errors: Default::default(),
         })
     }
 
@@ -1000,6 +1003,11 @@ impl Verbs for UserVerbs {
             ("wrong_source", s.wrong_source),
             ("ghost_acks", s.ghost_acks),
         ]);
+        self.wc_errors.report(out, true);
+    }
+
+    fn completion_error(&self, status: crate::rdma::verbs::WcStatus) {
+        self.wc_errors.note(status);
     }
 
     fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
