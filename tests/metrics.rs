@@ -324,13 +324,13 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
 
     // 4. RoCE v2: no retransmission on a clean link, some under injected loss.
     // (retransmissions, out-of-sequence packets) of a job.
-    let retransmits = |faults: Option<&str>| -> (f64, f64) {
+    let retransmits = |faults: Option<&str>| -> (f64, f64, f64, f64) {
         match faults {
             Some(f) => std::env::set_var("ROCCL_ROCEV2_FAULTS", f),
             None => std::env::remove_var("ROCCL_ROCEV2_FAULTS"),
         }
         let id = UniqueId::new().unwrap();
-        let total = std::sync::Mutex::new((0.0, 0.0));
+        let total = std::sync::Mutex::new((0.0, 0.0, 0.0, 0.0));
         run_ranks_of(id, 2, cfg(NetKind::RoceV2), |c| {
             // Small calls: a clean loopback link drops none of their few packets.
             for _ in 0..20 {
@@ -342,11 +342,18 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
             let me = c.rank().to_string();
             let s = samples(&t, "roccl_net_retransmits_total", &comm_hex(&c));
             let o = samples(&t, "roccl_net_out_of_sequence_total", &comm_hex(&c));
-            assert!(!s.is_empty() && !o.is_empty(), "no RoCE counters: {t}");
+            let ns = samples(&t, "roccl_net_seq_naks_sent_total", &comm_hex(&c));
+            let nr = samples(&t, "roccl_net_seq_naks_received_total", &comm_hex(&c));
+            assert!(
+                !s.is_empty() && !o.is_empty() && !ns.is_empty(),
+                "no RoCE counters: {t}"
+            );
             {
                 let mut tot = total.lock().unwrap();
                 tot.0 += sum(&s, &[("rank", &me)]);
                 tot.1 += sum(&o, &[("rank", &me)]);
+                tot.2 += sum(&ns, &[("rank", &me)]);
+                tot.3 += sum(&nr, &[("rank", &me)]);
             }
             c.barrier().unwrap();
         });
@@ -359,10 +366,15 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
     // and leave gaps.
     let clean = retransmits(None);
     let lossy = retransmits(Some("drop=0.2,seed=7"));
-    eprintln!("(retransmissions, out of sequence): clean link {clean:?}, 20 % loss {lossy:?}");
+    eprintln!("(retransmissions, out of sequence, sequence NAKs sent, received): clean link {clean:?}, 20 % loss {lossy:?}");
     assert_eq!(
-        clean.1, 0.0,
-        "out-of-sequence packets on a clean link: {clean:?}"
+        (clean.1, clean.2),
+        (0.0, 0.0),
+        "out-of-sequence packets or NAKs on a clean link: {clean:?}"
     );
-    assert!(lossy.0 > 0.0 && lossy.1 > 0.0, "{lossy:?}");
+    // Gaps are NAKed, and the NAKs reach the sender (a NAK may itself be lost).
+    assert!(
+        lossy.0 > 0.0 && lossy.1 > 0.0 && lossy.2 > 0.0 && lossy.3 > 0.0,
+        "{lossy:?}"
+    );
 }

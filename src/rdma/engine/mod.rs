@@ -258,6 +258,17 @@ pub struct Stats {
     pub retransmits: u64,
     /// RNR NAKs sent.
     pub rnr_naks_sent: u64,
+    /// PSN sequence-error NAKs sent (a gap seen).
+    pub seq_naks_sent: u64,
+    /// NAKs of an error sent (invalid request, remote access, remote operation).
+    pub error_naks_sent: u64,
+    /// PSN sequence-error NAKs received (the peer saw a gap).
+    pub seq_naks_received: u64,
+    /// RNR NAKs received: each is a retry after the peer's timer (its receive queue was
+    /// empty).
+    pub rnr_naks_received: u64,
+    /// NAKs of an error received (each fails its QP).
+    pub error_naks_received: u64,
     /// Retransmission timeouts (each goes back N).
     pub timeouts: u64,
     /// Tail-loss probes sent.

@@ -88,6 +88,13 @@ impl Engine {
             return;
         }
         match aeth.kind() {
+            Some(AckKind::RnrNak { .. }) => self.stats.rnr_naks_received += 1,
+            Some(AckKind::Nak(NakCode::PsnSequenceError)) => self.stats.seq_naks_received += 1,
+            Some(AckKind::Nak(_)) => self.stats.error_naks_received += 1,
+            _ => {}
+        }
+        let Ok(qp) = self.qp(qpn) else { return };
+        match aeth.kind() {
             Some(AckKind::Ack { .. }) => {
                 // Acknowledges every send and write up to `psn`; reads finish only with
                 // their responses (completions are still reaped in order).

@@ -81,6 +81,14 @@ impl Engine {
             None => qp.holes.pop_front(),
         };
         if let Some((aeth, psn)) = ack {
+            // Syndrome 011 + code: a NAK; code 0 is a PSN sequence error.
+            if aeth.syndrome & 0xe0 == 0x60 {
+                if aeth.syndrome & 0x1f == 0 {
+                    self.stats.seq_naks_sent += 1;
+                } else {
+                    self.stats.error_naks_sent += 1;
+                }
+            }
             let p = Packet {
                 bth: bth(Opcode::Ack, psn, false),
                 reth: None,
