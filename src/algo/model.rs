@@ -146,6 +146,10 @@ pub fn estimate(
         + c.msg_cpu_us * messages(kind, algo, n, bytes)
 }
 
+/// Bytes per rank up to which the shared-memory algorithms' copies stay in cache
+/// ([`estimate_flat`]).
+const FLAT_CACHED: usize = 4 << 10;
+
 /// Shared-memory algorithms: per piece of at most one slot, one synchronisation (two for
 /// two-shot), plus the copies into and out of the slots and the reductions.
 fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCost) -> f64 {
@@ -157,7 +161,16 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
     // Ranks sharing cores pay in the synchronisation (a context switch), not in the copies,
     // which stay in cache (fitted with scripts/algo-sweep.sh on 2 cores with 2 and 4 ranks;
     // docs/PERFORMANCE.md).
-    let copy = |x: f64| x / (c.copy_gbs * 1e3);
+    // Up to FLAT_CACHED bytes per rank, what a rank publishes is still in the caches the
+    // readers pull it from, and copies ran 2.5 times the model's speed (2 ranks on 2 cores:
+    // a 4 KiB all-reduce took 0.67 µs through the slots against 1.73 modelled, so the model
+    // chose the network at 1.6 µs; from 8 KiB the model's speed holds; docs/PERFORMANCE.md).
+    let cached = match kind {
+        CollKind::AllGather => b / nf,
+        _ => b,
+    } <= FLAT_CACHED as f64;
+    let copy_gbs = c.copy_gbs * if cached { 2.5 } else { 1.0 };
+    let copy = |x: f64| x / (copy_gbs * 1e3);
     let red = |x: f64| x / (c.gamma_gbs * 1e3);
     // Pieces: the slot bounds the bytes each rank publishes per piece.
     let per_piece = match kind {
@@ -510,6 +523,26 @@ mod tests {
         assert_eq!(
             choose(CollKind::AllReduce, 2, 1 << 20, &flat, None, &t).0,
             Algo::Ring
+        );
+        // Up to 4 KiB per rank the slots win, their copies still in cache (measured, 2 ranks:
+        // all-reduce 0.58 µs through the slots, 1.6-1.8 direct; reduce-scatter 0.55 against
+        // 2.1 ring); from 32 KiB the network's direct exchange.
+        for k in [
+            CollKind::AllReduce,
+            CollKind::AllGather,
+            CollKind::ReduceScatter,
+            CollKind::Broadcast,
+            CollKind::Reduce,
+        ] {
+            assert_eq!(
+                choose(k, 2, 4 << 10, &flat, None, &t).0,
+                Algo::ShmOneShot,
+                "{k:?}"
+            );
+        }
+        assert_eq!(
+            choose(CollKind::AllReduce, 2, 32 << 10, &flat, None, &t).0,
+            Algo::Direct
         );
         // Four ranks on two cores: two-shot from tens of KiB.
         let shared = LinkCost {
