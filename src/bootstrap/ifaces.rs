@@ -352,6 +352,37 @@ fn choose(
     Err(Error::arg(msg))
 }
 
+/// Write `a` into the 20 bytes `b[..20]`: family (4 or 6), a zero byte, the port
+/// (little-endian) and the address (16 bytes; 4 used for IPv4). The form addresses take in
+/// connection handles and rendezvous blobs.
+pub fn put_addr(b: &mut [u8], a: SocketAddr) {
+    match a.ip() {
+        IpAddr::V4(v) => {
+            b[0] = 4;
+            b[4..8].copy_from_slice(&v.octets());
+        }
+        IpAddr::V6(v) => {
+            b[0] = 6;
+            b[4..20].copy_from_slice(&v.octets());
+        }
+    }
+    b[2..4].copy_from_slice(&a.port().to_le_bytes());
+}
+
+/// The address [`put_addr`] wrote, or `None` (no address, an unknown family, fewer than
+/// 20 bytes).
+pub fn get_addr(b: &[u8]) -> Option<SocketAddr> {
+    if b.len() < 20 {
+        return None;
+    }
+    let ip: IpAddr = match b[0] {
+        4 => <[u8; 4]>::try_from(&b[4..8]).ok()?.into(),
+        6 => <[u8; 16]>::try_from(&b[4..20]).ok()?.into(),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, u16::from_le_bytes([b[2], b[3]])))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,38 +66,19 @@ pub fn derived_id(root: SocketAddr, key: &JobKey, label: &[u8], encrypt: bool) -
     UniqueId::from_parts(root, nonce, Some(secret), encrypt)
 }
 
-/// A spare root's address as 24 bytes of a blob: family (0 none, 4, 6), padding, port,
-/// address.
+/// A spare root's address as 24 bytes of a blob: [`super::ifaces::put_addr`]'s 20 bytes
+/// (family 0: none), then 4 reserved.
 pub fn encode_addr(a: Option<SocketAddr>) -> [u8; 24] {
     let mut b = [0u8; 24];
     if let Some(a) = a {
-        b[2..4].copy_from_slice(&a.port().to_le_bytes());
-        match a.ip() {
-            IpAddr::V4(v) => {
-                b[0] = 4;
-                b[4..8].copy_from_slice(&v.octets());
-            }
-            IpAddr::V6(v) => {
-                b[0] = 6;
-                b[4..20].copy_from_slice(&v.octets());
-            }
-        }
+        super::ifaces::put_addr(&mut b, a);
     }
     b
 }
 
 /// The inverse of [`encode_addr`]; `None` for no address or an unknown family.
 pub fn decode_addr(b: &[u8]) -> Option<SocketAddr> {
-    if b.len() < 24 {
-        return None;
-    }
-    let port = u16::from_le_bytes([b[2], b[3]]);
-    let ip: IpAddr = match b[0] {
-        4 => <[u8; 4]>::try_from(&b[4..8]).ok()?.into(),
-        6 => <[u8; 16]>::try_from(&b[4..20]).ok()?.into(),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, port))
+    super::ifaces::get_addr(b)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 //! source; it never fails the listener.
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
@@ -25,6 +25,7 @@ use super::regcache::RegCache;
 use super::send::RoceSend;
 use super::{RoceNet, EMPTY_WC, FIFO};
 use crate::bootstrap::auth::{self, JobKey};
+use crate::bootstrap::ifaces::{get_addr, put_addr};
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
 use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
@@ -68,29 +69,6 @@ fn check_peer_slots(slots: u32, peer: SocketAddr) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-fn put_addr(b: &mut [u8], a: SocketAddr) {
-    match a.ip() {
-        IpAddr::V4(v) => {
-            b[0] = 4;
-            b[4..8].copy_from_slice(&v.octets());
-        }
-        IpAddr::V6(v) => {
-            b[0] = 6;
-            b[4..20].copy_from_slice(&v.octets());
-        }
-    }
-    b[2..4].copy_from_slice(&a.port().to_le_bytes());
-}
-
-fn get_addr(b: &[u8]) -> Option<SocketAddr> {
-    let ip: IpAddr = match b[0] {
-        4 => <[u8; 4]>::try_from(&b[4..8]).ok()?.into(),
-        6 => <[u8; 16]>::try_from(&b[4..20]).ok()?.into(),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::from_le_bytes([b[2], b[3]])))
 }
 
 /// Endpoint + FIFO description sent over the side channel.
