@@ -669,25 +669,44 @@ impl Links {
             }
             let settled = own.map_or(true, |o| self.notices.iter().any(|n| n.0 == o));
             let now = Instant::now();
+            // Settled with a culprit in view; or every rank blamed so far has reported (is
+            // alive), so wait on for the notices that leave one rank silent.
             if now >= start + grace
-                || (settled && first.is_some_and(|f| now >= f + Duration::from_millis(50)))
+                || (settled
+                    && first.is_some_and(|f| now >= f + Duration::from_millis(50))
+                    && self.culprit(None).is_some())
             {
                 break;
             }
             std::thread::sleep(Duration::from_micros(500));
         }
+        self.culprit(own).or(own)
+    }
+
+    /// The most blamed rank that has not reported (`own` counts as a vote); when every
+    /// blamed rank has reported, the one rank besides this one that sent no notice (in a
+    /// tree, a hung rank's neighbours may each first suspect another live neighbour, but
+    /// every live rank reports and the hung one never does).
+    fn culprit(&self, own: Option<usize>) -> Option<usize> {
         let me = self.rank;
-        let reporters: Vec<usize> = self.notices.iter().map(|n| n.0).collect();
+        let reported = |r: usize| self.notices.iter().any(|n| n.0 == r);
         let mut votes: Vec<(usize, usize)> = Vec::new();
         let blamed = self.notices.iter().map(|n| n.1).chain(own);
-        for c in blamed.filter(|c| *c != me && !reporters.contains(c)) {
+        for c in blamed.filter(|c| *c != me && !reported(*c)) {
             match votes.iter_mut().find(|v| v.0 == c) {
                 Some(v) => v.1 += 1,
                 None => votes.push((c, 1)),
             }
         }
         votes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        votes.first().map(|v| v.0).or(own)
+        if let Some(v) = votes.first() {
+            return Some(v.0);
+        }
+        let mut silent = (0..self.nranks).filter(|&r| r != me && !reported(r));
+        match (silent.next(), silent.next()) {
+            (Some(r), None) if !self.notices.is_empty() => Some(r),
+            _ => None,
+        }
     }
 
     /// The error to report when this rank gives up: names the culprit found by
@@ -732,6 +751,17 @@ impl Links {
                             "failed: {s}"
                         )),
                     crate::error::ranks_list(&reporters)
+                ),
+            },
+            // Nobody blamed it, but every other rank reported: the one that did not.
+            Some(c) if timed_out && Some(c) != own => Error::Remote {
+                rank: c,
+                msg: format!(
+                    "rank {c} {} (every other rank reported that its call stopped; rank {c} reported nothing); this rank saw: {detail}",
+                    self.peer_state(c).map_or(
+                        "did not answer: it is hung, stopped or unreachable".into(),
+                        |s| format!("failed: {s}")
+                    ),
                 ),
             },
             Some(c) if !timed_out => Error::Remote {
