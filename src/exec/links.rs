@@ -753,6 +753,17 @@ impl Links {
                     crate::error::ranks_list(&reporters)
                 ),
             },
+            // The rank this one waited on, while others reported (they are alive): name it.
+            Some(c) if timed_out && Some(c) == own && self.aborted() => Error::Remote {
+                rank: c,
+                msg: format!(
+                    "rank {c} {} (this rank waited on it; the ranks that reported are alive); this rank saw: {detail}",
+                    self.peer_state(c).map_or(
+                        "did not answer: it is hung, stopped or unreachable".into(),
+                        |s| format!("failed: {s}")
+                    ),
+                ),
+            },
             // Nobody blamed it, but every other rank reported: the one that did not.
             Some(c) if timed_out && Some(c) != own => Error::Remote {
                 rank: c,
