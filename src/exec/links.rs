@@ -753,28 +753,23 @@ impl Links {
                     crate::error::ranks_list(&reporters)
                 ),
             },
-            // The rank this one waited on, while others reported (they are alive): name it.
-            Some(c) if timed_out && Some(c) == own && self.aborted() => Error::Remote {
-                rank: c,
-                msg: format!(
-                    "rank {c} {} (this rank waited on it; the ranks that reported are alive); this rank saw: {detail}",
-                    self.peer_state(c).map_or(
-                        "did not answer: it is hung, stopped or unreachable".into(),
-                        |s| format!("failed: {s}")
-                    ),
-                ),
-            },
-            // Nobody blamed it, but every other rank reported: the one that did not.
-            Some(c) if timed_out && Some(c) != own => Error::Remote {
-                rank: c,
-                msg: format!(
-                    "rank {c} {} (every other rank reported that its call stopped; rank {c} reported nothing); this rank saw: {detail}",
-                    self.peer_state(c).map_or(
-                        "did not answer: it is hung, stopped or unreachable".into(),
-                        |s| format!("failed: {s}")
-                    ),
-                ),
-            },
+            // The rank this one waited on while others reported (they are alive), or, nobody
+            // having blamed it, the one rank that did not report: name it.
+            Some(c) if timed_out && (Some(c) != own || self.aborted()) => {
+                let why = if Some(c) == own {
+                    "this rank waited on it; the ranks that reported are alive".to_string()
+                } else {
+                    format!("every other rank reported that its call stopped; rank {c} reported nothing")
+                };
+                let state = self.peer_state(c).map_or(
+                    "did not answer: it is hung, stopped or unreachable".into(),
+                    |s| format!("failed: {s}"),
+                );
+                Error::Remote {
+                    rank: c,
+                    msg: format!("rank {c} {state} ({why}); this rank saw: {detail}"),
+                }
+            }
             Some(c) if !timed_out => Error::Remote {
                 rank: c,
                 msg: detail,
