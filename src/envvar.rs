@@ -77,7 +77,7 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "ROCCL_ALGO",
-        accepts: "auto, ring, tree, direct, doubling, twoshot, shm1 or shm2",
+        accepts: "auto, ring, tree, direct, doubling, twoshot, shm1, shm2 or hier",
         valid: None,
     },
     Setting {
@@ -136,6 +136,16 @@ pub const SETTINGS: &[Setting] = &[
         name: "ROCCL_GPU_DIRECT_MIN",
         accepts: BYTES,
         valid: Some(bytes),
+    },
+    Setting {
+        name: "ROCCL_HOSTID",
+        accepts: "a name for this rank's host (any text)",
+        valid: Some(|v| !v.is_empty()),
+    },
+    Setting {
+        name: "ROCCL_HIER",
+        accepts: "auto, 1 or 0",
+        valid: Some(|v| v.eq_ignore_ascii_case("auto") || switch(v)),
     },
     Setting {
         name: "ROCCL_RING_WINDOW",

@@ -11,6 +11,7 @@ pub mod model;
 mod p2p;
 mod ring;
 pub(crate) mod shm;
+pub mod topo;
 mod tree;
 
 use std::fmt;
@@ -22,8 +23,8 @@ pub(crate) use p2p::{
     all_reduce_twoshot_stage, all_to_all_pairwise, barrier_dissemination, sendrecv,
 };
 pub(crate) use ring::{
-    all_gather_ring, all_reduce_ring, all_reduce_ring_stage, broadcast_ring, chain_stage,
-    reduce_ring, reduce_scatter_ring, reduce_scatter_ring_stage,
+    all_gather_ring, all_reduce_ring, all_reduce_ring_half, all_reduce_ring_stage, broadcast_ring,
+    chain_stage, reduce_ring, reduce_scatter_ring, reduce_scatter_ring_stage, ring_owned, Half,
 };
 pub(crate) use tree::{all_reduce_tree, broadcast_tree, reduce_tree, tree_stage};
 
@@ -50,16 +51,20 @@ pub enum Algo {
     /// Through the host's shared-memory segments, two-shot all-reduce: each rank reduces
     /// a 1/n share, then everyone copies the reduced shares (all ranks on one host).
     ShmTwoShot,
+    /// By hosts (jobs of several hosts with several ranks on some): each host reduces among
+    /// its ranks, hosts exchange between one rank each (or between ranks of the same local
+    /// index, each with a share), and each host spreads the result among its ranks.
+    Hier,
 }
 
 impl Algo {
     /// The names of [`Algo::ALL`], in its order.
-    pub const NAMES: [&'static str; 7] = [
-        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2",
+    pub const NAMES: [&'static str; 8] = [
+        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2", "hier",
     ];
 
     /// Every algorithm (what `ROCCL_ALGO` and `roccl-perf --algo` accept, besides `auto`).
-    pub const ALL: [Algo; 7] = [
+    pub const ALL: [Algo; 8] = [
         Algo::Ring,
         Algo::Tree,
         Algo::Direct,
@@ -67,6 +72,7 @@ impl Algo {
         Algo::TwoShot,
         Algo::ShmOneShot,
         Algo::ShmTwoShot,
+        Algo::Hier,
     ];
 
     /// Name as printed and parsed.
@@ -79,6 +85,7 @@ impl Algo {
             Algo::TwoShot => "twoshot",
             Algo::ShmOneShot => "shm1",
             Algo::ShmTwoShot => "shm2",
+            Algo::Hier => "hier",
         }
     }
 }
@@ -100,8 +107,9 @@ impl FromStr for Algo {
             "twoshot" | "two-shot" | "2shot" => Ok(Algo::TwoShot),
             "shm1" | "shm" | "shm-oneshot" => Ok(Algo::ShmOneShot),
             "shm2" | "shm-twoshot" => Ok(Algo::ShmTwoShot),
+            "hier" | "hierarchical" => Ok(Algo::Hier),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1 or shm2"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1, shm2 or hier"
             ))),
         }
     }

@@ -234,7 +234,7 @@ fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
         (CollKind::AllReduce, Algo::Direct) | (CollKind::AllToAll, _) => 2.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Doubling) => 2.0 * doubling_steps(n),
         (CollKind::AllReduce, Algo::TwoShot) => 4.0 * (nf - 1.0),
-        (CollKind::AllReduce, Algo::Ring) => 4.0 * (nf - 1.0),
+        (CollKind::AllReduce, Algo::Ring | Algo::Hier) => 4.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Tree) => 2.0 * tree_edges * trees,
         (CollKind::Broadcast | CollKind::Reduce, _) => tree_edges,
         (CollKind::AllGather | CollKind::ReduceScatter, _) => 2.0 * (nf - 1.0),
@@ -264,7 +264,8 @@ fn estimate_wire(
         (CollKind::AllReduce, Algo::TwoShot) => {
             2.0 * c.alpha_us + wire(2.0 * (nf - 1.0) / nf * b) + red((nf - 1.0) / nf * b)
         }
-        (CollKind::AllReduce, Algo::Ring) => {
+        // (Hierarchical calls are estimated by `estimate_hier`; here as the flat ring.)
+        (CollKind::AllReduce, Algo::Ring | Algo::Hier) => {
             let steps = 2.0 * (nf - 1.0);
             steps * c.alpha_us
                 + wire(steps / nf * b)
@@ -365,6 +366,72 @@ pub fn choose_for(
         ..*c
     };
     choose(kind, n, bytes, &scaled, forced, t)
+}
+
+/// How a job spreads over hosts, for [`estimate_hier`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layers {
+    /// Hosts in the job.
+    pub hosts: usize,
+    /// The most ranks on one host.
+    pub local: usize,
+    /// Every host holds `local` ranks.
+    pub even: bool,
+}
+
+/// The model's best flat estimate in µs of `kind` on `n` ranks over links `c`.
+fn best(kind: CollKind, dt: DataType, n: usize, bytes: usize, c: &LinkCost, t: &Tuning) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let (a, pl) = choose_for(kind, dt, n, bytes, c, None, t);
+    let scaled = LinkCost {
+        wire_gamma_gbs: c.wire_gamma_gbs * reduce_factor(dt),
+        ..*c
+    };
+    estimate(kind, a, n, bytes, &scaled, &pl)
+}
+
+/// Estimated time in µs of the hierarchical version of `kind` (all-reduce, broadcast,
+/// reduce) of `bytes` bytes: phases inside hosts over `intra`, between hosts over `inter`.
+/// Even hosts all-reduce as a reduce-scatter inside each host, an all-reduce of each 1/m
+/// share between the ranks of one local index (the m shares share the host's NIC), and an
+/// all-gather inside each host; uneven hosts reduce to one rank per host, all-reduce
+/// between those, and broadcast inside each host. `None` for collectives without one.
+pub fn estimate_hier(
+    kind: CollKind,
+    dt: DataType,
+    bytes: usize,
+    l: Layers,
+    intra: &LinkCost,
+    inter: &LinkCost,
+    t: &Tuning,
+) -> Option<f64> {
+    let m = l.local;
+    Some(match kind {
+        CollKind::AllReduce if l.even => {
+            let nic = LinkCost {
+                beta_gbs: inter.beta_gbs / m as f64,
+                ..*inter
+            };
+            let ring = |k| {
+                let pl = pipeline(bytes / m.max(1), bytes, t);
+                estimate(k, Algo::Ring, m, bytes, intra, &pl)
+            };
+            ring(CollKind::ReduceScatter)
+                + best(CollKind::AllReduce, dt, l.hosts, bytes / m.max(1), &nic, t)
+                + ring(CollKind::AllGather)
+        }
+        CollKind::AllReduce => {
+            best(CollKind::Reduce, dt, m, bytes, intra, t)
+                + best(CollKind::AllReduce, dt, l.hosts, bytes, inter, t)
+                + best(CollKind::Broadcast, dt, m, bytes, intra, t)
+        }
+        CollKind::Broadcast | CollKind::Reduce => {
+            best(kind, dt, l.hosts, bytes, inter, t) + best(kind, dt, m, bytes, intra, t)
+        }
+        _ => return None,
+    })
 }
 
 /// A forced algorithm the collective does not have is replaced by the model's choice; say so

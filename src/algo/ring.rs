@@ -196,13 +196,52 @@ pub(crate) fn all_reduce_ring(
     count: usize,
     pipeline: &Pipeline,
 ) -> Result<()> {
+    all_reduce_ring_half(exec, dt, op, count, pipeline, Half::Both)
+}
+
+/// Which steps of a ring all-reduce to run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Half {
+    /// Every step.
+    Both,
+    /// The reduce-scatter steps only: afterwards the group's rank `r` holds, in its output,
+    /// the reduced chunk [`ring_owned`] of each channel's range, and nothing else is final.
+    ReduceScatter,
+    /// The all-gather steps only, from outputs that each hold their reduced chunk.
+    AllGather,
+}
+
+/// The element range `(start, len)` of `count` whose reduction the group's rank `r` of `n`
+/// holds after [`Half::ReduceScatter`] on one channel.
+pub(crate) fn ring_owned(count: usize, n: usize, r: usize) -> (usize, usize) {
+    part(count, n, (r + 1) % n)
+}
+
+/// The steps `half` of a ring all-reduce (see [`Half`]).
+pub(crate) fn all_reduce_ring_half(
+    exec: &mut Exec,
+    dt: DataType,
+    op: RedOp,
+    count: usize,
+    pipeline: &Pipeline,
+    half: Half,
+) -> Result<()> {
     let n = exec.nranks();
     if n == 1 {
-        return exec.copy_input(count * dt.size());
+        return match half {
+            Half::AllGather => Ok(()),
+            _ => exec.copy_input(count * dt.size()),
+        };
     }
     let mut ms = machines(channel_ranges(count, pipeline).map(|(c, base, cnt)| {
         let geo = Geo::new(exec, c, base, cnt, cnt.div_ceil(n), dt, pipeline);
-        let units = 2 * (n - 1) * geo.k;
+        let half_units = (n - 1) * geo.k;
+        // The all-gather half starts as if the reduce-scatter half had just completed.
+        let (first, units) = match half {
+            Half::Both => (0, 2 * half_units),
+            Half::ReduceScatter => (0, half_units),
+            Half::AllGather => (half_units, 2 * half_units),
+        };
         let slot = geo.s * geo.esz;
         RingAllReduce {
             geo,
@@ -210,10 +249,10 @@ pub(crate) fn all_reduce_ring(
             op,
             depth: pipeline.depth,
             units,
-            next_send: 0,
-            send_done: 0,
-            next_recv: 0,
-            done_recv: 0,
+            next_send: first,
+            send_done: first,
+            next_recv: first,
+            done_recv: first,
             sends: InOrder::new(),
             recvs: InOrder::new(),
             slots: Slots::new(c * pipeline.depth * pipeline.slice, slot, pipeline.depth),
@@ -268,7 +307,7 @@ impl Machine for RingAllGather {
         }
         while self.next_recv < self.units && self.next_recv - self.done_recv < self.depth {
             let (t, k) = (self.next_recv / self.geo.k, self.next_recv % self.geo.k);
-            let rc = md(r - t as isize - 1, n);
+            let rc = exec.member(md(r - t as isize - 1, n));
             let tok = exec.recv(self.geo.prev(), self.geo.ch, self.reg(rc, k))?;
             self.recvs.push(tok, ())?;
             self.next_recv += 1;
@@ -279,7 +318,7 @@ impl Machine for RingAllGather {
             && (self.next_send < self.geo.k || self.done_recv > self.next_send - self.geo.k)
         {
             let (t, k) = (self.next_send / self.geo.k, self.next_send % self.geo.k);
-            let sc = md(r - t as isize, n);
+            let sc = exec.member(md(r - t as isize, n));
             let tok = exec.send(self.geo.next(), self.geo.ch, self.reg(sc, k))?;
             self.sends.push(tok, ())?;
             self.next_send += 1;
@@ -301,7 +340,8 @@ pub(crate) fn all_gather_ring(
     pipeline: &Pipeline,
 ) -> Result<()> {
     let (n, r, esz) = (exec.nranks(), exec.rank(), dt.size());
-    let own = Reg::new(Buf::Dst, r * count * esz, count * esz);
+    // Blocks lie in global rank order, whatever order the ring takes.
+    let own = Reg::new(Buf::Dst, exec.member(r) * count * esz, count * esz);
     let input = if exec.in_place() {
         own
     } else {
@@ -356,6 +396,8 @@ struct RingReduceScatter {
     /// Stage offset of the two partial halves, each `cnt` elements.
     pbase: usize,
     in_place: bool,
+    /// This rank's block of the input (its global rank).
+    me_block: usize,
 }
 
 impl RingReduceScatter {
@@ -379,7 +421,7 @@ impl RingReduceScatter {
         let (a, l) = slice_of(self.geo.cnt, self.geo.s, k);
         // In place, the output is this rank's block of the input buffer.
         let off = if self.in_place {
-            self.geo.r * self.per
+            self.me_block * self.per
         } else {
             0
         };
@@ -417,7 +459,7 @@ impl Machine for RingReduceScatter {
             };
             exec.reduce(
                 dest,
-                self.src(rc, k),
+                self.src(exec.member(rc), k),
                 self.slots.reg(slot, dest.len),
                 self.dt,
                 self.op,
@@ -449,7 +491,7 @@ impl Machine for RingReduceScatter {
             let (t, k) = (self.next_send / self.geo.k, self.next_send % self.geo.k);
             let (sc, _) = self.chunks(t);
             let reg = if t == 0 {
-                self.src(sc, k)
+                self.src(exec.member(sc), k)
             } else {
                 self.partial(t - 1, k)
             };
@@ -500,6 +542,7 @@ impl RingReduceScatter {
             recvs: InOrder::new(),
             per: count,
             in_place: exec.in_place(),
+            me_block: exec.member(exec.rank()),
         }
     }
 }

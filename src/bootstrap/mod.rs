@@ -1002,15 +1002,19 @@ fn parse_table(mut t: &[u8], nranks: usize) -> Option<Vec<Vec<u8>>> {
 /// An identity of this host: equal on two ranks iff they share a machine (hostname and
 /// kernel boot id).
 pub fn host_id() -> u64 {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    host_id_of(&(name + &boot))
+}
+
+/// The host identity of a host named `name` (`ROCCL_HOSTID`; [`host_id`] names the machine
+/// by its hostname and boot id): FNV-1a of the name.
+pub fn host_id_of(name: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |s: &str| {
-        for b in s.bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100_0000_01b3);
-        }
-    };
-    feed(&std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default());
-    feed(&std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default());
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
     h
 }
 

@@ -20,10 +20,10 @@ use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 use crate::types::{DataType, RedOp};
 
-const VERSION: u32 = 7;
+const VERSION: u32 = 8;
 
 /// The settings every rank must share, in blob order.
-const SETTINGS: [&str; 9] = [
+const SETTINGS: [&str; 10] = [
     "ROCCL_ALGO",
     "ROCCL_RING_WINDOW",
     "ROCCL_SLICE",
@@ -33,12 +33,13 @@ const SETTINGS: [&str; 9] = [
     "ROCCL_SHM_SLOT",
     "ROCCL_GPU_DIRECT",
     "ROCCL_GPU_DIRECT_MIN",
+    "ROCCL_HIER",
 ];
 /// An unset setting (the cost model decides).
 const UNSET: u64 = u64::MAX;
 
 /// Algorithms by their number in the blob and in call tags.
-const ALGOS: [Algo; 7] = Algo::ALL;
+const ALGOS: &[Algo] = &Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the
@@ -81,6 +82,7 @@ pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len(
         opt(cfg.shm_slot),
         cfg.gpu_direct as u64,
         cfg.gpu_direct_min as u64,
+        cfg.hier as u64,
     ]
 }
 
@@ -94,6 +96,9 @@ fn show(setting: usize, v: u64) -> String {
         (7, 0) => "0".into(),
         (7, 1) => "auto".into(),
         (7, _) => "1".into(),
+        (9, 0) => "0".into(),
+        (9, 1) => "auto".into(),
+        (9, _) => "1".into(),
         (_, UNSET) => "unset".into(),
         (_, v) => v.to_string(),
     }
@@ -135,10 +140,11 @@ pub(super) fn blob(
     settings: &[u64; SETTINGS.len()],
     inputs: HostInputs,
     spare: Option<std::net::SocketAddr>,
+    host: u64,
 ) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
     b.extend_from_slice(&VERSION.to_le_bytes());
-    b.extend_from_slice(&bootstrap::host_id().to_le_bytes());
+    b.extend_from_slice(&host.to_le_bytes());
     let mut name = [0u8; 16];
     name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
     b.extend_from_slice(&name);
@@ -281,7 +287,16 @@ pub(crate) fn fuzz_seed_blob(
         latency_us: 20.0,
         speed_mbps: 10_000,
     };
-    Ok(blob(handle, net, shm, false, &mine, inputs, None))
+    Ok(blob(
+        handle,
+        net,
+        shm,
+        false,
+        &mine,
+        inputs,
+        None,
+        bootstrap::host_id(),
+    ))
 }
 
 /// How one rank sees the job, from the table alone.
@@ -512,6 +527,7 @@ mod tests {
             &s,
             host,
             Some(spare),
+            0x5eed,
         );
         assert_eq!(b.len(), BLOB_LEN);
         let p = parse_blob(3, &b, 0, "tcp", &s).unwrap();
@@ -520,7 +536,8 @@ mod tests {
         assert_eq!(p.shm.unwrap().as_bytes()[..40], [9u8; 40]);
         assert_eq!(p.inputs, host);
         assert_eq!(p.spare, Some(spare));
-        let plain = blob(&handle(7), "tcp", None, false, &s, host, None);
+        assert_eq!(p.host, 0x5eed);
+        let plain = blob(&handle(7), "tcp", None, false, &s, host, None, 1);
         let p = parse_blob(3, &plain, 0, "tcp", &s).unwrap();
         assert!(p.shm.is_none() && p.spare.is_none());
         let e = parse_blob(3, &b, 0, "rocev2", &s).unwrap_err().to_string();
@@ -557,7 +574,7 @@ mod tests {
         cases.push((c, 4 << 20, "ROCCL_GPU_DIRECT_MIN=1"));
         for (c, chunk, want) in cases {
             let theirs = settings(&c, chunk);
-            let b = blob(&handle(1), "tcp", None, false, &theirs, host, None);
+            let b = blob(&handle(1), "tcp", None, false, &theirs, host, None, 1);
             let e = parse_blob(2, &b, 1, "tcp", &mine)
                 .expect_err("refused")
                 .to_string();
@@ -577,6 +594,7 @@ mod tests {
             &settings(&c, 4 << 20),
             host,
             None,
+            1,
         );
         let e = parse_blob(0, &b, 1, "tcp", &mine).unwrap_err().to_string();
         assert!(e.contains("ROCCL_ALGO=direct") && e.contains("auto"), "{e}");

@@ -40,6 +40,27 @@ pub struct Config {
     /// a window's output is still in the cache when the all-gather half sends it. Every
     /// rank must use the same value.
     pub ring_window: usize,
+    /// This rank's host, as the topology sees it (`ROCCL_HOSTID`, like `NCCL_HOSTID`): ranks
+    /// that give the same name are on one host (shared memory between them, ring orders
+    /// and hierarchical collectives grouped by it). `None`: the hostname and kernel boot id.
+    /// Naming ranks of one machine apart makes them behave as hosts of a cluster (tests,
+    /// trying a hierarchy); naming containers of one machine alike joins them.
+    pub host: Option<String>,
+    /// Whether calls may run hierarchically on jobs of several hosts with several ranks on
+    /// some (`ROCCL_HIER`: auto = when the cost model says so, 0 = never, 1 = whenever the
+    /// collective has it). Every rank must use the same value.
+    pub hier: Hier,
+}
+
+/// When calls run hierarchically ([`Config::hier`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hier {
+    /// Never: flat algorithms over the host-ordered ring.
+    Off,
+    /// Where the cost model estimates it faster. The default.
+    Auto,
+    /// Always where the collective has a hierarchical version and the job spans hosts.
+    On,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -118,6 +139,23 @@ impl Config {
                     ))
                 })?,
                 Err(_) => RING_WINDOW,
+            },
+            host: std::env::var("ROCCL_HOSTID")
+                .ok()
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty()),
+            hier: match std::env::var("ROCCL_HIER") {
+                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                    "" | "auto" => Hier::Auto,
+                    "1" | "on" | "true" | "yes" => Hier::On,
+                    "0" | "off" | "false" | "no" => Hier::Off,
+                    other => {
+                        return Err(Error::arg(format!(
+                            "ROCCL_HIER={other}: expected auto (the cost model decides), 1 (always) or 0 (never)"
+                        )))
+                    }
+                },
+                Err(_) => Hier::Auto,
             },
         })
     }

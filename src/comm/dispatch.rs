@@ -13,7 +13,7 @@ use crate::exec::{Exec, Mem, MemMut};
 use crate::net;
 use crate::types::{DataType, RedOp};
 
-use super::{agree, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
+use super::{agree, hier, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
 
 /// The index of `crate::metrics::KINDS` a collective is counted under.
 fn metrics_kind(c: &Collective) -> usize {
@@ -285,32 +285,38 @@ impl State {
         &mut bytemuck::cast_slice_mut(&mut self.stage)[..bytes]
     }
 
+    /// The algorithm and pipeline of a call; `by_host`: the call may run hierarchically
+    /// (host memory).
     fn choose(
         &mut self,
         kind: CollKind,
         dt: DataType,
         bytes: usize,
         opts: &CallOpts,
+        by_host: bool,
     ) -> (Algo, Pipeline) {
         let forced = opts.algo.or(self.cfg.algo);
         // Calls repeat (one all-reduce per layer): the last choice is kept.
-        if let Some((k, d, b, f, choice)) = self.last_choice {
-            if k == kind && d == dt && b == bytes && f == forced {
+        if let Some((k, d, b, f, h, choice)) = self.last_choice {
+            if k == kind && d == dt && b == bytes && f == forced && h == by_host {
                 self.call_tag = agree::with_algo(self.call_tag, choice.0);
                 self.note_algo(choice.0);
                 return choice;
             }
         }
-        let choice = model::choose_for(
+        let mut choice = model::choose_for(
             kind,
             dt,
             self.links.nranks,
             bytes,
             &self.cost,
-            forced,
+            forced.filter(|&a| a != Algo::Hier),
             &self.cfg.tuning,
         );
-        self.last_choice = Some((kind, dt, bytes, forced, choice));
+        if by_host && self.wants_hier(kind, dt, bytes, forced, &choice) {
+            choice.0 = Algo::Hier;
+        }
+        self.last_choice = Some((kind, dt, bytes, forced, by_host, choice));
         self.call_tag = agree::with_algo(self.call_tag, choice.0);
         self.note_algo(choice.0);
         choice
@@ -498,8 +504,13 @@ impl State {
             Collective::AllReduce(op) => {
                 let count = elems("all_reduce receive buffer", recv.len(), dt)?;
                 same_len(send, recv.len(), "all_reduce")?;
-                let (a, pl) = self.choose(CollKind::AllReduce, dt, recv.len(), opts);
+                let by_host = dev.is_none();
+                let (a, pl) = self.choose(CollKind::AllReduce, dt, recv.len(), opts, by_host);
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::Hier {
+                    self.all_reduce_hier(dt, op, count, send, recv)?;
                     return Ok(info(a, pl));
                 }
                 if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
@@ -510,14 +521,10 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let need = match a {
-                    Algo::Direct => algo::all_reduce_direct_stage(n, recv.len()),
-                    Algo::Doubling => recv.len(),
-                    Algo::TwoShot => algo::all_reduce_twoshot_stage(n, count, dt),
-                    Algo::Ring => algo::all_reduce_ring_stage(&pl),
-                    Algo::Tree => 2 * algo::tree_stage(&pl),
-                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
-                };
+                let need = hier::all_reduce_stage(a, n, count, dt, &pl);
+                // Rings go host after host (the order is rank order on one host).
+                let order = self.ring_order().filter(|_| a == Algo::Ring);
+                let group = order.as_ref().map_or(&[][..], |t| t.ring());
                 let window = self.cfg.ring_window / esz * esz;
                 if a == Algo::Ring && window > 0 && recv.len() > 2 * window {
                     let mut recv = recv;
@@ -526,20 +533,15 @@ impl State {
                         let len = window.min(recv.len() - off);
                         let s = send.map(|s| s.part(off, len));
                         let r = recv.part(off, len);
-                        self.run_exec(s, r, dev, need, |exec| {
+                        self.run_group(group, s, r, dev, need, |exec| {
                             algo::all_reduce_ring(exec, dt, op, len / esz, &pl)
                         })?;
                         off += len;
                     }
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, dev, need, |exec| match a {
-                    Algo::Direct => algo::all_reduce_direct(exec, dt, op, count),
-                    Algo::Doubling => algo::all_reduce_doubling(exec, dt, op, count),
-                    Algo::TwoShot => algo::all_reduce_twoshot(exec, dt, op, count),
-                    Algo::Ring => algo::all_reduce_ring(exec, dt, op, count, &pl),
-                    Algo::Tree => algo::all_reduce_tree(exec, dt, op, count, &pl),
-                    Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
+                self.run_group(group, send, recv, dev, need, |exec| {
+                    hier::all_reduce_run(exec, a, dt, op, count, &pl)
                 })?;
                 Ok(info(a, pl))
             }
@@ -548,8 +550,12 @@ impl State {
                 let count = elems("broadcast buffer", recv.len(), dt)?;
                 let send = if me == root { send } else { None };
                 same_len(send, recv.len(), "broadcast")?;
-                let (a, pl) = self.choose(CollKind::Broadcast, dt, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::Broadcast, dt, recv.len(), opts, dev.is_none());
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::Hier {
+                    self.broadcast_hier(root, dt, count, send, recv)?;
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {
@@ -559,14 +565,15 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let need = if a == Algo::Tree {
-                    algo::tree_stage(&pl)
-                } else {
-                    64
-                };
-                self.run_exec(send, recv, dev, need, |exec| match a {
-                    Algo::Tree => algo::broadcast_tree(exec, root, dt, count, &pl),
-                    _ => algo::broadcast_ring(exec, root, dt, count, &pl),
+                let need = hier::rooted_stage(a, false, &pl);
+                let order = self.ring_order().filter(|_| a == Algo::Ring);
+                let group = order.as_ref().map_or(&[][..], |t| t.ring());
+                self.run_group(group, send, recv, dev, need, |exec| {
+                    let root = exec.group_rank(root).unwrap_or(root);
+                    match a {
+                        Algo::Tree => algo::broadcast_tree(exec, root, dt, count, &pl),
+                        _ => algo::broadcast_ring(exec, root, dt, count, &pl),
+                    }
                 })?;
                 Ok(info(a, pl))
             }
@@ -580,8 +587,12 @@ impl State {
                         recv.len()
                     )));
                 }
-                let (a, pl) = self.choose(CollKind::Reduce, dt, input_len, opts);
+                let (a, pl) = self.choose(CollKind::Reduce, dt, input_len, opts, dev.is_none());
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::Hier {
+                    self.reduce_hier(root, dt, op, count, send, recv)?;
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {
@@ -591,14 +602,15 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let need = if a == Algo::Tree {
-                    algo::tree_stage(&pl)
-                } else {
-                    algo::chain_stage(&pl)
-                };
-                self.run_exec(send, recv, dev, need, |exec| match a {
-                    Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
-                    _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
+                let need = hier::rooted_stage(a, true, &pl);
+                let order = self.ring_order().filter(|_| a == Algo::Ring);
+                let group = order.as_ref().map_or(&[][..], |t| t.ring());
+                self.run_group(group, send, recv, dev, need, |exec| {
+                    let root = exec.group_rank(root).unwrap_or(root);
+                    match a {
+                        Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
+                        _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
+                    }
                 })?;
                 Ok(info(a, pl))
             }
@@ -621,7 +633,7 @@ impl State {
                     }
                     None => total / n,
                 };
-                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts, false);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -633,7 +645,9 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, dev, 64, |exec| {
+                let order = self.ring_order();
+                let group = order.as_ref().map_or(&[][..], |t| t.ring());
+                self.run_group(group, send, recv, dev, 64, |exec| {
                     algo::all_gather_ring(exec, dt, count, &pl)
                 })?;
                 Ok(info(a, pl))
@@ -660,7 +674,8 @@ impl State {
                         total / n
                     }
                 };
-                let (a, pl) = self.choose(CollKind::ReduceScatter, dt, count * n * esz, opts);
+                let (a, pl) =
+                    self.choose(CollKind::ReduceScatter, dt, count * n * esz, opts, false);
                 if count == 0 {
                     return Ok(info(a, pl));
                 }
@@ -673,7 +688,9 @@ impl State {
                     return Ok(info(a, pl));
                 }
                 let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                self.run_exec(send, recv, dev, need, |exec| {
+                let order = self.ring_order();
+                let group = order.as_ref().map_or(&[][..], |t| t.ring());
+                self.run_group(group, send, recv, dev, need, |exec| {
                     algo::reduce_scatter_ring(exec, dt, op, count, &pl)
                 })?;
                 Ok(info(a, pl))
@@ -686,7 +703,7 @@ impl State {
                         "all_to_all: buffer of {total} elements is not divisible by {n} ranks"
                     )));
                 }
-                let (a, pl) = self.choose(CollKind::AllToAll, dt, recv.len(), opts);
+                let (a, pl) = self.choose(CollKind::AllToAll, dt, recv.len(), opts, false);
                 if total == 0 {
                     return Ok(info(a, pl));
                 }
@@ -787,7 +804,7 @@ impl State {
         r
     }
 
-    fn run_exec(
+    pub(super) fn run_exec(
         &mut self,
         send: Option<Mem<'_>>,
         recv: MemMut<'_>,

@@ -177,6 +177,9 @@ impl Communicator {
                     speed_mbps: props.speed_mbps,
                 },
                 spare.as_ref().map(|s| s.addr()),
+                cfg.host
+                    .as_deref()
+                    .map_or_else(bootstrap::host_id, bootstrap::host_id_of),
             ),
             cfg.waiter.timeout,
             abort,
@@ -241,6 +244,29 @@ impl Communicator {
         };
         // The same cost inputs on every rank, however the hosts differ (agree.rs).
         let cost = agree::agreed_cost(&blobs, shm_net, node.as_ref().map(|n| (n.slot(), n.cma())));
+        // Hosts, and the links inside and between them (hierarchical calls, ring orders).
+        let topo =
+            crate::algo::topo::Topology::new(&blobs.iter().map(|b| b.host).collect::<Vec<_>>());
+        let (topo, hier_cost) = if topo.nhosts() > 1 {
+            let all_shm = blobs.iter().all(|b| b.shm.is_some());
+            let intra = if all_shm {
+                agree::agreed_cost(&blobs, true, None)
+            } else {
+                cost
+            };
+            crate::info!(
+                "rank {rank}: {} hosts, {} to {} ranks each (ring order host by host: {}); inside hosts α={:.1}µs β={:.2}GB/s",
+                topo.nhosts(),
+                (0..nranks).map(|r| topo.local(r).len()).min().unwrap_or(0),
+                topo.max_local(),
+                if topo.ring_in_rank_order() { "rank order" } else { "reordered" },
+                intra.alpha_us,
+                intra.beta_gbs
+            );
+            (Some(Arc::new(topo)), Some((intra, cost)))
+        } else {
+            (None, None)
+        };
         let name = combined_name(net.name(), shm_peers, other_peers);
         if let Some(n) = &node {
             crate::info!(
@@ -374,6 +400,9 @@ impl Communicator {
                     broken: Arc::clone(&broken),
                     cfg,
                     cost,
+                    topo,
+                    hier_cost,
+                    hier_scratch: Vec::new(),
                     serving: 0,
                     worker_spin: worker_wait.spin,
                 }),

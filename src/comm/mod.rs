@@ -9,6 +9,7 @@ mod agree;
 mod api;
 mod config;
 mod dispatch;
+mod hier;
 mod init;
 mod queue;
 mod reshape;
@@ -35,7 +36,7 @@ use crate::types::DataType;
 pub(crate) use agree::{fuzz, fuzz_seed_blob};
 pub(crate) use api::P2pMem;
 pub use api::{CallInfo, CallOpts, Collective, P2p};
-pub use config::{Config, GpuDirect, GPU_DIRECT_MIN, RING_WINDOW};
+pub use config::{Config, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
 pub use queue::{Handle, Turn};
 
 /// The end of every error about ranks in different calls.
@@ -64,13 +65,19 @@ struct State {
     /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
     call_tag: u32,
     /// The model's last answer: collective, data type, bytes, forced algorithm → choice.
-    last_choice: Option<(CollKind, DataType, usize, Option<Algo>, Choice)>,
+    last_choice: Option<(CollKind, DataType, usize, Option<Algo>, bool, Choice)>,
     stage: Vec<u64>,
     /// The error that made the communicator unusable; shared with [`Shared::broken`] so that
     /// readers never wait for the call that holds the state.
     broken: Arc<Broken>,
     cfg: Config,
     cost: LinkCost,
+    /// Hosts and ranks, when the job spans several hosts.
+    topo: Option<Arc<crate::algo::topo::Topology>>,
+    /// The links inside a host and between hosts (hierarchical calls), when it does.
+    hier_cost: Option<(LinkCost, LinkCost)>,
+    /// A reduce's host sum on a rank that gathers it for its host but is not the root.
+    hier_scratch: Vec<u8>,
     serving: u64,
     /// The worker thread's spin time (see `worker_wait`).
     worker_spin: Duration,

@@ -92,6 +92,7 @@ pub(crate) struct Links {
     pub scratch_ops: Vec<super::Op>,
     pub scratch_fds: Vec<PollFd>,
     pub scratch_users: Vec<super::UserBuf>,
+    pub scratch_members: Vec<usize>,
     /// Per peer, whether GPU memory may be posted toward it and how it is registered:
     /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
     /// all (the default; set at init with `ROCCL_GPU_DIRECT`).
@@ -174,6 +175,7 @@ impl Links {
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
             scratch_users: Vec::with_capacity(64),
+            scratch_members: Vec::new(),
             device_mem: vec![None; nranks],
             dev_cache: Vec::new(),
             sends_done: 0,

@@ -25,6 +25,7 @@ use crate::os::wait::Waiter;
 use links::Links;
 
 mod broken;
+mod group;
 pub(crate) mod links;
 
 /// Which buffer a region lives in.
@@ -170,6 +171,16 @@ impl<'a> MemMut<'a> {
         }
     }
 
+    /// The buffer, read only, borrowed from it.
+    pub fn as_mem(&self) -> Mem<'_> {
+        Mem {
+            addr: self.addr,
+            len: self.len,
+            device: self.device,
+            _borrow: PhantomData,
+        }
+    }
+
     /// Move the buffer out, leaving an empty one.
     pub fn take(&mut self) -> MemMut<'a> {
         std::mem::replace(
@@ -262,6 +273,11 @@ pub(crate) struct Exec<'a> {
     fds: Vec<PollFd>,
     /// The tag every message of the call carries (see [`Exec::set_tag`]).
     tag: u32,
+    /// The group the algorithm runs on (see [`Exec::set_group`]): global ranks by the
+    /// algorithm's rank numbers; empty for every rank in rank order.
+    members: Vec<usize>,
+    /// This rank's number in `members`.
+    me: usize,
 }
 
 impl<'a> Exec<'a> {
@@ -291,6 +307,7 @@ impl<'a> Exec<'a> {
         let ops = std::mem::take(&mut links.scratch_ops);
         let fds = std::mem::take(&mut links.scratch_fds);
         let users = std::mem::take(&mut links.scratch_users);
+        let members = std::mem::take(&mut links.scratch_members);
         // Calls are told apart for the GPU registration cache.
         links.dev_epoch += 1;
         Exec {
@@ -308,15 +325,27 @@ impl<'a> Exec<'a> {
             inflight: 0,
             fds,
             tag: 0,
+            members,
+            me: 0,
         }
     }
 
+    /// This rank's number in the group the algorithm runs on.
     pub fn rank(&self) -> usize {
-        self.links.rank
+        if self.members.is_empty() {
+            self.links.rank
+        } else {
+            self.me
+        }
     }
 
+    /// Ranks of the group the algorithm runs on.
     pub fn nranks(&self) -> usize {
-        self.links.nranks
+        if self.members.is_empty() {
+            self.links.nranks
+        } else {
+            self.members.len()
+        }
     }
 
     /// Connect what the algorithm is about to use.
@@ -326,11 +355,19 @@ impl<'a> Exec<'a> {
         I: IntoIterator<Item = (usize, usize)> + Clone,
         J: IntoIterator<Item = (usize, usize)> + Clone,
     {
-        if self.links.has_all(sends.clone(), recvs.clone()) {
+        if self.members.is_empty() {
+            if self.links.has_all(sends.clone(), recvs.clone()) {
+                return Ok(());
+            }
+            let s: Vec<_> = sends.into_iter().collect();
+            let r: Vec<_> = recvs.into_iter().collect();
+            return self.links.ensure(&s, &r, self.waiter);
+        }
+        let s = group::to_global(sends, &self.members)?;
+        let r = group::to_global(recvs, &self.members)?;
+        if self.links.has_all(s.iter().copied(), r.iter().copied()) {
             return Ok(());
         }
-        let s: Vec<_> = sends.into_iter().collect();
-        let r: Vec<_> = recvs.into_iter().collect();
         self.links.ensure(&s, &r, self.waiter)
     }
 
@@ -471,11 +508,13 @@ impl<'a> Exec<'a> {
 
     /// Post a send of region `r` to `peer` on channel `ch`.
     pub fn send(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
+        let peer = self.global(peer)?;
         self.post(peer, ch, r, true)
     }
 
     /// Post a receive into region `r` from `peer` on channel `ch`.
     pub fn recv(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
+        let peer = self.global(peer)?;
         self.post(peer, ch, r, false)
     }
 
@@ -1182,5 +1221,8 @@ impl Drop for Exec<'_> {
         let mut users = std::mem::take(&mut self.users);
         users.clear();
         self.links.scratch_users = users;
+        let mut members = std::mem::take(&mut self.members);
+        members.clear();
+        self.links.scratch_members = members;
     }
 }
