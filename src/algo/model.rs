@@ -259,10 +259,12 @@ fn estimate_wire(
             steps * c.alpha_us + wire(steps * b) + red(steps * b)
         }
         (CollKind::AllReduce, Algo::Direct | Algo::ShmOneShot | Algo::ShmTwoShot) => {
-            c.alpha_us + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
+            c.alpha_us + fan_out(n, c) + wire((nf - 1.0) * b) + red((nf - 1.0) * b)
         }
         (CollKind::AllReduce, Algo::TwoShot) => {
-            2.0 * c.alpha_us + wire(2.0 * (nf - 1.0) / nf * b) + red((nf - 1.0) / nf * b)
+            2.0 * (c.alpha_us + fan_out(n, c))
+                + wire(2.0 * (nf - 1.0) / nf * b)
+                + red((nf - 1.0) / nf * b)
         }
         // (Hierarchical calls are estimated by `estimate_hier`; here as the flat ring.)
         (CollKind::AllReduce, Algo::Ring | Algo::Hier) => {
@@ -297,8 +299,16 @@ fn estimate_wire(
         (CollKind::AllGather | CollKind::ReduceScatter, _) => {
             (nf - 1.0) * c.alpha_us + wire(b * (nf - 1.0) / nf)
         }
-        (CollKind::AllToAll, _) => c.alpha_us + wire(b * (nf - 1.0) / nf),
+        (CollKind::AllToAll, _) => c.alpha_us + fan_out(n, c) + wire(b * (nf - 1.0) / nf),
     }
+}
+
+/// The sender's own cost of a step that posts a message to every other rank at once: each
+/// message past the first costs the sender a fifth of a message's latency (LogP's `o`: a
+/// system call, a doorbell). Negligible on a few ranks, it makes one-step algorithms lose
+/// to log-step ones from some 16–32 ranks on.
+fn fan_out(n: usize, c: &LinkCost) -> f64 {
+    0.2 * c.alpha_us * n.saturating_sub(2) as f64
 }
 
 /// Algorithms that exist for `kind` over the network.
@@ -783,6 +793,54 @@ mod tests {
         assert_eq!(
             choose(CollKind::Broadcast, 2, 64 << 20, &c, None, &t).0,
             Algo::Ring
+        );
+    }
+
+    #[test]
+    fn by_hosts_for_latency_bound_calls_flat_rings_for_large_ones() {
+        // 8 hosts of 8 ranks: shared memory inside (1 µs, 8 GB/s), a NIC between (10 µs,
+        // 3 GB/s). Small calls pay 2(m-1) cheap steps and log2(h) dear ones instead of
+        // log2(n) dear ones; a large all-reduce moves about as much over each NIC either way
+        // and the flat ring skips the phases inside hosts.
+        let t = Tuning::default();
+        let intra = LinkCost {
+            flat_sync_us: None,
+            ..shm_host()
+        };
+        let inter = LinkCost {
+            alpha_us: 10.0,
+            beta_gbs: 3.0,
+            ..LinkCost::default()
+        };
+        let l = Layers {
+            hosts: 8,
+            local: 8,
+            even: true,
+        };
+        let flat = |kind, bytes| {
+            let (a, pl) = choose(kind, 64, bytes, &inter, None, &t);
+            estimate(kind, a, 64, bytes, &inter, &pl)
+        };
+        let hier =
+            |kind, bytes| estimate_hier(kind, DataType::F32, bytes, l, &intra, &inter, &t).unwrap();
+        for kind in [CollKind::AllReduce, CollKind::Broadcast, CollKind::Reduce] {
+            assert!(hier(kind, 8) < flat(kind, 8), "{kind:?} 8 B");
+        }
+        assert!(hier(CollKind::AllReduce, 64 << 20) > flat(CollKind::AllReduce, 64 << 20));
+        // Uneven hosts go through one rank per host; all-gather has no hierarchical version.
+        let uneven = Layers { even: false, ..l };
+        let u = estimate_hier(
+            CollKind::AllReduce,
+            DataType::F32,
+            8,
+            uneven,
+            &intra,
+            &inter,
+            &t,
+        );
+        assert!(u.unwrap() < flat(CollKind::AllReduce, 8));
+        assert!(
+            estimate_hier(CollKind::AllGather, DataType::F32, 8, l, &intra, &inter, &t).is_none()
         );
     }
 }
