@@ -104,6 +104,11 @@ pub struct Args {
     /// Bind spawned ranks to CPUs: auto (one CPU each when there are enough), none.
     #[arg(long, default_value = "auto")]
     pub bind: String,
+    /// Pretend the spawned ranks are on this many hosts (consecutive ranks share one; each
+    /// rank gets ROCCL_HOSTID=perf-host-H): shared memory inside a host, the network between
+    /// hosts, hierarchical calls and host-ordered rings, all on this machine.
+    #[arg(long, value_name = "N")]
+    pub hosts: Option<usize>,
     /// Buffers in GPU memory and stream-ordered calls, timed from the call until the stream
     /// has passed it: hip, cuda, sim (the simulated device, memory the CPU cannot access:
     /// staged through pinned buffers) or sim-apu (simulated integrated GPU: used in place).

@@ -362,9 +362,22 @@ fn launch(a: &Args) -> Result<bool, String> {
         "none" => false,
         other => return Err(format!("--bind {other}: expected auto or none")),
     };
+    if let Some(h) = a.hosts {
+        if h == 0 || h > a.ranks {
+            return Err(format!(
+                "--hosts {h}: expected 1 to {} (the number of ranks)",
+                a.ranks
+            ));
+        }
+    }
     let mut cmds = Vec::new();
     for r in 0..a.ranks {
         let mut cmd = Command::new(&exe);
+        if let Some(h) = a.hosts {
+            // Consecutive ranks share a host, as evenly as the counts allow.
+            let host = r * h / a.ranks;
+            cmd.env("ROCCL_HOSTID", format!("perf-host-{host}"));
+        }
         if let Some(cpu) = cpus.get(r).filter(|_| bind) {
             cmd.env("ROCCL_PERF_CPU", cpu.to_string());
         }
