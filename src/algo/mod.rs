@@ -6,6 +6,7 @@
 //! the executor only when none can move. Machines never touch memory directly: they name
 //! regions of the call's buffers and the executor checks every access.
 
+mod by_host;
 pub mod calibrate;
 pub mod model;
 mod p2p;
@@ -17,6 +18,7 @@ mod tree;
 use std::fmt;
 use std::str::FromStr;
 
+pub(crate) use by_host::{all_gather_within_hosts, reduce_within_hosts, reduce_within_hosts_stage};
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
     all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_reduce_twoshot,

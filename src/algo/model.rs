@@ -440,6 +440,23 @@ pub fn estimate_hier(
         CollKind::Broadcast | CollKind::Reduce => {
             best(kind, dt, l.hosts, bytes, inter, t) + best(kind, dt, m, bytes, intra, t)
         }
+        // Between hosts a ring of h ranks over B/m (the m rings share the NIC); inside, one
+        // step: every rank gives each other rank of its host (m-1)/m of the blocks it has.
+        CollKind::AllGather | CollKind::ReduceScatter if l.even => {
+            let nic = LinkCost {
+                beta_gbs: inter.beta_gbs / m as f64,
+                ..*inter
+            };
+            let pl = pipeline(bytes / l.hosts.max(1), bytes, t);
+            let between = estimate(kind, Algo::Ring, l.hosts, bytes / m.max(1), &nic, &pl);
+            let b = bytes as f64 * (m as f64 - 1.0) / (m * l.hosts) as f64;
+            let inside = if m > 1 {
+                intra.alpha_us + fan_out(m, intra) + b / (intra.beta_gbs * 1e3)
+            } else {
+                0.0
+            };
+            between + inside
+        }
         _ => return None,
     })
 }
@@ -827,7 +844,7 @@ mod tests {
             assert!(hier(kind, 8) < flat(kind, 8), "{kind:?} 8 B");
         }
         assert!(hier(CollKind::AllReduce, 64 << 20) > flat(CollKind::AllReduce, 64 << 20));
-        // Uneven hosts go through one rank per host; all-gather has no hierarchical version.
+        // Uneven hosts go through one rank per host; all-gather and reduce-scatter stay flat.
         let uneven = Layers { even: false, ..l };
         let u = estimate_hier(
             CollKind::AllReduce,

@@ -80,6 +80,11 @@ impl Topology {
         self.local(r).iter().position(|&x| x == r).unwrap_or(0)
     }
 
+    /// The rank of local index `i` on host `h`, if that host has so many.
+    pub fn at(&self, h: usize, i: usize) -> Option<usize> {
+        self.hosts.get(h).and_then(|ranks| ranks.get(i)).copied()
+    }
+
     /// The ranks with rank `r`'s local index, one per host that has that many ranks, in host
     /// order (with even hosts: one per host).
     pub fn cross(&self, r: usize) -> Vec<usize> {

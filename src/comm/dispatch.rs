@@ -633,8 +633,12 @@ impl State {
                     }
                     None => total / n,
                 };
-                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts, false);
+                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts, dev.is_none());
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::Hier {
+                    self.all_gather_hier(dt, count, send, recv)?;
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {
@@ -674,9 +678,18 @@ impl State {
                         total / n
                     }
                 };
-                let (a, pl) =
-                    self.choose(CollKind::ReduceScatter, dt, count * n * esz, opts, false);
+                let (a, pl) = self.choose(
+                    CollKind::ReduceScatter,
+                    dt,
+                    count * n * esz,
+                    opts,
+                    dev.is_none(),
+                );
                 if count == 0 {
+                    return Ok(info(a, pl));
+                }
+                if a == Algo::Hier {
+                    self.reduce_scatter_hier(dt, op, count, send, recv)?;
                     return Ok(info(a, pl));
                 }
                 if a == Algo::ShmOneShot {

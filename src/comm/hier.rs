@@ -105,12 +105,13 @@ impl State {
         let (Some(topo), Some((intra, inter))) = (&self.topo, &self.hier_cost) else {
             return false;
         };
-        if !topo.layered()
-            || !matches!(
-                kind,
-                CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce
-            )
-        {
+        let applies = match kind {
+            CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => true,
+            // Their exchanges inside hosts pair ranks of equal local index on every host.
+            CollKind::AllGather | CollKind::ReduceScatter => topo.even(),
+            CollKind::AllToAll => false,
+        };
+        if !topo.layered() || !applies {
             return false;
         }
         match (forced, self.cfg.hier) {
@@ -369,6 +370,96 @@ impl State {
                     Ok(())
                 },
             )
+        })();
+        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
+            scratch = Vec::new();
+        }
+        self.hier_scratch = scratch;
+        r
+    }
+
+    /// Hierarchical all-gather of `count` elements per rank (even hosts, host memory): a
+    /// ring all-gather among the ranks of this rank's local index on every host (blocks at
+    /// their global places), then each rank hands those to the other ranks of its host.
+    pub(super) fn all_gather_hier(
+        &mut self,
+        dt: DataType,
+        count: usize,
+        send: Option<Mem<'_>>,
+        mut recv: MemMut<'_>,
+    ) -> Result<()> {
+        let topo = self.topology()?;
+        let me = self.links.rank;
+        let block = count * dt.size();
+        let cross = topo.cross(me);
+        let (_, pl) = self.phase(
+            CollKind::AllGather,
+            dt,
+            cross.len(),
+            block * cross.len(),
+            true,
+        );
+        let whole = recv.len();
+        self.run_group(&cross, send, recv.part(0, whole), None, 64, |exec| {
+            algo::all_gather_ring(exec, dt, count, &pl)
+        })?;
+        self.run_exec(None, recv, None, 64, |exec| {
+            algo::all_gather_within_hosts(exec, &topo, block)
+        })
+    }
+
+    /// Hierarchical reduce-scatter of `count` elements per rank (even hosts, host memory):
+    /// inside each host every rank reduces the blocks of its local index on every host (into
+    /// a scratch buffer the communicator keeps), then the ranks of one local index
+    /// reduce-scatter those in a ring between hosts.
+    pub(super) fn reduce_scatter_hier(
+        &mut self,
+        dt: DataType,
+        op: RedOp,
+        count: usize,
+        send: Option<Mem<'_>>,
+        mut recv: MemMut<'_>,
+    ) -> Result<()> {
+        let topo = self.topology()?;
+        let me = self.links.rank;
+        let n = self.links.nranks;
+        let esz = dt.size();
+        let block = count * esz;
+        let sum_op = if op == RedOp::Avg { RedOp::Sum } else { op };
+        let cross = topo.cross(me);
+        let (_, pl) = self.phase(
+            CollKind::ReduceScatter,
+            dt,
+            cross.len(),
+            block * cross.len(),
+            true,
+        );
+        let mut scratch = std::mem::take(&mut self.hier_scratch);
+        scratch.resize(n * block, 0);
+        let stage = algo::reduce_within_hosts_stage(&topo, block);
+        let r = (|| {
+            let input = send.unwrap_or(recv.as_mem());
+            self.run_exec(
+                Some(input),
+                MemMut::host(&mut scratch),
+                None,
+                stage,
+                |exec| algo::reduce_within_hosts(exec, &topo, dt, sum_op, count),
+            )?;
+            // In place, this rank's result is its block of the buffer.
+            let out = if send.is_some() {
+                recv.part(0, block)
+            } else {
+                recv.part(me * block, block)
+            };
+            let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
+            self.run_group(&cross, Some(Mem::host(&scratch)), out, None, need, |exec| {
+                algo::reduce_scatter_ring(exec, dt, sum_op, count, &pl)?;
+                if op == RedOp::Avg {
+                    exec.finish_avg(Reg::new(Buf::Dst, 0, block), dt, n)?;
+                }
+                Ok(())
+            })
         })();
         if scratch.capacity() > super::dispatch::PREMUL_KEEP {
             scratch = Vec::new();
