@@ -11,7 +11,9 @@
 //! - all-reduce, uneven hosts: a reduce to each host's first rank, an all-reduce among those,
 //!   a broadcast inside each host;
 //! - broadcast: among one rank per host (the root on its own host), then inside each host;
-//! - reduce: inside each host to one rank (the root on its own host), then among those.
+//! - reduce: inside each host to one rank (the root on its own host), then among those;
+//! - all-gather and reduce-scatter (even hosts): a ring among the ranks of one local index
+//!   on every host, and one exchange inside each host (`algo/by_host.rs`).
 //!
 //! Every rank derives the same groups and choices from the same table, so no message is
 //! spent agreeing. Calls on GPU memory stay flat.
