@@ -3,6 +3,7 @@
 use crate::algo::model::Tuning;
 use crate::algo::Algo;
 use crate::error::{Error, Result};
+use crate::net::sim::SimSpec;
 use crate::net::NetKind;
 use crate::os::wait::Waiter;
 
@@ -40,6 +41,9 @@ pub struct Config {
     /// a window's output is still in the cache when the all-gather half sends it. Every
     /// rank must use the same value.
     pub ring_window: usize,
+    /// The simulated cluster of `ROCCL_NET=sim` (`ROCCL_SIM`; every rank of a job must
+    /// give the same).
+    pub sim: SimSpec,
 }
 
 fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
@@ -119,6 +123,7 @@ impl Config {
                 })?,
                 Err(_) => RING_WINDOW,
             },
+            sim: env_parse("ROCCL_SIM")?.unwrap_or_default(),
         })
     }
 }

@@ -107,6 +107,8 @@ pub(crate) struct Links {
     /// Per rank, its process id where this rank can see that process (same host and pid
     /// namespace; set at init), to say in an error whether it exited or is stopped.
     pub local_pids: Vec<Option<u32>>,
+    /// This rank's virtual clock, on a simulated network (`net::sim`).
+    pub clock: Option<Arc<crate::net::sim::Clock>>,
 }
 
 /// Most GPU registrations kept across calls, over all connections.
@@ -150,6 +152,7 @@ impl Links {
                 }
             })
             .collect();
+        let endpoints_clock = endpoints.first().and_then(|e| e.net.virtual_clock());
         Links {
             rank,
             nranks,
@@ -180,6 +183,7 @@ impl Links {
             dev_clock: 0,
             dev_epoch: 0,
             local_pids: vec![None; nranks],
+            clock: endpoints_clock,
         }
     }
 

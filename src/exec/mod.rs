@@ -1097,6 +1097,10 @@ impl<'a> Exec<'a> {
         if Self::overlaps(d, bm) || (Self::overlaps(d, am) && d != am) {
             return Err(Error::Internal("reduce with overlapping operands".into()));
         }
+        // A simulated network charges the reduction to the rank's virtual clock.
+        if let Some(c) = &self.links.clock {
+            c.reduced(d.1);
+        }
         // SAFETY: all three ranges lie in buffers borrowed for 'a (resolve), no request in
         // flight writes any of them or reads `d` (check), and `d` overlaps neither input
         // except when it is exactly `a`, which then is not turned into a second slice.

@@ -30,6 +30,7 @@ pub fn config(tuning: Tuning) -> Config {
         gpu_direct: roccl::comm::GpuDirect::Auto,
         gpu_direct_min: 0,
         ring_window: roccl::comm::RING_WINDOW,
+        sim: Default::default(),
     }
 }
 
