@@ -116,8 +116,11 @@ fn at_1024_ranks_rings_trees_and_doubling_are_right_and_trees_win_small() {
     eprintln!("1024 ranks: all-reduce 8 B tree {tree:?}, doubling {doubling:?}; 4 KiB ring {ring:?}; all-gather 4 KiB ring {:?}; barrier {:?}", r[4].time, r[5].time);
     // A step costs at least the NIC latency and two message overheads (3 µs) on most hops.
     assert!(ring > Duration::from_micros(2 * 1023 * 3 / 2), "ring {ring:?}");
-    assert!(tree < Duration::from_micros(400), "tree {tree:?}");
-    assert!(doubling < Duration::from_micros(100), "doubling {doubling:?}");
+    // Doubling: 3 exchanges inside a host (0.5 µs + 2 × 0.5 µs overhead), then 7 across
+    // NICs (2 µs + 1 µs): 25.5 µs. The double tree: about 2·log2(n) such hops.
+    let hops = Duration::from_nanos(3 * 1500 + 7 * 3000);
+    assert!(doubling >= hops && doubling < hops * 2, "doubling {doubling:?}");
+    assert!(tree >= hops && tree < hops * 5, "tree {tree:?}");
     assert!(ring > tree * 20 && ring > doubling * 50, "ring {ring:?} tree {tree:?} doubling {doubling:?}");
 }
 
@@ -141,7 +144,8 @@ fn a_large_ring_all_reduce_takes_what_the_bandwidth_says() {
         let t = res.time.as_secs_f64();
         eprintln!("ring all-reduce {b} B on {n} ranks: predicted {t:.6} s, bandwidth term {wire:.6} s");
         assert!(t >= wire, "{b} B: {t} s is faster than the wire allows ({wire} s)");
-        assert!(t < wire * 1.25, "{b} B: {t} s is far above the bandwidth term {wire} s");
+        // Pipelined: the latency terms (2(n-1) steps of a slice) add a few percent.
+        assert!(t < wire * 1.1, "{b} B: {t} s is far above the bandwidth term {wire} s");
     }
     let ratio = r[1].time.as_secs_f64() / r[0].time.as_secs_f64();
     assert!((1.8..2.2).contains(&ratio), "doubling the bytes: time x{ratio}");

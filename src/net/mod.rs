@@ -468,6 +468,12 @@ pub trait RecvComm: Send {
     fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
         None
     }
+    /// On a simulated network ([`sim`]): the virtual arrival (ps) of the receive `test` last
+    /// reported done, for the caller to move the rank's clock ([`sim::Clock::received`])
+    /// when it uses the data. `None` on real networks.
+    fn virtual_arrival(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A comm that failed stays failed: refuse further work, naming the first error.

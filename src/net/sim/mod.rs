@@ -42,11 +42,14 @@ pub use model::{Clock, SimSpec, SIM_KEYS};
 use model::{arrival, Port};
 
 const HANDLE_MAGIC: u32 = 0x4d49_5352; // "RSIM"
-/// Messages up to this size are copied into the connection at once (eager).
-pub const EAGER_MAX: usize = 64 << 10;
+/// Messages up to this size are copied into the connection at once (eager): their send is
+/// done in real time at once, as in virtual time. Every slice of a pipelined algorithm
+/// (at most 512 KiB) is: a send that waited in real time for the receiver would let the
+/// sender's clock run on (it takes other messages meanwhile) and stamp its next send late.
+pub const EAGER_MAX: usize = 4 << 20;
 /// Most bytes of eager messages a connection holds before later sends wait for the
-/// receiver (they go direct).
-pub const EAGER_BUDGET: usize = 256 << 10;
+/// receiver (they go direct): the algorithms' windows of slices in flight fit.
+pub const EAGER_BUDGET: usize = 16 << 20;
 
 /// One job's shared state: its spec and the NIC of each host.
 struct Job {
@@ -148,6 +151,7 @@ impl SimNet {
         spec.host_of(rank)?;
         let clock = Arc::new(Clock::default());
         clock.set_reduce_speed(spec.reduce_gbs);
+        clock.set_msg_ps(spec.msg_ps());
         Ok(SimNet {
             rank,
             spec,
@@ -312,7 +316,6 @@ impl Net for SimNet {
             dst: Arc::clone(&l.ep),
             link: self.spec.link(same_host),
             same_host,
-            msg_ps: self.spec.msg_ps(),
             direct_done: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
         });
@@ -367,6 +370,7 @@ impl ListenComm for SimListen {
             base: 0,
             filling: 0,
             failed: None,
+            last_arrival: 0,
         })))
     }
 
@@ -463,7 +467,6 @@ struct Channel {
     /// Latency and ps per byte of the link (between hosts or inside one).
     link: (u64, f64),
     same_host: bool,
-    msg_ps: u64,
     /// `Inner::copied`, readable without the lock.
     direct_done: AtomicU64,
     inner: Mutex<Inner>,
@@ -521,7 +524,7 @@ impl SendComm for SimSend {
             return Ok(None);
         }
         let ch = &*self.ch;
-        let stamp = ch.src.clock.add(ch.msg_ps);
+        let stamp = ch.src.clock.send_stamp();
         let at = arrival(stamp, len, ch.link, ch.port(&ch.src), ch.port(&ch.dst));
         let mut g = ch.inner.lock();
         if g.recv_closed {
@@ -624,6 +627,8 @@ struct SimRecv {
     /// Request id of the receive the next message belongs to.
     filling: u64,
     failed: Option<String>,
+    /// Virtual arrival of the receive `test` last reported done.
+    last_arrival: u64,
 }
 
 impl SimRecv {
@@ -723,12 +728,17 @@ impl RecvComm for SimRecv {
             *d = *s;
         }
         r.reaped = true;
-        // The rank sees the data once it has arrived, and handles it in `msg_us`.
-        let clock = &self.ch.dst.clock;
-        clock.advance_to(r.arrival);
-        clock.add(self.ch.msg_ps);
+        // The rank's clock moves when it uses the data (`Clock::received`, called by the
+        // executor when the algorithm takes the receive): moving it here would let a message
+        // that a thread happens to see together with an earlier one (both arrived in real
+        // time) delay what the rank does with the earlier one.
+        self.last_arrival = r.arrival;
         super::pop_reaped(&mut self.reqs, &mut self.base, |r| r.reaped);
         Ok(true)
+    }
+
+    fn virtual_arrival(&self) -> Option<u64> {
+        Some(self.last_arrival)
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {

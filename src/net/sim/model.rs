@@ -154,26 +154,42 @@ impl SimSpec {
     }
 }
 
-/// A virtual clock: one per simulated rank. Only the rank's own threads move it (its calls
-/// are serialised by the communicator), others read it.
+/// Lanes of a clock: the most independent pipelines (a call's channels or trees, each a
+/// state machine of the executor) a rank runs at once.
+pub const LANES: usize = 8;
+
+/// A virtual clock: one per simulated rank, with a lane per state machine of the call in
+/// progress. A rank interleaves its machines (a ring's channels, the two trees) in real
+/// time in whatever order its thread meets their messages; on a cluster they progress side
+/// by side (a GPU block each). So each machine moves its own lane — what it sends is stamped
+/// with its lane, what it takes moves its lane — and a call starts every lane at the rank's
+/// time and ends at the latest lane. Only the rank's own threads move it (its calls are
+/// serialised by the communicator), others read it.
 #[derive(Debug, Default)]
 pub struct Clock {
-    now: AtomicU64,
+    lanes: [AtomicU64; LANES],
+    /// Per lane, the stamp of its last send (a lane posts its sends in order).
+    sends: [AtomicU64; LANES],
+    /// When the bytes of the next send are ready (`Clock::ready_for_send`).
+    ready: AtomicU64,
+    lane: AtomicU64,
     call_start: AtomicU64,
     last_call: AtomicU64,
     /// Picoseconds per reduced byte (0: free).
     reduce_ps_per_byte: AtomicU64,
+    /// Software overhead of a message, ps.
+    msg_ps: AtomicU64,
 }
 
 impl Clock {
-    /// The current virtual time.
+    /// The current virtual time (the latest lane).
     pub fn now(&self) -> Duration {
-        Duration::from_nanos(self.ps() / 1000)
+        Duration::from_nanos(self.latest() / 1000)
     }
 
     /// Set the clock (a tool aligning every rank before it times calls).
     pub fn set(&self, t: Duration) {
-        self.now.store(t.as_nanos() as u64 * 1000, Ordering::Relaxed);
+        self.set_all(t.as_nanos() as u64 * 1000);
     }
 
     /// The virtual time of this rank's last call (from [`Clock::call_started`] to
@@ -182,25 +198,70 @@ impl Clock {
         Duration::from_nanos(self.last_call.load(Ordering::Relaxed) / 1000)
     }
 
-    /// A call begins.
+    /// A call begins: every lane at the rank's time, lane 0 current.
     pub fn call_started(&self) {
-        self.call_start.store(self.ps(), Ordering::Relaxed);
+        let t = self.latest();
+        self.set_all(t);
+        self.lane.store(0, Ordering::Relaxed);
+        self.call_start.store(t, Ordering::Relaxed);
     }
 
-    /// A call ended.
+    /// A call ended, when its latest lane did.
     pub fn call_done(&self) {
-        let d = self
-            .ps()
-            .saturating_sub(self.call_start.load(Ordering::Relaxed));
+        let t = self.latest();
+        self.set_all(t);
+        let d = t.saturating_sub(self.call_start.load(Ordering::Relaxed));
         self.last_call.store(d, Ordering::Relaxed);
     }
 
-    /// `bytes` of output were reduced: the time they take at the model's reduction speed.
-    pub fn reduced(&self, bytes: usize) {
-        let per = self.reduce_ps_per_byte.load(Ordering::Relaxed);
-        if per > 0 {
-            self.add(per * bytes as u64);
-        }
+    /// The state machine `i` of the call runs now: what follows moves its lane.
+    pub fn use_lane(&self, i: usize) {
+        self.lane.store((i % LANES) as u64, Ordering::Relaxed);
+    }
+
+    /// The rank uses a message that arrived at `arrival` (ps; from
+    /// [`RecvComm::virtual_arrival`](crate::net::RecvComm::virtual_arrival)): the lane
+    /// moves there if it is behind, then by the message's software overhead. Returns when
+    /// its bytes are ready (the arrival and the overhead).
+    pub fn received(&self, arrival: u64) -> u64 {
+        let o = self.msg_ps.load(Ordering::Relaxed);
+        self.advance_to(arrival);
+        self.add(o);
+        arrival + o
+    }
+
+    /// The bytes of the next send on the current lane are ready at `t` (ps).
+    pub fn ready_for_send(&self, t: u64) {
+        self.ready.store(t, Ordering::Relaxed);
+    }
+
+    /// The stamp of a send posted now on the current lane: after the lane's previous send
+    /// and once its bytes are ready, plus the software overhead. The lane moves there.
+    pub(crate) fn send_stamp(&self) -> u64 {
+        let lane = self.lane.load(Ordering::Relaxed) as usize % LANES;
+        let ready = self.ready.swap(0, Ordering::Relaxed);
+        let prev = self.sends[lane].load(Ordering::Relaxed);
+        let stamp = prev.max(ready) + self.msg_ps.load(Ordering::Relaxed);
+        self.sends[lane].store(stamp, Ordering::Relaxed);
+        self.lanes[lane].fetch_max(stamp, Ordering::Relaxed);
+        stamp
+    }
+
+    /// The rank waited for everything it had in flight: the current lane's next send
+    /// leaves no earlier than the lane's time.
+    pub fn waited(&self) {
+        let lane = self.lane.load(Ordering::Relaxed) as usize % LANES;
+        let now = self.lanes[lane].load(Ordering::Relaxed);
+        self.sends[lane].fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// The time to reduce `bytes` of output at the model's speed, ps.
+    pub fn reduce_ps(&self, bytes: usize) -> u64 {
+        self.reduce_ps_per_byte.load(Ordering::Relaxed) * bytes as u64
+    }
+
+    pub(crate) fn set_msg_ps(&self, ps: u64) {
+        self.msg_ps.store(ps, Ordering::Relaxed);
     }
 
     pub(crate) fn set_reduce_speed(&self, gbs: f64) {
@@ -209,18 +270,28 @@ impl Clock {
         self.reduce_ps_per_byte.store(per.max(u64::from(gbs > 0.0)), Ordering::Relaxed);
     }
 
-    pub(crate) fn ps(&self) -> u64 {
-        self.now.load(Ordering::Relaxed)
+    fn current(&self) -> &AtomicU64 {
+        &self.lanes[self.lane.load(Ordering::Relaxed) as usize % LANES]
     }
 
-    /// Move the clock forward by `d` ps; the new time.
+    fn latest(&self) -> u64 {
+        self.lanes.iter().map(|l| l.load(Ordering::Relaxed)).max().unwrap_or(0)
+    }
+
+    fn set_all(&self, t: u64) {
+        for l in self.lanes.iter().chain(&self.sends) {
+            l.store(t, Ordering::Relaxed);
+        }
+    }
+
+    /// Move the current lane forward by `d` ps; its new time.
     pub(crate) fn add(&self, d: u64) -> u64 {
-        self.now.fetch_add(d, Ordering::Relaxed) + d
+        self.current().fetch_add(d, Ordering::Relaxed) + d
     }
 
-    /// Move the clock to `t` if it is behind.
-    pub(crate) fn advance_to(&self, t: u64) {
-        self.now.fetch_max(t, Ordering::Relaxed);
+    /// Move the current lane to `t` if it is behind.
+    pub fn advance_to(&self, t: u64) {
+        self.current().fetch_max(t, Ordering::Relaxed);
     }
 }
 
@@ -321,6 +392,29 @@ mod tests {
         assert_eq!(s.host_of(7).unwrap(), 1);
         let e = s.host_of(8).unwrap_err().to_string();
         assert!(e.contains("rank 8 does not fit on 2 hosts"), "{e}");
+    }
+
+    #[test]
+    fn each_machine_moves_its_own_lane_and_a_call_ends_with_the_latest() {
+        let c = Clock::default();
+        c.set_msg_ps(500);
+        c.set(Duration::from_nanos(10));
+        c.call_started();
+        c.use_lane(1);
+        assert_eq!(c.received(50_000), 50_500, "ready after the overhead");
+        c.use_lane(0);
+        assert_eq!(c.add(0), 10_000, "lane 0 did not move with lane 1");
+        // A send whose bytes were ready at 15 ns leaves then, after lane 0's last send.
+        c.ready_for_send(15_000);
+        assert_eq!(c.send_stamp(), 15_500);
+        assert_eq!(c.send_stamp(), 16_000, "a lane posts its sends in order");
+        c.received(20_000);
+        assert_eq!(c.now(), Duration::from_nanos(50));
+        c.call_done();
+        assert_eq!(c.last_call(), Duration::from_nanos(40));
+        c.call_started();
+        assert_eq!(c.add(0), 50_500, "the next call starts every lane at the latest");
+        assert_eq!(c.send_stamp(), 51_000, "and every lane's sends");
     }
 
     #[test]

@@ -80,12 +80,16 @@ fn the_clock_follows_the_link_model() {
     let mut s = nets[0].connect(0, &h2).unwrap().poll().unwrap().unwrap();
     let mut r = l2.accept().unwrap().unwrap();
     exchange(&mut *s, &mut *r, 1000, 1);
+    // The clock moves when the rank uses the message (the executor calls `received`).
+    assert_eq!(nets[2].clock().now(), Duration::ZERO);
+    nets[2].clock().received(r.virtual_arrival().unwrap());
     assert_eq!(nets[0].clock().now(), Duration::from_nanos(500));
     assert_eq!(nets[2].clock().now(), Duration::from_nanos(5000));
     // Rank 0 → rank 1 (host 0): 0.5 µs more on rank 0, 1 µs, 1000 B at 10 GB/s (0.1 µs).
     let mut s = nets[0].connect(0, &h1).unwrap().poll().unwrap().unwrap();
     let mut r = l1.accept().unwrap().unwrap();
     exchange(&mut *s, &mut *r, 1000, 2);
+    nets[1].clock().received(r.virtual_arrival().unwrap());
     assert_eq!(nets[0].clock().now(), Duration::from_nanos(1000));
     assert_eq!(nets[1].clock().now(), Duration::from_nanos(2600));
     // A call's time: from its start to its end on this rank.
