@@ -43,10 +43,19 @@ fn check(results: &[SimResult], what: &str) {
             r.wrong
         );
         if let Some(a) = r.case.algo {
-            assert_eq!(r.algo, Some(a), "{what}: {} ran another algorithm", r.case.op.name());
+            assert_eq!(
+                r.algo,
+                Some(a),
+                "{what}: {} ran another algorithm",
+                r.case.op.name()
+            );
         }
         if r.case.op != SimOp::Barrier {
-            assert!(r.time > Duration::ZERO, "{what}: {:?} took no virtual time", r.case);
+            assert!(
+                r.time > Duration::ZERO,
+                "{what}: {:?} took no virtual time",
+                r.case
+            );
         }
     }
 }
@@ -101,7 +110,10 @@ fn every_collective_and_algorithm_is_right_at_3_8_and_64_ranks() {
 #[test]
 fn at_1024_ranks_rings_trees_and_doubling_are_right_and_trees_win_small() {
     let n = 1024;
-    let j = job(n, "hosts=128,ranks_per_host=8,nic_gbps=100,nic_us=2,local_gbps=200,local_us=0.5,msg_us=0.5");
+    let j = job(
+        n,
+        "hosts=128,ranks_per_host=8,nic_gbps=100,nic_us=2,local_gbps=200,local_us=0.5,msg_us=0.5",
+    );
     let cases = [
         case(SimOp::AllReduce, Some(Algo::Tree), 8),
         case(SimOp::AllReduce, Some(Algo::Doubling), 8),
@@ -115,13 +127,22 @@ fn at_1024_ranks_rings_trees_and_doubling_are_right_and_trees_win_small() {
     let (tree, doubling, ring) = (r[0].time, r[1].time, r[2].time);
     eprintln!("1024 ranks: all-reduce 8 B tree {tree:?}, doubling {doubling:?}; 4 KiB ring {ring:?}; all-gather 4 KiB ring {:?}; barrier {:?}", r[4].time, r[5].time);
     // A step costs at least the NIC latency and two message overheads (3 µs) on most hops.
-    assert!(ring > Duration::from_micros(2 * 1023 * 3 / 2), "ring {ring:?}");
+    assert!(
+        ring > Duration::from_micros(2 * 1023 * 3 / 2),
+        "ring {ring:?}"
+    );
     // Doubling: 3 exchanges inside a host (0.5 µs + 2 × 0.5 µs overhead), then 7 across
     // NICs (2 µs + 1 µs): 25.5 µs. The double tree: about 2·log2(n) such hops.
     let hops = Duration::from_nanos(3 * 1500 + 7 * 3000);
-    assert!(doubling >= hops && doubling < hops * 2, "doubling {doubling:?}");
+    assert!(
+        doubling >= hops && doubling < hops * 2,
+        "doubling {doubling:?}"
+    );
     assert!(tree >= hops && tree < hops * 5, "tree {tree:?}");
-    assert!(ring > tree * 20 && ring > doubling * 50, "ring {ring:?} tree {tree:?} doubling {doubling:?}");
+    assert!(
+        ring > tree * 20 && ring > doubling * 50,
+        "ring {ring:?} tree {tree:?} doubling {doubling:?}"
+    );
 }
 
 /// One rank per host (every message crosses a NIC): a large ring all-reduce takes
@@ -142,13 +163,24 @@ fn a_large_ring_all_reduce_takes_what_the_bandwidth_says() {
     for (res, &b) in r.iter().zip(&sizes) {
         let wire = 2.0 * (n as f64 - 1.0) / n as f64 * b as f64 * 8.0 / (gbps * 1e9);
         let t = res.time.as_secs_f64();
-        eprintln!("ring all-reduce {b} B on {n} ranks: predicted {t:.6} s, bandwidth term {wire:.6} s");
-        assert!(t >= wire, "{b} B: {t} s is faster than the wire allows ({wire} s)");
+        eprintln!(
+            "ring all-reduce {b} B on {n} ranks: predicted {t:.6} s, bandwidth term {wire:.6} s"
+        );
+        assert!(
+            t >= wire,
+            "{b} B: {t} s is faster than the wire allows ({wire} s)"
+        );
         // Pipelined: the latency terms (2(n-1) steps of a slice) add a few percent.
-        assert!(t < wire * 1.1, "{b} B: {t} s is far above the bandwidth term {wire} s");
+        assert!(
+            t < wire * 1.1,
+            "{b} B: {t} s is far above the bandwidth term {wire} s"
+        );
     }
     let ratio = r[1].time.as_secs_f64() / r[0].time.as_secs_f64();
-    assert!((1.8..2.2).contains(&ratio), "doubling the bytes: time x{ratio}");
+    assert!(
+        (1.8..2.2).contains(&ratio),
+        "doubling the bytes: time x{ratio}"
+    );
 }
 
 /// Ranks of one host talk over the faster local links: the same ring on 8 ranks of one host
@@ -156,8 +188,16 @@ fn a_large_ring_all_reduce_takes_what_the_bandwidth_says() {
 #[test]
 fn ranks_of_one_host_use_the_local_links() {
     let cases = [case(SimOp::AllReduce, Some(Algo::Ring), 8 << 20)];
-    let spread = run(&job(8, "ranks_per_host=1,nic_gbps=100,local_gbps=400"), &cases).unwrap();
-    let packed = run(&job(8, "ranks_per_host=8,nic_gbps=100,local_gbps=400"), &cases).unwrap();
+    let spread = run(
+        &job(8, "ranks_per_host=1,nic_gbps=100,local_gbps=400"),
+        &cases,
+    )
+    .unwrap();
+    let packed = run(
+        &job(8, "ranks_per_host=8,nic_gbps=100,local_gbps=400"),
+        &cases,
+    )
+    .unwrap();
     check(&spread, "8 hosts");
     check(&packed, "one host");
     let ratio = spread[0].time.as_secs_f64() / packed[0].time.as_secs_f64();

@@ -90,7 +90,8 @@ fn run(a: &Args) -> Result<bool, String> {
         None => SimSpec::default(),
     };
     let bytes = |s: &str| {
-        roccl::envvar::parse_bytes(s).ok_or_else(|| format!("'{s}': expected bytes such as 8, 64K or 1M"))
+        roccl::envvar::parse_bytes(s)
+            .ok_or_else(|| format!("'{s}': expected bytes such as 8, 64K or 1M"))
     };
     let (lo, hi) = (bytes(&a.minbytes)?, bytes(&a.maxbytes)?);
     if a.stepfactor < 2 {
@@ -160,7 +161,11 @@ fn run(a: &Args) -> Result<bool, String> {
     let mut ok = true;
     for r in &results {
         let us = r.time.as_secs_f64() * 1e6;
-        let algbw = if us > 0.0 { r.bytes as f64 / us / 1e3 } else { 0.0 };
+        let algbw = if us > 0.0 {
+            r.bytes as f64 / us / 1e3
+        } else {
+            0.0
+        };
         ok &= r.wrong == 0;
         out(format!(
             "  {:>14} {:>12} {:>9} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>7}",

@@ -396,7 +396,13 @@ fn rank_case(
                 if r == 0 {
                     out.copy_from_slice(&input);
                 }
-                c.run_raw(coll, DataType::F32, None, bytemuck::cast_slice_mut(out), &opts)?
+                c.run_raw(
+                    coll,
+                    DataType::F32,
+                    None,
+                    bytemuck::cast_slice_mut(out),
+                    &opts,
+                )?
             }
             SimOp::Barrier => c.run_raw(coll, DataType::U8, None, &mut [], &opts)?,
             _ => c.run_raw(
@@ -444,9 +450,7 @@ mod tests {
         let got: Vec<f32> = (0..6)
             .map(|i| expected(SimOp::AllToAll, 1, 3, i, 6, &s).unwrap())
             .collect();
-        let want: Vec<f32> = (0..3)
-            .flat_map(|q| [value(q, 2), value(q, 3)])
-            .collect();
+        let want: Vec<f32> = (0..3).flat_map(|q| [value(q, 2), value(q, 3)]).collect();
         assert_eq!(got, want);
     }
 }

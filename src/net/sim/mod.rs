@@ -38,8 +38,8 @@ use super::{
 };
 use crate::bootstrap::auth::JobKey;
 use crate::error::{Error, Result};
-pub use model::{Clock, SimSpec, SIM_KEYS};
 use model::{arrival, Port};
+pub use model::{Clock, SimSpec, SIM_KEYS};
 
 const HANDLE_MAGIC: u32 = 0x4d49_5352; // "RSIM"
 /// Messages up to this size are copied into the connection at once (eager): their send is
@@ -104,8 +104,7 @@ impl Wake {
 
     /// Empty the eventfd if it was written since the last look, so that a poll sleeps again.
     fn drain(&self) {
-        if self.signalled.load(Ordering::Relaxed) && self.signalled.swap(false, Ordering::AcqRel)
-        {
+        if self.signalled.load(Ordering::Relaxed) && self.signalled.swap(false, Ordering::AcqRel) {
             let mut b = [0u8; 8];
             let _ = (&self.fd).read(&mut b);
         }
@@ -273,10 +272,7 @@ impl Net for SimNet {
         h[24..28].copy_from_slice(&(self.rank as u32).to_le_bytes());
         Ok((
             NetHandle::from_bytes(&h)?,
-            Box::new(SimListen {
-                l,
-                key: (fp, id),
-            }),
+            Box::new(SimListen { l, key: (fp, id) }),
         ))
     }
 
@@ -671,11 +667,9 @@ impl SimRecv {
                     // SAFETY: the sender's isend contract keeps its buffer readable until its
                     // request is done, which needs `copied` to pass it, or until its comm
                     // is dropped, which takes this lock first and removes the message.
-                    Some(src) => {
-                        out.copy_from_slice(unsafe {
-                            std::slice::from_raw_parts(src as *const u8, len)
-                        })
-                    }
+                    Some(src) => out.copy_from_slice(unsafe {
+                        std::slice::from_raw_parts(src as *const u8, len)
+                    }),
                     None => g.eager.copy_out(out),
                 }
             }

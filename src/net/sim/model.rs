@@ -267,7 +267,8 @@ impl Clock {
     pub(crate) fn set_reduce_speed(&self, gbs: f64) {
         // 1 GB/s = 1 byte per ns = 1000 ps per byte.
         let per = if gbs > 0.0 { (1000.0 / gbs) as u64 } else { 0 };
-        self.reduce_ps_per_byte.store(per.max(u64::from(gbs > 0.0)), Ordering::Relaxed);
+        self.reduce_ps_per_byte
+            .store(per.max(u64::from(gbs > 0.0)), Ordering::Relaxed);
     }
 
     fn current(&self) -> &AtomicU64 {
@@ -275,7 +276,11 @@ impl Clock {
     }
 
     fn latest(&self) -> u64 {
-        self.lanes.iter().map(|l| l.load(Ordering::Relaxed)).max().unwrap_or(0)
+        self.lanes
+            .iter()
+            .map(|l| l.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0)
     }
 
     fn set_all(&self, t: u64) {
@@ -385,8 +390,14 @@ mod tests {
         assert_eq!(s.reduce_gbs, 20.0);
         assert_eq!(s.to_string().parse::<SimSpec>().unwrap(), s);
         let e = "nic_gbs=1".parse::<SimSpec>().unwrap_err().to_string();
-        assert!(e.contains("unknown name 'nic_gbs'") && e.contains("nic_gbps"), "{e}");
-        let e = "ranks_per_host=0".parse::<SimSpec>().unwrap_err().to_string();
+        assert!(
+            e.contains("unknown name 'nic_gbs'") && e.contains("nic_gbps"),
+            "{e}"
+        );
+        let e = "ranks_per_host=0"
+            .parse::<SimSpec>()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("ranks_per_host=0"), "{e}");
         let s: SimSpec = "hosts=2,ranks_per_host=4".parse().unwrap();
         assert_eq!(s.host_of(7).unwrap(), 1);
@@ -413,7 +424,11 @@ mod tests {
         c.call_done();
         assert_eq!(c.last_call(), Duration::from_nanos(40));
         c.call_started();
-        assert_eq!(c.add(0), 50_500, "the next call starts every lane at the latest");
+        assert_eq!(
+            c.add(0),
+            50_500,
+            "the next call starts every lane at the latest"
+        );
         assert_eq!(c.send_stamp(), 51_000, "and every lane's sends");
     }
 

@@ -113,7 +113,10 @@ fn a_peer_of_another_process_or_gone_is_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("rank 3 is in process") && e.contains("threads of one process"), "{e}");
+    assert!(
+        e.contains("rank 3 is in process") && e.contains("threads of one process"),
+        "{e}"
+    );
     drop(l);
     let e = a.connect(0, &h).err().unwrap().to_string();
     assert!(e.contains("rank 3's endpoint is gone"), "{e}");
@@ -163,13 +166,21 @@ fn a_sleeping_receiver_is_woken_by_its_eventfd() {
     let mut fds = Vec::new();
     r.poll_fds(&mut fds);
     let fd = fds[0].fd;
-    assert!(!crate::net::poll_one(fd, libc::POLLIN), "nothing to wake for yet");
+    assert!(
+        !crate::net::poll_one(fd, libc::POLLIN),
+        "nothing to wake for yet"
+    );
     let t = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(50));
         let data = [9u8; 8];
         // SAFETY: `data` lives until the send completes below (eager: at once).
-        let id = unsafe { s.isend(data.as_ptr(), 8, 0, None) }.unwrap().unwrap();
-        assert!(s.test(id).unwrap().is_some(), "an eager send is done at once");
+        let id = unsafe { s.isend(data.as_ptr(), 8, 0, None) }
+            .unwrap()
+            .unwrap();
+        assert!(
+            s.test(id).unwrap().is_some(),
+            "an eager send is done at once"
+        );
     });
     let mut p = libc::pollfd {
         fd,
