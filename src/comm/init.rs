@@ -98,7 +98,7 @@ impl Communicator {
             )));
         }
         net.set_encryption(id.encrypted());
-        if id.encrypted() && !net.encrypts() && cfg.net != NetKind::Shm {
+        if id.encrypted() && !net.encrypts() && !matches!(cfg.net, NetKind::Shm | NetKind::Sim) {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
                 crate::warn!(
