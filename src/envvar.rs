@@ -72,7 +72,12 @@ const BYTES: &str = "bytes: a whole number, optionally with a K, M or G suffix (
 pub const SETTINGS: &[Setting] = &[
     Setting {
         name: "ROCCL_NET",
-        accepts: "auto, tcp, rocev2, verbs or shm",
+        accepts: "auto, tcp, rocev2, verbs, shm or sim",
+        valid: None,
+    },
+    Setting {
+        name: "ROCCL_SIM",
+        accepts: "the simulated cluster (ROCCL_NET=sim) as name=value pairs, comma-separated: hosts, ranks_per_host, nic_gbps, nic_us, local_gbps, local_us, msg_us, reduce_gbs",
         valid: None,
     },
     Setting {

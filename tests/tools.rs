@@ -440,7 +440,7 @@ fn help_lists_what_the_parsers_accept() {
     assert_eq!(help_values(&help, "--redop"), ops);
     // Every network, each named once (a new kind fails to compile here until it is listed).
     let nets = help_values(&help, "--net");
-    let mut seen = [false; 5];
+    let mut seen = [false; 6];
     for n in &nets {
         let k: NetKind = n.parse().unwrap_or_else(|e| panic!("--net {n}: {e}"));
         let i = match k {
@@ -449,6 +449,7 @@ fn help_lists_what_the_parsers_accept() {
             NetKind::RoceV2 => 2,
             NetKind::Verbs => 3,
             NetKind::Shm => 4,
+            NetKind::Sim => 5,
         };
         assert!(!seen[i], "{n} twice");
         seen[i] = true;

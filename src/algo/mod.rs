@@ -140,8 +140,9 @@ pub(crate) trait Machine {
 pub(crate) fn drive(exec: &mut Exec, ms: &mut [&mut dyn Machine]) -> Result<()> {
     loop {
         let mut moved = false;
-        for m in ms.iter_mut() {
+        for (i, m) in ms.iter_mut().enumerate() {
             if !m.done() {
+                exec.use_lane(i);
                 moved |= m.advance(exec)?;
             }
         }

@@ -3,6 +3,7 @@
 use crate::algo::model::Tuning;
 use crate::algo::Algo;
 use crate::error::{Error, Result};
+use crate::net::sim::SimSpec;
 use crate::net::NetKind;
 use crate::os::wait::Waiter;
 
@@ -40,6 +41,9 @@ pub struct Config {
     /// a window's output is still in the cache when the all-gather half sends it. Every
     /// rank must use the same value.
     pub ring_window: usize,
+    /// The simulated cluster of `ROCCL_NET=sim` (`ROCCL_SIM`; every rank of a job must
+    /// give the same).
+    pub sim: SimSpec,
     /// This rank's host, as the topology sees it (`ROCCL_HOSTID`, like `NCCL_HOSTID`): ranks
     /// that give the same name are on one host (shared memory between them, ring orders
     /// and hierarchical collectives grouped by it). `None`: the hostname and kernel boot id.
@@ -157,6 +161,7 @@ impl Config {
                 },
                 Err(_) => Hier::Auto,
             },
+            sim: env_parse("ROCCL_SIM")?.unwrap_or_default(),
         })
     }
 }

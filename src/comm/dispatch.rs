@@ -181,7 +181,13 @@ impl State {
         if let Some(m) = &self.links.metrics {
             m.call_start(METRICS_P2P, bytes);
         }
+        if let Some(c) = &self.links.clock {
+            c.call_started();
+        }
         let r = self.p2p_counted(ops, dev);
+        if let Some(c) = &self.links.clock {
+            c.call_done();
+        }
         if let Some(m) = &self.links.metrics {
             m.call_done();
         }
@@ -385,6 +391,9 @@ impl State {
         if let Some(m) = &self.links.metrics {
             m.call_start(metrics_kind(&coll), bytes);
         }
+        if let Some(c) = &self.links.clock {
+            c.call_started();
+        }
         // The scratch buffer of averages leaves `self` while the call borrows it.
         let mut scratch = std::mem::take(&mut self.premul);
         let r = match premultiplied(
@@ -406,6 +415,9 @@ impl State {
         let r = r.map_err(|e| self.explain_mismatch(e));
         if let Err(e) = &r {
             self.failed(e);
+        }
+        if let Some(c) = &self.links.clock {
+            c.call_done();
         }
         if let Some(m) = &self.links.metrics {
             m.call_done();

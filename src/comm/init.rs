@@ -79,7 +79,13 @@ impl Communicator {
         }
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
-        let net: Arc<dyn net::Net> = net::open(cfg.net, local)?;
+        // The simulated network places its rank on a host of its cluster: it is made here,
+        // where the rank is known.
+        let net: Arc<dyn net::Net> = if cfg.net == NetKind::Sim {
+            Arc::new(net::sim::SimNet::new(rank, cfg.sim.clone())?)
+        } else {
+            net::open(cfg.net, local)?
+        };
         // The network's own waits (retransmission, draining at close) end at this
         // communicator's deadline, not at one read from the environment.
         net.set_timeout(cfg.waiter.timeout);
@@ -92,7 +98,7 @@ impl Communicator {
             )));
         }
         net.set_encryption(id.encrypted());
-        if id.encrypted() && !net.encrypts() && cfg.net != NetKind::Shm {
+        if id.encrypted() && !net.encrypts() && !matches!(cfg.net, NetKind::Shm | NetKind::Sim) {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
                 crate::warn!(
@@ -376,6 +382,7 @@ impl Communicator {
             crate::warn!("{e}: no metrics endpoint");
         }
         let abort_flag = Arc::clone(&links.abort);
+        let clock = links.clock.clone();
         let connect_all = cfg.connect_all;
         let broken = Arc::new(Broken::default());
         let comm = Communicator {
@@ -390,6 +397,7 @@ impl Communicator {
                 gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
                 gpu_direct_net: net_gpu.is_some(),
                 device_mem,
+                clock,
                 state: Mutex::new(State {
                     links,
                     node,

@@ -101,6 +101,8 @@ struct Shared {
     gpu_direct_net: bool,
     /// Per peer, how GPU memory goes to it without staging (see `Links::device_mem`).
     device_mem: Vec<Option<bool>>,
+    /// This rank's virtual clock on the simulated network (`ROCCL_NET=sim`).
+    clock: Option<Arc<crate::net::sim::Clock>>,
     state: Mutex<State>,
     /// Set once, read without a lock ([`Communicator::async_error`]).
     broken: Arc<Broken>,
@@ -179,6 +181,32 @@ impl Communicator {
     /// Name of the network in use (`tcp`, ...).
     pub fn net_name(&self) -> &'static str {
         self.shared.net
+    }
+
+    /// On the simulated network (`ROCCL_NET=sim`): the time this rank's last call took in
+    /// virtual time, as the link model predicts it (from its start to its end on this rank;
+    /// a collective's predicted time is the largest over its ranks). `None` on real
+    /// networks.
+    pub fn predicted_time(&self) -> Option<std::time::Duration> {
+        self.shared.clock.as_ref().map(|c| c.last_call())
+    }
+
+    /// On the simulated network: this rank's virtual clock now. `None` on real networks.
+    pub fn virtual_clock(&self) -> Option<std::time::Duration> {
+        self.shared.clock.as_ref().map(|c| c.now())
+    }
+
+    /// On the simulated network: set this rank's virtual clock, e.g. every rank to the
+    /// latest of their clocks before timing calls (what a barrier does on a real cluster).
+    /// Only between calls. False (and nothing done) on real networks.
+    pub fn set_virtual_clock(&self, t: std::time::Duration) -> bool {
+        match &self.shared.clock {
+            Some(c) => {
+                c.set(t);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether the shared-memory collectives (`shm1`, `shm2`) are available: every rank is

@@ -15,6 +15,9 @@ type Parser = fn(&str) -> bool;
 /// The parsers of the settings whose table entry has no check of its own (`valid: None`).
 const PARSED_ABOVE: &[(&str, Parser)] = &[
     ("ROCCL_NET", |v| v.parse::<crate::net::NetKind>().is_ok()),
+    ("ROCCL_SIM", |v| {
+        v.parse::<crate::net::sim::SimSpec>().is_ok()
+    }),
     ("ROCCL_ALGO", |v| {
         v.eq_ignore_ascii_case("auto") || v.parse::<crate::algo::Algo>().is_ok()
     }),

@@ -60,8 +60,8 @@ pub(crate) struct Links {
     pub peer_net: Vec<usize>,
     /// `handles[peer][net]`.
     pub handles: Vec<Vec<NetHandle>>,
-    send: Vec<[Option<Box<dyn SendComm>>; MAX_CHANNELS]>,
-    recv: Vec<[Option<Box<dyn RecvComm>>; MAX_CHANNELS]>,
+    send: PerPeer<Box<dyn SendComm>>,
+    recv: PerPeer<Box<dyn RecvComm>>,
     /// Per peer: one connection carries both directions of each channel ([`Net::duplex`]);
     /// the lower rank of the pair opens it, whichever direction it needs first.
     duplex: Vec<bool>,
@@ -108,6 +108,53 @@ pub(crate) struct Links {
     /// Per rank, its process id where this rank can see that process (same host and pid
     /// namespace; set at init), to say in an error whether it exited or is stopped.
     pub local_pids: Vec<Option<u32>>,
+    /// This rank's virtual clock, on a simulated network (`net::sim`).
+    pub clock: Option<Arc<crate::net::sim::Clock>>,
+}
+
+/// Connections per peer and channel. A peer's row is allocated when a connection to it is
+/// first filed: a dense table took 8 × 16 bytes per peer and direction on every rank (1024
+/// ranks in one process: 256 MiB), where each rank talks to a few peers.
+pub(crate) struct PerPeer<T> {
+    rows: Vec<Option<Box<[Option<T>; MAX_CHANNELS]>>>,
+    /// The row of a peer without connections.
+    empty: [Option<T>; MAX_CHANNELS],
+}
+
+impl<T> PerPeer<T> {
+    fn new(nranks: usize) -> Self {
+        PerPeer {
+            rows: (0..nranks).map(|_| None).collect(),
+            empty: Default::default(),
+        }
+    }
+
+    /// The connections to `peer`, if it is a rank.
+    fn get(&self, peer: usize) -> Option<&[Option<T>; MAX_CHANNELS]> {
+        (peer < self.rows.len()).then(|| &self[peer])
+    }
+
+    /// Every peer's row (peers without connections have none).
+    fn iter(&self) -> impl Iterator<Item = &[Option<T>; MAX_CHANNELS]> {
+        self.rows.iter().flatten().map(|r| &**r)
+    }
+
+    fn clear(&mut self) {
+        self.rows.iter_mut().for_each(|r| *r = None);
+    }
+}
+
+impl<T> std::ops::Index<usize> for PerPeer<T> {
+    type Output = [Option<T>; MAX_CHANNELS];
+    fn index(&self, peer: usize) -> &Self::Output {
+        self.rows[peer].as_deref().unwrap_or(&self.empty)
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for PerPeer<T> {
+    fn index_mut(&mut self, peer: usize) -> &mut Self::Output {
+        self.rows[peer].get_or_insert_with(Default::default)
+    }
 }
 
 /// Most GPU registrations kept across calls, over all connections.
@@ -151,6 +198,7 @@ impl Links {
                 }
             })
             .collect();
+        let endpoints_clock = endpoints.first().and_then(|e| e.net.virtual_clock());
         Links {
             rank,
             nranks,
@@ -160,8 +208,8 @@ impl Links {
             endpoints,
             peer_net,
             handles,
-            send: (0..nranks).map(|_| Default::default()).collect(),
-            recv: (0..nranks).map(|_| Default::default()).collect(),
+            send: PerPeer::new(nranks),
+            recv: PerPeer::new(nranks),
             incoming: Vec::new(),
             spare: Vec::new(),
             suspect: None,
@@ -182,6 +230,7 @@ impl Links {
             dev_clock: 0,
             dev_epoch: 0,
             local_pids: vec![None; nranks],
+            clock: endpoints_clock,
         }
     }
 
@@ -231,13 +280,15 @@ impl Links {
     }
 
     pub fn send_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn SendComm>> {
-        self.send[peer][ch].as_mut().ok_or_else(|| {
+        let row = self.send.rows.get_mut(peer).and_then(|r| r.as_deref_mut());
+        row.and_then(|r| r.get_mut(ch)?.as_mut()).ok_or_else(|| {
             Error::Internal(format!("no send connection to rank {peer} channel {ch}"))
         })
     }
 
     pub fn recv_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn RecvComm>> {
-        self.recv[peer][ch].as_mut().ok_or_else(|| {
+        let row = self.recv.rows.get_mut(peer).and_then(|r| r.as_deref_mut());
+        row.and_then(|r| r.get_mut(ch)?.as_mut()).ok_or_else(|| {
             Error::Internal(format!(
                 "no receive connection from rank {peer} channel {ch}"
             ))
@@ -265,15 +316,13 @@ impl Links {
     /// Drop every connection; `abandon`: without draining what was sent (see
     /// [`SendComm::abandon`]), else each send comm drains as it closes (a destroy).
     fn close(&mut self, abandon: bool) {
-        for s in &mut self.send {
+        for s in self.send.rows.iter_mut().flatten() {
             for c in s.iter_mut().flatten().filter(|_| abandon) {
                 c.abandon();
             }
-            *s = Default::default();
         }
-        for r in &mut self.recv {
-            *r = Default::default();
-        }
+        self.send.clear();
+        self.recv.clear();
         self.incoming.clear();
         self.spare.clear();
         // Their registrations went with the connections.

@@ -27,6 +27,7 @@ use links::Links;
 mod broken;
 mod group;
 pub(crate) mod links;
+mod virtual_time;
 
 /// Which buffer a region lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,6 +249,9 @@ pub(crate) struct Op {
     size: usize,
     /// When it was posted (`metrics::now_ns`), where the communicator is traced; else 0.
     posted: u64,
+    /// A receive on a simulated network: its virtual arrival (ps), applied to the rank's
+    /// clock when the algorithm takes it (0: none).
+    arrival: u64,
 }
 
 const MAX_OPS: usize = 128;
@@ -278,6 +282,8 @@ pub(crate) struct Exec<'a> {
     members: Vec<usize>,
     /// This rank's number in `members`.
     me: usize,
+    /// When the bytes the call wrote are ready in virtual time (simulated network).
+    ready: virtual_time::Ready,
 }
 
 impl<'a> Exec<'a> {
@@ -327,6 +333,7 @@ impl<'a> Exec<'a> {
             tag: 0,
             members,
             me: 0,
+            ready: Default::default(),
         }
     }
 
@@ -470,6 +477,7 @@ impl<'a> Exec<'a> {
             done: false,
             size: 0,
             posted: 0,
+            arrival: 0,
         });
         Ok(self.ops.len() - 1)
     }
@@ -543,6 +551,9 @@ impl<'a> Exec<'a> {
             // address came back as host memory): the network must not find that one.
             self.forget_device(peer, ch, send, m);
         }
+        if send {
+            self.sim_before_send(m);
+        }
         let mut w = self.waiter.start();
         let req = loop {
             // SAFETY: `m` lies inside a buffer borrowed for 'a (checked by `resolve`); no
@@ -585,6 +596,7 @@ impl<'a> Exec<'a> {
             active: true,
             done: false,
             size: 0,
+            arrival: 0,
             // Timed where traced, and big sends for the throughput estimate.
             posted: match &self.links.metrics {
                 Some(mt)
@@ -864,11 +876,16 @@ impl<'a> Exec<'a> {
                 r.inspect(|&n| self.ops[i].size = n).is_some()
             } else {
                 let mut sz = [0usize; 1];
-                let r = self.links.recv_comm(peer, ch)?.test(o.req, &mut sz);
+                let simulated = self.links.clock.is_some();
+                let comm = self.links.recv_comm(peer, ch)?;
+                let r = comm.test(o.req, &mut sz);
                 let d = match r {
                     Ok(d) => d,
                     Err(e) => return Err(self.remote(peer, e)),
                 };
+                if d && simulated {
+                    self.ops[i].arrival = comm.virtual_arrival().unwrap_or(0);
+                }
                 if d {
                     if sz[0] != o.len {
                         return Err(Error::Remote {
@@ -924,7 +941,9 @@ impl<'a> Exec<'a> {
         let o = &mut self.ops[t.0 as usize];
         if o.active && o.done {
             o.active = false;
-            Some(o.size)
+            let size = o.size;
+            self.sim_took(t.0 as usize);
+            Some(size)
         } else {
             None
         }
@@ -1089,6 +1108,7 @@ impl<'a> Exec<'a> {
         while self.inflight > 0 {
             self.wait_any()?;
         }
+        self.sim_waited_all();
         Ok(())
     }
 
@@ -1136,6 +1156,7 @@ impl<'a> Exec<'a> {
         if Self::overlaps(d, bm) || (Self::overlaps(d, am) && d != am) {
             return Err(Error::Internal("reduce with overlapping operands".into()));
         }
+        self.sim_reduced(d, am, bm);
         // SAFETY: all three ranges lie in buffers borrowed for 'a (resolve), no request in
         // flight writes any of them or reads `d` (check), and `d` overlaps neither input
         // except when it is exactly `a`, which then is not turned into a second slice.
@@ -1163,6 +1184,7 @@ impl<'a> Exec<'a> {
         if d == s || d.1 == 0 {
             return Ok(());
         }
+        self.sim_copied(d, s);
         if self.on_device(dst.buf)? || self.on_device(src.buf)? {
             let dev = self
                 .dev

@@ -12,6 +12,7 @@
 
 pub mod rocev2;
 pub mod shm;
+pub mod sim;
 pub mod tcp;
 
 use std::fmt;
@@ -187,6 +188,11 @@ pub trait Net: Send + Sync {
     /// does; RDMA cannot without losing zero copy, and shared memory never leaves the host.
     fn encrypts(&self) -> bool {
         false
+    }
+    /// The virtual clock of this rank's endpoint on a simulated network ([`sim`]): calls
+    /// and messages move it by what the link model predicts. `None` on real networks.
+    fn virtual_clock(&self) -> Option<Arc<sim::Clock>> {
+        None
     }
 }
 
@@ -460,6 +466,12 @@ pub trait RecvComm: Send {
     /// The sending side of this connection back to the peer that opened it, received by its
     /// [`SendComm::reverse`] (see there).
     fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
+        None
+    }
+    /// On a simulated network ([`sim`]): the virtual arrival (ps) of the receive `test` last
+    /// reported done, for the caller to move the rank's clock ([`sim::Clock::received`])
+    /// when it uses the data. `None` on real networks.
+    fn virtual_arrival(&self) -> Option<u64> {
         None
     }
 }
@@ -840,6 +852,9 @@ pub enum NetKind {
     Verbs,
     /// Shared memory, for ranks all on one host.
     Shm,
+    /// The simulated network: ranks that are threads of one process, with virtual time
+    /// from a link model (`ROCCL_SIM`; [`sim`]).
+    Sim,
 }
 
 impl std::str::FromStr for NetKind {
@@ -851,8 +866,9 @@ impl std::str::FromStr for NetKind {
             "rocev2" | "roce" | "rdma" | "userspace" => Ok(NetKind::RoceV2),
             "verbs" | "ib" | "nic" => Ok(NetKind::Verbs),
             "shm" | "shared" => Ok(NetKind::Shm),
+            "sim" | "simulated" => Ok(NetKind::Sim),
             other => Err(Error::arg(format!(
-                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp, rocev2 (userspace RoCE v2), verbs (RoCE v2 NIC) or shm (shared memory, one host)"
+                "unknown network '{other}' (ROCCL_NET / --net): expected auto, tcp, rocev2 (userspace RoCE v2), verbs (RoCE v2 NIC), shm (shared memory, one host) or sim (simulated, ranks as threads of one process)"
             ))),
         }
     }
@@ -868,6 +884,9 @@ pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
         NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
         NetKind::Verbs => open_verbs(ip),
         NetKind::Shm => Ok(Arc::new(shm::ShmNet::new()?)),
+        NetKind::Sim => Err(Error::arg(
+            "ROCCL_NET=sim: the simulated network is opened by a communicator, which knows its rank (Communicator::init with Config::net = NetKind::Sim); it cannot serve as a plugin's network",
+        )),
         NetKind::Auto => match auto_nic(ip) {
             Ok(n) => Ok(n),
             Err(why) => {

@@ -3,6 +3,7 @@
 //! `roccl-perf --ranks N` (`launch`), `roccl-info --status` (`status`) and `roccl-info --watch` (`watch`).
 
 pub mod launch;
+pub mod sim;
 pub mod status;
 pub mod watch;
 

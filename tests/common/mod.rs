@@ -32,6 +32,7 @@ pub fn config(tuning: Tuning) -> Config {
         ring_window: roccl::comm::RING_WINDOW,
         host: None,
         hier: roccl::comm::Hier::Auto,
+        sim: Default::default(),
     }
 }
 

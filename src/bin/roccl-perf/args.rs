@@ -26,7 +26,8 @@ pub struct Args {
     pub ranks: usize,
     /// Network (as ROCCL_NET): auto (shared memory between ranks of one host, to other hosts
     /// verbs where a usable NIC exists, else tcp), tcp, rocev2 (the userspace RoCE v2 engine
-    /// over UDP), verbs (RoCE v2 NIC; built with --features verbs), shm (one host).
+    /// over UDP), verbs (RoCE v2 NIC; built with --features verbs), shm (one host), sim
+    /// (the simulated network: run by `roccl-sim`, its ranks threads of one process).
     #[arg(long, default_value = "auto", value_parser = PossibleValuesParser::new(NETS.map(net_name)))]
     pub net: String,
     /// Algorithm (as ROCCL_ALGO); one a collective does not have is replaced by the cost
@@ -177,12 +178,13 @@ fn parse_check(s: &str) -> Result<u32, String> {
 }
 
 /// Every network `--net` offers (a new kind of network fails to compile in [`net_name`]).
-pub const NETS: [NetKind; 5] = [
+pub const NETS: [NetKind; 6] = [
     NetKind::Auto,
     NetKind::Tcp,
     NetKind::RoceV2,
     NetKind::Verbs,
     NetKind::Shm,
+    NetKind::Sim,
 ];
 
 /// The name `--net` and ROCCL_NET give a network.
@@ -193,6 +195,7 @@ pub fn net_name(k: NetKind) -> &'static str {
         NetKind::RoceV2 => "rocev2",
         NetKind::Verbs => "verbs",
         NetKind::Shm => "shm",
+        NetKind::Sim => "sim",
     }
 }
 

@@ -305,6 +305,10 @@ fn main() -> ExitCode {
             errln!("roccl-perf: warning: could not bind to CPU {cpu}: {e}");
         }
     }
+    if a.net == "sim" {
+        errln!("roccl-perf: error: --net sim: the simulated network runs every rank as a thread of one process, which roccl-sim does (same flags: roccl-sim --ranks {} --op ... -b ... -e ...; --sim for the cluster)", a.ranks);
+        return ExitCode::from(2);
+    }
     if a.net != "auto" {
         std::env::set_var("ROCCL_NET", &a.net);
     }
