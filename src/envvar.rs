@@ -144,8 +144,11 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "ROCCL_HOSTID",
-        accepts: "a name for this rank's host (any text)",
-        valid: Some(|v| !v.is_empty()),
+        accepts: "a name for this rank's host: up to 255 letters, digits and - _ . :",
+        valid: Some(|v| {
+            v.len() <= 255
+                && v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+        }),
     },
     Setting {
         name: "ROCCL_HIER",

@@ -856,8 +856,13 @@ mod tests {
             &t,
         );
         assert!(u.unwrap() < flat(CollKind::AllReduce, 8));
+        for kind in [CollKind::AllGather, CollKind::ReduceScatter] {
+            assert!(hier(kind, 8 * 64) < flat(kind, 8 * 64), "{kind:?}");
+            let u = estimate_hier(kind, DataType::F32, 8, uneven, &intra, &inter, &t);
+            assert!(u.is_none(), "{kind:?} on uneven hosts");
+        }
         assert!(
-            estimate_hier(CollKind::AllGather, DataType::F32, 8, l, &intra, &inter, &t).is_none()
+            estimate_hier(CollKind::AllToAll, DataType::F32, 8, l, &intra, &inter, &t).is_none()
         );
     }
 }
