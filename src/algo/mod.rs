@@ -6,6 +6,7 @@
 //! the executor only when none can move. Machines never touch memory directly: they name
 //! regions of the call's buffers and the executor checks every access.
 
+mod bruck;
 pub mod calibrate;
 pub mod model;
 mod p2p;
@@ -16,6 +17,7 @@ mod tree;
 use std::fmt;
 use std::str::FromStr;
 
+pub(crate) use bruck::{all_gather_bruck, all_reduce_bruck, bruck_stage, reduce_scatter_bruck};
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
     all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_reduce_twoshot,
@@ -50,16 +52,23 @@ pub enum Algo {
     /// Through the host's shared-memory segments, two-shot all-reduce: each rank reduces
     /// a 1/n share, then everyone copies the reduced shares (all ranks on one host).
     ShmTwoShot,
+    /// Bruck's log-step exchanges (`algo/bruck.rs`): all-gather and reduce-scatter in
+    /// ⌈log2 n⌉ steps, all-reduce in twice that, on any number of ranks (small messages on
+    /// many ranks).
+    Bruck,
 }
+
+// Counters keep a slot per algorithm besides "none", and call tags 4 bits (0: none).
+const _: () = assert!(Algo::ALL.len() < crate::metrics::MAX_ALGOS && Algo::ALL.len() < 16);
 
 impl Algo {
     /// The names of [`Algo::ALL`], in its order.
-    pub const NAMES: [&'static str; 7] = [
-        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2",
+    pub const NAMES: [&'static str; 8] = [
+        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2", "bruck",
     ];
 
     /// Every algorithm (what `ROCCL_ALGO` and `roccl-perf --algo` accept, besides `auto`).
-    pub const ALL: [Algo; 7] = [
+    pub const ALL: [Algo; 8] = [
         Algo::Ring,
         Algo::Tree,
         Algo::Direct,
@@ -67,6 +76,7 @@ impl Algo {
         Algo::TwoShot,
         Algo::ShmOneShot,
         Algo::ShmTwoShot,
+        Algo::Bruck,
     ];
 
     /// Name as printed and parsed.
@@ -79,6 +89,7 @@ impl Algo {
             Algo::TwoShot => "twoshot",
             Algo::ShmOneShot => "shm1",
             Algo::ShmTwoShot => "shm2",
+            Algo::Bruck => "bruck",
         }
     }
 }
@@ -100,8 +111,9 @@ impl FromStr for Algo {
             "twoshot" | "two-shot" | "2shot" => Ok(Algo::TwoShot),
             "shm1" | "shm" | "shm-oneshot" => Ok(Algo::ShmOneShot),
             "shm2" | "shm-twoshot" => Ok(Algo::ShmTwoShot),
+            "bruck" => Ok(Algo::Bruck),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1 or shm2"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1, shm2 or bruck"
             ))),
         }
     }

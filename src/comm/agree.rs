@@ -38,7 +38,7 @@ const SETTINGS: [&str; 9] = [
 const UNSET: u64 = u64::MAX;
 
 /// Algorithms by their number in the blob and in call tags.
-const ALGOS: [Algo; 7] = Algo::ALL;
+const ALGOS: [Algo; Algo::ALL.len()] = Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the

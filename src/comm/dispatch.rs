@@ -516,6 +516,7 @@ impl State {
                     Algo::TwoShot => algo::all_reduce_twoshot_stage(n, count, dt),
                     Algo::Ring => algo::all_reduce_ring_stage(&pl),
                     Algo::Tree => 2 * algo::tree_stage(&pl),
+                    Algo::Bruck => algo::bruck_stage(n, count, dt),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 };
                 let window = self.cfg.ring_window / esz * esz;
@@ -539,6 +540,7 @@ impl State {
                     Algo::TwoShot => algo::all_reduce_twoshot(exec, dt, op, count),
                     Algo::Ring => algo::all_reduce_ring(exec, dt, op, count, &pl),
                     Algo::Tree => algo::all_reduce_tree(exec, dt, op, count, &pl),
+                    Algo::Bruck => algo::all_reduce_bruck(exec, dt, op, count),
                     Algo::ShmOneShot | Algo::ShmTwoShot => unreachable!("ran above"),
                 })?;
                 Ok(info(a, pl))
@@ -633,8 +635,9 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                self.run_exec(send, recv, dev, 64, |exec| {
-                    algo::all_gather_ring(exec, dt, count, &pl)
+                self.run_exec(send, recv, dev, 64, |exec| match a {
+                    Algo::Bruck => algo::all_gather_bruck(exec, dt, count),
+                    _ => algo::all_gather_ring(exec, dt, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }
@@ -672,9 +675,13 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                self.run_exec(send, recv, dev, need, |exec| {
-                    algo::reduce_scatter_ring(exec, dt, op, count, &pl)
+                let need = match a {
+                    Algo::Bruck => algo::bruck_stage(n, n * count, dt),
+                    _ => algo::reduce_scatter_ring_stage(count, dt, &pl),
+                };
+                self.run_exec(send, recv, dev, need, |exec| match a {
+                    Algo::Bruck => algo::reduce_scatter_bruck(exec, dt, op, count),
+                    _ => algo::reduce_scatter_ring(exec, dt, op, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }
