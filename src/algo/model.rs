@@ -378,22 +378,29 @@ pub const DIRECT_MAX: usize = 256 * 1024;
 /// (docs/PERFORMANCE.md).
 pub const DOUBLING_MAX: usize = 2 << 20;
 
-/// Largest call (bytes of the whole vector) Bruck's algorithms are considered for over
-/// links with α ≥ 5 µs (TCP, RDMA): their steps send whole blocks, one message each, where
-/// the ring pipelines slices; beyond this the ring wins (fitted, docs/PERFORMANCE.md).
-pub const BRUCK_MAX: usize = 1 << 20;
+/// Largest all-gather (bytes of the whole output) Bruck's algorithm is considered for over
+/// links with α ≥ 5 µs (TCP, RDMA): its steps send whole blocks, one message each, where
+/// the ring pipelines slices, and beyond this the ring wins. `roccl-perf`, 8 ranks over TCP
+/// on 2 cores, alternating runs (docs/PERFORMANCE.md): 64 KiB Bruck 0.66–0.69 of the ring's
+/// time, 128 KiB 0.72–1.09, 256 KiB 1.05–1.18, 1 MiB 1.09–1.35.
+pub const BRUCK_GATHER_MAX: usize = 128 << 10;
 
-/// [`BRUCK_MAX`] over shared memory (fitted, docs/PERFORMANCE.md).
-pub const BRUCK_SHM_MAX: usize = 64 << 10;
+/// [`BRUCK_GATHER_MAX`] for the reduce-scatter and the all-reduce (same runs: 512 KiB
+/// 0.82–0.83 of the ring's time, 1 MiB 1.78–1.93).
+pub const BRUCK_REDUCE_MAX: usize = 512 << 10;
 
-/// Whether the model considers Bruck's algorithms for a call: up to [`BRUCK_MAX`] (or
-/// [`BRUCK_SHM_MAX`]); for all-reduce only from 4 ranks (on 2 and 3 it is the two-shot's
-/// exchange in as many steps).
+/// Largest call Bruck's algorithms are considered for over shared memory (α < 5 µs): 8
+/// ranks, 32 KiB 0.50–0.78 of the ring's time, 128 KiB 0.18–1.04, 512 KiB 0.86–1.26.
+pub const BRUCK_SHM_MAX: usize = 128 << 10;
+
+/// Whether the model considers Bruck's algorithms for a call: up to their fitted sizes;
+/// for all-reduce only from 4 ranks (on 2 and 3 it is the two-shot's exchange in as many
+/// steps, or more).
 fn bruck_applies(kind: CollKind, n: usize, bytes: usize, c: &LinkCost) -> bool {
-    let max = if c.alpha_us >= 5.0 {
-        BRUCK_MAX
-    } else {
-        BRUCK_SHM_MAX
+    let max = match kind {
+        _ if c.alpha_us < 5.0 => BRUCK_SHM_MAX,
+        CollKind::AllGather => BRUCK_GATHER_MAX,
+        _ => BRUCK_REDUCE_MAX,
     };
     bytes <= max && (kind != CollKind::AllReduce || n >= 4)
 }
@@ -676,10 +683,9 @@ mod tests {
                 Algo::ShmOneShot
             );
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &cma), Algo::ShmOneShot);
-            assert_eq!(
-                pick(CollKind::AllGather, n * (ag_min / 4), &cma),
-                Algo::Ring
-            );
+            // (On 4 ranks Bruck's two steps beat the ring's three; docs/PERFORMANCE.md.)
+            let below = pick(CollKind::AllGather, n * (ag_min / 4), &cma);
+            assert!(matches!(below, Algo::Ring | Algo::Bruck), "{below}");
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &shm_host()), Algo::Ring);
             assert_eq!(pick(CollKind::AllReduce, ar_min, &cma), Algo::ShmTwoShot);
             assert_eq!(pick(CollKind::AllReduce, 64 << 20, &cma), Algo::ShmTwoShot);
@@ -772,7 +778,7 @@ mod tests {
 
     /// Small all-gathers and reduce-scatters on many ranks take Bruck's ⌈log2 n⌉ steps
     /// instead of the ring's n-1; on 2 and 3 ranks (as many steps either way) and past
-    /// `BRUCK_MAX` the ring stays. Every rank computes this from the same agreed inputs.
+    /// the fitted sizes the ring stays. Every rank computes this from the same agreed inputs.
     #[test]
     fn bruck_for_small_gathers_and_scatters_on_many_ranks() {
         let (c, t) = (LinkCost::default(), Tuning::default());
@@ -802,6 +808,21 @@ mod tests {
                     "{k:?}"
                 );
             }
+            let pick = |k, b| choose(k, 8, b, cost, None, &t).0;
+            assert_eq!(pick(CollKind::AllGather, 64 << 10), Algo::Bruck);
+            assert_eq!(pick(CollKind::AllGather, 1 << 20), Algo::Ring);
+            assert_eq!(pick(CollKind::ReduceScatter, 256 << 10), Algo::Bruck);
+            assert_eq!(pick(CollKind::ReduceScatter, 1 << 20), Algo::Ring);
+        }
+        // Over shared memory (without the segments' algorithms) up to 128 KiB.
+        let shm = LinkCost {
+            alpha_us: 1.0,
+            beta_gbs: 8.0,
+            ..LinkCost::default()
+        };
+        for k in [CollKind::AllGather, CollKind::ReduceScatter] {
+            assert_eq!(choose(k, 8, 32 << 10, &shm, None, &t).0, Algo::Bruck);
+            assert_eq!(choose(k, 8, 512 << 10, &shm, None, &t).0, Algo::Ring);
         }
         // Forced, it runs at any size; the collectives without it fall back to the model.
         assert_eq!(
