@@ -10,6 +10,9 @@
 //! | all-reduce double tree | 2⌈log2 n⌉ | ≈ 1.5·B (inner node of one tree) | ≈ B |
 //! | broadcast/reduce chain | n−1 (+ slices) | B | B (reduce) |
 //! | broadcast/reduce tree | ⌈log2 n⌉ (+ slices) | ≤ 2·B | ≤ 2·B (reduce) |
+//! | all-gather / reduce-scatter ring | n−1 | (n−1)/n·B | (n−1)/n·B (reduce-scatter) |
+//! | all-gather / reduce-scatter Bruck | ⌈log2 n⌉ | (n−1)/n·B | (n−1)/n·B (reduce-scatter) |
+//! | all-reduce Bruck | 2⌈log2 n⌉ | 2(n−1)/n·B | (n−1)/n·B |
 //!
 //! Pipelined algorithms also pay a fill cost of (steps − 1) slices. The cheapest estimate
 //! wins unless `ROCCL_ALGO` or the call's option forces one.
