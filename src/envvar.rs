@@ -82,7 +82,7 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "ROCCL_ALGO",
-        accepts: "auto, ring, tree, direct, doubling, twoshot, shm1, shm2 or hier",
+        accepts: "auto, ring, tree, direct, doubling, twoshot, shm1, shm2, hier or bruck",
         valid: None,
     },
     Setting {

@@ -146,6 +146,7 @@ fn deterministic(net: roccl::net::NetKind) {
             Algo::TwoShot,
             Algo::Ring,
             Algo::Tree,
+            Algo::Bruck,
         ];
         if c.shm_collectives() {
             algos.extend([Algo::ShmOneShot, Algo::ShmTwoShot]);

@@ -221,3 +221,33 @@ fn windowed_ring_keeps_every_element_in_place() {
         }
     });
 }
+
+/// Bruck's log-step algorithms on 2 to 9 ranks (powers of two and not): counts 0, 1, fewer
+/// elements than ranks (all-reduce blocks left empty), odd; several types and reductions,
+/// averages included; in place and out of place.
+#[test]
+fn bruck_ranks_2_to_9() {
+    for n in 2..=9 {
+        run_ranks(n, config(Tuning::default()), |c| {
+            for k in [Kind::AllReduce, Kind::AllGather, Kind::ReduceScatter] {
+                for (dt, op) in [
+                    (DataType::F32, RedOp::Sum),
+                    (DataType::Bf16, RedOp::Max),
+                    (DataType::I64, RedOp::Avg),
+                    (DataType::F16, RedOp::Avg),
+                    (DataType::U8, RedOp::Prod),
+                    (DataType::I32, RedOp::Min),
+                ] {
+                    if k == Kind::AllGather && op != RedOp::Sum {
+                        continue;
+                    }
+                    for count in [0, 1, n - 1, 7, 1001 + 2 * n] {
+                        for in_place in [false, true] {
+                            one(&c, k, dt, op, count, Algo::Bruck, in_place, 0);
+                        }
+                    }
+                }
+            }
+        });
+    }
+}

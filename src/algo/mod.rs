@@ -6,6 +6,7 @@
 //! the executor only when none can move. Machines never touch memory directly: they name
 //! regions of the call's buffers and the executor checks every access.
 
+mod bruck;
 mod by_host;
 pub mod calibrate;
 pub mod model;
@@ -18,6 +19,7 @@ mod tree;
 use std::fmt;
 use std::str::FromStr;
 
+pub(crate) use bruck::{all_gather_bruck, all_reduce_bruck, bruck_stage, reduce_scatter_bruck};
 pub(crate) use by_host::{all_gather_within_hosts, reduce_within_hosts, reduce_within_hosts_stage};
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
@@ -57,16 +59,23 @@ pub enum Algo {
     /// its ranks, hosts exchange between one rank each (or between ranks of the same local
     /// index, each with a share), and each host spreads the result among its ranks.
     Hier,
+    /// Bruck's log-step exchanges (`algo/bruck.rs`): all-gather and reduce-scatter in
+    /// ⌈log2 n⌉ steps, all-reduce in twice that, on any number of ranks (small messages on
+    /// many ranks).
+    Bruck,
 }
+
+// Counters keep a slot per algorithm besides "none", and call tags 4 bits (0: none).
+const _: () = assert!(Algo::ALL.len() < crate::metrics::MAX_ALGOS && Algo::ALL.len() < 16);
 
 impl Algo {
     /// The names of [`Algo::ALL`], in its order.
-    pub const NAMES: [&'static str; 8] = [
-        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2", "hier",
+    pub const NAMES: [&'static str; 9] = [
+        "ring", "tree", "direct", "doubling", "twoshot", "shm1", "shm2", "hier", "bruck",
     ];
 
     /// Every algorithm (what `ROCCL_ALGO` and `roccl-perf --algo` accept, besides `auto`).
-    pub const ALL: [Algo; 8] = [
+    pub const ALL: [Algo; 9] = [
         Algo::Ring,
         Algo::Tree,
         Algo::Direct,
@@ -75,6 +84,7 @@ impl Algo {
         Algo::ShmOneShot,
         Algo::ShmTwoShot,
         Algo::Hier,
+        Algo::Bruck,
     ];
 
     /// Name as printed and parsed.
@@ -88,6 +98,7 @@ impl Algo {
             Algo::ShmOneShot => "shm1",
             Algo::ShmTwoShot => "shm2",
             Algo::Hier => "hier",
+            Algo::Bruck => "bruck",
         }
     }
 }
@@ -110,8 +121,9 @@ impl FromStr for Algo {
             "shm1" | "shm" | "shm-oneshot" => Ok(Algo::ShmOneShot),
             "shm2" | "shm-twoshot" => Ok(Algo::ShmTwoShot),
             "hier" | "hierarchical" => Ok(Algo::Hier),
+            "bruck" => Ok(Algo::Bruck),
             other => Err(Error::arg(format!(
-                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1, shm2 or hier"
+                "unknown algorithm '{other}' (ROCCL_ALGO / --algo): expected auto, ring, tree, direct, doubling, twoshot, shm1, shm2, hier or bruck"
             ))),
         }
     }

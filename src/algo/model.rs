@@ -10,6 +10,9 @@
 //! | all-reduce double tree | 2⌈log2 n⌉ | ≈ 1.5·B (inner node of one tree) | ≈ B |
 //! | broadcast/reduce chain | n−1 (+ slices) | B | B (reduce) |
 //! | broadcast/reduce tree | ⌈log2 n⌉ (+ slices) | ≤ 2·B | ≤ 2·B (reduce) |
+//! | all-gather / reduce-scatter ring | n−1 | (n−1)/n·B | (n−1)/n·B (reduce-scatter) |
+//! | all-gather / reduce-scatter Bruck | ⌈log2 n⌉ | (n−1)/n·B | (n−1)/n·B (reduce-scatter) |
+//! | all-reduce Bruck | 2⌈log2 n⌉ | 2(n−1)/n·B | (n−1)/n·B |
 //!
 //! Pipelined algorithms also pay a fill cost of (steps − 1) slices. The cheapest estimate
 //! wins unless `ROCCL_ALGO` or the call's option forces one.
@@ -237,7 +240,47 @@ fn messages(kind: CollKind, algo: Algo, n: usize, bytes: usize) -> f64 {
         (CollKind::AllReduce, Algo::Ring | Algo::Hier) => 4.0 * (nf - 1.0),
         (CollKind::AllReduce, Algo::Tree) => 2.0 * tree_edges * trees,
         (CollKind::Broadcast | CollKind::Reduce, _) => tree_edges,
+        (_, Algo::Bruck) => bruck_messages(kind, n),
         (CollKind::AllGather | CollKind::ReduceScatter, _) => 2.0 * (nf - 1.0),
+    }
+}
+
+/// Bruck's log-step algorithms (`algo/bruck.rs`): ⌈log2 n⌉ steps for an all-gather or a
+/// reduce-scatter, twice that for an all-reduce, each one message of whole blocks (not
+/// pipelined), the ring's bytes on the wire. The reduce-scatter (and all-reduce) copies
+/// about half the vector into its partials on more than three ranks and reduces the ring's
+/// share.
+fn estimate_bruck(
+    kind: CollKind,
+    n: usize,
+    b: f64,
+    c: &LinkCost,
+    wire: impl Fn(f64) -> f64,
+    red: impl Fn(f64) -> f64,
+) -> f64 {
+    let (nf, steps) = (n as f64, log2c(n));
+    let copy = if n > 3 {
+        b / 2.0 / (c.copy_gbs * 1e3)
+    } else {
+        0.0
+    };
+    let share = (nf - 1.0) / nf * b;
+    match kind {
+        CollKind::AllGather => steps * c.alpha_us + wire(share),
+        CollKind::ReduceScatter => steps * c.alpha_us + wire(share) + red(share) + copy,
+        CollKind::AllReduce => 2.0 * steps * c.alpha_us + wire(2.0 * share) + red(share) + copy,
+        _ => f64::INFINITY,
+    }
+}
+
+/// Messages per rank of Bruck's algorithms (sent plus received): one each way per step,
+/// and the all-gather's runs that wrap past the last block are two (about half of them).
+fn bruck_messages(kind: CollKind, n: usize) -> f64 {
+    let steps = log2c(n);
+    match kind {
+        CollKind::AllGather => 3.0 * steps,
+        CollKind::ReduceScatter => 2.0 * steps,
+        _ => 5.0 * steps,
     }
 }
 
@@ -296,6 +339,7 @@ fn estimate_wire(
             };
             steps * c.alpha_us + wire(b) + r + fill(steps)
         }
+        (_, Algo::Bruck) => estimate_bruck(kind, n, b, c, wire, red),
         (CollKind::AllGather | CollKind::ReduceScatter, _) => {
             (nf - 1.0) * c.alpha_us + wire(b * (nf - 1.0) / nf)
         }
@@ -320,9 +364,10 @@ pub fn candidates(kind: CollKind) -> &'static [Algo] {
             Algo::TwoShot,
             Algo::Ring,
             Algo::Tree,
+            Algo::Bruck,
         ],
         CollKind::Broadcast | CollKind::Reduce => &[Algo::Ring, Algo::Tree],
-        CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring],
+        CollKind::AllGather | CollKind::ReduceScatter => &[Algo::Ring, Algo::Bruck],
         CollKind::AllToAll => &[Algo::Direct],
     }
 }
@@ -346,6 +391,33 @@ pub const DIRECT_MAX: usize = 256 * 1024;
 /// 1337–1375 vs 1039–1059; over shared memory 1 MiB doubling 91 vs ring 77
 /// (docs/PERFORMANCE.md).
 pub const DOUBLING_MAX: usize = 2 << 20;
+
+/// Largest all-gather (bytes of the whole output) Bruck's algorithm is considered for over
+/// links with α ≥ 5 µs (TCP, RDMA): its steps send whole blocks, one message each, where
+/// the ring pipelines slices, and beyond this the ring wins. `roccl-perf`, 8 ranks over TCP
+/// on 2 cores, alternating runs (docs/PERFORMANCE.md): 64 KiB Bruck 0.66–0.69 of the ring's
+/// time, 128 KiB 0.72–1.09, 256 KiB 1.05–1.18, 1 MiB 1.09–1.35.
+pub const BRUCK_GATHER_MAX: usize = 128 << 10;
+
+/// [`BRUCK_GATHER_MAX`] for the reduce-scatter and the all-reduce (same runs: 512 KiB
+/// 0.82–0.83 of the ring's time, 1 MiB 1.78–1.93).
+pub const BRUCK_REDUCE_MAX: usize = 512 << 10;
+
+/// Largest call Bruck's algorithms are considered for over shared memory (α < 5 µs): 8
+/// ranks, 32 KiB 0.50–0.78 of the ring's time, 128 KiB 0.18–1.04, 512 KiB 0.86–1.26.
+pub const BRUCK_SHM_MAX: usize = 128 << 10;
+
+/// Whether the model considers Bruck's algorithms for a call: up to their fitted sizes;
+/// for all-reduce only from 4 ranks (on 2 and 3 it is the two-shot's exchange in as many
+/// steps, or more).
+fn bruck_applies(kind: CollKind, n: usize, bytes: usize, c: &LinkCost) -> bool {
+    let max = match kind {
+        _ if c.alpha_us < 5.0 => BRUCK_SHM_MAX,
+        CollKind::AllGather => BRUCK_GATHER_MAX,
+        _ => BRUCK_REDUCE_MAX,
+    };
+    bytes <= max && (kind != CollKind::AllReduce || n >= 4)
+}
 
 /// Reduction speed of `dt` relative to f32, from the kernels' throughput in cache
 /// (`cargo bench --bench reduce`, 2026-11-30 15:00 UTC, AVX-512 versions: f32 45.6 GB/s, bf16
@@ -521,6 +593,9 @@ pub fn choose(
         if kind == CollKind::AllReduce && bytes > limit {
             continue;
         }
+        if a == Algo::Bruck && !bruck_applies(kind, n, bytes, c) {
+            continue;
+        }
         let e = estimate(kind, a, n, bytes, c, &pipeline(piece(a), bytes, t));
         if e < best.1 {
             best = (a, e);
@@ -573,7 +648,7 @@ mod tests {
         // Forcing an algorithm a collective lacks falls back to the model.
         assert_eq!(
             choose(CollKind::AllGather, 4, 8, &c, Some(Algo::Tree), &t).0,
-            Algo::Ring
+            Algo::Bruck
         );
     }
 
@@ -705,10 +780,9 @@ mod tests {
                 Algo::ShmOneShot
             );
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &cma), Algo::ShmOneShot);
-            assert_eq!(
-                pick(CollKind::AllGather, n * (ag_min / 4), &cma),
-                Algo::Ring
-            );
+            // (On 4 ranks Bruck's two steps beat the ring's three; docs/PERFORMANCE.md.)
+            let below = pick(CollKind::AllGather, n * (ag_min / 4), &cma);
+            assert!(matches!(below, Algo::Ring | Algo::Bruck), "{below}");
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &shm_host()), Algo::Ring);
             assert_eq!(pick(CollKind::AllReduce, ar_min, &cma), Algo::ShmTwoShot);
             assert_eq!(pick(CollKind::AllReduce, 64 << 20, &cma), Algo::ShmTwoShot);
@@ -797,6 +871,65 @@ mod tests {
                 Algo::TwoShot
             );
         }
+    }
+
+    /// Small all-gathers and reduce-scatters on many ranks take Bruck's ⌈log2 n⌉ steps
+    /// instead of the ring's n-1; on 2 and 3 ranks (as many steps either way) and past
+    /// the fitted sizes the ring stays. Every rank computes this from the same agreed inputs.
+    #[test]
+    fn bruck_for_small_gathers_and_scatters_on_many_ranks() {
+        let (c, t) = (LinkCost::default(), Tuning::default());
+        let shared = LinkCost {
+            msg_cpu_us: 40.0,
+            ..LinkCost::default()
+        };
+        for cost in [&c, &shared] {
+            for k in [CollKind::AllGather, CollKind::ReduceScatter] {
+                for n in [4, 8, 9, 64] {
+                    assert_eq!(
+                        choose(k, n, n * 8, cost, None, &t).0,
+                        Algo::Bruck,
+                        "{k:?} {n}"
+                    );
+                }
+                for n in [2, 3] {
+                    assert_eq!(
+                        choose(k, n, n * 8, cost, None, &t).0,
+                        Algo::Ring,
+                        "{k:?} {n}"
+                    );
+                }
+                assert_eq!(
+                    choose(k, 8, 64 << 20, cost, None, &t).0,
+                    Algo::Ring,
+                    "{k:?}"
+                );
+            }
+            let pick = |k, b| choose(k, 8, b, cost, None, &t).0;
+            assert_eq!(pick(CollKind::AllGather, 64 << 10), Algo::Bruck);
+            assert_eq!(pick(CollKind::AllGather, 1 << 20), Algo::Ring);
+            assert_eq!(pick(CollKind::ReduceScatter, 256 << 10), Algo::Bruck);
+            assert_eq!(pick(CollKind::ReduceScatter, 1 << 20), Algo::Ring);
+        }
+        // Over shared memory (without the segments' algorithms) up to 128 KiB.
+        let shm = LinkCost {
+            alpha_us: 1.0,
+            beta_gbs: 8.0,
+            ..LinkCost::default()
+        };
+        for k in [CollKind::AllGather, CollKind::ReduceScatter] {
+            assert_eq!(choose(k, 8, 32 << 10, &shm, None, &t).0, Algo::Bruck);
+            assert_eq!(choose(k, 8, 512 << 10, &shm, None, &t).0, Algo::Ring);
+        }
+        // Forced, it runs at any size; the collectives without it fall back to the model.
+        assert_eq!(
+            choose(CollKind::AllGather, 8, 64 << 20, &c, Some(Algo::Bruck), &t).0,
+            Algo::Bruck
+        );
+        assert_ne!(
+            choose(CollKind::Broadcast, 8, 64, &c, Some(Algo::Bruck), &t).0,
+            Algo::Bruck
+        );
     }
 
     #[test]

@@ -39,7 +39,7 @@ const SETTINGS: [&str; 10] = [
 const UNSET: u64 = u64::MAX;
 
 /// Algorithms by their number in the blob and in call tags.
-const ALGOS: &[Algo] = &Algo::ALL;
+const ALGOS: [Algo; Algo::ALL.len()] = Algo::ALL;
 
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the

@@ -661,10 +661,11 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let order = self.ring_order();
+                let order = self.ring_order().filter(|_| a == Algo::Ring);
                 let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, 64, |exec| {
-                    algo::all_gather_ring(exec, dt, count, &pl)
+                self.run_group(group, send, recv, dev, 64, |exec| match a {
+                    Algo::Bruck => algo::all_gather_bruck(exec, dt, count),
+                    _ => algo::all_gather_ring(exec, dt, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }
@@ -712,11 +713,15 @@ impl State {
                     })?;
                     return Ok(info(a, pl));
                 }
-                let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-                let order = self.ring_order();
+                let need = match a {
+                    Algo::Bruck => algo::bruck_stage(n, n * count, dt),
+                    _ => algo::reduce_scatter_ring_stage(count, dt, &pl),
+                };
+                let order = self.ring_order().filter(|_| a == Algo::Ring);
                 let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, need, |exec| {
-                    algo::reduce_scatter_ring(exec, dt, op, count, &pl)
+                self.run_group(group, send, recv, dev, need, |exec| match a {
+                    Algo::Bruck => algo::reduce_scatter_bruck(exec, dt, op, count),
+                    _ => algo::reduce_scatter_ring(exec, dt, op, count, &pl),
                 })?;
                 Ok(info(a, pl))
             }

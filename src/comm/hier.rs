@@ -43,6 +43,7 @@ pub(super) fn all_reduce_stage(
         Algo::Doubling => count * dt.size(),
         Algo::TwoShot => algo::all_reduce_twoshot_stage(n, count, dt),
         Algo::Tree => 2 * algo::tree_stage(pl),
+        Algo::Bruck => algo::bruck_stage(n, count, dt),
         _ => algo::all_reduce_ring_stage(pl),
     }
 }
@@ -61,6 +62,7 @@ pub(super) fn all_reduce_run(
         Algo::Doubling => algo::all_reduce_doubling(exec, dt, op, count),
         Algo::TwoShot => algo::all_reduce_twoshot(exec, dt, op, count),
         Algo::Tree => algo::all_reduce_tree(exec, dt, op, count, pl),
+        Algo::Bruck => algo::all_reduce_bruck(exec, dt, op, count),
         _ => algo::all_reduce_ring(exec, dt, op, count, pl),
     }
 }

@@ -34,8 +34,9 @@ pub const KINDS: [&str; 8] = [
     "p2p",
     "other",
 ];
-/// Algorithms per kind that are counted apart (index 0: none, for point-to-point calls).
-pub const MAX_ALGOS: usize = 8;
+/// Algorithms per kind that are counted apart (index 0: none, for point-to-point calls):
+/// as many as a call tag's 4 algorithm bits tell apart.
+pub const MAX_ALGOS: usize = 16;
 /// One call in this many is timed; its time counts for all of them.
 pub const TIME_EVERY: u64 = 64;
 

@@ -223,10 +223,11 @@ pub fn algos(k: Kind) -> &'static [Algo] {
             Algo::Tree,
             Algo::ShmOneShot,
             Algo::ShmTwoShot,
+            Algo::Bruck,
         ],
         Kind::Broadcast | Kind::Reduce => &[Algo::Ring, Algo::Tree, Algo::ShmOneShot],
         Kind::AllToAll => &[Algo::Direct, Algo::ShmOneShot],
-        _ => &[Algo::Ring, Algo::ShmOneShot],
+        _ => &[Algo::Ring, Algo::ShmOneShot, Algo::Bruck],
     }
 }
 
@@ -377,10 +378,11 @@ pub fn one(
     }
 }
 
-/// A forced shared-memory algorithm must have run (network algorithms a collective lacks
-/// fall back to the model; one rank needs no algorithm).
+/// A forced shared-memory or Bruck algorithm must have run (`algos` lists them only for
+/// collectives that have them; network algorithms a collective lacks fall back to the
+/// model; one rank needs no algorithm).
 fn ran(what: &str, n: usize, forced: Algo, used: Option<Algo>) {
-    if is_flat(forced) && n > 1 {
+    if (is_flat(forced) || forced == Algo::Bruck) && n > 1 {
         assert_eq!(used, Some(forced), "{what}: a different algorithm ran");
     }
 }
