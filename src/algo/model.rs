@@ -989,8 +989,17 @@ mod tests {
             &t,
         );
         assert!(u.unwrap() < flat(CollKind::AllReduce, 8));
+        // All-gather and reduce-scatter go between hosts in a ring (h−1 steps): by host on 4
+        // hosts of 16 (3 dear steps against Bruck's 6), not on 8 of 8 (7 against 6).
+        let wide = Layers {
+            hosts: 4,
+            local: 16,
+            even: true,
+        };
         for kind in [CollKind::AllGather, CollKind::ReduceScatter] {
-            assert!(hier(kind, 8 * 64) < flat(kind, 8 * 64), "{kind:?}");
+            let w = estimate_hier(kind, DataType::F32, 8 * 64, wide, &intra, &inter, &t);
+            assert!(w.unwrap() < flat(kind, 8 * 64), "{kind:?}");
+            assert!(hier(kind, 8 * 64) > flat(kind, 8 * 64), "{kind:?}");
             let u = estimate_hier(kind, DataType::F32, 8, uneven, &intra, &inter, &t);
             assert!(u.is_none(), "{kind:?} on uneven hosts");
         }

@@ -699,7 +699,7 @@ mod tests {
                 if !moves || dt == DataType::U8 {
                     assert!(seen.insert(t), "{c:?} {dt}: tag {t:#x} taken");
                 }
-                for &a in ALGOS {
+                for a in ALGOS {
                     assert!(describe(with_algo(t, a)).ends_with(&format!(" by {a}")));
                 }
             }
