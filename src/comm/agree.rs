@@ -132,6 +132,7 @@ pub(super) struct Blob {
 }
 
 /// This rank's blob.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn blob(
     handle: &NetHandle,
     net: &str,
