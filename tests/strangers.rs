@@ -20,6 +20,11 @@ use roccl::bootstrap::{rendezvous, UniqueId};
 use roccl::net::NetKind;
 use roccl::{Communicator, Config, RedOp};
 
+/// The tests of this file one at a time: a test that attacks "every port this process
+/// listens on" must not reach the listeners of another test's job (a root already done, a
+/// fake peer), which nobody accepts on any more and which would keep the stranger's socket.
+static ALONE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 /// The job secret of the launcher-mode tests.
 const SECRET: [u8; 16] = *b"0123456789abcdef";
 
@@ -167,11 +172,13 @@ fn strangers_everywhere(net: NetKind) {
 /// later accept: the first all-reduce ended with "connecting over rocev2: … refused".
 #[test]
 fn strangers_do_not_stop_a_rocev2_job() {
+    let _alone = ALONE.lock();
     strangers_everywhere(NetKind::RoceV2);
 }
 
 #[test]
 fn strangers_do_not_stop_a_tcp_job() {
+    let _alone = ALONE.lock();
     strangers_everywhere(NetKind::Tcp);
 }
 
@@ -179,6 +186,7 @@ fn strangers_do_not_stop_a_tcp_job() {
 /// segment name and the failure to open it was the listener's error: the job ended.
 #[test]
 fn strangers_do_not_stop_a_shm_job() {
+    let _alone = ALONE.lock();
     strangers_everywhere(NetKind::Shm);
 }
 
@@ -189,6 +197,7 @@ fn strangers_do_not_stop_a_shm_job() {
 /// outstanding and drew QP numbers from the OS random source, such NAKs ended the job.
 #[test]
 fn spoofed_datagrams_do_not_stop_a_rocev2_job() {
+    let _alone = ALONE.lock();
     use roccl::rdma::wire;
     job_under_attack(
         NetKind::RoceV2,
@@ -273,6 +282,7 @@ fn forged_abort(at: SocketAddr, comm_id: u32, claimed: u32) -> Option<TcpStream>
 
 #[test]
 fn a_forged_abort_notice_does_not_end_a_tcp_job() {
+    let _alone = ALONE.lock();
     let held = parking_lot::Mutex::new(Vec::new());
     // Every rank of this process computes the id the old way: the nonce is in the id.
     let comm_id_of = |id: &UniqueId| {
@@ -339,6 +349,7 @@ fn register(
 /// connections made the rendezvous time out ("ranks … never arrived" — they had).
 #[test]
 fn idle_slow_and_garbage_connections_do_not_stall_the_root() {
+    let _alone = ALONE.lock();
     let id = launcher_root("127.0.0.1:0".parse().unwrap());
     let (addr, _) = id.root().unwrap();
     let mut held = strangers_at(addr, 5);
@@ -387,6 +398,7 @@ fn idle_slow_and_garbage_connections_do_not_stall_the_root() {
 /// rank failed).
 #[test]
 fn an_impostor_that_knows_the_port_cannot_register_or_abort() {
+    let _alone = ALONE.lock();
     let id = launcher_root("127.0.0.1:0".parse().unwrap());
     let (addr, _) = id.root().unwrap();
     // What anyone can compute from the port: the id without the secret.
@@ -420,6 +432,7 @@ fn an_impostor_that_knows_the_port_cannot_register_or_abort() {
 /// nobody serves the root any more.
 #[test]
 fn a_late_rank_with_the_secret_gets_the_usual_error() {
+    let _alone = ALONE.lock();
     let id = launcher_root("127.0.0.1:0".parse().unwrap());
     let (addr, _) = id.root().unwrap();
     let hs: Vec<_> = (0..2)
@@ -447,6 +460,7 @@ fn a_late_rank_with_the_secret_gets_the_usual_error() {
 /// Plain bytes of a reply from the root (to see that strangers get nothing).
 #[test]
 fn garbage_gets_no_answer_from_the_root() {
+    let _alone = ALONE.lock();
     let id = UniqueId::new().unwrap();
     let (addr, _) = id.root().unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
