@@ -275,7 +275,13 @@ fn hierarchical_calls_between_hosts_over_rocev2() {
     // The userspace RoCE v2 engine between hosts, shared memory inside them.
     let mut c = cfg();
     c.net = NetKind::RoceV2;
-    check_all_over(&[0, 1, 0, 1], c, Some(Algo::Hier), Some(Algo::Hier));
+    check_all_over(&[0, 1, 0, 1], c.clone(), Some(Algo::Hier), Some(Algo::Hier));
+    // A network named explicitly is the one between hosts; inside a host, shared memory.
+    on_hosts(&[0, 1, 0, 1], c.clone(), |comm| {
+        assert_eq!(comm.net_name(), "rocev2+shm");
+    });
+    // On one host, the network named carries every peer (what its tests measure).
+    on_hosts(&[0, 0, 0], c, |comm| assert_eq!(comm.net_name(), "rocev2"));
 }
 
 #[test]

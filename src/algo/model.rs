@@ -7,7 +7,7 @@
 //! |---|---|---|---|
 //! | all-reduce direct | 1 | (n−1)·B | (n−1)·B |
 //! | all-reduce ring | 2(n−1) | 2(n−1)/n·B | (n−1)/n·B |
-//! | all-reduce double tree | 2⌈log2 n⌉ | ≈ 1.5·B (inner node of one tree) | ≈ B |
+//! | all-reduce double tree | 2⌈log2 n⌉ | (1 + 0.55⌈log2 n⌉)·B (2·B at best; the pipeline loses per level) | ≈ B |
 //! | broadcast/reduce chain | n−1 (+ slices) | B | B (reduce) |
 //! | broadcast/reduce tree | ⌈log2 n⌉ (+ slices) | ≤ 2·B | ≤ 2·B (reduce) |
 //! | all-gather / reduce-scatter ring | n−1 | (n−1)/n·B | (n−1)/n·B (reduce-scatter) |
@@ -49,6 +49,12 @@ pub struct LinkCost {
     /// Ranks can read each other's memory (process_vm_readv): large shared-memory
     /// broadcasts copy once.
     pub flat_cma: bool,
+    /// The share of a NIC's bandwidth each rank gets when every rank of its host sends to
+    /// other hosts at once — what the direct, two-shot, doubling and Bruck exchanges do:
+    /// `min(nics, m)/m` with `m` ranks on a host over `nics` NICs (1 on one host, or with a
+    /// NIC per rank). The host-ordered ring crosses each host boundary once and the double
+    /// tree about once per level, so they keep the whole NIC.
+    pub nic_share: f64,
 }
 
 impl Default for LinkCost {
@@ -64,6 +70,7 @@ impl Default for LinkCost {
             cpu_share: 1.0,
             flat_slot: 256 << 10,
             flat_cma: false,
+            nic_share: 1.0,
         }
     }
 }
@@ -136,7 +143,11 @@ pub fn estimate(
     pl: &Pipeline,
 ) -> f64 {
     let b = bytes as f64;
-    let wire = |x: f64| x / (c.beta_gbs * 1e3);
+    let beta = match algo {
+        Algo::Direct | Algo::Doubling | Algo::TwoShot | Algo::Bruck => c.beta_gbs * c.nic_share,
+        _ => c.beta_gbs,
+    };
+    let wire = |x: f64| x / (beta * 1e3);
     let red = |x: f64| x / (c.wire_gamma_gbs * 1e3);
     let fill = |steps: f64| (steps - 1.0).max(0.0) * wire(pl.slice.min(bytes.max(1)) as f64);
     if n <= 1 {
@@ -317,9 +328,15 @@ fn estimate_wire(
                 + red((nf - 1.0) / nf * b)
                 + fill(steps.min(4.0))
         }
+        // Each rank is an inner node of one tree (two children's halves in, one out, on the
+        // way up; one in, two out on the way down) and a leaf of the other: 2·B each way
+        // through its NIC at best. The pipeline loses more with every level (an inner node
+        // waits for the slower child, its parent for it): the simulator, which runs this
+        // tree, gives 2.2·B/β at 4 ranks, 3.2 at 16 and 5.0 at 128 (roccl-sim, nic_gbps=100;
+        // docs/PERFORMANCE.md), about (1 + 0.55·levels)·B/β.
         (CollKind::AllReduce, Algo::Tree) => {
             let steps = 2.0 * log2c(n);
-            steps * c.alpha_us + wire(1.5 * b) + red(b) + fill(steps)
+            steps * c.alpha_us + wire((1.0 + 0.55 * log2c(n)) * b) + red(b) + fill(steps)
         }
         (CollKind::Broadcast | CollKind::Reduce, Algo::Tree) => {
             let steps = log2c(n);
@@ -403,20 +420,24 @@ pub const BRUCK_GATHER_MAX: usize = 128 << 10;
 /// 0.82–0.83 of the ring's time, 1 MiB 1.78–1.93).
 pub const BRUCK_REDUCE_MAX: usize = 512 << 10;
 
-/// Largest call Bruck's algorithms are considered for over shared memory (α < 5 µs): 8
+/// Largest call Bruck's algorithms are considered for over shared memory (α < 2 µs): 8
 /// ranks, 32 KiB 0.50–0.78 of the ring's time, 128 KiB 0.18–1.04, 512 KiB 0.86–1.26.
 pub const BRUCK_SHM_MAX: usize = 128 << 10;
 
 /// Whether the model considers Bruck's algorithms for a call: up to their fitted sizes;
 /// for all-reduce only from 4 ranks (on 2 and 3 it is the two-shot's exchange in as many
-/// steps, or more).
+/// steps, or more). The sizes were fitted on 8 ranks, where the ring's steps are few; past
+/// 16 ranks the estimates decide alone (the simulator, 256 ranks of their own hosts at
+/// 100 Gbit/s, 1 MiB all-reduce: Bruck 216 µs, two-shot 510, the ring and tree more;
+/// docs/PERFORMANCE.md).
 fn bruck_applies(kind: CollKind, n: usize, bytes: usize, c: &LinkCost) -> bool {
     let max = match kind {
-        _ if c.alpha_us < 5.0 => BRUCK_SHM_MAX,
+        // Shared memory (α of 1 µs; a network's is at least 2).
+        _ if c.alpha_us < 2.0 => BRUCK_SHM_MAX,
         CollKind::AllGather => BRUCK_GATHER_MAX,
         _ => BRUCK_REDUCE_MAX,
     };
-    bytes <= max && (kind != CollKind::AllReduce || n >= 4)
+    (bytes <= max || n > 16) && (kind != CollKind::AllReduce || n >= 4)
 }
 
 /// Reduction speed of `dt` relative to f32, from the kernels' throughput in cache
@@ -459,6 +480,9 @@ pub struct Layers {
     pub local: usize,
     /// Every host holds `local` ranks.
     pub even: bool,
+    /// The NICs each host's ranks spread over (the fewest of any host): the phases between
+    /// hosts, one flow per local index, share `min(nics, local)` NICs.
+    pub nics: usize,
 }
 
 /// The model's best flat estimate in µs of `kind` on `n` ranks over links `c`.
@@ -490,10 +514,18 @@ pub fn estimate_hier(
     t: &Tuning,
 ) -> Option<f64> {
     let m = l.local;
+    // The m flows between hosts of each host share its NICs; a group of one rank per host
+    // (leaders, or one local index) has the NICs to itself.
+    let nic_share = l.nics.clamp(1, m.max(1)) as f64 / m.max(1) as f64;
+    let inter = &LinkCost {
+        nic_share: 1.0,
+        ..*inter
+    };
     Some(match kind {
         CollKind::AllReduce if l.even => {
             let nic = LinkCost {
-                beta_gbs: inter.beta_gbs / m as f64,
+                beta_gbs: inter.beta_gbs * nic_share,
+                nic_share: 1.0,
                 ..*inter
             };
             let ring = |k| {
@@ -512,11 +544,12 @@ pub fn estimate_hier(
         CollKind::Broadcast | CollKind::Reduce => {
             best(kind, dt, l.hosts, bytes, inter, t) + best(kind, dt, m, bytes, intra, t)
         }
-        // Between hosts a ring of h ranks over B/m (the m rings share the NIC); inside, one
+        // Between hosts a ring of h ranks over B/m (the m rings share the NICs); inside, one
         // step: every rank gives each other rank of its host (m-1)/m of the blocks it has.
         CollKind::AllGather | CollKind::ReduceScatter if l.even => {
             let nic = LinkCost {
-                beta_gbs: inter.beta_gbs / m as f64,
+                beta_gbs: inter.beta_gbs * nic_share,
+                nic_share: 1.0,
                 ..*inter
             };
             let pl = pipeline(bytes / l.hosts.max(1), bytes, t);
@@ -581,10 +614,11 @@ pub fn choose(
     for &a in cands {
         let limit = match a {
             Algo::Direct => DIRECT_MAX,
-            // Over links that pay a system call per message, one whole-buffer exchange
-            // beats the ring's pipelined slices up to a few MiB; over shared memory it does
-            // not (fitted, see DOUBLING_MAX).
-            Algo::Doubling | Algo::TwoShot if c.alpha_us >= 5.0 => DOUBLING_MAX,
+            // Over a network, one whole-buffer exchange beats the ring's pipelined slices up
+            // to a few MiB; over shared memory (α of 1 µs) it does not (fitted, see
+            // DOUBLING_MAX). A network's α is at least 2 µs: 5 µs of software over TCP and
+            // the RoCE engine, or the simulated cluster's latency plus two message overheads.
+            Algo::Doubling | Algo::TwoShot if c.alpha_us >= 2.0 => DOUBLING_MAX,
             Algo::Doubling => DIRECT_MAX,
             // Over shared memory the flat two-shot (`shm2`) does this job.
             Algo::TwoShot => 0,
@@ -966,6 +1000,7 @@ mod tests {
             hosts: 8,
             local: 8,
             even: true,
+            nics: 1,
         };
         let flat = |kind, bytes| {
             let (a, pl) = choose(kind, 64, bytes, &inter, None, &t);
@@ -977,6 +1012,19 @@ mod tests {
             assert!(hier(kind, 8) < flat(kind, 8), "{kind:?} 8 B");
         }
         assert!(hier(CollKind::AllReduce, 64 << 20) > flat(CollKind::AllReduce, 64 << 20));
+        // A NIC per local index: the phases between hosts no longer share one NIC.
+        let rails = Layers { nics: 8, ..l };
+        let big = 64 << 20;
+        let on_rails = estimate_hier(
+            CollKind::AllReduce,
+            DataType::F32,
+            big,
+            rails,
+            &intra,
+            &inter,
+            &t,
+        );
+        assert!(on_rails.unwrap() < hier(CollKind::AllReduce, big) / 2.0);
         // Uneven hosts go through one rank per host; all-gather and reduce-scatter stay flat.
         let uneven = Layers { even: false, ..l };
         let u = estimate_hier(
@@ -995,6 +1043,7 @@ mod tests {
             hosts: 4,
             local: 16,
             even: true,
+            nics: 1,
         };
         for kind in [CollKind::AllGather, CollKind::ReduceScatter] {
             let w = estimate_hier(kind, DataType::F32, 8 * 64, wide, &intra, &inter, &t);

@@ -10,6 +10,20 @@ use crate::types::{DataType, RedOp};
 /// messages of a collective on the same connection.
 pub(crate) const P2P_CHANNEL: usize = crate::exec::links::MAX_CHANNELS - 1;
 
+/// Steps (a receive and a send each) the one-step algorithms post before finishing them:
+/// the executor tracks 128 requests at most, so at more than 64 ranks they go in batches.
+/// Every rank cuts its steps `1..n` at the same places, so each batch's receives match the
+/// other ranks' sends of the same batch.
+const STEPS_PER_BATCH: usize = 48;
+
+/// After posting step `s` of `1..n`: finish the batch when it is full.
+fn end_of_batch(exec: &mut Exec, s: usize) -> Result<()> {
+    if s % STEPS_PER_BATCH == 0 {
+        exec.finish()?;
+    }
+    Ok(())
+}
+
 /// Staging bytes of the one-shot all-reduce: one slot per rank.
 pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
     n * bytes.next_multiple_of(64)
@@ -41,6 +55,7 @@ pub(crate) fn all_reduce_direct(
         let from = (r + n - s) % n;
         exec.recv(from, 0, slot(from))?;
         exec.send((r + s) % n, 0, input)?;
+        end_of_batch(exec, s)?;
     }
     exec.finish()?;
     // In place, our input is about to be overwritten: keep it in our own slot.
@@ -102,6 +117,7 @@ pub(crate) fn all_reduce_twoshot(
         if block(Buf::Src, to).len > 0 {
             exec.send(to, 0, block(Buf::Src, to))?;
         }
+        end_of_batch(exec, s)?;
     }
     exec.finish()?;
     if mine > 0 {
@@ -130,6 +146,7 @@ pub(crate) fn all_reduce_twoshot(
         if mine > 0 {
             exec.send(to, 0, block(Buf::Dst, r))?;
         }
+        end_of_batch(exec, s)?;
     }
     exec.finish()
 }
@@ -205,8 +222,8 @@ pub(crate) fn all_reduce_doubling(
 }
 
 /// Pairwise all-to-all: at step `s` send block `r+s` to rank `r+s` and receive block `r-s`
-/// from rank `r-s`; all steps are posted at once so every link works in parallel. In place,
-/// the input is first copied to staging.
+/// from rank `r-s`; the steps are posted at once (48 at a time beyond 49 ranks) so every
+/// link works in parallel. In place, the input is first copied to staging.
 pub(crate) fn all_to_all_pairwise(exec: &mut Exec, block: usize) -> Result<()> {
     let (n, r) = (exec.nranks(), exec.rank());
     let src_buf = if exec.in_place() {
@@ -229,6 +246,7 @@ pub(crate) fn all_to_all_pairwise(exec: &mut Exec, block: usize) -> Result<()> {
         let (t, f) = ((r + s) % n, (r + n - s) % n);
         exec.recv(f, 0, blk(Buf::Dst, f))?;
         exec.send(t, 0, blk(src_buf, t))?;
+        end_of_batch(exec, s)?;
     }
     exec.finish()
 }

@@ -14,6 +14,8 @@ pub struct Topology {
     hosts: Vec<Vec<usize>>,
     /// Every rank, host after host, each host's ranks in rank order.
     ring: Vec<usize>,
+    /// The fewest NICs the ranks of any host spread over (at least 1).
+    nics: usize,
 }
 
 impl Topology {
@@ -37,7 +39,25 @@ impl Topology {
             })
             .collect();
         let ring = hosts.iter().flatten().copied().collect();
-        Topology { host, hosts, ring }
+        Topology {
+            host,
+            hosts,
+            ring,
+            nics: 1,
+        }
+    }
+
+    /// This topology, its hosts' ranks spread over `nics` NICs each (the fewest of any host).
+    pub fn with_nics(self, nics: usize) -> Topology {
+        Topology {
+            nics: nics.max(1),
+            ..self
+        }
+    }
+
+    /// The fewest NICs the ranks of any host spread over (at least 1).
+    pub fn nics(&self) -> usize {
+        self.nics
     }
 
     /// Ranks in the job.

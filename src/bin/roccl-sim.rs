@@ -17,8 +17,9 @@ use roccl::Algo;
     version,
     about = "Predict roccl collectives on a simulated cluster: every rank a thread, virtual time from a link model, every result checked",
     after_help = "Times are the link model's predictions (virtual time), not measurements. \
-The cluster: --sim or ROCCL_SIM, comma-separated name=value (hosts, ranks_per_host, nic_gbps, \
-nic_us, local_gbps, local_us, msg_us, reduce_gbs); ranks sit on hosts in rank order."
+The cluster: --sim or ROCCL_SIM, comma-separated name=value (hosts, ranks_per_host, nics, nic_gbps, \
+nic_us, local_gbps, local_us, msg_us, reduce_gbs); ranks sit on hosts in rank order, and each \
+rank's host is its host for the topology (ring orders, hierarchical calls), as ROCCL_HOSTID."
 )]
 struct Args {
     /// Ranks (threads of this process).
@@ -33,7 +34,7 @@ struct Args {
     #[arg(long, default_value = "all_reduce", value_delimiter = ',')]
     op: Vec<String>,
     /// Algorithms, comma-separated: auto (the cost model's choice), ring, tree, direct,
-    /// doubling, twoshot; one a collective does not have is skipped.
+    /// doubling, twoshot, hier (by host), bruck; one a collective does not have is skipped.
     #[arg(long, default_value = "auto", value_delimiter = ',')]
     algo: Vec<String>,
     /// Smallest size in bytes (K/M/G suffixes).
@@ -62,10 +63,18 @@ fn has(op: SimOp, a: Algo) -> bool {
     match op {
         SimOp::AllReduce => matches!(
             a,
-            Algo::Ring | Algo::Tree | Algo::Direct | Algo::Doubling | Algo::TwoShot
+            Algo::Ring
+                | Algo::Tree
+                | Algo::Direct
+                | Algo::Doubling
+                | Algo::TwoShot
+                | Algo::Hier
+                | Algo::Bruck
         ),
-        SimOp::Broadcast | SimOp::Reduce => matches!(a, Algo::Ring | Algo::Tree),
-        SimOp::AllGather | SimOp::ReduceScatter => a == Algo::Ring,
+        SimOp::Broadcast | SimOp::Reduce => matches!(a, Algo::Ring | Algo::Tree | Algo::Hier),
+        SimOp::AllGather | SimOp::ReduceScatter => {
+            matches!(a, Algo::Ring | Algo::Hier | Algo::Bruck)
+        }
         SimOp::AllToAll | SimOp::Barrier => false,
     }
 }

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 use crate::types::{DataType, RedOp};
 
-const VERSION: u32 = 8;
+const VERSION: u32 = 9;
 
 /// The settings every rank must share, in blob order.
 const SETTINGS: [&str; 10] = [
@@ -61,7 +61,7 @@ const AT_SHM: usize = AT_FLAGS + 8;
 const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
 const AT_SETTINGS: usize = AT_SPEEDS + 8;
 const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
-const HOST_LEN: usize = 12;
+const HOST_LEN: usize = 20;
 const AT_PROC: usize = AT_HOST + HOST_LEN;
 const PROC_LEN: usize = 12;
 const AT_SPARE: usize = AT_PROC + PROC_LEN;
@@ -113,6 +113,9 @@ pub(super) struct HostInputs {
     pub latency_us: f32,
     /// The network's link speed, Mbit/s.
     pub speed_mbps: u32,
+    /// Which NIC the rank uses (a fingerprint of the network device's name, GUID and PCI
+    /// path): ranks of one host on different NICs spread the traffic between hosts.
+    pub nic: u64,
 }
 
 /// One rank's registration, as every rank reads it.
@@ -159,6 +162,7 @@ pub(super) fn blob(
     b.extend_from_slice(&inputs.cores.to_le_bytes());
     b.extend_from_slice(&inputs.latency_us.to_le_bytes());
     b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
+    b.extend_from_slice(&inputs.nic.to_le_bytes());
     b.extend_from_slice(&std::process::id().to_le_bytes());
     b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
     b.extend_from_slice(&bootstrap::spare::encode_addr(spare));
@@ -218,6 +222,7 @@ pub(super) fn parse_blob(
             cores: word(b, AT_HOST),
             latency_us: f32::from_le_bytes(b[AT_HOST + 4..AT_HOST + 8].try_into().expect("4")),
             speed_mbps: word(b, AT_HOST + 8),
+            nic: u64::from_le_bytes(b[AT_HOST + 12..AT_HOST + 20].try_into().expect("8 bytes")),
         },
         pid: word(b, AT_PROC),
         pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
@@ -287,6 +292,7 @@ pub(crate) fn fuzz_seed_blob(
         cores: 2,
         latency_us: 20.0,
         speed_mbps: 10_000,
+        nic: 0,
     };
     Ok(blob(
         handle,
@@ -386,6 +392,8 @@ pub(super) fn agreed_cost(blobs: &[Blob], shm_net: bool, node: Option<(usize, bo
             cpu_share: share,
             flat_slot: node.map_or(256 << 10, |n| n.0),
             flat_cma: node.is_some_and(|n| n.1),
+            // Set once the hosts are known (init).
+            nic_share: 1.0,
         };
         cost = Some(match cost {
             None => mine,
@@ -400,6 +408,64 @@ pub(super) fn agreed_cost(blobs: &[Blob], shm_net: bool, node: Option<(usize, bo
         });
     }
     cost.unwrap_or_default()
+}
+
+/// The cost model's links on a simulated cluster (`ROCCL_NET=sim`), from its spec rather
+/// than from this machine: the simulated cluster's latencies and speeds between hosts
+/// (`.1`, also every flat call's) and inside one (`.0`), a core per simulated rank, the
+/// spec's reduction speed (none given: reductions take no time) and free copies, as the
+/// simulator charges them. `base`: the agreed cost, whose other inputs (shared-memory
+/// slots) stay. The model then chooses as it
+/// would on that cluster, which is what a simulation is for.
+pub(super) fn simulated_costs(
+    spec: &crate::net::sim::SimSpec,
+    base: LinkCost,
+) -> (LinkCost, LinkCost) {
+    // The simulator charges its software overhead per message at both ends.
+    let link = |us: f64, gbps: f64| LinkCost {
+        alpha_us: us + 2.0 * spec.msg_us,
+        beta_gbs: gbps / 8.0,
+        gamma_gbs: if spec.reduce_gbs > 0.0 {
+            spec.reduce_gbs
+        } else {
+            1e6
+        },
+        wire_gamma_gbs: if spec.reduce_gbs > 0.0 {
+            spec.reduce_gbs
+        } else {
+            1e6
+        },
+        msg_cpu_us: 0.0,
+        cpu_share: 1.0,
+        flat_sync_us: None,
+        // The simulator's copies take no virtual time.
+        copy_gbs: 1e6,
+        ..base
+    };
+    (
+        link(spec.local_us, spec.local_gbps),
+        link(spec.nic_us, spec.nic_gbps),
+    )
+}
+
+/// [`HostInputs::nic`] for a network device.
+pub(super) fn nic_fingerprint(p: &crate::net::NetProperties) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same value in every rank's process.
+    let mut h = std::hash::DefaultHasher::new();
+    (&p.name, p.guid, &p.pci_path).hash(&mut h);
+    h.finish()
+}
+
+/// The fewest distinct NICs the ranks of any host use ([`HostInputs::nic`]), at least 1:
+/// how many ways the traffic between hosts spreads on every host.
+pub(super) fn nics_per_host(blobs: &[Blob]) -> usize {
+    let mut by_host: std::collections::HashMap<u64, std::collections::HashSet<u64>> =
+        std::collections::HashMap::new();
+    for b in blobs {
+        by_host.entry(b.host).or_default().insert(b.inputs.nic);
+    }
+    by_host.values().map(|n| n.len()).min().unwrap_or(1).max(1)
 }
 
 /// The measured speeds the model uses (the slowest rank's), for the log.
@@ -508,6 +574,7 @@ mod tests {
             cores,
             latency_us,
             speed_mbps,
+            nic: 0,
         }
     }
 

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use crate::algo::model::{self, CollKind, Layers};
+use crate::algo::model::{self, CollKind, Layers, LinkCost};
 use crate::algo::topo::Topology;
 use crate::algo::{self, Algo, Half, Pipeline};
 use crate::device::Device;
@@ -127,12 +127,13 @@ impl State {
                     hosts: topo.nhosts(),
                     local: topo.max_local(),
                     even: topo.even(),
+                    nics: topo.nics(),
                 };
                 let t = &self.cfg.tuning;
                 let Some(h) = model::estimate_hier(kind, dt, bytes, layers, intra, inter, t) else {
                     return false;
                 };
-                let scaled = model::LinkCost {
+                let scaled = LinkCost {
                     wire_gamma_gbs: self.cost.wire_gamma_gbs * model::reduce_factor(dt),
                     ..self.cost
                 };
@@ -184,6 +185,11 @@ impl State {
         let c = match (&self.hier_cost, inter) {
             (Some((_, c)), true) | (Some((c, _)), false) => *c,
             (None, _) => self.cost,
+        };
+        // A group between hosts holds one rank per host: no NIC shared inside the group.
+        let c = LinkCost {
+            nic_share: 1.0,
+            ..c
         };
         model::choose_for(kind, dt, n, bytes, &c, None, &self.cfg.tuning)
     }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::algo::model::LinkCost;
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, Result};
 use crate::exec::links::{Endpoint, Links};
@@ -125,7 +126,14 @@ impl Communicator {
         };
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
-        let shm = if cfg.net == NetKind::Auto && crate::envvar::switch_or("ROCCL_SHM", true) {
+        // A network named explicitly (tcp, rocev2, verbs) carries every peer when the job is
+        // on one host (its tests and benchmarks), but on a job of several hosts it is the
+        // network between hosts, and ranks of one host use shared memory as under `auto`:
+        // the endpoint is made for it too and dropped after the rendezvous on one host.
+        let shm_between_hosts = !matches!(cfg.net, NetKind::Auto | NetKind::Shm | NetKind::Sim);
+        let shm = if (cfg.net == NetKind::Auto || shm_between_hosts)
+            && crate::envvar::switch_or("ROCCL_SHM", true)
+        {
             match net::shm::ShmNet::new().and_then(|n| {
                 net::Net::set_job_key(&n, &job_key);
                 let (h, l) = net::Net::listen(&n, 0)?;
@@ -146,7 +154,9 @@ impl Communicator {
         // Segments for collectives through shared memory, created before the rendezvous so
         // that peers on this host can map them once it is over.
         let tag = nonce ^ ((nranks as u64) << 48);
-        let node_seg = if nranks > 1 && (shm.is_some() || cfg.net == NetKind::Shm) {
+        let node_seg = if nranks > 1
+            && ((shm.is_some() && cfg.net == NetKind::Auto) || cfg.net == NetKind::Shm)
+        {
             let slot = cfg.shm_slot.unwrap_or(crate::algo::shm::node::DEFAULT_SLOT);
             match crate::algo::shm::node::NodeSeg::create(tag, rank, slot) {
                 Ok(s) => Some(s),
@@ -181,11 +191,18 @@ impl Communicator {
                     cores: crate::os::host_cores() as u32,
                     latency_us: props.latency_us,
                     speed_mbps: props.speed_mbps,
+                    nic: agree::nic_fingerprint(&props),
                 },
                 spare.as_ref().map(|s| s.addr()),
-                cfg.host
-                    .as_deref()
-                    .map_or_else(bootstrap::host_id, bootstrap::host_id_of),
+                match (&cfg.host, cfg.net) {
+                    (Some(h), _) => bootstrap::host_id_of(h),
+                    // A simulated rank is on the host of the simulated cluster it sits on:
+                    // hierarchies and ring orders are simulated as they would run there.
+                    (None, NetKind::Sim) => {
+                        bootstrap::host_id_of(&format!("sim-host-{}", cfg.sim.host_of(rank)?))
+                    }
+                    (None, _) => bootstrap::host_id(),
+                },
             ),
             cfg.waiter.timeout,
             abort,
@@ -196,11 +213,20 @@ impl Communicator {
                 crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
             }
         })?;
-        let blobs = table
+        let mut blobs = table
             .iter()
             .enumerate()
             .map(|(r, b)| agree::parse_blob(r, b, rank, net.name(), &mine))
             .collect::<Result<Vec<_>>>()?;
+        // Every rank sees the same table, so all drop the shared-memory endpoints alike.
+        let one_host = blobs.iter().all(|b| b.host == blobs[0].host);
+        let mut shm = shm;
+        if shm_between_hosts && one_host {
+            shm = None;
+            for b in &mut blobs {
+                b.shm = None;
+            }
+        }
         let my_host = blobs[rank].host;
         let local_ranks = blobs.iter().filter(|b| b.host == my_host).count();
         let cores = crate::os::host_cores();
@@ -250,21 +276,25 @@ impl Communicator {
         };
         // The same cost inputs on every rank, however the hosts differ (agree.rs).
         let cost = agree::agreed_cost(&blobs, shm_net, node.as_ref().map(|n| (n.slot(), n.cma())));
+        let simulated = (cfg.net == NetKind::Sim).then(|| agree::simulated_costs(&cfg.sim, cost));
+        let cost = simulated.map_or(cost, |s| s.1);
         // Hosts, and the links inside and between them (hierarchical calls, ring orders).
         let topo =
-            crate::algo::topo::Topology::new(&blobs.iter().map(|b| b.host).collect::<Vec<_>>());
+            crate::algo::topo::Topology::new(&blobs.iter().map(|b| b.host).collect::<Vec<_>>())
+                .with_nics(agree::nics_per_host(&blobs));
         let (topo, hier_cost) = if topo.nhosts() > 1 {
             let all_shm = blobs.iter().all(|b| b.shm.is_some());
-            let intra = if all_shm {
-                agree::agreed_cost(&blobs, true, None)
-            } else {
-                cost
+            let intra = match simulated {
+                Some(s) => s.0,
+                None if all_shm => agree::agreed_cost(&blobs, true, None),
+                None => cost,
             };
             crate::info!(
-                "rank {rank}: {} hosts, {} to {} ranks each (ring order host by host: {}); inside hosts α={:.1}µs β={:.2}GB/s",
+                "rank {rank}: {} hosts, {} to {} ranks each on {} NIC(s) (ring order host by host: {}); inside hosts α={:.1}µs β={:.2}GB/s",
                 topo.nhosts(),
                 (0..nranks).map(|r| topo.local(r).len()).min().unwrap_or(0),
                 topo.max_local(),
+                topo.nics(),
                 if topo.ring_in_rank_order() { "rank order" } else { "reordered" },
                 intra.alpha_us,
                 intra.beta_gbs
@@ -272,6 +302,17 @@ impl Communicator {
             (Some(Arc::new(topo)), Some((intra, cost)))
         } else {
             (None, None)
+        };
+        // Flat exchanges from every rank of a host at once share its NICs (model.rs).
+        let cost = match &topo {
+            Some(t) => {
+                let m = t.max_local().max(1);
+                LinkCost {
+                    nic_share: t.nics().clamp(1, m) as f64 / m as f64,
+                    ..cost
+                }
+            }
+            None => cost,
         };
         let name = combined_name(net.name(), shm_peers, other_peers);
         if let Some(n) = &node {

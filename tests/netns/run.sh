@@ -2,8 +2,12 @@
 # roccl across emulated hosts: 3 network namespaces on a bridge (scripts/netns.sh, one link
 # slowed by tbf), one roccl-perf rank in each, joined from the environment (ROCCL_RANK,
 # ROCCL_NRANKS, ROCCL_ROOT). Runs every collective over RoCE v2 plainly, over RoCE v2 with
-# the fault injector, and over TCP. Each run must exit 0 on every rank and rank 0 must
-# report "# wrong results: 0". Skips (exit 0) only when network namespaces are unavailable.
+# the fault injector, and over TCP; then hosts of several ranks (2 + 2 + 2 and 3 + 1 + 2,
+# each namespace its own ROCCL_HOSTID: shared memory inside, the network between) with the
+# hierarchical algorithms forced and as the model chooses, and the hierarchical all-reduce
+# against the flat ring across the slowed link. Each run must exit 0 on every rank and rank 0
+# must report "# wrong results: 0". Skips (exit 0) only when network namespaces are
+# unavailable.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -50,25 +54,30 @@ trap cleanup EXIT
 echo "-- scripts/netns.sh up $N"
 scripts/netns.sh up "$N"
 
-# run NAME EXTRA_ENV... -- PERF_ARGS...: one rank per namespace, all at once.
+# The namespace of each rank (PLACE=(0 0 1 1 2 2): two ranks on each host); each rank's
+# ROCCL_HOSTID is its namespace (they share the machine's hostname and boot id).
+PLACE=(0 1 2)
+
+# run NAME EXTRA_ENV... -- PERF_ARGS...: rank K in namespace PLACE[K], all at once.
 run() {
-  local name=$1 extra=() args=() k rc fail=0 t0 ms
+  local name=$1 extra=() args=() k rc fail=0 t0 ms n=${#PLACE[@]}
   shift
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do extra+=("$1"); shift; done
   shift
   args=("$@")
   echo "-- $name"
-  echo "   for K in 0..$((N - 1)): ip netns exec rocclK env ROCCL_RANK=K ROCCL_NRANKS=$N ROCCL_ROOT=$ROOT" \
-    "ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 ${extra[*]} $PERF ${args[*]}"
+  echo "   for K in 0..$((n - 1)): ip netns exec roccl\${PLACE[K]} env ROCCL_RANK=K ROCCL_NRANKS=$n" \
+    "ROCCL_HOSTID=roccl\${PLACE[K]} ROCCL_ROOT=$ROOT ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60" \
+    "${extra[*]} $PERF ${args[*]}   (PLACE=${PLACE[*]})"
   t0=$(date +%s%N)
   pids=()
-  for ((k = 0; k < N; k++)); do
-    ip netns exec "roccl$k" env ROCCL_RANK="$k" ROCCL_NRANKS="$N" ROCCL_ROOT="$ROOT" \
-      ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 "${extra[@]}" \
+  for ((k = 0; k < n; k++)); do
+    ip netns exec "roccl${PLACE[$k]}" env ROCCL_RANK="$k" ROCCL_NRANKS="$n" ROCCL_ROOT="$ROOT" \
+      ROCCL_HOSTID="roccl${PLACE[$k]}" ROCCL_SOCKET_IFNAME==eth0 ROCCL_TIMEOUT=60 "${extra[@]}" \
       timeout -k 5 "$LIMIT" "$PERF" "${args[@]}" >"$tmp/$name.$k.log" 2>&1 &
     pids+=($!)
   done
-  for ((k = 0; k < N; k++)); do
+  for ((k = 0; k < n; k++)); do
     rc=0
     wait "${pids[$k]}" || rc=$?
     if [ "$rc" -ne 0 ]; then
@@ -82,7 +91,7 @@ run() {
     fail=1
   fi
   if [ "$fail" -ne 0 ]; then
-    for ((k = 0; k < N; k++)); do
+    for ((k = 0; k < n; k++)); do
       echo "   ---- rank $k output ($name)"
       sed 's/^/   | /' "$tmp/$name.$k.log"
     done
@@ -91,8 +100,11 @@ run() {
   fi
   ms=$((($(date +%s%N) - t0) / 1000000))
   echo "   rank 0: $(grep -m1 '^# roccl-perf:' "$tmp/$name.0.log" | sed 's/^# roccl-perf: //')"
-  echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $N ranks exited 0, $((ms / 1000)).$(printf %03d $((ms % 1000)))s"
+  echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $n ranks exited 0, $((ms / 1000)).$(printf %03d $((ms % 1000)))s"
 }
+
+# The result rows of run NAME's rank 0 (op, size, ..., algo, time out of place, ...).
+rows() { grep '^ ' "$tmp/$1.0.log"; }
 
 common=(--op all -b 8 -e 256K -f 64 --iters 2 --warmup 1)
 run rocev2 -- "${common[@]}" --net rocev2
@@ -154,5 +166,31 @@ flap() {
   done
 }
 flap
+
+# Hosts of several ranks: shared memory inside each namespace, the network between them.
+hier_ops=all_reduce,broadcast,reduce,all_gather,reduce_scatter
+PLACE=(0 0 1 1 2 2)
+run hosts-rocev2-hier -- --op "$hier_ops" -b 8 -e 1M -f 32 --iters 2 --warmup 1 --net rocev2 --algo hier
+run hosts-tcp-hier -- --op "$hier_ops" -b 8 -e 1M -f 32 --iters 2 --warmup 1 --net tcp --algo hier
+run hosts-tcp-auto -- "${common[@]}" --net tcp
+# Every forced row ran by host (the algorithm column).
+if rows hosts-tcp-hier | awk '$7 != "hier" { bad = 1 } END { exit !bad }'; then
+  echo "   a row of hosts-tcp-hier did not run by host:"; rows hosts-tcp-hier | sed 's/^/   | /'
+  echo "FAILED: hosts-tcp-hier"; exit 1
+fi
+echo "   the model chose: $(rows hosts-tcp-auto | awk '$1 == "all_reduce" { printf "%s %s, ", $2, $7 }')"
+# Uneven hosts: 3 + 1 + 2.
+PLACE=(0 0 0 1 2 2)
+run uneven-tcp-hier -- --op "$hier_ops" -b 8 -e 1M -f 32 --iters 2 --warmup 1 --net tcp --algo hier
+run uneven-rocev2-auto -- "${common[@]}" --net rocev2
+# Across the slowed link (host 2, 1 Gbit/s): by host against the host-ordered flat ring.
+PLACE=(0 0 1 1 2 2)
+big=(--op all_reduce -b 4M -e 4M --iters 5 --warmup 2 --net tcp)
+run slow-ring -- "${big[@]}" --algo ring
+run slow-hier -- "${big[@]}" --algo hier
+run slow-ring2 -- "${big[@]}" --algo ring
+run slow-hier2 -- "${big[@]}" --algo hier
+t_of() { rows "$1" | awk '{ print $8; exit }'; }
+echo "   4 MiB all-reduce over the 1 Gbit/s link, 2+2+2 ranks: ring $(t_of slow-ring) and $(t_of slow-ring2) us, by host $(t_of slow-hier) and $(t_of slow-hier2) us"
 
 echo "-- all runs across network namespaces passed"

@@ -51,10 +51,10 @@ pub const EAGER_MAX: usize = 4 << 20;
 /// receiver (they go direct): the algorithms' windows of slices in flight fit.
 pub const EAGER_BUDGET: usize = 16 << 20;
 
-/// One job's shared state: its spec and the NIC of each host.
+/// One job's shared state: its spec and the NICs of each host, by (host, NIC).
 struct Job {
     spec: SimSpec,
-    nics: Mutex<HashMap<usize, Arc<Port>>>,
+    nics: Mutex<HashMap<(usize, usize), Arc<Port>>>,
 }
 
 /// The process-wide registry: jobs by fingerprint, listeners by (job, number).
@@ -123,7 +123,7 @@ struct Endpoint {
     rank: usize,
     host: usize,
     clock: Arc<Clock>,
-    /// The NIC of this rank's host, shared with the other ranks there.
+    /// This rank's NIC, shared with the other ranks of its host that use it.
     nic: Arc<Port>,
     /// This rank's link to the other ranks of its host.
     local: Port,
@@ -190,7 +190,12 @@ impl SimNet {
             }
         };
         let host = self.spec.host_of(self.rank)?;
-        let nic = Arc::clone(job.nics.lock().entry(host).or_default());
+        let nic = Arc::clone(
+            job.nics
+                .lock()
+                .entry((host, self.spec.nic_of(self.rank)))
+                .or_default(),
+        );
         let e = Arc::new(Endpoint {
             rank: self.rank,
             host,
@@ -229,9 +234,11 @@ impl Net for SimNet {
             return Err(Error::arg(format!("sim network: no device {dev}")));
         }
         Ok(NetProperties {
-            name: "sim".into(),
+            // Ranks of a host that share a NIC of the spec show the same device.
+            name: format!("sim-nic{}", self.spec.nic_of(self.rank)),
             pci_path: None,
-            guid: self.rank as u64,
+            guid: ((self.spec.host_of(self.rank)? as u64) << 16)
+                | self.spec.nic_of(self.rank) as u64,
             ptr_support: PtrSupport {
                 host: true,
                 device: false,

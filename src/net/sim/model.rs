@@ -23,7 +23,11 @@ pub struct SimSpec {
     pub hosts: Option<usize>,
     /// Ranks per host (`ranks_per_host`, default 8).
     pub ranks_per_host: usize,
-    /// Each host's NIC, each direction, in Gbit/s (`nic_gbps`, default 100).
+    /// NICs per host (`nics`, default 1): the rank of local index `i` sends and receives
+    /// through NIC `i % nics` (one NIC per GPU, as on rail-optimised clusters, with
+    /// `nics=ranks_per_host`).
+    pub nics: usize,
+    /// Each NIC, each direction, in Gbit/s (`nic_gbps`, default 100).
     pub nic_gbps: f64,
     /// One-way latency between hosts in µs (`nic_us`, default 2).
     pub nic_us: f64,
@@ -44,6 +48,7 @@ impl Default for SimSpec {
         SimSpec {
             hosts: None,
             ranks_per_host: 8,
+            nics: 1,
             nic_gbps: 100.0,
             nic_us: 2.0,
             local_gbps: 200.0,
@@ -56,7 +61,7 @@ impl Default for SimSpec {
 
 /// The names `ROCCL_SIM` takes, for errors and `--help`.
 pub const SIM_KEYS: &str =
-    "hosts, ranks_per_host, nic_gbps, nic_us, local_gbps, local_us, msg_us, reduce_gbs";
+    "hosts, ranks_per_host, nics, nic_gbps, nic_us, local_gbps, local_us, msg_us, reduce_gbs";
 
 impl std::str::FromStr for SimSpec {
     type Err = Error;
@@ -88,6 +93,7 @@ impl std::str::FromStr for SimSpec {
             match k {
                 "hosts" => spec.hosts = Some(count()?),
                 "ranks_per_host" => spec.ranks_per_host = count()?,
+                "nics" => spec.nics = count()?,
                 "nic_gbps" => spec.nic_gbps = num(1e-3)?,
                 "nic_us" => spec.nic_us = num(0.0)?,
                 "local_gbps" => spec.local_gbps = num(1e-3)?,
@@ -112,8 +118,9 @@ impl std::fmt::Display for SimSpec {
         }
         write!(
             f,
-            "ranks_per_host={},nic_gbps={},nic_us={},local_gbps={},local_us={},msg_us={},reduce_gbs={}",
+            "ranks_per_host={},nics={},nic_gbps={},nic_us={},local_gbps={},local_us={},msg_us={},reduce_gbs={}",
             self.ranks_per_host,
+            self.nics,
             self.nic_gbps,
             self.nic_us,
             self.local_gbps,
@@ -135,6 +142,11 @@ impl SimSpec {
             ))),
             _ => Ok(h),
         }
+    }
+
+    /// The NIC of `rank` on its host (`host_of`): its local index modulo `nics`.
+    pub fn nic_of(&self, rank: usize) -> usize {
+        (rank % self.ranks_per_host) % self.nics
     }
 
     /// Per-message software overhead, ps.
@@ -381,11 +393,14 @@ mod tests {
     #[test]
     fn a_spec_reads_every_name_and_refuses_others() {
         let s: SimSpec =
-            "hosts=128,ranks_per_host=8,nic_gbps=100,nic_us=2,local_gbps=200,local_us=0.5,msg_us=1,reduce_gbs=20"
+            "hosts=128,ranks_per_host=8,nics=4,nic_gbps=100,nic_us=2,local_gbps=200,local_us=0.5,msg_us=1,reduce_gbs=20"
                 .parse()
                 .unwrap();
         assert_eq!(s.hosts, Some(128));
         assert_eq!(s.ranks_per_host, 8);
+        assert_eq!(s.nics, 4);
+        // Local index 5 on host 1 uses NIC 5 mod 4.
+        assert_eq!((s.host_of(13).unwrap(), s.nic_of(13)), (1, 1));
         assert_eq!(s.msg_us, 1.0);
         assert_eq!(s.reduce_gbs, 20.0);
         assert_eq!(s.to_string().parse::<SimSpec>().unwrap(), s);
