@@ -9,7 +9,7 @@
 //! done once copied). Nothing is allocated per message once the queues have grown.
 //!
 //! Virtual time: a send costs the sender `msg_us` of its clock and is stamped with the
-//! clock; [`model::arrival`] books the sender's port (the host's NIC between hosts, the
+//! clock; `model::arrival` books the sender's port (the host's NIC between hosts, the
 //! rank's own link inside one) for the message's serialisation time and the receiver's port
 //! as long after the latency. A receive, when `test` reports it done, moves the receiver's
 //! clock to the latest arrival of its messages if that is later, plus `msg_us`.
