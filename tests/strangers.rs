@@ -114,10 +114,54 @@ fn job_under_attack(
     });
 }
 
+/// Shared-memory segments of roccl this process has mapped (named in `/proc/self/maps`,
+/// unlinked ones included) or that exist in `/dev/shm`.
+fn shm_segments() -> usize {
+    let mut names: std::collections::HashSet<String> = std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once("/dev/shm/roccl-").map(|(_, n)| n.to_string()))
+        .map(|n| n.trim_end_matches(" (deleted)").to_string())
+        .collect();
+    if let Ok(d) = std::fs::read_dir("/dev/shm") {
+        for e in d.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if let Some(rest) = n.strip_prefix("roccl-") {
+                names.insert(rest.to_string());
+            }
+        }
+    }
+    names.len()
+}
+
+/// What a job holds while it is alive, measured from `qps0`: queue pairs the userspace RoCE
+/// engine created, and shared-memory segments.
+fn footprint(qps0: u64) -> (u64, usize) {
+    (
+        roccl::rdma::udp::queue_pairs_created() - qps0,
+        shm_segments(),
+    )
+}
+
 /// Strangers at every listening port; the connections stay open until the job is over.
-/// Once the job has run, no listener still holds the socket of a stranger that sent garbage
-/// (nothing leaked: each was refused and closed while the job ran).
+/// Once the job has run, no listener still holds the socket of a stranger that sent garbage,
+/// and the job holds as many queue pairs and segments as the same job without strangers
+/// (nothing leaked: each stranger was refused, closed and given nothing).
 fn strangers_everywhere(net: NetKind) {
+    let quiet = parking_lot::Mutex::new(None);
+    let qps0 = roccl::rdma::udp::queue_pairs_created();
+    job_under_attack(net, 3, 10, false, &|| {}, &|| {
+        *quiet.lock() = Some(footprint(qps0));
+    });
+    let quiet = quiet.into_inner().expect("the quiet job ran");
+    // The comparison means something: the job's own queue pairs and segments are counted.
+    match net {
+        NetKind::RoceV2 => assert!(quiet.0 > 0, "no queue pair counted: {quiet:?}"),
+        NetKind::Shm => assert!(quiet.1 > 0, "no segment counted: {quiet:?}"),
+        _ => {}
+    }
+    eprintln!("{net:?}: a job without strangers holds (queue pairs created, segments) {quiet:?}");
+    let qps0 = roccl::rdma::udp::queue_pairs_created();
     let before = roccl::bootstrap::auth::refused();
     let held = parking_lot::Mutex::new(Vec::new());
     let after = || {
@@ -145,6 +189,11 @@ fn strangers_everywhere(net: NetKind) {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        assert_eq!(
+            footprint(qps0),
+            quiet,
+            "{net:?}: (queue pairs created, shared-memory segments) with strangers against without"
+        );
     };
     job_under_attack(
         net,

@@ -270,12 +270,51 @@ fn path_mtu(ip: IpAddr) -> u32 {
         .and_then(|i| std::fs::read_to_string(format!("/sys/class/net/{}/mtu", i.name)).ok())
         .and_then(|s| s.trim().parse::<u32>().ok())
         .unwrap_or(1500);
+    ib_mtu_for(ifmtu)
+}
+
+/// The largest IB MTU whose packets fit in IP packets of `ip_mtu` bytes.
+fn ib_mtu_for(ip_mtu: u32) -> u32 {
     // IPv6 40 + UDP 8 + BTH 12 + RETH 16 + ImmDt 4 + ICRC 4
-    let room = ifmtu.saturating_sub(84);
+    let room = ip_mtu.saturating_sub(84);
     [4096, 2048, 1024, 512, 256]
         .into_iter()
         .find(|m| *m <= room)
         .unwrap_or(256)
+}
+
+/// The IP MTU of the kernel's route from `local` to `remote` (`IP_MTU` of a connected
+/// socket: the outgoing interface's, the route's own, or a smaller one learnt by path MTU
+/// discovery), or `None` where it cannot be asked. An address of this host's own (a `/32`
+/// on `lo`, as on a switchless USB4 mesh) routed over a link has that link's MTU, not `lo`'s.
+fn route_mtu(local: IpAddr, remote: SocketAddr) -> Option<u32> {
+    let s = Socket::new(
+        Domain::for_address(remote),
+        Type::DGRAM,
+        Some(Protocol::UDP),
+    )
+    .ok()?;
+    s.bind(&SocketAddr::new(local, 0).into()).ok()?;
+    s.connect(&remote.into()).ok()?;
+    let (level, opt) = if remote.is_ipv6() {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU)
+    } else {
+        (libc::IPPROTO_IP, libc::IP_MTU)
+    };
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are live locals and `len` holds the size of `v`; the socket is
+    // open for the whole call (a bad option only makes the call fail).
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            level,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && v > 0).then_some(v as u32)
 }
 
 impl UserVerbs {
@@ -909,6 +948,16 @@ const LINGER_QUIET: Duration = Duration::from_millis(60);
 /// Upper bound of the linger.
 const LINGER_MAX: Duration = Duration::from_secs(1);
 
+/// Queue pairs this process's userspace engines have created (see [`queue_pairs_created`]).
+static QUEUE_PAIRS_CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many queue pairs the userspace RoCE v2 engines of this process have created since it
+/// started: a job's connections make a fixed number; tests check that strangers at the
+/// setup port or the UDP port make none (a refused hello creates nothing).
+pub fn queue_pairs_created() -> u64 {
+    QUEUE_PAIRS_CREATED.load(Ordering::Relaxed)
+}
+
 impl Drop for UserVerbs {
     fn drop(&mut self) {
         self.linger();
@@ -1063,6 +1112,7 @@ impl Verbs for UserVerbs {
     }
 
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
+        QUEUE_PAIRS_CREATED.fetch_add(1, Ordering::Relaxed);
         let mut d = self.d.lock();
         let tx = udp_socket(SocketAddr::new(self.local.ip(), 0))
             .map_err(|e| Error::sys("bind a RoCE v2 send socket", e))?;
@@ -1134,10 +1184,13 @@ impl Verbs for UserVerbs {
         let attr = QpAttr {
             // Peers on this host talk through the kernel's loopback path whatever the
             // interface: use the largest IB MTU there.
+            // Elsewhere the smaller of both ends' and the route's: an address on `lo` routed
+            // over a 1500-byte link would otherwise send 4 KiB packets the kernel refuses.
             mtu: if remote.addr.ip() == self.local.ip() {
                 4096
             } else {
-                d.mtu.min(remote.mtu)
+                let route = route_mtu(self.local.ip(), remote.addr).map_or(4096, ib_mtu_for);
+                d.mtu.min(remote.mtu).min(route)
             },
             dest: remote.addr,
             dest_qpn: remote.qpn,
@@ -1472,6 +1525,18 @@ mod tests {
     /// Item 12 of issue 19: destroyed QPs are freed (engine slot, completion queue, send
     /// socket, wake-up descriptor), so a process that creates and destroys connections
     /// keeps its descriptors and tables flat.
+    #[test]
+    fn the_mtu_follows_the_route_to_the_peer() {
+        // IB MTUs for IP MTUs: a 1500-byte link carries 1024-byte payloads, jumbo frames 4096.
+        assert_eq!(ib_mtu_for(1500), 1024);
+        assert_eq!(ib_mtu_for(9000), 4096);
+        assert_eq!(ib_mtu_for(100), 256);
+        // The route to a peer on loopback has lo's MTU (65536 on Linux).
+        let lo = std::net::Ipv4Addr::LOCALHOST.into();
+        let m = route_mtu(lo, SocketAddr::new(lo, 4791)).expect("IP_MTU toward 127.0.0.1");
+        assert!(m >= 1500, "{m}");
+    }
+
     #[test]
     fn destroyed_queue_pairs_are_freed() {
         let lo = IpAddr::from([127, 0, 0, 1]);
