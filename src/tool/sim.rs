@@ -96,6 +96,10 @@ pub struct SimCase {
     pub warmup: usize,
     /// Timed calls.
     pub iters: usize,
+    /// In place: one buffer per rank holds the input and receives the output, as the
+    /// communicator's in-place calls take it (all-reduce, all-gather, reduce-scatter,
+    /// reduce; broadcast always is; all-to-all and barrier ignore it). Halves the memory.
+    pub in_place: bool,
 }
 
 /// What a case gave.
@@ -111,8 +115,9 @@ pub struct SimResult {
     pub fastest: Duration,
     /// The algorithm that ran (rank 0's answer).
     pub algo: Option<Algo>,
-    /// Output elements that differ from the reference, over every rank.
-    pub wrong: usize,
+    /// Output elements that differ from the reference, over every rank; `None` when the
+    /// network moved no data (`data=0`) and nothing was checked.
+    pub wrong: Option<usize>,
 }
 
 /// Settings of a simulated job.
@@ -273,6 +278,13 @@ pub fn raise_fd_limit(ranks: usize) -> Result<()> {
 
 /// Run `cases` in order on a job of `job.ranks` threads over the simulated network.
 pub fn run(job: &SimJob, cases: &[SimCase]) -> Result<Vec<SimResult>> {
+    run_timed(job, cases).map(|(r, _)| r)
+}
+
+/// [`run`], and the real time every rank took to make its communicator (threads started,
+/// rendezvous with the root over loopback TCP, the table received, checks agreed), up to
+/// the moment the last one had it.
+pub fn run_timed(job: &SimJob, cases: &[SimCase]) -> Result<(Vec<SimResult>, Duration)> {
     let n = job.ranks;
     if n == 0 {
         return Err(Error::arg("a simulated job needs at least one rank"));
@@ -296,32 +308,42 @@ pub fn run(job: &SimJob, cases: &[SimCase]) -> Result<Vec<SimResult>> {
     let slowest = AtomicU64::new(0);
     let fastest = AtomicU64::new(u64::MAX);
     let wrong = AtomicUsize::new(0);
+    let check = job.spec.data;
     let results = Mutex::new(Vec::new());
+    let started = std::time::Instant::now();
+    let init_time = Mutex::new(Duration::ZERO);
     let first_error: Mutex<Option<(usize, Error)>> = Mutex::new(None);
     std::thread::scope(|s| {
         for r in 0..n {
             let (cfg, id, meet) = (cfg.clone(), &id, &meet);
             let (start_clock, slowest, fastest, wrong) = (&start_clock, &slowest, &fastest, &wrong);
             let (results, first_error, sums) = (&results, &first_error, &sums);
+            let init_time = &init_time;
             let body = move || {
                 let res = (|| -> Result<()> {
                     let c = Communicator::init_with(id, n, r, cfg)?;
+                    meet.wait()?;
+                    if r == 0 {
+                        *init_time.lock() = started.elapsed();
+                    }
                     for case in cases {
-                        let algo = rank_case(&c, case, meet, start_clock, |t| {
+                        let algo = rank_case(&c, case, meet, start_clock, check, |t| {
                             let ns = t.as_nanos() as u64;
                             slowest.fetch_max(ns, Ordering::Relaxed);
                             fastest.fetch_min(ns, Ordering::Relaxed);
                         })
                         .map(|(algo, out)| {
-                            let bad = out
-                                .iter()
-                                .enumerate()
-                                .filter(|&(i, &x)| {
-                                    expected(case.op, r, n, i, out.len(), sums)
-                                        .is_some_and(|e| e != x)
-                                })
-                                .count();
-                            wrong.fetch_add(bad, Ordering::Relaxed);
+                            if check {
+                                let bad = out
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|&(i, &x)| {
+                                        expected(case.op, r, n, i, out.len(), sums)
+                                            .is_some_and(|e| e != x)
+                                    })
+                                    .count();
+                                wrong.fetch_add(bad, Ordering::Relaxed);
+                            }
                             algo
                         })?;
                         meet.wait()?;
@@ -335,7 +357,7 @@ pub fn run(job: &SimJob, cases: &[SimCase]) -> Result<Vec<SimResult>> {
                                     fastest.swap(u64::MAX, Ordering::Relaxed),
                                 ),
                                 algo,
-                                wrong: wrong.swap(0, Ordering::Relaxed),
+                                wrong: check.then(|| wrong.swap(0, Ordering::Relaxed)),
                             });
                             start_clock.store(0, Ordering::Relaxed);
                         }
@@ -368,28 +390,46 @@ pub fn run(job: &SimJob, cases: &[SimCase]) -> Result<Vec<SimResult>> {
             msg: format!("simulated rank {r} of {n}: {e}"),
         });
     }
-    Ok(results.into_inner())
+    Ok((results.into_inner(), init_time.into_inner()))
 }
 
 /// One case on one rank: its algorithm and the output of the last call; `time` gets the
-/// rank's predicted time per call.
+/// rank's predicted time per call. `check`: the output will be checked (the network moves
+/// data), so an in-place buffer gets its input again before every call.
 fn rank_case(
     c: &Communicator,
     case: &SimCase,
     meet: &Meet,
     start_clock: &AtomicU64,
+    check: bool,
     time: impl Fn(Duration),
 ) -> Result<(Option<Algo>, Vec<f32>)> {
     let (r, n) = (c.rank(), c.nranks());
     let (ein, eout) = counts(case.op, case.bytes, n);
-    let input: Vec<f32> = (0..ein).map(|i| value(r, i)).collect();
-    let mut out = vec![f32::NAN; eout];
+    let in_place = case.in_place
+        && matches!(
+            case.op,
+            SimOp::AllReduce | SimOp::AllGather | SimOp::ReduceScatter | SimOp::Reduce
+        );
+    // Where this rank's input sits in its in-place buffer: block `r` for an all-gather.
+    let at = if case.op == SimOp::AllGather {
+        r * ein
+    } else {
+        0
+    };
+    let input: Vec<f32> = if in_place {
+        Vec::new()
+    } else {
+        (0..ein).map(|i| value(r, i)).collect()
+    };
+    let mut out = vec![f32::NAN; if in_place { ein.max(eout) } else { eout }];
     let opts = CallOpts {
         algo: case.algo,
         ..Default::default()
     };
     let coll = collective(case.op);
-    let call = |out: &mut Vec<f32>| -> Result<Option<Algo>> {
+    let mut filled = false;
+    let mut call = |out: &mut Vec<f32>| -> Result<Option<Algo>> {
         let info = match case.op {
             // In place from the root's buffer (its input), as rank 0 holds it.
             SimOp::Broadcast => {
@@ -405,6 +445,21 @@ fn rank_case(
                 )?
             }
             SimOp::Barrier => c.run_raw(coll, DataType::U8, None, &mut [], &opts)?,
+            _ if in_place => {
+                if check || !filled {
+                    for (i, x) in out[at..at + ein].iter_mut().enumerate() {
+                        *x = value(r, i);
+                    }
+                    filled = true;
+                }
+                c.run_raw(
+                    coll,
+                    DataType::F32,
+                    None,
+                    bytemuck::cast_slice_mut(out),
+                    &opts,
+                )?
+            }
             _ => c.run_raw(
                 coll,
                 DataType::F32,
@@ -425,12 +480,18 @@ fn rank_case(
     c.set_virtual_clock(t0);
     meet.wait()?;
     let mut algo = None;
-    out.fill(f32::NAN);
+    if check {
+        out.fill(f32::NAN);
+    }
     for _ in 0..case.iters.max(1) {
         algo = call(&mut out)?;
     }
     let end = c.virtual_clock().unwrap_or_default();
     time(end.saturating_sub(t0) / case.iters.max(1) as u32);
+    if in_place && case.op == SimOp::ReduceScatter {
+        // The result is block `r` of the buffer.
+        out = out[r * eout..(r + 1) * eout].to_vec();
+    }
     Ok((algo, out))
 }
 

@@ -8,6 +8,11 @@
 //! waits in the sender's buffer and the receiver copies it straight out of it (its send is
 //! done once copied). Nothing is allocated per message once the queues have grown.
 //!
+//! With `data=0` in the spec, messages larger than [`DATA_FREE_ABOVE`] move no bytes: the
+//! queues count their lengths only and a receive leaves its buffer as it was (for timing
+//! sizes whose buffers would not fit in memory). Smaller ones still carry theirs: the
+//! executor's connection hellos and notices are messages too.
+//!
 //! Virtual time: a send costs the sender `msg_us` of its clock and is stamped with the
 //! clock; `model::arrival` books the sender's port (the host's NIC between hosts, the
 //! rank's own link inside one) for the message's serialisation time and the receiver's port
@@ -50,6 +55,9 @@ pub const EAGER_MAX: usize = 4 << 20;
 /// Most bytes of eager messages a connection holds before later sends wait for the
 /// receiver (they go direct): the algorithms' windows of slices in flight fit.
 pub const EAGER_BUDGET: usize = 16 << 20;
+
+/// With `data=0`, messages of more bytes than this carry none.
+pub const DATA_FREE_ABOVE: usize = 64 << 10;
 
 /// One job's shared state: its spec and the NICs of each host, by (host, NIC).
 struct Job {
@@ -315,6 +323,7 @@ impl Net for SimNet {
         let ep = self.endpoint()?;
         let same_host = ep.host == l.ep.host;
         let ch = Arc::new(Channel {
+            data: self.spec.data,
             src: ep,
             dst: Arc::clone(&l.ep),
             link: self.spec.link(same_host),
@@ -455,6 +464,8 @@ struct Msg {
 struct Inner {
     msgs: VecDeque<Msg>,
     eager: Bytes,
+    /// Bytes of queued eager messages that carry none (`data=0`).
+    eager_free: usize,
     /// Direct messages the receiver copied.
     copied: u64,
     recv_sleeping: bool,
@@ -465,6 +476,8 @@ struct Inner {
 
 /// One connection (one direction), shared by its two sides.
 struct Channel {
+    /// Messages carry their bytes (`SimSpec::data`).
+    data: bool,
     src: Arc<Endpoint>,
     dst: Arc<Endpoint>,
     /// Latency and ps per byte of the link (between hosts or inside one).
@@ -476,6 +489,11 @@ struct Channel {
 }
 
 impl Channel {
+    /// Whether a message of `len` bytes carries them (see [`DATA_FREE_ABOVE`]).
+    fn carries(&self, len: usize) -> bool {
+        self.data || len <= DATA_FREE_ABOVE
+    }
+
     /// The port `ep` uses on this connection: its host's NIC, or its own local link.
     fn port<'a>(&self, ep: &'a Endpoint) -> &'a Port {
         if self.same_host {
@@ -535,12 +553,14 @@ impl SendComm for SimSend {
             let e = self.peer_gone();
             return super::remember_failure(&mut self.failed, Err(e));
         }
-        let eager = len <= EAGER_MAX && g.eager.len + len <= EAGER_BUDGET;
+        let eager = len <= EAGER_MAX && g.eager.len + g.eager_free + len <= EAGER_BUDGET;
         let direct = if eager {
-            if len > 0 {
+            if len > 0 && ch.carries(len) {
                 // SAFETY: the isend contract: `data..data+len` is readable.
                 g.eager
                     .push(unsafe { std::slice::from_raw_parts(data, len) });
+            } else {
+                g.eager_free += len;
             }
             None
         } else {
@@ -666,7 +686,7 @@ impl SimRecv {
             let (len, tag, at, direct) = (m.len, m.tag, m.arrival, m.direct);
             let e = r.g.buffer_for(tag, len)?;
             let dst = r.g.bufs[e].0 as *mut u8;
-            if len > 0 {
+            if len > 0 && ch.carries(len) {
                 // SAFETY: `buffer_for` returned a posted buffer of at least `len` bytes that
                 // the irecv contract keeps writable and unaliased until the receive is done.
                 let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
@@ -685,8 +705,10 @@ impl SimRecv {
                 ch.direct_done.store(g.copied, Ordering::Release);
                 woke |= g.send_sleeping;
                 g.send_sleeping = false;
-            } else {
+            } else if ch.carries(len) {
                 g.eager.pop(len);
+            } else {
+                g.eager_free -= len;
             }
             g.msgs.pop_front();
             r.arrival = r.arrival.max(at);

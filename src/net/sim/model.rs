@@ -41,6 +41,11 @@ pub struct SimSpec {
     pub msg_us: f64,
     /// Reduction speed in GB/s of output (`reduce_gbs`; default 0: reductions take no time).
     pub reduce_gbs: f64,
+    /// Whether messages carry their bytes (`data`, default 1). With `data=0` messages over
+    /// 64 KiB move no bytes, only lengths, tags and virtual times, so that sizes whose
+    /// buffers and queues would not fit in memory can be timed; what ranks receive is then
+    /// not the data sent, and a tool must not check it.
+    pub data: bool,
 }
 
 impl Default for SimSpec {
@@ -55,13 +60,14 @@ impl Default for SimSpec {
             local_us: 0.5,
             msg_us: 0.5,
             reduce_gbs: 0.0,
+            data: true,
         }
     }
 }
 
 /// The names `ROCCL_SIM` takes, for errors and `--help`.
 pub const SIM_KEYS: &str =
-    "hosts, ranks_per_host, nics, nic_gbps, nic_us, local_gbps, local_us, msg_us, reduce_gbs";
+    "hosts, ranks_per_host, nics, nic_gbps, nic_us, local_gbps, local_us, msg_us, reduce_gbs, data";
 
 impl std::str::FromStr for SimSpec {
     type Err = Error;
@@ -100,6 +106,17 @@ impl std::str::FromStr for SimSpec {
                 "local_us" => spec.local_us = num(0.0)?,
                 "msg_us" => spec.msg_us = num(0.0)?,
                 "reduce_gbs" => spec.reduce_gbs = num(0.0)?,
+                "data" => {
+                    spec.data = match v {
+                        "1" => true,
+                        "0" => false,
+                        _ => {
+                            return Err(Error::arg(format!(
+                                "ROCCL_SIM: data={v}: expected 1 (messages carry their bytes) or 0 (lengths and times only)"
+                            )))
+                        }
+                    }
+                }
                 other => {
                     return Err(Error::arg(format!(
                         "ROCCL_SIM: unknown name '{other}' (names: {SIM_KEYS})"
@@ -127,7 +144,11 @@ impl std::fmt::Display for SimSpec {
             self.local_us,
             self.msg_us,
             self.reduce_gbs
-        )
+        )?;
+        if !self.data {
+            write!(f, ",data=0")?;
+        }
+        Ok(())
     }
 }
 
@@ -418,6 +439,11 @@ mod tests {
         assert_eq!(s.host_of(7).unwrap(), 1);
         let e = s.host_of(8).unwrap_err().to_string();
         assert!(e.contains("rank 8 does not fit on 2 hosts"), "{e}");
+        let s: SimSpec = "data=0".parse().unwrap();
+        assert!(!s.data && SimSpec::default().data);
+        assert_eq!(s.to_string().parse::<SimSpec>().unwrap(), s);
+        let e = "data=yes".parse::<SimSpec>().unwrap_err().to_string();
+        assert!(e.contains("data=yes"), "{e}");
     }
 
     #[test]
