@@ -32,6 +32,8 @@ pub struct Iface {
     pub name: String,
     /// One address assigned to it (an interface with several addresses appears several times).
     pub addr: IpAddr,
+    /// Its prefix length (bits of the netmask): the subnet it reaches without a router.
+    pub prefix: u8,
 }
 
 impl fmt::Display for Iface {
@@ -171,7 +173,14 @@ pub fn list() -> Result<Vec<Iface>> {
         let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }
             .to_string_lossy()
             .into_owned();
-        let iface = Iface { name, addr };
+        // SAFETY: ifa_netmask is null or a socket address of the interface's family, owned
+        // by the live list.
+        let prefix = match unsafe { sockaddr_ip(ifa.ifa_netmask) } {
+            Some(IpAddr::V4(m)) => m.to_bits().count_ones() as u8,
+            Some(IpAddr::V6(m)) => m.to_bits().count_ones() as u8,
+            None => full_prefix(&addr),
+        };
+        let iface = Iface { name, addr, prefix };
         let dest = if is_v6_link_local(&addr) {
             &mut link_local
         } else {
@@ -187,6 +196,114 @@ pub fn list() -> Result<Vec<Iface>> {
         found = link_local;
     }
     Ok(found)
+}
+
+/// The prefix of a single address of `a`'s family (32 or 128).
+fn full_prefix(a: &IpAddr) -> u8 {
+    if a.is_ipv4() {
+        32
+    } else {
+        128
+    }
+}
+
+/// Whether `a` is on the subnet of `iface`: same family, the first `prefix` bits equal.
+pub fn on_subnet(iface: &Iface, a: IpAddr) -> bool {
+    match (iface.addr, a) {
+        (IpAddr::V4(x), IpAddr::V4(y)) => {
+            let p = u32::from(iface.prefix.min(32));
+            let m = u32::MAX.checked_shl(32 - p).unwrap_or(0);
+            x.to_bits() & m == y.to_bits() & m
+        }
+        (IpAddr::V6(x), IpAddr::V6(y)) => {
+            let p = u32::from(iface.prefix.min(128));
+            let m = u128::MAX.checked_shl(128 - p).unwrap_or(0);
+            x.to_bits() & m == y.to_bits() & m
+        }
+        _ => false,
+    }
+}
+
+/// Which of `candidates` (the addresses a peer published, its preferred first) to reach it
+/// by: the first on the subnet of one of `local`'s interfaces (a peer at the other end of a
+/// cable of a switchless mesh, or on the same LAN), else the first the kernel has a route
+/// to (`routed`), else the first. Returns its index.
+pub fn pick_reachable(
+    candidates: &[IpAddr],
+    local: &[Iface],
+    routed: impl Fn(IpAddr) -> bool,
+) -> usize {
+    let usable = |i: &&Iface| !i.addr.is_loopback() || candidates.iter().any(IpAddr::is_loopback);
+    candidates
+        .iter()
+        .position(|&c| local.iter().filter(usable).any(|i| on_subnet(i, c)))
+        .or_else(|| candidates.iter().position(|&c| routed(c)))
+        .unwrap_or(0)
+}
+
+/// [`pick_reachable`] with this host's interfaces and routing table.
+pub fn reachable(candidates: &[IpAddr]) -> usize {
+    if candidates.len() < 2 {
+        return 0;
+    }
+    let local = list().unwrap_or_default();
+    pick_reachable(candidates, &local, |c| route_source(c).is_some())
+}
+
+/// Of `primary` and `others` (a peer's main address and its others), the one this host
+/// reaches it at ([`reachable`]).
+pub fn reach(primary: IpAddr, others: &[Ipv4Addr]) -> IpAddr {
+    if others.is_empty() {
+        return primary;
+    }
+    let all: Vec<IpAddr> = std::iter::once(primary)
+        .chain(others.iter().map(|&a| IpAddr::V4(a)))
+        .collect();
+    all[reachable(&all)]
+}
+
+/// Write `others` (at most `max`; the rest are left out) into a handle: their count at
+/// `b[count_at]`, the addresses from `b[at]`, 4 bytes each.
+pub fn put_others(b: &mut [u8], count_at: usize, at: usize, others: &[Ipv4Addr], max: usize) {
+    let others = &others[..others.len().min(max)];
+    b[count_at] = others.len() as u8;
+    for (i, a) in others.iter().enumerate() {
+        b[at + 4 * i..at + 4 * i + 4].copy_from_slice(&a.octets());
+    }
+}
+
+/// The addresses [`put_others`] wrote; `None` when the count is above `max`.
+pub fn get_others(b: &[u8], count_at: usize, at: usize, max: usize) -> Option<Vec<Ipv4Addr>> {
+    let n = b[count_at] as usize;
+    (n <= max).then(|| {
+        (0..n)
+            .map(|i| Ipv4Addr::from(<[u8; 4]>::try_from(&b[at + 4 * i..at + 4 * i + 4]).unwrap()))
+            .collect()
+    })
+}
+
+/// The IPv4 addresses this host publishes beside `primary` (at most `max`): those of the
+/// other interfaces that `ROCCL_SOCKET_IFNAME` / `ROCCL_SOCKET_FAMILY` select, so that a
+/// peer that cannot reach `primary` (a switchless mesh, each cable its own subnet) reaches
+/// one of them. None when `primary` is a loopback or IPv6 address.
+pub fn other_addrs(primary: IpAddr, max: usize) -> Vec<Ipv4Addr> {
+    if primary.is_loopback() || !primary.is_ipv4() {
+        return Vec::new();
+    }
+    let spec = env_var(IFNAME_VAR);
+    let family = env_var(FAMILY_VAR)
+        .and_then(|v| parse_family(&v).ok())
+        .unwrap_or(Family::Any);
+    let all = list().unwrap_or_default();
+    let mut out = Vec::new();
+    for i in select(&all, spec.as_deref(), family) {
+        if let IpAddr::V4(v) = i.addr {
+            if i.addr != primary && !is_loopback(&i) && !out.contains(&v) && out.len() < max {
+                out.push(v);
+            }
+        }
+    }
+    out
 }
 
 /// Whether `iface` is a loopback interface (by name or by address).
@@ -270,7 +387,7 @@ pub fn select(all: &[Iface], spec: Option<&str>, family: Family) -> Vec<Iface> {
 
 /// The source address the kernel would use to reach `remote`: connecting a UDP socket only
 /// consults the routing table, it sends no packet.
-fn route_source(remote: IpAddr) -> Option<IpAddr> {
+pub fn route_source(remote: IpAddr) -> Option<IpAddr> {
     let bind: SocketAddr = match remote {
         IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
         IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -391,6 +508,7 @@ mod tests {
         Iface {
             name: name.to_string(),
             addr: addr.parse().unwrap(),
+            prefix: 24,
         }
     }
 
@@ -621,5 +739,51 @@ mod tests {
             assert_eq!(local_addr(Some(lo)).unwrap(), lo);
             assert!(local_addr(None).is_ok());
         }
+    }
+
+    #[test]
+    fn a_peer_is_reached_on_the_subnet_of_the_cable_that_leads_to_it() {
+        // Host 1 of a switchless mesh: cables to host 0 (10.81.1.0/24) and host 2
+        // (10.81.3.0/24), loopback, no routes beyond the cables' subnets.
+        let host1 = [
+            Iface {
+                prefix: 8,
+                ..ifc("lo", "127.0.0.1")
+            },
+            ifc("to0", "10.81.1.2"),
+            ifc("to2", "10.81.3.1"),
+        ];
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let no_route = |_: IpAddr| false;
+        // Host 0 published its cable to host 2 first, then its cable to host 1.
+        let host0 = [ip("10.81.2.1"), ip("10.81.1.1")];
+        assert_eq!(pick_reachable(&host0, &host1, no_route), 1);
+        // Host 2 published the cable to host 1 second too.
+        let host2 = [ip("10.81.2.2"), ip("10.81.3.2")];
+        assert_eq!(pick_reachable(&host2, &host1, no_route), 1);
+        // Off every subnet: the first the kernel routes to, else the first.
+        let far = [ip("192.0.2.1"), ip("198.51.100.1")];
+        assert_eq!(pick_reachable(&far, &host1, |c| c == ip("198.51.100.1")), 1);
+        assert_eq!(pick_reachable(&far, &host1, no_route), 0);
+        // Loopback's /8 does not claim a peer's addresses, and a /32 only its own.
+        assert!(!on_subnet(&host1[0], ip("10.81.1.1")));
+        let own = Iface {
+            prefix: 32,
+            ..ifc("lo", "10.80.0.2")
+        };
+        assert!(on_subnet(&own, ip("10.80.0.2")) && !on_subnet(&own, ip("10.80.0.1")));
+        assert!(on_subnet(
+            &Iface {
+                prefix: 0,
+                ..ifc("x", "1.2.3.4")
+            },
+            ip("9.9.9.9")
+        ));
+        let v6 = Iface {
+            prefix: 64,
+            ..ifc("x", "fd00:1::1")
+        };
+        assert!(on_subnet(&v6, ip("fd00:1::2")) && !on_subnet(&v6, ip("fd00:2::1")));
+        assert!(!on_subnet(&v6, ip("10.81.1.1")));
     }
 }

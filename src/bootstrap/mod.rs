@@ -31,7 +31,7 @@ pub mod spare;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -59,6 +59,11 @@ const MAX_BLOB: usize = 1 << 20;
 
 /// Size of a unique id in bytes (as `NCCL_UNIQUE_ID_BYTES`).
 pub const UNIQUE_ID_BYTES: usize = 128;
+/// Byte of a unique id with the number of its root's other addresses, which follow from 4
+/// bytes further on, 4 bytes each (after the magic, the address, the nonce and the secret).
+const OTHER_ROOTS: usize = 48;
+/// Most other root addresses a unique id carries.
+pub const MAX_OTHER_ROOTS: usize = 15;
 
 /// Opaque id of a communicator being created: the root's address and a nonce. Create it on
 /// one rank with [`UniqueId::new`] and pass its bytes to every rank out of band.
@@ -253,7 +258,47 @@ impl UniqueId {
                 )))
             }
         };
-        Ok((SocketAddr::new(ip, port), self.nonce()))
+        let others = self.other_roots();
+        if others.is_empty() {
+            return Ok((SocketAddr::new(ip, port), self.nonce()));
+        }
+        // Several addresses (a root on a switchless mesh): the one this host reaches.
+        Ok((
+            SocketAddr::new(ifaces::reach(ip, &others), port),
+            self.nonce(),
+        ))
+    }
+
+    /// The same id, naming `others` too as addresses of its root (IPv4, at most
+    /// [`MAX_OTHER_ROOTS`]): [`UniqueId::root`] returns the one this host reaches. They are
+    /// not part of the job key, so ranks given them in another order still agree.
+    pub fn with_other_roots(mut self, others: &[Ipv4Addr]) -> Result<UniqueId> {
+        if others.len() > MAX_OTHER_ROOTS {
+            return Err(Error::arg(format!(
+                "{} root addresses: at most {} fit in a unique id",
+                others.len() + 1,
+                MAX_OTHER_ROOTS + 1
+            )));
+        }
+        if !others.is_empty() && self.bytes[4] != 4 {
+            return Err(Error::arg(
+                "a root of several addresses takes IPv4 addresses only",
+            ));
+        }
+        ifaces::put_others(
+            &mut self.bytes,
+            OTHER_ROOTS,
+            OTHER_ROOTS + 4,
+            others,
+            MAX_OTHER_ROOTS,
+        );
+        Ok(self)
+    }
+
+    /// The root's other addresses ([`UniqueId::with_other_roots`]).
+    pub fn other_roots(&self) -> Vec<Ipv4Addr> {
+        ifaces::get_others(&self.bytes, OTHER_ROOTS, OTHER_ROOTS + 4, MAX_OTHER_ROOTS)
+            .unwrap_or_default()
     }
 
     fn nonce(&self) -> u64 {
@@ -271,10 +316,27 @@ pub fn serve_root(addr: SocketAddr) -> Result<UniqueId> {
 /// [`serve_root`] for a job with the secret `secret` (`ROCCL_JOB_SECRET`): the root admits
 /// only registrations made with it.
 pub fn serve_root_with(addr: SocketAddr, secret: Option<[u8; SECRET_BYTES]>) -> Result<UniqueId> {
-    let l = bind_retry(addr, Duration::from_secs(5))?;
+    serve_root_on(addr, &[], secret)
+}
+
+/// [`serve_root_with`] for a root that ranks reach at `addr` or at one of `others` (a
+/// switchless mesh: the root's address on each cable, `ROCCL_ROOT=a,b,c:port`): it listens
+/// on every address, and the id names them all ([`UniqueId::with_other_roots`]).
+pub fn serve_root_on(
+    addr: SocketAddr,
+    others: &[Ipv4Addr],
+    secret: Option<[u8; SECRET_BYTES]>,
+) -> Result<UniqueId> {
+    let bind = if others.is_empty() {
+        addr
+    } else {
+        SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port())
+    };
+    let l = bind_retry(bind, Duration::from_secs(5))?;
     // Port 0 (a single rank with no agreed port) binds any free port: publish that one.
     let port = l.local_addr().map(|a| a.port()).unwrap_or(addr.port());
-    let id = UniqueId::for_address_with(SocketAddr::new(addr.ip(), port), secret);
+    let id = UniqueId::for_address_with(SocketAddr::new(addr.ip(), port), secret)
+        .with_other_roots(others)?;
     spawn_root(l, id);
     Ok(id)
 }
@@ -1031,6 +1093,27 @@ mod tests {
         assert_eq!(v6.root().unwrap().0.port(), 5);
         assert!(UniqueId::from_bytes(&[0u8; 128]).is_err());
         assert!(UniqueId::from_hex("zz").is_err());
+    }
+
+    #[test]
+    fn an_id_names_its_roots_other_addresses_outside_the_job_key() {
+        let at: SocketAddr = "10.81.1.1:4000".parse().unwrap();
+        let others: Vec<Ipv4Addr> =
+            vec!["10.81.2.1".parse().unwrap(), "127.0.0.1".parse().unwrap()];
+        let plain = UniqueId::for_address(at);
+        let id = plain.with_other_roots(&others).unwrap();
+        assert_eq!(id.other_roots(), others);
+        assert_eq!(UniqueId::from_hex(&id.to_hex()).unwrap(), id);
+        // The same job whatever addresses each rank was given.
+        assert_eq!(id.job_key(), plain.job_key());
+        // This host reaches loopback: that one is the root here.
+        assert_eq!(id.root().unwrap().0, "127.0.0.1:4000".parse().unwrap());
+        assert!(plain.other_roots().is_empty());
+        let many = vec![Ipv4Addr::LOCALHOST; MAX_OTHER_ROOTS + 1];
+        let e = plain.with_other_roots(&many).unwrap_err().to_string();
+        assert!(e.contains("at most 16"), "{e}");
+        let v6 = UniqueId::for_address("[::1]:5".parse().unwrap());
+        assert!(v6.with_other_roots(&others).is_err());
     }
 
     #[test]

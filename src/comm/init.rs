@@ -517,7 +517,18 @@ impl Communicator {
         let id = match &info.root {
             Root::UniqueIdHex(h) => UniqueId::from_hex(h)?,
             Root::Addr { host, port } => {
-                let addr = resolve(host, *port)?;
+                // `ROCCL_ROOT=a,b,c:port`: the root's address on each subnet (a switchless
+                // mesh); each rank connects to the one its host reaches.
+                let mut hosts = host.split(',').map(str::trim);
+                let addr = resolve(hosts.next().unwrap_or_default(), *port)?;
+                let others = hosts
+                    .map(|h| match resolve(h, *port)?.ip() {
+                        std::net::IpAddr::V4(v) => Ok(v),
+                        std::net::IpAddr::V6(v) => Err(Error::arg(format!(
+                            "ROCCL_ROOT: {v} in a list of root addresses: a list takes IPv4 addresses only (give one IPv6 address alone)"
+                        ))),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 let secret = bootstrap::env::job_secret()?;
                 if secret.is_none() {
                     static SAID: std::sync::Once = std::sync::Once::new();
@@ -528,9 +539,9 @@ impl Communicator {
                     });
                 }
                 if info.rank == 0 {
-                    bootstrap::serve_root_with(addr, secret)?
+                    bootstrap::serve_root_on(addr, &others, secret)?
                 } else {
-                    UniqueId::for_address_with(addr, secret)
+                    UniqueId::for_address_with(addr, secret).with_other_roots(&others)?
                 }
             }
         };

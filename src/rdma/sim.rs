@@ -65,13 +65,27 @@ const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
 
 impl Sim {
     fn new(seed: u64, faults: Faults, attr: QpAttr) -> Sim {
-        let mk = |i: usize| Engine::new(IpAddr::from(IPS[i]), 4791);
+        Sim::build(seed, faults, attr, None)
+    }
+
+    /// `any`: `None`, each engine on its address; `Some(sourced)`, each engine on every
+    /// address (unspecified), its QP given its address (`set_qp_source`) when `sourced`.
+    fn build(seed: u64, faults: Faults, attr: QpAttr, any: Option<bool>) -> Sim {
+        let mk = |i: usize| match any {
+            None => Engine::new(IpAddr::from(IPS[i]), 4791),
+            Some(_) => Engine::new(IpAddr::from([0u8; 4]), 4791),
+        };
         let mut eng = [mk(0), mk(1)];
         let cq = [eng[0].create_cq(), eng[1].create_cq()];
         let qp = [
             eng[0].create_qp(cq[0], cq[0], 50_000).unwrap(),
             eng[1].create_qp(cq[1], cq[1], 50_001).unwrap(),
         ];
+        if any == Some(true) {
+            for i in 0..2 {
+                eng[i].set_qp_source(qp[i], IpAddr::from(IPS[i])).unwrap();
+            }
+        }
         // Start PSNs near the 24-bit wrap to exercise it.
         let psn = [0x00ff_fff0u32, 0x00ff_ff00];
         for i in 0..2 {
@@ -823,6 +837,30 @@ fn write_through(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
     });
     assert_eq!(w[0].status, WcStatus::Success);
     assert!(dst == src, "{}-byte write corrupted", src.len());
+}
+
+#[test]
+fn an_engine_on_every_address_uses_each_queue_pairs_own() {
+    // A switchless mesh: the engine listens on every address, each QP is reached at (and
+    // sends from) its address on the cable to its peer, and the ICRC covers that address.
+    let mut s = Sim::build(3, Faults::default(), attr(1024), Some(true));
+    let mut src = pattern(1, 10_000);
+    let mut dst = vec![0u8; 10_000];
+    write_through(&mut s, &mut src, &mut dst);
+    assert_eq!(
+        s.eng[0].stats().icrc_errors + s.eng[1].stats().icrc_errors,
+        0
+    );
+    // Without its address a QP's packets carry an ICRC over 0.0.0.0, which the peer
+    // (checking with its own address) drops: nothing arrives.
+    let mut s = Sim::build(3, Faults::default(), attr(1024), Some(false));
+    let mut dst = vec![0u8; 10_000];
+    post_write(&mut s, &mut src, &mut dst);
+    for _ in 0..50 {
+        s.step();
+    }
+    assert!(s.eng[1].stats().icrc_errors > 0);
+    assert!(dst.iter().all(|&b| b == 0));
 }
 
 /// Hand engine 0 an acknowledgement `aeth` for `psn` that claims to come from `from` (ICRC

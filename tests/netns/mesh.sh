@@ -134,23 +134,28 @@ run() {
 }
 
 common=(--op all -b 8 -e 256K -f 64 --iters 2 --warmup 1)
-for net in tcp rocev2; do
+# run_checked NAME PERF_ARGS...: run, then every link, both ways, carried the job's traffic
+# (more than 64 KiB each).
+run_checked() {
+  local name=$1 before after pair key was now
   before=$(sent)
-  run "mesh-$net" "${common[@]}" --net "$net"
+  run "$@"
   after=$(sent)
-  # Every link, both ways, carried the job's traffic (more than 64 KiB each).
   for pair in $after; do
     key=${pair%%=*}
     was=$(tr ' ' '\n' <<<"$before" | grep "^$key=" | cut -d= -f2)
     now=${pair#*=}
     if [ $((now - was)) -lt 65536 ]; then
-      echo "FAILED: mesh-$net: host ${key%,*} sent $((now - was)) bytes to host ${key#*,} over their link"
+      echo "FAILED: $name: host ${key%,*} sent $((now - was)) bytes to host ${key#*,} over their link"
       exit 1
     fi
   done
   echo "   every link carried traffic both ways: $(for pair in $after; do
     key=${pair%%=*}; was=$(tr ' ' '\n' <<<"$before" | grep "^$key=" | cut -d= -f2)
     printf '%s→%s %s KiB, ' "${key%,*}" "${key#*,}" $(((${pair#*=} - was) / 1024)); done)"
+}
+for net in tcp rocev2; do
+  run_checked "mesh-$net" "${common[@]}" --net "$net"
 done
 
 # The 8-byte all-reduce: the model's choice (one exchange over all links at once) against the
@@ -162,4 +167,24 @@ for round in 1 2; do
   run "small-ring-$round" "${small[@]}" --algo ring
 done
 echo "   8 B all-reduce over rocev2, µs (algorithm, time): model $(t_of small-auto-1), $(t_of small-auto-2); ring $(t_of small-ring-1), $(t_of small-ring-2)"
+
+# The same mesh as it comes up: only the cables' addresses, no address of a host's own and no
+# route beyond each cable's subnet. Each rank publishes every address of its host and reaches
+# a peer at the one on a subnet it shares; the root is named by its address on each cable.
+echo "-- the mesh without own addresses or routes: each cable's subnet only"
+for ((a = 0; a < N; a++)); do
+  for ((b = 0; b < N; b++)); do
+    [ "$a" -eq "$b" ] && continue
+    ip -n "${NS[$a]}" route del "10.80.0.$((b + 1))/32"
+  done
+  ip -n "${NS[$a]}" addr del "10.80.0.$((a + 1))/32" dev lo
+done
+if ip netns exec "${NS[2]}" ping -c1 -W1 "${addr[0,1]}" >/dev/null 2>&1; then
+  echo "FAILED: host 2 reaches host 0's cable to host 1: routes are left"
+  exit 1
+fi
+ROOT="${addr[0,1]},${addr[0,2]}:29701"
+for net in tcp rocev2; do
+  run_checked "subnets-$net" "${common[@]}" --net "$net"
+done
 echo "-- the switchless mesh passed"

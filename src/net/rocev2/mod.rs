@@ -72,6 +72,10 @@ pub struct RoceNet {
     verbs: Arc<dyn Verbs>,
     /// Address of the TCP side channel that sets connections up.
     ip: IpAddr,
+    /// The host's other addresses (the userspace engine on a host of several subnets, a
+    /// switchless mesh): the side channel and the engine take packets on every address,
+    /// handles name these too, and each connection uses the address on the way to its peer.
+    others: Vec<std::net::Ipv4Addr>,
     /// Link speed, if known.
     speed_mbps: Option<u32>,
     pci_path: Option<String>,
@@ -85,11 +89,17 @@ pub struct RoceNet {
 impl RoceNet {
     /// The userspace RoCE v2 engine on `ip` (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`).
     pub fn userspace(ip: IpAddr) -> Result<RoceNet> {
-        let verbs = UserVerbs::open(ip)?;
+        let others = crate::bootstrap::ifaces::other_addrs(ip, setup::MAX_OTHER_ADDRS);
+        let verbs = if others.is_empty() {
+            UserVerbs::open(ip)?
+        } else {
+            UserVerbs::open(std::net::Ipv4Addr::UNSPECIFIED.into())?
+        };
         Ok(RoceNet {
             dmabuf: verbs.dmabuf_supported(),
             verbs: Arc::new(verbs),
             ip,
+            others,
             speed_mbps: None,
             pci_path: None,
             device_buffers: AtomicBool::new(false),
@@ -114,6 +124,7 @@ impl RoceNet {
             dmabuf: v.dmabuf(),
             verbs: Arc::new(v),
             ip,
+            others: Vec::new(),
             speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
             pci_path: port.and_then(|p| p.pci.clone()),
             device_buffers: AtomicBool::new(false),
@@ -126,6 +137,7 @@ impl RoceNet {
         RoceNet {
             verbs,
             ip,
+            others: Vec::new(),
             speed_mbps: None,
             pci_path: None,
             dmabuf: false,

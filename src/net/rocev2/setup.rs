@@ -14,7 +14,7 @@
 //! source; it never fails the listener.
 
 use std::collections::VecDeque;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
@@ -25,7 +25,7 @@ use super::regcache::RegCache;
 use super::send::RoceSend;
 use super::{RoceNet, EMPTY_WC, FIFO};
 use crate::bootstrap::auth::{self, JobKey};
-use crate::bootstrap::ifaces::{get_addr, put_addr};
+use crate::bootstrap::ifaces::{get_addr, get_others, put_addr, put_others, reach, route_source};
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
 use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
@@ -38,6 +38,11 @@ pub(super) const INFO: usize = 64;
 pub(super) const TAG: usize = crate::bootstrap::auth::TAG_BYTES;
 /// Where the listener's token is in the handle.
 const HANDLE_TOKEN: usize = 28;
+/// Byte of the handle with the number of the host's other addresses, which follow the token.
+const HANDLE_OTHERS: usize = 24;
+const HANDLE_OTHER_AT: usize = HANDLE_TOKEN + crate::net::TOKEN_BYTES;
+/// Most other addresses a handle carries.
+pub(super) const MAX_OTHER_ADDRS: usize = 16;
 /// Label of the setup keys (the NIC and the userspace engine connect alike).
 const KEY_LABEL: &str = "rocev2";
 
@@ -150,16 +155,30 @@ pub(super) fn decode_info(b: &[u8; INFO]) -> Result<Info> {
 
 /// Listen for connections of `net` on its setup address: the handle says where.
 pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> {
-    let l = TcpListener::bind(SocketAddr::new(net.ip, 0))
-        .map_err(|e| Error::sys(format!("bind the RoCE v2 setup listener on {}", net.ip), e))?;
+    // With other addresses, every address takes setups (one port for all).
+    let bind = if net.others.is_empty() {
+        net.ip
+    } else {
+        Ipv4Addr::UNSPECIFIED.into()
+    };
+    let l = TcpListener::bind(SocketAddr::new(bind, 0))
+        .map_err(|e| Error::sys(format!("bind the RoCE v2 setup listener on {bind}"), e))?;
     l.set_nonblocking(true)
         .map_err(|e| Error::sys("fcntl on the RoCE v2 setup listener", e))?;
     let a = l.local_addr().map_err(|e| Error::sys("getsockname", e))?;
+    let a = SocketAddr::new(net.ip, a.port());
     let (token, key) = net.key.listener(KEY_LABEL)?;
-    let mut h = [0u8; HANDLE_TOKEN + crate::net::TOKEN_BYTES];
+    let mut h = [0u8; crate::net::HANDLE_MAX];
     h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
     put_addr(&mut h[4..24], a);
-    h[HANDLE_TOKEN..].copy_from_slice(&token);
+    h[HANDLE_TOKEN..HANDLE_OTHER_AT].copy_from_slice(&token);
+    put_others(
+        &mut h,
+        HANDLE_OTHERS,
+        HANDLE_OTHER_AT,
+        &net.others,
+        MAX_OTHER_ADDRS,
+    );
     Ok((
         NetHandle::from_bytes(&h)?,
         Box::new(RoceListen {
@@ -169,19 +188,24 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
             verbs: Arc::clone(&net.verbs),
             pending: Vec::new(),
             eager: net.eager_cfg()?,
+            any_addr: !net.others.is_empty(),
         }),
     ))
 }
 
-/// The setup listener's address in a handle.
-pub(super) fn decode_handle(handle: &NetHandle) -> Result<SocketAddr> {
+/// The setup listener's address in a handle, and the host's other addresses it takes setups
+/// on.
+pub(super) fn decode_handle(handle: &NetHandle) -> Result<(SocketAddr, Vec<Ipv4Addr>)> {
     let b = handle.as_bytes();
     if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HANDLE_MAGIC {
         return Err(Error::arg(
             "not a roccl RoCE v2 connection handle: was it produced by another network?",
         ));
     }
-    get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))
+    let a = get_addr(&b[4..24]).ok_or_else(|| Error::arg("RoCE v2 handle has no address"))?;
+    let others = get_others(b, HANDLE_OTHERS, HANDLE_OTHER_AT, MAX_OTHER_ADDRS)
+        .ok_or_else(|| Error::arg("RoCE v2 handle names too many addresses"))?;
+    Ok((a, others))
 }
 
 /// Checks of a setup message or answer (its tag checked) without I/O, for the fuzz
@@ -189,11 +213,22 @@ pub(super) fn decode_handle(handle: &NetHandle) -> Result<SocketAddr> {
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz(handle: &[u8], info: &[u8]) {
     if let Ok(h) = NetHandle::from_bytes(handle) {
-        if let Ok(a) = decode_handle(&h) {
+        if let Ok((a, others)) = decode_handle(&h) {
             let mut b = *h.as_bytes();
             put_addr(&mut b[4..24], a);
+            put_others(
+                &mut b,
+                HANDLE_OTHERS,
+                HANDLE_OTHER_AT,
+                &others,
+                MAX_OTHER_ADDRS,
+            );
             let again = NetHandle::from_bytes(&b).expect("a handle's size");
-            assert_eq!(decode_handle(&again).ok(), Some(a), "handle round trip");
+            assert_eq!(
+                decode_handle(&again).ok(),
+                Some((a, others)),
+                "handle round trip"
+            );
         }
     }
     let Ok(b) = <[u8; INFO]>::try_from(info) else {
@@ -251,9 +286,23 @@ pub(crate) fn fuzz_seed(setup: SocketAddr, ep: &QpEndpoint) -> (Vec<u8>, Vec<u8>
 /// Start connecting `net` to the listener of `handle`: the FIFO is registered and the
 /// first setup message queued here; [`RoceConnecting::poll`] does the rest.
 pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
-    let peer = decode_handle(handle)?;
+    let (main, others) = decode_handle(handle)?;
+    // A host of several subnets: its address on one this host shares.
+    let peer = SocketAddr::new(reach(main.ip(), &others), main.port());
     let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
-    let (qp, ep) = net.verbs.create_qp()?;
+    let (qp, mut ep) = net.verbs.create_qp()?;
+    if !net.others.is_empty() {
+        // Our engine takes packets on every address: tell the peer the one on our way to it.
+        match route_source(peer.ip()) {
+            Some(ip) => ep.addr.set_ip(ip),
+            None => {
+                net.verbs.destroy_qp(qp);
+                return Err(Error::arg(format!(
+                    "RoCE v2 setup: no route from this host to the peer's address {peer} (is the cable to that host up, with an address on its subnet?)"
+                )));
+            }
+        }
+    }
     let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
     // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
     // deregisters it before freeing it.
@@ -426,6 +475,8 @@ pub(super) struct RoceListen {
     verbs: Arc<dyn Verbs>,
     pending: Vec<Accepting>,
     eager: EagerCfg,
+    /// The engine takes packets on every address ([`RoceNet`]'s other addresses).
+    any_addr: bool,
 }
 
 impl ListenComm for RoceListen {
@@ -503,13 +554,20 @@ impl ListenComm for RoceListen {
                         return Err(e);
                     }
                 };
-                let (qp, ep) = match self.verbs.create_qp() {
+                let (qp, mut ep) = match self.verbs.create_qp() {
                     Ok(x) => x,
                     Err(e) => {
                         self.pending.swap_remove(i);
                         return Err(e);
                     }
                 };
+                if self.any_addr {
+                    // Our engine takes packets on every address: answer with the one the
+                    // peer reached us at.
+                    if let Ok(a) = accepting.side.s.local_addr() {
+                        ep.addr.set_ip(a.ip());
+                    }
+                }
                 // Receives are posted before the sender learns our endpoint: its first
                 // message (eager, without a clear-to-send) always finds one.
                 let cfg = self.eager;

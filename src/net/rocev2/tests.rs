@@ -1030,3 +1030,26 @@ fn completion_errors_carry_their_cause() {
     assert_eq!(get("completion_errors_rem_access"), Some(1), "{c:?}");
     assert_eq!(get("completion_errors_wr_flush"), Some(0), "{c:?}");
 }
+
+/// A host of several subnets (a switchless mesh): the engine takes packets on every
+/// address, the handle names the others, and a connection uses the address on the way to
+/// its peer — here loopback, the one a candidate shares with this host.
+#[test]
+fn an_engine_on_every_address_connects_at_the_peers_reachable_one() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let any: IpAddr = Ipv4Addr::UNSPECIFIED.into();
+    let other: Ipv4Addr = "192.0.2.77".parse().unwrap();
+    let net = RoceNet {
+        others: vec![other],
+        ..RoceNet::over(Arc::new(UserVerbs::with(any, 0, None).unwrap()), lo)
+    };
+    let (h, _l) = net.listen(0).unwrap();
+    let (main, others) = setup::decode_handle(&h).unwrap();
+    assert_eq!((main.ip(), others), (lo, vec![other]));
+    let (mut s, mut r) = pair(&net);
+    for len in [8usize, 100_000] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        let (got, n) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
+        assert_eq!((n, &got[..len]), (len, &data[..]));
+    }
+}

@@ -34,13 +34,14 @@ mod setup;
 #[cfg(test)]
 mod tests;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use socket2::Socket;
 
 use super::{Connecting, ListenComm, Net, NetHandle, NetProperties, PtrSupport, MAX_RECVS};
+use crate::bootstrap::ifaces::{get_others, put_others};
 use crate::error::{Error, Result};
 
 const HANDLE_MAGIC: u32 = 0x5043_5452; // "RTCP"
@@ -82,6 +83,9 @@ fn env_usize(name: &str, default: usize) -> usize {
 /// The TCP network. One device: the interface chosen by `ROCCL_SOCKET_IFNAME`.
 pub struct TcpNet {
     addr: IpAddr,
+    /// The host's other addresses: the listener takes connections on every address and its
+    /// handle names these too (a switchless mesh: each cable its own subnet).
+    others: Vec<Ipv4Addr>,
     ifname: String,
     nsocks: usize,
     split: usize,
@@ -132,6 +136,7 @@ impl TcpNet {
             .unwrap_or_else(|| addr.to_string());
         Ok(TcpNet {
             addr,
+            others: crate::bootstrap::ifaces::other_addrs(addr, MAX_OTHER_ADDRS),
             ifname,
             nsocks,
             split: env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096),
@@ -164,19 +169,41 @@ impl TcpNet {
 
 /// Byte of the handle that says whether its listener takes duplex connections.
 const HANDLE_DUPLEX: usize = 32;
+/// Byte of the handle with the number of other IPv4 addresses the listener takes
+/// connections on (a host of several subnets: [`crate::bootstrap::ifaces::other_addrs`]).
+const HANDLE_OTHERS: usize = 33;
+/// Where those addresses are, 4 bytes each, after the token.
+const HANDLE_OTHER_AT: usize = HANDLE_TOKEN + super::TOKEN_BYTES;
+/// Most other addresses a handle carries.
+pub(crate) const MAX_OTHER_ADDRS: usize = (super::HANDLE_MAX - HANDLE_OTHER_AT) / 4;
 
-fn encode_handle(
-    sa: SocketAddr,
-    nsocks: usize,
-    split: usize,
-    duplex: bool,
-    token: &[u8; super::TOKEN_BYTES],
-) -> Result<NetHandle> {
-    let mut b = [0u8; HANDLE_TOKEN + super::TOKEN_BYTES];
-    b[HANDLE_TOKEN..].copy_from_slice(token);
+/// What a listen handle says: where to connect (the listener's main address and the others
+/// it takes connections on), and how.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Handle {
+    pub(super) addr: SocketAddr,
+    pub(super) others: Vec<Ipv4Addr>,
+    pub(super) nsocks: usize,
+    pub(super) split: usize,
+}
+
+impl Handle {
+    /// The address to connect to from this host: the main one, or another that is on one
+    /// of this host's subnets when the main one is not (a switchless mesh).
+    pub(super) fn reachable(&self) -> SocketAddr {
+        SocketAddr::new(
+            crate::bootstrap::ifaces::reach(self.addr.ip(), &self.others),
+            self.addr.port(),
+        )
+    }
+}
+
+fn encode_handle(h: &Handle, duplex: bool, token: &[u8; super::TOKEN_BYTES]) -> Result<NetHandle> {
+    let mut b = [0u8; super::HANDLE_MAX];
+    b[HANDLE_TOKEN..HANDLE_OTHER_AT].copy_from_slice(token);
     b[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
-    b[4] = nsocks as u8;
-    match sa.ip() {
+    b[4] = h.nsocks as u8;
+    match h.addr.ip() {
         IpAddr::V4(v4) => {
             b[5] = 4;
             b[8..12].copy_from_slice(&v4.octets());
@@ -186,13 +213,20 @@ fn encode_handle(
             b[8..24].copy_from_slice(&v6.octets());
         }
     }
-    b[6..8].copy_from_slice(&sa.port().to_le_bytes());
-    b[24..32].copy_from_slice(&(split as u64).to_le_bytes());
+    b[6..8].copy_from_slice(&h.addr.port().to_le_bytes());
+    b[24..32].copy_from_slice(&(h.split as u64).to_le_bytes());
     b[HANDLE_DUPLEX] = u8::from(duplex);
+    put_others(
+        &mut b,
+        HANDLE_OTHERS,
+        HANDLE_OTHER_AT,
+        &h.others,
+        MAX_OTHER_ADDRS,
+    );
     NetHandle::from_bytes(&b)
 }
 
-fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
+fn decode_handle(h: &NetHandle) -> Result<Handle> {
     let b = h.as_bytes();
     let bad = || {
         Error::arg("not a roccl TCP connection handle (wrong magic or family): was it produced by another network or another roccl version?")
@@ -210,8 +244,14 @@ fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
     if nsocks == 0 || nsocks > MAX_SOCKS {
         return Err(bad());
     }
+    let others = get_others(b, HANDLE_OTHERS, HANDLE_OTHER_AT, MAX_OTHER_ADDRS).ok_or_else(bad)?;
     let split = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
-    Ok((SocketAddr::new(ip, port), nsocks, split.max(4096)))
+    Ok(Handle {
+        addr: SocketAddr::new(ip, port),
+        others,
+        nsocks,
+        split: split.max(4096),
+    })
 }
 
 /// Checks of a handle and a hello (its tag checked) without I/O, for the fuzz targets:
@@ -219,19 +259,14 @@ fn decode_handle(h: &NetHandle) -> Result<(SocketAddr, usize, usize)> {
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz(handle: &[u8], hello: &[u8]) {
     if let Ok(h) = NetHandle::from_bytes(handle) {
-        if let Ok((sa, nsocks, split)) = decode_handle(&h) {
+        if let Ok(d) = decode_handle(&h) {
             let b = h.as_bytes();
             let token: [u8; super::TOKEN_BYTES] = b
                 [HANDLE_TOKEN..HANDLE_TOKEN + super::TOKEN_BYTES]
                 .try_into()
                 .unwrap();
-            let again = encode_handle(sa, nsocks, split, b[HANDLE_DUPLEX] != 0, &token)
-                .expect("a handle's size");
-            assert_eq!(
-                decode_handle(&again).ok(),
-                Some((sa, nsocks, split)),
-                "handle round trip"
-            );
+            let again = encode_handle(&d, b[HANDLE_DUPLEX] != 0, &token).expect("a handle's size");
+            assert_eq!(decode_handle(&again).ok(), Some(d), "handle round trip");
         }
     }
     if let Ok(h) = <[u8; HELLO]>::try_from(hello) {

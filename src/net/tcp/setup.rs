@@ -16,7 +16,7 @@ use super::recv::TcpRecvComm;
 use super::send::TcpSendComm;
 use super::TcpStats;
 use super::{
-    decode_handle, duplex_inline, encode_handle, tune, TcpNet, HANDLE_TOKEN, HDR, HELLO,
+    decode_handle, duplex_inline, encode_handle, tune, Handle, TcpNet, HANDLE_TOKEN, HDR, HELLO,
     HELLO_DUPLEX, HELLO_MAGIC, HELLO_SEALED, MAX_SOCKS,
 };
 use crate::bootstrap::auth::{self, JobKey};
@@ -29,7 +29,8 @@ impl TcpNet {
     /// Open a connection to `handle`'s listener; `duplex`: the shared socket, then each
     /// direction's own (see [`Layout`]).
     pub(super) fn dial(&self, handle: &NetHandle, duplex: bool) -> Result<Box<dyn Connecting>> {
-        let (sa, per_way, split) = decode_handle(handle)?;
+        let h = decode_handle(handle)?;
+        let (sa, per_way, split) = (h.reachable(), h.nsocks, h.split);
         let nsocks = if duplex { 1 + 2 * per_way } else { per_way };
         let sealed = self.key.encrypting();
         let count = nsocks as u16
@@ -80,7 +81,14 @@ impl TcpNet {
 impl TcpNet {
     /// Listen on this network's address: the handle says where, and how to connect.
     pub(super) fn open_listener(&self) -> Result<(NetHandle, Box<dyn ListenComm>)> {
-        let sa = SocketAddr::new(self.addr, 0);
+        // With other addresses, every address takes connections (one port for all).
+        let bind_ip = match self.addr {
+            std::net::IpAddr::V4(_) if !self.others.is_empty() => {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            }
+            a => a,
+        };
+        let sa = SocketAddr::new(bind_ip, 0);
         let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::sys("socket() for the TCP listener", e))?;
         s.bind(&sa.into())
@@ -95,7 +103,16 @@ impl TcpNet {
             .and_then(|a| a.as_socket())
             .ok_or_else(|| Error::Internal("listener has no local address".into()))?;
         let (token, key) = self.key.listener("tcp")?;
-        let handle = encode_handle(local, self.nsocks, self.split, self.duplex, &token)?;
+        let handle = encode_handle(
+            &Handle {
+                addr: SocketAddr::new(self.addr, local.port()),
+                others: self.others.clone(),
+                nsocks: self.nsocks,
+                split: self.split,
+            },
+            self.duplex,
+            &token,
+        )?;
         Ok((
             handle,
             Box::new(TcpListen {

@@ -11,6 +11,7 @@ fn pair(net: &TcpNet) -> (Box<dyn SendComm>, Box<dyn RecvComm>) {
 fn net(nsocks: usize) -> TcpNet {
     TcpNet {
         addr: Ipv4Addr::LOCALHOST.into(),
+        others: Vec::new(),
         ifname: "lo".into(),
         nsocks,
         split: 64 * 1024,
@@ -499,7 +500,7 @@ fn an_encrypted_connection_shows_no_plaintext_on_the_wire_and_tampering_is_an_er
             }
         };
         let (h, mut l) = n.listen(0).unwrap();
-        let (port, seen) = relay(decode_handle(&h).unwrap().0, None);
+        let (port, seen) = relay(decode_handle(&h).unwrap().addr, None);
         let (mut s, mut r) = dial(&n, &with_port(&h, port), &mut l, false);
         let mut got = vec![0u8; payload.len()];
         let rb = RecvBuf {
@@ -527,7 +528,7 @@ fn an_encrypted_connection_shows_no_plaintext_on_the_wire_and_tampering_is_an_er
     // error naming the failed authentication, never a wrong result.
     let n = sealed(1, false);
     let (h, mut l) = n.listen(0).unwrap();
-    let (port, _) = relay(decode_handle(&h).unwrap().0, Some(32 + 40));
+    let (port, _) = relay(decode_handle(&h).unwrap().addr, Some(32 + 40));
     let (mut s, mut r) = dial(&n, &with_port(&h, port), &mut l, false);
     let mut got = vec![0u8; payload.len()];
     let rb = RecvBuf {
@@ -553,4 +554,35 @@ fn an_encrypted_connection_shows_no_plaintext_on_the_wire_and_tampering_is_an_er
     };
     assert!(err.contains("failed authentication"), "{err}");
     drop((s, r, l, got));
+}
+
+#[test]
+fn a_handle_carries_the_hosts_other_addresses() {
+    let h = Handle {
+        addr: "10.81.2.1:4000".parse().unwrap(),
+        others: vec!["10.81.1.1".parse().unwrap(), "10.81.9.7".parse().unwrap()],
+        nsocks: 2,
+        split: 1 << 18,
+    };
+    let b = encode_handle(&h, true, &[7; crate::net::TOKEN_BYTES]).unwrap();
+    assert_eq!(decode_handle(&b).unwrap(), h);
+    // No other address: the main one, whatever the routes.
+    let alone = Handle {
+        others: Vec::new(),
+        ..h.clone()
+    };
+    assert_eq!(alone.reachable(), alone.addr);
+    // A count past what fits is not a handle.
+    let mut bad = *b.as_bytes();
+    bad[HANDLE_OTHERS] = (MAX_OTHER_ADDRS + 1) as u8;
+    assert!(decode_handle(&NetHandle::from_bytes(&bad).unwrap()).is_err());
+    // The most that fit round-trip.
+    let full = Handle {
+        others: (0..MAX_OTHER_ADDRS as u8)
+            .map(|i| [10, 0, 0, i].into())
+            .collect(),
+        ..h
+    };
+    let b = encode_handle(&full, false, &[1; crate::net::TOKEN_BYTES]).unwrap();
+    assert_eq!(decode_handle(&b).unwrap().others.len(), MAX_OTHER_ADDRS);
 }

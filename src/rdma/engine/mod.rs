@@ -288,6 +288,9 @@ struct Qp {
     send_cq: CqId,
     recv_cq: CqId,
     src_port: u16,
+    /// The local address it sends from and receives on, when the engine listens on every
+    /// address ([`Engine::set_qp_source`]); `None`: the engine's.
+    src_ip: Option<IpAddr>,
     attr: QpAttr,
     // requester
     sq: VecDeque<SendWqe>,
@@ -478,6 +481,8 @@ impl Qp {
 pub struct Transmit {
     /// Destination address and port.
     pub dest: SocketAddr,
+    /// Source address it leaves from (part of the ICRC).
+    pub src: IpAddr,
     /// Source UDP port it must leave from (part of the ICRC).
     pub src_port: u16,
     /// Bytes written at the start of the buffer.
@@ -637,6 +642,7 @@ impl Engine {
             send_cq,
             recv_cq,
             src_port,
+            src_ip: None,
             attr: QpAttr::default(),
             sq: VecDeque::with_capacity(QUEUE_HINT),
             next_psn: 0,
@@ -1044,11 +1050,35 @@ impl Engine {
         out
     }
 
-    /// Process one received UDP datagram from `from` (sent to our port on `self.local_ip`).
+    /// The local address QP `qpn` sends from and receives on (an engine whose own address is
+    /// unspecified receives on every address of its host: a switchless mesh, where each
+    /// peer is reached on the subnet of the cable to it). Part of each packet's ICRC.
+    pub fn set_qp_source(&mut self, qpn: Qpn, ip: IpAddr) -> Result<()> {
+        self.qp(qpn)?.src_ip = Some(ip);
+        Ok(())
+    }
+
+    /// The address a datagram was sent to: the engine's, or, when that is unspecified, the
+    /// source address of the QP the datagram's BTH names (the ICRC covers it).
+    fn datagram_dest(&self, data: &[u8]) -> IpAddr {
+        if !self.local_ip.is_unspecified() || data.len() < 8 {
+            return self.local_ip;
+        }
+        let qpn = u32::from_be_bytes([0, data[5], data[6], data[7]]);
+        self.qps
+            .get((qpn & 0xfff) as usize)
+            .and_then(|q| q.as_ref())
+            .filter(|q| q.qpn == qpn)
+            .and_then(|q| q.src_ip)
+            .unwrap_or(self.local_ip)
+    }
+
+    /// Process one received UDP datagram from `from` (sent to our port on `self.local_ip`,
+    /// or on the address of the QP it names when that is unspecified).
     pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
         let ip = IpInfo {
             src: from.ip(),
-            dst: self.local_ip,
+            dst: self.datagram_dest(data),
             src_port: from.port(),
             dst_port: self.port,
         };

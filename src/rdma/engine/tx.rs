@@ -41,8 +41,9 @@ impl Engine {
         if !matches!(qp.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
+        let src = qp.src_ip.unwrap_or(self.local_ip);
         let ip = IpInfo {
-            src: self.local_ip,
+            src,
             dst: qp.attr.dest.ip(),
             src_port: qp.src_port,
             dst_port: qp.attr.dest.port(),
@@ -62,6 +63,7 @@ impl Engine {
         };
         let out = move |len| Transmit {
             dest,
+            src,
             src_port,
             len,
         };

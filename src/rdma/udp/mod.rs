@@ -1,7 +1,9 @@
 //! The userspace provider: the RC engine driven over real UDP sockets.
 //!
 //! One socket bound to `local_ip:ROCCL_ROCEV2_PORT` (default 4791; an ephemeral port when
-//! that is taken, e.g. by another rank on the host) receives every packet; each QP sends from
+//! that is taken, e.g. by another rank on the host) receives every packet (with an
+//! unspecified `local_ip`, on every address of the host: each QP then sends from and is
+//! reached at its address on the route to its peer, a switchless mesh's cable); each QP sends from
 //! its own socket bound to an ephemeral port, so the UDP source port is per-QP entropy as on
 //! hardware. Send sockets set `IP_MTU_DISCOVER = IP_PMTUDISC_DO` and are not connected: the
 //! kernel then sends IPv4 identification 0 with DF, which is what the ICRC the engine
@@ -14,7 +16,7 @@
 //! drops, duplicates, delays or corrupts outgoing datagrams to show recovery.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
@@ -103,7 +105,6 @@ struct Driver {
     mtu: u32,
     faults: Option<(Faults, Rng)>,
     delayed: Vec<Pending>,
-    local_ip: IpAddr,
     /// Received datagrams: RX_BATCH buffers of RX_GRO bytes.
     rxbuf: Vec<u8>,
     /// Outgoing sends: GROUPS slots of GSO_BYTES bytes.
@@ -388,7 +389,6 @@ impl UserVerbs {
             mtu: path_mtu(ip),
             faults: faults.map(|f| (f, Rng(f.seed | 1))),
             delayed: Vec::new(),
-            local_ip: ip,
             rxbuf: vec![0u8; RX_BATCH * RX_GRO],
             txarena: vec![0u8; GROUPS * GSO_BYTES],
             groups: Vec::with_capacity(GROUPS),
@@ -677,7 +677,7 @@ impl Driver {
         }
         if encoded_for != 0 {
             let ip = wire::IpInfo {
-                src: self.local_ip,
+                src: t.src,
                 dst: t.dest.ip(),
                 src_port: t.src_port,
                 dst_port: t.dest.port(),
@@ -1162,10 +1162,18 @@ impl Verbs for UserVerbs {
                 destroyed: false,
             },
         );
+        // Listening on every address, a QP's own is known only once it is connected (the
+        // one on the route to its peer): loopback until then, which the caller replaces
+        // with the address on the way to its peer (a QP connected to itself keeps it).
+        let addr = if self.local.ip().is_unspecified() {
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), self.local.port())
+        } else {
+            self.local
+        };
         Ok((
             QpId(q),
             QpEndpoint {
-                addr: self.local,
+                addr,
                 qpn: q,
                 psn,
                 mtu: d.mtu,
@@ -1181,15 +1189,28 @@ impl Verbs for UserVerbs {
             .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?
             .psn;
         let timeout = crate::envvar::value_or("ROCCL_IB_TIMEOUT", 12u8);
+        // Listening on every address: this QP uses the one on the route to its peer.
+        let local = if self.local.ip().is_unspecified() {
+            let ip = crate::bootstrap::ifaces::route_source(remote.addr.ip()).ok_or_else(|| {
+                Error::arg(format!(
+                    "RoCE v2: no route from this host to the peer's queue pair at {} (is the cable to that host up, with an address on its subnet?)",
+                    remote.addr
+                ))
+            })?;
+            d.engine.set_qp_source(qpn(qp), ip)?;
+            ip
+        } else {
+            self.local.ip()
+        };
         let attr = QpAttr {
             // Peers on this host talk through the kernel's loopback path whatever the
             // interface: use the largest IB MTU there.
             // Elsewhere the smaller of both ends' and the route's: an address on `lo` routed
             // over a 1500-byte link would otherwise send 4 KiB packets the kernel refuses.
-            mtu: if remote.addr.ip() == self.local.ip() {
+            mtu: if remote.addr.ip() == local {
                 4096
             } else {
-                let route = route_mtu(self.local.ip(), remote.addr).map_or(4096, ib_mtu_for);
+                let route = route_mtu(local, remote.addr).map_or(4096, ib_mtu_for);
                 d.mtu.min(remote.mtu).min(route)
             },
             dest: remote.addr,
