@@ -121,3 +121,164 @@ pub(crate) fn reduce_within_hosts_stage(topo: &Topology, block: usize) -> usize 
     let per = (BATCH / (2 * (m - 1))).max(1).min(topo.nhosts());
     per * (m - 1) * block + 64
 }
+
+// Hosts of any sizes (uneven): through each host's first rank, its leader.
+
+/// Runs of consecutive ranks in `ranks` (in rank order): (first, how many).
+fn runs(ranks: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &r in ranks {
+        match out.last_mut() {
+            Some((first, len)) if *first + *len == r => *len += 1,
+            _ => out.push((r, 1)),
+        }
+    }
+    out
+}
+
+/// The leader of `r`'s host: its lowest rank.
+fn leader_of(topo: &Topology, r: usize) -> usize {
+    topo.local(r)[0]
+}
+
+/// The first phase of the all-gather by leaders: each rank's block (its input, or in place
+/// block `rank` of the output) to its host's leader, which gathers them at their global
+/// places in its output. `block`: bytes per rank.
+pub(crate) fn gather_to_leader(
+    exec: &mut Exec,
+    topo: &Topology,
+    block: usize,
+    in_place: bool,
+) -> Result<()> {
+    let me = exec.rank();
+    let leader = leader_of(topo, me);
+    let mine = Reg::new(Buf::Dst, me * block, block);
+    let input = if in_place {
+        mine
+    } else {
+        Reg::new(Buf::Src, 0, block)
+    };
+    if me != leader {
+        exec.ensure([(leader, 0)], std::iter::empty())?;
+        exec.send(leader, 0, input)?;
+        return exec.finish();
+    }
+    if !in_place {
+        exec.copy(mine, input)?;
+    }
+    let others = &topo.local(me)[1..];
+    for batch in others.chunks(BATCH) {
+        exec.ensure(std::iter::empty(), batch.iter().map(|&p| (p, 0)))?;
+        for &p in batch {
+            exec.recv(p, 0, Reg::new(Buf::Dst, p * block, block))?;
+        }
+        exec.finish()?;
+    }
+    Ok(())
+}
+
+/// The last phase of the reduce-scatter by leaders: the leader holds the job's result for
+/// every rank of its host (in its source, at their global places) and gives each its block;
+/// every rank's block lands at the start of its output.
+pub(crate) fn scatter_from_leader(exec: &mut Exec, topo: &Topology, block: usize) -> Result<()> {
+    let me = exec.rank();
+    let leader = leader_of(topo, me);
+    let out = Reg::new(Buf::Dst, 0, block);
+    if me != leader {
+        exec.ensure(std::iter::empty(), [(leader, 0)])?;
+        exec.recv(leader, 0, out)?;
+        return exec.finish();
+    }
+    exec.copy(out, Reg::new(Buf::Src, me * block, block))?;
+    let others = &topo.local(me)[1..];
+    for batch in others.chunks(BATCH) {
+        exec.ensure(batch.iter().map(|&p| (p, 0)), std::iter::empty())?;
+        for &p in batch {
+            exec.send(p, 0, Reg::new(Buf::Src, p * block, block))?;
+        }
+        exec.finish()?;
+    }
+    Ok(())
+}
+
+/// Rounds of [`exchange_between_leaders`] per batch: the same on every leader (from the
+/// largest host), so that every batch ends at the same round everywhere.
+fn rounds_per_batch(topo: &Topology) -> usize {
+    let most_runs = (0..topo.nhosts())
+        .map(|h| runs(topo.local(leader_of_host(topo, h))).len())
+        .max()
+        .unwrap_or(1);
+    (BATCH / (2 * most_runs)).max(1)
+}
+
+fn leader_of_host(topo: &Topology, h: usize) -> usize {
+    topo.at(h, 0).unwrap_or(0)
+}
+
+/// The middle phase by leaders, between the hosts' leaders (others return at once). In
+/// round `k` the leader of host `h` sends to the leader of host `h + k` and receives from
+/// that of `h - k`. All-gather (`reduce == None`): it sends its host's blocks and receives
+/// the other host's at their places. Reduce-scatter: it sends the other host's blocks of
+/// its host's partial sums and reduces what it receives into its own host's blocks.
+pub(crate) fn exchange_between_leaders(
+    exec: &mut Exec,
+    topo: &Topology,
+    block: usize,
+    reduce: Option<(DataType, RedOp)>,
+) -> Result<()> {
+    let me = exec.rank();
+    let hosts = topo.nhosts();
+    if me != leader_of(topo, me) || hosts < 2 {
+        return Ok(());
+    }
+    let h = topo.host_of(me);
+    let mine = runs(topo.local(me));
+    let per = rounds_per_batch(topo);
+    let range = |(first, len): (usize, usize)| Reg::new(Buf::Dst, first * block, len * block);
+    let mut k0 = 1;
+    while k0 < hosts {
+        let k1 = (k0 + per).min(hosts);
+        let to = |k: usize| leader_of_host(topo, (h + k) % hosts);
+        let from = |k: usize| leader_of_host(topo, (h + hosts - k) % hosts);
+        exec.ensure((k0..k1).map(|k| (to(k), 0)), (k0..k1).map(|k| (from(k), 0)))?;
+        let mut staged = Vec::new();
+        let mut slot = 0;
+        for k in k0..k1 {
+            match reduce {
+                None => {
+                    for &r in &mine {
+                        exec.send(to(k), 0, range(r))?;
+                    }
+                    for r in runs(topo.local(from(k))) {
+                        exec.recv(from(k), 0, range(r))?;
+                    }
+                }
+                Some(_) => {
+                    for r in runs(topo.local(to(k))) {
+                        exec.send(to(k), 0, range(r))?;
+                    }
+                    for &r in &mine {
+                        let s = Reg::new(Buf::Stage, slot, r.1 * block);
+                        exec.recv(from(k), 0, s)?;
+                        staged.push((range(r), s));
+                        slot += r.1 * block;
+                    }
+                }
+            }
+        }
+        exec.finish()?;
+        if let Some((dt, op)) = reduce {
+            for (d, s) in staged {
+                exec.reduce(d, d, s, dt, op)?;
+            }
+        }
+        k0 = k1;
+    }
+    Ok(())
+}
+
+/// Staging bytes of [`exchange_between_leaders`] for a reduce-scatter.
+pub(crate) fn exchange_between_leaders_stage(topo: &Topology, block: usize) -> usize {
+    let per = rounds_per_batch(topo).min(topo.nhosts());
+    per * topo.max_local() * block + 64
+}

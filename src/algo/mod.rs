@@ -20,7 +20,10 @@ use std::fmt;
 use std::str::FromStr;
 
 pub(crate) use bruck::{all_gather_bruck, all_reduce_bruck, bruck_stage, reduce_scatter_bruck};
-pub(crate) use by_host::{all_gather_within_hosts, reduce_within_hosts, reduce_within_hosts_stage};
+pub(crate) use by_host::{
+    all_gather_within_hosts, exchange_between_leaders, exchange_between_leaders_stage,
+    gather_to_leader, reduce_within_hosts, reduce_within_hosts_stage, scatter_from_leader,
+};
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{
     all_reduce_direct, all_reduce_direct_stage, all_reduce_doubling, all_reduce_twoshot,

@@ -13,7 +13,11 @@
 //! - broadcast: among one rank per host (the root on its own host), then inside each host;
 //! - reduce: inside each host to one rank (the root on its own host), then among those;
 //! - all-gather and reduce-scatter (even hosts): a ring among the ranks of one local index
-//!   on every host, and one exchange inside each host (`algo/by_host.rs`).
+//!   on every host, and one exchange inside each host (`algo/by_host.rs`);
+//! - all-gather and reduce-scatter (uneven hosts): to each host's leader (a gather, or a
+//!   reduce of the whole buffer), an exchange between the leaders in rounds (each sends
+//!   every other leader the blocks it needs, `algo/by_host.rs`), from the leader (a
+//!   broadcast of the whole buffer, or a scatter of the blocks).
 //!
 //! Every rank derives the same groups and choices from the same table, so no message is
 //! spent agreeing. Calls on GPU memory stay flat.
@@ -111,8 +115,8 @@ impl State {
         };
         let applies = match kind {
             CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => true,
-            // Their exchanges inside hosts pair ranks of equal local index on every host.
-            CollKind::AllGather | CollKind::ReduceScatter => topo.even(),
+            // Even hosts pair ranks of equal local index; uneven ones go through leaders.
+            CollKind::AllGather | CollKind::ReduceScatter => true,
             CollKind::AllToAll => false,
         };
         if !topo.layered() || !applies {
@@ -401,6 +405,27 @@ impl State {
         let topo = self.topology()?;
         let me = self.links.rank;
         let block = count * dt.size();
+        if !topo.even() {
+            // Uneven hosts: gathered at each host's leader, exchanged between the leaders,
+            // broadcast inside each host.
+            let whole = recv.len();
+            let in_place = send.is_none();
+            self.run_exec(send, recv.part(0, whole), None, 64, |exec| {
+                algo::gather_to_leader(exec, &topo, block, in_place)?;
+                algo::exchange_between_leaders(exec, &topo, block, None)
+            })?;
+            let local = topo.local(me).to_vec();
+            let (a, pl) = self.phase(CollKind::Broadcast, dt, local.len(), whole, false);
+            let total = whole / dt.size();
+            return self.run_group(
+                &local,
+                None,
+                recv,
+                None,
+                rooted_stage(a, false, &pl),
+                |exec| rooted_run(exec, a, 0, dt, None, total, &pl),
+            );
+        }
         let cross = topo.cross(me);
         let (_, pl) = self.phase(
             CollKind::AllGather,
@@ -436,6 +461,9 @@ impl State {
         let esz = dt.size();
         let block = count * esz;
         let sum_op = if op == RedOp::Avg { RedOp::Sum } else { op };
+        if !topo.even() {
+            return self.reduce_scatter_by_leaders(&topo, dt, op, count, send, recv);
+        }
         let cross = topo.cross(me);
         let (_, pl) = self.phase(
             CollKind::ReduceScatter,
@@ -465,6 +493,60 @@ impl State {
             let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
             self.run_group(&cross, Some(Mem::host(&scratch)), out, None, need, |exec| {
                 algo::reduce_scatter_ring(exec, dt, sum_op, count, &pl)?;
+                if op == RedOp::Avg {
+                    exec.finish_avg(Reg::new(Buf::Dst, 0, block), dt, n)?;
+                }
+                Ok(())
+            })
+        })();
+        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
+            scratch = Vec::new();
+        }
+        self.hier_scratch = scratch;
+        r
+    }
+
+    /// Reduce-scatter on uneven hosts: reduced to each host's leader, exchanged (and
+    /// reduced) between the leaders, scattered inside each host.
+    fn reduce_scatter_by_leaders(
+        &mut self,
+        topo: &Topology,
+        dt: DataType,
+        op: RedOp,
+        count: usize,
+        send: Option<Mem<'_>>,
+        mut recv: MemMut<'_>,
+    ) -> Result<()> {
+        let me = self.links.rank;
+        let n = self.links.nranks;
+        let block = count * dt.size();
+        let sum_op = if op == RedOp::Avg { RedOp::Sum } else { op };
+        let local = topo.local(me).to_vec();
+        let mut scratch = std::mem::take(&mut self.hier_scratch);
+        scratch.resize(n * block, 0);
+        let r = (|| {
+            let input = send.unwrap_or(recv.as_mem());
+            let (a, pl) = self.phase(CollKind::Reduce, dt, local.len(), n * block, false);
+            self.run_group(
+                &local,
+                Some(input),
+                MemMut::host(&mut scratch),
+                None,
+                rooted_stage(a, true, &pl),
+                |exec| rooted_run(exec, a, 0, dt, Some(sum_op), n * count, &pl),
+            )?;
+            let stage = algo::exchange_between_leaders_stage(topo, block);
+            self.run_exec(None, MemMut::host(&mut scratch), None, stage, |exec| {
+                algo::exchange_between_leaders(exec, topo, block, Some((dt, sum_op)))
+            })?;
+            // In place, this rank's result is its block of the buffer.
+            let out = if send.is_some() {
+                recv.part(0, block)
+            } else {
+                recv.part(me * block, block)
+            };
+            self.run_exec(Some(Mem::host(&scratch)), out, None, 64, |exec| {
+                algo::scatter_from_leader(exec, topo, block)?;
                 if op == RedOp::Avg {
                     exec.finish_avg(Reg::new(Buf::Dst, 0, block), dt, n)?;
                 }

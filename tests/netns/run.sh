@@ -182,6 +182,11 @@ echo "   the model chose: $(rows hosts-tcp-auto | awk '$1 == "all_reduce" { prin
 # Uneven hosts: 3 + 1 + 2.
 PLACE=(0 0 0 1 2 2)
 run uneven-tcp-hier -- --op "$hier_ops" -b 8 -e 1M -f 32 --iters 2 --warmup 1 --net tcp --algo hier
+# Uneven too: every forced row by host (all-gather and reduce-scatter through the leaders).
+if rows uneven-tcp-hier | awk '$7 != "hier" { bad = 1 } END { exit !bad }'; then
+  echo "   a row of uneven-tcp-hier did not run by host:"; rows uneven-tcp-hier | sed 's/^/   | /'
+  echo "FAILED: uneven-tcp-hier"; exit 1
+fi
 run uneven-rocev2-auto -- "${common[@]}" --net rocev2
 # Across the slowed link (host 2, 1 Gbit/s): by host against the host-ordered flat ring.
 PLACE=(0 0 1 1 2 2)
