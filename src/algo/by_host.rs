@@ -201,6 +201,17 @@ pub(crate) fn scatter_from_leader(exec: &mut Exec, topo: &Topology, block: usize
     Ok(())
 }
 
+/// Most runs of consecutive ranks a host may have for [`exchange_between_leaders`]: one
+/// round posts a message per run to one peer, and a connection takes 32 requests at once.
+const MAX_RUNS: usize = 16;
+
+/// Whether the exchanges by leaders apply to `topo`: no host's ranks fall in more than
+/// [`MAX_RUNS`] runs (ranks dealt round-robin over hosts of uneven sizes, on large jobs, go
+/// flat).
+pub(crate) fn leaders_fit(topo: &Topology) -> bool {
+    (0..topo.nhosts()).all(|h| runs(topo.local(leader_of_host(topo, h))).len() <= MAX_RUNS)
+}
+
 /// Rounds of [`exchange_between_leaders`] per batch: the same on every leader (from the
 /// largest host), so that every batch ends at the same round everywhere.
 fn rounds_per_batch(topo: &Topology) -> usize {
@@ -281,4 +292,23 @@ pub(crate) fn exchange_between_leaders(
 pub(crate) fn exchange_between_leaders_stage(topo: &Topology, block: usize) -> usize {
     let per = rounds_per_batch(topo).min(topo.nhosts());
     per * topo.max_local() * block + 64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_fall_in_runs_and_many_runs_go_flat() {
+        assert_eq!(runs(&[0, 1, 2, 5, 6, 9]), vec![(0, 3), (5, 2), (9, 1)]);
+        assert!(runs(&[]).is_empty());
+        // 3 + 1 hosts in rank order: one run each.
+        assert!(leaders_fit(&Topology::new(&[7, 7, 7, 8])));
+        // 40 ranks dealt over hosts of 27 and 13: host 7 holds 14 runs, fits; 70 ranks over
+        // hosts of 47 and 23 in the same pattern: 24 runs, does not.
+        let dealt =
+            |n: usize| -> Vec<u64> { (0..n).map(|r| if r % 3 == 1 { 8 } else { 7 }).collect() };
+        assert!(leaders_fit(&Topology::new(&dealt(40))));
+        assert!(!leaders_fit(&Topology::new(&dealt(70))));
+    }
 }

@@ -22,7 +22,8 @@ use std::str::FromStr;
 pub(crate) use bruck::{all_gather_bruck, all_reduce_bruck, bruck_stage, reduce_scatter_bruck};
 pub(crate) use by_host::{
     all_gather_within_hosts, exchange_between_leaders, exchange_between_leaders_stage,
-    gather_to_leader, reduce_within_hosts, reduce_within_hosts_stage, scatter_from_leader,
+    gather_to_leader, leaders_fit, reduce_within_hosts, reduce_within_hosts_stage,
+    scatter_from_leader,
 };
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{

@@ -234,9 +234,23 @@ pub fn pick_reachable(
     routed: impl Fn(IpAddr) -> bool,
 ) -> usize {
     let usable = |i: &&Iface| !i.addr.is_loopback() || candidates.iter().any(IpAddr::is_loopback);
-    candidates
-        .iter()
-        .position(|&c| local.iter().filter(usable).any(|i| on_subnet(i, c)))
+    // The longest matching prefix wins (the earlier candidate on a tie): a /30 per cable
+    // over a /16 that several share.
+    let mut best: Option<(usize, u8)> = None;
+    for (k, &c) in candidates.iter().enumerate() {
+        let p = local
+            .iter()
+            .filter(usable)
+            .filter(|i| on_subnet(i, c))
+            .map(|i| i.prefix)
+            .max();
+        if let Some(p) = p {
+            if best.map_or(true, |(_, b)| p > b) {
+                best = Some((k, p));
+            }
+        }
+    }
+    best.map(|(k, _)| k)
         .or_else(|| candidates.iter().position(|&c| routed(c)))
         .unwrap_or(0)
 }
@@ -285,12 +299,18 @@ pub fn get_others(b: &[u8], count_at: usize, at: usize, max: usize) -> Option<Ve
 /// The IPv4 addresses this host publishes beside `primary` (at most `max`): those of the
 /// other interfaces that `ROCCL_SOCKET_IFNAME` / `ROCCL_SOCKET_FAMILY` select, so that a
 /// peer that cannot reach `primary` (a switchless mesh, each cable its own subnet) reaches
-/// one of them. None when `primary` is a loopback or IPv6 address.
+/// one of them. Only where `ROCCL_SOCKET_IFNAME` is set (the interfaces named are the ones
+/// to use): by default a rank publishes one address, so that a routed data network is not
+/// traded for a management LAN that happens to share a subnet. None when `primary` is a
+/// loopback or IPv6 address.
 pub fn other_addrs(primary: IpAddr, max: usize) -> Vec<Ipv4Addr> {
     if primary.is_loopback() || !primary.is_ipv4() {
         return Vec::new();
     }
-    let spec = env_var(IFNAME_VAR);
+    let Some(spec) = env_var(IFNAME_VAR) else {
+        return Vec::new();
+    };
+    let spec = Some(spec);
     let family = env_var(FAMILY_VAR)
         .and_then(|v| parse_family(&v).ok())
         .unwrap_or(Family::Any);
@@ -785,5 +805,20 @@ mod tests {
         };
         assert!(on_subnet(&v6, ip("fd00:1::2")) && !on_subnet(&v6, ip("fd00:2::1")));
         assert!(!on_subnet(&v6, ip("10.81.1.1")));
+        // A cable's /30 beats a /16 that another interface has.
+        let wide = [
+            Iface {
+                prefix: 16,
+                ..ifc("lan", "10.81.200.1")
+            },
+            Iface {
+                prefix: 30,
+                ..ifc("tb0", "10.81.4.1")
+            },
+        ];
+        assert_eq!(
+            pick_reachable(&[ip("10.81.7.9"), ip("10.81.4.2")], &wide, no_route),
+            1
+        );
     }
 }

@@ -116,7 +116,7 @@ impl State {
         let applies = match kind {
             CollKind::AllReduce | CollKind::Broadcast | CollKind::Reduce => true,
             // Even hosts pair ranks of equal local index; uneven ones go through leaders.
-            CollKind::AllGather | CollKind::ReduceScatter => true,
+            CollKind::AllGather | CollKind::ReduceScatter => topo.even() || algo::leaders_fit(topo),
             CollKind::AllToAll => false,
         };
         if !topo.layered() || !applies {

@@ -194,6 +194,10 @@ pub trait Verbs: Send + Sync {
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;
     /// Bring the QP to RTS, connected to `remote` (INIT → RTR → RTS).
     fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()>;
+    /// The local address `qp` told its peer it is at (a provider that takes packets on every
+    /// address uses it as the QP's source, so that the two agree); before `connect_qp`.
+    /// Providers bound to one address ignore it.
+    fn set_qp_addr(&self, _qp: QpId, _ip: std::net::IpAddr) {}
     /// Destroy a QP.
     fn destroy_qp(&self, qp: QpId);
     /// Post a send work request.

@@ -16,6 +16,7 @@ ROOT=10.80.0.1:29700
 PERF=target/release/roccl-perf
 LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
 NS=(roccl-m0 roccl-m1 roccl-m2)
+IFNAME=
 
 skip() {
   echo "SKIPPED: network namespaces unavailable: $*"
@@ -106,11 +107,11 @@ run() {
   local name=$1 k rc fail=0
   shift
   echo "-- $name: for K in 0..$((N - 1)): ip netns exec roccl-mK env ROCCL_RANK=K ROCCL_NRANKS=$N" \
-    "ROCCL_ROOT=$ROOT ROCCL_HOSTID=roccl-mK ROCCL_TIMEOUT=60 $PERF $*"
+    "ROCCL_ROOT=$ROOT ROCCL_HOSTID=roccl-mK ROCCL_TIMEOUT=60${IFNAME:+ ROCCL_SOCKET_IFNAME=$IFNAME} $PERF $*"
   pids=()
   for ((k = 0; k < N; k++)); do
     ip netns exec "${NS[$k]}" env ROCCL_RANK="$k" ROCCL_NRANKS="$N" ROCCL_ROOT="$ROOT" \
-      ROCCL_HOSTID="${NS[$k]}" ROCCL_TIMEOUT=60 \
+      ROCCL_HOSTID="${NS[$k]}" ROCCL_TIMEOUT=60 ${IFNAME:+ROCCL_SOCKET_IFNAME=$IFNAME} \
       timeout -k 5 "$LIMIT" "$PERF" "$@" >"$tmp/$name.$k.log" 2>&1 &
     pids+=($!)
   done
@@ -169,8 +170,9 @@ done
 echo "   8 B all-reduce over rocev2, µs (algorithm, time): model $(t_of small-auto-1), $(t_of small-auto-2); ring $(t_of small-ring-1), $(t_of small-ring-2)"
 
 # The same mesh as it comes up: only the cables' addresses, no address of a host's own and no
-# route beyond each cable's subnet. Each rank publishes every address of its host and reaches
-# a peer at the one on a subnet it shares; the root is named by its address on each cable.
+# route beyond each cable's subnet. With the cables named (ROCCL_SOCKET_IFNAME), each rank
+# publishes every address of theirs and reaches a peer at the one on a subnet they share;
+# the root is named by its address on each cable.
 echo "-- the mesh without own addresses or routes: each cable's subnet only"
 for ((a = 0; a < N; a++)); do
   for ((b = 0; b < N; b++)); do
@@ -184,6 +186,8 @@ if ip netns exec "${NS[2]}" ping -c1 -W1 "${addr[0,1]}" >/dev/null 2>&1; then
   exit 1
 fi
 ROOT="${addr[0,1]},${addr[0,2]}:29701"
+# The cables are the interfaces to use ("to1", "to2", ...): naming them publishes all of them.
+IFNAME=to
 for net in tcp rocev2; do
   run_checked "subnets-$net" "${common[@]}" --net "$net"
 done

@@ -294,7 +294,10 @@ pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Conne
     if !net.others.is_empty() {
         // Our engine takes packets on every address: tell the peer the one on our way to it.
         match route_source(peer.ip()) {
-            Some(ip) => ep.addr.set_ip(ip),
+            Some(ip) => {
+                ep.addr.set_ip(ip);
+                net.verbs.set_qp_addr(qp, ip);
+            }
             None => {
                 net.verbs.destroy_qp(qp);
                 return Err(Error::arg(format!(
@@ -566,6 +569,7 @@ impl ListenComm for RoceListen {
                     // peer reached us at.
                     if let Ok(a) = accepting.side.s.local_addr() {
                         ep.addr.set_ip(a.ip());
+                        self.verbs.set_qp_addr(qp, a.ip());
                     }
                 }
                 // Receives are posted before the sender learns our endpoint: its first

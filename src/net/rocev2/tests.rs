@@ -1038,7 +1038,7 @@ fn completion_errors_carry_their_cause() {
 fn an_engine_on_every_address_connects_at_the_peers_reachable_one() {
     let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
     let any: IpAddr = Ipv4Addr::UNSPECIFIED.into();
-    let other: Ipv4Addr = "192.0.2.77".parse().unwrap();
+    let other: Ipv4Addr = "198.51.100.77".parse().unwrap();
     let net = RoceNet {
         others: vec![other],
         ..RoceNet::over(Arc::new(UserVerbs::with(any, 0, None).unwrap()), lo)

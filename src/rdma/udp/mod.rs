@@ -61,6 +61,8 @@ struct Pending {
 /// What the provider keeps per QP besides the engine's state.
 struct QpSide {
     cq: CqId,
+    /// The address it told its peer it is at (`set_qp_addr`; an engine on every address).
+    addr: Option<IpAddr>,
     /// First PSN it sends.
     psn: u32,
     /// Its send socket's port (the key of `Driver::tx`).
@@ -386,7 +388,12 @@ impl UserVerbs {
             tx: HashMap::new(),
             qps: HashMap::new(),
             closing: false,
-            mtu: path_mtu(ip),
+            // On every address: the largest, and each QP takes its route's at connect_qp.
+            mtu: if ip.is_unspecified() {
+                4096
+            } else {
+                path_mtu(ip)
+            },
             faults: faults.map(|f| (f, Rng(f.seed | 1))),
             delayed: Vec::new(),
             rxbuf: vec![0u8; RX_BATCH * RX_GRO],
@@ -1154,6 +1161,7 @@ impl Verbs for UserVerbs {
             q,
             QpSide {
                 cq,
+                addr: None,
                 psn,
                 port,
                 wake,
@@ -1183,15 +1191,17 @@ impl Verbs for UserVerbs {
 
     fn connect_qp(&self, qp: QpId, remote: &QpEndpoint) -> Result<()> {
         let mut d = self.d.lock();
-        let psn = d
+        let side = d
             .qps
             .get(&qpn(qp))
-            .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?
-            .psn;
+            .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?;
+        let (psn, told) = (side.psn, side.addr);
         let timeout = crate::envvar::value_or("ROCCL_IB_TIMEOUT", 12u8);
         // Listening on every address: this QP uses the one on the route to its peer.
         let local = if self.local.ip().is_unspecified() {
-            let ip = crate::bootstrap::ifaces::route_source(remote.addr.ip()).ok_or_else(|| {
+            // The address the peer was told, else the one on the route to it.
+            let routed = || crate::bootstrap::ifaces::route_source(remote.addr.ip());
+            let ip = told.or_else(routed).ok_or_else(|| {
                 Error::arg(format!(
                     "RoCE v2: no route from this host to the peer's queue pair at {} (is the cable to that host up, with an address on its subnet?)",
                     remote.addr
@@ -1350,6 +1360,12 @@ impl Verbs for UserVerbs {
 
     fn sends_acknowledged(&self, qp: QpId) -> bool {
         self.d.lock().engine.sends_acknowledged(qpn(qp))
+    }
+
+    fn set_qp_addr(&self, qp: QpId, ip: IpAddr) {
+        if let Some(side) = self.d.lock().qps.get_mut(&qpn(qp)) {
+            side.addr = Some(ip);
+        }
     }
 
     fn qp_rtt(&self, qp: QpId) -> Option<std::time::Duration> {
