@@ -17,7 +17,7 @@ for s in $sizes; do
   declare -A t=()
   for _ in $(seq "$rounds"); do
     for a in $algos; do
-      v=$(target/release/roccl-perf "$@" -b "$s" -e "$s" --algo "$a" 2>/dev/null |
+      v=$(${CARGO_TARGET_DIR:-target}/release/roccl-perf "$@" -b "$s" -e "$s" --algo "$a" 2>/dev/null |
         awk '$1 !~ /^#/ && NF >= 10 {print ($8 == "-" ? $12 : $8); exit}')
       t[$a]="${t[$a]:-} ${v:-nan}"
     done

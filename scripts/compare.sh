@@ -62,7 +62,7 @@ if [ "$op" = broadcast ]; then common+=(--inplace); else common+=(--out-of-place
 roccl() { # label, extra args
   local label=$1
   shift
-  target/release/roccl-perf "${common[@]}" "$@" 2>&1 |
+  ${CARGO_TARGET_DIR:-target}/release/roccl-perf "${common[@]}" "$@" 2>&1 |
     awk -v l="$label" -v op="$op" '$1 == op {t = $8; b = $10; if (t == "-") {t = $12; b = $14}; print l, $2, t, b}'
 }
 mpi() { # label, btl list
@@ -73,7 +73,7 @@ mpi() { # label, btl list
 floor() {
   # Busy loops sharing CPUs would measure the scheduler: only with a CPU per rank.
   if [ "$op" != all_reduce ] || [ "$ranks" -gt "$(nproc)" ]; then return; fi
-  target/release/examples/tcp_floor --ranks "$ranks" -b "$min" -e "$max" -f "$factor" \
+  ${CARGO_TARGET_DIR:-target}/release/examples/tcp_floor --ranks "$ranks" -b "$min" -e "$max" -f "$factor" \
     -i "$iters" -w "$warmup"
 }
 gloo() {

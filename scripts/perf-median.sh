@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin roccl-perf
 tmp=$(mktemp -d)
 for i in $(seq "$runs"); do
-  target/release/roccl-perf "$@" --json "$tmp/$i.json" > "$tmp/$i.txt"
+  ${CARGO_TARGET_DIR:-target}/release/roccl-perf "$@" --json "$tmp/$i.json" > "$tmp/$i.txt"
 done
 python3 - "$tmp" "$runs" <<'PY'
 import json, statistics, sys

@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p roccl-capi --quiet
-lib=target/release
-out=target/ctests
+lib=${CARGO_TARGET_DIR:-target}/release
+out=${CARGO_TARGET_DIR:-target}/ctests
 mkdir -p "$out"
 cflags=(-std=c11 -Wall -Wextra -Werror -O1 -Iinclude)
 
