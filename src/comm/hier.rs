@@ -171,6 +171,21 @@ impl State {
         })
     }
 
+    /// Run `f` with the communicator's scratch buffer (kept between calls, up to
+    /// `PREMUL_KEEP` bytes of capacity).
+    fn with_scratch(
+        &mut self,
+        f: impl FnOnce(&mut Self, &mut Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.hier_scratch);
+        let r = f(self, &mut scratch);
+        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
+            scratch = Vec::new();
+        }
+        self.hier_scratch = scratch;
+        r
+    }
+
     fn topology(&self) -> Result<Arc<Topology>> {
         self.topo
             .clone()
@@ -345,19 +360,18 @@ impl State {
         // The input: the send buffer, or the receive buffer in place.
         let (a, pl) = self.phase(CollKind::Reduce, dt, local.len(), bytes, false);
         let need = rooted_stage(a, true, &pl);
-        let mut scratch = std::mem::take(&mut self.hier_scratch);
-        let r = (|| {
+        self.with_scratch(|this, scratch| {
             if me == root || me != leader {
                 // The root gathers into its output; the others' outputs are not written.
-                self.run_group(local, send, recv.part(0, recv.len()), None, need, |exec| {
+                this.run_group(local, send, recv.part(0, recv.len()), None, need, |exec| {
                     rooted_run(exec, a, lr, dt, Some(sum_op), count, &pl)
                 })?;
             } else {
                 scratch.resize(bytes, 0);
-                self.run_group(
+                this.run_group(
                     local,
                     send.or(Some(recv.as_mem())),
-                    MemMut::host(&mut scratch),
+                    MemMut::host(scratch),
                     None,
                     need,
                     |exec| rooted_run(exec, a, lr, dt, Some(sum_op), count, &pl),
@@ -366,11 +380,11 @@ impl State {
             if me != leader {
                 return Ok(());
             }
-            let (a, lpl) = self.phase(CollKind::Reduce, dt, leaders.len(), bytes, true);
+            let (a, lpl) = this.phase(CollKind::Reduce, dt, leaders.len(), bytes, true);
             let need = rooted_stage(a, true, &lpl);
             let r = topo.host_of(root);
-            let input = (me != root).then(|| Mem::host(&scratch));
-            self.run_group(
+            let input = (me != root).then(|| Mem::host(scratch));
+            this.run_group(
                 &leaders,
                 input,
                 recv.part(0, recv.len()),
@@ -384,12 +398,7 @@ impl State {
                     Ok(())
                 },
             )
-        })();
-        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
-            scratch = Vec::new();
-        }
-        self.hier_scratch = scratch;
-        r
+        })
     }
 
     /// Hierarchical all-gather of `count` elements per rank (even hosts, host memory): a
@@ -472,18 +481,13 @@ impl State {
             block * cross.len(),
             true,
         );
-        let mut scratch = std::mem::take(&mut self.hier_scratch);
-        scratch.resize(n * block, 0);
         let stage = algo::reduce_within_hosts_stage(&topo, block);
-        let r = (|| {
+        self.with_scratch(|this, scratch| {
+            scratch.resize(n * block, 0);
             let input = send.unwrap_or(recv.as_mem());
-            self.run_exec(
-                Some(input),
-                MemMut::host(&mut scratch),
-                None,
-                stage,
-                |exec| algo::reduce_within_hosts(exec, &topo, dt, sum_op, count),
-            )?;
+            this.run_exec(Some(input), MemMut::host(scratch), None, stage, |exec| {
+                algo::reduce_within_hosts(exec, &topo, dt, sum_op, count)
+            })?;
             // In place, this rank's result is its block of the buffer.
             let out = if send.is_some() {
                 recv.part(0, block)
@@ -491,19 +495,14 @@ impl State {
                 recv.part(me * block, block)
             };
             let need = algo::reduce_scatter_ring_stage(count, dt, &pl);
-            self.run_group(&cross, Some(Mem::host(&scratch)), out, None, need, |exec| {
+            this.run_group(&cross, Some(Mem::host(scratch)), out, None, need, |exec| {
                 algo::reduce_scatter_ring(exec, dt, sum_op, count, &pl)?;
                 if op == RedOp::Avg {
                     exec.finish_avg(Reg::new(Buf::Dst, 0, block), dt, n)?;
                 }
                 Ok(())
             })
-        })();
-        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
-            scratch = Vec::new();
-        }
-        self.hier_scratch = scratch;
-        r
+        })
     }
 
     /// Reduce-scatter on uneven hosts: reduced to each host's leader, exchanged (and
@@ -522,21 +521,20 @@ impl State {
         let block = count * dt.size();
         let sum_op = if op == RedOp::Avg { RedOp::Sum } else { op };
         let local = topo.local(me).to_vec();
-        let mut scratch = std::mem::take(&mut self.hier_scratch);
-        scratch.resize(n * block, 0);
-        let r = (|| {
+        self.with_scratch(|this, scratch| {
+            scratch.resize(n * block, 0);
             let input = send.unwrap_or(recv.as_mem());
-            let (a, pl) = self.phase(CollKind::Reduce, dt, local.len(), n * block, false);
-            self.run_group(
+            let (a, pl) = this.phase(CollKind::Reduce, dt, local.len(), n * block, false);
+            this.run_group(
                 &local,
                 Some(input),
-                MemMut::host(&mut scratch),
+                MemMut::host(scratch),
                 None,
                 rooted_stage(a, true, &pl),
                 |exec| rooted_run(exec, a, 0, dt, Some(sum_op), n * count, &pl),
             )?;
             let stage = algo::exchange_between_leaders_stage(topo, block);
-            self.run_exec(None, MemMut::host(&mut scratch), None, stage, |exec| {
+            this.run_exec(None, MemMut::host(scratch), None, stage, |exec| {
                 algo::exchange_between_leaders(exec, topo, block, Some((dt, sum_op)))
             })?;
             // In place, this rank's result is its block of the buffer.
@@ -545,18 +543,13 @@ impl State {
             } else {
                 recv.part(me * block, block)
             };
-            self.run_exec(Some(Mem::host(&scratch)), out, None, 64, |exec| {
+            this.run_exec(Some(Mem::host(scratch)), out, None, 64, |exec| {
                 algo::scatter_from_leader(exec, topo, block)?;
                 if op == RedOp::Avg {
                     exec.finish_avg(Reg::new(Buf::Dst, 0, block), dt, n)?;
                 }
                 Ok(())
             })
-        })();
-        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
-            scratch = Vec::new();
-        }
-        self.hier_scratch = scratch;
-        r
+        })
     }
 }

@@ -431,7 +431,8 @@ fn rank_case(
     let mut filled = false;
     let mut call = |out: &mut Vec<f32>| -> Result<Option<Algo>> {
         let info = match case.op {
-            // In place from the root's buffer (its input), as rank 0 holds it.
+            SimOp::Barrier => c.run_raw(coll, DataType::U8, None, &mut [], &opts)?,
+            // Broadcast: in place from the root's buffer (its input), as rank 0 holds it.
             SimOp::Broadcast => {
                 if r == 0 {
                     out.copy_from_slice(&input);
@@ -444,7 +445,6 @@ fn rank_case(
                     &opts,
                 )?
             }
-            SimOp::Barrier => c.run_raw(coll, DataType::U8, None, &mut [], &opts)?,
             _ if in_place => {
                 if check || !filled {
                     for (i, x) in out[at..at + ein].iter_mut().enumerate() {
