@@ -313,8 +313,13 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         name: "ROCCL_IB_HCA",
-        accepts: "devices and ports in NCCL_IB_HCA syntax (e.g. mlx5_0:1,mlx5_1 or ^mlx5_2)",
+        accepts: "devices and ports in NCCL_IB_HCA syntax (e.g. mlx5_0:1,mlx5_1 or ^mlx5_2); for rocev2, interfaces or addresses (eth0,eth1)",
         valid: None,
+    },
+    Setting {
+        name: "ROCCL_IB_QPS_PER_CONNECTION",
+        accepts: "queue pairs per connection, 1 to 8",
+        valid: Some(|v| v.parse::<usize>().is_ok_and(|n| (1..=8).contains(&n))),
     },
     Setting {
         name: "ROCCL_IB_ADDR_FAMILY",

@@ -126,6 +126,7 @@ fn deterministic(net: roccl::net::NetKind) {
         slice: Some(4096),
         depth: Some(3),
         channels: Some(2),
+        ..Tuning::default()
     });
     cfg.net = net;
     cfg.shm_slot = Some(64 << 10);

@@ -114,6 +114,7 @@ fn pipelined() -> Tuning {
         slice: Some(256),
         depth: Some(2),
         channels: Some(2),
+        ..Tuning::default()
     }
 }
 
@@ -125,6 +126,7 @@ fn deepest_pipeline() {
         slice: Some(1024),
         depth: Some(64),
         channels: Some(64),
+        ..Tuning::default()
     };
     run_ranks(3, config(t), |c| {
         for k in KINDS {

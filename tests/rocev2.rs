@@ -24,6 +24,7 @@ fn rocev2_3_ranks_pipelined() {
             slice: Some(4096),
             depth: Some(3),
             channels: Some(2),
+            ..Tuning::default()
         },
     );
 }

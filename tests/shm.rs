@@ -20,6 +20,7 @@ fn shm_3_ranks_pipelined() {
         slice: Some(4096),
         depth: Some(3),
         channels: Some(2),
+        ..Tuning::default()
     });
     cfg.net = NetKind::Shm;
     cfg.shm_slot = Some(4096);

@@ -96,6 +96,7 @@ fn verbs_3_ranks_pipelined() {
             slice: Some(4096),
             depth: Some(3),
             channels: Some(2),
+            ..Tuning::default()
         },
     );
 }

@@ -101,6 +101,9 @@ pub struct Tuning {
     pub depth: Option<usize>,
     /// Fixed channel count.
     pub channels: Option<usize>,
+    /// NICs every rank has on its network (agreed at init; 0 or 1: one): messages of 1 MiB
+    /// and more take a channel per NIC, whose connections the network spreads over them.
+    pub nics: usize,
 }
 
 /// Steps of recursive doubling on `n` ranks (two more when n is not a power of two).
@@ -117,19 +120,23 @@ fn log2c(n: usize) -> f64 {
     (usize::BITS - (n.max(1) - 1).leading_zeros()) as f64
 }
 
+/// Most channels a pipeline takes (the executor's connection sets per peer).
+const MAX_PIPELINE_CHANNELS: usize = 8;
+
 /// Pipeline shape for a message of `bytes` whose per-step piece is `piece` bytes.
 pub fn pipeline(piece: usize, bytes: usize, t: &Tuning) -> Pipeline {
     let slice = t
         .slice
         .unwrap_or_else(|| (piece / 4).clamp(32 * 1024, 512 * 1024))
         .max(64);
+    let per_nic = if bytes >= (1 << 20) { t.nics.max(1) } else { 1 };
     let channels = t
         .channels
-        .unwrap_or(if bytes >= (16 << 20) { 2 } else { 1 });
+        .unwrap_or(if bytes >= (16 << 20) { 2 } else { 1 }.max(per_nic));
     Pipeline {
         slice,
         depth: t.depth.unwrap_or(4).clamp(1, 16),
-        channels: channels.clamp(1, 4),
+        channels: channels.clamp(1, 4.max(per_nic).min(MAX_PIPELINE_CHANNELS)),
     }
 }
 
@@ -812,6 +819,27 @@ mod tests {
         };
         let (_, pl) = choose(CollKind::AllGather, 2, 1 << 20, &c, None, &user);
         assert_eq!(pl.slice, 64 << 10);
+    }
+
+    /// Several NICs: messages of 1 MiB and more take a channel per NIC (up to 8), smaller
+    /// ones one; a channel count the user set stays.
+    #[test]
+    fn large_messages_take_a_channel_per_nic() {
+        let nics = |n: usize| Tuning {
+            nics: n,
+            ..Tuning::default()
+        };
+        assert_eq!(pipeline(1 << 20, 1 << 20, &nics(2)).channels, 2);
+        assert_eq!(pipeline(64 << 10, 64 << 10, &nics(2)).channels, 1);
+        assert_eq!(pipeline(1 << 20, 1 << 20, &nics(1)).channels, 1);
+        assert_eq!(pipeline(32 << 20, 32 << 20, &nics(1)).channels, 2);
+        assert_eq!(pipeline(32 << 20, 32 << 20, &nics(6)).channels, 6);
+        assert_eq!(pipeline(32 << 20, 32 << 20, &nics(12)).channels, 8);
+        let forced = Tuning {
+            channels: Some(3),
+            ..nics(2)
+        };
+        assert_eq!(pipeline(4 << 20, 4 << 20, &forced).channels, 3);
     }
 
     /// With single copies (process_vm_readv between the ranks), large all-gathers and

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 use crate::types::{DataType, RedOp};
 
-const VERSION: u32 = 9;
+const VERSION: u32 = 10;
 
 /// The settings every rank must share, in blob order.
 const SETTINGS: [&str; 10] = [
@@ -61,7 +61,7 @@ const AT_SHM: usize = AT_FLAGS + 8;
 const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
 const AT_SETTINGS: usize = AT_SPEEDS + 8;
 const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
-const HOST_LEN: usize = 20;
+const HOST_LEN: usize = 24;
 const AT_PROC: usize = AT_HOST + HOST_LEN;
 const PROC_LEN: usize = 12;
 const AT_SPARE: usize = AT_PROC + PROC_LEN;
@@ -116,6 +116,8 @@ pub(super) struct HostInputs {
     /// Which NIC the rank uses (a fingerprint of the network device's name, GUID and PCI
     /// path): ranks of one host on different NICs spread the traffic between hosts.
     pub nic: u64,
+    /// The network's devices (NICs) this rank spreads its channels over.
+    pub devices: u32,
 }
 
 /// One rank's registration, as every rank reads it.
@@ -163,6 +165,7 @@ pub(super) fn blob(
     b.extend_from_slice(&inputs.latency_us.to_le_bytes());
     b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
     b.extend_from_slice(&inputs.nic.to_le_bytes());
+    b.extend_from_slice(&inputs.devices.to_le_bytes());
     b.extend_from_slice(&std::process::id().to_le_bytes());
     b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
     b.extend_from_slice(&bootstrap::spare::encode_addr(spare));
@@ -223,6 +226,7 @@ pub(super) fn parse_blob(
             latency_us: f32::from_le_bytes(b[AT_HOST + 4..AT_HOST + 8].try_into().expect("4")),
             speed_mbps: word(b, AT_HOST + 8),
             nic: u64::from_le_bytes(b[AT_HOST + 12..AT_HOST + 20].try_into().expect("8 bytes")),
+            devices: word(b, AT_HOST + 20),
         },
         pid: word(b, AT_PROC),
         pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
@@ -293,6 +297,7 @@ pub(crate) fn fuzz_seed_blob(
         latency_us: 20.0,
         speed_mbps: 10_000,
         nic: 0,
+        devices: 1,
     };
     Ok(blob(
         handle,
@@ -468,6 +473,16 @@ pub(super) fn nics_per_host(blobs: &[Blob]) -> usize {
     by_host.values().map(|n| n.len()).min().unwrap_or(1).max(1)
 }
 
+/// The fewest network devices (NICs) any rank has, at least 1: every rank spreads its
+/// channels over that many ([`crate::algo::model::Tuning::nics`]).
+pub(super) fn nics_per_rank(blobs: &[Blob]) -> usize {
+    blobs
+        .iter()
+        .map(|b| b.inputs.devices.max(1) as usize)
+        .min()
+        .unwrap_or(1)
+}
+
 /// The measured speeds the model uses (the slowest rank's), for the log.
 pub(super) fn slowest_speeds(blobs: &[Blob]) -> HostSpeeds {
     calibrate::slowest(blobs.iter().map(|b| b.speeds))
@@ -575,6 +590,7 @@ mod tests {
             latency_us,
             speed_mbps,
             nic: 0,
+            devices: 1,
         }
     }
 

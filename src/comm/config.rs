@@ -97,6 +97,8 @@ impl Config {
                 },
                 depth: env_parse("ROCCL_DEPTH")?,
                 channels: env_parse("ROCCL_NCHANNELS")?,
+                // Known after the rendezvous (init).
+                nics: 1,
             },
             waiter: Waiter::from_env(),
             shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {

@@ -192,6 +192,7 @@ impl Communicator {
                     latency_us: props.latency_us,
                     speed_mbps: props.speed_mbps,
                     nic: agree::nic_fingerprint(&props),
+                    devices: net.devices() as u32,
                 },
                 spare.as_ref().map(|s| s.addr()),
                 match (&cfg.host, cfg.net) {
@@ -232,6 +233,9 @@ impl Communicator {
         let cores = crate::os::host_cores();
         let mut cfg = cfg;
         cfg.waiter.fit(local_ranks, cores);
+        // Large messages take a channel per NIC of the fewest any rank has (the same on
+        // every rank: the channels decide how a call is cut).
+        cfg.tuning.nics = agree::nics_per_rank(&blobs);
         // The worker thread (stream-ordered and non-blocking calls) polls between jobs: it
         // spins only with a core for it next to the application's thread of every rank, and
         // otherwise yields (2 cores, 2 ranks, simulated device: 8 B stream-ordered all-reduce
@@ -323,8 +327,17 @@ impl Communicator {
             );
         }
         crate::info!(
-            "rank {rank}/{nranks}: net {name} on {} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
+            "rank {rank}/{nranks}: net {name} on {}{} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
             props.name,
+            if net.devices() > 1 {
+                format!(
+                    " and {} more device(s) (large calls take a channel per NIC, {} on every rank)",
+                    net.devices() - 1,
+                    cfg.tuning.nics
+                )
+            } else {
+                String::new()
+            },
             local,
             cfg.waiter.spin,
             cfg.waiter.yield_for,

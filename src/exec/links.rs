@@ -436,11 +436,12 @@ impl Links {
             } else {
                 Net::connect
             };
-            let conn =
-                open(&*ep.net, ep.dev, &self.handles[p][e]).map_err(|err| Error::Remote {
-                    rank: p,
-                    msg: format!("connecting over {}: {err}", ep.net.name()),
-                })?;
+            // Channels spread over the network's devices (several NICs), in turn.
+            let dev = ep.dev + c % ep.net.devices().max(1);
+            let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| Error::Remote {
+                rank: p,
+                msg: format!("connecting over {}: {err}", ep.net.name()),
+            })?;
             connecting.push((p, c, conn));
             self.dialed += 1;
         }

@@ -67,28 +67,84 @@ pub const FIFO: usize = MAX_REQUESTS;
 /// Largest grouped-receive buffer index and size an immediate carries: `index << 29 | size`.
 const IMM_SIZE_BITS: u32 = 29;
 
-/// The RoCE v2 network over a verbs provider.
+/// One NIC of a [`RoceNet`] (for the userspace engine, one address it runs on): the
+/// network's devices, which channels spread over.
+pub(super) struct Device {
+    pub(super) verbs: Arc<dyn Verbs>,
+    /// Its address (the GID of the NIC's port, the userspace engine's address).
+    pub(super) ip: IpAddr,
+    /// Link speed, if known.
+    speed_mbps: Option<u32>,
+    pci_path: Option<String>,
+    dmabuf: bool,
+}
+
+impl Device {
+    fn over(verbs: Arc<dyn Verbs>, ip: IpAddr) -> Device {
+        Device {
+            dmabuf: verbs.dmabuf_supported(),
+            verbs,
+            ip,
+            speed_mbps: None,
+            pci_path: None,
+        }
+    }
+}
+
+/// The RoCE v2 network over one or more verbs providers (NICs).
 pub struct RoceNet {
-    verbs: Arc<dyn Verbs>,
-    /// Address of the TCP side channel that sets connections up.
+    /// The NICs (`ROCCL_IB_HCA` lists several): device `d` of [`Net::connect`] is
+    /// `devs[d % len]`; at least one.
+    pub(super) devs: Vec<Device>,
+    /// Address of the TCP side channel that sets connections up (for every device).
     ip: IpAddr,
     /// The host's other addresses (the userspace engine on a host of several subnets, a
     /// switchless mesh): the side channel and the engine take packets on every address,
     /// handles name these too, and each connection uses the address on the way to its peer.
     others: Vec<std::net::Ipv4Addr>,
-    /// Link speed, if known.
-    speed_mbps: Option<u32>,
-    pci_path: Option<String>,
-    dmabuf: bool,
+    /// Queue pairs per connection (`ROCCL_IB_QPS_PER_CONNECTION`): messages take them in
+    /// turn, each from its own UDP source port.
+    qps: usize,
     /// GPU memory may be posted: connections send and receive without CPU copies.
     device_buffers: AtomicBool,
     /// The key connection setups are authenticated with ([`Net::set_job_key`]).
     key: crate::net::NetKey,
 }
 
+/// The setting of queue pairs per connection.
+pub const QPS_VAR: &str = "ROCCL_IB_QPS_PER_CONNECTION";
+
+/// `ROCCL_IB_QPS_PER_CONNECTION`: 1 (unset) to [`setup::MAX_QPS`].
+pub fn qps_from_env() -> Result<usize> {
+    match std::env::var(QPS_VAR) {
+        Ok(v) if !v.trim().is_empty() => parse_qps(&v),
+        _ => Ok(1),
+    }
+}
+
+/// A queue pair count, 1 to [`setup::MAX_QPS`].
+pub fn parse_qps(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=setup::MAX_QPS).contains(&n) => Ok(n),
+        _ => Err(Error::arg(format!(
+            "{QPS_VAR}={v}: want the queue pairs per connection, 1 to {}",
+            setup::MAX_QPS
+        ))),
+    }
+}
+
 impl RoceNet {
-    /// The userspace RoCE v2 engine on `ip` (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`).
+    /// The userspace RoCE v2 engine on `ip` (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`),
+    /// or on each interface or address `ROCCL_IB_HCA` lists (one engine per "NIC");
+    /// connections are set up over TCP on `ip`.
     pub fn userspace(ip: IpAddr) -> Result<RoceNet> {
+        if let Some(addrs) = engine_addrs()? {
+            let devs = addrs
+                .into_iter()
+                .map(|a| Ok(Device::over(Arc::new(UserVerbs::open(a)?), a)))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(RoceNet::with_devices(devs, ip)?.with_qps(qps_from_env()?));
+        }
         let others = crate::bootstrap::ifaces::other_addrs(ip, setup::MAX_OTHER_ADDRS);
         let verbs = if others.is_empty() {
             UserVerbs::open(ip)?
@@ -96,54 +152,89 @@ impl RoceNet {
             UserVerbs::open(std::net::Ipv4Addr::UNSPECIFIED.into())?
         };
         Ok(RoceNet {
-            dmabuf: verbs.dmabuf_supported(),
-            verbs: Arc::new(verbs),
-            ip,
             others,
-            speed_mbps: None,
-            pci_path: None,
-            device_buffers: AtomicBool::new(false),
-            key: crate::net::NetKey::new(),
+            ..RoceNet::over(Arc::new(verbs), ip).with_qps(qps_from_env()?)
         })
     }
 
-    /// A RoCE v2 NIC through libibverbs: device, port and GID chosen from sysfs as
+    /// RoCE v2 NICs through libibverbs: device, port and GID chosen from sysfs as
     /// `ROCCL_IB_HCA`, `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY` and `ROCCL_IB_ADDR_RANGE`
-    /// say; connections are set up over TCP on `ip`.
+    /// say (every port it lists that qualifies, when it lists several); connections are set
+    /// up over TCP on `ip`.
     #[cfg(feature = "verbs")]
     pub fn nic(ip: IpAddr) -> Result<RoceNet> {
         use crate::rdma::select;
         let ports = select::scan(std::path::Path::new(select::SYSFS_ROOT))?;
-        let choice = select::choose(&ports, &select::Criteria::from_env()?)?;
-        let port = ports
-            .iter()
-            .find(|p| p.dev == choice.dev && p.port == choice.port);
-        let v =
-            crate::rdma::ibv::IbvVerbs::open(&choice, crate::rdma::ibv::IbSettings::from_env()?)?;
-        Ok(RoceNet {
-            dmabuf: v.dmabuf(),
-            verbs: Arc::new(v),
-            ip,
-            others: Vec::new(),
-            speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
-            pci_path: port.and_then(|p| p.pci.clone()),
-            device_buffers: AtomicBool::new(false),
-            key: crate::net::NetKey::new(),
-        })
+        let choices = select::choose_each(&ports, &select::Criteria::from_env()?)?;
+        let settings = crate::rdma::ibv::IbSettings::from_env()?;
+        let mut devs = Vec::new();
+        for choice in &choices {
+            let port = ports
+                .iter()
+                .find(|p| p.dev == choice.dev && p.port == choice.port);
+            let v = crate::rdma::ibv::IbvVerbs::open(choice, settings)?;
+            devs.push(Device {
+                dmabuf: v.dmabuf(),
+                verbs: Arc::new(v),
+                ip: choice.gid.ip(),
+                speed_mbps: port.and_then(|p| p.rate_gbps).map(|g| (g * 1000.0) as u32),
+                pci_path: port.and_then(|p| p.pci.clone()),
+            });
+        }
+        Ok(RoceNet::with_devices(devs, ip)?.with_qps(qps_from_env()?))
     }
 
     /// Over any provider (connections set up over TCP on `ip`).
     pub fn over(verbs: Arc<dyn Verbs>, ip: IpAddr) -> RoceNet {
         RoceNet {
-            verbs,
+            devs: vec![Device::over(verbs, ip)],
             ip,
             others: Vec::new(),
-            speed_mbps: None,
-            pci_path: None,
-            dmabuf: false,
+            qps: 1,
             device_buffers: AtomicBool::new(false),
             key: crate::net::NetKey::new(),
         }
+    }
+
+    /// Over several providers, each a NIC at its address (connections set up over TCP on
+    /// `ip`); device `d` of [`Net::connect`] is the `d % len`th.
+    pub fn over_devices(devs: Vec<(Arc<dyn Verbs>, IpAddr)>, ip: IpAddr) -> Result<RoceNet> {
+        let devs = devs.into_iter().map(|(v, a)| Device::over(v, a)).collect();
+        RoceNet::with_devices(devs, ip)
+    }
+
+    fn with_devices(devs: Vec<Device>, ip: IpAddr) -> Result<RoceNet> {
+        if devs.is_empty() {
+            return Err(Error::arg("a RoCE v2 network needs at least one device"));
+        }
+        Ok(RoceNet {
+            devs,
+            ..RoceNet::over_nothing(ip)
+        })
+    }
+
+    fn over_nothing(ip: IpAddr) -> RoceNet {
+        RoceNet {
+            devs: Vec::new(),
+            ip,
+            others: Vec::new(),
+            qps: 1,
+            device_buffers: AtomicBool::new(false),
+            key: crate::net::NetKey::new(),
+        }
+    }
+
+    /// With `qps` queue pairs per connection this side opens (1 to 8; the accepting side
+    /// follows the connecting one).
+    pub fn with_qps(mut self, qps: usize) -> RoceNet {
+        self.qps = qps.clamp(1, setup::MAX_QPS);
+        self
+    }
+
+    /// The device of index `dev` ([`Net::connect`]'s): they are used in turn.
+    pub(super) fn device(&self, dev: usize) -> (usize, &Device) {
+        let d = dev % self.devs.len();
+        (d, &self.devs[d])
     }
 
     /// This side's eager configuration: none where GPU memory may be posted (the receiver
@@ -156,10 +247,57 @@ impl RoceNet {
         Ok(e)
     }
 
-    /// The provider's name.
+    /// The provider's name (the first device's; the others' follow after commas).
     pub fn provider(&self) -> String {
-        self.verbs.name()
+        let names: Vec<String> = self.devs.iter().map(|d| d.verbs.name()).collect();
+        names.join(",")
     }
+}
+
+/// The addresses `ROCCL_IB_HCA` gives the userspace engine: each item an interface (its
+/// first IPv4 address) or an address of this host; `None` when unset.
+fn engine_addrs() -> Result<Option<Vec<IpAddr>>> {
+    let Ok(spec) = std::env::var(crate::rdma::select::HCA_VAR) else {
+        return Ok(None);
+    };
+    let spec = spec.trim();
+    if spec.is_empty() {
+        return Ok(None);
+    }
+    let hint = "the userspace engine (ROCCL_NET=rocev2) runs on the interfaces or addresses it lists, e.g. eth0,eth1 or 10.0.0.1,10.0.1.1 (RDMA device names such as mlx5_0 are for ROCCL_NET=verbs)";
+    if spec.starts_with('^') || spec.starts_with('=') {
+        return Err(Error::arg(format!(
+            "{}={spec}: '^' and '=' are for RDMA NICs; {hint}",
+            crate::rdma::select::HCA_VAR
+        )));
+    }
+    let ifaces = crate::bootstrap::ifaces::list().unwrap_or_default();
+    let mut out = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let name = item.split(':').next().unwrap_or(item);
+        let addr = match item.parse::<IpAddr>() {
+            Ok(a) => ifaces
+                .iter()
+                .any(|i| i.addr == a || (a.is_loopback() && i.addr.is_loopback()))
+                .then_some(a),
+            Err(_) => ifaces
+                .iter()
+                .find(|i| i.name == name && i.addr.is_ipv4())
+                .or_else(|| ifaces.iter().find(|i| i.name == name))
+                .map(|i| i.addr),
+        };
+        match addr {
+            Some(a) if !out.contains(&a) => out.push(a),
+            Some(_) => {}
+            None => {
+                return Err(Error::arg(format!(
+                    "{}={spec}: {item} is neither an interface with an address nor an address of this host; {hint}",
+                    crate::rdma::select::HCA_VAR
+                )))
+            }
+        }
+    }
+    Ok(Some(out))
 }
 
 /// Whether a kernel module lets the NIC register GPU memory by its address (peer memory:
@@ -176,11 +314,23 @@ pub fn peer_memory() -> bool {
 
 impl Net for RoceNet {
     fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
-        self.verbs.counters(out);
+        // Summed over the devices, by name.
+        let start = out.len();
+        let mut one = Vec::new();
+        for d in &self.devs {
+            one.clear();
+            d.verbs.counters(&mut one);
+            for &(name, v) in &one {
+                match out[start..].iter_mut().find(|(n, _)| *n == name) {
+                    Some(c) => c.1 += v,
+                    None => out.push((name, v)),
+                }
+            }
+        }
     }
 
     fn name(&self) -> &'static str {
-        if self.verbs.hardware() {
+        if self.devs[0].verbs.hardware() {
             "verbs"
         } else {
             "rocev2"
@@ -188,42 +338,40 @@ impl Net for RoceNet {
     }
 
     fn devices(&self) -> usize {
-        1
+        self.devs.len()
     }
 
     fn properties(&self, dev: usize) -> Result<NetProperties> {
-        if dev != 0 {
+        let Some(d) = self.devs.get(dev) else {
             return Err(Error::arg(format!(
-                "rocev2 has one device; asked for device {dev}"
+                "rocev2 has {} device(s); asked for device {dev}",
+                self.devs.len()
             )));
-        }
+        };
+        let hardware = d.verbs.hardware();
         Ok(NetProperties {
-            name: self.verbs.name(),
-            pci_path: self.pci_path.clone(),
-            guid: 0,
+            name: d.verbs.name(),
+            pci_path: d.pci_path.clone(),
+            guid: dev as u64,
             ptr_support: PtrSupport {
                 host: true,
-                device: if self.verbs.hardware() {
-                    peer_memory()
-                } else {
-                    self.dmabuf
-                },
-                dmabuf: self.dmabuf,
+                device: if hardware { peer_memory() } else { d.dmabuf },
+                dmabuf: d.dmabuf,
             },
-            speed_mbps: self.speed_mbps.unwrap_or(if self.ip.is_loopback() {
-                100_000
-            } else {
-                10_000
-            }),
+            speed_mbps: d
+                .speed_mbps
+                .unwrap_or(if d.ip.is_loopback() { 100_000 } else { 10_000 }),
             port: 1,
-            latency_us: if self.verbs.hardware() { 3.0 } else { 8.0 },
+            latency_us: if hardware { 3.0 } else { 8.0 },
             max_comms: 4096,
             max_recvs: MAX_RECVS as u32,
         })
     }
 
     fn set_timeout(&self, timeout: std::time::Duration) {
-        self.verbs.set_timeout(timeout);
+        for d in &self.devs {
+            d.verbs.set_timeout(timeout);
+        }
     }
 
     fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
@@ -239,8 +387,8 @@ impl Net for RoceNet {
         setup::listen(self)
     }
 
-    fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
-        setup::connect(self, handle)
+    fn connect(&self, dev: usize, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+        setup::connect(self, dev, handle)
     }
 }
 

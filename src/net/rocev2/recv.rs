@@ -74,7 +74,9 @@ pub(super) struct RoceRecv {
     pub(super) verbs: Arc<dyn Verbs>,
     /// Copies eager messages out of bounce buffers into GPU memory.
     pub(super) device_copy: Option<crate::net::DeviceCopy>,
-    pub(super) qp: QpId,
+    /// The connection's queue pairs: message `m` arrives on `qps[m % len]`; clear-to-send
+    /// entries leave on the first.
+    pub(super) qps: Vec<QpId>,
     /// The peer's address (its GID).
     pub(super) peer: SocketAddr,
     pub(super) live: Liveness,
@@ -86,8 +88,12 @@ pub(super) struct RoceRecv {
     pub(super) base: u64,
     pub(super) wcs: [Wc; 16],
     pub(super) failed: Option<String>,
-    pub(super) bounce: Bounce,
-    pub(super) arrived: VecDeque<Arrival>,
+    /// Per queue pair, its bounce buffers (one per receive work request).
+    pub(super) bounce: Vec<Bounce>,
+    /// Per queue pair, the messages that arrived on it, in order, not yet matched.
+    pub(super) arrived: Vec<VecDeque<Arrival>>,
+    /// Messages matched to receives so far: the next comes on `qps[matched % len]`.
+    pub(super) matched: u64,
     /// Request id of the receive the next arriving message belongs to.
     pub(super) filling: u64,
     /// The sequence numbers of the entries written and the credits they report.
@@ -108,8 +114,8 @@ impl RoceRecv {
         crate::net::remember_failure(&mut self.failed, r)
     }
 
-    fn repost(&mut self, slot: usize) -> Result<()> {
-        self.bounce.post(&*self.verbs, self.qp, slot)?;
+    fn repost(&mut self, q: usize, slot: usize) -> Result<()> {
+        self.bounce[q].post(&*self.verbs, self.qps[q], slot)?;
         self.cts.reposted();
         Ok(())
     }
@@ -135,16 +141,16 @@ impl RoceRecv {
                 len: CTS_BYTES as u32,
                 lkey: self.staging_mr.lkey,
             }),
-            inline: CTS_BYTES <= self.verbs.qp_max_inline(self.qp),
+            inline: CTS_BYTES <= self.verbs.qp_max_inline(self.qps[0]),
             imm: 0,
             remote_addr: self.fifo_addr + (slot * CTS_BYTES) as u64,
             rkey: self.fifo_rkey,
             signaled: false,
         };
         if unhurried {
-            self.verbs.post_send_unhurried(self.qp, &wr)?;
+            self.verbs.post_send_unhurried(self.qps[0], &wr)?;
         } else {
-            self.verbs.post_send(self.qp, &wr)?;
+            self.verbs.post_send(self.qps[0], &wr)?;
         }
         self.cts.written();
         Ok(())
@@ -169,27 +175,30 @@ impl RoceRecv {
     }
 
     fn progress_inner(&mut self) -> Result<()> {
-        let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
-        for k in 0..n {
-            let w = self.wcs[k];
-            if w.status != WcStatus::Success {
-                return Err(wc_error(&w, "receive", &*self.verbs, self.peer));
-            }
-            let slot = w.wr_id as usize;
-            match w.opcode {
-                WcOpcode::Recv => self.arrived.push_back(Arrival::Eager {
-                    slot,
-                    tag: w.imm.unwrap_or(0),
-                    len: w.byte_len as usize,
-                }),
-                WcOpcode::RecvRdmaWithImm => {
-                    // The data is in place: the receive (and its bounce buffer) is free again.
-                    self.repost(slot)?;
-                    self.arrived.push_back(Arrival::Written {
-                        imm: w.imm.unwrap_or(0),
-                    });
+        for q in 0..self.qps.len() {
+            let n = self.verbs.poll_cq(self.qps[q], &mut self.wcs)?;
+            for k in 0..n {
+                let w = self.wcs[k];
+                if w.status != WcStatus::Success {
+                    return Err(wc_error(&w, "receive", &*self.verbs, self.peer));
                 }
-                _ => {} // our clear-to-send writes are unsignaled; nothing else expected
+                let slot = w.wr_id as usize;
+                match w.opcode {
+                    WcOpcode::Recv => self.arrived[q].push_back(Arrival::Eager {
+                        slot,
+                        tag: w.imm.unwrap_or(0),
+                        len: w.byte_len as usize,
+                    }),
+                    WcOpcode::RecvRdmaWithImm => {
+                        // The data is in place: the receive (and its bounce buffer) is free
+                        // again.
+                        self.repost(q, slot)?;
+                        self.arrived[q].push_back(Arrival::Written {
+                            imm: w.imm.unwrap_or(0),
+                        });
+                    }
+                    _ => {} // our clear-to-send writes are unsignaled; nothing else expected
+                }
             }
         }
         self.match_arrivals()?;
@@ -238,7 +247,12 @@ impl RoceRecv {
     /// not yet filled (an eager message that comes before its receive waits in its bounce
     /// buffer).
     fn match_arrivals(&mut self) -> Result<()> {
-        while let Some(&a) = self.arrived.front() {
+        loop {
+            // The next message comes on its queue pair, after those before it there.
+            let q = (self.matched % self.qps.len() as u64) as usize;
+            let Some(&a) = self.arrived[q].front() else {
+                return Ok(());
+            };
             let idx = (self.filling - self.base) as usize;
             let Some(r) = self.reqs.get_mut(idx) else {
                 if let Arrival::Written { .. } = a {
@@ -256,7 +270,7 @@ impl RoceRecv {
                     if len > 0 && self.cache.is_device(addr as u64, len) {
                         // Into GPU memory: the GPU copies it.
                         let copy = self.device_copy.as_ref().ok_or_else(no_device_copy)?;
-                        copy(addr, self.bounce.slot(slot) as usize, len)?;
+                        copy(addr, self.bounce[q].slot(slot) as usize, len)?;
                     } else if len > 0 {
                         // SAFETY: the irecv contract keeps the buffer valid (and writable for
                         // `size >= len` bytes) until the receive completes; the bounce buffer
@@ -264,24 +278,25 @@ impl RoceRecv {
                         // completed (the provider wrote them before reporting it).
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                self.bounce.slot(slot),
+                                self.bounce[q].slot(slot),
                                 addr as *mut u8,
                                 len,
                             )
                         };
                     }
                     let complete = r.group.fill(e, len)?;
-                    self.arrived.pop_front();
-                    self.repost(slot)?;
+                    self.arrived[q].pop_front();
+                    self.repost(q, slot)?;
                     complete
                 }
                 Arrival::Written { imm } => {
                     let (e, len) = written(&r.group, imm, self.peer)?;
                     let complete = r.group.fill(e, len)?;
-                    self.arrived.pop_front();
+                    self.arrived[q].pop_front();
                     complete
                 }
             };
+            self.matched += 1;
             let r = &mut self.reqs[idx];
             if complete {
                 for m in r.mrs.iter_mut().filter_map(Option::take) {
@@ -290,7 +305,6 @@ impl RoceRecv {
                 self.filling += 1;
             }
         }
-        Ok(())
     }
 }
 
@@ -435,7 +449,9 @@ impl RecvComm for RoceRecv {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        self.verbs.qp_fds(self.qp, out);
+        for &q in &self.qps {
+            self.verbs.qp_fds(q, out);
+        }
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,
@@ -445,7 +461,9 @@ impl RecvComm for RoceRecv {
 
 impl Drop for RoceRecv {
     fn drop(&mut self) {
-        self.verbs.destroy_qp(self.qp);
+        for &q in &self.qps {
+            self.verbs.destroy_qp(q);
+        }
         if let Some(f) = self.flusher.take() {
             self.verbs.destroy_qp(f.qp);
             let _ = self.verbs.dereg_mr(&f.mr);
@@ -457,6 +475,8 @@ impl Drop for RoceRecv {
         }
         self.cache.clear(&*self.verbs);
         let _ = self.verbs.dereg_mr(&self.staging_mr);
-        let _ = self.verbs.dereg_mr(&self.bounce.mr);
+        for b in &self.bounce {
+            let _ = self.verbs.dereg_mr(&b.mr);
+        }
     }
 }

@@ -38,7 +38,8 @@ pub(super) struct RoceSend {
     pub(super) verbs: Arc<dyn Verbs>,
     /// Copies GPU memory into eager staging slots (set by the caller that posts GPU memory).
     pub(super) device_copy: Option<crate::net::DeviceCopy>,
-    pub(super) qp: QpId,
+    /// The connection's queue pairs: message `m` goes on `qps[m % len]`.
+    pub(super) qps: Vec<QpId>,
     /// The peer's address (its GID).
     pub(super) peer: SocketAddr,
     pub(super) live: Liveness,
@@ -95,7 +96,8 @@ impl RoceSend {
     /// Post `wr` for request `i`; `done_now`: the data was copied (inline or staged), so the
     /// request completes at once.
     fn post(&mut self, i: usize, wr: SendWr, done_now: bool, mr: Option<Mr>) -> Result<()> {
-        self.verbs.post_send(self.qp, &wr)?;
+        let qp = self.qp_for(self.cts.next_message());
+        self.verbs.post_send(qp, &wr)?;
         self.cts.posted(self.reqs[i].tag);
         if done_now {
             if let Some(m) = mr {
@@ -108,6 +110,11 @@ impl RoceSend {
         Ok(())
     }
 
+    /// The queue pair of message `m` (the receiver expects it there).
+    fn qp_for(&self, m: u32) -> QpId {
+        self.qps[m as usize % self.qps.len()]
+    }
+
     fn progress_inner(&mut self) -> Result<()> {
         // Waiting for a clear-to-send, or for the completion of a posted write: a peer that
         // is gone answers neither (the engine retries until the deadline), so its closed
@@ -117,17 +124,19 @@ impl RoceSend {
             .iter()
             .any(|r| matches!(r.state, SendState::Waiting | SendState::Posted(_)));
         self.live.check(waiting, "send")?;
-        let n = self.verbs.poll_cq(self.qp, &mut self.wcs)?;
-        for w in &self.wcs[..n] {
-            if w.status != WcStatus::Success {
-                return Err(wc_error(w, "send", &*self.verbs, self.peer));
-            }
-            let idx = (w.wr_id - self.base) as usize;
-            if let Some(r) = self.reqs.get_mut(idx) {
-                if let SendState::Posted(Some(mr)) = r.state {
-                    self.cache.release(&*self.verbs, &mr);
+        for q in 0..self.qps.len() {
+            let n = self.verbs.poll_cq(self.qps[q], &mut self.wcs)?;
+            for w in &self.wcs[..n] {
+                if w.status != WcStatus::Success {
+                    return Err(wc_error(w, "send", &*self.verbs, self.peer));
                 }
-                r.state = SendState::Done;
+                let idx = (w.wr_id - self.base) as usize;
+                if let Some(r) = self.reqs.get_mut(idx) {
+                    if let SendState::Posted(Some(mr)) = r.state {
+                        self.cache.release(&*self.verbs, &mr);
+                    }
+                    r.state = SendState::Done;
+                }
             }
         }
         self.post_waiting()
@@ -166,7 +175,7 @@ impl RoceSend {
             }
             // GPU memory is never read by the CPU (inline copies at post time).
             let inline =
-                len <= self.verbs.qp_max_inline(self.qp) && !self.cache.is_device(addr, len);
+                len <= self.verbs.qp_max_inline(self.qp_for(m)) && !self.cache.is_device(addr, len);
             if eager {
                 // Eager: copied to staging slot `m % slots`, sent into one of the receiver's
                 // bounce buffers without a clear-to-send; complete for the caller at once
@@ -285,7 +294,7 @@ impl SendComm for RoceSend {
     }
 
     fn rtt(&self) -> Option<std::time::Duration> {
-        self.verbs.qp_rtt(self.qp)
+        self.verbs.qp_rtt(self.qps[0])
     }
 
     fn abandon(&mut self) {
@@ -367,7 +376,9 @@ impl SendComm for RoceSend {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        self.verbs.qp_fds(self.qp, out);
+        for &q in &self.qps {
+            self.verbs.qp_fds(q, out);
+        }
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,
@@ -445,9 +456,13 @@ impl Drop for RoceSend {
     fn drop(&mut self) {
         // A failed comm has nothing worth waiting for (its peer may be the failure).
         if self.failed.is_none() {
-            drain_sends(&*self.verbs, self.qp, &mut self.live);
+            for &q in &self.qps {
+                drain_sends(&*self.verbs, q, &mut self.live);
+            }
         }
-        self.verbs.destroy_qp(self.qp);
+        for &q in &self.qps {
+            self.verbs.destroy_qp(q);
+        }
         for r in &self.reqs {
             if let SendState::Posted(Some(mr)) = r.state {
                 self.cache.release(&*self.verbs, &mr);

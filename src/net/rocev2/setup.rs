@@ -31,9 +31,11 @@ use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, 
 use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
 
 pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
-const INFO_MAGIC: u32 = 0x5851_5152; // "RQPX"
+const INFO_MAGIC: u32 = 0x3251_5152; // "RQQ2": several queue pairs per connection
 /// Bytes of a setup message.
-pub(super) const INFO: usize = 64;
+pub(super) const INFO: usize = 128;
+/// Most queue pairs per connection (`ROCCL_IB_QPS_PER_CONNECTION`).
+pub(crate) const MAX_QPS: usize = 8;
 /// Bytes of a setup message's tag.
 pub(super) const TAG: usize = crate::bootstrap::auth::TAG_BYTES;
 /// Where the listener's token is in the handle.
@@ -76,33 +78,56 @@ fn check_peer_slots(slots: u32, peer: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// Endpoint + FIFO description sent over the side channel.
-pub(super) fn encode_info(
-    ep: &QpEndpoint,
-    fifo: Option<&Mr>,
-    eager: Option<EagerCfg>,
-    hardware: bool,
-) -> [u8; INFO] {
+/// What one side of a connection setup tells the other: its queue pairs' endpoints, its
+/// FIFO (address, rkey; the connecting side only), its eager configuration, its provider
+/// kind and the device its queue pairs are on.
+///
+/// Layout (little-endian, [`INFO`] bytes): magic, the first endpoint's address (4..24),
+/// QP number, PSN and MTU (24..36), FIFO address and rkey (36..48), eager size and slots
+/// (48..56), hardware flag (56), number of queue pairs (57), device index (58), then the
+/// QP number and PSN of each further queue pair (64..), which share the first one's address
+/// and MTU (one device).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct SetupInfo {
+    /// One endpoint per queue pair of the connection (1 to [`MAX_QPS`]).
+    pub(super) eps: Vec<QpEndpoint>,
+    pub(super) fifo_addr: u64,
+    pub(super) fifo_rkey: u32,
+    pub(super) eager: EagerCfg,
+    pub(super) hardware: bool,
+    /// Index of the sender's device (rails: the listener takes the matching one).
+    pub(super) dev: u8,
+}
+
+/// Where the further queue pairs' numbers and PSNs start in a setup message.
+const INFO_MORE_QPS: usize = 64;
+
+/// A setup message of `info` (which has 1 to [`MAX_QPS`] endpoints).
+pub(super) fn encode_info(info: &SetupInfo) -> [u8; INFO] {
     let mut b = [0u8; INFO];
+    let ep = &info.eps[0];
     b[0..4].copy_from_slice(&INFO_MAGIC.to_le_bytes());
     put_addr(&mut b[4..24], ep.addr);
     b[24..28].copy_from_slice(&ep.qpn.to_le_bytes());
     b[28..32].copy_from_slice(&ep.psn.to_le_bytes());
     b[32..36].copy_from_slice(&ep.mtu.to_le_bytes());
-    if let Some(m) = fifo {
-        b[36..44].copy_from_slice(&m.addr.to_le_bytes());
-        b[44..48].copy_from_slice(&m.rkey.to_le_bytes());
+    b[36..44].copy_from_slice(&info.fifo_addr.to_le_bytes());
+    b[44..48].copy_from_slice(&info.fifo_rkey.to_le_bytes());
+    b[48..52].copy_from_slice(&info.eager.size.to_le_bytes());
+    b[52..56].copy_from_slice(&info.eager.slots.to_le_bytes());
+    b[56] = u8::from(info.hardware);
+    b[57] = info.eps.len().min(MAX_QPS) as u8;
+    b[58] = info.dev;
+    for (i, e) in info.eps.iter().enumerate().take(MAX_QPS).skip(1) {
+        let at = INFO_MORE_QPS + (i - 1) * 8;
+        b[at..at + 4].copy_from_slice(&e.qpn.to_le_bytes());
+        b[at + 4..at + 8].copy_from_slice(&e.psn.to_le_bytes());
     }
-    if let Some(e) = eager {
-        b[48..52].copy_from_slice(&e.size.to_le_bytes());
-        b[52..56].copy_from_slice(&e.slots.to_le_bytes());
-    }
-    b[56] = u8::from(hardware);
     b
 }
 
 /// Both ends must run RoCE v2 through the same kind of provider.
-fn same_provider(peer_info: &[u8; INFO], verbs: &dyn Verbs) -> Result<()> {
+fn same_provider(peer: &SetupInfo, verbs: &dyn Verbs) -> Result<()> {
     let kind = |hw: bool| {
         if hw {
             "an RDMA NIC (ROCCL_NET=verbs)"
@@ -110,7 +135,7 @@ fn same_provider(peer_info: &[u8; INFO], verbs: &dyn Verbs) -> Result<()> {
             "the userspace RoCE v2 engine over UDP (ROCCL_NET=rocev2)"
         }
     };
-    let (theirs, ours) = (peer_info[56] != 0, verbs.hardware());
+    let (theirs, ours) = (peer.hardware, verbs.hardware());
     if theirs != ours {
         return Err(Error::InvalidUsage(format!(
             "RoCE v2 connection setup: the peer uses {} but this rank {}: set the same ROCCL_NET on every rank (verbs needs an RDMA NIC on every node)",
@@ -121,36 +146,52 @@ fn same_provider(peer_info: &[u8; INFO], verbs: &dyn Verbs) -> Result<()> {
     Ok(())
 }
 
-/// What the peer sent: its endpoint, FIFO (address, rkey) and eager configuration.
-type Info = (QpEndpoint, u64, u32, EagerCfg);
-
-pub(super) fn decode_info(b: &[u8; INFO]) -> Result<Info> {
-    let bad = || {
-        Error::InvalidUsage(
-            "RoCE v2 connection setup: the peer sent an unknown message (another roccl version?)"
-                .into(),
-        )
+/// Decode a setup message (its tag already checked).
+pub(super) fn decode_info(b: &[u8; INFO]) -> Result<SetupInfo> {
+    let bad = |what: &str| {
+        Error::InvalidUsage(format!(
+            "RoCE v2 connection setup: the peer sent {what} (another roccl version?)"
+        ))
     };
     if u32::from_le_bytes(b[0..4].try_into().unwrap()) != INFO_MAGIC {
-        return Err(bad());
+        return Err(bad("an unknown message"));
     }
-    let addr = get_addr(&b[4..24]).ok_or_else(bad)?;
+    let addr = get_addr(&b[4..24]).ok_or_else(|| bad("no address"))?;
     let u32at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-    let ep = QpEndpoint {
-        addr,
-        qpn: u32at(24),
-        psn: u32at(28),
-        mtu: u32at(32),
-    };
-    Ok((
-        ep,
-        u64::from_le_bytes(b[36..44].try_into().unwrap()),
-        u32at(44),
-        EagerCfg {
+    let n = b[57] as usize;
+    if !(1..=MAX_QPS).contains(&n) {
+        return Err(bad(&format!(
+            "{n} queue pairs per connection, outside the 1 to {MAX_QPS} this roccl works with"
+        )));
+    }
+    let mtu = u32at(32);
+    let eps = (0..n)
+        .map(|i| {
+            let (q, p) = if i == 0 {
+                (24, 28)
+            } else {
+                let at = INFO_MORE_QPS + (i - 1) * 8;
+                (at, at + 4)
+            };
+            QpEndpoint {
+                addr,
+                qpn: u32at(q),
+                psn: u32at(p),
+                mtu,
+            }
+        })
+        .collect();
+    Ok(SetupInfo {
+        eps,
+        fifo_addr: u64::from_le_bytes(b[36..44].try_into().unwrap()),
+        fifo_rkey: u32at(44),
+        eager: EagerCfg {
             size: u32at(48),
             slots: u32at(52),
         },
-    ))
+        hardware: b[56] != 0,
+        dev: b[58],
+    })
 }
 
 /// Listen for connections of `net` on its setup address: the handle says where.
@@ -185,7 +226,11 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
             key,
             seen: crate::net::SeenTags::new(),
             listener: l,
-            verbs: Arc::clone(&net.verbs),
+            devs: net
+                .devs
+                .iter()
+                .map(|d| (Arc::clone(&d.verbs), d.ip))
+                .collect(),
             pending: Vec::new(),
             eager: net.eager_cfg()?,
             any_addr: !net.others.is_empty(),
@@ -234,29 +279,10 @@ pub(crate) fn fuzz(handle: &[u8], info: &[u8]) {
     let Ok(b) = <[u8; INFO]>::try_from(info) else {
         return;
     };
-    if let Ok((ep, fifo_addr, fifo_rkey, eager)) = decode_info(&b) {
-        let _ = check_peer_slots(eager.slots, ep.addr);
-        let mr = Mr {
-            addr: fifo_addr,
-            len: CTS_SLOTS * CTS_BYTES,
-            lkey: 0,
-            rkey: fifo_rkey,
-        };
-        let again = encode_info(&ep, Some(&mr), Some(eager), b[56] != 0);
-        let back = decode_info(&again).expect("an encoded setup message decodes");
-        assert_eq!(
-            (
-                back.0.addr,
-                back.0.qpn,
-                back.0.psn,
-                back.0.mtu,
-                back.1,
-                back.2,
-                back.3
-            ),
-            (ep.addr, ep.qpn, ep.psn, ep.mtu, fifo_addr, fifo_rkey, eager),
-            "setup message round trip"
-        );
+    if let Ok(d) = decode_info(&b) {
+        let _ = check_peer_slots(d.eager.slots, d.eps[0].addr);
+        let back = decode_info(&encode_info(&d)).expect("an encoded setup message decodes");
+        assert_eq!(back, d, "setup message round trip");
     }
 }
 
@@ -267,50 +293,64 @@ pub(crate) fn fuzz_seed(setup: SocketAddr, ep: &QpEndpoint) -> (Vec<u8>, Vec<u8>
     let mut h = [0u8; HANDLE_TOKEN + crate::net::TOKEN_BYTES];
     h[0..4].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
     put_addr(&mut h[4..24], setup);
-    let mr = Mr {
-        addr: 0x7f00_0000_1000,
-        len: CTS_SLOTS * CTS_BYTES,
-        lkey: 1,
-        rkey: 0x1234,
+    let info = SetupInfo {
+        eps: vec![
+            *ep,
+            QpEndpoint {
+                qpn: ep.qpn + 1,
+                ..*ep
+            },
+        ],
+        fifo_addr: 0x7f00_0000_1000,
+        fifo_rkey: 0x1234,
+        eager: EagerCfg {
+            size: 8192,
+            slots: EAGER_SLOTS,
+        },
+        hardware: false,
+        dev: 1,
     };
-    let eager = EagerCfg {
-        size: 8192,
-        slots: EAGER_SLOTS,
-    };
-    (
-        h.to_vec(),
-        encode_info(ep, Some(&mr), Some(eager), false).to_vec(),
-    )
+    (h.to_vec(), encode_info(&info).to_vec())
 }
 
-/// Start connecting `net` to the listener of `handle`: the FIFO is registered and the
-/// first setup message queued here; [`RoceConnecting::poll`] does the rest.
-pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Connecting>> {
+/// Start connecting `net`'s device `dev` to the listener of `handle`: the queue pairs are
+/// made, the FIFO registered and the first setup message queued here;
+/// [`RoceConnecting::poll`] does the rest.
+pub(super) fn connect(
+    net: &RoceNet,
+    dev: usize,
+    handle: &NetHandle,
+) -> Result<Box<dyn Connecting>> {
     let (main, others) = decode_handle(handle)?;
     // A host of several subnets: its address on one this host shares.
     let peer = SocketAddr::new(reach(main.ip(), &others), main.port());
     let mut side = Side::dial(peer, "RoCE v2 setup: ")?;
-    let (qp, mut ep) = net.verbs.create_qp()?;
+    let (dev, device) = net.device(dev);
+    let verbs = Arc::clone(&device.verbs);
+    let mut qps = Qps::new(&verbs);
+    let mut eps = Vec::with_capacity(net.qps);
+    for _ in 0..net.qps {
+        let (qp, ep) = verbs.create_qp()?;
+        qps.0.push(qp);
+        eps.push(ep);
+    }
     if !net.others.is_empty() {
         // Our engine takes packets on every address: tell the peer the one on our way to it.
-        match route_source(peer.ip()) {
-            Some(ip) => {
-                ep.addr.set_ip(ip);
-                net.verbs.set_qp_addr(qp, ip);
-            }
-            None => {
-                net.verbs.destroy_qp(qp);
-                return Err(Error::arg(format!(
-                    "RoCE v2 setup: no route from this host to the peer's address {peer} (is the cable to that host up, with an address on its subnet?)"
-                )));
-            }
+        let Some(ip) = route_source(peer.ip()) else {
+            return Err(Error::arg(format!(
+                "RoCE v2 setup: no route from this host to the peer's address {peer} (is the cable to that host up, with an address on its subnet?)"
+            )));
+        };
+        for (q, ep) in qps.0.iter().zip(&mut eps) {
+            ep.addr.set_ip(ip);
+            verbs.set_qp_addr(*q, ip);
         }
     }
     let mut fifo: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
     // SAFETY: the FIFO is boxed (stable address) and owned by the send comm, which
     // deregisters it before freeing it.
     let mr = unsafe {
-        net.verbs.reg_mr(
+        verbs.reg_mr(
             fifo.as_mut_ptr() as u64,
             CTS_SLOTS * CTS_BYTES,
             Access::LOCAL_WRITE | Access::REMOTE_WRITE,
@@ -318,7 +358,14 @@ pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Conne
     };
     let eager = net.eager_cfg()?;
     let key = conn_key(net, handle);
-    let info = encode_info(&ep, Some(&mr), Some(eager), net.verbs.hardware());
+    let info = encode_info(&SetupInfo {
+        eps,
+        fifo_addr: mr.addr,
+        fifo_rkey: mr.rkey,
+        eager,
+        hardware: verbs.hardware(),
+        dev: dev as u8,
+    });
     let req_tag = key.tag(&[&info]);
     side.queue(&info);
     side.queue(&req_tag);
@@ -328,15 +375,37 @@ pub(super) fn connect(net: &RoceNet, handle: &NetHandle) -> Result<Box<dyn Conne
         req_tag,
         peer_setup: peer,
         side,
-        verbs: Arc::clone(&net.verbs),
-        qp,
+        qps,
         mr,
         fifo: Some(fifo),
         replied: false,
         eager,
         peer_eager: None,
         peer_addr: None,
+        verbs,
     }))
+}
+
+/// A connection's queue pairs on their device, destroyed on drop unless taken.
+pub(super) struct Qps(pub(super) Vec<QpId>, Arc<dyn Verbs>);
+
+impl Qps {
+    fn new(verbs: &Arc<dyn Verbs>) -> Qps {
+        Qps(Vec::new(), Arc::clone(verbs))
+    }
+
+    /// The queue pairs, no longer destroyed here.
+    fn take(&mut self) -> Vec<QpId> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+impl Drop for Qps {
+    fn drop(&mut self) {
+        for &q in &self.0 {
+            self.1.destroy_qp(q);
+        }
+    }
 }
 
 /// `h` with its setup port replaced by `port` (tests of peers that do not answer).
@@ -354,14 +423,16 @@ pub(super) struct RoceConnecting {
     /// The listener's setup address.
     peer_setup: SocketAddr,
     side: Side,
-    verbs: Arc<dyn Verbs>,
-    qp: QpId,
+    /// The queue pairs (destroyed with the setup unless it completes).
+    qps: Qps,
     mr: Mr,
     fifo: Option<Box<[Cts; CTS_SLOTS]>>,
     replied: bool,
     eager: EagerCfg,
     peer_eager: Option<EagerCfg>,
     peer_addr: Option<SocketAddr>,
+    /// The device's provider (declared last: the queue pairs and the FIFO go first).
+    verbs: Arc<dyn Verbs>,
 }
 
 impl Connecting for RoceConnecting {
@@ -378,12 +449,22 @@ impl Connecting for RoceConnecting {
                     self.peer_setup
                 )));
             }
-            let (peer, _, _, peer_eager) = decode_info(&b)?;
-            same_provider(&b, &*self.verbs)?;
-            check_peer_slots(peer_eager.slots, peer.addr)?;
-            self.peer_eager = Some(peer_eager);
-            self.peer_addr = Some(peer.addr);
-            self.verbs.connect_qp(self.qp, &peer)?;
+            let peer = decode_info(&b)?;
+            same_provider(&peer, &*self.verbs)?;
+            let addr = peer.eps[0].addr;
+            check_peer_slots(peer.eager.slots, addr)?;
+            if peer.eps.len() != self.qps.0.len() {
+                return Err(Error::InvalidUsage(format!(
+                    "RoCE v2 connection setup with {addr}: the peer answered with {} queue pairs for our {} (another roccl version?)",
+                    peer.eps.len(),
+                    self.qps.0.len()
+                )));
+            }
+            self.peer_eager = Some(peer.eager);
+            self.peer_addr = Some(addr);
+            for (q, ep) in self.qps.0.iter().zip(&peer.eps) {
+                self.verbs.connect_qp(*q, ep)?;
+            }
             self.side.queue(&[1]);
             self.replied = true;
             if !self.side.pump()? {
@@ -416,7 +497,7 @@ impl Connecting for RoceConnecting {
         Ok(Some(Box::new(RoceSend {
             verbs: Arc::clone(&self.verbs),
             device_copy: None,
-            qp: self.qp,
+            qps: self.qps.take(),
             peer: self
                 .peer_addr
                 .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))),
@@ -445,9 +526,9 @@ impl Connecting for RoceConnecting {
 impl Drop for RoceConnecting {
     fn drop(&mut self) {
         if self.fifo.is_some() {
-            // Setup abandoned: release what the send comm would have owned.
+            // Setup abandoned: release what the send comm would have owned (the queue
+            // pairs go with `qps`).
             let _ = self.verbs.dereg_mr(&self.mr);
-            self.verbs.destroy_qp(self.qp);
         }
     }
 }
@@ -458,14 +539,34 @@ struct Accepting {
     accepted: Option<Accepted>,
 }
 
-/// A receive side whose QP is connected, waiting for the sender's "ready".
+/// A receive side whose queue pairs are connected, waiting for the sender's "ready".
 struct Accepted {
-    qp: QpId,
+    /// Declared first: the queue pairs go before their bounce buffers are deregistered.
+    qps: Qps,
+    verbs: Arc<dyn Verbs>,
     peer: SocketAddr,
     fifo_addr: u64,
     fifo_rkey: u32,
-    bounce: Bounce,
+    /// One pool of bounce buffers per queue pair.
+    bounce: Bounces,
     eager: usize,
+}
+
+/// Bounce buffers of a connection's queue pairs, deregistered on drop unless taken.
+pub(super) struct Bounces(pub(super) Vec<Bounce>, Arc<dyn Verbs>);
+
+impl Bounces {
+    fn take(&mut self) -> Vec<Bounce> {
+        std::mem::take(&mut self.0)
+    }
+}
+
+impl Drop for Bounces {
+    fn drop(&mut self) {
+        for b in &self.0 {
+            let _ = self.1.dereg_mr(&b.mr);
+        }
+    }
 }
 
 pub(super) struct RoceListen {
@@ -475,11 +576,105 @@ pub(super) struct RoceListen {
     seen: crate::net::SeenTags,
     /// The setup listener (its address is in the handle).
     listener: TcpListener,
-    verbs: Arc<dyn Verbs>,
+    /// The devices (provider and address) connections may be accepted on.
+    devs: Vec<(Arc<dyn Verbs>, std::net::IpAddr)>,
     pending: Vec<Accepting>,
     eager: EagerCfg,
     /// The engine takes packets on every address ([`RoceNet`]'s other addresses).
     any_addr: bool,
+}
+
+/// Which of `devs` (their addresses) takes a connection from device `dev` of a peer at
+/// `peer`: the one of the same index, unless it is on an interface whose subnet does not
+/// hold the peer and another device's does (rails: NIC i of every host on network i, listed
+/// in another order here).
+pub(super) fn pick_device(devs: &[std::net::IpAddr], dev: usize, peer: std::net::IpAddr) -> usize {
+    if devs.len() == 1 {
+        return 0;
+    }
+    let ifaces = crate::bootstrap::ifaces::list().unwrap_or_default();
+    pick_device_among(devs, dev, peer, &ifaces)
+}
+
+/// [`pick_device`] with this host's interfaces `ifaces`.
+pub(super) fn pick_device_among(
+    devs: &[std::net::IpAddr],
+    dev: usize,
+    peer: std::net::IpAddr,
+    ifaces: &[crate::bootstrap::ifaces::Iface],
+) -> usize {
+    let same = dev % devs.len();
+    // Some(true): on the peer's subnet; Some(false): on an interface that is not; None: on
+    // no interface this host lists (e.g. a second loopback address).
+    let near = |a: &std::net::IpAddr| {
+        let on: Vec<_> = ifaces.iter().filter(|i| i.addr == *a).collect();
+        (!on.is_empty()).then(|| {
+            on.iter()
+                .any(|i| crate::bootstrap::ifaces::on_subnet(i, peer))
+        })
+    };
+    if near(&devs[same]) != Some(false) {
+        return same;
+    }
+    devs.iter()
+        .position(|a| near(a) == Some(true))
+        .unwrap_or(same)
+}
+
+impl RoceListen {
+    /// Make the receive side of the authenticated setup message `peer`: its queue pairs on
+    /// the device that suits it, connected, with their receives posted; and the answer.
+    fn accept_setup(
+        &self,
+        peer: &SetupInfo,
+        local: Option<SocketAddr>,
+    ) -> Result<(Accepted, [u8; INFO])> {
+        let addrs: Vec<std::net::IpAddr> = self.devs.iter().map(|d| d.1).collect();
+        let d = pick_device(&addrs, peer.dev as usize, peer.eps[0].addr.ip());
+        let verbs = Arc::clone(&self.devs[d].0);
+        let mut qps = Qps::new(&verbs);
+        let mut bounce = Bounces(Vec::new(), Arc::clone(&verbs));
+        let mut eps = Vec::with_capacity(peer.eps.len());
+        let cfg = self.eager;
+        for theirs in &peer.eps {
+            let (qp, mut ep) = verbs.create_qp()?;
+            qps.0.push(qp);
+            if self.any_addr {
+                // Our engine takes packets on every address: answer with the one the peer
+                // reached us at.
+                if let Some(a) = local {
+                    ep.addr.set_ip(a.ip());
+                    verbs.set_qp_addr(qp, a.ip());
+                }
+            }
+            // Receives are posted before the sender learns our endpoint: its first message
+            // (eager, without a clear-to-send) always finds one.
+            verbs.connect_qp(qp, theirs)?;
+            bounce.0.push(Bounce::new(&*verbs, qp, cfg)?);
+            eps.push(ep);
+        }
+        let answer = encode_info(&SetupInfo {
+            eps,
+            fifo_addr: 0,
+            fifo_rkey: 0,
+            eager: cfg,
+            hardware: verbs.hardware(),
+            dev: d as u8,
+        });
+        Ok((
+            Accepted {
+                qps,
+                verbs,
+                peer: peer.eps[0].addr,
+                fifo_addr: peer.fifo_addr,
+                fifo_rkey: peer.fifo_rkey,
+                bounce,
+                // The sender sends eagerly what fits both sides' limit.
+                eager: cfg.size.min(peer.eager.size) as usize,
+            },
+            answer,
+        ))
+    }
 }
 
 impl ListenComm for RoceListen {
@@ -516,15 +711,12 @@ impl ListenComm for RoceListen {
                 _ => None,
             };
             if let Some(why) = bad {
+                // (What was accepted goes with it.)
                 let gone = self.pending.swap_remove(i);
                 // A peer that had its setup message accepted is one of ours: its errors are
                 // its own to report.
                 if gone.accepted.is_none() {
                     auth::refuse("RoCE v2 setup listener", gone.side.peer_ip(), &why);
-                }
-                if let Some(accepted) = gone.accepted {
-                    self.verbs.destroy_qp(accepted.qp);
-                    let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
                 }
                 continue;
             }
@@ -548,85 +740,52 @@ impl ListenComm for RoceListen {
                     continue;
                 }
                 // An authenticated peer set up differently: its error is the job's.
-                let checked =
-                    decode_info(&b).and_then(|d| same_provider(&b, &*self.verbs).map(|()| d));
-                let (peer, fifo_addr, fifo_rkey, sender_eager) = match checked {
-                    Ok(d) => d,
-                    Err(e) => {
-                        self.pending.swap_remove(i);
-                        return Err(e);
-                    }
-                };
-                let (qp, mut ep) = match self.verbs.create_qp() {
+                let local = accepting.side.s.local_addr().ok();
+                let made = decode_info(&b)
+                    .and_then(|d| same_provider(&d, &*self.devs[0].0).map(|()| d))
+                    .and_then(|d| self.accept_setup(&d, local));
+                let (accepted, answer) = match made {
                     Ok(x) => x,
                     Err(e) => {
                         self.pending.swap_remove(i);
                         return Err(e);
                     }
                 };
-                if self.any_addr {
-                    // Our engine takes packets on every address: answer with the one the
-                    // peer reached us at.
-                    if let Ok(a) = accepting.side.s.local_addr() {
-                        ep.addr.set_ip(a.ip());
-                        self.verbs.set_qp_addr(qp, a.ip());
-                    }
-                }
-                // Receives are posted before the sender learns our endpoint: its first
-                // message (eager, without a clear-to-send) always finds one.
-                let cfg = self.eager;
-                let bounce = match self
-                    .verbs
-                    .connect_qp(qp, &peer)
-                    .and_then(|()| Bounce::new(&*self.verbs, qp, cfg))
-                {
-                    Ok(b) => b,
-                    Err(e) => {
-                        self.verbs.destroy_qp(qp);
-                        self.pending.swap_remove(i);
-                        return Err(e);
-                    }
-                };
-                let answer = encode_info(&ep, None, Some(cfg), self.verbs.hardware());
+                let reply = reply_tag(&self.key, &answer, &tag);
                 let accepting = &mut self.pending[i];
                 accepting.side.queue(&answer);
-                accepting.side.queue(&reply_tag(&self.key, &answer, &tag));
+                accepting.side.queue(&reply);
                 accepting.side.expect(1); // the sender's "ready"
-                accepting.accepted = Some(Accepted {
-                    qp,
-                    peer: peer.addr,
-                    fifo_addr,
-                    fifo_rkey,
-                    bounce,
-                    // The sender sends eagerly what fits both sides' limit.
-                    eager: cfg.size.min(sender_eager.size) as usize,
-                });
+                accepting.accepted = Some(accepted);
                 i += 1;
                 continue;
             }
             let ready = self.pending.swap_remove(i);
             let Accepted {
-                qp,
+                mut qps,
+                verbs,
                 peer,
                 fifo_addr,
                 fifo_rkey,
-                bounce,
+                mut bounce,
                 eager,
             } = ready.accepted.expect("set above");
             let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
             // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
             let smr = unsafe {
-                self.verbs.reg_mr(
+                verbs.reg_mr(
                     staging.as_mut_ptr() as u64,
                     CTS_SLOTS * CTS_BYTES,
                     Access::LOCAL_WRITE,
                 )?
             };
-            let cts = CtsWriter::new(bounce.slots);
+            let bounce = bounce.take();
+            let cts = CtsWriter::new(bounce[0].slots);
+            let n = bounce.len();
             return Ok(Some(Box::new(RoceRecv {
-                verbs: Arc::clone(&self.verbs),
+                verbs: Arc::clone(&verbs),
                 device_copy: None,
-                qp,
+                qps: qps.take(),
                 peer,
                 live: Liveness::new(ready.side.s, "RoCE v2"),
                 fifo_addr,
@@ -638,12 +797,15 @@ impl ListenComm for RoceListen {
                 wcs: [EMPTY_WC; 16],
                 failed: None,
                 bounce,
-                arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
+                arrived: (0..n)
+                    .map(|_| VecDeque::with_capacity(EAGER_SLOTS as usize))
+                    .collect(),
+                matched: 0,
                 filling: 0,
                 cts,
                 next_first: 0,
                 eager,
-                cache: RegCache::new(&*self.verbs),
+                cache: RegCache::new(&*verbs),
                 flusher: None,
             })));
         }
@@ -660,17 +822,6 @@ impl ListenComm for RoceListen {
                 fd: a.side.s.as_raw_fd(),
                 events: libc::POLLIN,
             });
-        }
-    }
-}
-
-impl Drop for RoceListen {
-    fn drop(&mut self) {
-        for accepting in self.pending.drain(..) {
-            if let Some(accepted) = accepting.accepted {
-                self.verbs.destroy_qp(accepted.qp);
-                let _ = self.verbs.dereg_mr(&accepted.bounce.mr);
-            }
         }
     }
 }

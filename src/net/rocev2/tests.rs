@@ -4,7 +4,9 @@
 use super::eager::{EagerCfg, EAGER_DEFAULT};
 use super::flush::FLUSH_READS;
 use super::recv::written;
-use super::setup::{conn_key, decode_info, encode_info, handle_with_port, reply_tag, INFO, TAG};
+use super::setup::{
+    conn_key, decode_info, encode_info, handle_with_port, pick_device_among, reply_tag, INFO, TAG,
+};
 use super::*;
 use crate::net::{PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, SendComm};
 use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode, PROVIDER_WR_ID_BIT};
@@ -339,12 +341,12 @@ fn a_peer_claiming_absurd_receive_buffers_is_refused() {
         s.read_exact(&mut req).unwrap();
         // Answer with the connector's own endpoint (a QP connected to itself), as a peer of
         // the job would (it knows the key).
-        let (ep, _, _, _) = decode_info(req[..INFO].try_into().unwrap()).unwrap();
-        let eager = EagerCfg {
+        let mut info = decode_info(req[..INFO].try_into().unwrap()).unwrap();
+        info.eager = EagerCfg {
             size: EAGER_DEFAULT,
             slots: u32::MAX,
         };
-        let answer = encode_info(&ep, None, Some(eager), false);
+        let answer = encode_info(&info);
         s.write_all(&answer).unwrap();
         s.write_all(&reply_tag(&key, &answer, &req[INFO..]))
             .unwrap();
@@ -398,7 +400,14 @@ fn a_nic_and_the_userspace_engine_refuse_each_other_clearly() {
 #[test]
 fn grouped_receives_with_mixed_sizes_from_two_threads() {
     let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
-    let (mut s, mut r) = pair(&net);
+    grouped_mixed_sizes(&net, 150);
+}
+
+/// `groups` receives of 1 to 8 buffers of random sizes (empty, eager, just above the eager
+/// size, rendezvous up to 300 kB) and tags, their buffers sent in random order from another
+/// thread, up to [`FIFO`] in flight: every buffer gets its size and its data.
+fn grouped_mixed_sizes(net: &RoceNet, groups: usize) {
+    let (mut s, mut r) = pair(net);
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         rng ^= rng << 13;
@@ -408,8 +417,8 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
     };
     // Per group: (size, tag) of each buffer, and the order the sender sends them in.
     type Group = (Vec<(usize, u32)>, Vec<usize>);
-    let mut groups: Vec<Group> = Vec::new();
-    for _ in 0..150 {
+    let mut plan: Vec<Group> = Vec::new();
+    for _ in 0..groups {
         let n = if next() % 3 == 0 {
             1 + (next() % 8) as usize
         } else {
@@ -430,8 +439,9 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
         for i in (1..n).rev() {
             order.swap(i, (next() % (i as u64 + 1)) as usize);
         }
-        groups.push((bufs, order));
+        plan.push((bufs, order));
     }
+    let groups = plan;
     let fill = |g: usize, b: usize, i: usize| (g * 31 + b * 7 + i * 13) as u8;
     let sent: Vec<Vec<Vec<u8>>> = groups
         .iter()
@@ -527,7 +537,7 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
 
 /// The userspace engine, posing as a NIC when `nic` is set (to check that both ends
 /// must agree), recording every send work request (opcode, inline, local address,
-/// remote address); with `Some(n)` in the fourth field every queue pair is granted `n`
+/// remote address, queue pair); with `Some(n)` in the fourth field every queue pair is granted `n`
 /// bytes of inline data, as a NIC may grant less than its provider asked for. The last
 /// field but one counts reads of registered memory, each one lock of the userspace engine:
 /// [`Reads`]. With `Some(limit)` in the last field its completions are the NIC provider's:
@@ -535,12 +545,16 @@ fn grouped_receives_with_mixed_sizes_from_two_threads() {
 /// close drains for at most `limit`. Like a NIC, it never says sends were acknowledged.
 struct Wrapped(
     UserVerbs,
-    parking_lot::Mutex<Vec<(WrOpcode, bool, u64, u64)>>,
+    parking_lot::Mutex<Vec<Posted>>,
     bool,
     Option<usize>,
     Reads,
     Option<Duration>,
 );
+
+/// A send work request [`Wrapped`] saw: opcode, inline, local address, remote address,
+/// queue pair.
+type Posted = (WrOpcode, bool, u64, u64, QpId);
 
 /// Calls of `read_registered` and of `read_registered_in_order`, and the pieces the
 /// latter copied.
@@ -611,7 +625,7 @@ impl Verbs for Wrapped {
         let local = wr.sge.map_or(0, |g| g.addr);
         self.1
             .lock()
-            .push((wr.opcode, wr.inline, local, wr.remote_addr));
+            .push((wr.opcode, wr.inline, local, wr.remote_addr, qp));
         self.0.post_send(qp, wr)
     }
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
@@ -1052,4 +1066,169 @@ fn an_engine_on_every_address_connects_at_the_peers_reachable_one() {
         let (got, n) = exchange(&mut *s, &mut *r, &data, len, 1).unwrap();
         assert_eq!((n, &got[..len]), (len, &data[..]));
     }
+}
+
+/// `ROCCL_IB_QPS_PER_CONNECTION`: a connection of 3 queue pairs sends message `m` on its
+/// `m % 3`th, each queue pair from its own UDP socket (its own source port), and the
+/// receiver hands messages over in the order they were sent.
+#[test]
+fn several_queue_pairs_take_messages_in_turn() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo).with_qps(3);
+    let (mut s, mut r) = pair(&net);
+    // Both ends on one engine: 3 queue pairs each, each with its own send socket.
+    assert_eq!(rec.0.open_qps(), (6, 6));
+    rec.1.lock().clear();
+    // Eager, inline, rendezvous and empty messages.
+    let sizes = [1000usize, 8, 100_000, 0, 20_000, 3, 70_000];
+    for (i, &len) in sizes.iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|k| (k * 3 + i) as u8).collect();
+        let (got, n) = exchange(&mut *s, &mut *r, &data, len.max(1), 1).unwrap();
+        assert_eq!((n, &got[..len]), (len, &data[..]), "message {i}");
+    }
+    let data_qps: Vec<QpId> = rec
+        .1
+        .lock()
+        .iter()
+        .filter(|w| matches!(w.0, WrOpcode::SendImm | WrOpcode::WriteImm))
+        .map(|w| w.4)
+        .collect();
+    assert_eq!(data_qps.len(), sizes.len(), "{data_qps:?}");
+    let mut distinct = data_qps.clone();
+    distinct.sort_by_key(|q| format!("{q:?}"));
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3, "{data_qps:?}");
+    for (m, q) in data_qps.iter().enumerate() {
+        assert_eq!(*q, data_qps[m % 3], "message {m} on its queue pair");
+    }
+}
+
+/// Messages on 3 queue pairs through a link that drops, duplicates and delays datagrams:
+/// one queue pair's retransmission holds its message back while the others' arrive, and
+/// the receiver still matches every message to the receive it was sent for.
+#[test]
+fn several_queue_pairs_keep_the_order_through_losses() {
+    use crate::rdma::udp::Faults;
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let faults = Faults {
+        drop: 0.02,
+        dup: 0.01,
+        reorder: 0.02,
+        seed: 11,
+        ..Faults::default()
+    };
+    let verbs = Arc::new(UserVerbs::with(lo, 0, Some(faults)).unwrap());
+    let net = RoceNet::over(verbs, lo).with_qps(3);
+    grouped_mixed_sizes(&net, 60);
+}
+
+/// A queue pair count outside 1 to 8 is refused with the setting's name.
+#[test]
+fn queue_pairs_per_connection_are_checked() {
+    assert_eq!(parse_qps("4").unwrap(), 4);
+    for bad in ["0", "9", "two", "-1"] {
+        let e = parse_qps(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("ROCCL_IB_QPS_PER_CONNECTION") && e.contains("1 to 8"),
+            "{e}"
+        );
+    }
+}
+
+/// Two NICs (two engines, on 127.0.0.1 and 127.0.0.2): a connection of device `d` runs on
+/// the `d`th at both ends, each NIC carries its own connections' packets, and data arrives
+/// whole over either.
+#[test]
+fn connections_spread_over_several_devices() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let lo2: IpAddr = Ipv4Addr::new(127, 0, 0, 2).into();
+    let nic0 = Arc::new(UserVerbs::with(lo, 0, None).unwrap());
+    let nic1 = Arc::new(UserVerbs::with(lo2, 0, None).unwrap());
+    let net = RoceNet::over_devices(
+        vec![
+            (nic0.clone() as Arc<dyn Verbs>, lo),
+            (nic1.clone() as Arc<dyn Verbs>, lo2),
+        ],
+        lo,
+    )
+    .unwrap()
+    .with_qps(2);
+    assert_eq!(net.devices(), 2);
+    assert_eq!(net.properties(1).unwrap().guid, 1);
+    let (h, mut l) = net.listen(0).unwrap();
+    let mut comms = Vec::new();
+    for dev in 0..2 {
+        let mut c = net.connect(dev, &h).unwrap();
+        let (mut s, mut r) = (None, None);
+        let t0 = std::time::Instant::now();
+        while s.is_none() || r.is_none() {
+            assert!(t0.elapsed().as_secs() < 10, "setup of device {dev} stalled");
+            if s.is_none() {
+                s = c.poll().unwrap();
+            }
+            if r.is_none() {
+                r = l.accept().unwrap();
+            }
+        }
+        comms.push((s.unwrap(), r.unwrap()));
+    }
+    // Each device holds its connection's queue pairs, both ends: 2 + 2.
+    assert_eq!(nic0.open_qps().0, 4);
+    assert_eq!(nic1.open_qps().0, 4);
+    for (dev, (s, r)) in comms.iter_mut().enumerate() {
+        let before = [nic0.udp_stats().packets, nic1.udp_stats().packets];
+        let data: Vec<u8> = (0..300_000).map(|i| (i * 5 + dev) as u8).collect();
+        let (got, n) = exchange(&mut **s, &mut **r, &data, data.len(), 1).unwrap();
+        assert_eq!((n, &got[..]), (data.len(), &data[..]), "device {dev}");
+        let sent = [
+            nic0.udp_stats().packets - before[0],
+            nic1.udp_stats().packets - before[1],
+        ];
+        // 300 kB is at least 73 packets of 4 KiB; the other NIC sends no data (a few
+        // acknowledgements at most, of its own connection's earlier traffic).
+        assert!(sent[dev] >= 73, "device {dev} sent {sent:?}");
+        assert!(
+            sent[1 - dev] < 10,
+            "device {dev}: the other NIC sent {sent:?}"
+        );
+    }
+    let mut counters = Vec::new();
+    net.counters(&mut counters);
+    let names: Vec<_> = counters.iter().map(|c| c.0).collect();
+    let mut unique = names.clone();
+    unique.dedup();
+    assert_eq!(names, unique, "counters are summed over the devices");
+}
+
+/// The device that accepts a connection: the connector's index, unless that device is on
+/// an interface whose subnet does not hold the peer and another's does (rails listed in
+/// another order on this host).
+#[test]
+fn the_accepting_device_is_on_the_connectors_rail() {
+    use crate::bootstrap::ifaces::Iface;
+    let a = |s: &str| s.parse::<IpAddr>().unwrap();
+    let iface = |name: &str, addr: &str| Iface {
+        name: name.into(),
+        addr: a(addr),
+        prefix: 24,
+    };
+    let ifaces = [iface("r0", "10.0.0.1"), iface("r1", "10.0.1.1")];
+    let devs = [a("10.0.0.1"), a("10.0.1.1")];
+    assert_eq!(pick_device_among(&devs, 0, a("10.0.0.2"), &ifaces), 0);
+    assert_eq!(pick_device_among(&devs, 1, a("10.0.1.2"), &ifaces), 1);
+    // The peer lists its rails the other way round.
+    assert_eq!(pick_device_among(&devs, 0, a("10.0.1.2"), &ifaces), 1);
+    assert_eq!(pick_device_among(&devs, 1, a("10.0.0.2"), &ifaces), 0);
+    // A peer on neither rail (routed): its index.
+    assert_eq!(pick_device_among(&devs, 1, a("192.0.2.9"), &ifaces), 1);
+    // A device on no listed interface (a second loopback address): its index.
+    let lo = [a("127.0.0.1"), a("127.0.0.2")];
+    let lo_if = [Iface {
+        name: "lo".into(),
+        addr: a("127.0.0.1"),
+        prefix: 8,
+    }];
+    assert_eq!(pick_device_among(&lo, 1, a("127.0.0.2"), &lo_if), 1);
+    assert_eq!(pick_device_among(&lo, 3, a("127.0.0.1"), &lo_if), 1);
 }

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 
-use super::criteria::{Criteria, Family};
+use super::criteria::{Criteria, Family, HcaFilter};
 use super::sysfs::{natural_cmp, GidEntry, PortInfo};
 use super::{FAMILY_VAR, GID_INDEX_VAR, HCA_VAR, RANGE_VAR, SYSFS_ROOT};
 
@@ -335,6 +335,26 @@ pub fn choose(ports: &[PortInfo], c: &Criteria) -> Result<Choice> {
         });
     }
     Err(no_choice(ports, &rejected, c))
+}
+
+/// Every port to use: where `ROCCL_IB_HCA` lists several devices or ports (not `^`), each
+/// listed port that [`choose`] would take on its own, in device order; otherwise the one
+/// [`choose`] picks. An error only when none qualifies ([`choose`]'s, naming why each was
+/// passed over).
+pub fn choose_each(ports: &[PortInfo], c: &Criteria) -> Result<Vec<Choice>> {
+    if !c.hca.as_ref().is_some_and(HcaFilter::lists_several) {
+        return choose(ports, c).map(|one| vec![one]);
+    }
+    let mut order: Vec<&PortInfo> = ports.iter().collect();
+    order.sort_by(|a, b| natural_cmp(&a.dev, &b.dev).then(a.port.cmp(&b.port)));
+    let each: Vec<Choice> = order
+        .into_iter()
+        .filter_map(|p| choose(std::slice::from_ref(p), c).ok())
+        .collect();
+    if each.is_empty() {
+        return choose(ports, c).map(|one| vec![one]);
+    }
+    Ok(each)
 }
 
 /// "RoCE v2, IPv4 192.168.1.2 on eth0".

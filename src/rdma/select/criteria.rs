@@ -49,6 +49,12 @@ impl HcaFilter {
         &self.spec
     }
 
+    /// Whether the list names several devices or ports to use (not ports to avoid): the
+    /// network then has a device for each.
+    pub fn lists_several(&self) -> bool {
+        !self.exclude && self.items.len() > 1
+    }
+
     /// Whether the list names ports to avoid (leading `^`).
     pub fn is_exclude(&self) -> bool {
         self.exclude

@@ -33,7 +33,7 @@ mod sysfs;
 #[cfg(test)]
 mod tests;
 
-pub use choice::{choose, describe, Choice};
+pub use choice::{choose, choose_each, describe, Choice};
 pub use criteria::{parse_cidr, parse_family, parse_hca, Cidr, Criteria, Family, HcaFilter};
 pub use sysfs::{scan, GidEntry, PortInfo};
 

@@ -191,6 +191,43 @@ fn two_nics() {
     assert!(e.contains("ports found: mlx5_0:1, mlx5_1:1"), "{e}");
 }
 
+/// A list of several NICs gives a device for each one that qualifies; one name, an
+/// exclusion or no list gives the one `choose` picks.
+#[test]
+fn several_nics_listed_are_each_chosen() {
+    let each = |vars: &[(&str, &str)]| -> Vec<(String, IpAddr)> {
+        choose_each(&tree("two_nics"), &env(vars).unwrap())
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.dev, c.gid.ip()))
+            .collect()
+    };
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    assert_eq!(
+        each(&[(HCA_VAR, "mlx5_1,mlx5_0")]),
+        [
+            ("mlx5_0".to_string(), ip("10.0.0.5")),
+            ("mlx5_1".to_string(), ip("10.1.0.5"))
+        ]
+    );
+    assert_eq!(each(&[]), [("mlx5_0".to_string(), ip("10.0.0.5"))]);
+    assert_eq!(each(&[(HCA_VAR, "^mlx5_0")]).len(), 1);
+    assert_eq!(each(&[(HCA_VAR, "mlx5_1")]).len(), 1);
+    // One of the listed does not qualify (no GID in the range): the others are used.
+    assert_eq!(
+        each(&[(HCA_VAR, "mlx5_0,mlx5_1"), (RANGE_VAR, "10.1.0.0/16")]),
+        [("mlx5_1".to_string(), ip("10.1.0.5"))]
+    );
+    // None does: choose's error, with the reasons.
+    let e = choose_each(
+        &tree("two_nics"),
+        &env(&[(HCA_VAR, "mlx5_0,mlx5_1"), (RANGE_VAR, "10.9.0.0/16")]).unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no usable RoCE v2 GID"), "{e}");
+}
+
 #[test]
 fn range_skips_addresses_outside() {
     // A hand-built port with two IPv4 addresses on one netdev.
