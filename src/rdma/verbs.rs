@@ -219,8 +219,38 @@ pub trait Verbs: Send + Sync {
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()>;
     /// Make progress and take up to `out.len()` completions of `qp`.
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize>;
+    /// Take the completions of several QPs at once (a connection's): `qps[i]`'s go to
+    /// `out` after those of the QPs before it, at most `out.len() / qps.len()` each, and
+    /// `counts[i]` says how many (`counts` is at least as long as `qps`). The default polls
+    /// each; the userspace engine makes progress once for all.
+    fn poll_cqs(&self, qps: &[QpId], out: &mut [Wc], counts: &mut [usize]) -> Result<()> {
+        let share = (out.len() / qps.len().max(1)).max(1);
+        let mut at = 0;
+        for (i, &qp) in qps.iter().enumerate() {
+            let end = (at + share).min(out.len());
+            counts[i] = self.poll_cq(qp, &mut out[at..end])?;
+            at += counts[i];
+        }
+        Ok(())
+    }
     /// Descriptors to sleep on until completions may be ready.
     fn poll_fds(&self, out: &mut Vec<PollFd>);
+    /// [`Verbs::qp_fds`] of several QPs (a connection's), each descriptor once.
+    fn qps_fds(&self, qps: &[QpId], out: &mut Vec<PollFd>) {
+        let start = out.len();
+        for &qp in qps {
+            let from = out.len();
+            self.qp_fds(qp, out);
+            let mut i = from;
+            while i < out.len() {
+                if out[start..from].iter().any(|p| p.fd == out[i].fd) {
+                    out.swap_remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
     /// Descriptors that become readable when QP `qp` has a completion (or the provider's).
     fn qp_fds(&self, qp: QpId, out: &mut Vec<PollFd>) {
         let _ = qp;

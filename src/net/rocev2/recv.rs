@@ -13,6 +13,7 @@ use super::cts::{Cts, CtsElem, CtsWriter, CTS_BYTES, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::flush::Flusher;
 use super::regcache::RegCache;
+use super::setup::MAX_QPS;
 use super::{no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
 use crate::error::{Error, Result};
 use crate::net::{Liveness, MemHandle, PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, MAX_RECVS};
@@ -86,7 +87,7 @@ pub(super) struct RoceRecv {
     pub(super) staging_mr: Mr,
     pub(super) reqs: VecDeque<RReq>,
     pub(super) base: u64,
-    pub(super) wcs: [Wc; 16],
+    pub(super) wcs: [Wc; super::send::WCS],
     pub(super) failed: Option<String>,
     /// Per queue pair, its bounce buffers (one per receive work request).
     pub(super) bounce: Vec<Bounce>,
@@ -175,9 +176,12 @@ impl RoceRecv {
     }
 
     fn progress_inner(&mut self) -> Result<()> {
-        for q in 0..self.qps.len() {
-            let n = self.verbs.poll_cq(self.qps[q], &mut self.wcs)?;
-            for k in 0..n {
+        let mut counts = [0usize; MAX_QPS];
+        self.verbs.poll_cqs(&self.qps, &mut self.wcs, &mut counts)?;
+        let mut at = 0;
+        for (q, &n) in counts.iter().enumerate().take(self.qps.len()) {
+            at += n;
+            for k in at - n..at {
                 let w = self.wcs[k];
                 if w.status != WcStatus::Success {
                     return Err(wc_error(&w, "receive", &*self.verbs, self.peer));
@@ -449,9 +453,7 @@ impl RecvComm for RoceRecv {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        for &q in &self.qps {
-            self.verbs.qp_fds(q, out);
-        }
+        self.verbs.qps_fds(&self.qps, out);
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,

@@ -11,10 +11,14 @@ use std::sync::Arc;
 use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
+use super::setup::MAX_QPS;
 use super::{no_device_copy, reg_explicit, wc_error, EMPTY_WC, FIFO, IMM_SIZE_BITS};
 use crate::error::{Error, Result};
 use crate::net::{Liveness, MemHandle, PollFd, ReqId, SendComm};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode};
+
+/// Completions taken per poll (shared among a connection's queue pairs).
+pub(super) const WCS: usize = 32;
 
 #[derive(Clone, Copy)]
 pub(super) enum SendState {
@@ -47,7 +51,7 @@ pub(super) struct RoceSend {
     pub(super) fifo: Box<[Cts; CTS_SLOTS]>,
     pub(super) reqs: VecDeque<SReq>,
     pub(super) base: u64,
-    pub(super) wcs: [Wc; 16],
+    pub(super) wcs: [Wc; WCS],
     pub(super) failed: Option<String>,
     /// Largest eager message (0: none).
     pub(super) eager_size: usize,
@@ -124,19 +128,19 @@ impl RoceSend {
             .iter()
             .any(|r| matches!(r.state, SendState::Waiting | SendState::Posted(_)));
         self.live.check(waiting, "send")?;
-        for q in 0..self.qps.len() {
-            let n = self.verbs.poll_cq(self.qps[q], &mut self.wcs)?;
-            for w in &self.wcs[..n] {
-                if w.status != WcStatus::Success {
-                    return Err(wc_error(w, "send", &*self.verbs, self.peer));
+        let mut counts = [0usize; MAX_QPS];
+        self.verbs.poll_cqs(&self.qps, &mut self.wcs, &mut counts)?;
+        let n: usize = counts.iter().sum();
+        for w in &self.wcs[..n] {
+            if w.status != WcStatus::Success {
+                return Err(wc_error(w, "send", &*self.verbs, self.peer));
+            }
+            let idx = (w.wr_id - self.base) as usize;
+            if let Some(r) = self.reqs.get_mut(idx) {
+                if let SendState::Posted(Some(mr)) = r.state {
+                    self.cache.release(&*self.verbs, &mr);
                 }
-                let idx = (w.wr_id - self.base) as usize;
-                if let Some(r) = self.reqs.get_mut(idx) {
-                    if let SendState::Posted(Some(mr)) = r.state {
-                        self.cache.release(&*self.verbs, &mr);
-                    }
-                    r.state = SendState::Done;
-                }
+                r.state = SendState::Done;
             }
         }
         self.post_waiting()
@@ -376,9 +380,7 @@ impl SendComm for RoceSend {
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
-        for &q in &self.qps {
-            self.verbs.qp_fds(q, out);
-        }
+        self.verbs.qps_fds(&self.qps, out);
         out.push(PollFd {
             fd: self.live.side.as_raw_fd(),
             events: libc::POLLIN,

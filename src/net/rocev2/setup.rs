@@ -506,7 +506,7 @@ impl Connecting for RoceConnecting {
             fifo,
             reqs: VecDeque::with_capacity(FIFO),
             base: 0,
-            wcs: [EMPTY_WC; 16],
+            wcs: [EMPTY_WC; super::send::WCS],
             failed: None,
             eager_size: eager_size as usize,
             staging,
@@ -794,7 +794,7 @@ impl ListenComm for RoceListen {
                 staging_mr: smr,
                 reqs: VecDeque::with_capacity(FIFO),
                 base: 0,
-                wcs: [EMPTY_WC; 16],
+                wcs: [EMPTY_WC; super::send::WCS],
                 failed: None,
                 bounce,
                 arrived: (0..n)

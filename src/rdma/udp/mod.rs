@@ -49,6 +49,10 @@ const GROUPS: usize = 16;
 const GSO_BYTES: usize = 65000;
 /// The progress thread leaves the engine to the application while it polled this recently.
 const APP_ACTIVE: Duration = Duration::from_micros(500);
+/// The progress thread sleeps at most this long without a timer due...
+const PROGRESS_IDLE: Duration = Duration::from_millis(10);
+/// ...and at least this long (a timer already due is served on waking).
+const PROGRESS_MIN_SLEEP: Duration = Duration::from_micros(20);
 const DGRAM: usize = 4096 + 64;
 
 struct Pending {
@@ -170,7 +174,7 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
             std::thread::sleep(APP_ACTIVE - idle);
             continue;
         }
-        let wait_ms = {
+        let wait = {
             let mut g = d.lock();
             let _ = g.progress();
             g.wake(None);
@@ -178,10 +182,11 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
                 .engine
                 .poll_timeout()
                 .or_else(|| g.delayed.iter().map(|p| p.at).min());
-            next.map_or(10, |t| {
+            // To the microsecond: an acknowledgement due in 100 µs (ACK_DELAY) waits no
+            // whole millisecond, which the peer's retransmission timer may not outlast.
+            next.map_or(PROGRESS_IDLE, |t| {
                 t.saturating_duration_since(Instant::now())
-                    .as_millis()
-                    .clamp(0, 10) as i32
+                    .clamp(PROGRESS_MIN_SLEEP, PROGRESS_IDLE)
             })
         };
         let mut p = libc::pollfd {
@@ -189,8 +194,13 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
             events: libc::POLLIN,
             revents: 0,
         };
-        // SAFETY: `p` is a valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut p, 1, wait_ms.max(1)) };
+        let ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: wait.as_nanos() as libc::c_long,
+        };
+        // SAFETY: `p` is a valid pollfd and `ts` a valid timespec for the duration of the
+        // call; a null signal mask leaves the thread's as it is.
+        unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
     }
 }
 
@@ -1304,6 +1314,29 @@ impl Verbs for UserVerbs {
         // Completions this progress made for other QPs: wake whoever sleeps on them.
         d.wake(Some(q));
         Ok(n)
+    }
+
+    fn poll_cqs(&self, qps: &[QpId], out: &mut [Wc], counts: &mut [usize]) -> Result<()> {
+        let mut d = self.d.lock();
+        d.last_app_poll = d.progress()?;
+        let share = (out.len() / qps.len().max(1)).max(1);
+        let mut at = 0;
+        for (i, &qp) in qps.iter().enumerate() {
+            let q = qpn(qp);
+            let cq = d
+                .qps
+                .get(&q)
+                .filter(|s| !s.destroyed)
+                .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?
+                .cq;
+            let end = (at + share).min(out.len());
+            counts[i] = d.engine.poll_cq(cq, &mut out[at..end]);
+            at += counts[i];
+            d.unwake(q);
+        }
+        // Completions this progress made for other QPs: wake whoever sleeps on them.
+        d.wake(None);
+        Ok(())
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# roccl over several NICs: 2 network namespaces ("hosts") joined by 2 veth pairs, each pair its
+# own subnet (rail 0: 10.82.0.0/24 on "r0", rail 1: 10.82.1.0/24 on "r1"), each direction of
+# each rail limited by tbf to RATE (default 300 Mbit/s). Rank K runs in host K with
+# ROCCL_IB_HCA=r0,r1: the userspace RoCE v2 engine runs on each rail's address, channels take
+# the rails in turn, and ROCCL_IB_QPS_PER_CONNECTION=2 gives each connection two queue pairs.
+# Checks: every collective over rocev2 with "# wrong results: 0" on rank 0 and both ranks
+# exiting 0; both rails carrying the job's traffic both ways. Then prints the 16 MiB
+# all-reduce on one rail (ROCCL_IB_HCA=r0) against both, alternated (a benchmark, not
+# asserted). Skips (exit 0) only when namespaces or tc are unavailable.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+N=2
+ROOT=10.82.0.1:29702
+PERF=${CARGO_TARGET_DIR:-target}/release/roccl-perf
+LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
+RATE=${ROCCL_RAILS_RATE:-300mbit}
+NS=(roccl-r0 roccl-r1)
+
+skip() {
+  echo "SKIPPED: network namespaces unavailable: $*"
+  exit 0
+}
+
+unset ROCCL_ROCEV2_FAULTS ROCCL_ROCEV2_PORT ROCCL_NET ROCCL_ROOT ROCCL_RANK ROCCL_NRANKS \
+  ROCCL_SOCKET_IFNAME ROCCL_IB_HCA ROCCL_IB_QPS_PER_CONNECTION
+[ "$(id -u)" -eq 0 ] || skip "not root (needs CAP_NET_ADMIN)"
+command -v ip >/dev/null || skip "'ip' (iproute2) not installed"
+command -v tc >/dev/null || skip "'tc' (iproute2) not installed"
+probe=roccl-rprobe$$
+if ! err=$(ip netns add "$probe" 2>&1); then
+  skip "ip netns add failed: $err"
+fi
+ip netns del "$probe"
+
+cargo build --release --quiet --bin roccl-perf
+
+tmp=$(mktemp -d)
+pids=()
+down() {
+  local ns
+  for ns in "${NS[@]}"; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+}
+cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  down
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+down
+
+echo "-- 2 hosts, 2 rails: a veth pair per rail, each its own subnet, each direction at $RATE"
+for ((k = 0; k < N; k++)); do
+  ip netns add "${NS[$k]}"
+  ip -n "${NS[$k]}" link set lo up
+done
+for rail in 0 1; do
+  ip link add "rr$rail-0" type veth peer name "rr$rail-1"
+  for ((k = 0; k < N; k++)); do
+    ip link set "rr$rail-$k" netns "${NS[$k]}"
+    ip -n "${NS[$k]}" link set "rr$rail-$k" name "r$rail"
+    ip -n "${NS[$k]}" addr add "10.82.$rail.$((k + 1))/24" dev "r$rail"
+    ip -n "${NS[$k]}" link set "r$rail" up
+    if ! err=$(ip netns exec "${NS[$k]}" tc qdisc replace dev "r$rail" root tbf rate "$RATE" \
+      burst 256kb latency 50ms 2>&1); then
+      skip "tc tbf failed: $err"
+    fi
+  done
+done
+
+# Bytes each host sent on each rail.
+sent() {
+  local k rail
+  for ((k = 0; k < N; k++)); do
+    for rail in 0 1; do
+      printf '%s,%s=%s ' "$k" "$rail" "$(ip netns exec "${NS[$k]}" cat "/sys/class/net/r$rail/statistics/tx_bytes")"
+    done
+  done
+}
+
+# run NAME HCA QPS PERF_ARGS...: rank K on host K.
+run() {
+  local name=$1 hca=$2 qps=$3 k rc fail=0
+  shift 3
+  echo "-- $name: for K in 0..$((N - 1)): ip netns exec roccl-rK env ROCCL_RANK=K ROCCL_NRANKS=$N" \
+    "ROCCL_ROOT=$ROOT ROCCL_HOSTID=roccl-rK ROCCL_TIMEOUT=60 ROCCL_IB_HCA=$hca ROCCL_IB_QPS_PER_CONNECTION=$qps${NCH:+ ROCCL_NCHANNELS=$NCH} $PERF $*"
+  pids=()
+  for ((k = 0; k < N; k++)); do
+    ip netns exec "${NS[$k]}" env ROCCL_RANK="$k" ROCCL_NRANKS="$N" ROCCL_ROOT="$ROOT" \
+      ROCCL_HOSTID="${NS[$k]}" ROCCL_TIMEOUT=60 ROCCL_IB_HCA="$hca" \
+      ROCCL_IB_QPS_PER_CONNECTION="$qps" ROCCL_NCHANNELS="${NCH:-}" \
+      timeout -k 5 "$LIMIT" "$PERF" "$@" >"$tmp/$name.$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((k = 0; k < N; k++)); do
+    rc=0
+    wait "${pids[$k]}" || rc=$?
+    [ "$rc" -eq 0 ] || { echo "   rank $k exited with $rc"; fail=1; }
+  done
+  pids=()
+  grep -qx "# wrong results: 0" "$tmp/$name.0.log" || { echo "   rank 0 did not report '# wrong results: 0'"; fail=1; }
+  if [ "$fail" -ne 0 ]; then
+    for ((k = 0; k < N; k++)); do
+      echo "   ---- rank $k output ($name)"
+      sed 's/^/   | /' "$tmp/$name.$k.log"
+    done
+    echo "FAILED: $name"
+    exit 1
+  fi
+  echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $N ranks exited 0"
+}
+
+# Every collective, both rails, two queue pairs per connection; two channels from the
+# smallest size (the model takes one per NIC from 1 MiB on), so every size crosses both.
+before=$(sent)
+NCH=2 run all-rails r0,r1 2 --op all -b 8 -e 4M -f 16 --iters 2 --warmup 1 --net rocev2
+after=$(sent)
+for pair in $after; do
+  key=${pair%%=*}
+  was=$(tr ' ' '\n' <<<"$before" | grep "^$key=" | cut -d= -f2)
+  now=${pair#*=}
+  if [ $((now - was)) -lt 1048576 ]; then
+    echo "FAILED: host ${key%,*} sent only $((now - was)) bytes on rail ${key#*,}"
+    exit 1
+  fi
+done
+echo "   both rails carried traffic both ways: $(for pair in $after; do
+  key=${pair%%=*}; was=$(tr ' ' '\n' <<<"$before" | grep "^$key=" | cut -d= -f2)
+  printf 'host %s rail %s %s KiB, ' "${key%,*}" "${key#*,}" $(((${pair#*=} - was) / 1024)); done)"
+
+# The 8 MiB all-reduce (the model's choice) on one rail and on both, alternated; rank 0's
+# out-of-place time and bus bandwidth.
+big=(--op all_reduce -b 8M -e 8M --iters 3 --warmup 1 --net rocev2)
+t_of() { grep '^ ' "$tmp/$1.0.log" | awk '{ print $7 " " $8 " us (busbw " $10 " GB/s)"; exit }'; }
+for round in 1 2; do
+  run "one-rail-$round" r0 1 "${big[@]}"
+  run "two-rails-$round" r0,r1 1 "${big[@]}"
+done
+echo "   8 MiB all-reduce at $RATE per rail: one rail $(t_of one-rail-1); $(t_of one-rail-2)." \
+  "Two rails $(t_of two-rails-1); $(t_of two-rails-2)"
+echo "-- several NICs passed"
