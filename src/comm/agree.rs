@@ -462,15 +462,26 @@ pub(super) fn nic_fingerprint(p: &crate::net::NetProperties) -> u64 {
     h.finish()
 }
 
-/// The fewest distinct NICs the ranks of any host use ([`HostInputs::nic`]), at least 1:
-/// how many ways the traffic between hosts spreads on every host.
+/// The fewest NICs the ranks of any host use, at least 1: how many ways the traffic between
+/// hosts spreads on every host. A host's NICs: the distinct ones its ranks name
+/// ([`HostInputs::nic`]), or the devices each of its ranks has (the fewest), whichever is
+/// more (ranks that each have every NIC of the host start on different ones).
 pub(super) fn nics_per_host(blobs: &[Blob]) -> usize {
-    let mut by_host: std::collections::HashMap<u64, std::collections::HashSet<u64>> =
+    let mut by_host: std::collections::HashMap<u64, (std::collections::HashSet<u64>, u32)> =
         std::collections::HashMap::new();
     for b in blobs {
-        by_host.entry(b.host).or_default().insert(b.inputs.nic);
+        let e = by_host
+            .entry(b.host)
+            .or_insert_with(|| (Default::default(), u32::MAX));
+        e.0.insert(b.inputs.nic);
+        e.1 = e.1.min(b.inputs.devices.max(1));
     }
-    by_host.values().map(|n| n.len()).min().unwrap_or(1).max(1)
+    by_host
+        .values()
+        .map(|(fps, devices)| fps.len().max(*devices as usize))
+        .min()
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// The fewest network devices (NICs) any rank has, at least 1: every rank spreads its
@@ -592,6 +603,32 @@ mod tests {
             nic: 0,
             devices: 1,
         }
+    }
+
+    /// Hosts' NICs and every rank's devices: the NICs a host's ranks name, or the devices
+    /// each has, whichever is more, the fewest over hosts; every rank's channels per NIC:
+    /// the fewest devices.
+    #[test]
+    fn nics_per_host_and_per_rank_come_from_every_blob() {
+        let s = settings(&cfg(), 4 << 20);
+        let rank = |host: u64, nic: u64, devices: u32| {
+            let i = HostInputs {
+                nic,
+                devices,
+                ..inputs(4, 2.0, 100_000)
+            };
+            let b = blob(&handle(1), "rocev2", None, false, &s, i, None, host);
+            parse_blob(0, &b, 0, "rocev2", &s).unwrap()
+        };
+        // Two hosts, two ranks each, every rank with both of its host's NICs.
+        let both = [rank(1, 7, 2), rank(1, 7, 2), rank(2, 8, 2), rank(2, 8, 2)];
+        assert_eq!((nics_per_host(&both), nics_per_rank(&both)), (2, 2));
+        // One rank per NIC, each with one device.
+        let one_each = [rank(1, 7, 1), rank(1, 9, 1), rank(2, 8, 1), rank(2, 6, 1)];
+        assert_eq!((nics_per_host(&one_each), nics_per_rank(&one_each)), (2, 1));
+        // A host with one NIC holds both back.
+        let mixed = [rank(1, 7, 2), rank(1, 7, 2), rank(2, 8, 1), rank(2, 8, 1)];
+        assert_eq!((nics_per_host(&mixed), nics_per_rank(&mixed)), (1, 1));
     }
 
     fn cfg() -> Config {

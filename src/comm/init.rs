@@ -350,9 +350,13 @@ impl Communicator {
             measured.reduce_gbs,
             measured.copy_gbs
         );
+        // Ranks of one host start their channels on different NICs (rank i of the host on
+        // NIC i, then in turn), so that ranks talking across hosts at once — the calls by
+        // host, one rank per local index — each have one.
+        let local_index = blobs[..rank].iter().filter(|b| b.host == my_host).count();
         let mut endpoints = vec![Endpoint {
+            dev: local_index % net.devices().max(1),
             net,
-            dev: 0,
             listen,
         }];
         if let Some((n, _, l)) = shm {

@@ -34,6 +34,7 @@ pub(crate) const MAX_CHANNELS: usize = 8;
 /// A network and this rank's endpoint on it.
 pub(crate) struct Endpoint {
     pub net: Arc<dyn Net>,
+    /// The device this rank's channel 0 uses (channel `c`: the `c`th after it).
     pub dev: usize,
     pub listen: Box<dyn ListenComm>,
 }
@@ -436,8 +437,9 @@ impl Links {
             } else {
                 Net::connect
             };
-            // Channels spread over the network's devices (several NICs), in turn.
-            let dev = ep.dev + c % ep.net.devices().max(1);
+            // Channels spread over the network's devices (several NICs), in turn from this
+            // rank's first.
+            let dev = (ep.dev + c) % ep.net.devices().max(1);
             let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| Error::Remote {
                 rank: p,
                 msg: format!("connecting over {}: {err}", ep.net.name()),
