@@ -432,21 +432,14 @@ fn rank_case(
     let mut call = |out: &mut Vec<f32>| -> Result<Option<Algo>> {
         let info = match case.op {
             SimOp::Barrier => c.run_raw(coll, DataType::U8, None, &mut [], &opts)?,
-            // Broadcast: in place from the root's buffer (its input), as rank 0 holds it.
-            SimOp::Broadcast => {
-                if r == 0 {
-                    out.copy_from_slice(&input);
-                }
-                c.run_raw(
-                    coll,
-                    DataType::F32,
-                    None,
-                    bytemuck::cast_slice_mut(out),
-                    &opts,
-                )?
-            }
-            _ if in_place => {
-                if check || !filled {
+            // In place: broadcast from the root's buffer (its input, as rank 0 holds it), the
+            // others from this rank's part of the one buffer.
+            _ if case.op == SimOp::Broadcast || in_place => {
+                if case.op == SimOp::Broadcast {
+                    if r == 0 {
+                        out.copy_from_slice(&input);
+                    }
+                } else if check || !filled {
                     for (i, x) in out[at..at + ein].iter_mut().enumerate() {
                         *x = value(r, i);
                     }
