@@ -114,7 +114,7 @@ pub struct RoceNet {
 /// The setting of queue pairs per connection.
 pub const QPS_VAR: &str = "ROCCL_IB_QPS_PER_CONNECTION";
 
-/// `ROCCL_IB_QPS_PER_CONNECTION`: 1 (unset) to [`setup::MAX_QPS`].
+/// `ROCCL_IB_QPS_PER_CONNECTION`: 1 (unset) to 8.
 pub fn qps_from_env() -> Result<usize> {
     match std::env::var(QPS_VAR) {
         Ok(v) if !v.trim().is_empty() => parse_qps(&v),
@@ -122,7 +122,7 @@ pub fn qps_from_env() -> Result<usize> {
     }
 }
 
-/// A queue pair count, 1 to [`setup::MAX_QPS`].
+/// A queue pair count, 1 to 8.
 pub fn parse_qps(v: &str) -> Result<usize> {
     match v.trim().parse::<usize>() {
         Ok(n) if (1..=setup::MAX_QPS).contains(&n) => Ok(n),
