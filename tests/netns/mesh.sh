@@ -18,39 +18,14 @@ LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
 NS=(roccl-m0 roccl-m1 roccl-m2)
 IFNAME=
 
-skip() {
-  echo "SKIPPED: network namespaces unavailable: $*"
-  exit 0
-}
-
 unset ROCCL_ROCEV2_FAULTS ROCCL_ROCEV2_PORT ROCCL_NET ROCCL_ROOT ROCCL_RANK ROCCL_NRANKS ROCCL_SOCKET_IFNAME
-[ "$(id -u)" -eq 0 ] || skip "not root (needs CAP_NET_ADMIN)"
-command -v ip >/dev/null || skip "'ip' (iproute2) not installed"
-probe=roccl-mprobe$$
-if ! err=$(ip netns add "$probe" 2>&1); then
-  skip "ip netns add failed: $err"
-fi
-ip netns del "$probe"
+# shellcheck source=tests/netns/lib.sh
+. tests/netns/lib.sh
+need_netns
 
 cargo build --release --quiet --bin roccl-perf
 
-tmp=$(mktemp -d)
-pids=()
-down() {
-  local ns
-  for ns in "${NS[@]}"; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
-}
-cleanup() {
-  local p
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  down
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-down
+netns_start
 
 # The link between hosts a < b: veth "to$b" in a and "to$a" in b, subnet 10.81.L.0/24 (a .1,
 # b .2), L numbering the pairs 1, 2, 3.

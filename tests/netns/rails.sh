@@ -18,41 +18,16 @@ LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
 RATE=${ROCCL_RAILS_RATE:-300mbit}
 NS=(roccl-r0 roccl-r1)
 
-skip() {
-  echo "SKIPPED: network namespaces unavailable: $*"
-  exit 0
-}
-
 unset ROCCL_ROCEV2_FAULTS ROCCL_ROCEV2_PORT ROCCL_NET ROCCL_ROOT ROCCL_RANK ROCCL_NRANKS \
   ROCCL_SOCKET_IFNAME ROCCL_IB_HCA ROCCL_IB_QPS_PER_CONNECTION
-[ "$(id -u)" -eq 0 ] || skip "not root (needs CAP_NET_ADMIN)"
-command -v ip >/dev/null || skip "'ip' (iproute2) not installed"
+# shellcheck source=tests/netns/lib.sh
+. tests/netns/lib.sh
+need_netns
 command -v tc >/dev/null || skip "'tc' (iproute2) not installed"
-probe=roccl-rprobe$$
-if ! err=$(ip netns add "$probe" 2>&1); then
-  skip "ip netns add failed: $err"
-fi
-ip netns del "$probe"
 
 cargo build --release --quiet --bin roccl-perf
 
-tmp=$(mktemp -d)
-pids=()
-down() {
-  local ns
-  for ns in "${NS[@]}"; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
-}
-cleanup() {
-  local p
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  down
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-down
+netns_start
 
 echo "-- 2 hosts, 2 rails: a veth pair per rail, each its own subnet, each direction at $RATE"
 for ((k = 0; k < N; k++)); do

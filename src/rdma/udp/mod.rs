@@ -1300,20 +1300,9 @@ impl Verbs for UserVerbs {
     }
 
     fn poll_cq(&self, qp: QpId, out: &mut [Wc]) -> Result<usize> {
-        let mut d = self.d.lock();
-        d.last_app_poll = d.progress()?;
-        let q = qpn(qp);
-        let cq = d
-            .qps
-            .get(&q)
-            .filter(|s| !s.destroyed)
-            .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?
-            .cq;
-        let n = d.engine.poll_cq(cq, out);
-        d.unwake(q);
-        // Completions this progress made for other QPs: wake whoever sleeps on them.
-        d.wake(Some(q));
-        Ok(n)
+        let mut n = [0];
+        self.poll_cqs(&[qp], out, &mut n)?;
+        Ok(n[0])
     }
 
     fn poll_cqs(&self, qps: &[QpId], out: &mut [Wc], counts: &mut [usize]) -> Result<()> {
