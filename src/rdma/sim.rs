@@ -59,6 +59,9 @@ struct Sim {
     lose_once: Vec<u32>,
     /// Everything engine 1 sends is lost until this virtual time (µs).
     mute_1_until: u64,
+    /// Engine 1 is descheduled until this virtual time (µs): it neither receives (its
+    /// datagrams wait, as in a socket buffer), sends nor runs its timers.
+    stall_1_until: u64,
 }
 
 const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
@@ -117,6 +120,7 @@ impl Sim {
             busy_until: [0; 2],
             lose_once: Vec::new(),
             mute_1_until: 0,
+            stall_1_until: 0,
         }
     }
 
@@ -129,7 +133,11 @@ impl Sim {
         let now = self.now();
         let mut buf = vec![0u8; 9000];
         let mut moved = false;
+        let stalled = self.t < self.stall_1_until;
         for (e, ip) in IPS.iter().enumerate() {
+            if e == 1 && stalled {
+                continue;
+            }
             while let Some(tx) = self.eng[e].poll_transmit(now, &mut buf) {
                 moved = true;
                 let from = SocketAddr::new(IpAddr::from(*ip), tx.src_port);
@@ -176,7 +184,7 @@ impl Sim {
         let due: Vec<InFlight> = {
             let (d, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.link)
                 .into_iter()
-                .partition(|p| p.at <= self.t);
+                .partition(|p| p.at <= self.t && !(p.to == 1 && stalled));
             self.link = keep;
             d
         };
@@ -185,7 +193,12 @@ impl Sim {
             self.eng[p.to].handle_datagram(now, p.from, &p.data);
         }
         if !moved {
-            let next_packet = self.link.iter().map(|p| p.at).min();
+            let stall = self.stall_1_until;
+            let next_packet = self
+                .link
+                .iter()
+                .map(|p| if p.to == 1 { p.at.max(stall) } else { p.at })
+                .min();
             let next_timer = self
                 .eng
                 .iter()
@@ -198,8 +211,11 @@ impl Sim {
                 (None, None) => self.t + 1000,
             };
             let now = self.now();
-            for e in &mut self.eng {
-                e.handle_timeout(now);
+            let stalled = self.t < self.stall_1_until;
+            for (i, e) in self.eng.iter_mut().enumerate() {
+                if i == 0 || !stalled {
+                    e.handle_timeout(now);
+                }
             }
         } else {
             self.t += 1;
@@ -1246,4 +1262,5 @@ fn loss_cost() {
     }
 }
 
+mod spurious;
 mod strangers;

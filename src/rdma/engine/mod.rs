@@ -31,6 +31,8 @@ use crate::error::{Error, Result};
 mod requester;
 mod responder;
 mod timers;
+
+use timers::Slack;
 mod tx;
 mod work;
 
@@ -177,6 +179,37 @@ fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
     (msn & 0xff, psn_add(first, msn >> 8 & 0xffff))
 }
 
+/// AETH syndrome of a duplicate report (a userspace-engine extension, selective mode only,
+/// in the reserved class 0b010 beside [`HOLE_SYNDROME`]): an ACK-opcode packet, sent after
+/// the re-acknowledgement of duplicate requests, whose PSN is the lowest of the duplicates
+/// the responder received since its last report and whose MSN field holds their count
+/// (bits 0–11) and the shortest time between one's arrival and the last advance of the
+/// expected PSN, in 16 µs units (bits 12–23). The requester counts that many of its
+/// retransmissions spurious (they were of packets that had arrived). When the lowest PSN
+/// is the one its last retransmission timeout resent first and the time is short (the
+/// original and its resend reached a responder that was late to answer, rather than the
+/// acknowledgement of the original being lost), the timeout fired too early: the QP waits
+/// longer before the next (TCP's D-SACK with Eifel's response). It acknowledges nothing.
+pub const DUP_SYNDROME: u8 = 0x41;
+
+/// The MSN field of a duplicate report: `n` duplicates, the shortest `gap`.
+fn dup_report(n: u32, gap: Duration) -> u32 {
+    let units = (gap.as_micros() / 16).min(0xfff) as u32;
+    n.min(0xfff) | units << 12
+}
+
+/// The count and the gap of a duplicate report's MSN field.
+fn read_dup_report(msn: u32) -> (u32, Duration) {
+    (
+        msn & 0xfff,
+        Duration::from_micros(u64::from(msn >> 12 & 0xfff) * 16),
+    )
+}
+
+/// A duplicate that reached the responder within this of the last advance of its expected
+/// PSN came with its original: the responder was late, not the acknowledgement lost.
+const LATE_GAP: Duration = Duration::from_micros(500);
+
 /// Hole reports queued at the responder at most (more wait for the NAK of each gap).
 const HOLES_MAX: usize = 32;
 /// Selective resends remembered (by PSN modulo this), so that a NAK or hole report that
@@ -256,6 +289,9 @@ pub struct Stats {
     pub out_of_sequence: u64,
     /// Packets retransmitted.
     pub retransmits: u64,
+    /// Of those, packets the peer reported it already had ([`DUP_SYNDROME`]): resent
+    /// because an acknowledgement came late, not because anything was lost.
+    pub spurious_retransmits: u64,
     /// RNR NAKs sent.
     pub rnr_naks_sent: u64,
     /// PSN sequence-error NAKs sent (a gap seen).
@@ -325,6 +361,15 @@ struct Qp {
     tail_at: Option<Instant>,
     /// Tail-loss probes since the last progress (each waits twice as long).
     tail_probes: u32,
+    /// Extra wait before a retransmission timeout: how late this host's threads wake and
+    /// how late the peer's acknowledgements proved to be.
+    slack: Slack,
+    /// Packets retransmitted, and of those the ones the peer reported it already had.
+    resent: u64,
+    spurious: u64,
+    /// The PSN the last retransmission timeout resent first, and when: a duplicate report
+    /// that starts there shows the timer fired too early.
+    timed_out: Option<(u32, Instant)>,
     /// The last selective resends by PSN modulo [`RECENT`]: PSN, when, and the PSN of the
     /// first new packet sent after it (a gap shown by that packet or a later one means
     /// the resend was lost).
@@ -353,6 +398,13 @@ struct Qp {
     ctrl: Option<(Aeth, u32)>,
     /// Pending hole reports ([`HOLE_SYNDROME`]) and the first missing PSN of each.
     holes: VecDeque<(Aeth, u32)>,
+    /// Duplicate requests received since the last duplicate report ([`DUP_SYNDROME`]),
+    /// and the lowest of their PSNs.
+    dups: u32,
+    dup_lo: u32,
+    dup_gap: Duration,
+    /// When the expected PSN last moved forward.
+    advanced_at: Option<Instant>,
     /// First PSNs of the gaps reported lately, by PSN modulo [`RECENT`]: when the gap
     /// before them fills, these are not NAKed again (their resends are on the way).
     reported: [Option<u32>; RECENT],
@@ -388,7 +440,9 @@ impl Qp {
     fn rto_interval(&self) -> Duration {
         let ib = ack_timeout(self.attr.timeout);
         let base = match self.srtt {
-            Some(s) if self.attr.selective => (s + 4 * self.rttvar).max(RTO_MIN).min(ib),
+            Some(s) if self.attr.selective => {
+                ((s + 4 * self.rttvar).max(RTO_MIN) + self.slack.get()).min(ib)
+            }
             _ => ib,
         };
         if self.attr.retry_for.is_none() || self.backoff == 0 {
@@ -462,6 +516,7 @@ impl Qp {
     /// (Re)arm the tail-loss probe two round trips (plus the responder's acknowledgement
     /// delay) from `now`, if anything is outstanding.
     fn arm_tail(&mut self, now: Instant) {
+        self.slack.roll(now);
         if !self.attr.selective || !self.outstanding() {
             self.tail_at = None;
             return;
@@ -663,6 +718,10 @@ impl Engine {
             probe: None,
             tail_at: None,
             tail_probes: 0,
+            slack: Slack::default(),
+            resent: 0,
+            spurious: 0,
+            timed_out: None,
             recent: [Resent::default(); RECENT],
             reorder: Reorder::default(),
             cwnd: WINDOW,
@@ -677,6 +736,10 @@ impl Engine {
             last_rx: None,
             ctrl: None,
             holes: VecDeque::new(),
+            dups: 0,
+            dup_lo: 0,
+            dup_gap: Duration::ZERO,
+            advanced_at: None,
             reported: [None; RECENT],
             ack_due: None,
             reads: VecDeque::new(),

@@ -6,10 +6,28 @@ use super::*;
 impl Engine {
     pub(super) fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
+        let psn = pkt.bth.psn;
+        if let Some(aeth) = pkt.aeth.filter(|a| a.syndrome == DUP_SYNDROME) {
+            // A duplicate report: that many retransmissions were of packets that had
+            // arrived (at most what this QP resent and is not yet known spurious); if they
+            // start where the last timeout resent and came with their originals, the
+            // timeout fired too early.
+            if qp.attr.selective {
+                let (n, gap) = read_dup_report(aeth.msn);
+                let n = u64::from(n).min(qp.resent - qp.spurious);
+                qp.spurious += n;
+                let early = n > 0 && gap < LATE_GAP;
+                if let Some((_, at)) = qp.timed_out.filter(|&(p, _)| early && p == psn) {
+                    qp.timed_out = None;
+                    qp.slack.spurious(now, now.saturating_duration_since(at));
+                }
+                self.stats.spurious_retransmits += n;
+            }
+            return;
+        }
         // The peer answers, so it will report what it misses: the tail-loss probe waits
         // for it to fall silent (resends queued behind a long queue are not probed).
         qp.arm_tail(now);
-        let psn = pkt.bth.psn;
         if pkt.bth.opcode.is_read_response() {
             // Responses of the oldest unfinished read, in order; anything else waits for
             // the retransmission timer. Sends and writes before it are implicitly
@@ -73,13 +91,14 @@ impl Engine {
             Some(_) => psn_diff(psn, qp.acked) < 0 || psn_diff(psn, qp.sent_hi) >= 0,
             None => false,
         };
-        if ghost && aeth.syndrome & 0xe0 != HOLE_SYNDROME {
+        if ghost && aeth.syndrome != HOLE_SYNDROME {
             self.stats.ghost_acks += 1;
             return;
         }
-        if aeth.syndrome & 0xe0 == HOLE_SYNDROME {
+        if aeth.syndrome == HOLE_SYNDROME {
             // A hole report: resend the missing packets it names (it acknowledges nothing).
             if qp.attr.selective {
+                qp.slack.lost(now);
                 let (missing, shown_by) = read_hole_report(psn, aeth.msn);
                 for k in 0..missing {
                     qp.queue_resend(psn_add(psn, k), Some(shown_by), now);
@@ -145,6 +164,7 @@ impl Engine {
                     qp.progressed(now);
                 }
                 qp.rtt_sample(psn, now);
+                qp.slack.lost(now);
                 if qp.attr.selective {
                     // The responder keeps what came after the gap: resend just the packet it
                     // names (again only if it names it once more a round trip later).

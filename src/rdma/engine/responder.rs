@@ -32,6 +32,22 @@ impl Engine {
                 }
             } else {
                 let qp = self.qp(qpn).expect("checked");
+                if qp.attr.selective {
+                    // How long after the expected PSN last moved: about nothing when the
+                    // original and its resend waited for this side together (it was late to
+                    // answer), about a timeout when the acknowledgement of the original
+                    // was lost.
+                    let gap = qp
+                        .advanced_at
+                        .map_or(Duration::MAX, |t| now.saturating_duration_since(t));
+                    if qp.dups == 0 {
+                        (qp.dup_lo, qp.dup_gap) = (pkt.bth.psn, gap);
+                    } else if psn_diff(pkt.bth.psn, qp.dup_lo) < 0 {
+                        qp.dup_lo = pkt.bth.psn;
+                    }
+                    qp.dup_gap = qp.dup_gap.min(gap);
+                    qp.dups = qp.dups.saturating_add(1);
+                }
                 // Answer a duplicate with where we are — as a NAK while a sequence error is
                 // outstanding, so a duplicate never hides the NAK the requester needs.
                 qp.ctrl = Some(if qp.nak_sent {
@@ -226,6 +242,7 @@ impl Engine {
         }
         let qp = self.qp(qpn).expect("checked");
         qp.epsn = psn_add(qp.epsn, 1);
+        qp.advanced_at = Some(now);
         qp.nak_sent = false;
         if end_of_message {
             qp.msn = (qp.msn + 1) & PSN_MASK;

@@ -80,7 +80,17 @@ impl Engine {
                 qp.ack_due = None;
                 Some(c)
             }
-            None => qp.holes.pop_front(),
+            // Then the count of duplicates received (selective mode).
+            None => qp.holes.pop_front().or_else(|| {
+                (qp.dups > 0).then(|| {
+                    let n = std::mem::take(&mut qp.dups);
+                    let aeth = Aeth {
+                        syndrome: DUP_SYNDROME,
+                        msn: dup_report(n, qp.dup_gap),
+                    };
+                    (aeth, qp.dup_lo)
+                })
+            }),
         };
         if let Some((aeth, psn)) = ack {
             // Syndrome 011 + code: a NAK; code 0 is a PSN sequence error.
@@ -234,6 +244,7 @@ impl Engine {
         // Retransmissions are packets below the highest PSN sent so far.
         if psn_diff(pkt_psn, qp.sent_hi) < 0 {
             self.stats.retransmits += 1;
+            qp.resent += 1;
             // Karn: no round trip from retransmitted packets, nor across a recovery (whose
             // acknowledgement waits for the hole to fill).
             qp.probe = None;

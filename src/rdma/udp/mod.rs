@@ -1059,6 +1059,7 @@ impl Verbs for UserVerbs {
             ("rx_packets", s.rx_packets),
             ("tx_packets", s.tx_packets),
             ("retransmits", s.retransmits),
+            ("spurious_retransmits", s.spurious_retransmits),
             ("timeouts", s.timeouts),
             ("tail_probes", s.tail_probes),
             ("rnr_naks_sent", s.rnr_naks_sent),
