@@ -340,12 +340,38 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
         let id = UniqueId::new().unwrap();
         let total = std::sync::Mutex::new((0.0, 0.0, 0.0, 0.0, 0.0));
         run_ranks_of(id, 2, cfg(NetKind::RoceV2), |c| {
+            let addr = roccl::metrics::http::address().unwrap().to_string();
+            let watch = || roccl::tool::watch::snapshot(std::slice::from_ref(&addr));
+            c.barrier().unwrap();
+            let before = (faults.is_some() && c.rank() == 0).then(watch);
             // Small calls: a clean loopback link drops none of their few packets.
             for _ in 0..20 {
                 let mut v = vec![1f32; 2048];
                 c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
             }
             c.barrier().unwrap();
+            // The live view shows the rates of the network's counters that moved.
+            if let Some(before) = before {
+                let view = roccl::tool::watch::render(Some(&before), &watch());
+                let line = view
+                    .lines()
+                    .find(|l| l.contains("rank 0 network counters: rocev2: "))
+                    .unwrap_or_else(|| panic!("no network counters:\n{view}"));
+                assert!(line.contains(" retransmits "), "{line}");
+                let status: serde_json::Value =
+                    serde_json::from_str(&get(roccl::metrics::http::address().unwrap(), "/status"))
+                        .unwrap();
+                let me = status["communicators"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|x| x["comm"] == comm_hex(&c).as_str() && x["rank"] == 0)
+                    .cloned()
+                    .unwrap();
+                let n = &me["net_counters"]["rocev2"];
+                assert!(n["retransmits"].as_u64() > Some(0), "{me}");
+                assert!(n["spurious_retransmits"].is_u64(), "{me}");
+            }
             let me = c.rank().to_string();
             // A late resend at the very end is reported spurious a moment later (the
             // peer's duplicate report is on its way): on the clean link, read again until

@@ -592,6 +592,17 @@ pub fn status() -> serde_json::Value {
                 })
                 .collect();
             let calls: u64 = m.calls.iter().map(|c| c.calls.load(Relaxed)).sum();
+            // Each network's own counters, by network and name.
+            let mut nets = serde_json::Map::new();
+            for (net, src) in m.nets.lock().iter() {
+                let mut v = Vec::new();
+                src(&mut v);
+                let counters: serde_json::Map<String, serde_json::Value> = v
+                    .into_iter()
+                    .map(|(k, n)| (k.to_string(), n.into()))
+                    .collect();
+                nets.insert(net.to_string(), counters.into());
+            }
             serde_json::json!({
                 "rank": m.rank,
                 "nranks": m.nranks,
@@ -601,6 +612,7 @@ pub fn status() -> serde_json::Value {
                 "calls": calls,
                 "in_flight": inflight,
                 "peers": peers,
+                "net_counters": nets,
             })
         })
         .collect();

@@ -67,6 +67,13 @@ fn diff(a: u32, b: u32) -> i32 {
 
 impl Reorder {
     /// Keep `pkt` (PSN past `epsn` by 1..SLOTS); false if it was kept already or is too far.
+    /// Whether packet `psn` is kept already (a resend of it is a duplicate).
+    pub fn holds(&self, psn: u32) -> bool {
+        self.slots
+            .get((psn % SLOTS) as usize)
+            .is_some_and(|s| s.used && s.psn == psn)
+    }
+
     pub fn store(&mut self, epsn: u32, pkt: &Packet) -> bool {
         let psn = pkt.bth.psn;
         let d = diff(psn, epsn);

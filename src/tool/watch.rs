@@ -1,7 +1,8 @@
 //! `roccl-info --watch ADDR...`: a live view of the ranks behind several metrics endpoints
 //! (`ROCCL_METRICS_ADDR`), refreshed every interval: per rank and peer the transport's
 //! round-trip time, the send throughput estimate, the bytes and messages per second since
-//! the last refresh, and the call in flight.
+//! the last refresh, the call in flight, and the rates of the networks' own counters that
+//! moved (retransmissions, spurious ones, timeouts, NAKs, sleeps...).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -15,6 +16,8 @@ use super::status::fetch;
 type Totals = BTreeMap<(String, u64, u64), [u64; 4]>;
 /// Per (communicator, rank): calls completed.
 type Calls = BTreeMap<(String, u64), u64>;
+/// Per (communicator, rank, network, counter): the network's counter.
+type NetCounters = BTreeMap<(String, u64, String, String), u64>;
 
 /// One look at every endpoint.
 pub struct Snapshot {
@@ -23,6 +26,7 @@ pub struct Snapshot {
     failed: Vec<String>,
     totals: Totals,
     calls: Calls,
+    nets: NetCounters,
 }
 
 /// Read every endpoint's `/status` now.
@@ -37,10 +41,17 @@ pub fn snapshot(addrs: &[String]) -> Snapshot {
     }
     let mut totals = Totals::new();
     let mut calls = Calls::new();
+    let mut nets = NetCounters::new();
     for (_, c) in &comms {
         let comm = c["comm"].as_str().unwrap_or("?").to_string();
         let rank = c["rank"].as_u64().unwrap_or(u64::MAX);
         calls.insert((comm.clone(), rank), c["calls"].as_u64().unwrap_or(0));
+        for (net, counters) in c["net_counters"].as_object().into_iter().flatten() {
+            for (name, v) in counters.as_object().into_iter().flatten() {
+                let key = (comm.clone(), rank, net.clone(), name.clone());
+                nets.insert(key, v.as_u64().unwrap_or(0));
+            }
+        }
         for p in c["peers"].as_array().into_iter().flatten() {
             let n = |k: &str| p[k].as_u64().unwrap_or(0);
             totals.insert(
@@ -60,7 +71,37 @@ pub fn snapshot(addrs: &[String]) -> Snapshot {
         failed,
         totals,
         calls,
+        nets,
     }
+}
+
+/// The counters of (`comm`, `rank`)'s networks that moved since `prev`, as per-second
+/// rates: `rocev2: retransmits 12/s, spurious_retransmits 12/s`.
+fn net_rates(prev: &Snapshot, cur: &Snapshot, dt: f64, comm: &str, rank: u64) -> String {
+    let mut by_net: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    if !prev.calls.contains_key(&(comm.to_string(), rank)) {
+        return String::new(); // not seen before: no rate yet
+    }
+    let lo = (comm.to_string(), rank, String::new(), String::new());
+    for ((c, r, net, name), &now) in cur.nets.range(lo..) {
+        if c != comm || *r != rank {
+            break;
+        }
+        let key = (c.clone(), *r, net.clone(), name.clone());
+        // A counter that was not there yet started at zero.
+        let before = prev.nets.get(&key).copied().unwrap_or(0);
+        if now > before {
+            by_net.entry(net).or_default().push(format!(
+                "{name} {}/s",
+                rate((now - before) as f64 / dt).trim_end()
+            ));
+        }
+    }
+    by_net
+        .iter()
+        .map(|(net, v)| format!("{net}: {}", v.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn rate(v: f64) -> String {
@@ -142,6 +183,12 @@ pub fn render(prev: Option<&Snapshot>, cur: &Snapshot) -> String {
                     out,
                     "  {rank:>4} {peer:>4} {rtt:>10} {est:>11} {sent:>11} {recv:>11} {msgs:>9} {calls_col:>9}"
                 );
+            }
+            if let (Some(p), Some(dt)) = (prev, dt) {
+                let moved = net_rates(p, cur, dt, comm, rank);
+                if !moved.is_empty() {
+                    let _ = writeln!(out, "  rank {rank} network counters: {moved}");
+                }
             }
             let f = &c["in_flight"];
             let on: Vec<u64> = f["waiting_on"]

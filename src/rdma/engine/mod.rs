@@ -28,14 +28,16 @@ use super::reorder::Reorder;
 use super::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
 use crate::error::{Error, Result};
 
+mod reports;
 mod requester;
 mod responder;
 mod timers;
-
-use timers::Slack;
 mod tx;
 mod work;
 
+use reports::{dup_report, hole_report, read_dup_report, read_hole_report, LATE_GAP};
+pub use reports::{DUP_SYNDROME, HOLE_SYNDROME};
+use timers::Slack;
 pub use work::{QpState, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
 
 /// Queue pair number (24 bits).
@@ -153,62 +155,6 @@ pub const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// With [`QpAttr::selective`], the shortest retransmission timeout (the measured round
 /// trip sets it above: smoothed RTT + 4 × its variation, as TCP does).
 pub const RTO_MIN: Duration = Duration::from_millis(3);
-/// AETH syndrome of a hole report (a userspace-engine extension, selective mode only): an
-/// ACK-opcode packet whose PSN is the first missing PSN of a gap and whose MSN field holds
-/// the number of missing PSNs (bits 0–7) and the distance from the first missing PSN to
-/// the packet that showed the gap (bits 8–23). The
-/// responder reports each new gap past the one its sequence-error NAK names, and repeats
-/// the report of the first gap every 16 out-of-sequence packets (instead of
-/// repeating the NAK). The syndrome class 0b010 is reserved in IBTA, and `Aeth::kind` (so
-/// a requester that does not know it) ignores it; it acknowledges nothing. With it the
-/// requester resends every hole of a window in one round trip instead of one hole per
-/// round trip, and resends a packet again only when a packet it sent after the resend
-/// showed the gap (the resend was lost), however long the queue ahead of the resend.
-pub const HOLE_SYNDROME: u8 = 0x40;
-/// The AETH of a hole report: `missing` PSNs from `first`, shown by PSN `shown_by`.
-fn hole_report(first: u32, missing: u32, shown_by: u32) -> Aeth {
-    let dist = (psn_diff(shown_by, first).max(0) as u32).min(0xffff);
-    Aeth {
-        syndrome: HOLE_SYNDROME,
-        msn: missing.min(0xff) | dist << 8,
-    }
-}
-
-/// The missing count and the showing PSN of a hole report for `first` with MSN `msn`.
-fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
-    (msn & 0xff, psn_add(first, msn >> 8 & 0xffff))
-}
-
-/// AETH syndrome of a duplicate report (a userspace-engine extension, selective mode only,
-/// in the reserved class 0b010 beside [`HOLE_SYNDROME`]): an ACK-opcode packet, sent after
-/// the re-acknowledgement of duplicate requests, whose PSN is the lowest of the duplicates
-/// the responder received since its last report and whose MSN field holds their count
-/// (bits 0–11) and the shortest time between one's arrival and the last advance of the
-/// expected PSN, in 16 µs units (bits 12–23). The requester counts that many of its
-/// retransmissions spurious (they were of packets that had arrived). When the lowest PSN
-/// is the one its last retransmission timeout resent first and the time is short (the
-/// original and its resend reached a responder that was late to answer, rather than the
-/// acknowledgement of the original being lost), the timeout fired too early: the QP waits
-/// longer before the next (TCP's D-SACK with Eifel's response). It acknowledges nothing.
-pub const DUP_SYNDROME: u8 = 0x41;
-
-/// The MSN field of a duplicate report: `n` duplicates, the shortest `gap`.
-fn dup_report(n: u32, gap: Duration) -> u32 {
-    let units = (gap.as_micros() / 16).min(0xfff) as u32;
-    n.min(0xfff) | units << 12
-}
-
-/// The count and the gap of a duplicate report's MSN field.
-fn read_dup_report(msn: u32) -> (u32, Duration) {
-    (
-        msn & 0xfff,
-        Duration::from_micros(u64::from(msn >> 12 & 0xfff) * 16),
-    )
-}
-
-/// A duplicate that reached the responder within this of the last advance of its expected
-/// PSN came with its original: the responder was late, not the acknowledgement lost.
-const LATE_GAP: Duration = Duration::from_micros(500);
 
 /// Hole reports queued at the responder at most (more wait for the NAK of each gap).
 const HOLES_MAX: usize = 32;

@@ -88,6 +88,14 @@ impl Engine {
                     qp.reported[from as usize % RECENT] = Some(from);
                 }
             }
+            if qp.attr.selective && qp.reorder.holds(pkt.bth.psn) {
+                // A resend of a packet kept out of order: a duplicate too (not a late one:
+                // its original did not wait for this side with it).
+                if qp.dups == 0 {
+                    (qp.dup_lo, qp.dup_gap) = (pkt.bth.psn, Duration::MAX);
+                }
+                qp.dups = qp.dups.saturating_add(1);
+            }
             qp.reorder.store(qp.epsn, pkt);
             self.stats.out_of_sequence += 1;
             return;

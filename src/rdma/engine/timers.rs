@@ -57,8 +57,8 @@ impl Slack {
     /// later than the timer the acknowledgement came): wait twice the larger of that and
     /// the slack so far (at least [`SPURIOUS_STEP`], at most [`MAX_BACKOFF`]).
     pub(super) fn spurious(&mut self, now: Instant, after: Duration) {
-        let d = (2 * self.get().max(after)).max(SPURIOUS_STEP);
         self.roll(now);
+        let d = (2 * self.get().max(after)).max(SPURIOUS_STEP);
         self.current = self.current.max(d.min(MAX_BACKOFF));
     }
 }
@@ -121,7 +121,12 @@ impl Engine {
                 qp.resend.clear(); // going back N resends them
                 qp.tail_at = None;
                 qp.probe = None;
-                qp.timed_out = Some((qp.una(), now));
+                // The first timeout at this PSN: a report measures the whole stall from it.
+                let una = qp.una();
+                qp.timed_out = match qp.timed_out {
+                    Some((p, at)) if p == una => Some((p, at)),
+                    _ => Some((una, now)),
+                };
                 crate::info!(
                     "RoCE v2 QP {qpn:#x}: retransmission timeout ({} retries left, backoff {}): resending from PSN {:#x} (acked {:#x}, sent up to {:#x}, tx wqe {} pkt {}, sq {})",
                     qp.retry_left,

@@ -82,7 +82,7 @@ impl Engine {
             }
             // Then the count of duplicates received (selective mode).
             None => qp.holes.pop_front().or_else(|| {
-                (qp.dups > 0).then(|| {
+                (qp.dups > 0 && qp.ctrl.is_none()).then(|| {
                     let n = std::mem::take(&mut qp.dups);
                     let aeth = Aeth {
                         syndrome: DUP_SYNDROME,

@@ -105,3 +105,28 @@ fn a_reported_gap_drops_the_slack() {
         "the slack outlived a loss"
     );
 }
+
+/// Resends of packets the responder keeps out of order (behind a gap) are duplicates too:
+/// only the packet that was really lost, twice, is left when the spurious ones are taken
+/// away.
+#[test]
+fn resends_of_packets_kept_out_of_order_count_spurious() {
+    let mut s = Sim::new(7, Faults::default(), provider_attr());
+    write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
+    // Packet 10 of the next write is lost at its first send and at its first resend; the
+    // responder is descheduled meanwhile, so the timeout resends what it keeps.
+    let p = (0x00ff_fff0u32 + 1 + 10) & 0x00ff_ffff;
+    s.lose_once = vec![p, p];
+    s.stall_1_until = s.t + 6_000;
+    let before = s.eng[0].stats();
+    let mut src = pattern(4, 256 << 10);
+    let mut dst = vec![0u8; src.len()];
+    write_through(&mut s, &mut src, &mut dst);
+    let st = s.eng[0].stats();
+    let (resent, spurious) = (
+        st.retransmits - before.retransmits,
+        st.spurious_retransmits - before.spurious_retransmits,
+    );
+    assert!(st.timeouts > before.timeouts, "{st:?}");
+    assert_eq!(resent - spurious, 2, "resent {resent}, spurious {spurious}");
+}
