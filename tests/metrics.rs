@@ -67,6 +67,19 @@ fn cfg(net: NetKind) -> roccl::Config {
     c
 }
 
+/// This process's `/status` entry of communicator `hex`'s rank `rank`.
+fn own_status(hex: &str, rank: u64) -> serde_json::Value {
+    let status: serde_json::Value =
+        serde_json::from_str(&get(roccl::metrics::http::address().unwrap(), "/status")).unwrap();
+    status["communicators"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["comm"] == hex && x["rank"] == rank)
+        .cloned()
+        .unwrap_or_else(|| panic!("no communicator {hex} rank {rank} in {status}"))
+}
+
 /// Every rank's communicator hash (equal on all).
 fn comm_hex(c: &Communicator) -> String {
     format!("{:016x}", c.id_hash())
@@ -222,16 +235,7 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
                     .any(|c| c.starts_with("MB") || c.starts_with("GB")),
                 "{row}"
             );
-            let status: serde_json::Value =
-                serde_json::from_str(&get(roccl::metrics::http::address().unwrap(), "/status"))
-                    .unwrap();
-            let me = status["communicators"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|x| x["comm"] == hex.as_str() && x["rank"] == 0)
-                .cloned()
-                .unwrap();
+            let me = own_status(&hex, 0);
             let peer = &me["peers"][0];
             assert_eq!(peer["rank"], 1, "{me}");
             assert_eq!(peer["bytes_sent"], 40u64 << 20, "{me}");
@@ -358,16 +362,7 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
                     .find(|l| l.contains("rank 0 network counters: rocev2: "))
                     .unwrap_or_else(|| panic!("no network counters:\n{view}"));
                 assert!(line.contains(" retransmits "), "{line}");
-                let status: serde_json::Value =
-                    serde_json::from_str(&get(roccl::metrics::http::address().unwrap(), "/status"))
-                        .unwrap();
-                let me = status["communicators"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .find(|x| x["comm"] == comm_hex(&c).as_str() && x["rank"] == 0)
-                    .cloned()
-                    .unwrap();
+                let me = own_status(&comm_hex(&c), 0);
                 let n = &me["net_counters"]["rocev2"];
                 assert!(n["retransmits"].as_u64() > Some(0), "{me}");
                 assert!(n["spurious_retransmits"].is_u64(), "{me}");
