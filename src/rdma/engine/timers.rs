@@ -14,10 +14,10 @@ const SPURIOUS_STEP: Duration = Duration::from_millis(1);
 /// ([`DUP_SYNDROME`]: the peer was descheduled, not the packet lost); it falls back within
 /// two windows of quiet, so a peer that was busy for a moment does not keep slow loss
 /// recovery, and to nothing when the peer reports a gap (a lossy path: a slack there cost
-/// 1.2–1.3× at 10 % loss with 3 ranks on 2 cores). Tail-loss probes do not wait for it: a probe costs one packet (going back N
-/// costs a window), and it is what recovers a lost last packet quickly. (Raising it also
-/// when this host's own progress thread wakes late cost 1.2–1.4× at 10 % loss with 3 ranks
-/// on 2 cores, and bought little beyond this.)
+/// 1.2–1.3× at 10 % loss with 3 ranks on 2 cores). Tail-loss probes do not wait for it: a
+/// probe costs one packet (going back N costs a window), and it is what recovers a lost
+/// last packet quickly. (Raising it also when this host's own progress thread wakes late
+/// cost 1.2–1.4× at 10 % loss with 3 ranks on 2 cores, and bought little beyond this.)
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Slack {
     current: Duration,
