@@ -227,6 +227,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(|v| v.parse::<f64>().is_ok_and(|t| t > 0.0 && t.is_finite())),
     },
     Setting {
+        name: "ROCCL_SUSPEND_WAIT",
+        accepts: "seconds, 0 or more: how long ncclCommSuspend with NCCL_SUSPEND_MEM waits for peers that suspend too, to close the connections idle at both ends (default 1; 0 keeps every connection)",
+        valid: Some(|v| v.parse::<f64>().is_ok_and(|t| t >= 0.0 && t.is_finite())),
+    },
+    Setting {
         name: "ROCCL_ENCRYPT",
         accepts: SWITCH,
         valid: Some(switch),

@@ -307,4 +307,36 @@ impl Communicator {
     pub fn open_connections(&self) -> (usize, usize) {
         self.with_turn(|state| state.links.open())
     }
+
+    /// Close the connections that are idle at both ends with the peers that do the same
+    /// at about this time (a suspend: NCCL's `ncclCommSuspend` with `NCCL_SUSPEND_MEM`),
+    /// releasing what the networks keep per connection (the RoCE engines' eager and bounce
+    /// buffers, sockets). Not collective: a peer that is not suspending within `wait`, or
+    /// that is a call ahead or behind (a message sent and not yet received), keeps its
+    /// connections with this rank, and both ends always agree on which close. Closed
+    /// connections open again on first use. Runs in turn, after the calls issued before.
+    pub fn close_idle_connections(&self, wait: std::time::Duration) -> Result<ClosedConnections> {
+        self.with_turn(|state| {
+            state.usable()?;
+            let timeout = state.cfg.waiter.timeout;
+            let r = state.links.close_idle(wait, timeout);
+            if let Err(e) = &r {
+                state.failed(e);
+            }
+            r.map(|s| ClosedConnections {
+                closed: s.closed,
+                kept_with: s.kept_with,
+            })
+        })
+    }
+}
+
+/// What [`Communicator::close_idle_connections`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClosedConnections {
+    /// Connections closed (each direction of each channel counts once).
+    pub closed: usize,
+    /// Peers whose connections with this rank stay open: they were not suspending within
+    /// the wait, or a message between them and this rank was still in flight.
+    pub kept_with: Vec<usize>,
 }

@@ -35,7 +35,7 @@ use crate::types::DataType;
 #[cfg(feature = "fuzzing")]
 pub(crate) use agree::{fuzz, fuzz_seed_blob};
 pub(crate) use api::P2pMem;
-pub use api::{CallInfo, CallOpts, Collective, P2p};
+pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
 pub use config::{Config, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
 pub use queue::{Handle, Turn};
 
@@ -240,7 +240,7 @@ impl Communicator {
     /// (which keep the GPU memory they name allocated and pinned, even after the program
     /// frees it), its scratch buffers, and the process's idle staging buffers. Runs in
     /// turn, after the calls issued before it. Connections stay open: closing one needs
-    /// its peer's agreement (docs/NCCL.md).
+    /// its peer's agreement ([`Communicator::close_idle_connections`]).
     pub fn release_memory(&self) -> Released {
         let mut out = self.with_turn(|state| {
             let mut out = Released::default();

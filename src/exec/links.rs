@@ -17,14 +17,21 @@ use crate::net::{
 
 use crate::os::wait::Waiter;
 
+mod suspend;
+
 const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
 /// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
 const ABORT: u32 = 0x8000_0000;
 /// With [`ABORT`]: the sender found this rank in another call than its own; the 4 bytes
 /// after the hello are the sender's call tag.
 const MISMATCH: u32 = 0x2000_0000;
-/// Bytes of a hello (16) or of a mismatch notice (20).
-const HELLO_MAX: usize = 20;
+/// Bytes of a mismatch notice.
+const MISMATCH_LEN: usize = 20;
+/// Channel bit of a hello that is a step of closing idle connections while suspended
+/// ([`suspend`]); the low bits say which step.
+const SUSPEND: u32 = 0x1000_0000;
+/// Bytes of a hello (16), a mismatch notice (20) or a suspend step (the longest).
+const HELLO_MAX: usize = suspend::MESSAGE_LEN;
 /// Channel bit of a hello that opens a duplex connection: it carries both directions of
 /// its (peer, channel).
 const DUPLEX: u32 = 0x4000_0000;
@@ -72,6 +79,14 @@ pub(crate) struct Links {
     incoming: Vec<HelloIn>,
     /// Identified connections not yet asked for (peer, channel, duplex, comm).
     spare: Vec<(usize, usize, bool, Box<dyn RecvComm>)>,
+    /// Messages posted on each connection since it opened, sends and receives: equal
+    /// counts at both ends of an idle connection say that nothing is in flight on it.
+    posted_sends: PerPeer<u64>,
+    posted_recvs: PerPeer<u64>,
+    /// Suspend steps received from peers, for [`Links::close_idle`].
+    suspend_inbox: Vec<suspend::Step>,
+    /// Number of this rank's last [`Links::close_idle`] (names its requests).
+    suspend_round: u64,
     /// The peer last waited on in vain (blamed when a wait times out).
     pub suspect: Option<usize>,
     /// Abort notices received: (reporting rank, blamed rank).
@@ -213,6 +228,10 @@ impl Links {
             recv: PerPeer::new(nranks),
             incoming: Vec::new(),
             spare: Vec::new(),
+            posted_sends: PerPeer::new(nranks),
+            posted_recvs: PerPeer::new(nranks),
+            suspend_inbox: Vec::new(),
+            suspend_round: 0,
             suspect: None,
             notices: Vec::new(),
             mismatch: None,
@@ -296,6 +315,17 @@ impl Links {
         })
     }
 
+    /// Count a message posted on the connection to (`send`) or from `peer` on channel `ch`.
+    pub fn count_posted(&mut self, peer: usize, ch: usize, send: bool) {
+        let counts = if send {
+            &mut self.posted_sends
+        } else {
+            &mut self.posted_recvs
+        };
+        let n = &mut counts[peer][ch];
+        *n = Some(n.unwrap_or(0) + 1);
+    }
+
     pub fn send_fds(&self, peer: usize, ch: usize, out: &mut Vec<PollFd>) {
         if let Some(c) = &self.send[peer][ch] {
             c.poll_fds(out);
@@ -324,6 +354,8 @@ impl Links {
         }
         self.send.clear();
         self.recv.clear();
+        self.posted_sends.clear();
+        self.posted_recvs.clear();
         self.incoming.clear();
         self.spare.clear();
         // Their registrations went with the connections.
@@ -637,8 +669,9 @@ impl Links {
             let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
             let c = u32::from_le_bytes(b[8..12].try_into().unwrap());
             let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
-            let long = sizes[0] == HELLO_MAX && c & MISMATCH != 0;
-            if (sizes[0] != 16 && !long)
+            let long = sizes[0] == MISMATCH_LEN && c & MISMATCH != 0;
+            let step = sizes[0] == suspend::MESSAGE_LEN && c & SUSPEND != 0 && c & ABORT == 0;
+            if (sizes[0] != 16 && !long && !step)
                 || magic != HELLO_MAGIC
                 || id != self.comm_id
                 || p >= self.nranks
@@ -649,6 +682,11 @@ impl Links {
                 let tag = u32::from_le_bytes(b[16..20].try_into().unwrap());
                 self.mismatch = Some((p, tag));
                 self.notices.push((p, self.rank));
+                progressed = true;
+                continue;
+            }
+            if step {
+                self.file_step(p, c & !SUSPEND, &b[..]);
                 progressed = true;
                 continue;
             }
@@ -873,7 +911,7 @@ impl Links {
                 pending.push((c, None::<HelloOut>));
             }
         }
-        let len = if tag.is_some() { HELLO_MAX } else { 16 };
+        let len = if tag.is_some() { MISMATCH_LEN } else { 16 };
         while !pending.is_empty() && Instant::now() < end {
             // The others may be sending theirs at this moment: over networks whose connect
             // needs the peer's accept (the userspace RoCE v2 engine), two ranks each waiting

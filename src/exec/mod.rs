@@ -420,7 +420,10 @@ impl<'a> Exec<'a> {
                 }
             };
             match posted {
-                Ok(Some(req)) => break req,
+                Ok(Some(req)) => {
+                    self.links.count_posted(peer, ch, send);
+                    break req;
+                }
                 Ok(None) => {
                     // Out of request slots: complete something first.
                     self.poll()?;

@@ -1164,8 +1164,9 @@ fn quiesce(c: &Communicator) -> R {
 
 /// Suspend `comm`: wait for its outstanding work, then refuse calls until [`resume`]. With
 /// `NCCL_SUSPEND_MEM` it releases its cached GPU registrations, scratch and the process's
-/// idle staging buffers ([`Communicator::release_memory`]); connections stay open, so
-/// resuming costs nothing but registering again.
+/// idle staging buffers ([`Communicator::release_memory`]), and closes the connections idle
+/// at both ends with the peers that suspend within `ROCCL_SUSPEND_WAIT` seconds (default 1;
+/// [`Communicator::close_idle_connections`]); they open again on first use after resume.
 pub fn suspend(comm: rocclComm_t, flags: c_int) -> rocclResult_t {
     guard("ncclCommSuspend", || {
         if flags & !1 != 0 {
@@ -1187,6 +1188,30 @@ pub fn suspend(comm: rocclComm_t, flags: c_int) -> rocclResult_t {
                 r.registrations,
                 r.bytes
             );
+            let wait = roccl_core::envvar::value_or::<f64>("ROCCL_SUSPEND_WAIT", 1.0);
+            if wait > 0.0 && wait.is_finite() {
+                let wait = std::time::Duration::from_secs_f64(wait.min(3600.0));
+                match c.close_idle_connections(wait) {
+                    Ok(k) => roccl_core::info!(
+                        "ncclCommSuspend(NCCL_SUSPEND_MEM): rank {} closed {} idle connections{}",
+                        c.rank(),
+                        k.closed,
+                        if k.kept_with.is_empty() {
+                            String::new()
+                        } else {
+                            format!(
+                                "; kept those with ranks {:?} (not suspending within {wait:.1?}, ROCCL_SUSPEND_WAIT, or a call apart)",
+                                k.kept_with
+                            )
+                        }
+                    ),
+                    Err(e) => {
+                        h.suspended
+                            .store(false, std::sync::atomic::Ordering::Release);
+                        return Err(e.into());
+                    }
+                }
+            }
         }
         Ok(())
     })
