@@ -323,6 +323,7 @@ impl Communicator {
             if let Err(e) = &r {
                 state.failed(e);
             }
+            crate::os::mem::trim_heap();
             r.map(|s| ClosedConnections {
                 closed: s.closed,
                 kept_with: s.kept_with,

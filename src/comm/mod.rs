@@ -258,6 +258,7 @@ impl Communicator {
             out
         });
         out.bytes += stream::release_idle_staging();
+        crate::os::mem::trim_heap();
         out
     }
 

@@ -1,4 +1,5 @@
-//! Memory: the locked-memory limit, and whether the CPU can read an address range.
+//! Memory: the locked-memory limit, whether the CPU can read an address range, and giving
+//! freed heap memory back to the system.
 
 use crate::error::{Error, Result};
 
@@ -15,6 +16,22 @@ pub fn memlock_limit() -> Result<(Option<u64>, Option<u64>)> {
     }
     let v = |x: libc::rlim_t| (x != libc::RLIM_INFINITY).then_some(x);
     Ok((v(r.rlim_cur), v(r.rlim_max)))
+}
+
+/// Give the heap's free pages back to the system (glibc's `malloc_trim(0)`; nothing on other
+/// C libraries). Buffers freed by a suspend (bounce buffers of closed connections, scratch)
+/// are mostly below glibc's moving mmap threshold, so `free` keeps them resident; this
+/// returns them. Returns whether any memory went back.
+pub fn trim_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only walks and releases the allocator's own free lists.
+        unsafe { libc::malloc_trim(0) != 0 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
 }
 
 /// Whether the CPU can read `len` bytes at `addr` (at most a pipe's 64 KiB): `write(2)` them
