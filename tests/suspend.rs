@@ -148,3 +148,45 @@ fn a_rank_that_does_not_suspend_keeps_its_connections() {
         }
     });
 }
+
+/// Ranks suspend again and again without waiting for each other afterwards: a rank that
+/// resumes first opens connections again (or sends on the ones kept) while its peers still
+/// settle theirs, requests of earlier rounds go stale, and every call's result stays right.
+fn suspend_while_others_resume(net: NetKind) {
+    let n = 3;
+    watchdog();
+    run_ranks(n, cfg(net), |c| {
+        let me = c.rank();
+        let mut closed = 0;
+        for round in 0..12usize {
+            sum_check(&c, round as i64);
+            let root = round % n;
+            let mut b = vec![if me == root { round as u32 + 1 } else { 0 }; 1 + 300 * round];
+            c.broadcast(&mut b, root).unwrap();
+            assert!(b.iter().all(|&v| v == round as u32 + 1), "round {round}");
+            let send: Vec<u64> = (0..n).map(|p| (me * 100 + p + round) as u64).collect();
+            let mut got = vec![0u64; n];
+            c.all_to_all(&send, &mut got).unwrap();
+            let want: Vec<u64> = (0..n).map(|p| (p * 100 + me + round) as u64).collect();
+            assert_eq!(got, want, "rank {me} round {round}");
+            // A shift around the ring, on the point-to-point channel.
+            let mut from = [0u32; 8];
+            c.sendrecv(&[me as u32; 8], (me + 1) % n, &mut from, (me + n - 1) % n)
+                .unwrap();
+            assert_eq!(from, [((me + n - 1) % n) as u32; 8]);
+            let wait = Duration::from_millis(if round % 4 == 3 { 0 } else { 500 });
+            closed += c.close_idle_connections(wait).unwrap().closed;
+        }
+        assert!(closed > 0, "rank {me}: nothing ever closed");
+    });
+}
+
+#[test]
+fn suspending_while_others_resume_keeps_every_result_over_tcp() {
+    suspend_while_others_resume(NetKind::Tcp);
+}
+
+#[test]
+fn suspending_while_others_resume_keeps_every_result_over_rocev2() {
+    suspend_while_others_resume(NetKind::RoceV2);
+}

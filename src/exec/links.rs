@@ -87,6 +87,8 @@ pub(crate) struct Links {
     suspend_inbox: Vec<suspend::Step>,
     /// Number of this rank's last [`Links::close_idle`] (names its requests).
     suspend_round: u64,
+    /// Per peer, the last of its rounds seen decided (older requests are stale).
+    suspend_decided: Vec<u64>,
     /// The peer last waited on in vain (blamed when a wait times out).
     pub suspect: Option<usize>,
     /// Abort notices received: (reporting rank, blamed rank).
@@ -232,6 +234,7 @@ impl Links {
             posted_recvs: PerPeer::new(nranks),
             suspend_inbox: Vec::new(),
             suspend_round: 0,
+            suspend_decided: Vec::new(),
             suspect: None,
             notices: Vec::new(),
             mismatch: None,
@@ -356,6 +359,7 @@ impl Links {
         self.recv.clear();
         self.posted_sends.clear();
         self.posted_recvs.clear();
+        self.suspend_inbox.clear();
         self.incoming.clear();
         self.spare.clear();
         // Their registrations went with the connections.

@@ -33,6 +33,14 @@ const REQUEST: u32 = 1;
 const ANSWER: u32 = 2;
 const DECISION: u32 = 3;
 
+/// Events of a step on its way ([`Links::progress`]).
+const POSTED: u8 = 1;
+const DELIVERED: u8 = 2;
+
+/// What happened to a step on its way: (peer, step, [`POSTED`] or [`DELIVERED`], the
+/// connections to close once delivered).
+type Event = (usize, u32, u8, Option<(u8, u8)>);
+
 /// Most steps kept from ranks that are not being answered (a peer suspending while this
 /// rank runs calls sends some that nobody reads).
 const INBOX_MAX: usize = 64;
@@ -95,6 +103,11 @@ pub(crate) struct Suspended {
 /// A step on its way to a peer.
 struct Outgoing {
     peer: usize,
+    kind: u32,
+    /// Dropped when not delivered by then.
+    deadline: Instant,
+    /// Send and receive channels to close once delivered.
+    then_close: Option<(u8, u8)>,
     conn: Option<Box<dyn Connecting>>,
     buf: Option<Box<[u8; HELLO_MAX]>>,
     sent: Option<HelloOut>,
@@ -167,23 +180,37 @@ impl Links {
     /// [`Links::close_idle`].
     pub(super) fn file_step(&mut self, peer: usize, kind: u32, b: &[u8]) {
         if let Some(step) = decode(peer, kind, b) {
-            if self.suspend_inbox.len() >= INBOX_MAX {
-                self.suspend_inbox.remove(0);
+            if self.suspend_inbox.len() >= INBOX_MAX + 4 * self.nranks {
+                // The oldest request or answer goes first: a decision may be awaited.
+                let at = self
+                    .suspend_inbox
+                    .iter()
+                    .position(|s| s.kind != DECISION)
+                    .unwrap_or(0);
+                self.suspend_inbox.remove(at);
             }
             self.suspend_inbox.push(step);
         }
     }
 
-    /// Close the connections of channels `mask` with `peer`; returns how many closed.
-    fn close_channels(&mut self, peer: usize, mask: u8) -> usize {
+    /// Close the send connections of channels `sends` and the receive connections of
+    /// channels `recvs` with `peer`; returns how many closed.
+    fn close_channels(&mut self, peer: usize, sends: u8, recvs: u8) -> usize {
         let mut closed = 0;
-        for ch in (0..MAX_CHANNELS).filter(|ch| mask & (1 << ch) != 0) {
-            closed += usize::from(self.send[peer][ch].take().is_some());
-            closed += usize::from(self.recv[peer][ch].take().is_some());
-            self.posted_sends[peer][ch] = None;
-            self.posted_recvs[peer][ch] = None;
+        for ch in 0..MAX_CHANNELS {
+            let bit = 1u8 << ch;
+            if sends & bit != 0 {
+                closed += usize::from(self.send[peer][ch].take().is_some());
+                self.posted_sends[peer][ch] = None;
+            }
+            if recvs & bit != 0 {
+                closed += usize::from(self.recv[peer][ch].take().is_some());
+                self.posted_recvs[peer][ch] = None;
+            }
             // Their registrations went with them.
-            self.dev_cache.retain(|d| d.peer != peer || d.ch != ch);
+            self.dev_cache.retain(|d| {
+                d.peer != peer || d.ch != ch || (if d.send { sends } else { recvs }) & bit == 0
+            });
         }
         closed
     }
@@ -200,7 +227,33 @@ impl Links {
             .collect()
     }
 
-    fn queue(&self, out: &mut Vec<Outgoing>, peer: usize, kind: u32, round: u64, mask: u8) {
+    /// The last round of `peer`'s that this rank saw decided (a request of that round or
+    /// before is stale).
+    fn decided(&self, peer: usize) -> u64 {
+        self.suspend_decided.get(peer).copied().unwrap_or(0)
+    }
+
+    fn note_decided(&mut self, peer: usize, round: u64) {
+        if self.suspend_decided.len() < self.nranks {
+            self.suspend_decided.resize(self.nranks, 0);
+        }
+        let d = &mut self.suspend_decided[peer];
+        *d = (*d).max(round);
+    }
+
+    /// Queue step `kind` to `peer`, to be delivered by `deadline` or dropped; `then_close`:
+    /// the connections to close once it is delivered.
+    #[allow(clippy::too_many_arguments)]
+    fn queue(
+        &self,
+        out: &mut Vec<Outgoing>,
+        peer: usize,
+        kind: u32,
+        round: u64,
+        mask: u8,
+        deadline: Instant,
+        then_close: Option<(u8, u8)>,
+    ) {
         let mut buf = Box::new([0u8; HELLO_MAX]);
         buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
@@ -217,6 +270,9 @@ impl Links {
         match ep.net.connect(ep.dev, &self.handles[peer][e]) {
             Ok(conn) => out.push(Outgoing {
                 peer,
+                kind,
+                deadline,
+                then_close,
                 conn: Some(conn),
                 buf: Some(buf),
                 sent: None,
@@ -228,13 +284,20 @@ impl Links {
         }
     }
 
-    /// Move the steps on their way; drop those delivered or failed.
-    fn progress(out: &mut Vec<Outgoing>) -> bool {
-        let before = out.len();
-        let mut moved = false;
+    /// Move the steps on their way. Returns what happened: (peer, step, event), where the
+    /// event is [`POSTED`] (its bytes are on their way: the peer may read it) or
+    /// [`DELIVERED`]; a step that fails is dropped.
+    fn progress(out: &mut Vec<Outgoing>, events: &mut Vec<Event>) {
         out.retain_mut(|o| {
             if let Some(h) = &mut o.sent {
-                return !matches!(h.comm.test(h.req), Ok(Some(_)) | Err(_));
+                return match h.comm.test(h.req) {
+                    Ok(Some(_)) => {
+                        events.push((o.peer, o.kind, DELIVERED, o.then_close));
+                        false
+                    }
+                    Ok(None) => true,
+                    Err(_) => false,
+                };
             }
             let Some(conn) = o.conn.as_mut() else {
                 return false;
@@ -248,7 +311,7 @@ impl Links {
                     // first, dropped first) until the send completes.
                     match unsafe { comm.isend(buf.as_ptr(), MESSAGE_LEN, 0, None) } {
                         Ok(Some(req)) => {
-                            moved = true;
+                            events.push((o.peer, o.kind, POSTED, None));
                             o.conn = None;
                             o.sent = Some(HelloOut {
                                 comm,
@@ -267,91 +330,162 @@ impl Links {
                 }
             }
         });
-        moved || out.len() != before
     }
 
     /// Close every connection that is idle at both ends with the peers that are suspending
-    /// too (see the module's notes). Waits up to `wait` for the peers to take part, and up
-    /// to `timeout` for the decisions on answers already given. Run between calls only.
+    /// too (see the module's notes). Waits up to `wait` (at most half of `timeout`) for the
+    /// peers to take part, and up to `timeout` for the decisions on answers given. Run
+    /// between calls only.
     pub fn close_idle(&mut self, wait: Duration, timeout: Duration) -> Result<Suspended> {
+        let after = |t: Instant, d: Duration| {
+            t.checked_add(d)
+                .unwrap_or_else(|| t + Duration::from_secs(86_400 * 365))
+        };
+        let wait = wait.min(timeout / 2);
         self.suspend_round += 1;
         let round = self.suspend_round;
         let start = Instant::now();
+        let wait_end = after(start, wait);
         self.accept_pending()?;
         let peers = self.connected_peers();
-        let mut out: Vec<Outgoing> = Vec::new();
-        let mut asking: Vec<usize> = peers.iter().copied().filter(|&p| p > self.rank).collect();
+        let at_start: Vec<(usize, View)> = peers.iter().map(|&p| (p, self.view(p))).collect();
+        // Peers asked, and whether the request's bytes left.
+        let mut asking: Vec<(usize, bool)> = Vec::new();
         let mut expecting: Vec<usize> = peers.iter().copied().filter(|&p| p < self.rank).collect();
-        // Answers given that wait for their decision: (peer, its round, channels).
-        let mut deciding: Vec<(usize, u64, u8)> = Vec::new();
-        // Decisions read before their request (a round the asker gave up on).
-        let mut decided: Vec<(usize, u64)> = Vec::new();
+        let mut deciding: Vec<Deciding> = Vec::new();
+        let mut out: Vec<Outgoing> = Vec::new();
+        let mut events = Vec::new();
         let mut closed = 0;
-        for &p in &asking {
-            self.queue(&mut out, p, REQUEST, round, 0);
+        let mut shut = vec![(0u8, 0u8); self.nranks];
+        for &p in peers.iter().filter(|&&p| p > self.rank) {
+            self.queue(&mut out, p, REQUEST, round, 0, wait_end, None);
+            asking.push((p, false));
         }
         loop {
             let mut moved = self.accept_pending()?;
-            for step in std::mem::take(&mut self.suspend_inbox) {
+            let now = Instant::now();
+            let inbox = std::mem::take(&mut self.suspend_inbox);
+            for (i, step) in inbox.iter().enumerate() {
                 moved = true;
                 match step.kind {
                     REQUEST if step.peer < self.rank => {
-                        // A decision already came for this round: the asker gave up on it.
-                        if decided.contains(&(step.peer, step.round)) {
-                            continue;
+                        let newer = inbox[i + 1..]
+                            .iter()
+                            .any(|s| s.kind == REQUEST && s.peer == step.peer);
+                        if newer || step.round <= self.decided(step.peer) {
+                            continue; // a round its asker settled or gave up on
                         }
-                        let mask = self.view(step.peer).idle_with(&step.view);
-                        self.queue(&mut out, step.peer, ANSWER, step.round, mask);
+                        let view = self.view(step.peer);
+                        // An answer of an earlier round still open: close nothing in this
+                        // one (its decision could close connections reopened since).
+                        let open = deciding.iter().any(|d| d.peer == step.peer);
+                        let mask = if open { 0 } else { view.idle_with(&step.view) };
+                        self.queue(
+                            &mut out,
+                            step.peer,
+                            ANSWER,
+                            step.round,
+                            mask,
+                            after(now, timeout),
+                            None,
+                        );
                         if mask != 0 {
-                            deciding.push((step.peer, step.round, mask));
+                            deciding.push(Deciding {
+                                peer: step.peer,
+                                round: step.round,
+                                sends: view.sends & mask,
+                                recvs: view.recvs & mask,
+                                until: after(now, timeout),
+                            });
                         }
                         expecting.retain(|&p| p != step.peer);
                     }
-                    ANSWER if step.round == round && asking.contains(&step.peer) => {
-                        let mask = step.mask & self.view(step.peer).idle_mask_alone();
-                        closed += self.close_channels(step.peer, mask);
-                        self.queue(&mut out, step.peer, DECISION, round, mask);
-                        asking.retain(|&p| p != step.peer);
+                    ANSWER if step.round == round => {
+                        let Some(at) = asking.iter().position(|a| a.0 == step.peer) else {
+                            continue;
+                        };
+                        asking.swap_remove(at);
+                        let view = self.view(step.peer);
+                        let mask = step.mask & view.idle_mask_alone();
+                        // Closed once the decision is delivered: the peer closes when it
+                        // reads it, so neither end closes what the other keeps.
+                        let close = (mask != 0).then_some((view.sends & mask, view.recvs & mask));
+                        let until = after(now, timeout);
+                        self.queue(&mut out, step.peer, DECISION, round, mask, until, close);
                     }
                     DECISION => {
-                        if let Some(i) = deciding
+                        self.note_decided(step.peer, step.round);
+                        let at = deciding
                             .iter()
-                            .position(|d| d.0 == step.peer && d.1 == step.round)
-                        {
-                            let (p, _, mask) = deciding.swap_remove(i);
-                            closed += self.close_channels(p, step.mask & mask);
-                        } else {
-                            decided.push((step.peer, step.round));
+                            .position(|d| d.peer == step.peer && d.round == step.round);
+                        if let Some(at) = at {
+                            let d = deciding.swap_remove(at);
+                            let (s, r) = (d.sends & step.mask, d.recvs & step.mask);
+                            closed += self.close_channels(d.peer, s, r);
+                            shut[d.peer].0 |= s;
+                            shut[d.peer].1 |= r;
                         }
                     }
                     // A step of a round already settled.
                     _ => {}
                 }
             }
-            moved |= Self::progress(&mut out);
-            let now = Instant::now();
-            if now >= start + wait {
-                for p in std::mem::take(&mut asking) {
-                    self.queue(&mut out, p, DECISION, round, 0);
+            events.clear();
+            Self::progress(&mut out, &mut events);
+            for &(p, kind, what, close) in &events {
+                moved = true;
+                if kind == REQUEST && what == POSTED {
+                    if let Some(a) = asking.iter_mut().find(|a| a.0 == p) {
+                        a.1 = true;
+                    }
                 }
+                if let (DELIVERED, Some((s, r))) = (what, close) {
+                    closed += self.close_channels(p, s, r);
+                    shut[p].0 |= s;
+                    shut[p].1 |= r;
+                }
+            }
+            let now = Instant::now();
+            if now >= wait_end {
+                // Peers asked that did not answer: tell those that may have read the
+                // request that nothing closes (one that answered waits for it, so it is
+                // not dropped before the timeout); requests still connecting are dropped.
+                for (p, posted) in std::mem::take(&mut asking) {
+                    if posted {
+                        self.queue(&mut out, p, DECISION, round, 0, after(now, timeout), None);
+                    }
+                }
+                out.retain(|o| o.kind != REQUEST || o.sent.is_some());
                 expecting.clear();
             }
-            if now >= start + timeout {
-                for &(p, _, _) in &deciding {
+            deciding.retain(|d| {
+                let gone = self.peer_state(d.peer).is_some_and(|s| s.contains("exited"));
+                if now >= d.until || gone {
                     crate::warn!(
-                        "rank {}: rank {p} answered about suspending but sent no decision within {timeout:.0?} (ROCCL_TIMEOUT): its connections stay open",
-                        self.rank
+                        "rank {}: rank {} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",
+                        self.rank,
+                        d.peer
+                    );
+                    return false;
+                }
+                true
+            });
+            out.retain(|o| {
+                if now < o.deadline {
+                    return true;
+                }
+                if o.then_close.is_some() {
+                    crate::info!(
+                        "rank {}: the decision about suspending did not reach rank {}: the connections with it stay open",
+                        self.rank,
+                        o.peer
                     );
                 }
-                deciding.clear();
-                out.clear();
-            }
-            // An asker that is gone will not decide.
-            deciding.retain(|d| {
-                let gone = self.peer_state(d.0).is_some_and(|s| s.contains("exited"));
-                !gone
+                false
             });
-            if asking.is_empty() && expecting.is_empty() && deciding.is_empty() && out.is_empty() {
+            // Answers and requests still on their way are best effort; decisions are not.
+            let deciding_out = out.iter().any(|o| o.kind == DECISION);
+            if asking.is_empty() && expecting.is_empty() && deciding.is_empty() && !deciding_out {
                 break;
             }
             if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
@@ -363,14 +497,24 @@ impl Links {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
-        // Connections the peers opened again since (they resumed first) are new ones.
-        let kept_with = (0..self.nranks)
-            .filter(|&p| {
-                self.send[p].iter().any(Option::is_some) || self.recv[p].iter().any(Option::is_some)
-            })
+        let kept_with = at_start
+            .iter()
+            .filter(|(p, v)| (v.sends & !shut[*p].0) | (v.recvs & !shut[*p].1) | v.unsettled != 0)
+            .map(|(p, _)| *p)
             .collect();
         Ok(Suspended { closed, kept_with })
     }
+}
+
+/// An answer given that waits for its decision.
+struct Deciding {
+    peer: usize,
+    round: u64,
+    /// The connections that existed on the channels answered idle, when answered: only
+    /// those close (a peer that resumed first may have opened new ones since).
+    sends: u8,
+    recvs: u8,
+    until: Instant,
 }
 
 impl View {
