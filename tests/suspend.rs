@@ -125,12 +125,11 @@ fn a_message_in_flight_keeps_its_connection_over_rocev2() {
 
 /// Rank 2 does not suspend: ranks 0 and 1 close what they share and keep their
 /// connections with rank 2, after waiting for it as long as they were told to.
-#[test]
-fn a_rank_that_does_not_suspend_keeps_its_connections() {
+fn a_rank_that_does_not_suspend(net: NetKind) {
     let n = 3;
     let met = Barrier::new(n);
     watchdog();
-    run_ranks(n, cfg(NetKind::Tcp), |c| {
+    run_ranks(n, cfg(net), |c| {
         sum_check(&c, 0);
         met.wait();
         if c.rank() != 2 {
@@ -147,6 +146,16 @@ fn a_rank_that_does_not_suspend_keeps_its_connections() {
             sum_check(&c, round);
         }
     });
+}
+
+#[test]
+fn a_rank_that_does_not_suspend_keeps_its_connections_over_tcp() {
+    a_rank_that_does_not_suspend(NetKind::Tcp);
+}
+
+#[test]
+fn a_rank_that_does_not_suspend_keeps_its_connections_over_rocev2() {
+    a_rank_that_does_not_suspend(NetKind::RoceV2);
 }
 
 /// Ranks suspend again and again without waiting for each other afterwards: a rank that

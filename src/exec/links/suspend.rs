@@ -380,15 +380,10 @@ impl Links {
                         // one (its decision could close connections reopened since).
                         let open = deciding.iter().any(|d| d.peer == step.peer);
                         let mask = if open { 0 } else { view.idle_with(&step.view) };
-                        self.queue(
-                            &mut out,
-                            step.peer,
-                            ANSWER,
-                            step.round,
-                            mask,
-                            after(now, timeout),
-                            None,
-                        );
+                        // The asker waits for it, and accepts it within moments; one that
+                        // gave up already may never accept it (RoCE needs the accept).
+                        let until = after(now, wait.max(Duration::from_secs(1)));
+                        self.queue(&mut out, step.peer, ANSWER, step.round, mask, until, None);
                         if mask != 0 {
                             deciding.push(Deciding {
                                 peer: step.peer,
@@ -409,9 +404,13 @@ impl Links {
                         let mask = step.mask & view.idle_mask_alone();
                         // Closed once the decision is delivered: the peer closes when it
                         // reads it, so neither end closes what the other keeps.
-                        let close = (mask != 0).then_some((view.sends & mask, view.recvs & mask));
-                        let until = after(now, timeout);
-                        self.queue(&mut out, step.peer, DECISION, round, mask, until, close);
+                        // An answer of "nothing" waits for no decision.
+                        if step.mask != 0 {
+                            let close =
+                                (mask != 0).then_some((view.sends & mask, view.recvs & mask));
+                            let until = after(now, timeout);
+                            self.queue(&mut out, step.peer, DECISION, round, mask, until, close);
+                        }
                     }
                     DECISION => {
                         self.note_decided(step.peer, step.round);
@@ -448,11 +447,14 @@ impl Links {
             let now = Instant::now();
             if now >= wait_end {
                 // Peers asked that did not answer: tell those that may have read the
-                // request that nothing closes (one that answered waits for it, so it is
-                // not dropped before the timeout); requests still connecting are dropped.
+                // request that nothing closes. One whose answer is on its way waits for
+                // this in its own loop, which accepts it within moments; one that is not
+                // suspending may never accept it (RoCE needs the accept), so it is tried
+                // for a while, not waited for. Requests still connecting are dropped.
+                let grace = after(now, wait.max(Duration::from_secs(1)));
                 for (p, posted) in std::mem::take(&mut asking) {
                     if posted {
-                        self.queue(&mut out, p, DECISION, round, 0, after(now, timeout), None);
+                        self.queue(&mut out, p, DECISION, round, 0, grace, None);
                     }
                 }
                 out.retain(|o| o.kind != REQUEST || o.sent.is_some());
@@ -483,9 +485,9 @@ impl Links {
                 }
                 false
             });
-            // Answers and requests still on their way are best effort; decisions are not.
-            let deciding_out = out.iter().any(|o| o.kind == DECISION);
-            if asking.is_empty() && expecting.is_empty() && deciding.is_empty() && !deciding_out {
+            // Every step is delivered or dropped at its deadline before this returns.
+            let settled = asking.is_empty() && expecting.is_empty() && deciding.is_empty();
+            if settled && out.is_empty() {
                 break;
             }
             if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
@@ -502,6 +504,11 @@ impl Links {
             .filter(|(p, v)| (v.sends & !shut[*p].0) | (v.recvs & !shut[*p].1) | v.unsettled != 0)
             .map(|(p, _)| *p)
             .collect();
+        crate::info!(
+            "rank {}: suspend round {round} settled in {:.1?}: closed {closed} connections, kept those with ranks {kept_with:?}",
+            self.rank,
+            start.elapsed()
+        );
         Ok(Suspended { closed, kept_with })
     }
 }
