@@ -38,6 +38,17 @@ const DUPLEX: u32 = 0x4000_0000;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
 
+/// The 16 bytes every hello and notice starts with: magic, sender's rank, channel word
+/// (channel and flags), communicator id; the rest is zero.
+fn hello(rank: usize, word: u32, comm_id: u32) -> Box<[u8; HELLO_MAX]> {
+    let mut buf = Box::new([0u8; HELLO_MAX]);
+    buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    buf[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
+    buf[8..12].copy_from_slice(&word.to_le_bytes());
+    buf[12..16].copy_from_slice(&comm_id.to_le_bytes());
+    buf
+}
+
 /// A network and this rank's endpoint on it.
 pub(crate) struct Endpoint {
     pub net: Arc<dyn Net>,
@@ -50,6 +61,23 @@ struct HelloOut {
     comm: Box<dyn SendComm>,
     req: ReqId,
     _buf: Box<[u8; HELLO_MAX]>,
+}
+
+impl HelloOut {
+    /// Post the first `len` bytes of `buf` (a hello or a notice) on the fresh `comm`;
+    /// `None` when the network refuses it.
+    fn post(mut comm: Box<dyn SendComm>, buf: Box<[u8; HELLO_MAX]>, len: usize) -> Option<Self> {
+        // SAFETY: `buf` is boxed and kept in `HelloOut` with the comm (declared first,
+        // dropped first) until the send completes.
+        match unsafe { comm.isend(buf.as_ptr(), len, 0, None) } {
+            Ok(Some(req)) => Some(HelloOut {
+                comm,
+                req,
+                _buf: buf,
+            }),
+            _ => None,
+        }
+    }
 }
 
 struct HelloIn {
@@ -497,12 +525,8 @@ impl Links {
                     msg: err.to_string(),
                 })?;
                 if let Some(mut comm) = polled {
-                    let mut buf = Box::new([0u8; HELLO_MAX]);
-                    buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-                    buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
                     let flag = if self.duplex[p] { DUPLEX } else { 0 };
-                    buf[8..12].copy_from_slice(&(c as u32 | flag).to_le_bytes());
-                    buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+                    let buf = hello(self.rank, c as u32 | flag, self.comm_id);
                     // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
                     // send completes; the comm is declared first so it drops first.
                     let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
@@ -926,25 +950,11 @@ impl Links {
                     return !matches!(h.comm.test(h.req), Ok(Some(_)) | Err(_));
                 }
                 match conn.poll() {
-                    Ok(Some(mut comm)) => {
-                        let mut buf = Box::new([0u8; HELLO_MAX]);
-                        buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-                        buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
-                        buf[8..12].copy_from_slice(&word.to_le_bytes());
-                        buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+                    Ok(Some(comm)) => {
+                        let mut buf = hello(self.rank, word, self.comm_id);
                         buf[16..20].copy_from_slice(&tag.unwrap_or(0).to_le_bytes());
-                        // SAFETY: `buf` is boxed and kept with the comm (dropped after it).
-                        match unsafe { comm.isend(buf.as_ptr(), len, 0, None) } {
-                            Ok(Some(req)) => {
-                                *sent = Some(HelloOut {
-                                    comm,
-                                    req,
-                                    _buf: buf,
-                                });
-                                true
-                            }
-                            _ => false,
-                        }
+                        *sent = HelloOut::post(comm, buf, len);
+                        sent.is_some()
                     }
                     Ok(None) => true,
                     Err(_) => false,

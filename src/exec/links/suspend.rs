@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{HelloOut, Links, HELLO_MAGIC, HELLO_MAX, MAX_CHANNELS, SUSPEND};
+use super::{HelloOut, Links, HELLO_MAX, MAX_CHANNELS, SUSPEND};
 use crate::error::{Error, Result};
 use crate::net::Connecting;
 
@@ -254,11 +254,7 @@ impl Links {
         deadline: Instant,
         then_close: Option<(u8, u8)>,
     ) {
-        let mut buf = Box::new([0u8; HELLO_MAX]);
-        buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-        buf[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
-        buf[8..12].copy_from_slice(&(SUSPEND | kind).to_le_bytes());
-        buf[12..16].copy_from_slice(&self.comm_id.to_le_bytes());
+        let mut buf = super::hello(self.rank, SUSPEND | kind, self.comm_id);
         let view = if kind == REQUEST {
             self.view(peer)
         } else {
@@ -303,25 +299,16 @@ impl Links {
                 return false;
             };
             match conn.poll() {
-                Ok(Some(mut comm)) => {
+                Ok(Some(comm)) => {
                     let Some(buf) = o.buf.take() else {
                         return false;
                     };
-                    // SAFETY: `buf` is boxed and kept in `HelloOut` with the comm (declared
-                    // first, dropped first) until the send completes.
-                    match unsafe { comm.isend(buf.as_ptr(), MESSAGE_LEN, 0, None) } {
-                        Ok(Some(req)) => {
-                            events.push((o.peer, o.kind, POSTED, None));
-                            o.conn = None;
-                            o.sent = Some(HelloOut {
-                                comm,
-                                req,
-                                _buf: buf,
-                            });
-                            true
-                        }
-                        _ => false,
+                    o.conn = None;
+                    o.sent = HelloOut::post(comm, buf, MESSAGE_LEN);
+                    if o.sent.is_some() {
+                        events.push((o.peer, o.kind, POSTED, None));
                     }
+                    o.sent.is_some()
                 }
                 Ok(None) => true,
                 Err(e) => {
