@@ -55,7 +55,10 @@ fn rdma_core_version() -> String {
             .into_iter()
             .find(|p| Path::new(p).exists());
             match lib {
-                Some(p) => format!("unknown version (libibverbs at {p})"),
+                Some(p) => match soname_version(Path::new(p)) {
+                    Some(v) => format!("{v} (from {p}'s file name)"),
+                    None => format!("unknown version (libibverbs at {p})"),
+                },
                 None => {
                     "not installed (libibverbs not found: apt-get install rdma-core libibverbs1)"
                         .into()
@@ -63,6 +66,17 @@ fn rdma_core_version() -> String {
             }
         }
     }
+}
+
+/// rdma-core's version from the file libibverbs' soname link points to: rdma-core names
+/// it `libibverbs.so.1.<ABI>.<rdma-core version>` (44.0 in `libibverbs.so.1.14.44.0`), so
+/// a host or image without a package database still says which it has.
+fn soname_version(lib: &Path) -> Option<String> {
+    let real = std::fs::canonicalize(lib).ok()?;
+    let name = real.file_name()?.to_str()?;
+    let parts: Vec<&str> = name.strip_prefix("libibverbs.so.1.")?.split('.').collect();
+    (parts.len() >= 3 && parts.iter().all(|p| p.parse::<u32>().is_ok()))
+        .then(|| parts[1..].join("."))
 }
 
 fn dev_access() -> String {
@@ -452,4 +466,26 @@ fn main() -> ExitCode {
     // A closed pipe (`roccl-info | head`) ends it quietly.
     roccl::tool::print_line(format_args!("{}", out.trim_end()));
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_core_version_is_read_from_the_library_file_name() {
+        let dir = std::env::temp_dir().join(format!("roccl-info-soname-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let real = dir.join("libibverbs.so.1.14.44.0");
+        std::fs::write(&real, b"").unwrap();
+        let link = dir.join("libibverbs.so.1");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("libibverbs.so.1.14.44.0", &link).unwrap();
+        assert_eq!(soname_version(&link).as_deref(), Some("44.0"));
+        // A file name without the version says nothing rather than something wrong.
+        let bare = dir.join("libibverbs.so.1.x");
+        std::fs::write(&bare, b"").unwrap();
+        assert_eq!(soname_version(&bare), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
