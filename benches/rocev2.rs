@@ -82,6 +82,7 @@ fn parse(line: &str) -> (QpEndpoint, (u64, u32), (u64, u32)) {
         qpn: f[1].parse().unwrap(),
         psn: f[2].parse().unwrap(),
         mtu: f[3].parse().unwrap(),
+        engine: true,
     };
     (
         ep,

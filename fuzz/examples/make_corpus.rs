@@ -182,6 +182,7 @@ fn net_setup() {
         qpn: 0x12_3456,
         psn: 0x00ab_cdef,
         mtu: 4096,
+        engine: true,
     };
     let (rh, info) = roccl::fuzzing::seed_rocev2(SocketAddr::from(([10, 0, 0, 2], 40_000)), &ep);
     let mut w = Writer::default();

@@ -173,6 +173,15 @@ pub(super) fn blob(
     b
 }
 
+/// Whether ranks on networks `a` and `b` can form one job: the same network, or RoCE v2
+/// through either provider — a NIC (`verbs`) and the userspace engine (`rocev2`) speak one
+/// wire protocol, so a host without an RDMA NIC joins hosts that have one. What they cannot
+/// share (a NIC reaches an engine only on UDP port 4791) is refused at connection setup.
+fn networks_meet(a: &str, b: &str) -> bool {
+    const ROCE_V2: [&str; 2] = ["rocev2", "verbs"];
+    a == b || (ROCE_V2.contains(&a) && ROCE_V2.contains(&b))
+}
+
 fn word(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
@@ -194,7 +203,7 @@ pub(super) fn parse_blob(
     let name = std::str::from_utf8(&b[12..28])
         .unwrap_or("?")
         .trim_end_matches('\0');
-    if name != my_net {
+    if !networks_meet(name, my_net) {
         return Err(Error::InvalidUsage(format!(
             "rank {rank} uses network '{name}' but rank {me} uses '{my_net}': set the same ROCCL_NET everywhere"
         )));

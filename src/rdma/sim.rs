@@ -62,6 +62,28 @@ struct Sim {
     /// Engine 1 is descheduled until this virtual time (µs): it neither receives (its
     /// datagrams wait, as in a socket buffer), sends nor runs its timers.
     stall_1_until: u64,
+    /// What left the engines, by kind (see [`Tally`]).
+    tally: Tally,
+}
+
+/// Packets that left the engines: roccl reports (opcode 0xC0), and acknowledgements that
+/// carry a syndrome IBTA reserves (none may: a NIC would take them as malformed).
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    reports: u64,
+    reserved_acks: u64,
+}
+
+impl Tally {
+    fn note(&mut self, datagram: &[u8]) {
+        let op = datagram[0];
+        if op == crate::rdma::wire::Opcode::Report as u8 {
+            self.reports += 1;
+        } else if op == crate::rdma::wire::Opcode::Ack as u8 && datagram[12] & 0xe0 == 0x40 {
+            // The AETH follows the 12-byte BTH.
+            self.reserved_acks += 1;
+        }
+    }
 }
 
 const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
@@ -121,6 +143,7 @@ impl Sim {
             lose_once: Vec::new(),
             mute_1_until: 0,
             stall_1_until: 0,
+            tally: Tally::default(),
         }
     }
 
@@ -140,6 +163,7 @@ impl Sim {
             }
             while let Some(tx) = self.eng[e].poll_transmit(now, &mut buf) {
                 moved = true;
+                self.tally.note(&buf[..tx.len]);
                 let from = SocketAddr::new(IpAddr::from(*ip), tx.src_port);
                 let to = IPS
                     .iter()
@@ -317,6 +341,12 @@ fn lossy_workload(seed: u64, faults: Faults) -> Stats {
 
 /// [`lossy_workload`] with QP attributes `a`; also returns the virtual time it took (µs).
 fn lossy_workload_with(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64) {
+    let (st, t, _) = lossy_workload_tally(seed, faults, a);
+    (st, t)
+}
+
+/// [`lossy_workload_with`], also returning what left the engines.
+fn lossy_workload_tally(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64, Tally) {
     let mut s = Sim::new(seed, faults, a);
     let sizes = [0usize, 1, 3, 1023, 1024, 1025, 4096, 5000, 20_000, 7];
     const N: usize = 80;
@@ -454,7 +484,7 @@ fn lossy_workload_with(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64) {
         out_of_sequence: st[0].out_of_sequence + st[1].out_of_sequence,
         ..st[0]
     };
-    (st, s.t)
+    (st, s.t, s.tally)
 }
 
 #[test]
@@ -487,6 +517,32 @@ fn lossy_links_deliver_everything_exactly_once() {
             "p={p}: duplicates must be seen and dropped"
         );
     }
+}
+
+/// The engine's own reports go only to a peer that is this engine (selective mode, agreed at
+/// setup), and only in the manufacturers' opcode space: a NIC peer (IB mode) sees IBTA's
+/// packets alone, and no acknowledgement ever carries a reserved syndrome.
+#[test]
+fn reports_go_only_to_an_engine_and_in_the_vendor_opcode() {
+    let lossy = Faults {
+        drop: 0.05,
+        dup: 0.05,
+        reorder: 0.05,
+        corrupt: 0.0,
+    };
+    let (_, _, to_engine) = lossy_workload_tally(17, lossy, provider_attr());
+    assert!(
+        to_engine.reports > 0,
+        "{to_engine:?}: a lossy link must show reports"
+    );
+    assert_eq!(to_engine.reserved_acks, 0, "{to_engine:?}");
+    let ibta = QpAttr {
+        retry_for: Some(Duration::from_secs(30)),
+        ..attr(1024)
+    };
+    let (_, _, to_nic) = lossy_workload_tally(17, lossy, ibta);
+    assert_eq!(to_nic.reports, 0, "{to_nic:?}: reports sent to a NIC");
+    assert_eq!(to_nic.reserved_acks, 0, "{to_nic:?}");
 }
 
 #[test]

@@ -82,6 +82,10 @@ pub struct QpEndpoint {
     pub psn: u32,
     /// Path MTU we can do.
     pub mtu: u32,
+    /// This end is roccl's userspace engine, which keeps out-of-order packets and takes the
+    /// engine's own reports (selective retransmission); `false` for a NIC, which is sent
+    /// IBTA's packets only.
+    pub engine: bool,
 }
 
 /// A queue pair handle of a provider.

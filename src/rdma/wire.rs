@@ -85,6 +85,12 @@ pub enum Opcode {
     CompareSwap = 0x13,
     /// FETCH ADD.
     FetchAdd = 0x14,
+    /// A roccl report: a userspace-engine extension in the opcode space IBTA leaves to
+    /// manufacturers (0xC0–0xFF), sent only to a peer that said at setup it is a roccl
+    /// engine, never to a NIC. It carries one AETH-shaped header whose syndrome says the
+    /// kind (`rdma::engine::HOLE_SYNDROME`, `DUP_SYNDROME`) and whose MSN field holds the
+    /// report; it acknowledges nothing.
+    Report = 0xc0,
 }
 
 impl Opcode {
@@ -118,7 +124,10 @@ impl Opcode {
 
     /// The opcode with wire value `v`, or `None` if it is not an RC opcode this crate knows.
     pub fn from_u8(v: u8) -> Option<Opcode> {
-        Self::ALL.get(usize::from(v)).copied()
+        match v {
+            0xc0 => Some(Opcode::Report),
+            _ => Self::ALL.get(usize::from(v)).copied(),
+        }
     }
 
     /// Whether packets with this opcode carry a RETH.
@@ -141,7 +150,7 @@ impl Opcode {
         use Opcode::*;
         matches!(
             self,
-            Ack | AtomicAck | ReadRespFirst | ReadRespLast | ReadRespOnly
+            Ack | AtomicAck | ReadRespFirst | ReadRespLast | ReadRespOnly | Report
         )
     }
 
@@ -219,6 +228,7 @@ impl Opcode {
             AtomicAck => "ATOMIC ACKNOWLEDGE",
             CompareSwap => "COMPARE SWAP",
             FetchAdd => "FETCH ADD",
+            Report => "ROCCL REPORT (manufacturer-specific 0xC0)",
         }
     }
 }
@@ -702,25 +712,28 @@ fn segment_of(ip: &IpInfo, body: usize, diff: u32) -> Option<u16> {
     })
 }
 
+/// The difference identification `id` makes to an ICRC whose input has `after` bytes after
+/// the identification field: the CRC with initial value and final XOR 0 (crc32fast continues
+/// from a finished CRC, which it inverts first) of the identification's big-endian bytes and
+/// `after` zeros.
+fn id_difference(id: u16, after: usize) -> u32 {
+    const ZEROS: [u8; 4096] = [0; 4096];
+    let mut h = crc32fast::Hasher::new_with_initial(!0);
+    h.update(&id.to_be_bytes());
+    let mut left = after;
+    while left > 0 {
+        let n = left.min(ZEROS.len());
+        h.update(&ZEROS[..n]);
+        left -= n;
+    }
+    !h.finalize()
+}
+
 /// For each identification `id` below [`MAX_SEGMENTS`], the difference it makes to an ICRC
 /// whose input has `after` bytes after the identification field.
 fn id_differences(after: usize) -> [u32; MAX_SEGMENTS] {
-    const ZEROS: [u8; 4096] = [0; 4096];
-    // The CRC with initial value and final XOR 0 (crc32fast continues from a finished CRC,
-    // which it inverts first), of the identification's big-endian bytes and `after` zeros.
-    let raw = |id: u16| -> u32 {
-        let mut h = crc32fast::Hasher::new_with_initial(!0);
-        h.update(&id.to_be_bytes());
-        let mut left = after;
-        while left > 0 {
-            let n = left.min(ZEROS.len());
-            h.update(&ZEROS[..n]);
-            left -= n;
-        }
-        !h.finalize()
-    };
     const BITS: usize = MAX_SEGMENTS.trailing_zeros() as usize;
-    let bits: [u32; BITS] = std::array::from_fn(|b| raw(1 << b));
+    let bits: [u32; BITS] = std::array::from_fn(|b| id_difference(1 << b, after));
     let mut table = [0u32; MAX_SEGMENTS];
     for (id, d) in table.iter_mut().enumerate() {
         *d = bits
@@ -730,6 +743,88 @@ fn id_differences(after: usize) -> [u32; MAX_SEGMENTS] {
             .fold(0, |acc, (_, x)| acc ^ x);
     }
     table
+}
+
+/// The IPv4 identification, any of the 65536, whose ICRC differs by `diff` from the ICRC
+/// with identification 0, for a packet of `body` bytes before its ICRC; `None` when none
+/// does (a corrupt packet, or IPv6).
+///
+/// A NIC (Linux rxe, ConnectX, E810) numbers its IPv4 packets as the kernel or its firmware
+/// likes, and a UDP socket does not show the IP header, so the engine finds the
+/// identification from the ICRC itself: the difference is linear in the identification's 16
+/// bits, so it is solved by elimination over their 16 differences (kept per packet length).
+/// The ICRC then still detects corruption, with 16 of its 32 bits (one corrupt packet in
+/// 65536 would pass; the link's own FCS is in front of it).
+pub fn any_ipv4_id(ip: &IpInfo, body: usize, diff: u32) -> Option<u16> {
+    use std::cell::RefCell;
+    const KEPT: usize = 8;
+    thread_local! {
+        static SOLVERS: RefCell<(usize, [(usize, IdSolver); KEPT])> =
+            RefCell::new((0, [(usize::MAX, IdSolver::default()); KEPT]));
+    }
+    if !matches!(
+        (ip.src.to_canonical(), ip.dst.to_canonical()),
+        (IpAddr::V4(_), IpAddr::V4(_))
+    ) {
+        return None;
+    }
+    let after = IPV4_HDR_LEN - 6 + UDP_HDR_LEN + body;
+    SOLVERS.with(|t| {
+        let mut t = t.borrow_mut();
+        let (next, solvers) = &mut *t;
+        let k = match solvers.iter().position(|(len, _)| *len == after) {
+            Some(k) => k,
+            None => {
+                let k = *next;
+                *next = (k + 1) % KEPT;
+                solvers[k] = (after, IdSolver::new(after));
+                k
+            }
+        };
+        solvers[k].1.solve(diff)
+    })
+}
+
+/// The 16 identification bits' ICRC differences in echelon form: each row a difference with
+/// its own highest bit (the pivot), and the identification bits that make it.
+#[derive(Clone, Copy, Default)]
+struct IdSolver {
+    rows: [(u32, u16); 16],
+    n: usize,
+}
+
+impl IdSolver {
+    fn new(after: usize) -> IdSolver {
+        let mut s = IdSolver::default();
+        for b in 0..16 {
+            let (v, m) = s.reduce(id_difference(1 << b, after), 1 << b);
+            if v != 0 {
+                s.rows[s.n] = (v, m);
+                s.n += 1;
+                // Highest pivot first, so that reducing never sets a pivot already passed.
+                s.rows[..s.n].sort_unstable_by_key(|r| r.0.leading_zeros());
+            }
+        }
+        s
+    }
+
+    /// `v` with every row whose pivot it has taken out, and the bits `m` then stands for.
+    fn reduce(&self, mut v: u32, mut m: u16) -> (u32, u16) {
+        for &(r, rm) in &self.rows[..self.n] {
+            if v & (1u32 << (31 - r.leading_zeros())) != 0 {
+                v ^= r;
+                m ^= rm;
+            }
+        }
+        (v, m)
+    }
+
+    fn solve(&self, diff: u32) -> Option<u16> {
+        match self.reduce(diff, 0) {
+            (0, id) => Some(id),
+            _ => None,
+        }
+    }
 }
 
 /// The ICRC of a UDP payload (BTH .. end of pad, i.e. without the 4 ICRC bytes), per the fact
@@ -1219,6 +1314,51 @@ mod tests {
         let ip = ip4([192, 168, 0, 7], [192, 168, 0, 7], 49152, 4791);
         let uc = unhex("2460ffff000000d300cf17104630818be28935d90e9a95505401be885e50000078f353f3");
         check_with_id(&ip, 1144, 0x4000, &uc);
+    }
+
+    /// A NIC's identification, whatever it is, is found from the ICRC (the hardware
+    /// captures above, and every identification of a generated packet), and a corrupt packet
+    /// is still refused.
+    #[test]
+    fn a_nics_ipv4_identification_is_solved_from_the_icrc() {
+        let cases = [
+            (
+                ip4([10, 0, 17, 1], [10, 0, 18, 1], 0, 4791),
+                unhex("8100ffff400001180000000000000000000000000000000000000000 82fd002a"),
+                0x718c,
+            ),
+            (
+                ip4([192, 168, 0, 7], [192, 168, 0, 7], 49152, 4791),
+                unhex("2460ffff000000d300cf17104630818be28935d90e9a95505401be885e50000078f353f3"),
+                1144,
+            ),
+        ];
+        for (ip, pkt, id) in &cases {
+            let body = pkt.len() - 4;
+            let got = u32::from_le_bytes(pkt[body..].try_into().unwrap());
+            let diff = got ^ icrc_ipv4_id(ip, 0, 0x4000, &pkt[..body]);
+            assert_eq!(any_ipv4_id(ip, body, diff), Some(*id));
+        }
+        let ip = ip4([10, 99, 0, 2], [10, 99, 0, 1], 51234, ROCEV2_PORT);
+        let p = packet(Opcode::WriteOnly, &[0x5a; 1000], 77);
+        let mut buf = vec![0u8; 1100];
+        let n = encode(&p, &ip, &mut buf).unwrap();
+        let body = n - 4;
+        for id in [1u16, 2, 0x8000, 0x1234, 0xffff, 0xbeef] {
+            let diff = icrc_ipv4_id(&ip, id, 0x4000, &buf[..body]) ^ icrc(&ip, &buf[..body]);
+            assert_eq!(any_ipv4_id(&ip, body, diff), Some(id), "id {id:#x}");
+        }
+        // Corruption: a flipped payload bit with identification 0x1234 is not any
+        // identification (these flips, checked once, are not among the 1 in 65536 that
+        // would pass), and IPv6 has no identification to solve.
+        for bit in [0usize, 77, 1000, 4321] {
+            let mut bad = buf[..n].to_vec();
+            bad[BTH_LEN + RETH_LEN + bit / 8] ^= 1 << (bit % 8);
+            let diff = icrc_ipv4_id(&ip, 0x1234, 0x4000, &bad[..body]) ^ icrc(&ip, &buf[..body]);
+            assert_eq!(any_ipv4_id(&ip, body, diff), None, "bit {bit}");
+        }
+        let v6 = ip6("fd00::1", "fd00::2", 50000, ROCEV2_PORT);
+        assert_eq!(any_ipv4_id(&v6, body, 1), None);
     }
 
     #[test]

@@ -29,6 +29,7 @@ use crate::bootstrap::ifaces::{get_addr, get_others, put_addr, put_others, reach
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
 use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
+use crate::rdma::wire;
 
 pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
 const INFO_MAGIC: u32 = 0x3251_5152; // "RQQ2": several queue pairs per connection
@@ -126,21 +127,28 @@ pub(super) fn encode_info(info: &SetupInfo) -> [u8; INFO] {
     b
 }
 
-/// Both ends must run RoCE v2 through the same kind of provider.
-fn same_provider(peer: &SetupInfo, verbs: &dyn Verbs) -> Result<()> {
-    let kind = |hw: bool| {
-        if hw {
-            "an RDMA NIC (ROCCL_NET=verbs)"
-        } else {
-            "the userspace RoCE v2 engine over UDP (ROCCL_NET=rocev2)"
-        }
-    };
-    let (theirs, ours) = (peer.hardware, verbs.hardware());
-    if theirs != ours {
+/// A NIC and the userspace engine speak one protocol, so either may meet either; but a NIC
+/// sends RoCE v2 only to UDP port 4791, so an engine that a NIC meets must be reached there.
+/// `ours`: this rank's own endpoint.
+fn providers_meet(peer: &SetupInfo, verbs: &dyn Verbs, ours: &QpEndpoint) -> Result<()> {
+    let theirs = &peer.eps[0];
+    let off_port = |ep: &QpEndpoint| ep.engine && ep.addr.port() != wire::ROCEV2_PORT;
+    if verbs.hardware() && off_port(theirs) {
         return Err(Error::InvalidUsage(format!(
-            "RoCE v2 connection setup: the peer uses {} but this rank {}: set the same ROCCL_NET on every rank (verbs needs an RDMA NIC on every node)",
-            kind(theirs),
-            kind(ours)
+            "RoCE v2 connection setup: the peer at {} runs the userspace engine on UDP port {}, but this rank's NIC sends RoCE v2 only to port {}: on that host free port {} (another process or rank holds it) and unset ROCCL_ROCEV2_PORT",
+            theirs.addr.ip(),
+            theirs.addr.port(),
+            wire::ROCEV2_PORT,
+            wire::ROCEV2_PORT
+        )));
+    }
+    if peer.hardware && off_port(ours) {
+        return Err(Error::InvalidUsage(format!(
+            "RoCE v2 connection setup: the peer at {} is an RDMA NIC, which sends RoCE v2 only to UDP port {}, but this rank's userspace engine is on port {}: free port {} on this host (another process or rank holds it) and unset ROCCL_ROCEV2_PORT",
+            theirs.addr.ip(),
+            wire::ROCEV2_PORT,
+            ours.addr.port(),
+            wire::ROCEV2_PORT
         )));
     }
     Ok(())
@@ -178,6 +186,7 @@ pub(super) fn decode_info(b: &[u8; INFO]) -> Result<SetupInfo> {
                 qpn: u32at(q),
                 psn: u32at(p),
                 mtu,
+                engine: b[56] == 0,
             }
         })
         .collect();
@@ -358,6 +367,7 @@ pub(super) fn connect(
     };
     let eager = net.eager_cfg()?;
     let key = conn_key(net, handle);
+    let own = eps[0];
     let info = encode_info(&SetupInfo {
         eps,
         fifo_addr: mr.addr,
@@ -374,6 +384,7 @@ pub(super) fn connect(
         key,
         req_tag,
         peer_setup: peer,
+        own,
         side,
         qps,
         mr,
@@ -422,6 +433,8 @@ pub(super) struct RoceConnecting {
     req_tag: [u8; TAG],
     /// The listener's setup address.
     peer_setup: SocketAddr,
+    /// Our first queue pair's endpoint, as the peer was told it.
+    own: QpEndpoint,
     side: Side,
     /// The queue pairs (destroyed with the setup unless it completes).
     qps: Qps,
@@ -450,7 +463,7 @@ impl Connecting for RoceConnecting {
                 )));
             }
             let peer = decode_info(&b)?;
-            same_provider(&peer, &*self.verbs)?;
+            providers_meet(&peer, &*self.verbs, &self.own)?;
             let addr = peer.eps[0].addr;
             check_peer_slots(peer.eager.slots, addr)?;
             if peer.eps.len() != self.qps.0.len() {
@@ -639,6 +652,7 @@ impl RoceListen {
         for theirs in &peer.eps {
             let (qp, mut ep) = verbs.create_qp()?;
             qps.0.push(qp);
+            providers_meet(peer, &*verbs, &ep)?;
             if self.any_addr {
                 // Our engine takes packets on every address: answer with the one the peer
                 // reached us at.
@@ -741,9 +755,7 @@ impl ListenComm for RoceListen {
                 }
                 // An authenticated peer set up differently: its error is the job's.
                 let local = accepting.side.s.local_addr().ok();
-                let made = decode_info(&b)
-                    .and_then(|d| same_provider(&d, &*self.devs[0].0).map(|()| d))
-                    .and_then(|d| self.accept_setup(&d, local));
+                let made = decode_info(&b).and_then(|d| self.accept_setup(&d, local));
                 let (accepted, answer) = match made {
                     Ok(x) => x,
                     Err(e) => {

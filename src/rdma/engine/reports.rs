@@ -1,19 +1,22 @@
 //! The reports a selective-mode responder sends besides IBTA's acknowledgements (userspace
-//! engine extensions in the reserved AETH syndrome class 0b010): hole reports and duplicate
-//! reports, and how each is packed into the AETH's MSN field.
+//! engine extensions, sent only to a peer that said at setup it is a roccl engine): hole
+//! reports and duplicate reports, and how each is packed into its header. A report is a
+//! packet of the manufacturer-specific opcode [`Opcode::Report`](super::wire::Opcode::Report)
+//! (0xC0), so a capture reads it as a vendor packet, not a malformed acknowledgement; its one
+//! header has the AETH's layout, its syndrome (in the class 0b010, which IBTA's AETH
+//! reserves, so one is never mistaken for an acknowledgement) says the kind.
 
 use std::time::Duration;
 
 use super::{psn_add, psn_diff, Aeth};
 
-/// AETH syndrome of a hole report (a userspace-engine extension, selective mode only): an
-/// ACK-opcode packet whose PSN is the first missing PSN of a gap and whose MSN field holds
+/// Syndrome of a hole report (a userspace-engine extension, selective mode only): a
+/// report packet whose PSN is the first missing PSN of a gap and whose MSN field holds
 /// the number of missing PSNs (bits 0–7) and the distance from the first missing PSN to
 /// the packet that showed the gap (bits 8–23). The
 /// responder reports each new gap past the one its sequence-error NAK names, and repeats
 /// the report of the first gap every 16 out-of-sequence packets (instead of
-/// repeating the NAK). The syndrome class 0b010 is reserved in IBTA, and `Aeth::kind` (so
-/// a requester that does not know it) ignores it; it acknowledges nothing. With it the
+/// repeating the NAK). It acknowledges nothing. With it the
 /// requester resends every hole of a window in one round trip instead of one hole per
 /// round trip, and resends a packet again only when a packet it sent after the resend
 /// showed the gap (the resend was lost), however long the queue ahead of the resend.
@@ -32,8 +35,8 @@ pub(super) fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
     (msn & 0xff, psn_add(first, msn >> 8 & 0xffff))
 }
 
-/// AETH syndrome of a duplicate report (a userspace-engine extension, selective mode only,
-/// in the reserved class 0b010 beside [`HOLE_SYNDROME`]): an ACK-opcode packet, sent after
+/// Syndrome of a duplicate report (a userspace-engine extension, selective mode only,
+/// beside [`HOLE_SYNDROME`]): a report packet, sent after
 /// the re-acknowledgement of duplicate requests, whose PSN is the lowest of the duplicates
 /// the responder received since its last report and whose MSN field holds their count
 /// (bits 0–11) and the shortest time between one's arrival and the last advance of the
@@ -44,6 +47,11 @@ pub(super) fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
 /// acknowledgement of the original being lost), the timeout fired too early: the QP waits
 /// longer before the next (TCP's D-SACK with Eifel's response). It acknowledges nothing.
 pub const DUP_SYNDROME: u8 = 0x41;
+
+/// Whether `syndrome` is one of the reports' (the class 0b010).
+pub(super) fn is_report(syndrome: u8) -> bool {
+    syndrome & 0xe0 == 0x40
+}
 
 /// The MSN field of a duplicate report: `n` duplicates, the shortest `gap`.
 pub(super) fn dup_report(n: u32, gap: Duration) -> u32 {

@@ -7,7 +7,13 @@ impl Engine {
     pub(super) fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
         let psn = pkt.bth.psn;
-        if let Some(aeth) = pkt.aeth.filter(|a| a.syndrome == DUP_SYNDROME) {
+        // Reports come only in the report opcode (an ACK with a reserved syndrome is no
+        // report, whoever sent it); one of a kind this engine does not know is ignored.
+        let report = pkt.aeth.filter(|_| pkt.bth.opcode == Opcode::Report);
+        if report.is_some_and(|a| a.syndrome != DUP_SYNDROME && a.syndrome != HOLE_SYNDROME) {
+            return;
+        }
+        if let Some(aeth) = report.filter(|a| a.syndrome == DUP_SYNDROME) {
             // A duplicate report: that many retransmissions were of packets that had
             // arrived (at most what this QP resent and is not yet known spurious); if they
             // start where the last timeout resent and came with their originals, the
@@ -83,6 +89,7 @@ impl Engine {
             return;
         }
         let Some(aeth) = pkt.aeth else { return };
+        let hole_report = report.is_some();
         // Only what is outstanding can be acknowledged or refused: an ACK of a PSN not sent
         // yet, or a NAK of one already acknowledged or not sent yet, is a ghost (a stale or
         // forged packet) and is dropped, as IBTA requires.
@@ -91,11 +98,11 @@ impl Engine {
             Some(_) => psn_diff(psn, qp.acked) < 0 || psn_diff(psn, qp.sent_hi) >= 0,
             None => false,
         };
-        if ghost && aeth.syndrome != HOLE_SYNDROME {
+        if ghost && !hole_report {
             self.stats.ghost_acks += 1;
             return;
         }
-        if aeth.syndrome == HOLE_SYNDROME {
+        if hole_report {
             // A hole report: resend the missing packets it names (it acknowledges nothing).
             if qp.attr.selective {
                 qp.slack.lost(now);

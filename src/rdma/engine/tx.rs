@@ -101,8 +101,14 @@ impl Engine {
                     self.stats.error_naks_sent += 1;
                 }
             }
+            // Hole and duplicate reports go in the manufacturers' opcode space.
+            let op = if is_report(aeth.syndrome) {
+                Opcode::Report
+            } else {
+                Opcode::Ack
+            };
             let p = Packet {
-                bth: bth(Opcode::Ack, psn, false),
+                bth: bth(op, psn, false),
                 reth: None,
                 imm: None,
                 aeth: Some(aeth),

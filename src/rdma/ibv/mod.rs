@@ -702,6 +702,7 @@ impl Verbs for IbvVerbs {
                 qpn,
                 psn,
                 mtu: dev.mtu,
+                engine: false,
             },
         ))
     }

@@ -1196,6 +1196,7 @@ impl Verbs for UserVerbs {
                 qpn: q,
                 psn,
                 mtu: d.mtu,
+                engine: true,
             },
         ))
     }
@@ -1245,9 +1246,9 @@ impl Verbs for UserVerbs {
             // Nothing forces IB's 7 retries here: a paused or flapping peer is waited for
             // as long as the communicator waits.
             retry_for: Some(d.retry_for),
-            // Our peer is this engine, which keeps out-of-order packets: resend only what
-            // was lost.
-            selective: true,
+            // A peer that is this engine keeps out-of-order packets: resend only what was
+            // lost, and tell it what we miss. A NIC gets IBTA's go-back-N and nothing else.
+            selective: remote.engine,
         };
         d.engine.modify_qp(qpn(qp), QpState::Rtr, &attr)?;
         d.engine.modify_qp(qpn(qp), QpState::Rts, &attr)
