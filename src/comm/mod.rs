@@ -235,6 +235,22 @@ impl Communicator {
         self.abort_with("communicator aborted by the application");
     }
 
+    /// Each network's own counters, by network (RoCE v2: packets, retransmissions, NAKs,
+    /// ICRC errors...), as the metrics endpoint shows them. Runs in turn, after the calls
+    /// issued before it.
+    pub fn net_counters(&self) -> Vec<(&'static str, Vec<(&'static str, u64)>)> {
+        self.with_turn(|state| {
+            let eps = &state.links.endpoints;
+            eps.iter()
+                .map(|e| {
+                    let mut v = Vec::new();
+                    e.net.counters(&mut v);
+                    (e.net.name(), v)
+                })
+                .collect()
+        })
+    }
+
     /// Give back what this communicator holds for speed and can make again when needed
     /// (NCCL's `ncclCommSuspend` with `NCCL_SUSPEND_MEM`): its cached GPU registrations
     /// (which keep the GPU memory they name allocated and pinned, even after the program

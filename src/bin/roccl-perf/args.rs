@@ -95,6 +95,10 @@ pub struct Args {
     /// Also print each placement's per-iteration statistics: min, median, p99 and max (us).
     #[arg(long)]
     pub stats: bool,
+    /// At the end, print each rank's network counters that are not zero (RoCE v2:
+    /// packets, retransmissions, NAKs, ICRC errors...).
+    #[arg(long)]
+    pub counters: bool,
     /// Write the header, every result and the summary as JSON to FILE.
     #[arg(long, short = 'J', visible_alias = "output_file")]
     pub json: Option<String>,

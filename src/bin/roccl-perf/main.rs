@@ -211,6 +211,20 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             }
         }
     }
+    if a.counters {
+        for (net, counters) in c.net_counters() {
+            let moved: Vec<String> = counters
+                .iter()
+                .filter(|(_, n)| *n != 0)
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect();
+            outln!(
+                "# network counters, rank {} ({net}): {}",
+                c.rank(),
+                moved.join(", ")
+            );
+        }
+    }
     if lead {
         for l in report::closing(&rows, a.check > 0) {
             outln!("{l}");

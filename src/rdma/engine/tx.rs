@@ -237,9 +237,11 @@ impl Engine {
                 let imm = opcode.has_imm().then_some(w.wr.imm);
                 // Ask for an acknowledgement at the end of a message whose completion someone
                 // waits for, and every ACK_EVERY packets of a stream (to move the window);
-                // the responder acknowledges the rest within ACK_DELAY, coalesced.
-                // A selective retransmission fills a gap: acknowledge it at once.
-                let ack_req = (j + 1 == n && w.wr.signaled)
+                // this engine's responder acknowledges the rest within ACK_DELAY, coalesced.
+                // A NIC's responder (Linux rxe, for one) acknowledges only what asks: the end
+                // of every message asks it. A selective retransmission fills a gap:
+                // acknowledge it at once.
+                let ack_req = (j + 1 == n && (w.wr.signaled || !qp.attr.selective))
                     || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1
                     || resend.is_some();
                 (opcode, off, len, reth, imm, ack_req, j + 1 == n)
