@@ -4,7 +4,9 @@
 # in it, over ROCCL_NET=verbs on rxe0: tests/verbs.rs's hardware tests (every collective ×
 # algorithm on 2, 3 and 4 ranks, also with the registration cache, without inline sends and
 # with short retry settings), roccl-perf over every collective as processes, roccl-info, the C
-# ABI programs and the NCCL/RCCL net plugin harness.
+# ABI programs and the NCCL/RCCL net plugin harness. Then tests/rxe/cross.sh: two VMs and
+# the host on a bridge, jobs across them (the userspace engine and rxe in one job; two VMs
+# as two hosts).
 #
 # First run: fetches the Debian kernel package (~70 MB) and qemu; then about 2-3 minutes.
 # ROCCL_SKIP_RXE=1 skips it; without root or qemu it prints SKIPPED and why.
@@ -93,4 +95,8 @@ rxe_boot rxe1 10.99.0.2/24 user "$RXE_OUT/suite.sh"
 rxe_wait rxe1 "${RXE_TIMEOUT:-900}"
 rc=$?
 echo "-- soft-RoCE VM suite: exit $rc after $((SECONDS - start)) s"
+
+echo "-- across machines: two VMs and the host (the userspace engine) on a bridge of the test's own"
+export bin RXE_OUT
+tests/rxe/cross.sh || rc=1
 exit $rc

@@ -52,7 +52,7 @@ mkdir -p /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose root /host ||
   { echo "init: cannot mount the host's root"; poweroff -f; }
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
-mount -t devpts devpts /host/dev/pts 2>/dev/null
+mkdir -p /host/dev/pts /host/dev/shm; mount -t devpts devpts /host/dev/pts 2>/dev/null; mount -t tmpfs shm /host/dev/shm
 mount -t tmpfs tmp /host/tmp; mount -t tmpfs run /host/run
 mkdir -p "/host$out"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out "/host$out"

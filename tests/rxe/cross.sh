@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Soft-RoCE across machines (run by tests/rxe/run.sh, which builds $bin and exports it):
+# two VMs ("a", "b", each its own rxe0) and the host ("h", the userspace RoCE v2 engine)
+# joined by a bridge in a network namespace of the test's own. Every job's ranks run on the
+# machines its placement names; every result is checked (tests/rxe/jobs.sh):
+# - the engine and rxe in one job ("one protocol, two providers"): every collective from
+#   8 B, all-reduce to 64 MiB, with the engine's fault injector on, and 2 ranks per machine;
+# - two VMs as two hosts over rxe: 1 and 2 ranks per VM (by-host collectives across NICs).
+set -uo pipefail
+source "$(dirname "$0")/vm.sh"
+source "$(dirname "$0")/jobs.sh"
+: "${bin:?run by tests/rxe/run.sh}"
+rxe_prepare || { echo "SKIPPED (soft-RoCE across machines): $rxe_skip"; exit 0; }
+
+NS=roccl-rxe
+ns() { ip netns exec "$NS" "$@"; }
+ip netns del "$NS" 2>/dev/null
+ip netns add "$NS" || { echo "SKIPPED (soft-RoCE across machines): cannot make a network namespace"; exit 0; }
+trap 'rxe_cleanup; ip netns del "$NS" 2>/dev/null' EXIT
+ns ip link set lo up
+ns ip link add rxebr0 type bridge
+ns ip addr add 10.99.0.1/24 dev rxebr0
+ns ip addr add 10.99.0.11/24 dev rxebr0
+ns ip link set rxebr0 up
+for t in rxetapa rxetapb; do
+  ns ip tuntap add "$t" mode tap
+  ns ip link set "$t" master rxebr0
+  ns ip link set "$t" up
+done
+
+all="--op all --check"
+faults="ROCCL_ROCEV2_FAULTS=drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=7"
+rxe_job engine-rxe "h a" "" $all -b 8 -e 1M -n 2 -w 1
+rxe_job rxe-engine "a h" "" --op all_reduce,all_to_all --check -b 8 -e 1M -n 2 -w 1
+rxe_job engine-rxe-64M "h a" "" --op all_reduce --check -b 64M -e 64M -n 1 -w 0
+rxe_job engine-rxe-faults "h a" "$faults" $all -b 8 -e 256K -n 2 -w 1
+rxe_job engine-rxe-2x2 "h h a a" "" $all -b 8 -e 256K -n 2 -w 1
+rxe_job rxe-rxe "a b" "" $all -b 8 -e 1M -n 2 -w 1
+rxe_job rxe-rxe-2x2 "a a b b" "" $all -b 8 -e 256K -n 2 -w 1
+rxe_job three-machines "h a b" "" --op all_reduce,all_gather,broadcast --check -b 8 -e 1M -n 2 -w 1
+
+rxe_side_script a >"$RXE_OUT/side-a.sh"
+rxe_side_script b >"$RXE_OUT/side-b.sh"
+rxe_side_script h >"$RXE_OUT/side-h.sh"
+start=$SECONDS
+RXE_NETNS=$NS rxe_boot a 10.99.0.2/24 tap:rxetapa "$RXE_OUT/side-a.sh"
+RXE_NETNS=$NS rxe_boot b 10.99.0.3/24 tap:rxetapb "$RXE_OUT/side-b.sh"
+ns bash "$RXE_OUT/side-h.sh" >"$RXE_OUT/side-h.log" 2>&1 &
+host=$!
+limit=${RXE_TIMEOUT:-900}
+rc=0
+rxe_wait a "$limit" >/dev/null || rc=$?
+rxe_wait b "$limit" >/dev/null || rc=$?
+wait "$host" || rc=$?
+echo "-- across machines: ${#JOB_NAMES[@]} jobs in $((SECONDS - start)) s"
+rxe_jobs_check || rc=1
+for side in a b; do
+  echo "   rxe counters of VM $side: $(cat "$RXE_OUT/$side.hw_counters" 2>/dev/null)"
+done
+[ "$rc" = 0 ] || { echo "   VM logs:"; cat "$RXE_OUT"/a.log "$RXE_OUT"/b.log "$RXE_OUT/side-h.log" 2>/dev/null | tail -20; }
+exit "$rc"
