@@ -210,6 +210,15 @@ ts -r "$OUT" "${decode[@]}" -Y infiniband -T fields -e infiniband.bth.opcode | s
   done
 naks=$(count "infiniband.aeth.syndrome >= 0x60")
 echo "   (NAKs among the acknowledges: $naks)"
+# The engine's own reports use the manufacturers' opcodes (0xC0-0xFF); no acknowledgement may
+# carry a syndrome of the class IBTA reserves (0b010), which a NIC would take as malformed.
+reports=$(count "infiniband.bth.opcode >= 0xc0")
+reserved=$(count "infiniband.bth.opcode == 17 && infiniband.aeth.syndrome >= 0x40 && infiniband.aeth.syndrome < 0x60")
+echo "   (roccl reports in the manufacturer-specific opcode 0xC0: $reports; acknowledges with a reserved syndrome: $reserved)"
+if [ "$reserved" -ne 0 ]; then
+  echo "FAIL: $reserved acknowledges carry a syndrome IBTA reserves"
+  status=1
+fi
 
 echo "-- IPv4 identification and DF of the RoCE v2 packets (count, ip.id, ip.flags.df)"
 ts -r "$OUT" "${decode[@]}" -Y "infiniband && ip" -T fields -e ip.id -e ip.flags.df | sort | uniq -c |

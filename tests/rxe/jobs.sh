@@ -7,6 +7,11 @@
 #   rxe_job NAME "PLACES" "ENV" ARGS...
 #        a job: PLACES gives each rank's side in rank order ("h a", "a a b b"), ENV is
 #        added to every rank's environment, ARGS are roccl-perf's
+#   rxe_fault SIDE ACTION EXPECT
+#        the last job gets a fault: SIDE ("h" for the host, in the test's namespace) runs
+#        ACTION in the background once the job starts; EXPECT is "ok" (the job must survive)
+#        or a regular expression that some rank's error must match (the job must fail, and
+#        in time: no rank killed by the job's time limit)
 #   rxe_side_script SIDE    the script that runs SIDE's ranks of every job
 #   rxe_jobs_check          prints each job's outcome; returns how many failed
 #
@@ -17,16 +22,32 @@ JOB_NAMES=()
 JOB_PLACES=()
 JOB_ENVS=()
 JOB_ARGS=()
+JOB_ACT_SIDE=()
+JOB_ACT=()
+JOB_EXPECT=()
 JOB_LIMIT=${JOB_LIMIT:-300}
 
 rxe_job() {
   # RXE_JOBS (a regular expression) keeps only the jobs whose names match.
+  JOB_KEPT=0
   [[ -z "${RXE_JOBS:-}" || "$1" =~ $RXE_JOBS ]] || return 0
+  JOB_KEPT=1
   JOB_NAMES+=("$1")
   JOB_PLACES+=("$2")
   JOB_ENVS+=("$3")
   shift 3
   JOB_ARGS+=("$*")
+  JOB_ACT_SIDE+=("")
+  JOB_ACT+=("")
+  JOB_EXPECT+=(ok)
+}
+
+rxe_fault() {
+  local last=$((${#JOB_NAMES[@]} - 1))
+  [ "${JOB_KEPT:-0}" = 1 ] || return 0
+  JOB_ACT_SIDE[last]=$1
+  JOB_ACT[last]=$2
+  JOB_EXPECT[last]=$3
 }
 
 rxe_side_ip() {
@@ -49,13 +70,25 @@ rxe_side_script() {
   echo "barrier() { local t=\$SECONDS; touch \"$RXE_OUT/sync.\$1.$side\";" \
     "while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
     "[ \$((SECONDS - t)) -gt 120 ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
+  echo "await() { local t=\$SECONDS; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
+    "[ \$((SECONDS - t)) -gt 600 ] && return 1; sleep 0.2; done; }"
   for j in "${!JOB_NAMES[@]}"; do
     read -ra places <<<"${JOB_PLACES[$j]}"
-    [[ " ${places[*]} " == *" $side "* ]] || continue
     n=${#places[@]}
     sides=$(printf '%s\n' "${places[@]}" | sort -u | wc -l)
+    if [[ " ${places[*]} " != *" $side "* ]]; then
+      # Not in the job, but its fault's side: act once the job's sides have met.
+      if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
+        echo "await $j $sides && ( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1"
+      fi
+      continue
+    fi
     root="$(rxe_side_ip "${places[0]}"):$((29600 + j))"
     echo "barrier $j $sides || exit 1"
+    echo "echo \"$side start \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
+    if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
+      echo "( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1 &"
+    fi
     echo "pids=()"
     i=0
     for k in "${!places[@]}"; do
@@ -66,10 +99,33 @@ rxe_side_script() {
       i=$((i + 1))
     done
     echo "for p in \"\${pids[@]}\"; do wait \$p || echo \"$side exit \$?\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.failed\"; done"
+    echo "echo \"$side end \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
   done
   if [ "$side" != h ]; then
     echo "grep . /sys/class/infiniband/rxe0/ports/1/hw_counters/* 2>/dev/null | sed 's|.*/||' | tr '\n' ' ' >\"$RXE_OUT/$side.hw_counters\""
   fi
+}
+
+# A job that expects a failure: it failed, no rank ran into the job's time limit (124), and
+# some rank's error matches the expectation. Prints the errors.
+rxe_failed_as_expected() {
+  local name=$1 expect=$2 ok=1
+  [ -f "$RXE_OUT/$name.failed" ] || { echo "   FAILED: $name survived a fault it should report"; return 1; }
+  if grep -q "exit 124" "$RXE_OUT/$name.failed"; then
+    echo "   FAILED: $name: a rank hung until the job's time limit"; ok=0
+  fi
+  if ! cat "$RXE_OUT/$name".*.log 2>/dev/null | grep "error" | grep -Eq "$expect"; then
+    echo "   FAILED: $name: no rank's error matches /$expect/"; ok=0
+  fi
+  [ "$ok" = 1 ] && echo "   ok: $name failed as it must, in $(rxe_job_seconds "$name") s:"
+  grep -h "roccl-perf: error" "$RXE_OUT/$name".*.log 2>/dev/null | cut -c1-400 | sed 's/^/       /'
+  [ "$ok" = 1 ]
+}
+
+# Seconds from a job's first start to its last end, over its sides.
+rxe_job_seconds() {
+  awk '$2 == "start" && (s == "" || $3 < s) {s = $3} $2 == "end" && $3 > e {e = $3} END {print e - s}' \
+    "$RXE_OUT/$1.times" 2>/dev/null
 }
 
 rxe_jobs_check() {
@@ -77,8 +133,13 @@ rxe_jobs_check() {
   for j in "${!JOB_NAMES[@]}"; do
     name=${JOB_NAMES[$j]}
     read -ra places <<<"${JOB_PLACES[$j]}"
+    if [ "${JOB_EXPECT[$j]}" != ok ]; then
+      rxe_failed_as_expected "$name" "${JOB_EXPECT[$j]}" || failed=$((failed + 1))
+      continue
+    fi
     if [ ! -f "$RXE_OUT/$name.failed" ] && grep -qx "# wrong results: 0" "$RXE_OUT/$name.0.log" 2>/dev/null; then
-      echo "   ok: $name (ranks on ${places[*]}; roccl-perf ${JOB_ARGS[$j]})"
+      echo "   ok: $name (ranks on ${places[*]}; roccl-perf ${JOB_ARGS[$j]}; $(rxe_job_seconds "$name") s)"
+      [ -n "${JOB_ACT[$j]}" ] && echo "       survived, on ${JOB_ACT_SIDE[$j]}: ${JOB_ACT[$j]}"
       for k in "${!places[@]}"; do
         line=$(grep -m1 "^# network counters, rank $k (\(rocev2\|verbs\))" "$RXE_OUT/$name.$k.log" | sed 's/^# network counters, //')
         [ "${places[$k]}" = h ] && [ -n "$line" ] && echo "       $line"

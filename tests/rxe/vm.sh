@@ -150,6 +150,7 @@ rxe_boot() {
     -virtfs local,path="$RXE_OUT",mount_tag=out,security_model=none,multidevs=remap \
     >"$RXE_OUT/$name.qemu" 2>&1 &
   rxe_pids[$name]=$!
+  echo $! >"$RXE_OUT/$name.pid"
 }
 
 rxe_wait() {

@@ -414,9 +414,10 @@ fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
         w.status, w.status as u32
     );
     // The kind tells the executor the cause: the peer never answered, or this host could
-    // not send at all.
+    // not send at all (a fault the provider knows of on this host's side explains any
+    // failed completion: a port without link, an address gone from under the QPs).
     let silent = matches!(w.status, WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr);
-    match verbs.local_fault().filter(|_| silent) {
+    match verbs.local_fault() {
         Some(fault) => Error::sys(
             format!("{what}; {fault}"),
             std::io::Error::other(crate::net::LocalFault),

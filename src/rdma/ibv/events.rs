@@ -1,14 +1,78 @@
-//! The async-event thread: fatal device, port and QP events become errors of the QPs they
-//! hit.
+//! The async-event thread: fatal device and QP events become errors of the QPs they hit; a
+//! port that loses its link is remembered (its QPs retry through a short loss, as the NIC's
+//! retry count allows) and, with a GID that changed under the device, explains the errors of
+//! QPs that then fail ([`Dev::local_fault`]).
 
 use std::ffi::CStr;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use super::{Dev, FlagTable};
+use super::{ip_of, Dev, FlagTable};
+
+/// A loss of the port's link: when, and how long it lasted once the port came back.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PortDown {
+    since: Instant,
+    lasted: Option<Duration>,
+}
+
+/// A past loss of link explains failures for this long after the port came back.
+const PORT_DOWN_MEMORY: Duration = Duration::from_secs(60);
+
+impl Dev {
+    /// What on this host's side explains QPs that fail now: a GID that is no longer the one
+    /// the device was opened with (the interface's address changed or was removed), or a
+    /// port that lost its link.
+    pub(super) fn local_fault(&self) -> Option<String> {
+        let gid = self.gid_fault();
+        let port = self.port_down.lock().and_then(|d| match d.lasted {
+            None => Some(format!(
+                "port {} of {} lost its link {:.1?} ago and has not come back (cable, switch port or `ip link set down`)",
+                self.port,
+                self.name,
+                d.since.elapsed()
+            )),
+            Some(l) if d.since.elapsed() < PORT_DOWN_MEMORY => Some(format!(
+                "port {} of {} lost its link for {l:.1?}, {:.1?} ago",
+                self.port,
+                self.name,
+                d.since.elapsed()
+            )),
+            Some(_) => None,
+        });
+        match (gid, port) {
+            (Some(g), Some(p)) => Some(format!("{g}; {p}")),
+            (g, p) => g.or(p),
+        }
+    }
+
+    /// The GID this device's QPs send from, if it is no longer in the port's table.
+    fn gid_fault(&self) -> Option<String> {
+        // SAFETY: zeroed is a valid out-parameter.
+        let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: `self.ctx` is open; `gid` is a valid out-pointer.
+        let r = unsafe {
+            ffi::ibv_query_gid(self.ctx, self.port, c_int::from(self.gid_index), &mut gid)
+        };
+        // SAFETY: a GID is 16 plain bytes in either view of the union.
+        let now = (r == 0).then(|| ip_of(unsafe { gid.raw }));
+        if now == Some(self.addr) {
+            return None;
+        }
+        let now = match now {
+            Some(a) if !a.is_unspecified() => format!("holds {a} now"),
+            _ => "is empty now".into(),
+        };
+        Some(format!(
+            "the address of {} port {} changed under this communicator: its RoCE v2 GID (index {}) was {} when the communicator chose it and {now}; its connections are bound to the old address. Keep interface addresses fixed while jobs run; a communicator created after the change chooses the GID afresh",
+            self.name, self.port, self.gid_index, self.addr
+        ))
+    }
+}
 
 /// The async-event thread: fatal events become errors of the QPs (or the device) they hit.
 pub(super) fn async_events(dev: Arc<Dev>, flags: FlagTable, stop: Arc<AtomicBool>) {
@@ -62,16 +126,11 @@ pub(super) fn async_events(dev: Arc<Dev>, flags: FlagTable, stop: Arc<AtomicBool
                     *dev.fatal.lock() = Some(msg);
                     dev.fatal_flag.store(true, Ordering::Release);
                 }
-                E::IBV_EVENT_PORT_ERR => {
+                E::IBV_EVENT_PORT_ERR | E::IBV_EVENT_PORT_ACTIVE | E::IBV_EVENT_GID_CHANGE => {
                     // SAFETY: for port events the element is the port number.
                     let port = unsafe { ev.element.port_num };
                     if port == c_int::from(dev.port) {
-                        let msg = format!(
-                            "async event {what}: port {port} went down (link lost: cable, switch port or `ip link set down`)"
-                        );
-                        crate::log::log(crate::log::Level::Warn, format_args!("{msg}"));
-                        *dev.fatal.lock() = Some(msg);
-                        dev.fatal_flag.store(true, Ordering::Release);
+                        port_event(&dev, ev.event_type, &what);
                     }
                 }
                 _ => crate::info!("RDMA async event on {}: {what}", dev.name),
@@ -79,5 +138,43 @@ pub(super) fn async_events(dev: Arc<Dev>, flags: FlagTable, stop: Arc<AtomicBool
             // SAFETY: `ev` came from ibv_get_async_event.
             unsafe { ffi::ibv_ack_async_event(&mut ev) };
         }
+    }
+}
+
+/// A port event of the device's port: a lost link is remembered and its QPs keep retrying
+/// (a link back within their retries loses nothing); its return and a changed GID are told.
+fn port_event(dev: &Dev, kind: ffi::ibv_event_type, what: &str) {
+    use ffi::ibv_event_type as E;
+    let warn = |m: String| crate::log::log(crate::log::Level::Warn, format_args!("{m}"));
+    match kind {
+        E::IBV_EVENT_PORT_ERR => {
+            *dev.port_down.lock() = Some(PortDown {
+                since: Instant::now(),
+                lasted: None,
+            });
+            warn(format!(
+                "RDMA device {}: async event {what}: port {} lost its link (cable, switch port or `ip link set down`); its connections retry until it comes back or their retries (ROCCL_IB_TIMEOUT, ROCCL_IB_RETRY_CNT) run out",
+                dev.name, dev.port
+            ));
+        }
+        E::IBV_EVENT_PORT_ACTIVE => {
+            let mut down = dev.port_down.lock();
+            if let Some(d) = down.as_mut().filter(|d| d.lasted.is_none()) {
+                d.lasted = Some(d.since.elapsed());
+                warn(format!(
+                    "RDMA device {}: port {} is up again after {:.1?}",
+                    dev.name,
+                    dev.port,
+                    d.since.elapsed()
+                ));
+            }
+        }
+        _ => match dev.gid_fault() {
+            Some(m) => warn(format!("RDMA device {}: async event {what}: {m}", dev.name)),
+            None => crate::info!(
+                "RDMA device {}: async event {what}; its GID is unchanged",
+                dev.name
+            ),
+        },
     }
 }

@@ -115,9 +115,11 @@ struct Dev {
     dmabuf: bool,
     why: String,
     settings: IbSettings,
-    /// A fatal device or port event, reported to every QP.
+    /// A fatal device event, reported to every QP.
     fatal: Mutex<Option<String>>,
     fatal_flag: AtomicBool,
+    /// The port's last loss of link, while QPs retry through it (not fatal by itself).
+    port_down: Mutex<Option<events::PortDown>>,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any thread; the raw
@@ -328,6 +330,7 @@ impl IbvVerbs {
             settings,
             fatal: Mutex::new(None),
             fatal_flag: AtomicBool::new(false),
+            port_down: Mutex::new(None),
         });
         cx.max_qp = Some((dev.max_qp, 0));
         let flags: FlagTable = Arc::default();
@@ -484,6 +487,10 @@ impl Drop for IbvVerbs {
 impl Verbs for IbvVerbs {
     fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
         self.wc_errors.report(out, true);
+    }
+
+    fn local_fault(&self) -> Option<String> {
+        self.dev.local_fault()
     }
 
     fn completion_error(&self, status: WcStatus) {
