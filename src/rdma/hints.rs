@@ -242,6 +242,9 @@ pub fn wc_hint(status: WcStatus, provider: &str, peer: &str) -> String {
             "the queue pair failed earlier; this request was flushed (see the first error)".into()
         }
         WcStatus::RemOpErr => format!("peer {peer} failed to carry out the operation"),
+        WcStatus::LocQpOpErr => format!(
+            "{provider} could not send a packet of this queue pair toward {peer}: Linux soft-RoCE (rxe) fails a queue pair whose packet the kernel cannot route or hand to the link (this host's link or address, or the way to the peer, went away); a NIC, when it refuses a work request (see dmesg)"
+        ),
         _ => String::new(),
     }
 }
@@ -337,6 +340,7 @@ mod tests {
             assert!(h.contains(want), "{want} missing from: {h}");
         }
         assert!(wc_hint(WcStatus::RemAccessErr, "x", "p").contains("memory key"));
+        assert!(wc_hint(WcStatus::LocQpOpErr, "rxe0", "p").contains("could not send"));
         assert!(wc_hint(WcStatus::Success, "x", "p").is_empty());
     }
 }

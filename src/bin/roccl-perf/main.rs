@@ -212,18 +212,7 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
         }
     }
     if a.counters {
-        for (net, counters) in c.net_counters() {
-            let moved: Vec<String> = counters
-                .iter()
-                .filter(|(_, n)| *n != 0)
-                .map(|(k, n)| format!("{k} {n}"))
-                .collect();
-            outln!(
-                "# network counters, rank {} ({net}): {}",
-                c.rank(),
-                moved.join(", ")
-            );
-        }
+        print_counters(&c);
     }
     if lead {
         for l in report::closing(&rows, a.check > 0) {
@@ -278,6 +267,22 @@ fn make_row(b: &Bench, o: Op, m: bench::Measured) -> Row {
         algbw_gbs: algbw,
         busbw_gbs: algbw * o.bus_factor(n),
         wrong: m.wrong,
+    }
+}
+
+/// `--counters`: this rank's network counters that are not zero, a line per network.
+fn print_counters(c: &Communicator) {
+    for (net, counters) in c.net_counters() {
+        let moved: Vec<String> = counters
+            .iter()
+            .filter(|(_, n)| *n != 0)
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        outln!(
+            "# network counters, rank {} ({net}): {}",
+            c.rank(),
+            moved.join(", ")
+        );
     }
 }
 

@@ -35,7 +35,9 @@ mod timers;
 mod tx;
 mod work;
 
-use reports::{dup_report, hole_report, is_report, read_dup_report, read_hole_report, LATE_GAP};
+use reports::{
+    dup_report, hole_report, read_dup_report, read_hole_report, report_or_ack, LATE_GAP,
+};
 pub use reports::{DUP_SYNDROME, HOLE_SYNDROME};
 use timers::Slack;
 pub use work::{QpState, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};

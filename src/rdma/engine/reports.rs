@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use super::{psn_add, psn_diff, Aeth};
+use super::{psn_add, psn_diff, Aeth, Opcode};
 
 /// Syndrome of a hole report (a userspace-engine extension, selective mode only): a
 /// report packet whose PSN is the first missing PSN of a gap and whose MSN field holds
@@ -48,9 +48,14 @@ pub(super) fn read_hole_report(first: u32, msn: u32) -> (u32, u32) {
 /// longer before the next (TCP's D-SACK with Eifel's response). It acknowledges nothing.
 pub const DUP_SYNDROME: u8 = 0x41;
 
-/// Whether `syndrome` is one of the reports' (the class 0b010).
-pub(super) fn is_report(syndrome: u8) -> bool {
-    syndrome & 0xe0 == 0x40
+/// The opcode of a packet with `syndrome`: hole and duplicate reports (the class 0b010) go
+/// in the manufacturers' opcode space, the rest are IBTA's acknowledgements.
+pub(super) fn report_or_ack(syndrome: u8) -> Opcode {
+    if syndrome & 0xe0 == 0x40 {
+        Opcode::Report
+    } else {
+        Opcode::Ack
+    }
 }
 
 /// The MSN field of a duplicate report: `n` duplicates, the shortest `gap`.

@@ -4,32 +4,35 @@
 use super::*;
 
 impl Engine {
+    /// A duplicate report: that many retransmissions were of packets that had arrived (at
+    /// most what this QP resent and is not yet known spurious); if they start where the last
+    /// timeout resent and came with their originals, the timeout fired too early.
+    fn on_dup_report(&mut self, now: Instant, qpn: Qpn, psn: u32, aeth: Aeth) {
+        let Ok(qp) = self.qp(qpn) else { return };
+        if !qp.attr.selective {
+            return;
+        }
+        let (n, gap) = read_dup_report(aeth.msn);
+        let n = u64::from(n).min(qp.resent - qp.spurious);
+        qp.spurious += n;
+        let early = n > 0 && gap < LATE_GAP;
+        if let Some((_, at)) = qp.timed_out.filter(|&(p, _)| early && p == psn) {
+            qp.timed_out = None;
+            qp.slack.spurious(now, now.saturating_duration_since(at));
+        }
+        self.stats.spurious_retransmits += n;
+    }
+
     pub(super) fn on_response(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
         let psn = pkt.bth.psn;
         // Reports come only in the report opcode (an ACK with a reserved syndrome is no
         // report, whoever sent it); one of a kind this engine does not know is ignored.
         let report = pkt.aeth.filter(|_| pkt.bth.opcode == Opcode::Report);
-        if report.is_some_and(|a| a.syndrome != DUP_SYNDROME && a.syndrome != HOLE_SYNDROME) {
-            return;
-        }
-        if let Some(aeth) = report.filter(|a| a.syndrome == DUP_SYNDROME) {
-            // A duplicate report: that many retransmissions were of packets that had
-            // arrived (at most what this QP resent and is not yet known spurious); if they
-            // start where the last timeout resent and came with their originals, the
-            // timeout fired too early.
-            if qp.attr.selective {
-                let (n, gap) = read_dup_report(aeth.msn);
-                let n = u64::from(n).min(qp.resent - qp.spurious);
-                qp.spurious += n;
-                let early = n > 0 && gap < LATE_GAP;
-                if let Some((_, at)) = qp.timed_out.filter(|&(p, _)| early && p == psn) {
-                    qp.timed_out = None;
-                    qp.slack.spurious(now, now.saturating_duration_since(at));
-                }
-                self.stats.spurious_retransmits += n;
-            }
-            return;
+        match report {
+            Some(a) if a.syndrome == DUP_SYNDROME => return self.on_dup_report(now, qpn, psn, a),
+            Some(a) if a.syndrome != HOLE_SYNDROME => return,
+            _ => {}
         }
         // The peer answers, so it will report what it misses: the tail-loss probe waits
         // for it to fall silent (resends queued behind a long queue are not probed).

@@ -101,14 +101,8 @@ impl Engine {
                     self.stats.error_naks_sent += 1;
                 }
             }
-            // Hole and duplicate reports go in the manufacturers' opcode space.
-            let op = if is_report(aeth.syndrome) {
-                Opcode::Report
-            } else {
-                Opcode::Ack
-            };
             let p = Packet {
-                bth: bth(op, psn, false),
+                bth: bth(report_or_ack(aeth.syndrome), psn, false),
                 reth: None,
                 imm: None,
                 aeth: Some(aeth),

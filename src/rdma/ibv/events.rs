@@ -24,6 +24,31 @@ pub(super) struct PortDown {
 const PORT_DOWN_MEMORY: Duration = Duration::from_secs(60);
 
 impl Dev {
+    /// Returns once the port has its link, at most `limit` after it lost it (at once while
+    /// it has it: one relaxed load). A send posted to a port without link fails its QP on
+    /// some providers (Linux rxe completes it with LOC_QP_OP_ERR), so sends wait through a
+    /// short loss of link, as the QPs' retries do for what is already in flight.
+    pub(super) fn await_link(&self, limit: Duration) -> crate::error::Result<()> {
+        if !self.link_down.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let since = self.port_down.lock().map_or_else(Instant::now, |d| d.since);
+        while self.link_down.load(Ordering::Acquire) {
+            if since.elapsed() >= limit {
+                return Err(crate::error::Error::sys(
+                    format!(
+                        "RDMA device {}: a send waited for the link: {}",
+                        self.name,
+                        self.local_fault().unwrap_or_default()
+                    ),
+                    std::io::Error::new(std::io::ErrorKind::NotConnected, "the port has no link"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     /// What on this host's side explains QPs that fail now: a GID that is no longer the one
     /// the device was opened with (the interface's address changed or was removed), or a
     /// port that lost its link.
@@ -141,8 +166,9 @@ pub(super) fn async_events(dev: Arc<Dev>, flags: FlagTable, stop: Arc<AtomicBool
     }
 }
 
-/// A port event of the device's port: a lost link is remembered and its QPs keep retrying
-/// (a link back within their retries loses nothing); its return and a changed GID are told.
+/// A port event of the device's port: a lost link is remembered, its QPs keep retrying and
+/// new sends wait for it (a link back within their retries loses nothing); its return and a
+/// changed GID are told.
 fn port_event(dev: &Dev, kind: ffi::ibv_event_type, what: &str) {
     use ffi::ibv_event_type as E;
     let warn = |m: String| crate::log::log(crate::log::Level::Warn, format_args!("{m}"));
@@ -152,12 +178,14 @@ fn port_event(dev: &Dev, kind: ffi::ibv_event_type, what: &str) {
                 since: Instant::now(),
                 lasted: None,
             });
+            dev.link_down.store(true, Ordering::Release);
             warn(format!(
                 "RDMA device {}: async event {what}: port {} lost its link (cable, switch port or `ip link set down`); its connections retry until it comes back or their retries (ROCCL_IB_TIMEOUT, ROCCL_IB_RETRY_CNT) run out",
                 dev.name, dev.port
             ));
         }
         E::IBV_EVENT_PORT_ACTIVE => {
+            dev.link_down.store(false, Ordering::Release);
             let mut down = dev.port_down.lock();
             if let Some(d) = down.as_mut().filter(|d| d.lasted.is_none()) {
                 d.lasted = Some(d.since.elapsed());

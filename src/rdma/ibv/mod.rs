@@ -120,6 +120,8 @@ struct Dev {
     fatal_flag: AtomicBool,
     /// The port's last loss of link, while QPs retry through it (not fatal by itself).
     port_down: Mutex<Option<events::PortDown>>,
+    /// The port has no link now: sends wait for it (see [`Dev::await_link`]).
+    link_down: AtomicBool,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any thread; the raw
@@ -331,6 +333,7 @@ impl IbvVerbs {
             fatal: Mutex::new(None),
             fatal_flag: AtomicBool::new(false),
             port_down: Mutex::new(None),
+            link_down: AtomicBool::new(false),
         });
         cx.max_qp = Some((dev.max_qp, 0));
         let flags: FlagTable = Arc::default();
@@ -783,6 +786,7 @@ impl Verbs for IbvVerbs {
 
     fn post_send(&self, id: QpId, wr: &SendWr) -> Result<()> {
         let q = self.qp(id)?;
+        self.dev.await_link(self.drain_limit())?;
         let mut sge = sge_of(wr.sge);
         // SAFETY: a zeroed work request is valid; the fields used are set below.
         let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
