@@ -40,7 +40,7 @@ perf="$bin/roccl-perf --op all_reduce"
 rank() { # rank R of 2, root on the side given, network, then roccl-perf's arguments
   local r=$1 root=$2 net=$3 ifc=$4
   shift 4
-  echo "env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT=$root ROCCL_NET=$net ROCCL_SOCKET_IFNAME==$ifc ROCCL_TIMEOUT=120 $perf $*"
+  echo "env ROCCL_RANK=$r ROCCL_NRANKS=2 ROCCL_ROOT=$root ROCCL_NET=$net ROCCL_SOCKET_IFNAME==$ifc ROCCL_TIMEOUT=120 ${RXE_BENCH_ENV:-} $perf $*"
 }
 for ((r = 1; r <= rounds; r++)); do
   port=$((29700 + 10 * r))
