@@ -730,6 +730,33 @@ mod tests {
         assert!(e.contains("ROCCL_ALGO=direct") && e.contains("auto"), "{e}");
     }
 
+    /// RoCE v2 through a NIC and through the userspace engine form one job; any other pair
+    /// of networks is refused, naming both.
+    #[test]
+    fn roce_v2_ranks_of_either_provider_join_one_job() {
+        let base = cfg();
+        let mine = settings(&base, 4 << 20);
+        let host = inputs(2, 10.0, 0);
+        for (theirs, ours, ok) in [
+            ("verbs", "rocev2", true),
+            ("rocev2", "verbs", true),
+            ("verbs", "verbs", true),
+            ("tcp", "verbs", false),
+            ("rocev2", "tcp", false),
+            ("shm", "rocev2", false),
+        ] {
+            let b = blob(&handle(1), theirs, None, false, &mine, host, None, 1);
+            match parse_blob(2, &b, 1, ours, &mine) {
+                Ok(_) => assert!(ok, "{theirs} and {ours} must be refused"),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(!ok, "{theirs} and {ours} refused: {e}");
+                    assert!(e.contains(theirs) && e.contains(ours), "{e}");
+                }
+            }
+        }
+    }
+
     fn blobs(hosts: &[(u64, HostInputs)], shm: bool) -> Vec<Blob> {
         hosts
             .iter()

@@ -30,11 +30,19 @@ done
 
 all="--op all --check"
 faults="ROCCL_ROCEV2_FAULTS=drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=7"
+# Verb by verb, the engine and rxe each as requester and responder: SENDs across the path
+# MTU, RDMA WRITE WITH IMM, multi-packet RDMA READ responses, RNR NAKs (examples/rdma_pair.rs).
+rxe_job pair-engine-rxe "h a" "" @rdma_pair
+rxe_job pair-rxe-engine "a h" "" @rdma_pair
+rxe_job pair-rxe-rxe "a b" "" @rdma_pair
 rxe_job engine-rxe "h a" "" $all -b 8 -e 1M -n 2 -w 1
 rxe_job rxe-engine "a h" "" --op all_reduce,all_to_all --check -b 8 -e 1M -n 2 -w 1
-rxe_job engine-rxe-64M "h a" "" --op all_reduce --check -b 64M -e 64M -n 1 -w 0
+rxe_job engine-rxe-64M "h a" "" $all -b 64M -e 64M -n 1 -w 0 --out-of-place
 rxe_job engine-rxe-faults "h a" "$faults" $all -b 8 -e 256K -n 2 -w 1
 rxe_job engine-rxe-2x2 "h h a a" "" $all -b 8 -e 256K -n 2 -w 1
+# An engine a NIC cannot reach (not on UDP port 4791) is refused at setup, naming the port.
+rxe_job engine-off-port "h a" "ROCCL_ROCEV2_PORT=4792 ROCCL_TIMEOUT=20" --op all_reduce --check -b 8 -e 8 -n 1 -w 0
+rxe_fault h "true" "only to (UDP )?port 4791"
 rxe_job rxe-rxe "a b" "" $all -b 8 -e 1M -n 2 -w 1
 rxe_job rxe-rxe-2x2 "a a b b" "" $all -b 8 -e 256K -n 2 -w 1
 rxe_job three-machines "h a b" "" --op all_reduce,all_gather,broadcast --check -b 8 -e 1M -n 2 -w 1

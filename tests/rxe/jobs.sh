@@ -6,7 +6,8 @@
 #
 #   rxe_job NAME "PLACES" "ENV" ARGS...
 #        a job: PLACES gives each rank's side in rank order ("h a", "a a b b"), ENV is
-#        added to every rank's environment, ARGS are roccl-perf's
+#        added to every rank's environment, ARGS are roccl-perf's (or "@PROGRAM ARGS...":
+#        $bin/PROGRAM runs instead, and must print "# wrong results: 0" on rank 0)
 #   rxe_fault SIDE ACTION EXPECT
 #        the last job gets a fault: SIDE ("h" for the host, in the test's namespace) runs
 #        ACTION in the background once the job starts; EXPECT is "ok" (the job must survive),
@@ -91,11 +92,13 @@ rxe_side_script() {
     fi
     echo "pids=()"
     i=0
+    local prog="roccl-perf ${JOB_ARGS[$j]} --counters"
+    [[ "${JOB_ARGS[$j]}" == @* ]] && prog=${JOB_ARGS[$j]#@}
     for k in "${!places[@]}"; do
       [ "${places[$k]}" = "$side" ] || continue
       echo "env ROCCL_RANK=$k ROCCL_NRANKS=$n ROCCL_ROOT=$root ROCCL_HOSTID=side-$side ROCCL_TIMEOUT=60" \
-        "$(rxe_side_env "$side" "$i") ${JOB_ENVS[$j]} timeout -k 5 $JOB_LIMIT $bin/roccl-perf ${JOB_ARGS[$j]}" \
-        "--counters >\"$RXE_OUT/${JOB_NAMES[$j]}.$k.log\" 2>&1 & pids+=(\$!)"
+        "$(rxe_side_env "$side" "$i") ${JOB_ENVS[$j]} timeout -k 5 $JOB_LIMIT $bin/$prog" \
+        ">\"$RXE_OUT/${JOB_NAMES[$j]}.$k.log\" 2>&1 & pids+=(\$!)"
       i=$((i + 1))
     done
     echo "for p in \"\${pids[@]}\"; do wait \$p || echo \"$side exit \$?\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.failed\"; done"

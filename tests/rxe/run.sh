@@ -36,13 +36,13 @@ set -e
 target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 verbs_test=$(cargo test --release --workspace --features "$features" --test verbs --no-run --message-format json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*verbs-[^"]*\)".*/\1/p' | tail -1)
-cargo build --release --quiet --features "$features" --bin roccl-perf --bin roccl-info
+cargo build --release --quiet --features "$features" --bin roccl-perf --bin roccl-info --example rdma_pair
 # The same features as the tests, so that the core is not built a second time.
 cargo build --release --quiet -p roccl -p roccl-capi -p roccl-netplugin --features "$features" --lib
 bin=$RXE_OUT/bin
 mkdir -p "$bin/lib"
 cp "$verbs_test" "$bin/verbs-tests"
-cp "$target/release/roccl-perf" "$target/release/roccl-info" "$bin/"
+cp "$target/release/roccl-perf" "$target/release/roccl-info" "$target/release/examples/rdma_pair" "$bin/"
 cp "$target/release/libroccl.so" "$bin/lib/libroccl.so.0"
 ln -sf libroccl.so.0 "$bin/lib/libroccl.so"
 cp "$target/release/libnccl_net_roccl.so" "$bin/lib/libnccl-net-roccl.so"

@@ -1082,7 +1082,8 @@ impl Engine {
 
     /// The QP a datagram's BTH names, before the datagram is checked.
     fn datagram_qp(&self, data: &[u8]) -> Option<&Qp> {
-        let qpn = u32::from_be_bytes([0, *data.get(5)?, data[6], data[7]]);
+        let b = data.get(5..8)?;
+        let qpn = u32::from_be_bytes([0, b[0], b[1], b[2]]);
         self.qps
             .get((qpn & 0xfff) as usize)
             .and_then(|q| q.as_ref())
