@@ -66,3 +66,15 @@ fn qp_numbers_are_not_sequential() {
     let steps = gens.windows(2).filter(|w| w[1] == w[0] + 1).count();
     assert!(steps < 3, "sequential generations: {gens:?}");
 }
+
+/// An engine on every address (a switchless mesh) looks a datagram's QP up before checking
+/// it: datagrams too short for a BTH, of every length, are dropped as malformed.
+#[test]
+fn short_datagrams_to_an_engine_on_every_address_are_dropped() {
+    let mut e = Engine::new(IpAddr::from([0u8; 4]), 4791);
+    let from = SocketAddr::from((IPS[1], 50_001));
+    for len in 0..16 {
+        e.handle_datagram(Instant::now(), from, &vec![0x11; len]);
+    }
+    assert_eq!(e.stats().malformed, 16);
+}
