@@ -75,7 +75,7 @@ RXE_NETNS=$NS rxe_boot a 10.99.0.2/24 tap:rxetapa "$RXE_OUT/side-a.sh"
 RXE_NETNS=$NS rxe_boot b 10.99.0.3/24 tap:rxetapb "$RXE_OUT/side-b.sh"
 ns bash "$RXE_OUT/side-h.sh" >"$RXE_OUT/side-h.log" 2>&1 &
 host=$!
-limit=${RXE_TIMEOUT:-900}
+limit=${RXE_TIMEOUT:-1500}
 rc=0
 rxe_wait a "$limit" >/dev/null || rc=$?
 # VM b is killed by the last fault when it runs.

@@ -27,6 +27,9 @@ JOB_ACT_SIDE=()
 JOB_ACT=()
 JOB_EXPECT=()
 JOB_LIMIT=${JOB_LIMIT:-300}
+# How long a side waits at a job's barrier for the others, which may be busy with jobs of
+# their own before it (the VMs' own time limit bounds the whole).
+JOB_BARRIER=${JOB_BARRIER:-1200}
 
 rxe_job() {
   # RXE_JOBS (a regular expression) keeps only the jobs whose names match.
@@ -70,7 +73,7 @@ rxe_side_script() {
   echo "set -u"
   echo "barrier() { local t=\$SECONDS; touch \"$RXE_OUT/sync.\$1.$side\";" \
     "while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
-    "[ \$((SECONDS - t)) -gt 120 ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
+    "[ \$((SECONDS - t)) -gt $JOB_BARRIER ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
   echo "await() { local t=\$SECONDS; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
     "[ \$((SECONDS - t)) -gt 600 ] && return 1; sleep 0.2; done; }"
   for j in "${!JOB_NAMES[@]}"; do
