@@ -22,15 +22,6 @@ const PEER_ENV: &str = "ROCCL_BENCH_ROCEV2_PEER";
 /// Receives kept posted for the pings.
 const RECVS: u64 = 64;
 
-const EMPTY: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm: None,
-    qpn: 0,
-};
-
 /// One side: its provider, QP, a 1 MiB region and an 8-byte region.
 struct Side {
     v: UserVerbs,
@@ -128,7 +119,7 @@ fn peer() {
         )
         .unwrap();
     }
-    let mut wcs = [EMPTY; 16];
+    let mut wcs = [Wc::EMPTY; 16];
     let mut n = 0u64;
     loop {
         let k = s.v.poll_cq(s.qp, &mut wcs).unwrap();
@@ -182,7 +173,7 @@ fn bench(c: &mut Criterion) {
         bn.iter_custom(|iters| {
             let t = Instant::now();
             let (mut posted, mut done) = (0u64, 0u64);
-            let mut wcs = [EMPTY; 16];
+            let mut wcs = [Wc::EMPTY; 16];
             while done < iters {
                 while posted < iters && posted - done < 4 {
                     let wr = SendWr {
@@ -214,7 +205,7 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     g.bench_function("write_imm_8B_pingpong_rtt", |bn| {
         bn.iter_custom(|iters| {
-            let mut wcs = [EMPTY; 16];
+            let mut wcs = [Wc::EMPTY; 16];
             let t = Instant::now();
             for i in 0..iters {
                 me.v.post_recv(

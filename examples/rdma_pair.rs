@@ -17,21 +17,13 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use roccl::rdma::verbs::{
-    Access, Mr, QpEndpoint, QpId, RecvWr, SendWr, Sge, Verbs, Wc, WcOpcode, WcStatus, WrOpcode,
+    Access, Mr, QpEndpoint, QpId, RecvWr, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode,
 };
 
 const REGION: usize = 1 << 20;
 const SEND_SIZES: [usize; 6] = [1, 1000, 1024, 1025, 5000, 65536];
 const WRITE_SIZES: [usize; 3] = [8, 3000, 262_144];
 const READ_SIZES: [usize; 3] = [8, 5000, 262_144];
-const EMPTY: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm: None,
-    qpn: 0,
-};
 
 type Res<T> = Result<T, String>;
 
@@ -201,7 +193,7 @@ fn connect(s: &Side, c: &mut Ctl) -> Res<(u64, u32)> {
 /// Wait for the completion of `want` (by wr_id) within 20 s; others are kept for later.
 fn wait(s: &mut Side, want: u64) -> Res<Wc> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut wc = [EMPTY; 8];
+    let mut wc = [Wc::EMPTY; 8];
     loop {
         if let Some(i) = s.pending.iter().position(|w| w.wr_id == want) {
             return Ok(s.pending.swap_remove(i));

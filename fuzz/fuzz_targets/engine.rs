@@ -10,9 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use roccl::rdma::engine::{
-    CqId, Engine, QpAttr, QpState, Qpn, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode,
-};
+use roccl::rdma::engine::{CqId, Engine, QpAttr, QpState, Qpn, RecvWr, SendWr, Sge, Wc, WrOpcode};
 use roccl::rdma::mem::Access;
 use roccl::rdma::wire::{self, Aeth, Bth, IpInfo, Opcode, Packet, Reth};
 use roccl_fuzz::Reader;
@@ -368,14 +366,7 @@ impl World {
     }
 
     fn poll(&mut self) {
-        let mut wc = [Wc {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            qpn: 0,
-        }; 16];
+        let mut wc = [Wc::EMPTY; 16];
         for e in 0..2 {
             let now = self.now();
             self.eng[e].handle_timeout(now);

@@ -294,14 +294,7 @@ impl Sim {
     }
 
     fn drain(&mut self, e: usize, out: &mut Vec<Wc>) {
-        let mut w = [Wc {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            qpn: 0,
-        }; 16];
+        let mut w = [Wc::EMPTY; 16];
         loop {
             let n = self.eng[e].poll_cq(self.cq[e], &mut w);
             if n == 0 {

@@ -6,10 +6,9 @@ use std::sync::Arc;
 
 use super::recv::RoceRecv;
 use super::regcache::RegCache;
-use super::EMPTY_WC;
 use crate::error::{Error, Result};
 use crate::net::{RecvBuf, MAX_RECVS};
-use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, WcStatus, WrOpcode};
+use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Wc, WcStatus, WrOpcode};
 
 /// A QP connected to itself and a scratch buffer: reads of received GPU memory through it
 /// complete only after the NIC's earlier writes to that memory (`iflush`).
@@ -68,7 +67,7 @@ impl RoceRecv {
         let Some(f) = self.flusher.as_mut() else {
             return Ok(());
         };
-        let mut wcs = [EMPTY_WC; MAX_RECVS];
+        let mut wcs = [Wc::EMPTY; MAX_RECVS];
         loop {
             let n = self.verbs.poll_cq(f.qp, &mut wcs)?;
             for wc in &wcs[..n] {

@@ -52,7 +52,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::rdma::udp::UserVerbs;
-use crate::rdma::verbs::{Access, Verbs, Wc, WcOpcode, WcStatus};
+use crate::rdma::verbs::{Access, Verbs, Wc, WcStatus};
 use eager::EagerCfg;
 use regcache::{Pinned, RegCache};
 
@@ -391,15 +391,6 @@ impl Net for RoceNet {
         setup::connect(self, dev, handle)
     }
 }
-
-const EMPTY_WC: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm: None,
-    qpn: 0,
-};
 
 fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
     verbs.completion_error(w.status);

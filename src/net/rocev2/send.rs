@@ -12,7 +12,7 @@ use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
 use super::setup::MAX_QPS;
-use super::{no_device_copy, reg_explicit, wc_error, EMPTY_WC, FIFO, IMM_SIZE_BITS};
+use super::{no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
 use crate::error::{Error, Result};
 use crate::net::{Liveness, MemHandle, PollFd, ReqId, SendComm};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode};
@@ -422,7 +422,7 @@ fn drain_sends(verbs: &dyn Verbs, qp: QpId, live: &mut Liveness) {
         return;
     }
     let (start, limit) = (std::time::Instant::now(), verbs.drain_limit());
-    let mut wcs = [EMPTY_WC; 16];
+    let mut wcs = [Wc::EMPTY; 16];
     let mut fds = Vec::new();
     loop {
         let Ok(n) = verbs.poll_cq(qp, &mut wcs) else {

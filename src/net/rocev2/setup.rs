@@ -23,12 +23,12 @@ use super::eager::{Bounce, EagerCfg, EAGER_SLOTS};
 use super::recv::RoceRecv;
 use super::regcache::RegCache;
 use super::send::RoceSend;
-use super::{RoceNet, EMPTY_WC, FIFO};
+use super::{RoceNet, FIFO};
 use crate::bootstrap::auth::{self, JobKey};
 use crate::bootstrap::ifaces::{get_addr, get_others, put_addr, put_others, reach, route_source};
 use crate::error::{Error, Result};
 use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
-use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
+use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs, Wc};
 use crate::rdma::wire;
 
 pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
@@ -519,7 +519,7 @@ impl Connecting for RoceConnecting {
             fifo,
             reqs: VecDeque::with_capacity(FIFO),
             base: 0,
-            wcs: [EMPTY_WC; super::send::WCS],
+            wcs: [Wc::EMPTY; super::send::WCS],
             failed: None,
             eager_size: eager_size as usize,
             staging,
@@ -806,7 +806,7 @@ impl ListenComm for RoceListen {
                 staging_mr: smr,
                 reqs: VecDeque::with_capacity(FIFO),
                 base: 0,
-                wcs: [EMPTY_WC; super::send::WCS],
+                wcs: [Wc::EMPTY; super::send::WCS],
                 failed: None,
                 bounce,
                 arrived: (0..n)

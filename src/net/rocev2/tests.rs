@@ -1016,12 +1016,8 @@ fn completion_errors_carry_their_cause() {
     let verbs = UserVerbs::with(IpAddr::from([127, 0, 0, 1]), 0, None).unwrap();
     let peer: SocketAddr = "127.0.0.1:4791".parse().unwrap();
     let wc = |status| Wc {
-        wr_id: 0,
         status,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qpn: 0,
+        ..Wc::EMPTY
     };
     let kind = |e: Error| match e {
         Error::System { source, .. } => source.kind(),

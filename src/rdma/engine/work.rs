@@ -163,3 +163,15 @@ pub struct Wc {
     /// The local QP.
     pub qpn: Qpn,
 }
+
+impl Wc {
+    /// A placeholder to fill arrays that `poll_cq` writes into.
+    pub const EMPTY: Wc = Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qpn: 0,
+    };
+}

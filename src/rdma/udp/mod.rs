@@ -1400,7 +1400,7 @@ impl Verbs for UserVerbs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::engine::{Sge, WcOpcode, WcStatus, WrOpcode};
+    use crate::rdma::engine::{Sge, WcStatus, WrOpcode};
 
     /// Write `len` bytes from one provider to another over loopback and return both providers'
     /// socket counters (sender, receiver).
@@ -1454,14 +1454,7 @@ mod tests {
             },
         )
         .unwrap();
-        let empty = Wc {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            qpn: 0,
-        };
+        let empty = Wc::EMPTY;
         let (mut sent, mut got) = (false, false);
         let start = Instant::now();
         while !(sent && got) {
@@ -1496,15 +1489,6 @@ mod tests {
         b.connect_qp(qb, &ea).unwrap();
         (qa, qb)
     }
-
-    const EMPTY: Wc = Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        qpn: 0,
-    };
 
     /// A zero-length write with immediate from `qa` to `qb` (`b` has a receive posted).
     fn ping(a: &UserVerbs, qa: QpId, b: &UserVerbs, qb: QpId, id: u64) {
@@ -1563,7 +1547,7 @@ mod tests {
             r > 0,
             "a thread asleep on the QP's descriptors was not woken though its completion is ready"
         );
-        let mut w = [EMPTY; 4];
+        let mut w = [Wc::EMPTY; 4];
         assert_eq!(b.poll_cq(qb, &mut w).unwrap(), 1);
         assert_eq!((w[0].wr_id, w[0].imm), (3, Some(5)));
         // Taken: the descriptor is quiet again (no busy wake-ups).
@@ -1609,7 +1593,7 @@ mod tests {
             ping(&a, qa, &b, qb, i);
             let (mut sent, mut got) = (false, false);
             let start = Instant::now();
-            let mut w = [EMPTY; 4];
+            let mut w = [Wc::EMPTY; 4];
             while !(sent && got) {
                 assert!(start.elapsed() < Duration::from_secs(20), "round {i} hung");
                 sent |= a.poll_cq(qa, &mut w).unwrap() > 0;
