@@ -55,7 +55,7 @@ done
 
 side_script() { # SIDE FIELD: the side's commands, one step after another
   local side=$1 field=$2 k cmd
-  echo "cd $PWD"
+  echo "cd $RXE_OUT"
   for k in "${!steps[@]}"; do
     cmd=$(cut -d'|' -f"$field" <<<"${steps[$k]}")
     echo "touch $RXE_OUT/step.$k.$side; while [ \$(ls $RXE_OUT/step.$k.* | wc -l) -lt 3 ]; do sleep 0.1; done"

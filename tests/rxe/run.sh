@@ -16,7 +16,6 @@
 # nothing is built twice), RXE_TIMEOUT (seconds the VM may run, default 900).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-root=$PWD
 
 if [ -n "${ROCCL_SKIP_RXE:-}" ]; then
   echo "SKIPPED (soft-RoCE VM): ROCCL_SKIP_RXE is set"
@@ -56,7 +55,8 @@ set +e
 
 cat >"$RXE_OUT/suite.sh" <<EOF
 set -u
-cd "$root"
+# The guest's /tmp is its own: a checkout under /tmp is not there, so nothing runs from it.
+cd "$RXE_OUT"
 bin="$bin"
 EOF
 cat >>"$RXE_OUT/suite.sh" <<'EOF'
