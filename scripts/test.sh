@@ -44,7 +44,7 @@ else
   echo "== hardware tests SKIPPED: ROCCL_TEST_IB_DEVICE is not set (no RDMA NIC here);" \
     "the collective suite over a RoCE v2 NIC (tests/verbs.rs, 3 tests) did not run on a NIC"
 fi
-echo "== the NIC suite on Linux soft-RoCE (rdma_rxe) in qemu VMs, and the engine against it (tests/rxe/run.sh, about 8 min; ROCCL_SKIP_RXE=1 skips it)"
+echo "== the NIC suite on Linux soft-RoCE (rdma_rxe) in qemu VMs, and the engine against it (tests/rxe/run.sh, about 9 min; ROCCL_SKIP_RXE=1 skips it)"
 FEATURES="$features" tests/rxe/run.sh
 if [ -e /dev/kfd ] || [ -e /proc/driver/nvidia ]; then
   echo "== a GPU is present: the HIP/CUDA open tests above opened it; run scripts/gpu-check.sh for collectives on its buffers"
