@@ -8,8 +8,8 @@
 # the host on a bridge, jobs across them (the userspace engine and rxe in one job; two VMs
 # as two hosts).
 #
-# First run: fetches the Debian kernel package (~70 MB) and qemu; then about 8 minutes (3 in
-# one VM, 5 across machines).
+# First run: fetches the Debian kernel package (~70 MB) and qemu; then about 9 minutes (3.5 in
+# one VM, 5.5 across machines; 10 with a core busy).
 # ROCCL_SKIP_RXE=1 skips it; without root or qemu it prints SKIPPED and why.
 #
 # Env: FEATURES (cargo features for the test binaries; scripts/test.sh passes its own so
