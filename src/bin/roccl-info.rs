@@ -144,7 +144,7 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
         // One port for both phases: each root serves one rendezvous and closes.
         let at = base;
         // The job secret, if the launcher gave one (ROCCL_JOB_SECRET).
-        let secret = roccl::bootstrap::env::job_secret().map_err(|e| e.to_string())?;
+        let secret = roccl::bootstrap::env::job_secret(at).map_err(|e| e.to_string())?;
         let id = if listen {
             roccl::bootstrap::serve_root_with(at, secret).map_err(|e| e.to_string())?
         } else {

@@ -147,9 +147,12 @@ pub fn from_env() -> Result<EnvInfo> {
     from_lookup(&|name| std::env::var(name).ok())
 }
 
-/// The job secret of launcher mode from the process environment (see [`job_secret_from`]).
-pub fn job_secret() -> Result<Option<[u8; crate::bootstrap::SECRET_BYTES]>> {
-    job_secret_from(&|name| std::env::var(name).ok())
+/// The job secret of launcher mode from the process environment (see [`job_secret_from`]);
+/// `root` is the root's address every rank was given (a pass phrase's salt).
+pub fn job_secret(
+    root: std::net::SocketAddr,
+) -> Result<Option<[u8; crate::bootstrap::SECRET_BYTES]>> {
+    job_secret_from(&|name| std::env::var(name).ok(), root)
 }
 
 /// Shortest `ROCCL_JOB_SECRET` taken as a pass phrase.
@@ -157,11 +160,13 @@ const MIN_SECRET_CHARS: usize = 16;
 
 /// The job secret: `ROCCL_JOB_SECRET`, or the contents of the file `ROCCL_JOB_SECRET_FILE`
 /// names (trimmed); 32 hex digits are the secret's 128 bits, any other text of at least 16
-/// characters is hashed (SHA-256, first 128 bits). `None` when neither is set.
+/// characters is a pass phrase, stretched with PBKDF2 ([`super::auth::stretch`]) salted by
+/// the root's address `root` (so a guess made for one job is worth nothing for another).
+/// `None` when neither is set.
 pub fn job_secret_from(
     get: &dyn Fn(&str) -> Option<String>,
+    root: std::net::SocketAddr,
 ) -> Result<Option<[u8; crate::bootstrap::SECRET_BYTES]>> {
-    use sha2::Digest;
     let var = |name: &str| get(name).filter(|v| !v.trim().is_empty());
     let (text, from) = match (var("ROCCL_JOB_SECRET"), var("ROCCL_JOB_SECRET_FILE")) {
         (Some(_), Some(_)) => {
@@ -188,7 +193,8 @@ pub fn job_secret_from(
             *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).expect("checked hex");
         }
     } else if t.chars().count() >= MIN_SECRET_CHARS {
-        out.copy_from_slice(&sha2::Sha256::digest(t.as_bytes())[..crate::bootstrap::SECRET_BYTES]);
+        let salt = format!("roccl job secret v2 {root}");
+        out = super::auth::stretch(t.as_bytes(), salt.as_bytes());
     } else {
         return Err(Error::arg(format!(
             "the job secret in {from} is {} characters: use at least {MIN_SECRET_CHARS} (e.g. 32 hex digits from `openssl rand -hex 16`)",
@@ -571,32 +577,47 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        assert_eq!(job_secret_from(&get(&[])).unwrap(), None);
-        let hex = job_secret_from(&get(&[(
-            "ROCCL_JOB_SECRET",
-            " 000102030405060708090a0b0c0d0e0f\n",
-        )]))
+        let at = |s: &str| -> std::net::SocketAddr { s.parse().unwrap() };
+        let root = at("10.0.0.1:29500");
+        assert_eq!(job_secret_from(&get(&[]), root).unwrap(), None);
+        let hex = job_secret_from(
+            &get(&[("ROCCL_JOB_SECRET", " 000102030405060708090a0b0c0d0e0f\n")]),
+            root,
+        )
         .unwrap()
         .unwrap();
         assert_eq!(hex, core::array::from_fn(|i| i as u8));
-        let a = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "correct horse battery")])).unwrap();
-        let b = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "correct horse battery!")])).unwrap();
-        assert!(a.is_some() && a != b);
-        let e = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "short")]))
+        let phrase = |p: &'static str, r| {
+            let v: &'static [(&str, &str)] =
+                Box::leak(vec![("ROCCL_JOB_SECRET", p)].into_boxed_slice());
+            job_secret_from(&get(v), r).unwrap().unwrap()
+        };
+        let a = phrase("correct horse battery", root);
+        assert_ne!(a, phrase("correct horse battery!", root));
+        // A pass phrase is stretched, salted by the root: not its SHA-256, and another job's
+        // root gives another secret.
+        use sha2::Digest;
+        assert_ne!(a[..], sha2::Sha256::digest(b"correct horse battery")[..16]);
+        assert_ne!(a, phrase("correct horse battery", at("10.0.0.1:29501")));
+        assert_eq!(a, phrase("correct horse battery", root));
+        let e = job_secret_from(&get(&[("ROCCL_JOB_SECRET", "short")]), root)
             .unwrap_err()
             .to_string();
         assert!(e.contains("at least 16"), "{e}");
-        let e = job_secret_from(&get(&[
-            ("ROCCL_JOB_SECRET", "correct horse battery"),
-            ("ROCCL_JOB_SECRET_FILE", "/x"),
-        ]))
+        let e = job_secret_from(
+            &get(&[
+                ("ROCCL_JOB_SECRET", "correct horse battery"),
+                ("ROCCL_JOB_SECRET_FILE", "/x"),
+            ]),
+            root,
+        )
         .unwrap_err()
         .to_string();
         assert!(e.contains("set one"), "{e}");
-        let e = job_secret_from(&get(&[(
-            "ROCCL_JOB_SECRET_FILE",
-            "/nonexistent/roccl-secret",
-        )]))
+        let e = job_secret_from(
+            &get(&[("ROCCL_JOB_SECRET_FILE", "/nonexistent/roccl-secret")]),
+            root,
+        )
         .unwrap_err()
         .to_string();
         assert!(e.contains("/nonexistent/roccl-secret"), "{e}");
@@ -605,7 +626,7 @@ mod tests {
         let path: &'static str = Box::leak(f.to_string_lossy().to_string().into_boxed_str());
         let vars: &'static [(&str, &str)] =
             Box::leak(vec![("ROCCL_JOB_SECRET_FILE", path)].into_boxed_slice());
-        assert_eq!(job_secret_from(&get(vars)).unwrap(), Some(hex));
+        assert_eq!(job_secret_from(&get(vars), root).unwrap(), Some(hex));
         let _ = std::fs::remove_file(f);
     }
 

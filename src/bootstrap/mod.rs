@@ -185,10 +185,10 @@ impl UniqueId {
     /// with: derived from the secret (all zero without one), the root address, the nonce and
     /// the flags, and from the pre-shared key of [`seal::set`] where one was given.
     pub fn job_key(&self) -> auth::JobKey {
-        seal::mix_psk(auth::JobKey::from_secret(
-            &self.bytes[32..48],
+        seal::mix_psk(
+            auth::JobKey::from_secret(&self.bytes[32..48], &self.bytes[0..32]),
             &self.bytes[0..32],
-        ))
+        )
     }
 
     /// Rebuild an id from its bytes; checks the format.
@@ -339,6 +339,14 @@ pub fn serve_root_on(
         .with_other_roots(others)?;
     spawn_root(l, id);
     Ok(id)
+}
+
+/// The error of a job asked to encrypt that has no secret: its keys would come from the
+/// root's address and port alone, which anyone can compute.
+pub fn keyless_encryption(rank: usize) -> Error {
+    Error::InvalidUsage(format!(
+        "rank {rank}: ROCCL_ENCRYPT=1 (or ncclSetEncryption without a key) but the job has no secret: its keys would derive from the root's address and port, which anyone can compute, so nothing would be hidden. Give every rank the same ROCCL_JOB_SECRET (e.g. export ROCCL_JOB_SECRET=$(openssl rand -hex 16) before launching) or ROCCL_JOB_SECRET_FILE, or a pre-shared key through ncclSetEncryption, or use a unique id from rocclGetUniqueId (it carries a secret)"
+    ))
 }
 
 fn bind_retry(addr: SocketAddr, max: Duration) -> Result<TcpListener> {

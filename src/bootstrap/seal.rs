@@ -103,8 +103,18 @@ pub const SEAL_OVERHEAD: usize = NONCE_LEN + SEAL_TAG;
 
 /// The process's request, made by a call: 0 none (the environment decides), 1 off, 2 on.
 static SET: AtomicU8 = AtomicU8::new(0);
-/// The pre-shared key given by a call (`ncclSetEncryption`'s `psk`), as a key.
-static PSK: Mutex<Option<JobKey>> = Mutex::new(None);
+
+/// The pre-shared key given by a call (`ncclSetEncryption`'s `psk`), and the last key
+/// stretched from it with its salt (stretching takes a fraction of a second: once per job).
+struct Psk {
+    bytes: Vec<u8>,
+    stretched: Option<(Vec<u8>, JobKey)>,
+}
+
+static PSK: Mutex<Option<Psk>> = Mutex::new(None);
+
+/// Shortest pre-shared key [`set`] takes, in bytes.
+pub const MIN_PSK_BYTES: usize = 16;
 
 /// Whether ids made in this process encrypt their jobs: after [`set`], what it said;
 /// otherwise `ROCCL_ENCRYPT` (default off).
@@ -119,18 +129,47 @@ pub fn requested() -> bool {
 /// Ask for encryption (or not) in this process, over `ROCCL_ENCRYPT`, with an optional
 /// pre-shared key that every rank must give alike: it is mixed into the job key
 /// ([`mix_psk`]), so ranks with another (or no) key cannot join. Affects ids and
-/// communicators made afterwards.
-pub fn set(on: bool, psk: Option<&[u8]>) {
+/// communicators made afterwards. A key shorter than [`MIN_PSK_BYTES`] is refused.
+pub fn set(on: bool, psk: Option<&[u8]>) -> crate::error::Result<()> {
+    if let Some(p) = psk {
+        if p.len() < MIN_PSK_BYTES {
+            return Err(crate::error::Error::arg(format!(
+                "the pre-shared key is {} bytes: use at least {MIN_PSK_BYTES} (e.g. 32 hex digits from `openssl rand -hex 16`); a short key can be guessed offline from any tag on the wire",
+                p.len()
+            )));
+        }
+    }
     SET.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-    *PSK.lock() = psk.map(|p| JobKey::from_secret(p, b"roccl pre-shared key v1"));
+    *PSK.lock() = psk.map(|p| Psk {
+        bytes: p.to_vec(),
+        stretched: None,
+    });
+    Ok(())
 }
 
-/// `key` with the pre-shared key of [`set`] mixed in (unchanged without one).
-pub fn mix_psk(key: JobKey) -> JobKey {
-    match *PSK.lock() {
-        Some(p) => key.derive(p.bytes()),
-        None => key,
-    }
+/// Whether a pre-shared key was given ([`set`]): a job key that does not come from a
+/// secret in the id may still be one nobody else can compute.
+pub fn has_psk() -> bool {
+    PSK.lock().is_some()
+}
+
+/// `key` with the pre-shared key of [`set`] mixed in, stretched with `salt` (the id's
+/// public bytes) by [`super::auth::stretch`]; unchanged without one.
+pub fn mix_psk(key: JobKey, salt: &[u8]) -> JobKey {
+    let mut psk = PSK.lock();
+    let Some(p) = psk.as_mut() else {
+        return key;
+    };
+    let stretched = match &p.stretched {
+        Some((s, k)) if s == salt => *k,
+        _ => {
+            let s = super::auth::stretch(&p.bytes, &[b"roccl pre-shared key v2 ", salt].concat());
+            let k = JobKey::from_secret(&s, b"roccl pre-shared key v2");
+            p.stretched = Some((salt.to_vec(), k));
+            k
+        }
+    };
+    key.derive(stretched.bytes())
 }
 
 #[cfg(test)]

@@ -98,6 +98,9 @@ impl Communicator {
                 "rank {rank}: ROCCL_ENCRYPT=1 (or ncclSetEncryption) here, but the unique id was made without encryption: ask for it where the id is made (rank 0, before rocclGetUniqueId / ncclGetUniqueId), or on every rank in launcher mode"
             )));
         }
+        if id.encrypted() && !id.has_secret() && !crate::bootstrap::seal::has_psk() {
+            return Err(bootstrap::keyless_encryption(rank));
+        }
         net.set_encryption(id.encrypted());
         if id.encrypted() && !net.encrypts() && !matches!(cfg.net, NetKind::Shm | NetKind::Sim) {
             static SAID: std::sync::Once = std::sync::Once::new();
@@ -546,7 +549,10 @@ impl Communicator {
                         ))),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let secret = bootstrap::env::job_secret()?;
+                let secret = bootstrap::env::job_secret(addr)?;
+                if secret.is_none() && bootstrap::seal::requested() && !bootstrap::seal::has_psk() {
+                    return Err(bootstrap::keyless_encryption(info.rank));
+                }
                 if secret.is_none() {
                     static SAID: std::sync::Once = std::sync::Once::new();
                     SAID.call_once(|| {

@@ -62,12 +62,15 @@ def bad_configs(path):
         ("too small", ctypes.byref(config(1, b"k" * 32, size=8))),
         ("PSK without a key", ctypes.byref(config(1, None))),
         ("empty key", ctypes.byref(config(1, b""))),
+        ("short key", ctypes.byref(config(1, b"hunter2"))),
         ("unknown mode", ctypes.byref(config(7, b"k" * 32))),
     ]:
         r = nccl.ncclSetEncryption(arg)
         assert r == 4, f"{what}: ncclSetEncryption returned {r}, not ncclInvalidArgument"
         msg = nccl.ncclGetLastError(None).decode()
         assert "ncclSetEncryption" in msg, f"{what}: {msg}"
+        if what in ("empty key", "short key"):
+            assert "at least 16" in msg, f"{what}: {msg}"
     assert nccl.ncclSetEncryption(ctypes.byref(config(0, None))) == 0
     print("test_encryption: bad configs are ncclInvalidArgument, each with a message")
 

@@ -322,7 +322,8 @@ pub unsafe extern "C" fn ncclSetEncryption(config: *const c_void) -> ncclResult_
         }
         match c.mode {
             ENCRYPTION_NONE => {
-                roccl_core::bootstrap::seal::set(false, None);
+                // Without a key nothing can be refused.
+                let _ = roccl_core::bootstrap::seal::set(false, None);
                 0
             }
             ENCRYPTION_PSK if c.psk.is_null() => fail(
@@ -332,14 +333,10 @@ pub unsafe extern "C" fn ncclSetEncryption(config: *const c_void) -> ncclResult_
             ENCRYPTION_PSK => {
                 // SAFETY: a non-NULL psk is a NUL-terminated string, per the API.
                 let psk = unsafe { CStr::from_ptr(c.psk) }.to_bytes();
-                if psk.is_empty() {
-                    return fail(
-                        INVALID_ARGUMENT,
-                        "ncclSetEncryption: config.psk is empty: give a pre-shared key (e.g. 32 random hex digits)",
-                    );
+                match roccl_core::bootstrap::seal::set(true, Some(psk)) {
+                    Ok(()) => 0,
+                    Err(e) => fail(INVALID_ARGUMENT, &format!("ncclSetEncryption: {e}")),
                 }
-                roccl_core::bootstrap::seal::set(true, Some(psk));
-                0
             }
             m => fail(
                 INVALID_ARGUMENT,
