@@ -586,27 +586,48 @@ impl Communicator {
             m
         };
         let group = color.map(|c| members(i64::from(c))).unwrap_or_default();
-        // The first member of each group creates the new root and everyone learns its id.
-        let mut id = [0u8; crate::bootstrap::UNIQUE_ID_BYTES];
+        // The first member of each group binds the new root and everyone learns its address
+        // and a random nonce; each member derives the id's secret from this communicator's
+        // key (as shrink and grow do), so no secret travels over the data path.
+        let mut public = [0u8; 32];
+        let mut root = None;
         let mut created = Ok(());
         if group.first() == Some(&me) {
-            match UniqueId::new_with(self.shared.encrypted) {
-                Ok(u) => id.copy_from_slice(u.as_bytes()),
+            let bound = crate::bootstrap::ifaces::local_addr(None)
+                .and_then(crate::bootstrap::spare::SpareRoot::bind)
+                .and_then(|r| Ok((crate::bootstrap::auth::random::<8>()?, r)));
+            match bound {
+                Ok((nonce, r)) => {
+                    public[..24]
+                        .copy_from_slice(&crate::bootstrap::spare::encode_addr(Some(r.addr())));
+                    public[24..].copy_from_slice(&nonce);
+                    root = Some(r);
+                }
                 Err(e) => created = Err(e),
             }
         }
-        let mut ids = vec![0u8; n * id.len()];
-        self.all_gather(&id, &mut ids)?;
+        let mut all_public = vec![0u8; n * public.len()];
+        self.all_gather(&public, &mut all_public)?;
         created?;
         let Some(&leader) = group.first() else {
             return Ok(None);
         };
-        let uid = UniqueId::from_bytes(&ids[leader * id.len()..(leader + 1) * id.len()]).map_err(
-            |_| Error::Remote {
+        let theirs = &all_public[leader * public.len()..(leader + 1) * public.len()];
+        let at =
+            crate::bootstrap::spare::decode_addr(&theirs[..24]).ok_or_else(|| Error::Remote {
                 rank: leader,
                 msg: format!("rank {leader} could not create the root of the split communicator"),
-            },
-        )?;
+            })?;
+        let label = [b"roccl split v1 ", theirs].concat();
+        let uid = crate::bootstrap::spare::derived_id(
+            at,
+            &self.shared.reshape.key,
+            &label,
+            self.shared.encrypted,
+        );
+        if let Some(r) = root {
+            r.serve(uid)?;
+        }
         let cfg = self.shared.state.lock().cfg.clone();
         let pos = group
             .iter()
