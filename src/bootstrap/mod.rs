@@ -119,6 +119,43 @@ impl UniqueId {
         Ok(id)
     }
 
+    /// A new id whose secret is the job secret the launcher gave every rank
+    /// (`ROCCL_JOB_SECRET` / `_FILE`, salted by the root's address: [`env::job_secret`]), or
+    /// none; for ids published where others may read them (torch's Store), through
+    /// [`UniqueId::public`]. This process serves its root, as with [`UniqueId::new`].
+    pub fn new_for_publishing(encrypt: bool) -> Result<UniqueId> {
+        let ip = ifaces::local_addr(None)?;
+        let l = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
+        let addr = l
+            .local_addr()
+            .map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
+        let secret = env::job_secret(addr)?;
+        let id = UniqueId::from_parts(addr, u64::from_le_bytes(auth::random()?), secret, encrypt);
+        spawn_root(l, id);
+        Ok(id)
+    }
+
+    /// The id without its secret: what may be published where strangers can read it.
+    pub fn public(&self) -> UniqueId {
+        let mut b = self.bytes;
+        b[5] &= !ID_HAS_SECRET;
+        b[32..48].fill(0);
+        UniqueId { bytes: b }
+    }
+
+    /// A [`UniqueId::public`] id completed with the job secret the launcher gave this rank
+    /// (`ROCCL_JOB_SECRET` / `_FILE`), if any: every rank must be given the same.
+    pub fn with_job_secret(&self) -> Result<UniqueId> {
+        let (root, _) = self.root()?;
+        let mut b = self.bytes;
+        if let Some(k) = env::job_secret(root)? {
+            b[5] |= ID_HAS_SECRET;
+            b[32..48].copy_from_slice(&k);
+        }
+        Ok(UniqueId { bytes: b })
+    }
+
     /// An id for a root at `addr` that some process serves with [`serve_root`] (environment
     /// launch: rank 0 serves the root at `ROCCL_ROOT` / `MASTER_ADDR`), without a job secret:
     /// the nonce is fixed, so every rank computes the same id from the address alone, and

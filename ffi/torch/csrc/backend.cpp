@@ -490,7 +490,9 @@ ProcessGroupRoccl::ProcessGroupRoccl(
   std::vector<uint8_t> id;
   try {
     if (rank == 0) {
-      auto bytes = ::roccl_torch::unique_id();
+      // Only the id's public part goes into the Store (its readers are not authenticated);
+      // the secret is ROCCL_JOB_SECRET, which init_published adds on every rank.
+      auto bytes = ::roccl_torch::store_id();
       id.assign(bytes.begin(), bytes.end());
       store->set(key, id);
     } else {
@@ -506,7 +508,7 @@ ProcessGroupRoccl::ProcessGroupRoccl(
         e.what());
   }
   try {
-    auto comm = ::roccl_torch::init(
+    auto comm = ::roccl_torch::init_published(
         rust::Slice<const uint8_t>(id.data(), id.size()),
         size,
         rank,

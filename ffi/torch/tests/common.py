@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 LIMIT = float(os.environ.get("ROCCL_TORCH_TEST_LIMIT", "240"))
 
 
-def _entry(rank, world, init, path, timeout_s, env, fn, args):
+def _entry(rank, world, init, path, timeout_s, env, fn, args, per_rank_env=None):
     os.environ.update(env)
+    os.environ.update((per_rank_env or {}).get(rank, {}))
     import roccl  # noqa: F401  (registers the backend)
 
     if init == "file":
@@ -50,14 +51,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(world, fn, *args, start="fork", init="file", timeout_s=60, env=None, limit=LIMIT):
+def run(world, fn, *args, start="fork", init="file", timeout_s=60, env=None, limit=LIMIT,
+        per_rank_env=None):
+    """`per_rank_env`: {rank: {variable: value}} set in that rank only, over `env`."""
     env = dict(env or {})
     env.setdefault("TEST_PORT", str(free_port()))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "store")
         ctx = mp.start_processes(
             _entry,
-            args=(world, init, path, timeout_s, env, fn, args),
+            args=(world, init, path, timeout_s, env, fn, args, per_rank_env),
             nprocs=world,
             join=False,
             start_method=start,

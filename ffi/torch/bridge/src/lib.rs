@@ -74,9 +74,20 @@ mod bridge {
         /// roccl's own rules (`Communicator::from_env`).
         fn launcher_env() -> Result<Launch>;
 
-        /// A new unique id (this process serves its rendezvous root): what rank 0 publishes
-        /// through torch's Store.
+        /// A new unique id (this process serves its rendezvous root), with its secret (for
+        /// `roccl.unique_id()`: the application hands it to every rank its own way).
         fn unique_id() -> Result<Vec<u8>>;
+        /// A new unique id for torch's Store, which does not authenticate its readers: its
+        /// public part only (root address and nonce). Its secret is the launcher's
+        /// `ROCCL_JOB_SECRET`, which [`init_published`] adds on every rank.
+        fn store_id() -> Result<Vec<u8>>;
+        /// [`init`] with an id of [`store_id`]: completed with `ROCCL_JOB_SECRET` here.
+        fn init_published(
+            id: &[u8],
+            nranks: usize,
+            rank: usize,
+            timeout_ms: u64,
+        ) -> Result<Box<Comm>>;
         /// Join the communicator of `id` as `rank` of `nranks`; `timeout_ms` replaces
         /// `ROCCL_TIMEOUT` (the other `ROCCL_*` settings apply).
         fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>>;
@@ -171,6 +182,51 @@ fn unique_id() -> Result<Vec<u8>, String> {
                 .map_err(|e| e.to_string())
         },
     )
+}
+
+fn store_id() -> Result<Vec<u8>, String> {
+    guarded(
+        || {
+            (
+                String::new(),
+                "creating the unique id for torch's Store".into(),
+            )
+        },
+        || {
+            let id = UniqueId::new_for_publishing(roccl_core::bootstrap::seal::requested())
+                .map_err(|e| e.to_string())?;
+            if !id.has_secret() {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    roccl_core::warn!(
+                        "no ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE: the process group's ranks are authenticated by what torch's Store holds (the root's address and a random nonce); anyone who can read the Store (torch's TCPStore does not authenticate its clients) can join. Give every rank the same secret (e.g. ROCCL_JOB_SECRET=$(openssl rand -hex 16) exported before launching) to refuse them"
+                    )
+                });
+            }
+            Ok(id.public().as_bytes().to_vec())
+        },
+    )
+}
+
+fn init_published(
+    id: &[u8],
+    nranks: usize,
+    rank: usize,
+    timeout_ms: u64,
+) -> Result<Box<Comm>, String> {
+    let who = format!(" rank {rank}");
+    let id = guarded(
+        || (who, "reading the unique id from torch's Store".into()),
+        || {
+            UniqueId::from_bytes(id)
+                .and_then(|i| i.with_job_secret())
+                .map(|i| i.as_bytes().to_vec())
+                .map_err(|e| {
+                    format!("{e} (the id read from torch's Store is not rank 0's roccl unique id)")
+                })
+        },
+    )?;
+    init(&id, nranks, rank, timeout_ms)
 }
 
 fn launcher_env() -> Result<Launch, String> {
