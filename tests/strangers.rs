@@ -501,7 +501,7 @@ fn a_late_rank_with_the_secret_gets_the_usual_error() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("could not reach the bootstrap root") || e.contains("root exited"),
+        e.contains("could not register with the bootstrap root"),
         "{e}"
     );
 }
@@ -515,8 +515,12 @@ fn garbage_gets_no_answer_from_the_root() {
     let mut s = TcpStream::connect(addr).unwrap();
     s.write_all(&noise(9, 200)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    // The root's challenge, sent on every connection before anything arrives ...
+    let mut c = [0u8; 20];
+    s.read_exact(&mut c).unwrap();
+    assert_eq!(&c[..4], b"RCH1");
+    // ... then closed without a word (0 bytes) rather than answered.
     let mut b = [0u8; 16];
-    // Closed without a word (0 bytes) rather than answered.
     assert_eq!(s.read(&mut b).unwrap_or(0), 0);
     // The root still serves the job.
     let hs: Vec<_> = (0..2)
@@ -525,4 +529,177 @@ fn garbage_gets_no_answer_from_the_root() {
     for h in hs {
         h.join().unwrap().expect("rendezvous");
     }
+}
+
+/// Talk to a client as a root would, whichever protocol it speaks: when it sends nothing for
+/// 300 ms, it waits for a challenge, which it gets. Returns what it sent and whether it was
+/// challenged.
+fn as_a_root(s: &mut TcpStream) -> (Vec<u8>, bool) {
+    s.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 4096];
+    let challenged = match s.read(&mut b) {
+        Ok(n) if n > 0 => {
+            got.extend_from_slice(&b[..n]);
+            false
+        }
+        _ => {
+            s.write_all(b"RCH1").unwrap();
+            s.write_all(&[0x5a; 16]).unwrap();
+            true
+        }
+    };
+    while let Ok(n) = s.read(&mut b) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&b[..n]);
+    }
+    (got, challenged)
+}
+
+/// A process that binds the launcher's root port before rank 0 does gets the ranks'
+/// registrations and answers with a table of its own making. Before the fix (an unencrypted
+/// job's reply was not authenticated) the rank took the table and went on to connect to the
+/// addresses in it; now it refuses the reply, saying why.
+#[test]
+fn a_squatter_on_the_root_port_cannot_hand_out_a_table() {
+    let _alone = ALONE.lock();
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = squatter.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = squatter.accept().unwrap();
+        let (_, challenged) = as_a_root(&mut s);
+        // Two blobs of its choosing, as the table of a 2-rank job.
+        let table = [
+            &5u32.to_le_bytes()[..],
+            b"evil0",
+            &5u32.to_le_bytes(),
+            b"evil1",
+        ]
+        .concat();
+        let reply = if challenged {
+            [
+                &[0u8][..],
+                &(table.len() as u32).to_le_bytes(),
+                &table,
+                &[0u8; 16],
+            ]
+            .concat()
+        } else {
+            [&[0u8][..], &table].concat()
+        };
+        let _ = s.write_all(&reply);
+    });
+    let got = rendezvous(&launcher_id(addr), 1, 2, b"mine!", Duration::from_secs(5));
+    fake.join().unwrap();
+    match got {
+        Ok(t) => panic!("the rank took the squatter's table {t:?}"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(
+                e.contains("not authenticated") && e.contains("stranger"),
+                "{e}"
+            );
+        }
+    }
+}
+
+/// A registration recorded by whoever reached the root's port in an earlier run (a squatter,
+/// or an observer of the wire) and sent again to a later run of the same launcher-mode job
+/// (same address, port and secret, so the same id). Before the fix the root admitted it as
+/// that rank, and the real rank then failed the job ("rank 0 joined twice"); now it answers
+/// another challenge than the recorded one and is refused.
+#[test]
+fn a_replayed_registration_does_not_join_a_later_run() {
+    let _alone = ALONE.lock();
+    let recorder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = recorder.local_addr().unwrap();
+    let rec = std::thread::spawn(move || {
+        let (mut s, _) = recorder.accept().unwrap();
+        as_a_root(&mut s).0
+    });
+    // The earlier run: rank 1 registers with the recorder (which never answers).
+    let _ = rendezvous(
+        &launcher_id(addr),
+        1,
+        2,
+        &[1; 5],
+        Duration::from_millis(800),
+    );
+    let recorded = rec.join().unwrap();
+    assert!(recorded.len() > 28, "nothing recorded");
+    // The later run on the same port: the recording arrives first.
+    let id = launcher_root(addr);
+    let mut replay = TcpStream::connect(addr).unwrap();
+    replay
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut c = [0u8; 20];
+    let _ = replay.read(&mut c);
+    replay.write_all(&recorded).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let hs: Vec<_> = (0..2)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { launcher_id(addr) },
+                r,
+                2,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    for h in hs {
+        let table = h.join().unwrap().expect("rendezvous");
+        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5]]);
+    }
+}
+
+/// More idle connections than the root keeps pending (1024), as a stranger that opens them
+/// by the thousand would: before the fix the root closed every connection past 1024 and a
+/// rank whose connection was closed failed; now the oldest pending one gives way, a rank
+/// whose connection closes tries again, and the rendezvous completes.
+#[test]
+fn a_thousand_idle_connections_do_not_deny_the_rendezvous() {
+    let _alone = ALONE.lock();
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        lim.rlim_cur = lim.rlim_max.min(8192);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+    }
+    if lim.rlim_cur < 4096 {
+        eprintln!(
+            "SKIPPED (idle flood): only {} descriptors allowed",
+            lim.rlim_cur
+        );
+        return;
+    }
+    let id = launcher_root("127.0.0.1:0".parse().unwrap());
+    let (addr, _) = id.root().unwrap();
+    let idle: Vec<TcpStream> = (0..1100)
+        .filter_map(|_| TcpStream::connect(addr).ok())
+        .collect();
+    assert!(idle.len() >= 1050, "only {} connections", idle.len());
+    std::thread::sleep(Duration::from_millis(300));
+    let hs: Vec<_> = (0..2)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { launcher_id(addr) },
+                r,
+                2,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    for h in hs {
+        let table = h.join().unwrap().expect("rendezvous");
+        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5]]);
+    }
+    drop(idle);
 }

@@ -10,26 +10,23 @@
 //! carries a job secret), `6..8` port, `8..24` address, `24..32` nonce, `32..48` the job
 //! secret (128 bits from the OS random source; zero without one), the rest zero.
 //!
-//! Wire format (all little endian). Registration: `magic u32 "RBS2"`, `nonce u64`,
-//! `rank u32`, `nranks u32`, `blob_len u32`, `timeout_ms u32`, blob, then a 16-byte tag
-//! (HMAC-SHA256 under a key derived from the id's secret, over everything before it; see
-//! [`auth`]). The root drops a registration whose tag does not check (counted, logged once
-//! per source) and answers it with an error, so that only ranks that know the secret can
-//! join, set the timeout or fail the rendezvous. The root gives up `timeout_ms` (the smallest
-//! any rank sent) after the first registration. Reply: `status u8` (0 ok, 1 error); ok:
-//! `n × (len u32, bytes)`; error: `len u32`, UTF-8 message.
-//!
-//! The root never blocks on one connection: it reads every connection without blocking, and
-//! drops one that has not sent a whole registration [`REG_DEADLINE`] after it connected (idle
-//! port scanners, half-sent messages), or that sends garbage.
+//! The root's wire format (a challenge per connection, registrations tagged over it, replies
+//! tagged over the registration) is in [`wire`]; the root's loop in `root`. A rank tries
+//! again when its connection fails or closes before the reply, until its timeout; it takes
+//! only a reply authenticated by the job's key.
 
 pub mod auth;
 pub mod env;
 pub mod ifaces;
+mod root;
 pub mod seal;
 pub mod spare;
+mod wire;
 
-use std::collections::BTreeMap;
+use root::spawn_root;
+#[cfg(feature = "fuzzing")]
+pub(crate) use wire::{fuzz_registration, fuzz_seed_registration};
+
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -37,25 +34,14 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 
 const ID_MAGIC: u32 = 0x4449_4352; // "RCID"
-const REG_MAGIC: u32 = 0x3253_4252; // "RBS2"
-/// Magic of the registrations of roccl before the job secret: answered with an error naming
-/// the version mismatch (the old rank prints it) rather than dropped.
-const OLD_REG_MAGIC: u32 = 0x5453_4252; // "RBST"
-/// Bytes of a registration before its blob.
-const REG_HDR: usize = 28;
 /// Flag of an id's byte 5: it carries a job secret.
 const ID_HAS_SECRET: u8 = 1;
 /// Flag of an id's byte 5: the job's bootstrap and TCP traffic are encrypted ([`seal`]).
 const ID_ENCRYPTED: u8 = 2;
-/// Magic of a registration of an encrypted job: its blob is sealed, and so is the reply.
-const SEALED_REG_MAGIC: u32 = 0x3353_4252; // "RBS3"
 /// Bytes of a job secret.
 pub const SECRET_BYTES: usize = 16;
 /// How long the root waits for a connection's whole registration (a rank sends it at once).
 pub const REG_DEADLINE: Duration = Duration::from_secs(10);
-/// Most connections the root reads at once; more are refused until some finish.
-const MAX_PENDING: usize = 1024;
-const MAX_BLOB: usize = 1 << 20;
 
 /// Size of a unique id in bytes (as `NCCL_UNIQUE_ID_BYTES`).
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -420,500 +406,10 @@ fn bind_retry(addr: SocketAddr, max: Duration) -> Result<TcpListener> {
     }
 }
 
-struct Joined {
-    stream: TcpStream,
-    blob: Vec<u8>,
-    /// Where its registration came from.
-    from: SocketAddr,
-    /// Its registration's tag (an encrypted job's reply is bound to it).
-    tag: [u8; auth::TAG_BYTES],
-}
-
-fn spawn_root(l: TcpListener, id: UniqueId) {
-    std::thread::Builder::new()
-        .name("roccl-root".into())
-        .spawn(move || run_root(l, id))
-        .expect("spawning the bootstrap root thread");
-}
-
-#[derive(Debug)]
-struct Reg {
-    rank: usize,
-    nranks: usize,
-    /// As sent: sealed when `sealed` ([`open_blob`]).
-    blob: Vec<u8>,
-    timeout: Duration,
-    /// The registration is of an encrypted job (its blob sealed, [`SEALED_REG_MAGIC`]).
-    sealed: bool,
-    /// Its tag: the reply of an encrypted job is bound to it.
-    tag: [u8; auth::TAG_BYTES],
-}
-
-/// The key blobs of an encrypted job's registrations are sealed with.
-fn blob_key(id: &UniqueId) -> seal::SealKey {
-    seal::SealKey::new(&id.job_key().derive(b"registration blob seal"))
-}
-
-/// The key an encrypted job's reply tables are sealed with (each bound to its registration).
-fn table_key(id: &UniqueId) -> seal::SealKey {
-    seal::SealKey::new(&id.job_key().derive(b"reply table seal"))
-}
-
-/// The key of registrations with the root of `id`.
-fn reg_key(id: &UniqueId) -> auth::JobKey {
-    id.job_key().derive(b"registration")
-}
-
-/// A registration: header, blob, tag.
-fn encode_reg(
-    id: &UniqueId,
-    rank: usize,
-    nranks: usize,
-    blob: &[u8],
-    timeout: Duration,
-) -> Result<Vec<u8>> {
-    let sealed;
-    let (magic, blob) = if id.encrypted() {
-        sealed = blob_key(id).seal_random(&[], blob)?;
-        (SEALED_REG_MAGIC, &sealed[..])
-    } else {
-        (REG_MAGIC, blob)
-    };
-    let mut msg = Vec::with_capacity(REG_HDR + blob.len() + auth::TAG_BYTES);
-    msg.extend_from_slice(&magic.to_le_bytes());
-    msg.extend_from_slice(&id.nonce().to_le_bytes());
-    msg.extend_from_slice(&(rank as u32).to_le_bytes());
-    msg.extend_from_slice(&(nranks as u32).to_le_bytes());
-    msg.extend_from_slice(&(blob.len() as u32).to_le_bytes());
-    msg.extend_from_slice(&(timeout.as_millis().min(u32::MAX as u128) as u32).to_le_bytes());
-    msg.extend_from_slice(blob);
-    let tag = reg_key(id).tag(&[&msg]);
-    msg.extend_from_slice(&tag);
-    Ok(msg)
-}
-
-/// What the bytes a connection sent so far are.
-#[derive(Debug)]
-enum Parsed {
-    /// A registration needs this many bytes in all; not all have arrived.
-    Need(usize),
-    /// A whole registration whose tag checks.
-    Reg(Reg),
-    /// Not a registration of this root's job: why, and whether to answer (a roccl rank
-    /// with another id or secret gets told; garbage does not).
-    Refused(String, bool),
-}
-
-/// The root's parser, without I/O: `b` is everything a connection sent so far.
-fn parse_reg(b: &[u8], nonce: u64, key: &auth::JobKey) -> Parsed {
-    if b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) == OLD_REG_MAGIC {
-        return Parsed::Refused(
-            "a registration of an older roccl (without the job secret): every rank must run the same roccl version".into(),
-            true,
-        );
-    }
-    if b.len() < REG_HDR {
-        // Garbage is refused as soon as its first bytes show it.
-        if b.len() >= 4
-            && ![REG_MAGIC, SEALED_REG_MAGIC]
-                .contains(&u32::from_le_bytes(b[0..4].try_into().unwrap()))
-        {
-            return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
-        }
-        return Parsed::Need(REG_HDR);
-    }
-    let u32at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-    if u32at(0) != REG_MAGIC && u32at(0) != SEALED_REG_MAGIC {
-        return Parsed::Refused("not a roccl registration (bad magic)".into(), false);
-    }
-    let len = u32at(20) as usize;
-    if len > MAX_BLOB {
-        return Parsed::Refused(
-            format!("registration blob of {len} bytes is too large"),
-            false,
-        );
-    }
-    let total = REG_HDR + len + auth::TAG_BYTES;
-    if b.len() < total {
-        return Parsed::Need(total);
-    }
-    if u64::from_le_bytes(b[4..12].try_into().unwrap()) != nonce {
-        return Parsed::Refused(
-            "the registration is for another communicator (its unique id differs: a rank of another job, or of an earlier run on the same port?)".into(),
-            true,
-        );
-    }
-    if !key.verify(
-        &[&b[..total - auth::TAG_BYTES]],
-        &b[total - auth::TAG_BYTES..total],
-    ) {
-        return Parsed::Refused(
-            "the registration is not authenticated by this job's secret (every rank must be given the same unique id, or in launcher mode the same ROCCL_JOB_SECRET / ROCCL_JOB_SECRET_FILE and ROCCL_ENCRYPT; with ncclSetEncryption, the same pre-shared key)".into(),
-            true,
-        );
-    }
-    Parsed::Reg(Reg {
-        rank: u32at(12) as usize,
-        nranks: u32at(16) as usize,
-        blob: b[REG_HDR..REG_HDR + len].to_vec(),
-        timeout: Duration::from_millis(u32at(24) as u64),
-        sealed: u32at(0) == SEALED_REG_MAGIC,
-        tag: b[total - auth::TAG_BYTES..total].try_into().unwrap(),
-    })
-}
-
-/// The blob of an authenticated registration, opened where the job is encrypted; `Err` with
-/// why it is refused (it does not encrypt as the job does, or its blob does not open).
-fn open_blob(id: &UniqueId, reg: &Reg) -> std::result::Result<Vec<u8>, String> {
-    match (reg.sealed, id.encrypted()) {
-        (false, false) => Ok(reg.blob.clone()),
-        (true, true) => blob_key(id)
-            .open_random(&[], &reg.blob)
-            .ok_or_else(|| "its sealed blob does not open with this job's key".to_string()),
-        (sealed, _) => Err(format!(
-            "rank {} {} but this job {} (ROCCL_ENCRYPT, or ncclSetEncryption, must be the same on every rank)",
-            reg.rank,
-            if sealed { "encrypts" } else { "does not encrypt" },
-            if sealed { "does not" } else { "does" },
-        )),
-    }
-}
-
-/// Whether a refused registration starts with the magic of the other encryption setting
-/// than `id`'s (so the refusal can say so).
-fn other_encryption(b: &[u8], id: &UniqueId) -> bool {
-    let other = if id.encrypted() {
-        REG_MAGIC
-    } else {
-        SEALED_REG_MAGIC
-    };
-    b.len() >= 4 && u32::from_le_bytes(b[0..4].try_into().unwrap()) == other
-}
-
-/// Checks of the root's registration parser without I/O, for the fuzz targets. `sign`:
-/// first make `b` a registration of this job as far as its bytes go (the nonce of the key's
-/// id, a good tag), so that what follows the authentication is reached too.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_registration(b: &[u8], sign: bool) {
-    let id = UniqueId::for_address_with(
-        SocketAddr::from(([127, 0, 0, 1], 1)),
-        Some([7; SECRET_BYTES]),
-    );
-    let key = reg_key(&id);
-    let nonce = id.nonce();
-    let mut b = b.to_vec();
-    if sign && b.len() >= REG_HDR {
-        b[4..12].copy_from_slice(&nonce.to_le_bytes());
-        let len = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
-        let total = REG_HDR.saturating_add(len).saturating_add(auth::TAG_BYTES);
-        if b.len() >= total {
-            let tag = key.tag(&[&b[..total - auth::TAG_BYTES]]);
-            b[total - auth::TAG_BYTES..total].copy_from_slice(&tag);
-        }
-    }
-    match parse_reg(&b, nonce, &key) {
-        Parsed::Need(n) => assert!(n > b.len(), "needs {n} of {} bytes", b.len()),
-        Parsed::Reg(r) => {
-            assert!(r.blob.len() <= MAX_BLOB);
-            // A sealed blob of random bytes must be refused, not a panic.
-            let _ = open_blob(&id, &r);
-        }
-        Parsed::Refused(..) => {}
-    }
-}
-
-/// A registration of `blob` as rank `rank` of `nranks` for the fuzz targets' job (the one
-/// [`fuzz_registration`] signs for): a seed of its corpus.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_seed_registration(rank: usize, nranks: usize, blob: &[u8]) -> Vec<u8> {
-    let id = UniqueId::for_address_with(
-        SocketAddr::from(([127, 0, 0, 1], 1)),
-        Some([7; SECRET_BYTES]),
-    );
-    encode_reg(&id, rank, nranks, blob, Duration::from_secs(30)).unwrap_or_default()
-}
-
-/// A connection to the root whose registration has not all arrived.
-struct Incoming {
-    stream: TcpStream,
-    from: SocketAddr,
-    got: Vec<u8>,
-    deadline: Instant,
-}
-
-/// Read what `c` has sent, up to `want` bytes in all, without blocking; `Err` when the
-/// connection is closed or failed.
-fn read_some(c: &mut Incoming, want: usize) -> std::io::Result<()> {
-    let mut buf = [0u8; 16 * 1024];
-    while c.got.len() < want {
-        let n = (want - c.got.len()).min(buf.len());
-        match c.stream.read(&mut buf[..n]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(k) => c.got.extend_from_slice(&buf[..k]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn send_error(s: &mut TcpStream, msg: &str) {
-    let mut out = vec![1u8];
-    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    out.extend_from_slice(msg.as_bytes());
-    let _ = s.set_nonblocking(false);
-    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-    let _ = s.write_all(&out);
-}
-
-/// A root nobody registers with gives up after this long.
-const ROOT_IDLE: Duration = Duration::from_secs(3600);
-
 /// How often a bootstrap that is still waiting says so: every 5 s, or four times within a
 /// shorter timeout.
 pub fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(5))
-}
-
-/// Fail every rank that has joined, and the one whose registration is refused, with `msg`;
-/// returns it, for the ranks that register later.
-///
-/// Highest rank first: the root usually runs inside rank 0's process, which exits as soon as
-/// it reads the error, taking this thread with it; by then every other rank's error is in
-/// its socket's send buffer, which the kernel still delivers.
-fn fail_all(joined: &mut BTreeMap<usize, Joined>, s: &mut TcpStream, msg: String) -> String {
-    send_error(s, &msg);
-    for j in std::mem::take(joined).values_mut().rev() {
-        send_error(&mut j.stream, &msg);
-    }
-    crate::warn!("bootstrap root: {msg}");
-    msg
-}
-
-fn run_root(l: TcpListener, id: UniqueId) {
-    let nonce = id.nonce();
-    let key = reg_key(&id);
-    let mut start = Instant::now();
-    let mut timeout = ROOT_IDLE;
-    let mut first = true;
-    let mut last_said = Instant::now();
-    let at = l
-        .local_addr()
-        .map_or_else(|_| "?".to_string(), |a| a.to_string());
-    let _ = l.set_nonblocking(true);
-    let mut joined: BTreeMap<usize, Joined> = BTreeMap::new();
-    let mut incoming: Vec<Incoming> = Vec::new();
-    let mut nranks: Option<usize> = None;
-    // The job was set up wrong: every rank gets this, also those that register later (until
-    // the timeout), so that none waits out the timeout.
-    let mut failed: Option<String> = None;
-    loop {
-        if let Some(n) = nranks {
-            if joined.len() == n && failed.is_none() {
-                break;
-            }
-        }
-        if (first && start.elapsed() > ROOT_IDLE) || (failed.is_some() && start.elapsed() > timeout)
-        {
-            return;
-        }
-        let n = nranks.unwrap_or(0);
-        let missing = || -> Vec<usize> { (0..n).filter(|r| !joined.contains_key(r)).collect() };
-        if !first && failed.is_none() && start.elapsed() > timeout {
-            let msg = format!(
-                "bootstrap timed out after {:.0?} (ROCCL_TIMEOUT): {} of {n} ranks joined; {} never arrived (did they start, and do they use the same unique id / ROCCL_ROOT?)",
-                timeout,
-                joined.len(),
-                crate::error::ranks_list(&missing())
-            );
-            // Highest rank first, as in `fail_all`: rank 0's process, which usually hosts
-            // this thread, exits as soon as it reads the error.
-            for j in joined.values_mut().rev() {
-                send_error(&mut j.stream, &msg);
-            }
-            return;
-        }
-        if !first && failed.is_none() && last_said.elapsed() >= progress_interval(timeout) {
-            last_said = Instant::now();
-            let have: Vec<usize> = joined.keys().copied().collect();
-            crate::warn!(
-                "bootstrap root at {at}: after {:.0?}, {} of {n} ranks joined ({}); waiting for {} (gives up after {timeout:.0?}, ROCCL_TIMEOUT)",
-                start.elapsed(),
-                have.len(),
-                crate::error::ranks_list(&have),
-                crate::error::ranks_list(&missing()),
-            );
-        }
-        let mut progressed = false;
-        loop {
-            match l.accept() {
-                Ok((s, from)) => {
-                    progressed = true;
-                    if incoming.len() >= MAX_PENDING {
-                        auth::refuse(
-                            "bootstrap root",
-                            Some(from.ip()),
-                            "too many connections at once",
-                        );
-                        continue;
-                    }
-                    let _ = s.set_nonblocking(true);
-                    let _ = s.set_nodelay(true);
-                    incoming.push(Incoming {
-                        stream: s,
-                        from,
-                        got: Vec::new(),
-                        deadline: Instant::now() + REG_DEADLINE,
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    std::thread::sleep(Duration::from_millis(10));
-                    break;
-                }
-            }
-        }
-        let mut i = 0;
-        while i < incoming.len() {
-            let c = &mut incoming[i];
-            let before = c.got.len();
-            let mut parsed = parse_reg(&c.got, nonce, &key);
-            while let Parsed::Need(want) = parsed {
-                if let Err(e) = read_some(c, want) {
-                    parsed = Parsed::Refused(
-                        format!("the connection closed before a whole registration ({e})"),
-                        false,
-                    );
-                    break;
-                }
-                if c.got.len() < want {
-                    break;
-                }
-                parsed = parse_reg(&c.got, nonce, &key);
-            }
-            progressed |= c.got.len() != before;
-            let reg = match parsed {
-                Parsed::Need(_) if Instant::now() < c.deadline => {
-                    i += 1;
-                    continue;
-                }
-                Parsed::Need(_) => {
-                    let c = incoming.swap_remove(i);
-                    auth::refuse(
-                        "bootstrap root",
-                        Some(c.from.ip()),
-                        &format!(
-                            "no whole registration within {REG_DEADLINE:.0?} ({} bytes)",
-                            c.got.len()
-                        ),
-                    );
-                    continue;
-                }
-                Parsed::Refused(mut why, answer) => {
-                    let mut c = incoming.swap_remove(i);
-                    if answer && other_encryption(&c.got, &id) {
-                        why = format!(
-                            "a registration {} encryption, but this job {} (ROCCL_ENCRYPT, or ncclSetEncryption, must be the same on every rank)",
-                            if id.encrypted() { "without" } else { "with" },
-                            if id.encrypted() { "encrypts" } else { "does not" },
-                        );
-                    }
-                    auth::refuse("bootstrap root", Some(c.from.ip()), &why);
-                    if answer {
-                        send_error(&mut c.stream, &format!("bootstrap root at {at}: {why}"));
-                    }
-                    continue;
-                }
-                Parsed::Reg(r) => r,
-            };
-            let Incoming {
-                stream: mut s,
-                from,
-                ..
-            } = incoming.swap_remove(i);
-            let _ = s.set_nonblocking(false);
-            let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
-            let blob = match open_blob(&id, &reg) {
-                Ok(b) => b,
-                Err(why) => {
-                    auth::refuse("bootstrap root", Some(from.ip()), &why);
-                    send_error(&mut s, &format!("bootstrap root at {at}: {why}"));
-                    continue;
-                }
-            };
-            let Reg {
-                rank,
-                nranks: n,
-                timeout: t,
-                tag,
-                ..
-            } = reg;
-            if let Some(msg) = &failed {
-                send_error(&mut s, msg);
-                continue;
-            }
-            if first {
-                first = false;
-                start = Instant::now();
-                last_said = start;
-                timeout = t;
-            } else {
-                timeout = timeout.min(t);
-            }
-            // A job set up wrong fails on every rank at once, naming what is wrong.
-            let want = *nranks.get_or_insert(n);
-            let refused = if n != want {
-                Some(format!("rank {rank} (from {from}) says there are {n} ranks but earlier ranks said {want}: every rank must pass the same nranks"))
-            } else if rank >= n {
-                Some(format!(
-                    "rank {rank} (from {from}) is out of range for {n} ranks"
-                ))
-            } else {
-                joined.get(&rank).map(|j| format!(
-                    "rank {rank} joined twice (from {} and from {from}): two processes were given the same rank; check the ranks the launcher hands out",
-                    j.from
-                ))
-            };
-            if let Some(msg) = refused {
-                failed = Some(fail_all(&mut joined, &mut s, msg));
-                continue;
-            }
-            joined.insert(
-                rank,
-                Joined {
-                    stream: s,
-                    blob,
-                    from,
-                    tag,
-                },
-            );
-        }
-        if !progressed {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-    let mut table = Vec::new();
-    for j in joined.values() {
-        table.extend_from_slice(&(j.blob.len() as u32).to_le_bytes());
-        table.extend_from_slice(&j.blob);
-    }
-    // An encrypted job's reply: status 0, the sealed table's length, the table sealed for
-    // each rank and bound to its registration (a reply cannot be replayed to another).
-    let tkey = id.encrypted().then(|| table_key(&id));
-    for j in joined.values_mut() {
-        let reply = match &tkey {
-            None => [&[0u8][..], &table].concat(),
-            Some(k) => match k.seal_random(&j.tag, &table) {
-                Ok(sealed) => [&[0u8][..], &(sealed.len() as u32).to_le_bytes(), &sealed].concat(),
-                Err(e) => {
-                    send_error(&mut j.stream, &format!("bootstrap root: {e}"));
-                    continue;
-                }
-            },
-        };
-        let _ = j.stream.write_all(&reply);
-    }
 }
 
 /// Register with the root of `id` as `rank` of `nranks` with `blob`; returns every rank's
@@ -940,6 +436,10 @@ const ABORT_POLL: Duration = Duration::from_millis(100);
 
 /// [`rendezvous`], ended within about 100 ms by `abort` (set from another thread,
 /// e.g. by `rocclCommAbort` during a non-blocking init) with an error saying so.
+///
+/// A connection that fails or closes before the root answers (the root is not up yet, or
+/// dropped this connection among strangers) is tried again until `timeout`; a reply that is
+/// not authenticated by this job's key is never taken.
 pub fn rendezvous_abortable(
     id: &UniqueId,
     rank: usize,
@@ -948,12 +448,6 @@ pub fn rendezvous_abortable(
     timeout: Duration,
     abort: &std::sync::atomic::AtomicBool,
 ) -> Result<Vec<Vec<u8>>> {
-    let aborted = || abort.load(std::sync::atomic::Ordering::Relaxed);
-    let abort_error = || {
-        Error::InvalidUsage(format!(
-            "rank {rank}: initialization was aborted by the application while waiting for the bootstrap root"
-        ))
-    };
     if nranks == 0 {
         return Err(Error::arg("nranks must be at least 1"));
     }
@@ -963,52 +457,171 @@ pub fn rendezvous_abortable(
         )));
     }
     let (addr, _) = id.root()?;
-    let start = Instant::now();
-    let mut last_said = start;
-    let mut s = loop {
-        if aborted() {
-            return Err(abort_error());
-        }
-        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
-            Ok(s) => break s,
-            Err(e) => {
-                if last_said.elapsed() >= progress_interval(timeout) {
-                    last_said = Instant::now();
-                    crate::warn!(
-                        "rank {rank}: after {:.0?}, still waiting for the bootstrap root at {addr} ({e}); gives up after {timeout:.0?} (ROCCL_TIMEOUT)",
-                        start.elapsed()
-                    );
-                }
-                if start.elapsed() > timeout {
-                    return Err(Error::Timeout(format!(
-                        "rank {rank} could not reach the bootstrap root at {addr} within {timeout:.0?}: {e} (is rank 0 / the process that created the id running, and is {addr} reachable from here?)"
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
+    let join = Join {
+        id,
+        rank,
+        nranks,
+        blob,
+        timeout,
+        addr,
+        abort,
+        start: Instant::now(),
     };
-    let _ = s.set_nodelay(true);
-    let msg = encode_reg(id, rank, nranks, blob, timeout)?;
-    s.write_all(&msg).map_err(|e| {
-        Error::sys(
-            format!("sending rank {rank}'s registration to the root at {addr}"),
-            e,
+    let mut last_said = join.start;
+    loop {
+        let why = match join.attempt() {
+            Ok(table) => return Ok(table),
+            Err(Attempt::Fail(e)) => return Err(e),
+            Err(Attempt::Retry(why)) => why,
+        };
+        if join.start.elapsed() > timeout {
+            return Err(Error::Timeout(format!(
+                "rank {rank} could not register with the bootstrap root at {addr} within {timeout:.0?}: {why} (is rank 0 / the process that created the id running, and is {addr} reachable from here?)"
+            )));
+        }
+        if last_said.elapsed() >= progress_interval(timeout) {
+            last_said = Instant::now();
+            crate::warn!(
+                "rank {rank}: after {:.0?}, still waiting for the bootstrap root at {addr} ({why}); gives up after {timeout:.0?} (ROCCL_TIMEOUT)",
+                join.start.elapsed()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How one try to register ended without the table.
+enum Attempt {
+    /// Try again (until the deadline): why this one did not get through.
+    Retry(String),
+    /// The answer is final.
+    Fail(Error),
+}
+
+/// One rank's registration with the root.
+struct Join<'a> {
+    id: &'a UniqueId,
+    rank: usize,
+    nranks: usize,
+    blob: &'a [u8],
+    timeout: Duration,
+    addr: SocketAddr,
+    abort: &'a std::sync::atomic::AtomicBool,
+    start: Instant,
+}
+
+impl Join<'_> {
+    /// Connect, answer the root's challenge and read its reply.
+    fn attempt(&self) -> std::result::Result<Vec<Vec<u8>>, Attempt> {
+        use Attempt::Retry;
+        if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Attempt::Fail(self.aborted()));
+        }
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500))
+            .map_err(|e| Retry(e.to_string()))?;
+        let _ = s.set_nodelay(true);
+        // Short read timeouts: the abort flag is looked at between them.
+        let _ = s.set_read_timeout(Some(ABORT_POLL));
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        self.read(&mut s, &mut c, "its challenge")?;
+        let challenge = wire::parse_challenge(&c).ok_or_else(|| {
+            Retry(format!(
+                "what answers at {} is not a roccl bootstrap root",
+                self.addr
+            ))
+        })?;
+        let msg = wire::encode_reg(
+            self.id,
+            &challenge,
+            self.rank,
+            self.nranks,
+            self.blob,
+            self.timeout,
         )
-    })?;
-    let left = timeout.saturating_sub(start.elapsed()) + Duration::from_secs(5);
-    let until = Instant::now() + left;
-    // Short read timeouts: the abort flag is looked at between them.
-    let _ = s.set_read_timeout(Some(ABORT_POLL));
-    let rd = |s: &mut TcpStream, b: &mut [u8]| {
+        .map_err(Attempt::Fail)?;
+        s.write_all(&msg)
+            .map_err(|e| Retry(format!("sending the registration failed ({e})")))?;
+        let reg_tag = &msg[msg.len() - auth::TAG_BYTES..];
+        let mut head = [0u8; 5];
+        self.read(&mut s, &mut head, "its reply")?;
+        let n = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes")) as usize;
+        let most = if head[0] == wire::STATUS_TABLE {
+            self.nranks.saturating_mul(4 + wire::MAX_BLOB) + seal::SEAL_OVERHEAD
+        } else {
+            wire::MAX_ERROR
+        };
+        if n > most {
+            return Err(Attempt::Fail(
+                self.unauthentic(&format!("a reply of {n} bytes")),
+            ));
+        }
+        // Grown as the bytes arrive (a megabyte at a time): a root that announces more than
+        // it sends makes this rank wait out its timeout, not allocate what it announced.
+        let mut payload = Vec::new();
+        while payload.len() < n {
+            let at = payload.len();
+            payload.resize(at + (n - at).min(1 << 20), 0);
+            self.read(&mut s, &mut payload[at..], "its reply")?;
+        }
+        let mut tag = [0u8; auth::TAG_BYTES];
+        self.read(&mut s, &mut tag, "its reply")?;
+        let key = wire::reply_key(self.id);
+        let authentic = wire::reply_authentic(&key, reg_tag, &head, &payload, &tag);
+        self.answer(head[0], payload, authentic, reg_tag)
+    }
+
+    /// What the root's reply means.
+    fn answer(
+        &self,
+        status: u8,
+        payload: Vec<u8>,
+        authentic: bool,
+        reg_tag: &[u8],
+    ) -> std::result::Result<Vec<Vec<u8>>, Attempt> {
+        let (rank, addr) = (self.rank, self.addr);
+        if status != wire::STATUS_TABLE {
+            let text = String::from_utf8_lossy(&payload).into_owned();
+            return Err(Attempt::Fail(match (authentic, status) {
+                (false, _) => self.unauthentic(&format!("a refusal saying \"{text}\"")),
+                (true, wire::STATUS_TIMEOUT) => Error::Timeout(text),
+                (true, _) => Error::InvalidUsage(text),
+            }));
+        }
+        if !authentic {
+            return Err(Attempt::Fail(self.unauthentic("a table")));
+        }
+        let table = if self.id.encrypted() {
+            wire::table_key(self.id)
+                .open_random(reg_tag, &payload)
+                .ok_or_else(|| {
+                    Attempt::Fail(self.unauthentic("a sealed table that does not open"))
+                })?
+        } else {
+            payload
+        };
+        wire::parse_table(&table, self.nranks).ok_or_else(|| {
+            Attempt::Fail(Error::Internal(format!(
+                "rank {rank}: the reply of the bootstrap root at {addr} does not hold {} blobs",
+                self.nranks
+            )))
+        })
+    }
+
+    /// Fill `b` from `s`; a close or failure is worth another try, the deadline is not.
+    fn read(
+        &self,
+        s: &mut TcpStream,
+        b: &mut [u8],
+        what: &str,
+    ) -> std::result::Result<(), Attempt> {
+        let until = self.start + self.timeout + Duration::from_secs(5);
         let mut got = 0;
         while got < b.len() {
             match s.read(&mut b[got..]) {
                 Ok(0) => {
-                    return Err(Error::sys(
-                        format!("reading the bootstrap reply from {addr} (the root exited?)"),
-                        std::io::ErrorKind::UnexpectedEof.into(),
-                    ))
+                    return Err(Attempt::Retry(format!(
+                        "the root closed the connection before {what}"
+                    )))
                 }
                 Ok(n) => got += n,
                 Err(e)
@@ -1019,91 +632,38 @@ pub fn rendezvous_abortable(
                             | std::io::ErrorKind::Interrupted
                     ) =>
                 {
-                    if aborted() {
-                        return Err(abort_error());
+                    if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
+                        return Err(Attempt::Fail(self.aborted()));
                     }
                     if Instant::now() > until {
-                        return Err(Error::Timeout(format!(
-                            "rank {rank} waited {left:.0?} for the bootstrap root at {addr} to answer"
-                        )));
+                        return Err(Attempt::Fail(Error::Timeout(format!(
+                            "rank {} waited {:.0?} for the bootstrap root at {} to send {what}",
+                            self.rank,
+                            self.timeout + Duration::from_secs(5),
+                            self.addr
+                        ))));
                     }
                 }
-                Err(e) => {
-                    return Err(Error::sys(
-                        format!("reading the bootstrap reply from {addr} (the root exited?)"),
-                        e,
-                    ))
-                }
+                Err(e) => return Err(Attempt::Retry(format!("reading {what} failed ({e})"))),
             }
         }
         Ok(())
-    };
-    let mut st = [0u8; 1];
-    rd(&mut s, &mut st)?;
-    let mut len4 = [0u8; 4];
-    if st[0] != 0 {
-        rd(&mut s, &mut len4)?;
-        let mut m = vec![0u8; (u32::from_le_bytes(len4) as usize).min(MAX_BLOB)];
-        rd(&mut s, &mut m)?;
-        let text = String::from_utf8_lossy(&m).into_owned();
-        return Err(if text.contains("timed out") {
-            Error::Timeout(text)
-        } else {
-            Error::InvalidUsage(text)
-        });
     }
-    if id.encrypted() {
-        rd(&mut s, &mut len4)?;
-        let n = u32::from_le_bytes(len4) as usize;
-        if n > nranks.saturating_mul(4 + MAX_BLOB) + seal::SEAL_OVERHEAD {
-            return Err(Error::Internal(format!(
-                "the bootstrap root at {addr} announced a reply of {n} bytes, more than {nranks} ranks' blobs"
-            )));
-        }
-        // Grown as the bytes arrive (a megabyte at a time): a root that announces more than
-        // it sends makes this rank wait out its timeout, not allocate what it announced.
-        let mut sealed = Vec::new();
-        while sealed.len() < n {
-            let at = sealed.len();
-            sealed.resize(at + (n - at).min(1 << 20), 0);
-            rd(&mut s, &mut sealed[at..])?;
-        }
-        let tag = &msg[msg.len() - auth::TAG_BYTES..];
-        let table = table_key(id).open_random(tag, &sealed).ok_or_else(|| {
-            Error::InvalidUsage(format!(
-                "rank {rank}: the reply of the bootstrap root at {addr} does not open with this job's key (a stranger answering on the root's port?)"
-            ))
-        })?;
-        return parse_table(&table, nranks).ok_or_else(|| {
-            Error::Internal(format!(
-                "rank {rank}: the bootstrap root's reply does not hold {nranks} blobs"
-            ))
-        });
-    }
-    let mut out = Vec::with_capacity(nranks);
-    for _ in 0..nranks {
-        rd(&mut s, &mut len4)?;
-        let n = u32::from_le_bytes(len4) as usize;
-        if n > MAX_BLOB {
-            return Err(Error::Internal("bootstrap table entry too large".into()));
-        }
-        let mut b = vec![0u8; n];
-        rd(&mut s, &mut b)?;
-        out.push(b);
-    }
-    Ok(out)
-}
 
-/// The `nranks` blobs of a reply table (each a u32 LE length and its bytes, nothing after);
-/// `None` when it is not one.
-fn parse_table(mut t: &[u8], nranks: usize) -> Option<Vec<Vec<u8>>> {
-    let mut out = Vec::with_capacity(nranks);
-    for _ in 0..nranks {
-        let n = u32::from_le_bytes(t.get(..4)?.try_into().ok()?) as usize;
-        out.push(t.get(4..4 + n)?.to_vec());
-        t = &t[4 + n..];
+    fn aborted(&self) -> Error {
+        Error::InvalidUsage(format!(
+            "rank {}: initialization was aborted by the application while waiting for the bootstrap root",
+            self.rank
+        ))
     }
-    t.is_empty().then_some(out)
+
+    /// A reply this rank does not take: it is not authenticated by the job's key.
+    fn unauthentic(&self, what: &str) -> Error {
+        Error::InvalidUsage(format!(
+            "rank {}: the bootstrap root at {} answered with {what}, not authenticated by this job's key: the root has another id or secret (every rank must be given the same unique id, or the same ROCCL_JOB_SECRET and ROCCL_ENCRYPT), or a stranger answers on the root's port",
+            self.rank, self.addr
+        ))
+    }
 }
 
 /// An identity of this host: equal on two ranks iff they share a machine (hostname and
@@ -1184,53 +744,6 @@ mod tests {
     }
 
     #[test]
-    fn the_parser_takes_only_registrations_of_this_job() {
-        let id = UniqueId::new().unwrap();
-        let (key, nonce) = (reg_key(&id), id.nonce());
-        let reg = encode_reg(&id, 1, 3, b"blob", Duration::from_secs(2)).unwrap();
-        match parse_reg(&reg, nonce, &key) {
-            Parsed::Reg(r) => {
-                assert_eq!((r.rank, r.nranks, r.blob.as_slice()), (1, 3, &b"blob"[..]));
-                assert_eq!(r.timeout, Duration::from_secs(2));
-            }
-            p => panic!("{p:?}"),
-        }
-        for k in 0..reg.len() {
-            assert!(
-                matches!(parse_reg(&reg[..k], nonce, &key), Parsed::Need(_)),
-                "{k}"
-            );
-        }
-        for i in 0..reg.len() {
-            let mut b = reg.clone();
-            b[i] ^= 1;
-            assert!(!matches!(parse_reg(&b, nonce, &key), Parsed::Reg(_)), "{i}");
-        }
-        // Same root and nonce, another secret: refused, and told why.
-        let other =
-            UniqueId::from_parts(id.root().unwrap().0, nonce, Some([7; SECRET_BYTES]), false);
-        let forged = encode_reg(&other, 1, 3, b"blob", Duration::from_secs(2)).unwrap();
-        match parse_reg(&forged, nonce, &key) {
-            Parsed::Refused(why, true) => assert!(why.contains("not authenticated"), "{why}"),
-            p => panic!("{p:?}"),
-        }
-        assert!(matches!(
-            parse_reg(b"GET / HTTP/1.1", nonce, &key),
-            Parsed::Refused(_, false)
-        ));
-        match parse_reg(b"RBST", nonce, &key) {
-            Parsed::Refused(why, true) => assert!(why.contains("older roccl"), "{why}"),
-            p => panic!("{p:?}"),
-        }
-        let mut huge = reg[..REG_HDR].to_vec();
-        huge[20..24].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(
-            parse_reg(&huge, nonce, &key),
-            Parsed::Refused(_, false)
-        ));
-    }
-
-    #[test]
     fn rendezvous_exchanges_blobs() {
         let id = UniqueId::new().unwrap();
         let hs: Vec<_> = (0..3)
@@ -1254,12 +767,19 @@ mod tests {
         assert_eq!(UniqueId::from_bytes(id.as_bytes()).unwrap(), id);
         // The registration's blob is sealed: the marker is not on the wire.
         let marker = b"a listener's address and token";
-        let reg = encode_reg(&id, 1, 3, marker, Duration::from_secs(2)).unwrap();
+        let c = [1u8; wire::CHALLENGE_NONCE];
+        let reg = wire::encode_reg(&id, &c, 1, 3, marker, Duration::from_secs(2)).unwrap();
         assert!(!reg.windows(marker.len()).any(|w| w == marker));
-        match parse_reg(&reg, id.nonce(), &reg_key(&id)) {
-            Parsed::Reg(r) => {
+        let key = wire::reg_key(&id);
+        let x = wire::Expect {
+            nonce: id.nonce(),
+            key: &key,
+            challenge: &c,
+        };
+        match wire::parse_reg(&reg, &x) {
+            wire::Parsed::Reg(r) => {
                 assert!(r.sealed);
-                assert_eq!(open_blob(&id, &r).unwrap(), marker);
+                assert_eq!(wire::open_blob(&id, &r).unwrap(), marker);
             }
             p => panic!("{p:?}"),
         }
@@ -1298,11 +818,11 @@ mod tests {
             assert_eq!(t, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
         }
         assert_eq!(
-            parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0], 2),
+            wire::parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0], 2),
             Some(vec![vec![9], vec![]])
         );
-        assert_eq!(parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0, 7], 2), None);
-        assert_eq!(parse_table(&[5, 0, 0, 0, 9], 1), None);
+        assert_eq!(wire::parse_table(&[1, 0, 0, 0, 9, 0, 0, 0, 0, 7], 2), None);
+        assert_eq!(wire::parse_table(&[5, 0, 0, 0, 9], 1), None);
     }
 
     #[test]
