@@ -37,6 +37,13 @@ cargo test --release --workspace --features "$features" --test layers
 echo "== tests (ranks as threads and as processes; built with the verbs, hip and cuda features)"
 # Tests that need RDMA hardware or a GPU are skipped with a message; none are counted as passes.
 cargo test --release --workspace --features "$features" --lib --bins --tests -- --test-threads 2
+echo "== the failure tests again beside a busy core (yes > /dev/null): a slow rank is not a dead one, and blame must hold on a loaded machine"
+yes >/dev/null &
+busy=$!
+status=0
+cargo test --release --workspace --features "$features" --test failures -- --test-threads 2 || status=$?
+kill "$busy"
+[ "$status" -eq 0 ] || exit "$status"
 if [ -n "${ROCCL_TEST_IB_DEVICE:-}" ]; then
   echo "== hardware: the collective suite over the RoCE v2 NIC $ROCCL_TEST_IB_DEVICE"
   cargo test --release --features verbs --test verbs -- --ignored --test-threads 1

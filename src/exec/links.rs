@@ -615,11 +615,26 @@ impl Links {
                 ));
             }
             if self.aborted() {
-                return Err(self.failure(
-                    None,
-                    false,
-                    "another rank aborted while connections were being opened".into(),
-                ));
+                // Blamed while still waiting to connect with a peer: this rank is alive (a
+                // slow one on a loaded machine), so pass the blame on to that peer and tell
+                // everyone, as a rank blamed in a collective's wait does.
+                let me = self.rank;
+                let blamed_me = self.notices.iter().any(|n| n.1 == me);
+                let waiting_on = connecting
+                    .iter()
+                    .map(|x| x.0)
+                    .chain(hellos.iter().map(|x| x.0))
+                    .chain(awaited.iter().map(|x| x.0))
+                    .min();
+                let detail = "another rank aborted while connections were being opened";
+                return Err(match waiting_on.filter(|_| blamed_me) {
+                    Some(p) => self.failure(
+                        Some(p),
+                        true,
+                        format!("{detail}; this rank was connecting with rank {p}"),
+                    ),
+                    None => self.failure(None, false, detail.into()),
+                });
             }
             if w.idle(&fds).is_err() {
                 let mut who: Vec<usize> = connecting
