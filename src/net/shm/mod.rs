@@ -379,12 +379,19 @@ impl Net for ShmNet {
                 l,
                 pending: Vec::new(),
                 cma: self.cma,
+                strict: self.key.encrypting(),
             }),
         ))
     }
 
     fn set_job_key(&self, key: &crate::bootstrap::auth::JobKey) {
         self.key.set(key);
+    }
+
+    fn set_encryption(&self, on: bool) {
+        // Shared memory stays on the host and is not encrypted; an encrypted job's
+        // listeners refuse peers whose user they cannot tell (`peer_user_check`).
+        self.key.set_encryption(on);
     }
 
     fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
@@ -513,6 +520,32 @@ struct ShmListen {
     l: TcpListener,
     pending: Vec<Side>,
     cma: usize,
+    /// The job encrypts: a peer whose user cannot be told is refused, not let through on
+    /// its tag alone.
+    strict: bool,
+}
+
+/// Whether a connection whose peer runs as user `theirs` (`None`: this host cannot tell,
+/// `NETLINK_SOCK_DIAG` being unavailable) may go on to its tag check, in a job of user
+/// `uid`; `strict` (the job encrypts) refuses peers it cannot tell. Says once when it cannot
+/// tell and lets the tag decide.
+fn peer_user_check(theirs: Option<u32>, uid: u32, strict: bool) -> std::result::Result<(), String> {
+    match theirs {
+        Some(t) if t == uid => Ok(()),
+        Some(t) => Err(format!("a process of user {t}, not of this job's user {uid}")),
+        None if strict => Err(
+            "this host cannot tell which user the peer runs as (NETLINK_SOCK_DIAG unavailable) and the job encrypts: refused rather than trusted on its tag alone".into(),
+        ),
+        None => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                crate::warn!(
+                    "shared-memory setup listener: this host cannot tell which user a connecting process runs as (NETLINK_SOCK_DIAG unavailable: a container without it, or an old kernel); strangers are still refused by the job's tag, and an encrypted job (ROCCL_ENCRYPT=1) refuses such peers"
+                )
+            });
+            Ok(())
+        }
+    }
 }
 
 impl ListenComm for ShmListen {
@@ -524,19 +557,14 @@ impl ListenComm for ShmListen {
                     let me = s.local_addr().ok();
                     // SAFETY: geteuid has no preconditions.
                     let uid = unsafe { libc::geteuid() };
-                    if let Some(theirs) =
-                        me.and_then(|me| crate::os::process::loopback_peer_uid(me, from))
-                    {
-                        if theirs != uid {
-                            crate::bootstrap::auth::refuse(
-                                "shared-memory setup listener",
-                                Some(from.ip()),
-                                &format!(
-                                    "a process of user {theirs}, not of this job's user {uid}"
-                                ),
-                            );
-                            continue;
-                        }
+                    let theirs = me.and_then(|me| crate::os::process::loopback_peer_uid(me, from));
+                    if let Err(why) = peer_user_check(theirs, uid, self.strict) {
+                        crate::bootstrap::auth::refuse(
+                            "shared-memory setup listener",
+                            Some(from.ip()),
+                            &why,
+                        );
+                        continue;
                     }
                     let Ok(mut side) = Side::new(s) else {
                         continue;
@@ -1041,6 +1069,34 @@ mod tests {
             key: crate::net::NetKey::new(),
         };
         super::super::connect_pair(&net)
+    }
+
+    /// Where the host cannot tell the peer's user (no `NETLINK_SOCK_DIAG`), the check used to
+    /// pass every peer whatever the job; now an encrypted job refuses such peers, and the
+    /// others are let through to the tag check (said once).
+    #[test]
+    fn a_peer_whose_user_cannot_be_told_is_refused_in_an_encrypted_job() {
+        assert!(peer_user_check(Some(7), 7, true).is_ok());
+        assert!(peer_user_check(Some(8), 7, false)
+            .unwrap_err()
+            .contains("user 8"));
+        assert!(peer_user_check(None, 7, false).is_ok());
+        let e = peer_user_check(None, 7, true).unwrap_err();
+        assert!(
+            e.contains("NETLINK_SOCK_DIAG") && e.contains("encrypts"),
+            "{e}"
+        );
+        // An encrypted job's listeners are strict: the network keeps the job's setting.
+        let net = ShmNet {
+            stats: Arc::default(),
+            host: host_id(),
+            ring: 4096,
+            cma: 0,
+            key: crate::net::NetKey::new(),
+        };
+        assert!(!net.key.encrypting());
+        net.set_encryption(true);
+        assert!(net.key.encrypting());
     }
 
     /// A peer that knows the job's key but names a segment shorter than the ring it claims
