@@ -287,6 +287,11 @@ impl SeenTags {
         }
         true
     }
+
+    /// Whether `tag` was seen (without remembering it).
+    pub(crate) fn contains(&self, tag: &[u8]) -> bool {
+        <[u8; TAG_BYTES]>::try_from(tag).is_ok_and(|t| self.set.contains(&t))
+    }
 }
 
 /// The error of a network that cannot register GPU memory.

@@ -119,6 +119,7 @@ impl TcpNet {
                 sealed: self.key.encrypting(),
                 key,
                 seen: crate::net::SeenTags::new(),
+                done: crate::net::SeenTags::new(),
                 sock: s,
                 split: self.split,
                 local_sndbuf: self.local_sndbuf,
@@ -256,6 +257,35 @@ pub(super) struct Incoming {
     since: std::time::Instant,
 }
 
+/// A connection id as a key of [`crate::net::SeenTags`].
+fn id_bytes(id: u64) -> [u8; auth::TAG_BYTES] {
+    let mut b = [0u8; auth::TAG_BYTES];
+    b[..8].copy_from_slice(&id.to_le_bytes());
+    b
+}
+
+impl TcpListen {
+    /// Why the hello `h` reuses a connection id, if it does: the connection is complete
+    /// already, or the hello's count or direction differ from its connection's others, or
+    /// its socket is there already.
+    fn reused(&self, h: &Hello) -> Option<&'static str> {
+        if self.done.contains(&id_bytes(h.id)) {
+            return Some(
+                "a hello reusing the id of a connection made already (its keys would repeat)",
+            );
+        }
+        match self.groups.get(&h.id) {
+            Some(g) if g.1.len() != h.n || g.0 != h.duplex => {
+                Some("a hello whose socket count or direction differ from its connection's")
+            }
+            Some(g) if g.1[h.idx].is_some() => {
+                Some("a second hello for one socket of a connection")
+            }
+            _ => None,
+        }
+    }
+}
+
 pub(super) struct TcpListen {
     /// The key hellos are authenticated with.
     key: JobKey,
@@ -263,6 +293,8 @@ pub(super) struct TcpListen {
     sealed: bool,
     /// Tags of the hellos accepted (a replayed hello is refused).
     seen: crate::net::SeenTags,
+    /// Ids of the connections completed (an id is never taken twice).
+    done: crate::net::SeenTags,
     sock: Socket,
     /// Split threshold published in our handle; senders cut messages with it (both ways on
     /// a duplex connection).
@@ -360,6 +392,13 @@ impl ListenComm for TcpListen {
                 auth::refuse("tcp setup listener", inc.from, "a replayed hello");
                 continue;
             }
+            // A connection id names one connection: its keys and nonces derive from it, so a
+            // second connection under an id (even from a dialer with the key) would repeat
+            // them. Refused, as is a hello that does not fit its connection's others.
+            if let Some(why) = hello_shape(h).and_then(|x| self.reused(&x)) {
+                auth::refuse("tcp setup listener", inc.from, why);
+                continue;
+            }
             let Some(Hello {
                 id,
                 idx,
@@ -386,10 +425,9 @@ impl ListenComm for TcpListen {
                 .groups
                 .entry(id)
                 .or_insert_with(|| (duplex, (0..n).map(|_| None).collect()));
-            if g.1.len() == n && g.0 == duplex {
-                g.1[idx] = Some(inc.sock);
-            }
+            g.1[idx] = Some(inc.sock);
             if g.1.iter().all(Option::is_some) {
+                self.done.first(&id_bytes(id));
                 let socks: Vec<Arc<Socket>> = self
                     .groups
                     .remove(&id)

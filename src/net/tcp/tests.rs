@@ -586,3 +586,55 @@ fn a_handle_carries_the_hosts_other_addresses() {
     let b = encode_handle(&full, false, &[1; crate::net::TOKEN_BYTES]).unwrap();
     assert_eq!(decode_handle(&b).unwrap().others.len(), MAX_OTHER_ADDRS);
 }
+
+/// A dialer with the listener's key that makes a second connection under an id already
+/// used (with another socket count, so its hellos are not replays): before the fix the
+/// listener took it, and an encrypted connection's keys and nonces, which derive from the
+/// id, repeated. Now every hello under a used id is refused.
+#[test]
+fn a_connection_id_is_never_taken_twice() {
+    use std::io::Write;
+    let n = sealed(1, false);
+    let (h, mut l) = n.listen(0).unwrap();
+    let token = &h.as_bytes()[HANDLE_TOKEN..HANDLE_TOKEN + crate::net::TOKEN_BYTES];
+    let key = n.key.for_token("tcp", token);
+    let at = decode_handle(&h).unwrap().reachable();
+    let hello = |id: u64, idx: u16, count: u16| {
+        let mut b = [0u8; HELLO];
+        b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+        b[4..12].copy_from_slice(&id.to_le_bytes());
+        b[12..14].copy_from_slice(&idx.to_le_bytes());
+        b[14..16].copy_from_slice(&(count | HELLO_SEALED).to_le_bytes());
+        let tag = key.tag(&[&b[..HDR]]);
+        b[HDR..].copy_from_slice(&tag);
+        b
+    };
+    let send = |b: [u8; HELLO]| {
+        let mut s = std::net::TcpStream::connect(at).unwrap();
+        s.write_all(&b).unwrap();
+        s
+    };
+    let accept = |l: &mut Box<dyn ListenComm>| {
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        while std::time::Instant::now() < until {
+            if let Some(c) = l.accept().unwrap() {
+                return Some(c);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        None
+    };
+    let _first = send(hello(5, 0, 1));
+    assert!(accept(&mut l).is_some(), "the first connection under id 5");
+    let _again = [send(hello(5, 0, 2)), send(hello(5, 1, 2))];
+    assert!(
+        accept(&mut l).is_none(),
+        "a second connection under id 5 was taken"
+    );
+    // Within one connection: a socket's hello twice, or a count that differs, is refused
+    // too, and the connection completes with the right ones.
+    let _b = [send(hello(6, 0, 2)), send(hello(6, 0, 3))];
+    assert!(accept(&mut l).is_none());
+    let _c = send(hello(6, 1, 2));
+    assert!(accept(&mut l).is_some(), "id 6 with its own two sockets");
+}
