@@ -447,7 +447,13 @@ impl Device for CudaDevice {
         Ok(status != 0)
     }
 
-    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+    unsafe fn copy_async(
+        &self,
+        stream: StreamId,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()> {
         // SAFETY: the caller keeps both ranges valid until the stream has passed the copy
         // (unified addressing: the driver infers the direction).
         check(self.api, "cuMemcpyAsync", unsafe {

@@ -465,7 +465,13 @@ impl Device for HipDevice {
         Ok(status != 0)
     }
 
-    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+    unsafe fn copy_async(
+        &self,
+        stream: StreamId,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()> {
         // SAFETY: the caller keeps both ranges valid until the stream has passed the copy.
         check("hipMemcpyAsync", unsafe {
             hipMemcpyAsync(

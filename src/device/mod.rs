@@ -148,7 +148,18 @@ pub trait Device: Send + Sync {
     fn flags(&self, n: usize) -> Result<FlagSlab>;
     /// Enqueue on `stream` a copy of `bytes` bytes from `src` to `dst` (host or device
     /// memory, either way).
-    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()>;
+    ///
+    /// # Safety
+    /// `src..src+bytes` must be readable and `dst..dst+bytes` writable memory (host, or of
+    /// this device) until the copy has run on `stream`, and nothing else may write `dst`
+    /// meanwhile: the device writes through the address as given.
+    unsafe fn copy_async(
+        &self,
+        stream: StreamId,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()>;
     /// Page-locked host memory of at least `bytes` bytes, to stage device memory the CPU
     /// cannot access.
     fn alloc_staging(&self, bytes: usize) -> Result<Arc<dyn Alloc>>;
@@ -362,12 +373,18 @@ pub const fn runtimes_built() -> &'static [&'static str] {
 /// Copy `bytes` bytes from `src` to `dst` (device or host memory) on the device, on
 /// roccl's own non-blocking stream, and wait for it: a copy inside a GPU-direct operation
 /// (the root's own block of a broadcast, a rank's own block of an all-gather).
-pub fn copy_now(dev: &Arc<dyn Device>, dst: usize, src: usize, bytes: usize) -> Result<()> {
+///
+/// # Safety
+/// As [`Device::copy_async`]: `src..src+bytes` readable, `dst..dst+bytes` writable and
+/// written by nothing else until this returns.
+pub unsafe fn copy_now(dev: &Arc<dyn Device>, dst: usize, src: usize, bytes: usize) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
     dev.bind_thread()?;
     let s = dev.copy_stream()?;
-    dev.copy_async(s, dst, src, bytes)?;
+    // SAFETY: the caller vouches for both ranges until this returns, and it waits for the
+    // copy below.
+    unsafe { dev.copy_async(s, dst, src, bytes)? };
     dev.synchronize(s)
 }

@@ -521,7 +521,13 @@ impl Device for SimDevice {
             ))
     }
 
-    fn copy_async(&self, stream: StreamId, dst: usize, src: usize, bytes: usize) -> Result<()> {
+    unsafe fn copy_async(
+        &self,
+        stream: StreamId,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    ) -> Result<()> {
         // One end may be ordinary host memory of the process (pageable memory, which real
         // runtimes copy too: a network's bounce buffers), never both.
         let (d, s) = (self.find(dst, bytes), self.find(src, bytes));

@@ -529,8 +529,10 @@ impl<'a> Exec<'a> {
         // Messages small enough to go eagerly pass through the network's host buffers: the
         // GPU copies them there or out of them.
         let copy_dev = Arc::clone(&dev);
+        // SAFETY (of the calls the network makes): it copies only between this request's
+        // buffer, valid for the call, and its own staging or bounce buffers.
         let copy: crate::net::DeviceCopy =
-            Arc::new(move |d, s, n| crate::device::copy_now(&copy_dev, d, s, n));
+            Arc::new(move |d, s, n| unsafe { crate::device::copy_now(&copy_dev, d, s, n) });
         let mr = if send {
             let c = self.links.send_comm(peer, ch)?;
             c.set_device_copy(copy);
@@ -1040,7 +1042,9 @@ impl<'a> Exec<'a> {
             if Self::overlaps(d, s) {
                 return Err(Error::Internal("overlapping copy in GPU memory".into()));
             }
-            return crate::device::copy_now(dev, d.0, s.0, d.1);
+            // SAFETY: both ranges lie in the call's borrowed buffers (`slices`) and are free
+            // of requests; they do not overlap (checked above).
+            return unsafe { crate::device::copy_now(dev, d.0, s.0, d.1) };
         }
         if Self::overlaps(d, s) {
             // SAFETY: both ranges lie in borrowed buffers and are free of requests (slices);

@@ -54,7 +54,12 @@ pub fn cma_read(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> 
 }
 
 /// Copy `local` to `remote` in process `pid` (process_vm_writev).
-pub fn cma_write(pid: i32, remote: u64, local: &[u8]) -> std::io::Result<()> {
+///
+/// # Safety
+/// `remote..remote+local.len()` must be memory of process `pid` that it lets this process
+/// write (a receive buffer it published) and does not use meanwhile: the kernel checks only
+/// that the range is mapped there.
+pub unsafe fn cma_write(pid: i32, remote: u64, local: &[u8]) -> std::io::Result<()> {
     // The kernel only reads through the local pointer when writing to the other process.
     cma_copy(pid, remote, local.as_ptr().cast_mut(), local.len(), true)
 }

@@ -51,8 +51,8 @@ fn captured_collectives_replay_with_each_replays_inputs() {
                 let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
                 sim.begin_capture(stream).unwrap();
                 // Producer: the input buffer into the all-reduce's send buffer.
-                sim.copy_async(stream, send.addr(), inp.addr(), 4 * n)
-                    .unwrap();
+                // SAFETY: device buffers of 4n bytes, alive as long as the graph.
+                unsafe { sim.copy_async(stream, send.addr(), inp.addr(), 4 * n) }.unwrap();
                 // SAFETY: device buffers of 4n bytes, alive as long as the graph.
                 let rc = unsafe { rocclAllReduce(ptr(&send), ptr(&recv), n, FLOAT, SUM, comm, sp) };
                 assert_eq!(rc, 0, "capturing an all-reduce");

@@ -623,7 +623,10 @@ impl Node {
                 ),
             });
         }
-        cma_write(self.cma_pids[r] as i32, addr + off as u64, data)
+        // SAFETY: `addr..addr+total` is the output rank `r` published for this call (checked
+        // above to hold `off + data.len()`), which it does not touch until it sees this
+        // rank's write counted.
+        unsafe { cma_write(self.cma_pids[r] as i32, addr + off as u64, data) }
             .map_err(|e| self.cma_error(r, "process_vm_writev", e))
     }
 

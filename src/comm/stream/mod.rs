@@ -328,14 +328,20 @@ pub fn enqueue_steps(
         for (i, &s) in distinct.iter().enumerate() {
             for (k, step) in steps.iter().enumerate() {
                 for c in step.before.iter().filter(|c| c.stream == s) {
-                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                    // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+                    // for them when it enqueued the call) and staging buffers kept in `bufs` until
+                    // the copies have run.
+                    unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
                 }
                 signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
             }
             for (k, step) in steps.iter().enumerate() {
                 dev.stream_wait(s, &done(k), taken[k].1)?;
                 for c in step.after.iter().filter(|c| c.stream == s) {
-                    dev.copy_async(s, c.dst, c.src, c.bytes)?;
+                    // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+                    // for them when it enqueued the call) and staging buffers kept in `bufs` until
+                    // the copies have run.
+                    unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
                 }
             }
             if !bufs.is_empty() {
@@ -469,7 +475,10 @@ fn capture(
         dev.stream_write(stream, d, 0)?;
     }
     for c in steps.iter().flat_map(|s| &s.before) {
-        dev.copy_async(stream, c.dst, c.src, c.bytes)?;
+        // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+        // for them when it enqueued the call) and staging buffers kept in `bufs` until
+        // the copies have run.
+        unsafe { dev.copy_async(stream, c.dst, c.src, c.bytes)? };
     }
     let after: Vec<StreamCopy> = steps.iter().flat_map(|s| s.after.clone()).collect();
     let node = Captured {
@@ -482,7 +491,10 @@ fn capture(
         dev.stream_wait(stream, d, 1)?;
     }
     for c in after {
-        dev.copy_async(stream, c.dst, c.src, c.bytes)?;
+        // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+        // for them when it enqueued the call) and staging buffers kept in `bufs` until
+        // the copies have run.
+        unsafe { dev.copy_async(stream, c.dst, c.src, c.bytes)? };
     }
     Ok(())
 }
@@ -508,7 +520,10 @@ fn run_synchronously(
             .flat_map(|step| &step.before)
             .filter(|c| c.stream == s)
         {
-            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+            // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+            // for them when it enqueued the call) and staging buffers kept in `bufs` until
+            // the copies have run.
+            unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
         }
     }
     for &s in streams {
@@ -551,7 +566,10 @@ fn run_synchronously(
     }
     for &s in streams {
         for c in after.iter().filter(|c| c.stream == s) {
-            dev.copy_async(s, c.dst, c.src, c.bytes)?;
+            // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+            // for them when it enqueued the call) and staging buffers kept in `bufs` until
+            // the copies have run.
+            unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
         }
     }
     if !bufs.is_empty() {

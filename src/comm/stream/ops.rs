@@ -161,7 +161,9 @@ unsafe fn premul_value(p: Premul, dt: DataType, dev: Option<&Arc<dyn Device>>) -
     if let Some(dev) = dev.filter(|d| d.classify(addr).is_ok_and(|i| !i.host_accessible)) {
         let staged = dev.alloc_staging(n)?;
         let s = dev.copy_stream()?;
-        dev.copy_async(s, staged.addr(), addr, n)?;
+        // SAFETY: `addr` is valid for `n` bytes (this function's contract); the staging buffer
+        // holds `n` bytes and lives until after the synchronize below.
+        unsafe { dev.copy_async(s, staged.addr(), addr, n)? };
         dev.synchronize(s)?;
         // SAFETY: the copy into the staging buffer (host memory of at least `n` bytes) is done.
         unsafe { std::ptr::copy_nonoverlapping(staged.addr() as *const u8, v.as_mut_ptr(), n) };
@@ -630,7 +632,9 @@ pub fn upload(dev: &Arc<dyn Device>, stream: StreamId, dst: &dyn Alloc, data: &[
     // SAFETY: the staging buffer is host memory of at least `data.len()` bytes that nothing
     // else uses until the copy below has run.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), staged.addr() as *mut u8, data.len()) };
-    dev.copy_async(stream, dst.addr(), staged.addr(), data.len())?;
+    // SAFETY: `dst` is an allocation of at least `data.len()` bytes (checked above) and the
+    // staging buffer holds them; both live until after the synchronize below.
+    unsafe { dev.copy_async(stream, dst.addr(), staged.addr(), data.len())? };
     dev.synchronize(stream)
 }
 
@@ -653,7 +657,9 @@ pub fn download(
         return Ok(out);
     }
     let staged = dev.alloc_staging(len)?;
-    dev.copy_async(stream, staged.addr(), src.addr(), len)?;
+    // SAFETY: `src` is an allocation of at least `len` bytes (checked above) and the staging
+    // buffer holds them; both live until after the synchronize below.
+    unsafe { dev.copy_async(stream, staged.addr(), src.addr(), len)? };
     dev.synchronize(stream)?;
     // SAFETY: the stream has finished the copy into the staging buffer (synchronize), which
     // holds at least `len` bytes.

@@ -19,10 +19,12 @@ pub(super) fn send_raw(fd: i32, b: &[u8]) -> io::Result<usize> {
     }
 }
 
-/// `recv` into raw memory. The caller guarantees `ptr..ptr+len` is writable.
-pub(super) fn recv_raw(fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
-    // SAFETY: callers pass memory they own for writing (a local buffer, or a posted receive
-    // buffer whose validity the `irecv` contract guarantees until the request completes).
+/// `recv` into raw memory.
+///
+/// # Safety
+/// `ptr..ptr+len` must be writable memory that nothing else uses during the call.
+pub(super) unsafe fn recv_raw(fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    // SAFETY: the caller vouches for `ptr..ptr+len` (this function's contract).
     let r = unsafe { libc::recv(fd, ptr.cast(), len, 0) };
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -32,7 +34,10 @@ pub(super) fn recv_raw(fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
 }
 
 /// `sendmsg` of two pieces (header remainder + payload) without SIGPIPE.
-pub(super) fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
+///
+/// # Safety
+/// `b_ptr..b_ptr+b_len` must be readable memory for the duration of the call.
+pub(super) unsafe fn send2(fd: i32, a: &[u8], b_ptr: usize, b_len: usize) -> io::Result<usize> {
     let mut iov = [libc::iovec {
         iov_base: std::ptr::null_mut(),
         iov_len: 0,

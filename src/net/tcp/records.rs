@@ -131,8 +131,11 @@ impl Sealer {
     /// Send the start of `a` then `b_len` bytes at `b_ptr` as (at most) one record: the
     /// number of plaintext bytes taken, all of whose record is in the kernel; `WouldBlock`
     /// while a record is part-written, after which the caller offers the same bytes again.
-    /// The caller guarantees `b_ptr..b_ptr+b_len` is readable (a posted send buffer).
-    pub(super) fn send2(
+    ///
+    /// # Safety
+    /// `b_ptr..b_ptr+b_len` must be readable memory for the duration of the call (a posted
+    /// send buffer).
+    pub(super) unsafe fn send2(
         &mut self,
         fd: i32,
         a: &[u8],
@@ -205,10 +208,13 @@ impl Opener {
         }
     }
 
-    /// Like `recv(2)` into `ptr..ptr+len` (which the caller guarantees is writable): up to
-    /// `len` bytes of plaintext, 0 at the end of the peer's stream, `WouldBlock` when no
-    /// whole record has arrived, and `InvalidData` for a record that does not authenticate.
-    pub(super) fn recv(&mut self, fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    /// Like `recv(2)` into `ptr..ptr+len`: up to `len` bytes of plaintext, 0 at the end of
+    /// the peer's stream, `WouldBlock` when no whole record has arrived, and `InvalidData`
+    /// for a record that does not authenticate.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be writable memory that nothing else uses during the call.
+    pub(super) unsafe fn recv(&mut self, fd: i32, ptr: *mut u8, len: usize) -> io::Result<usize> {
         if len == 0 {
             return Ok(0);
         }
@@ -237,7 +243,8 @@ impl Opener {
                 self.lo = 0;
             }
             let room = self.buf.len() - self.hi;
-            match recv_raw(fd, self.buf[self.hi..].as_mut_ptr(), room) {
+            // SAFETY: the free end of this opener's own record buffer.
+            match unsafe { recv_raw(fd, self.buf[self.hi..].as_mut_ptr(), room) } {
                 Ok(0) => return Ok(0),
                 Ok(n) => self.hi += n,
                 Err(e) => return Err(e),
@@ -296,6 +303,19 @@ mod tests {
         (a, b)
     }
 
+    /// [`Sealer::send2`] of `a` then `b`.
+    fn send(s: &mut Sealer, fd: i32, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        // SAFETY: `b` is a live slice for the whole call.
+        unsafe { s.send2(fd, a, b.as_ptr() as usize, b.len()) }
+    }
+
+    /// [`Opener::recv`] into the first `len` bytes of `out`.
+    fn recv(o: &mut Opener, fd: i32, out: &mut [u8], len: usize) -> io::Result<usize> {
+        let len = len.min(out.len());
+        // SAFETY: `out[..len]` is a live, exclusively borrowed slice.
+        unsafe { o.recv(fd, out.as_mut_ptr(), len) }
+    }
+
     fn keys() -> (ConnKeys, ConnKeys) {
         let l = JobKey::from_secret(&[3; 16], b"listener");
         (ConnKeys::new(&l, 42, true), ConnKeys::new(&l, 42, false))
@@ -314,13 +334,13 @@ mod tests {
                 let end = (sent + piece).min(msg.len());
                 let hdr = &msg[sent..(sent + 3).min(end)];
                 let rest = &msg[sent + hdr.len()..end];
-                match s.send2(a.as_raw_fd(), hdr, rest.as_ptr() as usize, rest.len()) {
+                match send(&mut s, a.as_raw_fd(), hdr, rest) {
                     Ok(n) => sent += n,
                     Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
                 }
             }
             let want = take.min(msg.len() - got);
-            match o.recv(b.as_raw_fd(), out[got..].as_mut_ptr(), want) {
+            match recv(&mut o, b.as_raw_fd(), &mut out[got..], want) {
                 Ok(n) => {
                     assert!(n > 0);
                     got += n;
@@ -350,9 +370,13 @@ mod tests {
         let (dial, listen) = keys();
         let mut s = dial.sealers(&[0]).pop().unwrap();
         let secret = b"the weights of layer 7 are secret";
-        assert_eq!(s.send2(a.as_raw_fd(), secret, 0, 0).unwrap(), secret.len());
+        assert_eq!(
+            send(&mut s, a.as_raw_fd(), secret, &[]).unwrap(),
+            secret.len()
+        );
         let mut wire = vec![0u8; 256];
-        let n = recv_raw(b.as_raw_fd(), wire.as_mut_ptr(), wire.len()).unwrap();
+        // SAFETY: `wire` is a live, exclusively borrowed buffer of this length.
+        let n = unsafe { recv_raw(b.as_raw_fd(), wire.as_mut_ptr(), wire.len()) }.unwrap();
         assert_eq!(n, LEN + secret.len() + SEAL_TAG);
         assert!(!wire[..n].windows(6).any(|w| w == b"layer "));
         for flip in [0, LEN + 3, n - 1] {
@@ -362,7 +386,7 @@ mod tests {
             send_raw(c.as_raw_fd(), &w).unwrap();
             let mut o = listen.openers(&[0]).pop().unwrap();
             let mut out = [0u8; 64];
-            let e = o.recv(d.as_raw_fd(), out.as_mut_ptr(), 64).unwrap_err();
+            let e = recv(&mut o, d.as_raw_fd(), &mut out, 64).unwrap_err();
             assert!(
                 matches!(
                     e.kind(),
@@ -377,7 +401,7 @@ mod tests {
             send_raw(c.as_raw_fd(), &wire[..n]).unwrap();
             let mut o = keys.openers(&[socket]).pop().unwrap();
             let mut out = [0u8; 64];
-            let e = o.recv(d.as_raw_fd(), out.as_mut_ptr(), 64).unwrap_err();
+            let e = recv(&mut o, d.as_raw_fd(), &mut out, 64).unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         }
         // A replayed record (the same bytes again) does not open: the nonce moved on.
@@ -387,11 +411,11 @@ mod tests {
         let mut o = listen.openers(&[0]).pop().unwrap();
         let mut out = [0u8; 64];
         assert_eq!(
-            o.recv(d.as_raw_fd(), out.as_mut_ptr(), 64).unwrap(),
+            recv(&mut o, d.as_raw_fd(), &mut out, 64).unwrap(),
             secret.len()
         );
         assert_eq!(&out[..secret.len()], secret);
-        let e = o.recv(d.as_raw_fd(), out.as_mut_ptr(), 64).unwrap_err();
+        let e = recv(&mut o, d.as_raw_fd(), &mut out, 64).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
     }
 }

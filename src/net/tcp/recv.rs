@@ -85,10 +85,22 @@ pub(super) struct TcpRecvComm {
 }
 
 /// `recv` on socket `j`, through its opener on an encrypted connection.
-fn read(open: &mut [Opener], fds: &[i32], j: usize, ptr: *mut u8, len: usize) -> io::Result<usize> {
-    match open.get_mut(j) {
-        Some(o) => o.recv(fds[j], ptr, len),
-        None => recv_raw(fds[j], ptr, len),
+///
+/// # Safety
+/// `ptr..ptr+len` must be writable memory that nothing else uses during the call.
+unsafe fn read(
+    open: &mut [Opener],
+    fds: &[i32],
+    j: usize,
+    ptr: *mut u8,
+    len: usize,
+) -> io::Result<usize> {
+    // SAFETY: the caller vouches for `ptr..ptr+len` (this function's contract).
+    unsafe {
+        match open.get_mut(j) {
+            Some(o) => o.recv(fds[j], ptr, len),
+            None => recv_raw(fds[j], ptr, len),
+        }
     }
 }
 
@@ -165,7 +177,8 @@ impl TcpRecvComm {
         }
         let free = RXBUF - self.rx_end;
         let ptr = self.rx[self.rx_end..].as_mut_ptr();
-        match read(&mut self.open, &self.fds, 0, ptr, free) {
+        // SAFETY: `ptr..ptr+free` is the free end of this comm's own receive buffer.
+        match unsafe { read(&mut self.open, &self.fds, 0, ptr, free) } {
             Ok(0) => Ok(None),
             Ok(n) => {
                 self.rx_end += n;
@@ -228,7 +241,8 @@ impl TcpRecvComm {
                 }
                 if sock == 1 && self.hdr1_got < HDR && !self.hdr1_end {
                     let at = self.hdr1[self.hdr1_got..].as_mut_ptr();
-                    match read(&mut self.open, &self.fds, 1, at, HDR - self.hdr1_got) {
+                    // SAFETY: `at..` is the unread rest of this comm's own header buffer.
+                    match unsafe { read(&mut self.open, &self.fds, 1, at, HDR - self.hdr1_got) } {
                         Ok(0) if self.hdr1_got == 0 => self.hdr1_end = true,
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => {
@@ -352,7 +366,9 @@ impl TcpRecvComm {
                     let slot = &mut self.slots[index];
                     let want = (e - s) - slot.off[1];
                     let dst = slot.dst + s + slot.off[1];
-                    match read(&mut self.open, &self.fds, 1, dst as *mut u8, want) {
+                    // SAFETY: `dst..dst+want` lies in a posted receive buffer, which `irecv`'s
+                    // caller keeps valid and unused until the request completes.
+                    match unsafe { read(&mut self.open, &self.fds, 1, dst as *mut u8, want) } {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[1] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
@@ -388,7 +404,9 @@ impl TcpRecvComm {
                     self.rx_start += k;
                     slot.off[0] += k;
                 } else if want >= RX_DIRECT {
-                    match read(&mut self.open, &self.fds, 0, dst as *mut u8, want) {
+                    // SAFETY: `dst..dst+want` lies in a posted receive buffer, which `irecv`'s
+                    // caller keeps valid and unused until the request completes.
+                    match unsafe { read(&mut self.open, &self.fds, 0, dst as *mut u8, want) } {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[0] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'sock0,
@@ -420,7 +438,9 @@ impl TcpRecvComm {
                 let want = (e - s) - slot.off[j];
                 if want > 0 {
                     let dst = slot.dst + s + slot.off[j];
-                    match read(&mut self.open, &self.fds, j, dst as *mut u8, want) {
+                    // SAFETY: `dst..dst+want` lies in a posted receive buffer, which `irecv`'s
+                    // caller keeps valid and unused until the request completes.
+                    match unsafe { read(&mut self.open, &self.fds, j, dst as *mut u8, want) } {
                         Ok(0) => return Err(self.eof()),
                         Ok(k) => slot.off[j] += k,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

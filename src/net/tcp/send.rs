@@ -100,9 +100,13 @@ impl TcpSendComm {
                     } else {
                         (&[][..], m.addr + s + (o - hdr), total - o)
                     };
-                    let r = match self.seal.get_mut(j) {
-                        Some(sealer) => sealer.send2(self.fds[j], a, b_ptr, b_len),
-                        None => send2(self.fds[j], a, b_ptr, b_len),
+                    // SAFETY: `b_ptr..b_ptr+b_len` lies in a posted send buffer, which
+                    // `isend`'s caller keeps valid until the request completes.
+                    let r = unsafe {
+                        match self.seal.get_mut(j) {
+                            Some(sealer) => sealer.send2(self.fds[j], a, b_ptr, b_len),
+                            None => send2(self.fds[j], a, b_ptr, b_len),
+                        }
                     };
                     match r {
                         Ok(w) => {

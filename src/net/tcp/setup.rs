@@ -333,11 +333,14 @@ impl ListenComm for TcpListen {
             let inc = &mut self.pending[i];
             let mut drop_it = false;
             while inc.got < HELLO {
-                match recv_raw(
-                    inc.sock.as_raw_fd(),
-                    inc.hello[inc.got..].as_mut_ptr(),
-                    HELLO - inc.got,
-                ) {
+                // SAFETY: the unread rest of this connection's own hello buffer.
+                match unsafe {
+                    recv_raw(
+                        inc.sock.as_raw_fd(),
+                        inc.hello[inc.got..].as_mut_ptr(),
+                        HELLO - inc.got,
+                    )
+                } {
                     Ok(0) => {
                         drop_it = true; // connection closed before hello: ignore it
                         break;
