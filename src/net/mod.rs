@@ -200,6 +200,32 @@ pub trait Net: Send + Sync {
 /// idle and half-sent connections are dropped after it.
 pub(crate) const SETUP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Most connections a setup listener keeps that have not proved they belong to the job; a
+/// new one past it replaces the oldest (a rank's connection, which proves itself within
+/// milliseconds, is never the oldest for long), so strangers by the thousand cost a listener
+/// a bounded number of sockets and buffers and never stop it accepting.
+pub(crate) const MAX_STRANGERS: usize = 256;
+
+/// Where a listener keeps connections that have not proved themselves: with
+/// [`MAX_STRANGERS`] of them (those `unproved` says are) pending, the index of the oldest
+/// (by `born`), to drop for a new one.
+pub(crate) fn oldest_stranger<T>(
+    pending: &[T],
+    unproved: impl Fn(&T) -> bool,
+    born: impl Fn(&T) -> std::time::Instant,
+) -> Option<usize> {
+    let strangers = pending.iter().filter(|p| unproved(p)).count();
+    if strangers < MAX_STRANGERS {
+        return None;
+    }
+    pending
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| unproved(p))
+        .min_by_key(|(_, p)| born(p))
+        .map(|(i, _)| i)
+}
+
 /// The job key a network authenticates its connections with ([`Net::set_job_key`]), and the
 /// keys of its listeners: HMAC-SHA256 of the job key over the network's name and the
 /// listener's token, a random 128-bit value published in the listener's handle.
@@ -634,6 +660,11 @@ impl Side {
     /// Whether [`SETUP_DEADLINE`] has passed since the side was made.
     pub(crate) fn overdue(&self) -> bool {
         self.born.elapsed() > SETUP_DEADLINE
+    }
+
+    /// When it was made.
+    pub(crate) fn born(&self) -> std::time::Instant {
+        self.born
     }
 
     /// The peer's IP address, for the log of a refused stranger.

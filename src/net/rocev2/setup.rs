@@ -700,6 +700,18 @@ impl ListenComm for RoceListen {
                         continue; // a socket already gone: drop it
                     };
                     side.expect(INFO + TAG);
+                    if let Some(old) = crate::net::oldest_stranger(
+                        &self.pending,
+                        |p| p.accepted.is_none(),
+                        |p| p.side.born(),
+                    ) {
+                        let old = self.pending.swap_remove(old);
+                        auth::refuse(
+                            "RoCE v2 setup listener",
+                            old.side.peer_ip(),
+                            "too many connections without a setup message: the oldest is dropped for a new one",
+                        );
+                    }
                     self.pending.push(Accepting {
                         side,
                         accepted: None,

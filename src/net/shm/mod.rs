@@ -570,6 +570,16 @@ impl ListenComm for ShmListen {
                         continue;
                     };
                     side.expect(NAME_MSG + TAG);
+                    if let Some(old) =
+                        crate::net::oldest_stranger(&self.pending, |_| true, Side::born)
+                    {
+                        let old = self.pending.swap_remove(old);
+                        crate::bootstrap::auth::refuse(
+                            "shared-memory setup listener",
+                            old.peer_ip(),
+                            "too many connections without a name message: the oldest is dropped for a new one",
+                        );
+                    }
                     self.pending.push(side);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,

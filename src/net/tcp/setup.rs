@@ -257,6 +257,17 @@ pub(super) struct Incoming {
     since: std::time::Instant,
 }
 
+/// Say once per process that a listener could not accept (the call goes on: its own
+/// connections are made or time out as usual).
+fn listener_trouble(what: &str, e: &io::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        crate::warn!(
+            "{what}: accept() failed ({e}); going on (out of file descriptors? raise `ulimit -n`)"
+        )
+    });
+}
+
 /// A connection id as a key of [`crate::net::SeenTags`].
 fn id_bytes(id: u64) -> [u8; auth::TAG_BYTES] {
     let mut b = [0u8; auth::TAG_BYTES];
@@ -315,6 +326,16 @@ impl ListenComm for TcpListen {
                     if tune(&s).is_err() {
                         continue; // a socket already reset by its peer: drop it
                     }
+                    if let Some(old) =
+                        crate::net::oldest_stranger(&self.pending, |_| true, |p| p.since)
+                    {
+                        let old = self.pending.swap_remove(old);
+                        auth::refuse(
+                            "tcp setup listener",
+                            old.from,
+                            "too many connections without a hello: the oldest is dropped for a new one",
+                        );
+                    }
                     self.pending.push(Incoming {
                         sock: s,
                         from: from.as_socket().map(|a| a.ip()),
@@ -325,7 +346,12 @@ impl ListenComm for TcpListen {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::sys("accept() on the TCP listener", e)),
+                // Out of descriptors (EMFILE, ENFILE), a connection aborted before accept:
+                // the listener's trouble, not the call's; try again at the next call.
+                Err(e) => {
+                    listener_trouble("tcp setup listener", &e);
+                    break;
+                }
             }
         }
         let mut i = 0;

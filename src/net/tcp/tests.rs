@@ -638,3 +638,33 @@ fn a_connection_id_is_never_taken_twice() {
     let _c = send(hello(6, 1, 2));
     assert!(accept(&mut l).is_some(), "id 6 with its own two sockets");
 }
+
+/// Idle connections by the hundred at a setup listener: before the fix it kept every one
+/// (a socket and a buffer each) until its 10 s deadline; now past `MAX_STRANGERS` the oldest
+/// gives way at once, and the job's own connection is still accepted.
+#[test]
+fn idle_strangers_at_a_listener_are_bounded() {
+    let n = net(1);
+    let (h, mut l) = n.listen(0).unwrap();
+    let at = decode_handle(&h).unwrap().reachable();
+    let before = crate::bootstrap::auth::refused();
+    let extra = 150;
+    let idle: Vec<_> = (0..crate::net::MAX_STRANGERS + extra)
+        .map(|_| std::net::TcpStream::connect(at).unwrap())
+        .collect();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while crate::bootstrap::auth::refused() - before < extra as u64
+        && std::time::Instant::now() < until
+    {
+        assert!(l.accept().unwrap().is_none());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        crate::bootstrap::auth::refused() - before >= extra as u64,
+        "{} idle connections kept",
+        idle.len()
+    );
+    let (mut s, mut r) = dial(&n, &h, &mut l, false);
+    exchange(&mut *s, &mut *r, &[64, 100_000], 3, 0);
+    drop(idle);
+}
