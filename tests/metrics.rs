@@ -167,6 +167,34 @@ fn metrics_count_what_jobs_do_and_status_names_whom_a_call_waits_on() {
         c.barrier().unwrap();
     });
 
+    // 1b. Idle connections by the hundred at the endpoint: before, each took a thread of
+    // the process (tiny_http) and kept it; now one thread serves at most 16 connections,
+    // the oldest giving way, and a scrape still gets its answer.
+    let addr = roccl::metrics::http::address().unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    let threads = || {
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("Threads:")
+                    .map(|v| v.trim().parse::<usize>().unwrap())
+            })
+            .unwrap()
+    };
+    let before = threads();
+    let idle: Vec<TcpStream> = (0..200)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        threads() <= before + 2,
+        "{before} threads before, {} with 200 idle connections",
+        threads()
+    );
+    assert!(get(addr, "/metrics").contains("roccl_calls_total"));
+    drop(idle);
+
     // 2. Sends alone: the byte counters are exact.
     let id = UniqueId::new().unwrap();
     run_ranks_of(id, 2, cfg(NetKind::Tcp), |c| {

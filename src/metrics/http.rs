@@ -1,18 +1,24 @@
 //! The metrics endpoint (`ROCCL_METRICS_ADDR=host:port`): one per process, started by the
 //! first communicator that finds the variable set, serving `GET /metrics` (Prometheus text
-//! format) and `GET /status` (JSON) from a thread of its own, with the `tiny_http` crate.
-//! Port 0 picks a free port; the address is logged (INFO) and returned by [`address`].
+//! format) and `GET /status` (JSON) from one thread of its own (requests parsed by the
+//! `httparse` crate), with bounded connections and deadlines. A bare port serves this host
+//! only (127.0.0.1); `0.0.0.0:PORT` serves every interface. Port 0 picks a free port; the
+//! address is logged (INFO) and returned by [`address`].
 //! Where several processes of one host share a fixed port, the ones that find it taken
 //! take a free port instead and log it (`roccl-info --status` takes every address).
 
-use std::net::SocketAddr;
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The endpoint's address once it serves, or why it could not start.
 static SERVING: OnceLock<Result<SocketAddr, String>> = OnceLock::new();
 
-/// The address `ROCCL_METRICS_ADDR` asks for (`host:port`; a bare port means all
-/// interfaces), or `None` when it is unset.
+/// The address `ROCCL_METRICS_ADDR` asks for (`host:port`; a bare port means this host
+/// only), or `None` when it is unset.
 pub fn requested() -> Option<String> {
     std::env::var("ROCCL_METRICS_ADDR")
         .ok()
@@ -32,62 +38,143 @@ pub fn address() -> Option<SocketAddr> {
     SERVING.get().and_then(|r| r.as_ref().ok()).copied()
 }
 
+/// Most connections the endpoint serves at once; a new one past it replaces the oldest.
+const MAX_CLIENTS: usize = 16;
+/// How long a connection may take to send its request.
+const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
+/// Longest request (line and headers) read.
+const MAX_REQUEST: usize = 8 << 10;
+
 fn start(want: &str) -> Result<SocketAddr, String> {
+    // A bare port serves this host only: `/status` names pids, ranks and peers.
     let want = if want.parse::<u16>().is_ok() {
-        format!("0.0.0.0:{want}")
+        format!("127.0.0.1:{want}")
     } else {
         want.to_string()
     };
-    let server = match tiny_http::Server::http(&want) {
-        Ok(s) => s,
+    let listener = match TcpListener::bind(&want) {
+        Ok(l) => l,
         Err(e) => {
             // Another process of this host has the port: take a free one.
-            let host = want.rsplit_once(':').map_or("0.0.0.0", |(h, _)| h);
+            let host = want.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
             let any = format!("{host}:0");
-            let s = tiny_http::Server::http(&any).map_err(|e2| {
+            let l = TcpListener::bind(&any).map_err(|e2| {
                 format!("ROCCL_METRICS_ADDR={want}: cannot listen ({e}), nor on {any} ({e2})")
             })?;
             crate::warn!(
                 "ROCCL_METRICS_ADDR={want} is taken ({e}): metrics on a free port instead"
             );
-            s
+            l
         }
     };
-    let addr = server
-        .server_addr()
-        .to_ip()
-        .ok_or_else(|| "the metrics endpoint has no IP address".to_string())?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("getsockname of the metrics endpoint: {e}"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("fcntl on the metrics endpoint: {e}"))?;
     std::thread::Builder::new()
         .name("roccl-metrics".into())
-        .spawn(move || serve(server))
+        .spawn(move || serve(listener))
         .map_err(|e| format!("starting the metrics thread: {e}"))?;
     crate::info!("metrics: http://{addr}/metrics and http://{addr}/status (ROCCL_METRICS_ADDR)");
     Ok(addr)
 }
 
-fn serve(server: tiny_http::Server) {
-    for req in server.incoming_requests() {
-        let (body, kind, code) = match (req.method(), req.url()) {
-            (tiny_http::Method::Get, "/metrics") => (
-                super::prometheus(),
-                "text/plain; version=0.0.4; charset=utf-8",
-                200,
-            ),
-            (tiny_http::Method::Get, "/status") => (
-                serde_json::to_string_pretty(&super::status()).unwrap_or_default(),
-                "application/json",
-                200,
-            ),
-            _ => (
-                "roccl serves GET /metrics and GET /status\n".to_string(),
-                "text/plain; charset=utf-8",
-                404,
-            ),
-        };
-        let mut resp = tiny_http::Response::from_string(body).with_status_code(code);
-        if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes()) {
-            resp = resp.with_header(h);
+/// A connection whose request has not all arrived.
+struct Client {
+    s: TcpStream,
+    got: Vec<u8>,
+    deadline: Instant,
+}
+
+/// Serve on one thread: at most [`MAX_CLIENTS`] connections (the oldest gives way), each
+/// with [`CLIENT_DEADLINE`] to send a request of at most [`MAX_REQUEST`] bytes; so idle or
+/// slow connections by the hundred cost the process no thread and no memory beyond these.
+fn serve(l: TcpListener) {
+    let mut clients: VecDeque<Client> = VecDeque::new();
+    loop {
+        while let Ok((s, _)) = l.accept() {
+            if clients.len() >= MAX_CLIENTS {
+                clients.pop_front();
+            }
+            let _ = s.set_nonblocking(true);
+            clients.push_back(Client {
+                s,
+                got: Vec::new(),
+                deadline: Instant::now() + CLIENT_DEADLINE,
+            });
         }
-        let _ = req.respond(resp);
+        clients.retain_mut(|c| !step(c));
+        let mut fds = vec![libc::pollfd {
+            fd: l.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        fds.extend(clients.iter().map(|c| libc::pollfd {
+            fd: c.s.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        // SAFETY: `fds` is a valid array of pollfd for the duration of the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+    }
+}
+
+/// Read what `c` sent; answer once its request is whole. True when the connection is done
+/// (answered, closed, too slow or too long).
+fn step(c: &mut Client) -> bool {
+    let mut buf = [0u8; 2048];
+    loop {
+        match c.s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(n) => c.got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+        if c.got.len() > MAX_REQUEST {
+            return true;
+        }
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(&c.got) {
+        Ok(httparse::Status::Complete(_)) => {
+            let (body, kind, code) = answer(req.method, req.path);
+            let _ = c.s.set_nonblocking(false);
+            let _ = c.s.set_write_timeout(Some(CLIENT_DEADLINE));
+            let reason = if code == 200 { "OK" } else { "Not Found" };
+            let head = format!(
+                "HTTP/1.1 {code} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = c.s.write_all(head.as_bytes());
+            let _ = c.s.write_all(body.as_bytes());
+            true
+        }
+        Ok(httparse::Status::Partial) => Instant::now() > c.deadline,
+        Err(_) => true,
+    }
+}
+
+/// The body, content type and status of a request.
+fn answer(method: Option<&str>, path: Option<&str>) -> (String, &'static str, u16) {
+    match (method, path) {
+        (Some("GET"), Some("/metrics")) => (
+            super::prometheus(),
+            "text/plain; version=0.0.4; charset=utf-8",
+            200,
+        ),
+        (Some("GET"), Some("/status")) => (
+            serde_json::to_string_pretty(&super::status()).unwrap_or_default(),
+            "application/json",
+            200,
+        ),
+        _ => (
+            "roccl serves GET /metrics and GET /status\n".to_string(),
+            "text/plain; charset=utf-8",
+            404,
+        ),
     }
 }
