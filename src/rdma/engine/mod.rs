@@ -264,6 +264,9 @@ pub struct Stats {
     /// (IBTA: ghost acknowledgements are ignored), so a forged one neither completes nor
     /// fails anything.
     pub ghost_acks: u64,
+    /// Duplicate RDMA read requests not executed again because many reads were queued
+    /// already (a requester asks again at its next timeout).
+    pub duplicate_reads_dropped: u64,
 }
 
 struct Qp {

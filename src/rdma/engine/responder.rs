@@ -4,15 +4,26 @@
 
 use super::*;
 
+/// Most RDMA reads a QP's responder keeps queued for duplicate requests.
+const MAX_QUEUED_READS: usize = 16;
+
 impl Engine {
     pub(super) fn on_request(&mut self, now: Instant, qpn: Qpn, pkt: &Packet) {
         let Ok(qp) = self.qp(qpn) else { return };
         let op = pkt.bth.opcode;
         let d = psn_diff(pkt.bth.psn, qp.epsn);
+        let queued_reads = qp.reads.len();
         if d < 0 {
             self.stats.duplicates += 1;
             if op == Opcode::ReadRequest {
-                // Re-execute the read (the responses may have been lost).
+                // Re-execute the read (the responses may have been lost) — while few reads
+                // are queued: a requester has at most a few outstanding (max_rd_atomic), and
+                // a stranger who guessed the QP and a key must not queue reads without bound.
+                // One dropped here is asked for again at the requester's next timeout.
+                if queued_reads >= MAX_QUEUED_READS {
+                    self.stats.duplicate_reads_dropped += 1;
+                    return;
+                }
                 if let Some(r) = pkt.reth {
                     if self
                         .mrs

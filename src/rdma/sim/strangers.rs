@@ -78,3 +78,62 @@ fn short_datagrams_to_an_engine_on_every_address_are_dropped() {
     }
     assert_eq!(e.stats().malformed, 16);
 }
+
+/// Duplicate RDMA read requests (PSNs behind the expected one, a valid rkey) by the
+/// thousand, as a stranger who guessed a QP number and a key could send: each used to be
+/// queued and executed again, so the responder sent 4 KiB for every one (4000 responses);
+/// now at most a few are queued and the rest are dropped and counted.
+#[test]
+fn duplicate_reads_are_not_queued_without_bound() {
+    let mut s = Sim::new(43, Faults::default(), attr(1024));
+    let mut mem = pattern(5, 4096);
+    let rkey = s.reg(1, &mut mem, Access::ALL);
+    let peer = SocketAddr::from((IPS[0], 50_000));
+    let epsn = 0x00ff_fff0u32; // engine 1's first expected PSN: engine 0's first (Sim::new)
+    let before = s.eng[1].stats().tx_packets;
+    for k in 1..=1000u32 {
+        let ip = wire::IpInfo {
+            src: peer.ip(),
+            dst: IpAddr::from(IPS[1]),
+            src_port: peer.port(),
+            dst_port: 4791,
+        };
+        let p = wire::Packet {
+            bth: wire::Bth {
+                opcode: wire::Opcode::ReadRequest,
+                solicited: false,
+                mig_req: false,
+                pad: 0,
+                pkey: wire::DEFAULT_PKEY,
+                fecn: false,
+                becn: false,
+                dest_qp: s.qp[1],
+                ack_req: true,
+                psn: epsn.wrapping_sub(k) & 0x00ff_ffff,
+            },
+            reth: Some(wire::Reth {
+                va: mem.as_ptr() as u64,
+                rkey,
+                dma_len: 4096,
+            }),
+            imm: None,
+            aeth: None,
+            payload: &[],
+        };
+        let mut buf = [0u8; 128];
+        let n = wire::encode(&p, &ip, &mut buf).unwrap();
+        let now = s.now();
+        s.eng[1].handle_datagram(now, peer, &buf[..n]);
+    }
+    for _ in 0..200 {
+        s.step();
+    }
+    let sent = s.eng[1].stats().tx_packets - before;
+    let dups = s.eng[1].stats().duplicates;
+    assert_eq!(dups, 1000, "the requests were not taken as duplicates");
+    assert!(
+        sent <= 16 * 4 + 8,
+        "{sent} packets sent for 1000 duplicate reads"
+    );
+    assert!(s.eng[1].stats().duplicate_reads_dropped >= 1000 - 16);
+}

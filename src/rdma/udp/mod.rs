@@ -1074,6 +1074,7 @@ impl Verbs for UserVerbs {
             ("out_of_sequence", s.out_of_sequence),
             ("wrong_source", s.wrong_source),
             ("ghost_acks", s.ghost_acks),
+            ("duplicate_reads_dropped", s.duplicate_reads_dropped),
         ]);
         self.wc_errors.report(out, true);
     }
