@@ -1051,3 +1051,21 @@ fn a_hello_under_another_jobs_key_is_refused_on_every_network() {
         }
     }
 }
+
+/// The cap of every setup listener: with `MAX_STRANGERS` unproved connections pending, the
+/// oldest of them (never a proved one) is the one to drop; below it, none.
+#[cfg(test)]
+#[test]
+fn the_oldest_unproved_connection_gives_way_at_the_cap() {
+    let t0 = std::time::Instant::now();
+    let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+    // (born, proved)
+    let mut p: Vec<(std::time::Instant, bool)> = (0..MAX_STRANGERS as u64 - 1)
+        .map(|k| (at(k + 10), false))
+        .collect();
+    p.push((at(1), true)); // the oldest, but proved
+    let unproved = |x: &(std::time::Instant, bool)| !x.1;
+    assert_eq!(oldest_stranger(&p, unproved, |x| x.0), None);
+    p.push((at(5), false));
+    assert_eq!(oldest_stranger(&p, unproved, |x| x.0), Some(p.len() - 1));
+}
