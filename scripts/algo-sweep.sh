@@ -9,6 +9,7 @@ set -euo pipefail
 rounds=$1 algos=$2 sizes=$3
 shift 3
 cd "$(dirname "$0")/.."
+target=$(scripts/target-dir)
 cargo build --release --quiet --bin roccl-perf
 printf "%10s" bytes
 for a in $algos; do printf "%12s" "$a"; done
@@ -17,7 +18,7 @@ for s in $sizes; do
   declare -A t=()
   for _ in $(seq "$rounds"); do
     for a in $algos; do
-      v=$(${CARGO_TARGET_DIR:-target}/release/roccl-perf "$@" -b "$s" -e "$s" --algo "$a" 2>/dev/null |
+      v=$($target/release/roccl-perf "$@" -b "$s" -e "$s" --algo "$a" 2>/dev/null |
         awk '$1 !~ /^#/ && NF >= 10 {print ($8 == "-" ? $12 : $8); exit}')
       t[$a]="${t[$a]:-} ${v:-nan}"
     done

@@ -33,7 +33,7 @@ PORT1=4791
 NS=(roccl-cap0 roccl-cap1)
 ADDR=(10.78.0.1 10.78.0.2)
 ROOT=${ADDR[0]}:29650
-PERF=${CARGO_TARGET_DIR:-target}/release/roccl-perf
+PERF=$(scripts/target-dir)/release/roccl-perf
 ARGS=(--op "all_reduce,all_gather" -b 8 -e 64K -f 8 --iters 2 --warmup 1 --net rocev2)
 
 die() {

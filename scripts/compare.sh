@@ -17,6 +17,7 @@
 # reduction and no library (examples/tcp_floor.rs): what merely moving the bytes costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+target=$(scripts/target-dir)
 
 ranks=2 op=all_reduce min=8 max=$((64 << 20)) factor=8 iters=20 warmup=5 rounds=2
 while [ $# -gt 0 ]; do
@@ -62,7 +63,7 @@ if [ "$op" = broadcast ]; then common+=(--inplace); else common+=(--out-of-place
 roccl() { # label, extra args
   local label=$1
   shift
-  ${CARGO_TARGET_DIR:-target}/release/roccl-perf "${common[@]}" "$@" 2>&1 |
+  $target/release/roccl-perf "${common[@]}" "$@" 2>&1 |
     awk -v l="$label" -v op="$op" '$1 == op {t = $8; b = $10; if (t == "-") {t = $12; b = $14}; print l, $2, t, b}'
 }
 mpi() { # label, btl list
@@ -73,7 +74,7 @@ mpi() { # label, btl list
 floor() {
   # Busy loops sharing CPUs would measure the scheduler: only with a CPU per rank.
   if [ "$op" != all_reduce ] || [ "$ranks" -gt "$(nproc)" ]; then return; fi
-  ${CARGO_TARGET_DIR:-target}/release/examples/tcp_floor --ranks "$ranks" -b "$min" -e "$max" -f "$factor" \
+  $target/release/examples/tcp_floor --ranks "$ranks" -b "$min" -e "$max" -f "$factor" \
     -i "$iters" -w "$warmup"
 }
 gloo() {

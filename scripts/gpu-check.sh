@@ -9,6 +9,7 @@
 # Default runtime: cuda when an NVIDIA driver is present, hip when /dev/kfd exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+target=$(scripts/target-dir)
 rt=${1:-}
 if [ -z "$rt" ]; then
   if [ -e /proc/driver/nvidia ]; then rt=cuda; elif [ -e /dev/kfd ]; then rt=hip; else
@@ -27,7 +28,7 @@ esac
 cargo build --release --quiet -p roccl-capi-core --example gpu_check --example gpu_capture "${features[@]}"
 cargo build --release --quiet -p roccl --bin roccl-perf "${features[@]}"
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(uname -n), runtime $rt"
-ROCCL_DEVICE=$rt ${CARGO_TARGET_DIR:-target}/release/examples/gpu_check "$ranks" "$max"
-ROCCL_DEVICE=$rt ${CARGO_TARGET_DIR:-target}/release/examples/gpu_capture "$ranks" "$((max / 4))"
-${CARGO_TARGET_DIR:-target}/release/roccl-perf --op all_reduce,all_gather,broadcast,reduce_scatter --ranks "$ranks" \
+ROCCL_DEVICE=$rt $target/release/examples/gpu_check "$ranks" "$max"
+ROCCL_DEVICE=$rt $target/release/examples/gpu_capture "$ranks" "$((max / 4))"
+$target/release/roccl-perf --op all_reduce,all_gather,broadcast,reduce_scatter --ranks "$ranks" \
   --device "$rt" -b 1K -e "$max" -f 16 --iters 20 --warmup 5

@@ -36,8 +36,7 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' ffi/capi/Cargo.toml | head -1)
 # only those two and leave the libraries to whatever an earlier build left behind).
 cargo build --release -p roccl -p roccl-capi -p roccl-netplugin -p roccl-nccl
 # Where cargo put them: CARGO_TARGET_DIR, build.target-dir of a cargo config, or target/.
-target_dir=$(cargo metadata --format-version 1 --no-deps |
-  sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+target_dir=$(scripts/target-dir)
 out="$target_dir/release"
 for f in roccl-perf roccl-info libroccl.so libroccl.a libnccl_net_roccl.so libroccl_nccl.so; do
   [ -f "$out/$f" ] || { echo "install.sh: cargo build did not produce $out/$f" >&2; exit 1; }

@@ -5,10 +5,11 @@
 set -euo pipefail
 runs="$1"; shift
 cd "$(dirname "$0")/.."
+target=$(scripts/target-dir)
 cargo build --release --quiet --bin roccl-perf
 tmp=$(mktemp -d)
 for i in $(seq "$runs"); do
-  ${CARGO_TARGET_DIR:-target}/release/roccl-perf "$@" --json "$tmp/$i.json" > "$tmp/$i.txt"
+  $target/release/roccl-perf "$@" --json "$tmp/$i.json" > "$tmp/$i.txt"
 done
 python3 - "$tmp" "$runs" <<'PY'
 import json, statistics, sys

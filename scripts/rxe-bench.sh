@@ -16,7 +16,7 @@ rounds=${1:-3}
 source tests/rxe/vm.sh
 rxe_prepare || { echo "SKIPPED: $rxe_skip"; exit 0; }
 cargo build --release --quiet --features verbs --bin roccl-perf || exit 1
-target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+target=$(scripts/target-dir)
 bin=$RXE_OUT/bin
 mkdir -p "$bin" && cp "$target/release/roccl-perf" "$bin/"
 

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin roccl-sim
-sim="${CARGO_TARGET_DIR:-target}/release/roccl-sim"
+sim="$(scripts/target-dir)/release/roccl-sim"
 ranks=("${@:-2 8 64 256 1024}")
 echo "| NIC | ranks/host | ranks | size | algorithm | time (µs) | busbw (GB/s) |"
 echo "|---|---|---|---|---|---|---|"

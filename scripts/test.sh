@@ -63,14 +63,13 @@ echo "== fuzz targets, 15 s each on the kept corpus (scripts/fuzz.sh)"
 scripts/fuzz.sh 15
 echo "== benches (each run once, as a smoke test)"
 cargo test --release --benches
-echo "== C ABI: header vs symbols, C and C++ programs, example"
-tests/c/run.sh
-echo "== NCCL/RCCL network plugin: every exported version, driven as NCCL's proxy does"
-tests/plugin/run.sh
+echo "== C ABI: header vs symbols, C and C++ programs, example (with the target directory given as an absolute path, as a user's CARGO_TARGET_DIR may be)"
+CARGO_TARGET_DIR="$(scripts/target-dir)" tests/c/run.sh
+echo "== NCCL/RCCL network plugin: every exported version, driven as NCCL's proxy does (target directory absolute, too)"
+CARGO_TARGET_DIR="$(scripts/target-dir)" tests/plugin/run.sh
 echo "== NCCL-named library (libroccl-nccl.so), called through ctypes as vLLM's pynccl does"
 cargo build --release -p roccl-nccl
-release="$(cargo metadata --format-version 1 --no-deps |
-  sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release"
+release="$(scripts/target-dir)/release"
 python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3
 ROCCL_NET=tcp python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 2
 python3 tests/nccl/test_pynccl.py "$release/libroccl_nccl.so" 3 --streams

@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p roccl-capi --quiet
-lib=${CARGO_TARGET_DIR:-target}/release
-out=${CARGO_TARGET_DIR:-target}/ctests
+target=$(scripts/target-dir)
+lib=$target/release
+out=$target/ctests
 mkdir -p "$out"
 cflags=(-std=c11 -Wall -Wextra -Werror -O1 -Iinclude)
 
@@ -24,7 +25,7 @@ readelf -d "$lib/libroccl.so" | grep -q 'SONAME.*libroccl.so.0' || { echo "no so
 mkdir -p "$out/lib"
 cp -f "$lib/libroccl.so" "$out/lib/libroccl.so.0"
 ln -sf libroccl.so.0 "$out/lib/libroccl.so"
-dyn="$PWD/$out/lib"
+dyn="$out/lib"
 
 echo "-- C tests (shared library)"
 gcc "${cflags[@]}" tests/c/test_collectives.c -o "$out/test_collectives" -L"$dyn" -lroccl -lpthread -lm -Wl,-rpath,"$dyn"

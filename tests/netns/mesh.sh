@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 
 N=3
 ROOT=10.80.0.1:29700
-PERF=${CARGO_TARGET_DIR:-target}/release/roccl-perf
+PERF=$(scripts/target-dir)/release/roccl-perf
 LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
 NS=(roccl-m0 roccl-m1 roccl-m2)
 IFNAME=

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 
 N=2
 ROOT=10.82.0.1:29702
-PERF=${CARGO_TARGET_DIR:-target}/release/roccl-perf
+PERF=$(scripts/target-dir)/release/roccl-perf
 LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}
 RATE=${ROCCL_RAILS_RATE:-300mbit}
 NS=(roccl-r0 roccl-r1)

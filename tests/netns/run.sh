@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 
 N=3
 ROOT=10.77.0.1:29600
-PERF=${CARGO_TARGET_DIR:-target}/release/roccl-perf
+PERF=$(scripts/target-dir)/release/roccl-perf
 LIMIT=${ROCCL_NETNS_TEST_LIMIT:-120}  # seconds before a rank is killed (ROCCL_TIMEOUT is 60)
 FAULTS="drop=0.01,dup=0.01,reorder=0.01,corrupt=0.01,seed=3"
 

@@ -34,7 +34,7 @@ features=${FEATURES:-roccl/verbs}
 # target/ without verbs while the VM runs.
 echo "-- building with --features $features: the tests, roccl-perf, roccl-info, the C ABI and the plugin"
 set -e
-target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+target=$(scripts/target-dir)
 verbs_test=$(cargo test --release --workspace --features "$features" --test verbs --no-run --message-format json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*verbs-[^"]*\)".*/\1/p' | tail -1)
 cargo build --release --quiet --features "$features" --bin roccl-perf --bin roccl-info --example rdma_pair
