@@ -615,26 +615,13 @@ impl Links {
                 ));
             }
             if self.aborted() {
-                // Blamed while still waiting to connect with a peer: this rank is alive (a
-                // slow one on a loaded machine), so pass the blame on to that peer and tell
-                // everyone, as a rank blamed in a collective's wait does.
-                let me = self.rank;
-                let blamed_me = self.notices.iter().any(|n| n.1 == me);
                 let waiting_on = connecting
                     .iter()
                     .map(|x| x.0)
                     .chain(hellos.iter().map(|x| x.0))
                     .chain(awaited.iter().map(|x| x.0))
                     .min();
-                let detail = "another rank aborted while connections were being opened";
-                return Err(match waiting_on.filter(|_| blamed_me) {
-                    Some(p) => self.failure(
-                        Some(p),
-                        true,
-                        format!("{detail}; this rank was connecting with rank {p}"),
-                    ),
-                    None => self.failure(None, false, detail.into()),
-                });
+                return Err(self.aborted_while_connecting(waiting_on));
             }
             if w.idle(&fds).is_err() {
                 let mut who: Vec<usize> = connecting
@@ -669,6 +656,24 @@ impl Links {
 }
 
 impl Links {
+    /// Another rank aborted while this one was opening connections, still waiting on
+    /// `waiting_on` (the lowest such peer). Blamed itself, this rank is alive (a slow one on
+    /// a loaded machine): it passes the blame on to that peer and tells everyone, as a rank
+    /// blamed in a collective's wait does.
+    fn aborted_while_connecting(&mut self, waiting_on: Option<usize>) -> Error {
+        let me = self.rank;
+        let blamed_me = self.notices.iter().any(|n| n.1 == me);
+        let detail = "another rank aborted while connections were being opened";
+        match waiting_on.filter(|_| blamed_me) {
+            Some(p) => self.failure(
+                Some(p),
+                true,
+                format!("{detail}; this rank was connecting with rank {p}"),
+            ),
+            None => self.failure(None, false, detail.into()),
+        }
+    }
+
     /// Accept new connections, read their hellos and file them. An abort notice from a peer
     /// becomes an error naming the rank that failed. Returns whether anything moved.
     pub fn accept_pending(&mut self) -> Result<bool> {

@@ -318,8 +318,19 @@ pub(super) struct TcpListen {
     groups: HashMap<u64, (bool, Vec<Option<Socket>>)>,
 }
 
-impl ListenComm for TcpListen {
-    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+/// Where a pending connection's hello stands.
+enum HelloRead {
+    /// Not all of it yet.
+    Partial,
+    /// All 32 bytes.
+    Whole,
+    /// Closed, failed or too slow: drop it.
+    Dropped,
+}
+
+impl TcpListen {
+    /// Accept every waiting connection (the oldest stranger giving way past the cap).
+    fn take_new(&mut self) {
         loop {
             match self.sock.accept() {
                 Ok((s, from)) => {
@@ -354,131 +365,133 @@ impl ListenComm for TcpListen {
                 }
             }
         }
+    }
+
+    /// Read on pending connection `i`'s hello.
+    fn read_hello(&mut self, i: usize) -> HelloRead {
+        let inc = &mut self.pending[i];
+        while inc.got < HELLO {
+            // SAFETY: the unread rest of this connection's own hello buffer.
+            match unsafe {
+                recv_raw(
+                    inc.sock.as_raw_fd(),
+                    inc.hello[inc.got..].as_mut_ptr(),
+                    HELLO - inc.got,
+                )
+            } {
+                Ok(0) => return HelloRead::Dropped, // closed before its hello
+                Ok(n) => inc.got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => return HelloRead::Dropped,
+            }
+        }
+        if inc.got == HELLO {
+            return HelloRead::Whole;
+        }
+        if inc.since.elapsed() > crate::net::SETUP_DEADLINE {
+            auth::refuse(
+                "tcp setup listener",
+                inc.from,
+                &format!(
+                    "no whole hello within {:.0?} ({} of {HELLO} bytes)",
+                    crate::net::SETUP_DEADLINE,
+                    inc.got
+                ),
+            );
+            return HelloRead::Dropped;
+        }
+        HelloRead::Partial
+    }
+
+    /// What a whole hello says, if it is one of this job's connections (else refused,
+    /// counted and logged).
+    fn check_hello(&mut self, inc: &Incoming) -> Option<Hello> {
+        let h = &inc.hello;
+        let refuse = |why: &str| {
+            auth::refuse("tcp setup listener", inc.from, why);
+            None
+        };
+        if u32::from_le_bytes(h[0..4].try_into().unwrap()) != HELLO_MAGIC {
+            return refuse("not a roccl hello (bad magic)");
+        }
+        if !self.key.verify(&[&h[..HDR]], &h[HDR..]) {
+            return refuse("a hello not authenticated by this job's key (a rank of another job, or without the job secret)");
+        }
+        if !self.seen.first(&h[HDR..]) {
+            return refuse("a replayed hello");
+        }
+        let hello = hello_shape(h)?;
+        // A connection id names one connection: its keys and nonces derive from it, so a
+        // second connection under an id (even from a dialer with the key) would repeat
+        // them. Refused, as is a hello that does not fit its connection's others.
+        if let Some(why) = self.reused(&hello) {
+            return refuse(why);
+        }
+        if hello.sealed != self.sealed {
+            return refuse(if self.sealed {
+                "an unencrypted connection to an encrypted job"
+            } else {
+                "an encrypted connection to a job that does not encrypt"
+            });
+        }
+        Some(hello)
+    }
+
+    /// File `inc`'s socket with its connection's others; the connection once all are here.
+    fn group(&mut self, inc: Incoming, h: Hello) -> Option<Box<dyn RecvComm>> {
+        let g = self
+            .groups
+            .entry(h.id)
+            .or_insert_with(|| (h.duplex, (0..h.n).map(|_| None).collect()));
+        g.1[h.idx] = Some(inc.sock);
+        if !g.1.iter().all(Option::is_some) {
+            return None;
+        }
+        self.done.first(&id_bytes(h.id));
+        let socks: Vec<Arc<Socket>> = self
+            .groups
+            .remove(&h.id)
+            .map(|g| g.1)
+            .unwrap_or_default()
+            .into_iter()
+            .flatten()
+            .map(Arc::new)
+            .collect();
+        let (own, back) = ways(socks, h.duplex);
+        let layout = Layout {
+            split: self.split,
+            inline: h.duplex.then(duplex_inline),
+        };
+        let crypt = self
+            .sealed
+            .then(|| Crypt::new(ConnKeys::new(&self.key, h.id, false), own.len(), back.len()));
+        let mut comm = TcpRecvComm::new(own, back, layout, crypt);
+        comm.local_sndbuf = self.local_sndbuf;
+        comm.stats = Arc::clone(&self.stats);
+        TcpStats::count(&self.stats.connections);
+        Some(Box::new(comm))
+    }
+}
+
+impl ListenComm for TcpListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        self.take_new();
         let mut i = 0;
         while i < self.pending.len() {
-            let inc = &mut self.pending[i];
-            let mut drop_it = false;
-            while inc.got < HELLO {
-                // SAFETY: the unread rest of this connection's own hello buffer.
-                match unsafe {
-                    recv_raw(
-                        inc.sock.as_raw_fd(),
-                        inc.hello[inc.got..].as_mut_ptr(),
-                        HELLO - inc.got,
-                    )
-                } {
-                    Ok(0) => {
-                        drop_it = true; // connection closed before hello: ignore it
-                        break;
-                    }
-                    Ok(n) => inc.got += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(_) => {
-                        drop_it = true;
-                        break;
+            match self.read_hello(i) {
+                HelloRead::Partial => i += 1,
+                HelloRead::Dropped => {
+                    self.pending.swap_remove(i);
+                }
+                HelloRead::Whole => {
+                    let inc = self.pending.swap_remove(i);
+                    let Some(h) = self.check_hello(&inc) else {
+                        continue;
+                    };
+                    if let Some(comm) = self.group(inc, h) {
+                        return Ok(Some(comm));
                     }
                 }
-            }
-            if inc.got < HELLO && !drop_it && inc.since.elapsed() > crate::net::SETUP_DEADLINE {
-                auth::refuse(
-                    "tcp setup listener",
-                    inc.from,
-                    &format!(
-                        "no whole hello within {:.0?} ({} of {HELLO} bytes)",
-                        crate::net::SETUP_DEADLINE,
-                        inc.got
-                    ),
-                );
-                drop_it = true;
-            }
-            if drop_it {
-                self.pending.swap_remove(i);
-                continue;
-            }
-            if inc.got < HELLO {
-                i += 1;
-                continue;
-            }
-            let inc = self.pending.swap_remove(i);
-            let h = &inc.hello;
-            if u32::from_le_bytes(h[0..4].try_into().unwrap()) != HELLO_MAGIC {
-                auth::refuse(
-                    "tcp setup listener",
-                    inc.from,
-                    "not a roccl hello (bad magic)",
-                );
-                continue;
-            }
-            if !self.key.verify(&[&h[..HDR]], &h[HDR..]) {
-                auth::refuse(
-                    "tcp setup listener",
-                    inc.from,
-                    "a hello not authenticated by this job's key (a rank of another job, or without the job secret)",
-                );
-                continue;
-            }
-            if !self.seen.first(&h[HDR..]) {
-                auth::refuse("tcp setup listener", inc.from, "a replayed hello");
-                continue;
-            }
-            // A connection id names one connection: its keys and nonces derive from it, so a
-            // second connection under an id (even from a dialer with the key) would repeat
-            // them. Refused, as is a hello that does not fit its connection's others.
-            if let Some(why) = hello_shape(h).and_then(|x| self.reused(&x)) {
-                auth::refuse("tcp setup listener", inc.from, why);
-                continue;
-            }
-            let Some(Hello {
-                id,
-                idx,
-                n,
-                duplex,
-                sealed,
-            }) = hello_shape(h)
-            else {
-                continue;
-            };
-            if sealed != self.sealed {
-                auth::refuse(
-                    "tcp setup listener",
-                    inc.from,
-                    if self.sealed {
-                        "an unencrypted connection to an encrypted job"
-                    } else {
-                        "an encrypted connection to a job that does not encrypt"
-                    },
-                );
-                continue;
-            };
-            let g = self
-                .groups
-                .entry(id)
-                .or_insert_with(|| (duplex, (0..n).map(|_| None).collect()));
-            g.1[idx] = Some(inc.sock);
-            if g.1.iter().all(Option::is_some) {
-                self.done.first(&id_bytes(id));
-                let socks: Vec<Arc<Socket>> = self
-                    .groups
-                    .remove(&id)
-                    .map(|g| g.1)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .flatten()
-                    .map(Arc::new)
-                    .collect();
-                let (own, back) = ways(socks, duplex);
-                let layout = Layout {
-                    split: self.split,
-                    inline: duplex.then(duplex_inline),
-                };
-                let crypt = self.sealed.then(|| {
-                    Crypt::new(ConnKeys::new(&self.key, id, false), own.len(), back.len())
-                });
-                let mut comm = TcpRecvComm::new(own, back, layout, crypt);
-                comm.local_sndbuf = self.local_sndbuf;
-                comm.stats = Arc::clone(&self.stats);
-                TcpStats::count(&self.stats.connections);
-                return Ok(Some(Box::new(comm)));
             }
         }
         Ok(None)
