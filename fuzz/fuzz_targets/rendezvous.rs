@@ -56,7 +56,15 @@ fn launch_env(r: &mut Reader) {
     if let Ok(e) = env::from_lookup(&get) {
         assert!(e.rank < e.nranks);
     }
-    let _ = env::job_secret_from(&get);
+    // Pass phrases are stretched (0.3 s each): only hex secrets, short ones (refused) and
+    // the file variable are fuzzed here.
+    let phrase = get("ROCCL_JOB_SECRET").is_some_and(|v| {
+        let t = v.trim();
+        t.chars().count() >= 16 && !(t.len() == 32 && t.bytes().all(|c| c.is_ascii_hexdigit()))
+    });
+    if !phrase {
+        let _ = env::job_secret_from(&get, std::net::SocketAddr::from(([127, 0, 0, 1], 29500)));
+    }
     let _ = env::slurm_first_host(&nodelist);
 }
 
