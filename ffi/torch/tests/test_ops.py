@@ -470,5 +470,7 @@ def test_every_op_over_tcp():
 
 
 def test_every_op_encrypted_over_tcp():
-    # ROCCL_ENCRYPT: rank 0's unique id says the job encrypts; bootstrap and TCP are sealed.
-    run(2, every_op, False, env={"ROCCL_NET": "tcp", "ROCCL_ENCRYPT": "1"})
+    # ROCCL_ENCRYPT: rank 0's unique id says the job encrypts; bootstrap and TCP are sealed,
+    # under the job secret every rank is given (torch's Store never holds it).
+    run(2, every_op, False, env={"ROCCL_NET": "tcp", "ROCCL_ENCRYPT": "1",
+                                 "ROCCL_JOB_SECRET": "0123456789abcdef0123456789abcdef"})
