@@ -11,7 +11,7 @@
 //! secret (128 bits from the OS random source; zero without one), the rest zero.
 //!
 //! The root's wire format (a challenge per connection, registrations tagged over it, replies
-//! tagged over the registration) is in [`wire`]; the root's loop in `root`. A rank tries
+//! tagged over the registration) is in `wire`; the root's loop in `root`. A rank tries
 //! again when its connection fails or closes before the reply, until its timeout; it takes
 //! only a reply authenticated by the job's key.
 
