@@ -89,20 +89,7 @@ impl UniqueId {
     /// [`UniqueId::new`], saying whether the job's bootstrap and TCP traffic are encrypted
     /// (docs/SECURITY.md); every rank follows the id.
     pub fn new_with(encrypt: bool) -> Result<UniqueId> {
-        let ip = ifaces::local_addr(None)?;
-        let l = TcpListener::bind(SocketAddr::new(ip, 0))
-            .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
-        let addr = l
-            .local_addr()
-            .map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
-        let id = UniqueId::from_parts(
-            addr,
-            u64::from_le_bytes(auth::random()?),
-            Some(auth::random()?),
-            encrypt,
-        );
-        spawn_root(l, id);
-        Ok(id)
+        UniqueId::new_served(encrypt, |_| Ok(Some(auth::random()?)))
     }
 
     /// A new id whose secret is the job secret the launcher gave every rank
@@ -110,14 +97,23 @@ impl UniqueId {
     /// none; for ids published where others may read them (torch's Store), through
     /// [`UniqueId::public`]. This process serves its root, as with [`UniqueId::new`].
     pub fn new_for_publishing(encrypt: bool) -> Result<UniqueId> {
+        UniqueId::new_served(encrypt, env::job_secret)
+    }
+
+    /// A root bound on this host's address and served by this process, with a random nonce
+    /// and the secret `secret` gives for the root's address.
+    fn new_served(
+        encrypt: bool,
+        secret: impl FnOnce(SocketAddr) -> Result<Option<[u8; SECRET_BYTES]>>,
+    ) -> Result<UniqueId> {
         let ip = ifaces::local_addr(None)?;
         let l = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::sys(format!("bind the bootstrap root on {ip}"), e))?;
         let addr = l
             .local_addr()
             .map_err(|e| Error::sys("getsockname of the bootstrap root", e))?;
-        let secret = env::job_secret(addr)?;
-        let id = UniqueId::from_parts(addr, u64::from_le_bytes(auth::random()?), secret, encrypt);
+        let nonce = u64::from_le_bytes(auth::random()?);
+        let id = UniqueId::from_parts(addr, nonce, secret(addr)?, encrypt);
         spawn_root(l, id);
         Ok(id)
     }
