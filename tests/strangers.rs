@@ -384,6 +384,28 @@ fn a_forged_abort_notice_does_not_end_a_tcp_job() {
     });
 }
 
+/// A launcher-mode rendezvous of `n` ranks at `id`'s root (rank 0 with `id`, the others
+/// with the id they compute from the address), each from a thread: every rank must get
+/// every rank's blob.
+fn launcher_rendezvous(id: UniqueId, n: usize) {
+    let (addr, _) = id.root().unwrap();
+    let others = launcher_id(addr);
+    let hs: Vec<_> = (0..n)
+        .map(|r| {
+            register(
+                if r == 0 { id } else { others },
+                r,
+                n,
+                Duration::from_secs(8),
+            )
+        })
+        .collect();
+    let want: Vec<Vec<u8>> = (0..n).map(|r| vec![r as u8; 5]).collect();
+    for h in hs {
+        assert_eq!(h.join().unwrap().expect("rendezvous"), want);
+    }
+}
+
 /// Register `rank` of `nranks` with `id` from a thread.
 fn register(
     id: UniqueId,
@@ -417,21 +439,7 @@ fn idle_slow_and_garbage_connections_do_not_stall_the_root() {
     });
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
-    let others = launcher_id(addr);
-    let hs: Vec<_> = (0..3)
-        .map(|r| {
-            register(
-                if r == 0 { id } else { others },
-                r,
-                3,
-                Duration::from_secs(8),
-            )
-        })
-        .collect();
-    for h in hs {
-        let table = h.join().unwrap().expect("rendezvous");
-        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
-    }
+    launcher_rendezvous(id, 3);
     assert!(
         t.elapsed() < Duration::from_secs(4),
         "the rendezvous took {:?}",
@@ -460,21 +468,7 @@ fn an_impostor_that_knows_the_port_cannot_register_or_abort() {
     let e = e.unwrap_err().to_string();
     assert!(e.contains("not authenticated"), "{e}");
     std::thread::sleep(Duration::from_millis(50));
-    let others = launcher_id(addr);
-    let hs: Vec<_> = (0..3)
-        .map(|r| {
-            register(
-                if r == 0 { id } else { others },
-                r,
-                3,
-                Duration::from_secs(8),
-            )
-        })
-        .collect();
-    for h in hs {
-        let table = h.join().unwrap().expect("rendezvous");
-        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5], vec![2u8; 5]]);
-    }
+    launcher_rendezvous(id, 3);
 }
 
 /// A rank that knows the secret but is late (the rendezvous is over) gets the usual error:
@@ -640,20 +634,7 @@ fn a_replayed_registration_does_not_join_a_later_run() {
     let _ = replay.read(&mut c);
     replay.write_all(&recorded).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let hs: Vec<_> = (0..2)
-        .map(|r| {
-            register(
-                if r == 0 { id } else { launcher_id(addr) },
-                r,
-                2,
-                Duration::from_secs(8),
-            )
-        })
-        .collect();
-    for h in hs {
-        let table = h.join().unwrap().expect("rendezvous");
-        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5]]);
-    }
+    launcher_rendezvous(id, 2);
 }
 
 /// More idle connections than the root keeps pending (1024), as a stranger that opens them
@@ -687,19 +668,6 @@ fn a_thousand_idle_connections_do_not_deny_the_rendezvous() {
         .collect();
     assert!(idle.len() >= 1050, "only {} connections", idle.len());
     std::thread::sleep(Duration::from_millis(300));
-    let hs: Vec<_> = (0..2)
-        .map(|r| {
-            register(
-                if r == 0 { id } else { launcher_id(addr) },
-                r,
-                2,
-                Duration::from_secs(8),
-            )
-        })
-        .collect();
-    for h in hs {
-        let table = h.join().unwrap().expect("rendezvous");
-        assert_eq!(table, vec![vec![0u8; 5], vec![1u8; 5]]);
-    }
+    launcher_rendezvous(id, 2);
     drop(idle);
 }

@@ -932,12 +932,6 @@ fn an_engine_on_every_address_uses_each_queue_pairs_own() {
 /// and all, at engine 0's QP number).
 fn inject_ack(s: &mut Sim, from: SocketAddr, aeth: super::wire::Aeth, psn: u32) {
     use super::wire;
-    let ip = wire::IpInfo {
-        src: from.ip(),
-        dst: IpAddr::from(IPS[0]),
-        src_port: from.port(),
-        dst_port: 4791,
-    };
     let p = wire::Packet {
         bth: wire::Bth {
             opcode: wire::Opcode::Ack,
@@ -956,10 +950,21 @@ fn inject_ack(s: &mut Sim, from: SocketAddr, aeth: super::wire::Aeth, psn: u32) 
         aeth: Some(aeth),
         payload: &[],
     };
-    let mut buf = [0u8; 128];
-    let n = wire::encode(&p, &ip, &mut buf).unwrap();
+    inject(s, 0, from, &p);
+}
+
+/// Hand engine `e` the packet `p` from `from`, ICRC and all, as its socket would.
+fn inject(s: &mut Sim, e: usize, from: SocketAddr, p: &super::wire::Packet<'_>) {
+    let ip = super::wire::IpInfo {
+        src: from.ip(),
+        dst: IpAddr::from(IPS[e]),
+        src_port: from.port(),
+        dst_port: 4791,
+    };
+    let mut buf = [0u8; 256];
+    let n = super::wire::encode(p, &ip, &mut buf).unwrap();
     let now = s.now();
-    s.eng[0].handle_datagram(now, from, &buf[..n]);
+    s.eng[e].handle_datagram(now, from, &buf[..n]);
 }
 
 /// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.

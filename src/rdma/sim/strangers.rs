@@ -92,12 +92,6 @@ fn duplicate_reads_are_not_queued_without_bound() {
     let epsn = 0x00ff_fff0u32; // engine 1's first expected PSN: engine 0's first (Sim::new)
     let before = s.eng[1].stats().tx_packets;
     for k in 1..=1000u32 {
-        let ip = wire::IpInfo {
-            src: peer.ip(),
-            dst: IpAddr::from(IPS[1]),
-            src_port: peer.port(),
-            dst_port: 4791,
-        };
         let p = wire::Packet {
             bth: wire::Bth {
                 opcode: wire::Opcode::ReadRequest,
@@ -120,10 +114,7 @@ fn duplicate_reads_are_not_queued_without_bound() {
             aeth: None,
             payload: &[],
         };
-        let mut buf = [0u8; 128];
-        let n = wire::encode(&p, &ip, &mut buf).unwrap();
-        let now = s.now();
-        s.eng[1].handle_datagram(now, peer, &buf[..n]);
+        inject(&mut s, 1, peer, &p);
     }
     for _ in 0..200 {
         s.step();
