@@ -18,10 +18,19 @@ pub(super) struct Flusher {
     pub(super) mr: Mr,
     /// Id of the next flush.
     pub(super) next: u64,
-    /// Flushes in flight, oldest first: (id, reads not yet completed).
-    pending: VecDeque<(u64, usize)>,
+    /// Flushes in flight, oldest first.
+    pending: VecDeque<Flush>,
     /// Reads in flight over all of them (bounded by [`FLUSH_READS`]).
     reads: usize,
+}
+
+/// One flush in flight.
+struct Flush {
+    id: u64,
+    /// Reads not yet completed.
+    reads: usize,
+    /// The registrations it reads, held (with their remote read right) until it is done.
+    mrs: [Option<Mr>; MAX_RECVS],
 }
 
 /// Most flush reads in flight on the loopback QP (NCCL keeps at most 8 receives per
@@ -77,16 +86,17 @@ impl RoceRecv {
                         std::io::Error::other(format!("completion status {:?}", wc.status)),
                     ));
                 }
-                let Some(front) = f.pending.front_mut().filter(|p| p.0 == wc.wr_id) else {
+                let Some(front) = f.pending.front_mut().filter(|p| p.id == wc.wr_id) else {
                     return Err(Error::Internal(format!(
                         "flush read {} completed out of order",
                         wc.wr_id
                     )));
                 };
-                front.1 -= 1;
+                front.reads -= 1;
                 f.reads -= 1;
-                if front.1 == 0 {
-                    f.pending.pop_front();
+                if front.reads == 0 {
+                    let done = f.pending.pop_front().expect("the front, above");
+                    release_all(&mut self.cache, &*self.verbs, done.mrs);
                 }
             }
             if n < wcs.len() {
@@ -101,9 +111,10 @@ impl RoceRecv {
             c.pinned_for(b.ptr as u64, b.len.max(1), Access::default())
                 .filter(|p| p.device && b.len > 0)
         };
-        let targets: [Option<(u64, u32)>; MAX_RECVS] = std::array::from_fn(|i| {
+        let targets: [Option<RecvBuf>; MAX_RECVS] = std::array::from_fn(|i| {
             bufs.get(i)
-                .and_then(|b| device(&self.cache, b).map(|p| (b.ptr as u64, p.mr.rkey)))
+                .filter(|b| device(&self.cache, b).is_some())
+                .copied()
         });
         let count = targets.iter().flatten().count();
         if count == 0 {
@@ -126,14 +137,41 @@ impl RoceRecv {
             }
             std::thread::yield_now();
         }
+        // The registrations, with their remote read right while the flush reads them.
         let verbs = Arc::clone(&self.verbs);
+        let mut mrs = [None; MAX_RECVS];
+        for (i, b) in targets.iter().enumerate() {
+            let Some(b) = b else { continue };
+            // SAFETY: an explicit registration (`device` above) covers the buffer, so this
+            // only takes it; the application keeps it valid until it deregisters it.
+            let m = unsafe {
+                self.cache
+                    .acquire(&*verbs, b.ptr as u64, b.len, Access::REMOTE_READ)
+            };
+            match m {
+                Ok(m) => mrs[i] = Some(m),
+                Err(e) => {
+                    release_all(&mut self.cache, &*verbs, mrs);
+                    return Err(e);
+                }
+            }
+        }
         let f = self.flusher()?;
         let (qp, lkey, at, id) = (f.qp, f.mr.lkey, f.scratch.as_ptr() as u64, f.next);
         f.next += 1;
         // Counted as posted before the posts: a failed post fails the comm (and its flusher).
-        f.pending.push_back((id, count));
+        f.pending.push_back(Flush {
+            id,
+            reads: count,
+            mrs,
+        });
         f.reads += count;
-        for (i, &(addr, rkey)) in targets.iter().flatten().enumerate() {
+        let reads = targets
+            .iter()
+            .zip(&mrs)
+            .filter_map(|(b, m)| Some((b.as_ref()?, m.as_ref()?)));
+        for (i, (b, m)) in reads.enumerate() {
+            let (addr, rkey) = (b.ptr as u64, m.rkey);
             verbs.post_send(
                 qp,
                 &SendWr {
@@ -162,7 +200,7 @@ impl RoceRecv {
             .flusher
             .as_ref()
             .and_then(|f| f.pending.front())
-            .map_or(true, |p| p.0 > id))
+            .map_or(true, |p| p.id > id))
     }
 
     /// After a failed flush: reads may still be outstanding on the loopback QP, so a later
@@ -171,6 +209,20 @@ impl RoceRecv {
         if let Some(f) = self.flusher.take() {
             self.verbs.destroy_qp(f.qp);
             let _ = self.verbs.dereg_mr(&f.mr);
+            for p in f.pending {
+                release_all(&mut self.cache, &*self.verbs, p.mrs);
+            }
         }
+    }
+}
+
+/// Give back the registrations a flush held.
+fn release_all(
+    cache: &mut RegCache,
+    verbs: &dyn crate::rdma::verbs::Verbs,
+    mrs: [Option<Mr>; MAX_RECVS],
+) {
+    for m in mrs.iter().flatten() {
+        cache.release(verbs, m);
     }
 }

@@ -421,7 +421,9 @@ fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
     }
 }
 
-/// An explicit registration (`regMr`, `regMrDmaBuf`), kept in `cache` until `dereg`.
+/// An explicit registration (`regMr`, `regMrDmaBuf`), kept in `cache` until `dereg`, with
+/// the rights `access` its comm needs while requests use it (see [`RegCache::pin`]). The
+/// handle's key is the registration's id in `cache`, not a memory key.
 ///
 /// # Safety
 /// The contract of [`SendComm::reg_mr`] and [`SendComm::reg_mr_device`]: the memory (and
@@ -429,16 +431,14 @@ fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
 unsafe fn reg_explicit(
     verbs: &dyn Verbs,
     cache: &mut RegCache,
-    addr: usize,
-    len: usize,
+    (addr, len): (usize, usize),
+    access: Access,
     device: bool,
     dmabuf: Option<(i32, u64)>,
 ) -> Result<MemHandle> {
     if len == 0 {
         return Err(Error::arg("registering 0 bytes"));
     }
-    // Remote read too: receive buffers in GPU memory are flushed by reading them.
-    let access = Access::ALL;
     // SAFETY: this function's contract (regMr's): the memory, or the dmabuf, stays valid
     // until `dereg_mr` or the comm's drop, which release the registration.
     let mr = unsafe {
@@ -447,12 +447,19 @@ unsafe fn reg_explicit(
             None => verbs.reg_mr(addr as u64, len, access)?,
         }
     };
-    cache.pin(Pinned { mr, access, device });
-    Ok(MemHandle {
-        addr,
-        len,
-        key: mr.lkey as u64,
-    })
+    let id = cache.pin(verbs, Pinned { mr, access, device });
+    Ok(MemHandle { addr, len, key: id })
+}
+
+/// The rights an explicit registration needs while in use: a send comm's only reads it
+/// locally; a receive comm's is written by the peer, and GPU memory is also read by the
+/// flush (an RDMA read through a loopback QP).
+fn explicit_rights(receive: bool, device: bool) -> Access {
+    match (receive, device) {
+        (false, _) => Access::LOCAL_WRITE,
+        (true, false) => Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        (true, true) => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    }
 }
 
 /// An eager message met GPU memory on a connection nobody told how to copy it.

@@ -14,7 +14,7 @@ use super::eager::Bounce;
 use super::flush::Flusher;
 use super::regcache::RegCache;
 use super::setup::MAX_QPS;
-use super::{no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
+use super::{explicit_rights, no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
 use crate::error::{Error, Result};
 use crate::net::{Liveness, MemHandle, PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, MAX_RECVS};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcOpcode, WcStatus, WrOpcode};
@@ -319,7 +319,17 @@ impl RecvComm for RoceRecv {
 
     unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         // SAFETY: this function's contract is `reg_explicit`'s.
-        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None) }
+        unsafe {
+            let access = explicit_rights(true, false);
+            reg_explicit(
+                &*self.verbs,
+                &mut self.cache,
+                (addr, len),
+                access,
+                false,
+                None,
+            )
+        }
     }
 
     unsafe fn reg_mr_device(
@@ -329,11 +339,21 @@ impl RecvComm for RoceRecv {
         dmabuf: Option<(i32, u64)>,
     ) -> Result<MemHandle> {
         // SAFETY: this function's contract is `reg_explicit`'s.
-        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf) }
+        unsafe {
+            let access = explicit_rights(true, true);
+            reg_explicit(
+                &*self.verbs,
+                &mut self.cache,
+                (addr, len),
+                access,
+                true,
+                dmabuf,
+            )
+        }
     }
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
-        self.cache.unpin(&*self.verbs, mr.key as u32)
+        self.cache.unpin(&*self.verbs, mr.key)
     }
 
     fn set_device_copy(&mut self, copy: crate::net::DeviceCopy) {

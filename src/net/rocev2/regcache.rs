@@ -17,6 +17,14 @@
 //! ([`Verbs::rekey_mr`]), so an rkey seen on the wire in a clear-to-send reaches nothing
 //! once the receive completed; the next request that needs remote rights gets them back
 //! under yet another key (docs/SECURITY.md).
+//!
+//! Explicit registrations (`regMr`) are kept the same way: each is given only the rights
+//! its comm's use needs ([`Pinned::access`]: local ones on a send comm; remote write on a
+//! receive comm, and remote read on a receive comm's GPU memory, which flushes read), and
+//! holds them only while a request or a flush uses it. The application's handle is a
+//! registration id ([`RegCache::pin`]), which stays the same while the keys change. A
+//! provider that cannot change rights (a NIC: `ibv_rereg_mr` would cost a system call per
+//! receive) keeps them for the registration's life, as NCCL's own transports do.
 
 use crate::error::Result;
 use crate::rdma::verbs::{Access, Mr, Verbs};
@@ -38,9 +46,9 @@ struct Entry {
 /// request inside it, never evicted, released by [`RegCache::unpin`].
 #[derive(Clone, Copy, Debug)]
 pub struct Pinned {
-    /// The registration.
+    /// The registration (its keys change as it gains and loses remote rights).
     pub mr: Mr,
-    /// Its access rights.
+    /// The rights it has while requests use it.
     pub access: Access,
     /// GPU memory the CPU must not touch: sent and received without CPU copies, flushed
     /// after receives.
@@ -48,11 +56,36 @@ pub struct Pinned {
 }
 
 /// The cache of one comm. Dropping it does not deregister: call [`RegCache::clear`].
+/// An explicit registration in the cache.
+struct PinnedEntry {
+    pinned: Pinned,
+    /// The id the application holds ([`RegCache::pin`]).
+    id: u64,
+    /// Requests (and flushes) in flight using it.
+    users: u32,
+    /// Whether the provider changes its rights: it then has remote ones only while used.
+    revocable: bool,
+    /// Idle, with its remote rights revoked.
+    revoked: bool,
+}
+
+/// Whether `access` reaches memory from the network.
+fn remote(access: Access) -> bool {
+    access.has(Access::REMOTE_WRITE) || access.has(Access::REMOTE_READ)
+}
+
+/// Whether `mr` covers `addr..addr+len`.
+fn covers(mr: &Mr, addr: u64, len: usize) -> bool {
+    mr.addr <= addr && addr + len as u64 <= mr.addr + mr.len as u64
+}
+
 pub struct RegCache {
     enabled: bool,
     entries: Vec<Entry>,
-    /// Explicit registrations and the requests in flight using each.
-    pinned: Vec<(Pinned, u32)>,
+    /// Explicit registrations.
+    pinned: Vec<PinnedEntry>,
+    /// The id of the next explicit registration.
+    next_id: u64,
     clock: u64,
     /// Lookups served from the cache, and registrations made.
     pub hits: u64,
@@ -67,6 +100,7 @@ impl RegCache {
             enabled: verbs.cacheable_registrations(),
             entries: Vec::with_capacity(CAPACITY),
             pinned: Vec::new(),
+            next_id: 1,
             clock: 0,
             hits: 0,
             misses: 0,
@@ -86,19 +120,25 @@ impl RegCache {
         access: Access,
     ) -> Result<Mr> {
         self.clock += 1;
-        let end = addr + len as u64;
-        if let Some((p, users)) = self.pinned.iter_mut().find(|(p, _)| {
-            p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
-        }) {
-            *users += 1;
+        if let Some(p) = self
+            .pinned
+            .iter_mut()
+            .find(|p| covers(&p.pinned.mr, addr, len) && p.pinned.access.has(access))
+        {
+            if p.revoked {
+                p.pinned.mr = verbs.rekey_mr(&p.pinned.mr, p.pinned.access)?;
+                p.revoked = false;
+            }
+            p.users += 1;
             self.hits += 1;
-            return Ok(p.mr);
+            return Ok(p.pinned.mr);
         }
         if self.enabled {
-            let end = addr + len as u64;
-            if let Some(i) = self.entries.iter().position(|e| {
-                e.mr.addr <= addr && end <= e.mr.addr + e.mr.len as u64 && e.access.has(access)
-            }) {
+            if let Some(i) = self
+                .entries
+                .iter()
+                .position(|e| covers(&e.mr, addr, len) && e.access.has(access))
+            {
                 let e = &mut self.entries[i];
                 if e.revoked {
                     match verbs.rekey_mr(&e.mr, e.access) {
@@ -153,12 +193,13 @@ impl RegCache {
         Ok(mr)
     }
 
-    /// The explicit registration covering `addr..addr+len` with `access`, if any.
+    /// The explicit registration covering `addr..addr+len` with `access` (when in use),
+    /// if any. Its keys are the current ones: use [`RegCache::acquire`] for keys to post.
     pub fn pinned_for(&self, addr: u64, len: usize, access: Access) -> Option<Pinned> {
-        let end = addr + len as u64;
-        self.pinned.iter().map(|(p, _)| *p).find(|p| {
-            p.mr.addr <= addr && end <= p.mr.addr + p.mr.len as u64 && p.access.has(access)
-        })
+        self.pinned
+            .iter()
+            .map(|p| p.pinned)
+            .find(|p| covers(&p.mr, addr, len) && p.access.has(access))
     }
 
     /// Whether `addr..addr+len` lies in GPU memory registered explicitly.
@@ -167,34 +208,69 @@ impl RegCache {
             .is_some_and(|p| p.device)
     }
 
-    /// Keep an explicit registration (see [`Pinned`]).
-    pub fn pin(&mut self, p: Pinned) {
-        self.pinned.push((p, 0));
+    /// Keep an explicit registration (see [`Pinned`]), made with the rights it has in
+    /// use; the id the application holds for it. Its remote rights are revoked until a
+    /// request uses it, where the provider can change rights.
+    pub fn pin(&mut self, verbs: &dyn Verbs, mut pinned: Pinned) -> u64 {
+        let mut revoked = false;
+        if remote(pinned.access) {
+            if let Ok(mr) = verbs.rekey_mr(&pinned.mr, Access::LOCAL_WRITE) {
+                pinned.mr = mr;
+                revoked = true;
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.pinned.push(PinnedEntry {
+            pinned,
+            id,
+            users: 0,
+            revocable: revoked,
+            revoked,
+        });
+        id
     }
 
-    /// Deregister the explicit registration with local key `lkey`.
-    pub fn unpin(&mut self, verbs: &dyn Verbs, lkey: u32) -> Result<()> {
+    /// Deregister the explicit registration with id `id` (from [`RegCache::pin`]).
+    pub fn unpin(&mut self, verbs: &dyn Verbs, id: u64) -> Result<()> {
         let i = self
             .pinned
             .iter()
-            .position(|(p, _)| p.mr.lkey == lkey)
+            .position(|p| p.id == id)
             .ok_or_else(|| {
-                crate::error::Error::arg(format!("deregistering unknown memory key {lkey:#x}"))
+                crate::error::Error::arg(format!(
+                    "deregistering unknown memory registration {id} (never registered on this connection, or deregistered already)"
+                ))
             })?;
-        if self.pinned[i].1 > 0 {
+        if self.pinned[i].users > 0 {
             return Err(crate::error::Error::InvalidUsage(format!(
                 "deregistering memory that {} request(s) in flight still use: deregister it after they complete",
-                self.pinned[i].1
+                self.pinned[i].users
             )));
         }
-        let (p, _) = self.pinned.swap_remove(i);
-        verbs.dereg_mr(&p.mr)
+        let p = self.pinned.swap_remove(i);
+        verbs.dereg_mr(&p.pinned.mr)
     }
 
     /// A request is done with `mr` (from [`RegCache::acquire`]).
     pub fn release(&mut self, verbs: &dyn Verbs, mr: &Mr) {
-        if let Some((_, users)) = self.pinned.iter_mut().find(|(p, _)| p.mr.lkey == mr.lkey) {
-            *users = users.saturating_sub(1);
+        if let Some(p) = self.pinned.iter_mut().find(|p| p.pinned.mr.lkey == mr.lkey) {
+            p.users = p.users.saturating_sub(1);
+            if p.users == 0 && p.revocable {
+                match verbs.rekey_mr(&p.pinned.mr, Access::LOCAL_WRITE) {
+                    Ok(m) => {
+                        p.pinned.mr = m;
+                        p.revoked = true;
+                    }
+                    // It keeps its rights (the provider changed them before): say so.
+                    Err(e) => {
+                        crate::warn!(
+                            "an explicit registration keeps its remote rights while idle: {e}"
+                        );
+                        p.revocable = false;
+                    }
+                }
+            }
             return;
         }
         let Some(i) = self.entries.iter().position(|e| e.mr.lkey == mr.lkey) else {
@@ -203,8 +279,7 @@ impl RegCache {
         };
         let e = &mut self.entries[i];
         e.users = e.users.saturating_sub(1);
-        let remote = e.access.has(Access::REMOTE_WRITE) || e.access.has(Access::REMOTE_READ);
-        if e.users == 0 && remote {
+        if e.users == 0 && remote(e.access) {
             match verbs.rekey_mr(&e.mr, Access::LOCAL_WRITE) {
                 Ok(m) => {
                     e.mr = m;
@@ -224,8 +299,8 @@ impl RegCache {
         for e in self.entries.drain(..) {
             let _ = verbs.dereg_mr(&e.mr);
         }
-        for (p, _) in self.pinned.drain(..) {
-            let _ = verbs.dereg_mr(&p.mr);
+        for p in self.pinned.drain(..) {
+            let _ = verbs.dereg_mr(&p.pinned.mr);
         }
     }
 }
@@ -274,7 +349,7 @@ mod tests {
         unsafe fn reg_mr(&self, addr: u64, len: usize, access: Access) -> Result<Mr> {
             let k = self.next.fetch_add(1, Ordering::Relaxed);
             self.live.lock().unwrap().push(k);
-            if access.has(Access::REMOTE_WRITE) {
+            if remote(access) {
                 self.remote.lock().unwrap().push(k);
             }
             Ok(Mr {
@@ -304,7 +379,7 @@ mod tests {
             l[i] = k;
             let mut r = self.remote.lock().unwrap();
             r.retain(|x| *x != mr.lkey);
-            if access.has(Access::REMOTE_WRITE) {
+            if remote(access) {
                 r.push(k);
             }
             Ok(Mr {
@@ -427,6 +502,72 @@ mod tests {
         c.release(&v, &a);
         assert_eq!((v.live(), v.remote().len()), (0, 0));
         c.clear(&v);
+    }
+
+    /// An explicit registration has remote rights only while requests (or flushes) use
+    /// it; its id stays while its keys change. On a provider that cannot change rights it
+    /// keeps them.
+    #[test]
+    fn explicit_registrations_have_remote_rights_only_in_use() {
+        for rekeys in [true, false] {
+            let v = Counting {
+                rekeys,
+                ..Counting::new(false)
+            };
+            let mut c = RegCache::new(&v);
+            // SAFETY (all registrations): the fake provider touches no memory.
+            let mr = unsafe { v.reg_mr(0x1000, 4096, RW) }.unwrap();
+            let pinned = Pinned {
+                mr,
+                access: RW,
+                device: false,
+            };
+            let id = c.pin(&v, pinned);
+            let idle = |_: &Counting| usize::from(!rekeys);
+            assert_eq!(v.remote().len(), idle(&v), "idle (rekeys: {rekeys})");
+            let a = unsafe { c.acquire(&v, 0x1000, 64, RW) }.unwrap();
+            let b = unsafe { c.acquire(&v, 0x1800, 64, RW) }.unwrap();
+            assert_eq!((a.lkey, v.remote()), (b.lkey, vec![a.rkey]));
+            c.release(&v, &a);
+            assert_eq!(v.remote(), vec![a.rkey], "still in use by b");
+            c.release(&v, &b);
+            assert_eq!(v.remote().len(), idle(&v), "idle again (rekeys: {rekeys})");
+            let again = unsafe { c.acquire(&v, 0x1000, 64, RW) }.unwrap();
+            assert_eq!(again.lkey != a.lkey, rekeys, "a new key only when rekeyed");
+            assert!(c.unpin(&v, id).is_err(), "in use: not deregistered");
+            c.release(&v, &again);
+            assert_eq!((c.hits, c.misses, v.live()), (3, 0, 1));
+            c.unpin(&v, id).unwrap();
+            assert_eq!(v.live(), 0);
+            assert!(
+                c.unpin(&v, id).is_err(),
+                "a second deregistration is refused"
+            );
+            // Local rights only: never rekeyed.
+            let mr = unsafe { v.reg_mr(0x1000, 64, Access::LOCAL_WRITE) }.unwrap();
+            let local = Pinned {
+                mr,
+                access: Access::LOCAL_WRITE,
+                device: false,
+            };
+            let id = c.pin(&v, local);
+            let m = unsafe { c.acquire(&v, 0x1000, 64, Access::default()) }.unwrap();
+            assert_eq!(m.lkey, mr.lkey);
+            let other = unsafe { c.acquire(&v, 0x1000, 64, RW) }.unwrap();
+            assert_ne!(
+                other.lkey, mr.lkey,
+                "more rights: a registration of its own"
+            );
+            c.release(&v, &other);
+            c.release(&v, &m);
+            assert_eq!(
+                c.pinned_for(0x1000, 64, Access::default()).unwrap().mr.lkey,
+                mr.lkey
+            );
+            c.unpin(&v, id).unwrap();
+            assert_eq!(v.live(), 0);
+            c.clear(&v);
+        }
     }
 
     #[test]

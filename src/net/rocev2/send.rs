@@ -12,7 +12,7 @@ use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
 use super::setup::MAX_QPS;
-use super::{no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
+use super::{explicit_rights, no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
 use crate::error::{Error, Result};
 use crate::net::{Liveness, MemHandle, PollFd, ReqId, SendComm};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode};
@@ -309,7 +309,17 @@ impl SendComm for RoceSend {
 
     unsafe fn reg_mr(&mut self, addr: usize, len: usize) -> Result<MemHandle> {
         // SAFETY: this function's contract is `reg_explicit`'s.
-        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, false, None) }
+        unsafe {
+            let access = explicit_rights(false, false);
+            reg_explicit(
+                &*self.verbs,
+                &mut self.cache,
+                (addr, len),
+                access,
+                false,
+                None,
+            )
+        }
     }
 
     unsafe fn reg_mr_device(
@@ -319,11 +329,21 @@ impl SendComm for RoceSend {
         dmabuf: Option<(i32, u64)>,
     ) -> Result<MemHandle> {
         // SAFETY: this function's contract is `reg_explicit`'s.
-        unsafe { reg_explicit(&*self.verbs, &mut self.cache, addr, len, true, dmabuf) }
+        unsafe {
+            let access = explicit_rights(false, true);
+            reg_explicit(
+                &*self.verbs,
+                &mut self.cache,
+                (addr, len),
+                access,
+                true,
+                dmabuf,
+            )
+        }
     }
 
     fn dereg_mr(&mut self, mr: MemHandle) -> Result<()> {
-        self.cache.unpin(&*self.verbs, mr.key as u32)
+        self.cache.unpin(&*self.verbs, mr.key)
     }
 
     fn set_device_copy(&mut self, copy: crate::net::DeviceCopy) {

@@ -9,7 +9,7 @@ use super::setup::{
 };
 use super::*;
 use crate::net::{PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, SendComm};
-use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, WrOpcode, PROVIDER_WR_ID_BIT};
+use crate::rdma::verbs::{Mr, QpEndpoint, QpId, RecvWr, SendWr, Sge, WrOpcode, PROVIDER_WR_ID_BIT};
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::Duration;
@@ -563,8 +563,8 @@ struct Wrapped(
 );
 
 /// A send work request [`Wrapped`] saw: opcode, inline, local address, remote address,
-/// queue pair.
-type Posted = (WrOpcode, bool, u64, u64, QpId);
+/// queue pair, remote key.
+type Posted = (WrOpcode, bool, u64, u64, QpId, u32);
 
 /// Calls of `read_registered` and of `read_registered_in_order`, and the pieces the
 /// latter copied.
@@ -622,6 +622,9 @@ impl Verbs for Wrapped {
     fn dereg_mr(&self, mr: &Mr) -> Result<()> {
         self.0.dereg_mr(mr)
     }
+    fn rekey_mr(&self, mr: &Mr, access: Access) -> Result<Mr> {
+        self.0.rekey_mr(mr, access)
+    }
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)> {
         self.0.create_qp()
     }
@@ -635,7 +638,7 @@ impl Verbs for Wrapped {
         let local = wr.sge.map_or(0, |g| g.addr);
         self.1
             .lock()
-            .push((wr.opcode, wr.inline, local, wr.remote_addr, qp));
+            .push((wr.opcode, wr.inline, local, wr.remote_addr, qp, wr.rkey));
         self.0.post_send(qp, wr)
     }
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
@@ -861,6 +864,99 @@ fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
             "a second deregistration is refused"
         );
     }
+}
+
+/// Issue 38, item 10: an explicitly registered receive buffer (`regMr`) is reachable from
+/// the network only while a receive uses it. After the receive completed, a peer that
+/// kept the key it was sent writes into the buffer with it and is refused; the buffer is
+/// unchanged, and the registration (its handle the same while its keys change) serves the
+/// next receive and deregisters cleanly. A send comm's registration never had remote rights.
+#[test]
+fn an_explicit_receive_registration_is_reachable_only_while_a_receive_uses_it() {
+    let lo: IpAddr = Ipv4Addr::LOCALHOST.into();
+    let rec = Arc::new(Wrapped::new(lo, false));
+    let net = RoceNet::over(rec.clone(), lo);
+    let (mut s, mut r) = pair(&net);
+    let len = 64 * 1024; // past the eager size: written straight into the buffer
+    let data: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+    let mut buf = vec![0u8; len];
+    // SAFETY: `data` and `buf` outlive both registrations (released below).
+    let (sm, rm) = unsafe {
+        (
+            s.reg_mr(data.as_ptr() as usize, len).unwrap(),
+            r.reg_mr(buf.as_mut_ptr() as usize, len).unwrap(),
+        )
+    };
+    let rb = RecvBuf {
+        ptr: buf.as_mut_ptr(),
+        len,
+        tag: 3,
+    };
+    let mut keys = Vec::new();
+    for round in 0..2 {
+        rec.1.lock().clear();
+        // SAFETY: `data` and `buf` outlive the call.
+        let n = unsafe { transfer(&mut *s, &mut *r, data.as_ptr(), len, 3, Some(&sm), &rb) };
+        assert_eq!((n.unwrap(), &buf[..]), (len, &data[..]), "round {round}");
+        let w = *rec
+            .1
+            .lock()
+            .iter()
+            .find(|w| w.0 == WrOpcode::WriteImm && w.3 == buf.as_ptr() as u64)
+            .expect("the message was written into the registered buffer");
+        keys.push(w);
+    }
+    assert_ne!(keys[0].5, keys[1].5, "each receive sends a new key");
+    // The peer writes with the key of the completed receive, through its own queue pair.
+    let mut evil = vec![0xeeu8; 64];
+    // SAFETY: `evil` outlives the registration, released below.
+    let local = unsafe {
+        rec.0
+            .reg_mr(evil.as_mut_ptr() as u64, 64, Access::LOCAL_WRITE)
+            .unwrap()
+    };
+    let (qp, target, rkey) = (keys[1].4, keys[1].3, keys[1].5);
+    rec.0
+        .post_send(
+            qp,
+            &SendWr {
+                wr_id: 0x5eed,
+                opcode: WrOpcode::Write,
+                sge: Some(Sge {
+                    addr: local.addr,
+                    len: 64,
+                    lkey: local.lkey,
+                }),
+                inline: false,
+                imm: 0,
+                remote_addr: target,
+                rkey,
+                signaled: true,
+            },
+        )
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        let mut wcs = [Wc::EMPTY; 8];
+        let n = rec.0.poll_cq(qp, &mut wcs).unwrap();
+        if let Some(w) = wcs[..n].iter().find(|w| w.wr_id == 0x5eed) {
+            break w.status;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the write never completed"
+        );
+        std::thread::yield_now();
+    };
+    assert_eq!(
+        status,
+        WcStatus::RemAccessErr,
+        "the old key reached the buffer"
+    );
+    assert_eq!(&buf[..], &data[..], "the buffer is unchanged");
+    rec.0.dereg_mr(&local).unwrap();
+    s.dereg_mr(sm).unwrap();
+    r.dereg_mr(rm).unwrap();
 }
 
 /// "GPU memory" for the dmabuf test: device-only memory of the simulated device (its
