@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::mem::{Access, AccessError, MrTable};
 use super::reorder::Reorder;
-use super::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
+use super::wire::{self, Aeth, IpInfo, NakCode, Opcode};
 use crate::error::{Error, Result};
 
 mod reports;
@@ -35,9 +35,6 @@ mod timers;
 mod tx;
 mod work;
 
-use reports::{
-    dup_report, hole_report, read_dup_report, read_hole_report, report_or_ack, LATE_GAP,
-};
 pub use reports::{DUP_SYNDROME, HOLE_SYNDROME};
 use timers::Slack;
 pub use work::{QpState, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};

@@ -1,7 +1,13 @@
 //! The requester side of the RC engine: acknowledgements, NAKs and read responses
 //! complete send work requests in order, start retransmissions and restart the retry budget.
 
-use super::*;
+use std::time::Instant;
+
+use super::reports::{read_dup_report, read_hole_report, LATE_GAP};
+use super::{psn_add, psn_diff, rnr_delay, Engine, Qp, Qpn, MIN_WINDOW, WINDOW};
+use super::{WcStatus, WrOpcode, DUP_SYNDROME, HOLE_SYNDROME};
+use crate::rdma::mem::Access;
+use crate::rdma::wire::{AckKind, Aeth, NakCode, Opcode, Packet};
 
 impl Engine {
     /// A duplicate report: that many retransmissions were of packets that had arrived (at

@@ -2,7 +2,13 @@
 //! receives; duplicates are re-acknowledged, gaps NAKed (and what follows them kept, see
 //! `rdma::reorder`), missing receives answered with RNR NAKs.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use super::reports::hole_report;
+use super::{access_nak, psn_add, psn_diff, Engine, InSend, InWrite, Qpn, ReadJob};
+use super::{Wc, WcOpcode, WcStatus, ACK_DELAY, HOLES_MAX, NAK_REPEAT, PSN_MASK, RECENT};
+use crate::rdma::mem::Access;
+use crate::rdma::wire::{Aeth, NakCode, Opcode, Packet};
 
 /// Most RDMA reads a QP's responder keeps queued for duplicate requests.
 const MAX_QUEUED_READS: usize = 16;

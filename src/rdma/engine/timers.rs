@@ -1,7 +1,11 @@
 //! Timers of the RC engine: acknowledgement delays, RNR waits, tail-loss probes and the
 //! retransmission timeout (which goes back N).
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use super::{psn_add, psn_diff, Engine, Qp, MAX_BACKOFF, MIN_WINDOW, PSN_MASK};
+use super::{WcStatus, WrOpcode};
+use crate::rdma::wire::Aeth;
 
 /// How long [`Slack`] remembers a delay: it keeps the most of this window and the last.
 const SLACK_WINDOW: Duration = Duration::from_secs(1);

@@ -1,7 +1,13 @@
 //! Transmission: acknowledgements, RDMA READ responses and requests (new, selectively
 //! resent, or gone back N), one datagram per call.
 
-use super::*;
+use std::time::Instant;
+
+use super::reports::{dup_report, report_or_ack};
+use super::{psn_add, psn_diff, Engine, Resent, Transmit, ACK_EVERY, RECENT};
+use super::{QpState, WrOpcode, DUP_SYNDROME};
+use crate::rdma::mem::Access;
+use crate::rdma::wire::{self, AckKind, Aeth, Bth, IpInfo, NakCode, Opcode, Packet, Reth};
 
 impl Engine {
     /// Write the next datagram into `buf` (at least 4200 bytes for MTU 4096).
@@ -93,13 +99,10 @@ impl Engine {
             }),
         };
         if let Some((aeth, psn)) = ack {
-            // Syndrome 011 + code: a NAK; code 0 is a PSN sequence error.
-            if aeth.syndrome & 0xe0 == 0x60 {
-                if aeth.syndrome & 0x1f == 0 {
-                    self.stats.seq_naks_sent += 1;
-                } else {
-                    self.stats.error_naks_sent += 1;
-                }
+            match aeth.kind() {
+                Some(AckKind::Nak(NakCode::PsnSequenceError)) => self.stats.seq_naks_sent += 1,
+                Some(AckKind::Nak(_)) => self.stats.error_naks_sent += 1,
+                _ => {}
             }
             let p = Packet {
                 bth: bth(report_or_ack(aeth.syndrome), psn, false),
