@@ -26,6 +26,8 @@ pub enum Error {
     Remote {
         /// The peer rank involved.
         rank: usize,
+        /// What is known of the cause, for code to decide on (the message is for people).
+        cause: PeerCause,
         /// What happened.
         msg: String,
     },
@@ -35,6 +37,33 @@ pub enum Error {
     /// A bug or broken invariant inside roccl.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A message from the peer carried a tag that matches no buffer posted on this side:
+    /// the two ranks are in different calls. The networks return it; the executor turns it
+    /// into [`Error::Remote`] with [`PeerCause::OtherCall`], naming the peer.
+    #[error("invalid usage: the other side's message tag ({theirs:#010x}) matches no buffer posted on this side: the ranks are in different calls")]
+    TagMismatch {
+        /// The peer's tag (its call's).
+        theirs: u32,
+    },
+}
+
+/// What is known of why a peer is blamed ([`Error::Remote`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PeerCause {
+    /// It closed its connection, sent something wrong or failed (the message says what).
+    Failed,
+    /// It did not answer in time: hung, stopped or unreachable.
+    Unresponsive,
+    /// Its process (on this host) has exited.
+    Exited,
+    /// Its process (on this host) is stopped.
+    Stopped,
+    /// It was in another call: its message carried the tag `theirs`.
+    OtherCall {
+        /// The peer's tag.
+        theirs: u32,
+    },
 }
 
 /// The class of an [`Error`], without its details (what the C ABI maps to result codes).
@@ -64,6 +93,7 @@ impl Error {
             Error::Remote { .. } => ErrorKind::Remote,
             Error::Timeout(_) => ErrorKind::Timeout,
             Error::Internal(_) => ErrorKind::Internal,
+            Error::TagMismatch { .. } => ErrorKind::InvalidUsage,
         }
     }
 
@@ -78,6 +108,15 @@ impl Error {
     /// Build an [`Error::System`] from `errno` and a description.
     pub fn last_os(what: impl Into<String>) -> Self {
         Error::sys(what, std::io::Error::last_os_error())
+    }
+
+    /// An [`Error::Remote`] blaming `rank` for `cause`.
+    pub fn remote(rank: usize, cause: PeerCause, msg: impl Into<String>) -> Self {
+        Error::Remote {
+            rank,
+            cause,
+            msg: msg.into(),
+        }
     }
 
     /// Shorthand for [`Error::InvalidArgument`].

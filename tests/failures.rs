@@ -334,7 +334,22 @@ fn mismatched_calls_of_equal_sizes_are_detected_over_networks() {
                     (3, true) => c.all_reduce_in_place(&mut v[..32], RedOp::Sum),
                     _ => c.all_reduce_in_place(&mut v, RedOp::Sum),
                 };
-                let e = r.expect_err("mismatched calls must fail").to_string();
+                let err = r.expect_err("mismatched calls must fail");
+                if case < 3 {
+                    // The cause is typed: the peer was in another call (its tag).
+                    assert!(
+                        matches!(
+                            err,
+                            roccl::Error::Remote {
+                                cause: roccl::PeerCause::OtherCall { .. },
+                                ..
+                            }
+                        ),
+                        "{net:?} case {case} rank {}: {err:?}",
+                        c.rank()
+                    );
+                }
+                let e = err.to_string();
                 let want: &[&str] = match case {
                     0 => &["all_reduce(sum, f32)", "all_reduce(max, f32)"],
                     1 => &["all_reduce(sum, f32)", "broadcast(root 0)"],

@@ -8,9 +8,8 @@ use std::time::Duration;
 use crate::algo::model::{self, CollKind};
 use crate::algo::{self, shm, Algo, Pipeline};
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::{Error, PeerCause, Result};
 use crate::exec::{Exec, Mem, MemMut};
-use crate::net;
 use crate::types::{DataType, RedOp};
 
 use super::{agree, hier, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
@@ -429,21 +428,21 @@ impl State {
     /// A tag mismatch with a peer (the networks' error) as an error naming both ranks and
     /// both calls.
     fn explain_mismatch(&self, e: Error) -> Error {
-        let Error::Remote { rank, msg } = &e else {
+        let Error::Remote {
+            rank,
+            cause: cause @ PeerCause::OtherCall { theirs },
+            ..
+        } = e
+        else {
             return e;
         };
-        match net::unexpected_tag_of(msg) {
-            Some(theirs) => Error::Remote {
-                rank: *rank,
-                msg: format!(
-                    "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
-                    self.links.rank,
-                    agree::describe(self.call_tag),
-                    agree::differ(self.call_tag, theirs)
-                ),
-            },
-            None => e,
-        }
+        let msg = format!(
+            "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
+            self.links.rank,
+            agree::describe(self.call_tag),
+            agree::differ(self.call_tag, theirs)
+        );
+        Error::remote(rank, cause, msg)
     }
 
     /// Refuse work once the communicator is broken.
@@ -467,8 +466,8 @@ impl State {
             node.mark_broken_by(cause);
         }
         let by_app = self.links.abort.load(Ordering::Relaxed);
-        if let (Error::Remote { rank, msg }, false) = (e, by_app) {
-            if msg.contains(MISMATCH_TEXT) && self.links.mismatch.is_none() {
+        if let (Error::Remote { rank, cause, .. }, false) = (e, by_app) {
+            if matches!(cause, PeerCause::OtherCall { .. }) && self.links.mismatch.is_none() {
                 // The peer would only see its connection close: tell it which call we are in.
                 self.links
                     .notify_mismatch(*rank, self.call_tag, Duration::from_millis(300));

@@ -616,6 +616,7 @@ impl Communicator {
         let at =
             crate::bootstrap::spare::decode_addr(&theirs[..24]).ok_or_else(|| Error::Remote {
                 rank: leader,
+                cause: crate::error::PeerCause::Failed,
                 msg: format!("rank {leader} could not create the root of the split communicator"),
             })?;
         let label = [b"roccl split v1 ", theirs].concat();

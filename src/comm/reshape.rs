@@ -201,10 +201,7 @@ fn grow_label(seq: u64) -> Vec<u8> {
 fn hint(e: Error, what: &str) -> Error {
     match e {
         Error::Timeout(m) => Error::Timeout(format!("{what}: {m}")),
-        Error::Remote { rank, msg } => Error::Remote {
-            rank,
-            msg: format!("{what}: {msg}"),
-        },
+        Error::Remote { rank, cause, msg } => Error::remote(rank, cause, format!("{what}: {msg}")),
         Error::InvalidUsage(m) => Error::InvalidUsage(format!("{what}: {m}")),
         e => e,
     }

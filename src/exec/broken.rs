@@ -22,7 +22,7 @@ pub(crate) fn broken(
     me: usize,
     peer: usize,
     net: &str,
-    state: Option<String>,
+    state: Option<super::links::PeerProcess>,
 ) -> Broken {
     let Some(kind) = kind else {
         return Broken::Here(format!(
@@ -89,7 +89,7 @@ mod tests {
 
     #[test]
     fn the_peer_process_state_names_the_cause() {
-        let stopped = Some("its process (pid 7 on this host) is stopped".to_string());
+        let stopped = Some(crate::exec::links::PeerProcess::Stopped { pid: 7 });
         let b = broken(Some(ErrorKind::TimedOut), 0, 1, "rocev2", stopped);
         assert_eq!(
             b,

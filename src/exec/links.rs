@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, PeerCause, Result};
 use crate::net::{
     Connecting, ListenComm, Net, NetHandle, PollFd, RecvBuf, RecvComm, ReqId, SendComm,
 };
@@ -47,6 +47,45 @@ fn hello(rank: usize, word: u32, comm_id: u32) -> Box<[u8; HELLO_MAX]> {
     buf[8..12].copy_from_slice(&word.to_le_bytes());
     buf[12..16].copy_from_slice(&comm_id.to_le_bytes());
     buf
+}
+
+/// A peer's process on this host that is not simply running ([`Links::peer_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerProcess {
+    /// It has exited.
+    Exited {
+        /// Its process id.
+        pid: u32,
+    },
+    /// It is stopped (SIGSTOP, a terminal's Ctrl-Z, a debugger).
+    Stopped {
+        /// Its process id.
+        pid: u32,
+    },
+}
+
+impl PeerProcess {
+    /// The cause an error blaming the peer gives.
+    pub fn cause(self) -> PeerCause {
+        match self {
+            PeerProcess::Exited { .. } => PeerCause::Exited,
+            PeerProcess::Stopped { .. } => PeerCause::Stopped,
+        }
+    }
+}
+
+impl std::fmt::Display for PeerProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerProcess::Exited { pid } => {
+                write!(f, "its process (pid {pid} on this host) has exited")
+            }
+            PeerProcess::Stopped { pid } => write!(
+                f,
+                "its process (pid {pid} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
+            ),
+        }
+    }
 }
 
 /// A network and this rank's endpoint on it.
@@ -295,17 +334,14 @@ impl Links {
         }
     }
 
-    /// What this host can see of `peer`'s process, if it is not simply running: "its
-    /// process (pid N on this host) has exited" or "... is stopped". `None` for a peer on
-    /// another host or one that runs.
-    pub fn peer_state(&self, peer: usize) -> Option<String> {
+    /// What this host can see of `peer`'s process, if it is not simply running: exited or
+    /// stopped. `None` for a peer on another host or one that runs.
+    pub fn peer_state(&self, peer: usize) -> Option<PeerProcess> {
         let pid = self.local_pids.get(peer).copied().flatten()?;
         if crate::os::process::process_gone(pid) {
-            Some(format!("its process (pid {pid} on this host) has exited"))
+            Some(PeerProcess::Exited { pid })
         } else if crate::os::process::process_stopped(pid) {
-            Some(format!(
-                "its process (pid {pid} on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
-            ))
+            Some(PeerProcess::Stopped { pid })
         } else {
             None
         }
@@ -506,6 +542,7 @@ impl Links {
             let dev = (ep.dev + c) % ep.net.devices().max(1);
             let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| Error::Remote {
                 rank: p,
+                cause: crate::error::PeerCause::Failed,
                 msg: format!("connecting over {}: {err}", ep.net.name()),
             })?;
             connecting.push((p, c, conn));
@@ -522,6 +559,7 @@ impl Links {
                 let (p, c) = (connecting[i].0, connecting[i].1);
                 let polled = connecting[i].2.poll().map_err(|err| Error::Remote {
                     rank: p,
+                    cause: crate::error::PeerCause::Failed,
                     msg: err.to_string(),
                 })?;
                 if let Some(mut comm) = polled {
@@ -532,6 +570,7 @@ impl Links {
                     let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
                         .map_err(|err| Error::Remote {
                             rank: p,
+                            cause: crate::error::PeerCause::Failed,
                             msg: err.to_string(),
                         })?
                         .ok_or_else(|| {
@@ -560,6 +599,7 @@ impl Links {
                     .test(h.req)
                     .map_err(|err| Error::Remote {
                         rank: p,
+                        cause: crate::error::PeerCause::Failed,
                         msg: err.to_string(),
                     })?
                     .is_some()
@@ -870,10 +910,11 @@ impl Links {
         if let Some((p, tag)) = self.mismatch.filter(|m| own.map_or(true, |o| o == m.0)) {
             // The peer closed because it found us in another call: say so (the
             // communicator names both calls).
-            return Error::Remote {
-                rank: p,
-                msg: crate::net::unexpected_tag(tag).to_string(),
-            };
+            return Error::remote(
+                p,
+                PeerCause::OtherCall { theirs: tag },
+                crate::net::unexpected_tag(tag).to_string(),
+            );
         }
         let reporters: Vec<usize> = self
             .notices
@@ -882,17 +923,20 @@ impl Links {
             .map(|n| n.0)
             .collect();
         match culprit {
-            Some(c) if !reporters.is_empty() && Some(c) != own => Error::Remote {
-                rank: c,
-                msg: format!(
-                    "rank {c} {} (reported by {}); this rank saw: {detail}",
-                    self.peer_state(c)
-                        .map_or("failed or stopped responding".into(), |s| format!(
+            Some(c) if !reporters.is_empty() && Some(c) != own => {
+                let state = self.peer_state(c);
+                Error::remote(
+                    c,
+                    state.map_or(PeerCause::Failed, PeerProcess::cause),
+                    format!(
+                        "rank {c} {} (reported by {}); this rank saw: {detail}",
+                        state.map_or("failed or stopped responding".into(), |s| format!(
                             "failed: {s}"
                         )),
-                    crate::error::ranks_list(&reporters)
-                ),
-            },
+                        crate::error::ranks_list(&reporters)
+                    ),
+                )
+            }
             // The rank this one waited on while others reported (they are alive), or, nobody
             // having blamed it, the one rank that did not report: name it.
             Some(c) if timed_out && (Some(c) != own || self.aborted()) => {
@@ -901,19 +945,18 @@ impl Links {
                 } else {
                     format!("every other rank reported that its call stopped; rank {c} reported nothing")
                 };
-                let state = self.peer_state(c).map_or(
+                let process = self.peer_state(c);
+                let state = process.map_or(
                     "did not answer: it is hung, stopped or unreachable".into(),
                     |s| format!("failed: {s}"),
                 );
-                Error::Remote {
-                    rank: c,
-                    msg: format!("rank {c} {state} ({why}); this rank saw: {detail}"),
-                }
+                Error::remote(
+                    c,
+                    process.map_or(PeerCause::Unresponsive, PeerProcess::cause),
+                    format!("rank {c} {state} ({why}); this rank saw: {detail}"),
+                )
             }
-            Some(c) if !timed_out => Error::Remote {
-                rank: c,
-                msg: detail,
-            },
+            Some(c) if !timed_out => Error::remote(c, PeerCause::Failed, detail),
             _ => Error::Timeout(detail),
         }
     }

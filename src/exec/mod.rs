@@ -16,7 +16,7 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::{Error, PeerCause, Result};
 use crate::net::{MemHandle, PollFd, RecvBuf, ReqId};
 use crate::reduce;
 use crate::types::{DataType, RedOp};
@@ -352,10 +352,14 @@ impl<'a> Exec<'a> {
                 let detail = format!("{cause}: over {net}: {e}");
                 self.links.failure(Some(peer), silent, detail)
             }
-            other => Error::Remote {
-                rank: peer,
-                msg: format!("over {}: {other}", self.links.net_name(peer)),
-            },
+            other => {
+                let cause = match other {
+                    Error::TagMismatch { theirs } => PeerCause::OtherCall { theirs },
+                    _ => PeerCause::Failed,
+                };
+                let msg = format!("over {}: {other}", self.links.net_name(peer));
+                Error::remote(peer, cause, msg)
+            }
         }
     }
 
@@ -740,6 +744,7 @@ impl<'a> Exec<'a> {
                     if sz[0] != o.len {
                         return Err(Error::Remote {
                             rank: peer,
+                            cause: crate::error::PeerCause::Failed,
                             msg: format!(
                                 "received {} bytes where {} were expected: the ranks called this operation with different counts or data types",
                                 sz[0], o.len

@@ -507,24 +507,12 @@ pub trait RecvComm: Send {
     }
 }
 
-/// A comm that failed stays failed: refuse further work, naming the first error.
 /// A message whose tag matches no buffer the other side posted: the two ranks are in
 /// different calls (the executor tags every message with its call, see `comm::agree`).
 /// `theirs`: the tag of the side that is not this one's — the received message's, or, for
-/// a sender, the receiver's posted buffer's. [`unexpected_tag_of`] reads it back.
+/// a sender, the receiver's posted buffer's.
 pub(crate) fn unexpected_tag(theirs: u32) -> Error {
-    Error::InvalidUsage(format!(
-        "{TAG_MISMATCH}{theirs:#010x}) matches no buffer posted on this side: the ranks are in different calls"
-    ))
-}
-
-const TAG_MISMATCH: &str = "the other side's message tag (";
-
-/// The other side's tag, when `msg` tells of a tag mismatch ([`unexpected_tag`]).
-pub(crate) fn unexpected_tag_of(msg: &str) -> Option<u32> {
-    let at = msg.find(TAG_MISMATCH)? + TAG_MISMATCH.len();
-    let hex = msg.get(at + 2..at + 10)?;
-    u32::from_str_radix(hex, 16).ok()
+    Error::TagMismatch { theirs }
 }
 
 /// The source of a network error caused on this host's side (it cannot send at all): the

@@ -387,6 +387,7 @@ pub fn run_timed(job: &SimJob, cases: &[SimCase]) -> Result<(Vec<SimResult>, Dur
     if let Some((r, e)) = first_error.into_inner() {
         return Err(Error::Remote {
             rank: r,
+            cause: crate::error::PeerCause::Failed,
             msg: format!("simulated rank {r} of {n}: {e}"),
         });
     }

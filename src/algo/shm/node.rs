@@ -437,6 +437,7 @@ impl Node {
                         remove_dead_segments(tag, me, nranks);
                         return Err(Error::Remote {
                             rank: r,
+                            cause: crate::error::PeerCause::Exited,
                             msg: format!(
                                 "its process {} exited during initialization, before it attached to the host's shared-memory segments",
                                 cma_pids[r]
@@ -606,6 +607,7 @@ impl Node {
         if h.broken.load(Ordering::SeqCst) != 0 {
             return Err(Error::Remote {
                 rank: r,
+                cause: crate::error::PeerCause::Failed,
                 msg: "its communicator failed before this rank wrote its share of a broadcast into it".into(),
             });
         }
@@ -617,6 +619,7 @@ impl Node {
         {
             return Err(Error::Remote {
                 rank: r,
+                cause: crate::error::PeerCause::Failed,
                 msg: format!(
                     "it withdrew its output ({total} bytes published) before this rank wrote {} bytes at {off} of a broadcast into it: it gave up on the call",
                     data.len()
@@ -674,6 +677,7 @@ impl Node {
         if e.raw_os_error() == Some(libc::ESRCH) || process_gone(pid) {
             return Error::Remote {
                 rank: r,
+                cause: crate::error::PeerCause::Exited,
                 msg: format!(
                     "its process {pid} exited during a single-copy collective ({call}: {e})"
                 ),
@@ -970,6 +974,7 @@ impl Node {
         if pid != 0 && process_gone(pid) {
             return Err(Error::Remote {
                 rank: r,
+                cause: crate::error::PeerCause::Exited,
                 msg: format!("its process {pid} exited while this rank waited on it"),
             });
         }
@@ -984,6 +989,7 @@ impl Node {
             if p != self.me && pid != 0 && process_gone(pid) {
                 return Error::Remote {
                     rank: p,
+                    cause: crate::error::PeerCause::Exited,
                     msg: format!(
                         "its process {pid} exited (rank {r} stopped because of it: {what})"
                     ),
@@ -994,10 +1000,12 @@ impl Node {
         match (v as usize).checked_sub(2) {
             Some(c) if c != r && c < self.pids.len() => Error::Remote {
                 rank: c,
+                cause: crate::error::PeerCause::Failed,
                 msg: format!("rank {r} stopped because rank {c} failed ({what})"),
             },
             _ => Error::Remote {
                 rank: r,
+                cause: crate::error::PeerCause::Failed,
                 msg: what.into(),
             },
         }

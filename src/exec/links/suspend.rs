@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{HelloOut, Links, HELLO_MAX, MAX_CHANNELS, SUSPEND};
+use super::{HelloOut, Links, PeerProcess, HELLO_MAX, MAX_CHANNELS, SUSPEND};
 use crate::error::{Error, Result};
 use crate::net::Connecting;
 
@@ -448,7 +448,7 @@ impl Links {
                 expecting.clear();
             }
             deciding.retain(|d| {
-                let gone = self.peer_state(d.peer).is_some_and(|s| s.contains("exited"));
+                let gone = matches!(self.peer_state(d.peer), Some(PeerProcess::Exited { .. }));
                 if now >= d.until || gone {
                     crate::warn!(
                         "rank {}: rank {} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",

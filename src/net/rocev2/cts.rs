@@ -745,10 +745,9 @@ mod tests {
             e.contains("sent 101 bytes") && e.contains("holds only 100"),
             "{e}"
         );
-        let e = reader.buffer_for(&cts, 2, 12, 1).unwrap_err().to_string();
-        assert_eq!(
-            crate::net::unexpected_tag_of(&e),
-            Some(11),
+        let e = reader.buffer_for(&cts, 2, 12, 1).unwrap_err();
+        assert!(
+            matches!(e, crate::Error::TagMismatch { theirs: 11 }),
             "the receiver's call is its first buffer not taken: {e}"
         );
     }

@@ -315,6 +315,7 @@ impl Net for SimNet {
         else {
             return Err(Error::Remote {
                 rank: peer as usize,
+                cause: crate::error::PeerCause::Failed,
                 msg: format!(
                     "sim network: rank {peer}'s endpoint is gone (its communicator was destroyed) or belongs to another job"
                 ),
