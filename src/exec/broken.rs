@@ -93,7 +93,10 @@ mod tests {
         let b = broken(Some(ErrorKind::TimedOut), 0, 1, "rocev2", stopped);
         assert_eq!(
             b,
-            Broken::Silent("rank 1 failed: its process (pid 7 on this host) is stopped".into())
+            Broken::Silent(
+                "rank 1 failed: its process (pid 7 on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
+                    .into()
+            )
         );
     }
 }
