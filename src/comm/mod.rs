@@ -447,7 +447,7 @@ mod tests {
         );
     }
 
-    /// Issue 19: the scratch of averages of narrow floats keeps at most `PREMUL_KEEP` bytes
+    /// The scratch of averages of narrow floats keeps at most `PREMUL_KEEP` bytes
     /// after a large average (16 MiB of f16 here), and a small one reuses what it keeps (no
     /// allocation per call); the results stay right.
     #[test]

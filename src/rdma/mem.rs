@@ -56,7 +56,7 @@ pub enum AccessError {
 
 /// The registered regions of one engine. Keys are `index << 16 | 16 random bits` (from the
 /// OS random source, unlike the slot's last key): a stale key of a deregistered region does
-/// not match its successor, and a stranger cannot guess a key from another (issue 22).
+/// not match its successor, and a stranger cannot guess a key from another.
 #[derive(Default)]
 pub struct MrTable {
     regions: Vec<Option<Region>>,

@@ -979,7 +979,7 @@ fn inject_nak(s: &mut Sim, psn: u32) {
     );
 }
 
-/// Item 24 of issue 19: a sequence-error NAK that acknowledges progress gives the requester
+/// A sequence-error NAK that acknowledges progress gives the requester
 /// its retries back, as an ACK does. With one retry: a timeout uses it, a NAK acknowledges
 /// half the message, the next timeout must retransmit rather than fail.
 #[test]
@@ -1020,7 +1020,7 @@ fn a_nak_that_acknowledges_progress_resets_the_retry_count() {
     assert_eq!(dst, src);
 }
 
-/// Item 25 of issue 19: with a deadline instead of a retry count, a QP rides out a link that
+/// With a deadline instead of a retry count, a QP rides out a link that
 /// drops everything for a second (the retransmission timer backs off meanwhile) and fails
 /// only when the deadline passes without progress.
 #[test]
@@ -1080,7 +1080,7 @@ fn a_deadline_rides_out_a_one_second_outage() {
     );
 }
 
-/// Item 11 of issue 19: closing a QP keeps delivering what was posted on it (a send its
+/// Closing a QP keeps delivering what was posted on it (a send its
 /// owner was told is done) until the peer acknowledges it, here after the first
 /// transmission was lost; the closed QP then goes quiet and can be freed.
 #[test]
@@ -1113,7 +1113,7 @@ fn a_closed_queue_pair_delivers_what_was_posted() {
     assert!(s.eng[0].stats().retransmits > 0);
 }
 
-/// Item 26 of issue 19: with the responder keeping out-of-order packets, a requester that
+/// With the responder keeping out-of-order packets, a requester that
 /// resends only what was lost (`selective`) delivers everything exactly once, and a long
 /// message through a lossy link costs far fewer retransmissions than going back N.
 #[test]
@@ -1252,7 +1252,7 @@ fn acknowledgements_that_overtake_the_cursor_do_not_stall_it() {
 
 /// Not a test: prints the virtual time of writes through a lossy link of 2 GB/s and 5 µs
 /// against the same link without faults (`cargo test --release --lib loss_cost -- --ignored
-/// --nocapture`), for tuning the recovery of issue 19 item 26.
+/// --nocapture`), for tuning the loss recovery.
 #[test]
 #[ignore]
 fn loss_cost() {

@@ -1,7 +1,7 @@
 //! The verbs layer: what the RDMA network needs from a provider, shaped like libibverbs.
 //!
 //! Two providers implement it: the userspace RoCE v2 engine over UDP (`rdma::udp`) and, with
-//! the `verbs` feature, real NICs through rdma-sys (issue 5). Work requests, completions and
+//! the `verbs` feature, real NICs through rdma-sys. Work requests, completions and
 //! statuses are the engine's types, numbered as libibverbs numbers them.
 
 use std::net::SocketAddr;

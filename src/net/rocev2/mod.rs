@@ -1,5 +1,5 @@
 //! The RDMA network (`ROCCL_NET=rocev2`): the core's network trait over any verbs provider
-//! (today the userspace RoCE v2 engine; real NICs with issue 5).
+//! (today the userspace RoCE v2 engine; real NICs through libibverbs).
 //!
 //! Receiver-driven, as proven RDMA transports are. Each connection is one RC QP. The sender
 //! owns a FIFO of [`FIFO`] clear-to-send slots registered for remote write. For every

@@ -65,7 +65,7 @@ fn exchange(
     Ok((buf, n))
 }
 
-/// Item 11 of issue 19: an eager send is done for the caller once posted; a send comm
+/// An eager send is done for the caller once posted; a send comm
 /// destroyed right after must still deliver it, here through a link that loses
 /// everything until after the destroy began.
 #[test]
@@ -686,7 +686,7 @@ impl Verbs for Wrapped {
     }
 }
 
-/// Issue 19 item 11 on a NIC: a closing send comm drains once, through its own marker (a
+/// On a NIC: a closing send comm drains once, through its own marker (a
 /// signaled zero-length RDMA WRITE), and returns when that marker completes — not at the
 /// drain limit because the provider took the marker's completion for one of its own
 /// signals and hid it (a marker of `u64::MAX` has the provider's bit: 3 s, the limit here).
@@ -722,7 +722,7 @@ fn a_closing_send_comm_drains_once_and_sees_its_marker_on_a_nic() {
     drop(r);
 }
 
-/// Issue 19: the sender's seqlock read of a clear-to-send entry (end marker, body, start
+/// The sender's seqlock read of a clear-to-send entry (end marker, body, start
 /// marker) is one call of the provider, one lock of the userspace engine, not one per
 /// piece; and the entries read so are right (rendezvous messages land whole).
 #[test]
@@ -866,7 +866,7 @@ fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
     }
 }
 
-/// Issue 38, item 10: an explicitly registered receive buffer (`regMr`) is reachable from
+/// An explicitly registered receive buffer (`regMr`) is reachable from
 /// the network only while a receive uses it. After the receive completed, a peer that
 /// kept the key it was sent writes into the buffer with it and is refused; the buffer is
 /// unchanged, and the registration (its handle the same while its keys change) serves the

@@ -1,4 +1,4 @@
-//! Another local user at the shared-memory setup port (issue 22): it cannot make a rank
+//! Another local user at the shared-memory setup port: it cannot make a rank
 //! open or map a segment, even with a setup message that carries the right tag. Acting as
 //! another user needs root (the test then runs as `nobody`); otherwise it is skipped.
 

@@ -1,4 +1,4 @@
-//! Datagrams from strangers (issue 22): forged acknowledgements, ICRC and all, at the real
+//! Datagrams from strangers: forged acknowledgements, ICRC and all, at the real
 //! QP number. From an address other than the QP's peer they are dropped whatever they say;
 //! from the peer's address an ACK or NAK whose PSN is not outstanding is a ghost and is
 //! ignored. Only an in-range NAK from the peer fails the QP (the control).

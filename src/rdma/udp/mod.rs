@@ -1514,7 +1514,7 @@ mod tests {
         a.post_send(qa, &wr).unwrap();
     }
 
-    /// Item 7 of issue 19: the progress thread takes a datagram off the shared socket and
+    /// The progress thread takes a datagram off the shared socket and
     /// fills a completion queue while the application sleeps in poll(2) on the QP's
     /// descriptors; the application must be woken (the socket itself stays quiet).
     #[test]
@@ -1568,7 +1568,7 @@ mod tests {
         std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
     }
 
-    /// Item 12 of issue 19: destroyed QPs are freed (engine slot, completion queue, send
+    /// Destroyed QPs are freed (engine slot, completion queue, send
     /// socket, wake-up descriptor), so a process that creates and destroys connections
     /// keeps its descriptors and tables flat.
     #[test]
