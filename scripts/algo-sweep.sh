@@ -2,7 +2,7 @@
 # Compare algorithms on this machine, interleaved so that slow and fast phases of a shared
 # machine hit every algorithm alike: for each size, ROUNDS rounds, each running every algorithm
 # once (roccl-perf with --algo). Prints per size the median over rounds of each algorithm's
-# time (µs) and which is fastest; used to fit the cost model (docs/PERFORMANCE.md).
+# time (µs) and which is fastest; used to fit the cost model (docs/PERFORMANCE-LOG.md).
 #   scripts/algo-sweep.sh ROUNDS "ALGO ALGO ..." "SIZE SIZE ..." roccl-perf-args...
 #   e.g. scripts/algo-sweep.sh 3 "shm1 shm2 doubling ring" "4K 256K 4M" --op all_reduce --ranks 2 --iters 50
 set -euo pipefail

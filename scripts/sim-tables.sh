@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The simulated cluster tables of docs/PERFORMANCE.md: roccl-sim (every rank a thread, the
+# The simulated cluster tables of docs/PERFORMANCE-LOG.md: roccl-sim (every rank a thread, the
 # link model's virtual time, every result checked) with the cost model's choice, for 2 to
 # 1024 ranks, 1 and 8 ranks per host (8: a NIC per rank, as on rail-optimised clusters),
 # 100 and 400 Gbit/s NICs (2 µs between hosts, 0.5 µs and 200 Gbit/s per rank inside one,

@@ -26,7 +26,7 @@ pub struct HostSpeeds {
 }
 
 /// The figures the model uses when nothing was measured (fitted on the 2-core development
-/// machine; docs/PERFORMANCE.md).
+/// machine; docs/PERFORMANCE-LOG.md).
 pub const DEFAULT: HostSpeeds = HostSpeeds {
     reduce_gbs: 10.0,
     copy_gbs: 8.0,

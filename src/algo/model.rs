@@ -181,7 +181,7 @@ fn estimate_flat(kind: CollKind, algo: Algo, n: usize, bytes: usize, c: &LinkCos
     // A byte published by one core and read by another costs about two local copies.
     // Ranks sharing cores pay in the synchronisation (a context switch), not in the copies,
     // which stay in cache (fitted with scripts/algo-sweep.sh on 2 cores with 2 and 4 ranks;
-    // docs/PERFORMANCE.md).
+    // docs/PERFORMANCE-LOG.md).
     // Up to FLAT_CACHED bytes per rank, what a rank publishes is still in the caches the
     // readers pull it from, and copies ran 2.5 times the model's speed (2 ranks on 2 cores:
     // a 4 KiB all-reduce took 0.67 µs through the slots against 1.73 modelled, so the model
@@ -413,13 +413,13 @@ pub const DIRECT_MAX: usize = 256 * 1024;
 /// exchange does not; beyond it the ring moves data faster. `scripts/algo-sweep.sh`, 2 ranks
 /// over TCP: 1 MiB doubling 218–233 µs vs ring 325–335, 2 MiB 411–446 vs 560–566, 4 MiB
 /// 1337–1375 vs 1039–1059; over shared memory 1 MiB doubling 91 vs ring 77
-/// (docs/PERFORMANCE.md).
+/// (docs/PERFORMANCE-LOG.md).
 pub const DOUBLING_MAX: usize = 2 << 20;
 
 /// Largest all-gather (bytes of the whole output) Bruck's algorithm is considered for over
 /// links with α ≥ 5 µs (TCP, RDMA): its steps send whole blocks, one message each, where
 /// the ring pipelines slices, and beyond this the ring wins. `roccl-perf`, 8 ranks over TCP
-/// on 2 cores, alternating runs (docs/PERFORMANCE.md): 64 KiB Bruck 0.66–0.69 of the ring's
+/// on 2 cores, alternating runs (docs/PERFORMANCE-LOG.md): 64 KiB Bruck 0.66–0.69 of the ring's
 /// time, 128 KiB 0.72–1.09, 256 KiB 1.05–1.18, 1 MiB 1.09–1.35.
 pub const BRUCK_GATHER_MAX: usize = 128 << 10;
 
@@ -436,7 +436,7 @@ pub const BRUCK_SHM_MAX: usize = 128 << 10;
 /// steps, or more). The sizes were fitted on 8 ranks, where the ring's steps are few; past
 /// 16 ranks the estimates decide alone (the simulator, 256 ranks of their own hosts at
 /// 100 Gbit/s, 1 MiB all-reduce: Bruck 216 µs, two-shot 510, the ring and tree more;
-/// docs/PERFORMANCE.md).
+/// docs/PERFORMANCE-LOG.md).
 fn bruck_applies(kind: CollKind, n: usize, bytes: usize, c: &LinkCost) -> bool {
     let max = match kind {
         // Shared memory (α of 1 µs; a network's is at least 2).
@@ -663,7 +663,7 @@ pub fn choose(
     let mut pl = pipeline(piece(best.0), bytes, t);
     if kind == CollKind::Broadcast && n == 2 && best.0 == Algo::Ring && t.slice.is_none() {
         // A chain of two has nothing to overlap: one message (TCP, 2 ranks, 1 MiB: 204 µs
-        // as one slice vs 322 µs as four; docs/PERFORMANCE.md), up to 16 MiB (measured up
+        // as one slice vs 322 µs as four; docs/PERFORMANCE-LOG.md), up to 16 MiB (measured up
         // to there; networks also bound a message, e.g. RoCE at 512 MiB). Broadcast stages
         // nothing.
         pl.slice = bytes.clamp(64, 16 << 20);
@@ -677,7 +677,7 @@ pub fn choose(
         // Likewise a 2-rank ring all-gather is one exchange with nothing to forward, and
         // over links that pay system calls per message each slice costs (TCP, 1 MiB: 118–123
         // µs in 256 KiB slices, 102–109 as one; 64 MiB: 14.4–15.4 ms in 512 KiB slices,
-        // 12.8–13.1 in 32 MiB; docs/PERFORMANCE.md): each rank's block in one message, up to
+        // 12.8–13.1 in 32 MiB; docs/PERFORMANCE-LOG.md): each rank's block in one message, up to
         // 16 MiB as above.
         pl.slice = (bytes / 2).clamp(64, 16 << 20);
     }
@@ -860,7 +860,7 @@ mod tests {
                 Algo::ShmOneShot
             );
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &cma), Algo::ShmOneShot);
-            // (On 4 ranks Bruck's two steps beat the ring's three; docs/PERFORMANCE.md.)
+            // (On 4 ranks Bruck's two steps beat the ring's three; docs/PERFORMANCE-LOG.md.)
             let below = pick(CollKind::AllGather, n * (ag_min / 4), &cma);
             assert!(matches!(below, Algo::Ring | Algo::Bruck), "{below}");
             assert_eq!(pick(CollKind::AllGather, 64 << 20, &shm_host()), Algo::Ring);

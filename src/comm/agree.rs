@@ -382,7 +382,7 @@ pub(super) fn agreed_cost(blobs: &[Blob], shm_net: bool, node: Option<(usize, bo
             gamma_gbs: speeds.reduce_gbs,
             // Network algorithms reduce what just arrived in their own buffers: about the
             // kernel's speed, 4x the shared-memory algorithms' effective one (fitted with
-            // scripts/algo-sweep.sh; docs/PERFORMANCE.md).
+            // scripts/algo-sweep.sh; docs/PERFORMANCE-LOG.md).
             wire_gamma_gbs: 4.0 * speeds.reduce_gbs,
             // Measured on 2 cores with 4 ranks: each message costs about a context switch
             // over TCP; over shared-memory rings a yield to the peer that runs next.

@@ -184,7 +184,7 @@ pub enum GpuDirect {
 /// Default of [`Config::ring_window`]. 2 ranks on 2 cores sharing a 32 MiB L3, f32 sum,
 /// alternated in one fast phase: shared memory 16 MiB 2.33 → 1.92 ms, 64 MiB 10.4 → 9.0 ms;
 /// TCP 16 MiB 5.52 → 4.68 ms, 64 MiB 22.6 → 18.9 ms; 2 MiB as good, 8 MiB (the working set of
-/// both ranks, 4 windows, fills the cache) worse (docs/PERFORMANCE.md). Fixed rather than
+/// both ranks, 4 windows, fills the cache) worse (docs/PERFORMANCE-LOG.md). Fixed rather than
 /// derived from the cache size so that every rank splits alike.
 pub const RING_WINDOW: usize = 4 << 20;
 

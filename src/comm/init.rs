@@ -242,7 +242,7 @@ impl Communicator {
         // The worker thread (stream-ordered and non-blocking calls) polls between jobs: it
         // spins only with a core for it next to the application's thread of every rank, and
         // otherwise yields (2 cores, 2 ranks, simulated device: 8 B stream-ordered all-reduce
-        // 23.5 µs blocking in the channel at once, 13.4 µs yielding first; docs/PERFORMANCE.md).
+        // 23.5 µs blocking in the channel at once, 13.4 µs yielding first; docs/PERFORMANCE-LOG.md).
         let worker_wait = Waiter {
             spin: if cores >= 2 * local_ranks {
                 cfg.waiter.spin

@@ -62,7 +62,7 @@ impl Waiter {
     /// 4 ranks, 8 B all-reduce: spin-then-block ≈ 200-250 µs, yield ≈ 70-110 µs). With a
     /// core per rank, spin up to 1 ms: a rank that sleeps between two pieces of a transfer
     /// is woken on its peer's core by the kernel, and two ranks sharing one core halve the
-    /// bandwidth (2 ranks, 2 MiB: 1.4 GB/s sleeping vs 4.4 GB/s spinning; docs/PERFORMANCE.md).
+    /// bandwidth (2 ranks, 2 MiB: 1.4 GB/s sleeping vs 4.4 GB/s spinning; docs/PERFORMANCE-LOG.md).
     pub fn fit(&mut self, local_ranks: usize, cores: usize) {
         if self.fixed {
             return;
@@ -101,7 +101,7 @@ pub struct WaitState<'a> {
 /// returns at once (about 0.3 µs per 20 µs of spinning); when something does (the peer rank
 /// scheduled on this core, a compile, torch's threads), that gets the core instead of
 /// waiting for the end of this thread's time slice, which cost an 8-byte torch all-reduce
-/// about 1 ms with a busy process beside the 2 ranks on 2 cores (docs/PERFORMANCE.md).
+/// about 1 ms with a busy process beside the 2 ranks on 2 cores (docs/PERFORMANCE-LOG.md).
 const YIELD_EVERY: Duration = Duration::from_micros(20);
 
 /// The wait ran past the timeout.

@@ -486,7 +486,7 @@ fn drive_avg<T: Elem>(buf: &mut [u8], n: usize) {
 /// only below its `rep_movsb_stop_threshold` (the L2 size, 1 MiB, on AMD) and a loop of
 /// vector moves above it, backwards when source and destination sit at the same page offset;
 /// on this machine the pieces copy a 32 MiB block 12 % faster inside a 2-rank all-gather
-/// (docs/PERFORMANCE.md, "Aligned buffers").
+/// (docs/PERFORMANCE-LOG.md, "Aligned buffers").
 pub(crate) fn copy_large(dst: &mut [u8], src: &[u8]) {
     for (d, s) in dst.chunks_mut(COPY_PIECE).zip(src.chunks(COPY_PIECE)) {
         d.copy_from_slice(s);

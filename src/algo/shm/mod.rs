@@ -536,7 +536,7 @@ pub(crate) const DIRECT_GATHER_MIN: usize = 128 << 10;
 /// out of the peer's memory, and keeps its own buffer as it is until every peer has copied
 /// it. One copy per byte and no shared slot whose cache lines travel between the cores twice
 /// per call (written by one, read by the other, written again): when the ranks' cores do not
-/// share a cache, copying through slots is several times slower (docs/PERFORMANCE.md).
+/// share a cache, copying through slots is several times slower (docs/PERFORMANCE-LOG.md).
 fn all_gather_direct(
     f: &mut Flat,
     send: Option<&[u8]>,

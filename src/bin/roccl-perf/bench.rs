@@ -617,7 +617,7 @@ struct Page([u8; 4096]);
 /// on how its buffers are aligned against each other: a process_vm_readv between a source and
 /// a destination that sit at different offsets within a cache line copies much slower (2
 /// ranks, all-gather of 4 MiB over shared memory: 250–333 µs on heap buffers at arbitrary
-/// offsets against 205–216 page-aligned; docs/PERFORMANCE.md).
+/// offsets against 205–216 page-aligned; docs/PERFORMANCE-LOG.md).
 #[derive(Clone)]
 pub struct Buf {
     pages: Vec<Page>,

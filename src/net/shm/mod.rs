@@ -77,7 +77,7 @@ const _: () = assert!(std::mem::size_of::<Header>() == SEG_HDR);
 /// the ring. Off by default: such a send completes only once the receiver copied it, which
 /// stalls the pipelined steps of ring algorithms (measured: 2-rank all-reduce of 1 MiB 517 µs
 /// with it from 256 KiB, 77 µs without), while a lone large message gains (broadcast of
-/// 64 MiB: 12.4 ms vs 18.1 ms); see docs/PERFORMANCE.md.
+/// 64 MiB: 12.4 ms vs 18.1 ms); see docs/PERFORMANCE-LOG.md.
 fn cma_threshold() -> usize {
     Some(crate::envvar::value_or("ROCCL_SHM_CMA", 0usize))
         .filter(|&v| v > 0)

@@ -281,7 +281,7 @@ pub(crate) fn fuzz(handle: &[u8], hello: &[u8]) {
 /// `SO_SNDBUF` for a peer on the same host (the kernel doubles it: 512 KiB of socket
 /// buffer). With autotuning the buffer grows to 4 MiB and the sender copies into skb pages
 /// that have left the caches: 2 ranks, 16 MiB all-reduce over loopback 5.4-5.6 ms with this
-/// vs 6.3-6.9 ms without (docs/PERFORMANCE.md). Peers on other hosts keep autotuning, which
+/// vs 6.3-6.9 ms without (docs/PERFORMANCE-LOG.md). Peers on other hosts keep autotuning, which
 /// a long fat link needs.
 const LOCAL_SNDBUF: usize = 256 * 1024;
 
@@ -353,7 +353,7 @@ impl Net for TcpNet {
     /// Both listeners take duplex connections: one connection per pair and channel carries
     /// both directions, so each side's data carries the acknowledgements of the other's
     /// (2 ranks, 8 B all-reduce over loopback: one segment per message instead of a data
-    /// segment and a pure ACK; docs/PERFORMANCE.md).
+    /// segment and a pure ACK; docs/PERFORMANCE-LOG.md).
     fn duplex(&self, mine: &NetHandle, theirs: &NetHandle) -> bool {
         let ok = |h: &NetHandle| decode_handle(h).is_ok() && h.as_bytes()[HANDLE_DUPLEX] == 1;
         ok(mine) && ok(theirs)
