@@ -2,22 +2,27 @@
 //! QP connected to itself completes only after the NIC's earlier writes to that memory.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
-use super::recv::RoceRecv;
 use super::regcache::RegCache;
 use crate::error::{Error, Result};
 use crate::net::{RecvBuf, MAX_RECVS};
-use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Wc, WcStatus, WrOpcode};
+use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode};
+
+/// The flushes of one receive comm: its loopback QP, made at the first flush of GPU memory.
+/// Its methods take the comm's provider and registration cache.
+#[derive(Default)]
+pub(super) struct Flushes {
+    flusher: Option<Flusher>,
+}
 
 /// A QP connected to itself and a scratch buffer: reads of received GPU memory through it
 /// complete only after the NIC's earlier writes to that memory (`iflush`).
-pub(super) struct Flusher {
-    pub(super) qp: QpId,
+struct Flusher {
+    qp: QpId,
     scratch: Box<[u8; 64]>,
-    pub(super) mr: Mr,
+    mr: Mr,
     /// Id of the next flush.
-    pub(super) next: u64,
+    next: u64,
     /// Flushes in flight, oldest first.
     pending: VecDeque<Flush>,
     /// Reads in flight over all of them (bounded by [`FLUSH_READS`]).
@@ -37,25 +42,27 @@ struct Flush {
 /// connection, each of up to `MAX_RECVS` buffers).
 pub(super) const FLUSH_READS: usize = 8 * MAX_RECVS;
 
-impl RoceRecv {
-    fn flusher(&mut self) -> Result<&mut Flusher> {
+impl Flushes {
+    /// Whether `id` names a flush this comm started.
+    pub(super) fn started(&self, id: u64) -> bool {
+        id != 0 && self.flusher.as_ref().is_some_and(|f| id < f.next)
+    }
+
+    fn flusher(&mut self, verbs: &dyn Verbs) -> Result<&mut Flusher> {
         if self.flusher.is_none() {
-            let (qp, ep) = self.verbs.create_qp()?;
-            if let Err(e) = self.verbs.connect_qp(qp, &ep) {
-                self.verbs.destroy_qp(qp);
+            let (qp, ep) = verbs.create_qp()?;
+            if let Err(e) = verbs.connect_qp(qp, &ep) {
+                verbs.destroy_qp(qp);
                 return Err(e);
             }
             let mut scratch = Box::new([0u8; 64]);
-            // SAFETY: boxed (stable address), owned by this comm, deregistered in Drop
-            // before it is freed.
-            let mr = unsafe {
-                self.verbs
-                    .reg_mr(scratch.as_mut_ptr() as u64, 64, Access::LOCAL_WRITE)
-            };
+            // SAFETY: boxed (stable address), owned here, deregistered by `reset` or
+            // `close` before it is freed.
+            let mr = unsafe { verbs.reg_mr(scratch.as_mut_ptr() as u64, 64, Access::LOCAL_WRITE) };
             let mr = match mr {
                 Ok(m) => m,
                 Err(e) => {
-                    self.verbs.destroy_qp(qp);
+                    verbs.destroy_qp(qp);
                     return Err(e);
                 }
             };
@@ -72,13 +79,13 @@ impl RoceRecv {
     }
 
     /// Take the loopback QP's completions: each finished read counts down its flush.
-    fn reap_flushes(&mut self) -> Result<()> {
+    fn reap(&mut self, verbs: &dyn Verbs, cache: &mut RegCache) -> Result<()> {
         let Some(f) = self.flusher.as_mut() else {
             return Ok(());
         };
         let mut wcs = [Wc::EMPTY; MAX_RECVS];
         loop {
-            let n = self.verbs.poll_cq(f.qp, &mut wcs)?;
+            let n = verbs.poll_cq(f.qp, &mut wcs)?;
             for wc in &wcs[..n] {
                 if wc.status != WcStatus::Success {
                     return Err(Error::sys(
@@ -96,7 +103,7 @@ impl RoceRecv {
                 f.reads -= 1;
                 if front.reads == 0 {
                     let done = f.pending.pop_front().expect("the front, above");
-                    release_all(&mut self.cache, &*self.verbs, done.mrs);
+                    release_all(cache, verbs, done.mrs);
                 }
             }
             if n < wcs.len() {
@@ -106,30 +113,33 @@ impl RoceRecv {
     }
 
     /// Post a 1-byte read of each buffer in GPU memory through the NIC; the id to test.
-    pub(super) fn iflush_device(&mut self, bufs: &[RecvBuf]) -> Result<Option<u64>> {
+    /// After an error, [`Flushes::reset`].
+    pub(super) fn start(
+        &mut self,
+        verbs: &dyn Verbs,
+        cache: &mut RegCache,
+        bufs: &[RecvBuf],
+    ) -> Result<Option<u64>> {
         let device = |c: &RegCache, b: &RecvBuf| {
             c.pinned_for(b.ptr as u64, b.len.max(1), Access::default())
                 .filter(|p| p.device && b.len > 0)
         };
-        let targets: [Option<RecvBuf>; MAX_RECVS] = std::array::from_fn(|i| {
-            bufs.get(i)
-                .filter(|b| device(&self.cache, b).is_some())
-                .copied()
-        });
+        let targets: [Option<RecvBuf>; MAX_RECVS] =
+            std::array::from_fn(|i| bufs.get(i).filter(|b| device(cache, b).is_some()).copied());
         let count = targets.iter().flatten().count();
         if count == 0 {
             return Ok(None);
         }
         // Room on the loopback QP: wait for older flushes if NCCL ran far ahead.
-        self.flusher()?;
+        self.flusher(verbs)?;
         let t0 = std::time::Instant::now();
-        let limit = self.verbs.drain_limit(); // the deadline the provider was told
+        let limit = verbs.drain_limit(); // the deadline the provider was told
         while self
             .flusher
             .as_ref()
             .is_some_and(|f| f.reads + count > FLUSH_READS)
         {
-            self.reap_flushes()?;
+            self.reap(verbs, cache)?;
             if t0.elapsed() > limit {
                 return Err(Error::Timeout(format!(
                     "flushing received GPU memory took over {limit:.0?}: the NIC did not complete reads on its loopback QP"
@@ -138,25 +148,21 @@ impl RoceRecv {
             std::thread::yield_now();
         }
         // The registrations, with their remote read right while the flush reads them.
-        let verbs = Arc::clone(&self.verbs);
         let mut mrs = [None; MAX_RECVS];
         for (i, b) in targets.iter().enumerate() {
             let Some(b) = b else { continue };
             // SAFETY: an explicit registration (`device` above) covers the buffer, so this
             // only takes it; the application keeps it valid until it deregisters it.
-            let m = unsafe {
-                self.cache
-                    .acquire(&*verbs, b.ptr as u64, b.len, Access::REMOTE_READ)
-            };
+            let m = unsafe { cache.acquire(verbs, b.ptr as u64, b.len, Access::REMOTE_READ) };
             match m {
                 Ok(m) => mrs[i] = Some(m),
                 Err(e) => {
-                    release_all(&mut self.cache, &*verbs, mrs);
+                    release_all(cache, verbs, mrs);
                     return Err(e);
                 }
             }
         }
-        let f = self.flusher()?;
+        let f = self.flusher(verbs)?;
         let (qp, lkey, at, id) = (f.qp, f.mr.lkey, f.scratch.as_ptr() as u64, f.next);
         f.next += 1;
         // Counted as posted before the posts: a failed post fails the comm (and its flusher).
@@ -193,9 +199,15 @@ impl RoceRecv {
         Ok(Some(id))
     }
 
-    /// Whether flush `id` completed: flushes before the oldest one in flight have.
-    pub(super) fn flush_done(&mut self, id: u64) -> Result<bool> {
-        self.reap_flushes()?;
+    /// Whether flush `id` completed: flushes before the oldest one in flight have. After
+    /// an error, [`Flushes::reset`].
+    pub(super) fn done(
+        &mut self,
+        verbs: &dyn Verbs,
+        cache: &mut RegCache,
+        id: u64,
+    ) -> Result<bool> {
+        self.reap(verbs, cache)?;
         Ok(self
             .flusher
             .as_ref()
@@ -204,13 +216,14 @@ impl RoceRecv {
     }
 
     /// After a failed flush: reads may still be outstanding on the loopback QP, so a later
-    /// flush would count their completions as its own. Start over with a new one.
-    pub(super) fn drop_flusher(&mut self) {
+    /// flush would count their completions as its own. Start over with a new one. Also what
+    /// the comm's drop calls.
+    pub(super) fn reset(&mut self, verbs: &dyn Verbs, cache: &mut RegCache) {
         if let Some(f) = self.flusher.take() {
-            self.verbs.destroy_qp(f.qp);
-            let _ = self.verbs.dereg_mr(&f.mr);
+            verbs.destroy_qp(f.qp);
+            let _ = verbs.dereg_mr(&f.mr);
             for p in f.pending {
-                release_all(&mut self.cache, &*self.verbs, p.mrs);
+                release_all(cache, verbs, p.mrs);
             }
         }
     }

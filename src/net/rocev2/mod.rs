@@ -67,6 +67,9 @@ pub const FIFO: usize = MAX_REQUESTS;
 /// Largest grouped-receive buffer index and size an immediate carries: `index << 29 | size`.
 const IMM_SIZE_BITS: u32 = 29;
 
+/// Completions taken per poll (shared among a connection's queue pairs).
+pub(super) const WCS: usize = 32;
+
 /// One NIC of a [`RoceNet`] (for the userspace engine, one address it runs on): the
 /// network's devices, which channels spread over.
 pub(super) struct Device {

@@ -10,13 +10,15 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::cts::{Cts, CtsElem, CtsWriter, CTS_BYTES, CTS_EAGER_ONLY, CTS_SLOTS};
-use super::eager::Bounce;
-use super::flush::Flusher;
+use super::eager::{Bounce, EAGER_SLOTS};
+use super::flush::Flushes;
 use super::regcache::RegCache;
-use super::setup::MAX_QPS;
-use super::{explicit_rights, no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
+use super::setup::{AcceptedConn, RoceListen, MAX_QPS};
+use super::{explicit_rights, no_device_copy, reg_explicit, wc_error};
+use super::{FIFO, IMM_SIZE_BITS, WCS};
 use crate::error::{Error, Result};
-use crate::net::{Liveness, MemHandle, PollFd, RecvBuf, RecvComm, RecvGroup, ReqId, MAX_RECVS};
+use crate::net::MAX_RECVS;
+use crate::net::{ListenComm, Liveness, MemHandle, PollFd, RecvBuf, RecvComm, RecvGroup, ReqId};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcOpcode, WcStatus, WrOpcode};
 
 /// How long the oldest receive waits for eager data before it describes itself to the
@@ -87,7 +89,7 @@ pub(super) struct RoceRecv {
     pub(super) staging_mr: Mr,
     pub(super) reqs: VecDeque<RReq>,
     pub(super) base: u64,
-    pub(super) wcs: [Wc; super::send::WCS],
+    pub(super) wcs: [Wc; WCS],
     pub(super) failed: Option<String>,
     /// Per queue pair, its bounce buffers (one per receive work request).
     pub(super) bounce: Vec<Bounce>,
@@ -105,7 +107,7 @@ pub(super) struct RoceRecv {
     pub(super) eager: usize,
     pub(super) cache: RegCache,
     /// For flushes of GPU memory, made at the first one.
-    pub(super) flusher: Option<Flusher>,
+    pub(super) flushes: Flushes,
 }
 
 impl RoceRecv {
@@ -312,6 +314,51 @@ impl RoceRecv {
     }
 }
 
+impl RoceRecv {
+    /// The receive comm of a completed setup.
+    fn accepted(a: AcceptedConn) -> RoceRecv {
+        let cts = CtsWriter::new(a.bounce[0].slots);
+        let n = a.bounce.len();
+        RoceRecv {
+            cache: RegCache::new(&*a.verbs),
+            verbs: a.verbs,
+            device_copy: None,
+            qps: a.qps,
+            peer: a.peer,
+            live: Liveness::new(a.side, "RoCE v2"),
+            fifo_addr: a.fifo_addr,
+            fifo_rkey: a.fifo_rkey,
+            staging: a.staging,
+            staging_mr: a.staging_mr,
+            reqs: VecDeque::with_capacity(FIFO),
+            base: 0,
+            wcs: [Wc::EMPTY; WCS],
+            failed: None,
+            bounce: a.bounce,
+            arrived: (0..n)
+                .map(|_| VecDeque::with_capacity(EAGER_SLOTS as usize))
+                .collect(),
+            matched: 0,
+            filling: 0,
+            cts,
+            next_first: 0,
+            eager: a.eager,
+            flushes: Flushes::default(),
+        }
+    }
+}
+
+impl ListenComm for RoceListen {
+    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+        let done = self.accept_next()?;
+        Ok(done.map(|a| Box::new(RoceRecv::accepted(a)) as Box<dyn RecvComm>))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        self.setup_fds(out)
+    }
+}
+
 impl RecvComm for RoceRecv {
     fn local_fault(&self) -> Option<String> {
         self.verbs.local_fault()
@@ -362,21 +409,21 @@ impl RecvComm for RoceRecv {
 
     fn iflush(&mut self, bufs: &[RecvBuf]) -> Result<Option<u64>> {
         self.progress()?;
-        let r = self.iflush_device(bufs);
+        let r = self.flushes.start(&*self.verbs, &mut self.cache, bufs);
         if r.is_err() {
-            self.drop_flusher();
+            self.flushes.reset(&*self.verbs, &mut self.cache);
         }
         crate::net::remember_failure(&mut self.failed, r)
     }
 
     fn test_flush(&mut self, id: u64) -> Result<bool> {
         crate::net::refuse_if_failed(&self.failed, "RoCE v2 receive comm")?;
-        if id == 0 || self.flusher.as_ref().map_or(true, |f| id >= f.next) {
+        if !self.flushes.started(id) {
             return Err(Error::InvalidUsage(format!("test on unknown flush {id}")));
         }
-        let r = self.flush_done(id);
+        let r = self.flushes.done(&*self.verbs, &mut self.cache, id);
         if r.is_err() {
-            self.drop_flusher();
+            self.flushes.reset(&*self.verbs, &mut self.cache);
         }
         crate::net::remember_failure(&mut self.failed, r)
     }
@@ -486,10 +533,7 @@ impl Drop for RoceRecv {
         for &q in &self.qps {
             self.verbs.destroy_qp(q);
         }
-        if let Some(f) = self.flusher.take() {
-            self.verbs.destroy_qp(f.qp);
-            let _ = self.verbs.dereg_mr(&f.mr);
-        }
+        self.flushes.reset(&*self.verbs, &mut self.cache);
         for r in &mut self.reqs {
             for m in r.mrs.iter_mut().filter_map(Option::take) {
                 self.cache.release(&*self.verbs, &m);

@@ -11,14 +11,12 @@ use std::sync::Arc;
 use super::cts::{dist, Cts, CtsReader, Pieces, CTS_EAGER_ONLY, CTS_SLOTS};
 use super::eager::Bounce;
 use super::regcache::RegCache;
-use super::setup::MAX_QPS;
-use super::{explicit_rights, no_device_copy, reg_explicit, wc_error, FIFO, IMM_SIZE_BITS};
+use super::setup::{Connected, RoceConnecting, MAX_QPS};
+use super::{explicit_rights, no_device_copy, reg_explicit, wc_error};
+use super::{FIFO, IMM_SIZE_BITS, WCS};
 use crate::error::{Error, Result};
-use crate::net::{Liveness, MemHandle, PollFd, ReqId, SendComm};
+use crate::net::{Connecting, Liveness, MemHandle, PollFd, ReqId, SendComm};
 use crate::rdma::verbs::{Access, Mr, QpId, SendWr, Sge, Verbs, Wc, WcStatus, WrOpcode};
-
-/// Completions taken per poll (shared among a connection's queue pairs).
-pub(super) const WCS: usize = 32;
 
 #[derive(Clone, Copy)]
 pub(super) enum SendState {
@@ -290,6 +288,40 @@ fn sge(addr: u64, len: usize, mr: Option<Mr>) -> Option<Sge> {
         len: len as u32,
         lkey: m.lkey,
     })
+}
+
+impl RoceSend {
+    /// The send comm of a completed setup.
+    fn connected(c: Connected) -> RoceSend {
+        RoceSend {
+            cache: RegCache::new(&*c.verbs),
+            verbs: c.verbs,
+            device_copy: None,
+            qps: c.qps,
+            peer: c.peer,
+            live: Liveness::new(c.side, "RoCE v2"),
+            fifo_mr: c.fifo_mr,
+            fifo: c.fifo,
+            reqs: VecDeque::with_capacity(FIFO),
+            base: 0,
+            wcs: [Wc::EMPTY; WCS],
+            failed: None,
+            eager_size: c.eager_size,
+            staging: c.staging,
+            cts: CtsReader::new(c.peer_slots),
+        }
+    }
+}
+
+impl Connecting for RoceConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+        let done = self.poll_connected()?;
+        Ok(done.map(|c| Box::new(RoceSend::connected(c)) as Box<dyn SendComm>))
+    }
+
+    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+        self.setup_fds(out)
+    }
 }
 
 impl SendComm for RoceSend {

@@ -2,7 +2,8 @@
 //! listener's address), the setup messages (QP endpoint, FIFO address and key, eager
 //! configuration, provider kind), and the two state machines — [`RoceConnecting`] on the
 //! sending side and [`RoceListen`]'s accepting connections on the receiving side — that end
-//! in a [`RoceSend`] and a [`RoceRecv`].
+//! in the parts of a send comm ([`Connected`]) and of a receive comm ([`AcceptedConn`]);
+//! `send.rs` and `recv.rs` make the comms of them.
 //!
 //! Authentication: the handle carries the listener's random 16-byte token (bytes 28..44);
 //! the connector's setup message is followed by a 16-byte tag (HMAC-SHA256 under the key of
@@ -13,22 +14,18 @@
 //! [`crate::net::SETUP_DEADLINE`], closed early) is dropped, counted and logged once per
 //! source; it never fails the listener.
 
-use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::cts::{Cts, CtsReader, CtsWriter, CTS_BYTES, CTS_SLOTS};
-use super::eager::{Bounce, EagerCfg, EAGER_SLOTS};
-use super::recv::RoceRecv;
-use super::regcache::RegCache;
-use super::send::RoceSend;
+use super::cts::{Cts, CTS_BYTES, CTS_SLOTS};
+use super::eager::{Bounce, EagerCfg};
 use super::{RoceNet, FIFO};
 use crate::bootstrap::auth::{self, JobKey};
 use crate::bootstrap::ifaces::{get_addr, get_others, put_addr, put_others, reach, route_source};
 use crate::error::{Error, Result};
-use crate::net::{Connecting, ListenComm, Liveness, NetHandle, PollFd, RecvComm, SendComm, Side};
-use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs, Wc};
+use crate::net::{Connecting, ListenComm, NetHandle, PollFd, Side};
+use crate::rdma::verbs::{Access, Mr, QpEndpoint, QpId, Verbs};
 use crate::rdma::wire;
 
 pub(super) const HANDLE_MAGIC: u32 = 0x3256_5252; // "RRV2"
@@ -448,8 +445,10 @@ pub(super) struct RoceConnecting {
     verbs: Arc<dyn Verbs>,
 }
 
-impl Connecting for RoceConnecting {
-    fn poll(&mut self) -> Result<Option<Box<dyn SendComm>>> {
+impl RoceConnecting {
+    /// Drive the setup: the parts of the send comm once it is done ([`Connecting::poll`],
+    /// in `send.rs`, makes the comm).
+    pub(super) fn poll_connected(&mut self) -> Result<Option<Connected>> {
         if !self.side.pump()? {
             return Ok(None);
         }
@@ -507,33 +506,58 @@ impl Connecting for RoceConnecting {
             },
         )?;
         let fifo = self.fifo.take().expect("checked above");
-        Ok(Some(Box::new(RoceSend {
+        Ok(Some(Connected {
             verbs: Arc::clone(&self.verbs),
-            device_copy: None,
             qps: self.qps.take(),
             peer: self
                 .peer_addr
                 .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))),
-            live: Liveness::new(side, "RoCE v2"),
+            side,
             fifo_mr: self.mr,
             fifo,
-            reqs: VecDeque::with_capacity(FIFO),
-            base: 0,
-            wcs: [Wc::EMPTY; super::send::WCS],
-            failed: None,
             eager_size: eager_size as usize,
             staging,
-            cts: CtsReader::new(peer.slots),
-            cache: RegCache::new(&*self.verbs),
-        })))
+            peer_slots: peer.slots,
+        }))
     }
 
-    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+    /// The setup socket, for [`Connecting::poll_fds`].
+    pub(super) fn setup_fds(&self, out: &mut Vec<PollFd>) {
         out.push(PollFd {
             fd: self.side.s.as_raw_fd(),
             events: libc::POLLIN | libc::POLLOUT,
         });
     }
+}
+
+/// What a completed setup gives the send comm (`RoceSend::connected`).
+pub(super) struct Connected {
+    pub(super) verbs: Arc<dyn Verbs>,
+    pub(super) qps: Vec<QpId>,
+    pub(super) peer: SocketAddr,
+    /// The setup socket, kept to notice the peer closing.
+    pub(super) side: std::net::TcpStream,
+    pub(super) fifo_mr: Mr,
+    pub(super) fifo: Box<[Cts; CTS_SLOTS]>,
+    pub(super) eager_size: usize,
+    pub(super) staging: Bounce,
+    /// The receiver's clear-to-send slots.
+    pub(super) peer_slots: u32,
+}
+
+/// What a completed setup gives the receive comm (`RoceRecv::accepted`).
+pub(super) struct AcceptedConn {
+    pub(super) verbs: Arc<dyn Verbs>,
+    pub(super) qps: Vec<QpId>,
+    pub(super) peer: SocketAddr,
+    /// The setup socket, kept to notice the peer closing.
+    pub(super) side: std::net::TcpStream,
+    pub(super) fifo_addr: u64,
+    pub(super) fifo_rkey: u32,
+    pub(super) staging: Box<[Cts; CTS_SLOTS]>,
+    pub(super) staging_mr: Mr,
+    pub(super) bounce: Vec<Bounce>,
+    pub(super) eager: usize,
 }
 
 impl Drop for RoceConnecting {
@@ -691,8 +715,10 @@ impl RoceListen {
     }
 }
 
-impl ListenComm for RoceListen {
-    fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
+impl RoceListen {
+    /// Take new connections and drive their setups: the parts of the next receive comm
+    /// whose setup is done ([`ListenComm::accept`], in `recv.rs`, makes the comm).
+    pub(super) fn accept_next(&mut self) -> Result<Option<AcceptedConn>> {
         loop {
             match self.listener.accept() {
                 Ok((s, _)) => {
@@ -803,40 +829,24 @@ impl ListenComm for RoceListen {
                     Access::LOCAL_WRITE,
                 )?
             };
-            let bounce = bounce.take();
-            let cts = CtsWriter::new(bounce[0].slots);
-            let n = bounce.len();
-            return Ok(Some(Box::new(RoceRecv {
-                verbs: Arc::clone(&verbs),
-                device_copy: None,
+            return Ok(Some(AcceptedConn {
+                verbs,
                 qps: qps.take(),
                 peer,
-                live: Liveness::new(ready.side.s, "RoCE v2"),
+                side: ready.side.s,
                 fifo_addr,
                 fifo_rkey,
                 staging,
                 staging_mr: smr,
-                reqs: VecDeque::with_capacity(FIFO),
-                base: 0,
-                wcs: [Wc::EMPTY; super::send::WCS],
-                failed: None,
-                bounce,
-                arrived: (0..n)
-                    .map(|_| VecDeque::with_capacity(EAGER_SLOTS as usize))
-                    .collect(),
-                matched: 0,
-                filling: 0,
-                cts,
-                next_first: 0,
+                bounce: bounce.take(),
                 eager,
-                cache: RegCache::new(&*verbs),
-                flusher: None,
-            })));
+            }));
         }
         Ok(None)
     }
 
-    fn poll_fds(&self, out: &mut Vec<PollFd>) {
+    /// The listener and its setups' sockets, for [`ListenComm::poll_fds`].
+    pub(super) fn setup_fds(&self, out: &mut Vec<PollFd>) {
         out.push(PollFd {
             fd: self.listener.as_raw_fd(),
             events: libc::POLLIN,
