@@ -12,7 +12,8 @@ use crate::error::{Error, PeerCause, Result};
 use crate::exec::{Exec, Mem, MemMut};
 use crate::types::{DataType, RedOp};
 
-use super::{agree, hier, CallInfo, CallOpts, Collective, P2p, P2pMem, State, MISMATCH_TEXT};
+use super::MISMATCH_TEXT;
+use super::{agree, hier, scratch, CallInfo, CallOpts, Collective, P2p, P2pMem, State};
 
 /// The index of `crate::metrics::KINDS` a collective is counted under.
 fn metrics_kind(c: &Collective) -> usize {
@@ -30,12 +31,6 @@ fn metrics_kind(c: &Collective) -> usize {
 
 /// `crate::metrics::KINDS`' point-to-point entry.
 const METRICS_P2P: usize = 6;
-
-/// Bytes of the scratch buffer of averages ([`premultiplied`]) a communicator keeps from
-/// call to call: a reduce or reduce-scatter average of narrow floats up to this input takes
-/// no allocation once warm; a larger one allocates its scratch for the call, and it is given
-/// back after it (one big average does not hold its size for the communicator's life).
-pub(super) const PREMUL_KEEP: usize = 4 << 20;
 
 /// An average of 16- and 8-bit floats overflows when summed first (8 ranks × f16 10000 sum
 /// to inf; 4 ranks × e4m3 300 saturate at 448): as NCCL does, each rank's input is divided
@@ -407,10 +402,7 @@ impl State {
             Ok((coll, send, recv)) => self.execute_inner(coll, dt, send, recv, opts, dev),
             Err(e) => Err(e),
         };
-        if scratch.capacity() > PREMUL_KEEP {
-            scratch = Vec::new();
-        }
-        self.premul = scratch;
+        self.premul = scratch::kept(scratch);
         let r = r.map_err(|e| self.explain_mismatch(e));
         if let Err(e) = &r {
             self.failed(e);

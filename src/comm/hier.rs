@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::exec::{Buf, Exec, Mem, MemMut, Reg};
 use crate::types::{DataType, RedOp};
 
-use super::{Hier, State};
+use super::{scratch, Hier, State};
 
 /// Staging bytes of a network all-reduce of `count` elements on `n` ranks with `a`.
 pub(super) fn all_reduce_stage(
@@ -172,17 +172,14 @@ impl State {
     }
 
     /// Run `f` with the communicator's scratch buffer (kept between calls, up to
-    /// `PREMUL_KEEP` bytes of capacity).
+    /// [`scratch::KEEP`] bytes of capacity).
     fn with_scratch(
         &mut self,
         f: impl FnOnce(&mut Self, &mut Vec<u8>) -> Result<()>,
     ) -> Result<()> {
         let mut scratch = std::mem::take(&mut self.hier_scratch);
         let r = f(self, &mut scratch);
-        if scratch.capacity() > super::dispatch::PREMUL_KEEP {
-            scratch = Vec::new();
-        }
-        self.hier_scratch = scratch;
+        self.hier_scratch = scratch::kept(scratch);
         r
     }
 

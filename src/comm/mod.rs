@@ -13,6 +13,7 @@ mod hier;
 mod init;
 mod queue;
 mod reshape;
+mod scratch;
 pub mod settings;
 pub mod stream;
 #[cfg(test)]
@@ -60,7 +61,7 @@ struct State {
     /// Every rank's shared-memory segment, when all ranks are on this host.
     node: Option<crate::algo::shm::node::Node>,
     /// Scaled inputs of averages of narrow floats (see `premultiplied`), kept from call
-    /// to call up to `dispatch::PREMUL_KEEP` bytes.
+    /// to call up to `scratch::KEEP` bytes.
     premul: Vec<u8>,
     /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
     call_tag: u32,
@@ -447,7 +448,7 @@ mod tests {
         );
     }
 
-    /// The scratch of averages of narrow floats keeps at most `PREMUL_KEEP` bytes
+    /// The scratch of averages of narrow floats keeps at most `scratch::KEEP` bytes
     /// after a large average (16 MiB of f16 here), and a small one reuses what it keeps (no
     /// allocation per call); the results stay right.
     #[test]
@@ -496,7 +497,7 @@ mod tests {
         for (r, t) in ranks.into_iter().enumerate() {
             let (after_big, after_small, reused) = t.join().unwrap();
             assert!(
-                after_big <= dispatch::PREMUL_KEEP,
+                after_big <= scratch::KEEP,
                 "rank {r} kept {after_big} bytes of scratch after a 16 MiB average"
             );
             assert!(

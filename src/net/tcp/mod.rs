@@ -100,6 +100,19 @@ pub struct TcpNet {
     stats: Arc<TcpStats>,
 }
 
+/// The way back of a duplex connection, for the comm that carries it: its sockets (the
+/// shared one first), layout, keys and counters. Each side's file has a `way_back` that makes
+/// its comm of one, and the setup hands the other side's to each comm it makes, so that
+/// neither `send.rs` nor `recv.rs` names the other's comm.
+struct WayBack {
+    socks: Vec<Arc<Socket>>,
+    layout: io::Layout,
+    crypt: Option<records::Crypt>,
+    stats: Arc<TcpStats>,
+    /// The peer.
+    peer: SocketAddr,
+}
+
 /// What a TCP network counts (`roccl_net_*_total{network="tcp"}`): connections set up,
 /// sends the kernel took only part of (a full socket buffer: the rest waits), and sends it
 /// took none of.

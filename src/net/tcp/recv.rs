@@ -12,8 +12,7 @@ use socket2::Socket;
 
 use super::io::{io_err, recv_raw, shut, Layout};
 use super::records::{Crypt, Opener};
-use super::send::TcpSendComm;
-use super::{is_local, HDR, LEN_MASK, MAX_FDS, MSG_MAGIC, RXBUF, RX_DIRECT};
+use super::{is_local, WayBack, HDR, LEN_MASK, MAX_FDS, MSG_MAGIC, RXBUF, RX_DIRECT};
 use crate::error::{Error, Result};
 use crate::net::{PollFd, RecvBuf, RecvComm, ReqId, SendComm, MAX_RECVS, MAX_REQUESTS};
 
@@ -52,6 +51,9 @@ pub(super) struct TcpRecvComm {
     socks: Vec<Arc<Socket>>,
     /// A duplex connection's sockets of the way back, until [`RecvComm::reverse`].
     back: Vec<Arc<Socket>>,
+    /// What makes the send comm of the way back (`TcpSendComm::way_back`, given by the
+    /// setup of a duplex connection).
+    pub(super) send_back: Option<fn(WayBack) -> Box<dyn SendComm>>,
     fds: Vec<i32>,
     layout: Layout,
     rx: Box<[u8]>,
@@ -122,6 +124,7 @@ impl TcpRecvComm {
         TcpRecvComm {
             socks,
             back,
+            send_back: None,
             fds,
             layout,
             rx: vec![0u8; RXBUF].into_boxed_slice(),
@@ -460,6 +463,15 @@ impl TcpRecvComm {
     }
 }
 
+impl TcpRecvComm {
+    /// The receive comm of a duplex connection's way back (see [`WayBack`]).
+    pub(super) fn way_back(w: WayBack) -> Box<dyn RecvComm> {
+        let mut comm = TcpRecvComm::new(w.socks, Vec::new(), w.layout, w.crypt);
+        comm.stats = w.stats;
+        Box::new(comm)
+    }
+}
+
 impl RecvComm for TcpRecvComm {
     unsafe fn irecv(&mut self, bufs: &[RecvBuf]) -> Result<Option<ReqId>> {
         crate::net::refuse_if_failed(&self.failed, "TCP receive comm")?;
@@ -555,9 +567,7 @@ impl RecvComm for TcpRecvComm {
     /// peer that connected, laid out as it lays out its own.
     fn reverse(&mut self) -> Option<Box<dyn SendComm>> {
         let peer = self.peer?;
-        if self.back.is_empty() {
-            return None;
-        }
+        let make = self.send_back.filter(|_| !self.back.is_empty())?;
         let mut socks = vec![Arc::clone(&self.socks[0])];
         socks.append(&mut self.back);
         if let Some(b) = self.local_sndbuf.filter(|_| is_local(peer.ip())) {
@@ -566,10 +576,13 @@ impl RecvComm for TcpRecvComm {
                 let _ = s.set_send_buffer_size(b);
             }
         }
-        let crypt = self.crypt.as_ref().map(Crypt::reversed);
-        let mut comm = TcpSendComm::new(socks, Vec::new(), self.layout, peer, crypt);
-        comm.stats = Arc::clone(&self.stats);
-        Some(Box::new(comm))
+        Some(make(WayBack {
+            socks,
+            layout: self.layout,
+            crypt: self.crypt.as_ref().map(Crypt::reversed),
+            stats: Arc::clone(&self.stats),
+            peer,
+        }))
     }
 }
 

@@ -10,8 +10,7 @@ use socket2::Socket;
 
 use super::io::{io_err, send2, shut, Layout};
 use super::records::{Crypt, Sealer};
-use super::recv::TcpRecvComm;
-use super::{HDR, LEN_MASK, MAX_FDS, MSG_MAGIC};
+use super::{WayBack, HDR, LEN_MASK, MAX_FDS, MSG_MAGIC};
 use crate::error::{Error, Result};
 use crate::net::{MemHandle, PollFd, RecvComm, ReqId, SendComm, MAX_REQUESTS};
 
@@ -31,6 +30,9 @@ pub(super) struct TcpSendComm {
     socks: Vec<Arc<Socket>>,
     /// A duplex connection's sockets of the way back, until [`SendComm::reverse`].
     back: Vec<Arc<Socket>>,
+    /// What makes the receive comm of the way back (`TcpRecvComm::way_back`, given by the
+    /// setup of a duplex connection).
+    pub(super) receive_back: Option<fn(WayBack) -> Box<dyn RecvComm>>,
     fds: Vec<i32>,
     layout: Layout,
     peer: SocketAddr,
@@ -63,6 +65,7 @@ impl TcpSendComm {
             seal,
             socks,
             back,
+            receive_back: None,
             fds,
             layout,
             peer,
@@ -138,6 +141,16 @@ impl TcpSendComm {
     }
 }
 
+impl TcpSendComm {
+    /// The send comm of a duplex connection's way back (see [`WayBack`]): to the peer
+    /// that connected.
+    pub(super) fn way_back(w: WayBack) -> Box<dyn SendComm> {
+        let mut comm = TcpSendComm::new(w.socks, Vec::new(), w.layout, w.peer, w.crypt);
+        comm.stats = w.stats;
+        Box::new(comm)
+    }
+}
+
 impl SendComm for TcpSendComm {
     fn rtt(&self) -> Option<std::time::Duration> {
         crate::os::process::tcp_rtt(*self.fds.first()?)
@@ -208,15 +221,16 @@ impl SendComm for TcpSendComm {
     /// The shared socket and the sockets of the way back read: the peer's messages back,
     /// laid out as this side lays out its own.
     fn reverse(&mut self) -> Option<Box<dyn RecvComm>> {
-        if self.back.is_empty() {
-            return None;
-        }
+        let make = self.receive_back.filter(|_| !self.back.is_empty())?;
         let mut socks = vec![Arc::clone(&self.socks[0])];
         socks.append(&mut self.back);
-        let crypt = self.crypt.as_ref().map(Crypt::reversed);
-        let mut comm = TcpRecvComm::new(socks, Vec::new(), self.layout, crypt);
-        comm.stats = Arc::clone(&self.stats);
-        Some(Box::new(comm))
+        Some(make(WayBack {
+            socks,
+            layout: self.layout,
+            crypt: self.crypt.as_ref().map(Crypt::reversed),
+            stats: Arc::clone(&self.stats),
+            peer: self.peer,
+        }))
     }
 }
 

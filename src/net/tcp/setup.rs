@@ -196,6 +196,7 @@ impl Connecting for TcpConnecting {
         TcpStats::count(&self.stats.connections);
         let mut comm = TcpSendComm::new(own, back, self.layout, self.peer, crypt);
         comm.stats = Arc::clone(&self.stats);
+        comm.receive_back = Some(TcpRecvComm::way_back);
         Ok(Some(Box::new(comm)))
     }
 
@@ -466,6 +467,7 @@ impl TcpListen {
             .sealed
             .then(|| Crypt::new(ConnKeys::new(&self.key, h.id, false), own.len(), back.len()));
         let mut comm = TcpRecvComm::new(own, back, layout, crypt);
+        comm.send_back = Some(TcpSendComm::way_back);
         comm.local_sndbuf = self.local_sndbuf;
         comm.stats = Arc::clone(&self.stats);
         TcpStats::count(&self.stats.connections);
