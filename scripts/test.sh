@@ -32,7 +32,7 @@ features=roccl/verbs,roccl/hip,roccl/cuda
 echo "== clippy (default build, and with the verbs, hip and cuda features)"
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo clippy --workspace --all-targets --release --features "$features" -- -D warnings
-echo "== layers: names under src/ point only down, and no cycle runs between top-level modules (tests/layers.rs)"
+echo "== layers: names under src/ point only down; no cycle runs between top-level modules, nor between the files of one folder (tests/layers.rs)"
 cargo test --release --workspace --features "$features" --test layers
 echo "== tests (ranks as threads and as processes; built with the verbs, hip and cuda features)"
 # Tests that need RDMA hardware or a GPU are skipped with a message; none are counted as passes.

@@ -1,5 +1,6 @@
 //! roccl's layers point one way (docs/ARCHITECTURE.md): a module under `src/` names only its
-//! own layer and the layers below it, and no cycle runs between top-level modules.
+//! own layer and the layers below it, and no cycle runs between top-level modules, nor
+//! between the files of one folder (see [`folder_uses`]).
 //!
 //! A module names another through `crate::…` paths (in `use` or inline, grouped
 //! `use crate::{a::B, c}` included), a macro exported by it (`crate::info!`), an item the
@@ -362,8 +363,13 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// Every cross-module name of the crate at `root`, and the top-level modules it has.
-fn crate_uses(root: &Path) -> (Vec<Use>, BTreeSet<String>) {
+/// A file checked: its path relative to the crate, its module path, and its code without
+/// comments, strings and test items.
+type Checked = (PathBuf, Vec<String>, String);
+
+/// The files of the crate at `root` that are checked (not `src/lib.rs`, `src/bin/` or test
+/// files), and the macros each top-level module exports.
+fn checked_files(root: &Path) -> (Vec<Checked>, BTreeMap<String, String>) {
     let src = root.join("src");
     let files: Vec<(PathBuf, String)> = rust_files(&src)
         .into_iter()
@@ -374,13 +380,11 @@ fn crate_uses(root: &Path) -> (Vec<Use>, BTreeSet<String>) {
         })
         .filter(|(rel, _)| !rel.starts_with("src/bin") && rel != Path::new("src/lib.rs"))
         .collect();
-    let mut modules = BTreeSet::new();
     let mut macros = BTreeMap::new();
     let mut code_of = Vec::new();
     let mut test_files = BTreeSet::new();
     for (rel, text) in &files {
         let path = module_path(rel);
-        modules.insert(path[0].clone());
         let (code, test_mods) = without_tests(&strip(text));
         let dir = if rel.ends_with("mod.rs") {
             rel.parent().unwrap().to_path_buf()
@@ -397,21 +401,90 @@ fn crate_uses(root: &Path) -> (Vec<Use>, BTreeSet<String>) {
         }
         code_of.push((rel.clone(), path, code));
     }
-    let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+    code_of.retain(|(rel, _, _)| !test_files.iter().any(|t| rel.starts_with(t)));
+    (code_of, macros)
+}
+
+/// Every cross-module name of the crate at `root`, and the top-level modules it has.
+fn crate_uses(root: &Path) -> (Vec<Use>, BTreeSet<String>) {
+    let (files, macros) = checked_files(root);
+    let modules: BTreeSet<String> = files.iter().map(|f| f.1[0].clone()).collect();
+    let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
     let names = Names {
         modules: modules.clone(),
         reexports: root_reexports(&lib),
         macros,
     };
     let mut uses = Vec::new();
-    for (rel, path, code) in &code_of {
-        if test_files.iter().any(|t| rel.starts_with(t)) {
-            continue;
-        }
+    for (rel, path, code) in &files {
         let file = rel.to_string_lossy();
         uses.extend(uses_in(&file, path, code, &names));
     }
     (uses, modules)
+}
+
+/// The names a file takes from another file of its own folder, as [`Use`]s from file to
+/// file: `super::`, `self::` and `crate::` paths, resolved to the file of the longest module
+/// they name. A folder's `mod.rs` is one of its files, but what it takes from its own
+/// children does not count: it declares and assembles them (its children may take the
+/// folder's shared items from it). `files`: every checked file.
+fn folder_uses(files: &[Checked]) -> Vec<Use> {
+    let file_of: BTreeMap<&[String], &Path> = files
+        .iter()
+        .map(|(rel, path, _)| (path.as_slice(), rel.as_path()))
+        .collect();
+    let mut uses = Vec::new();
+    for (rel, module, code) in files.iter().filter(|f| !f.0.ends_with("mod.rs")) {
+        let dir = rel.parent().unwrap();
+        let mut add = |full: Vec<String>, written: String| {
+            let target = (1..=full.len())
+                .rev()
+                .find_map(|k| file_of.get(&full[..k]))
+                .copied();
+            if let Some(t) = target.filter(|t| *t != rel.as_path() && t.parent() == Some(dir)) {
+                uses.push(Use {
+                    file: rel.to_string_lossy().into_owned(),
+                    from: rel.to_string_lossy().into_owned(),
+                    to: t.to_string_lossy().into_owned(),
+                    name: written,
+                });
+            }
+        };
+        let starts = |k: usize| !code[..k].ends_with(|c: char| is_ident(c) || c == ':');
+        for k in (0..code.len()).filter(|&k| code.is_char_boundary(k) && starts(k)) {
+            let first = ident(&code[k..]);
+            let after = &code[k + first.len()..];
+            if first.is_empty() || !after.starts_with("::") {
+                continue;
+            }
+            // Where the path is rooted, and what follows the root.
+            let (mut base, mut rest) = match first {
+                "crate" => (Vec::new(), &after[2..]),
+                "self" => (module.clone(), &after[2..]),
+                "super" => (
+                    module[..module.len().saturating_sub(1)].to_vec(),
+                    &after[2..],
+                ),
+                _ => continue,
+            };
+            while let Some(t) = rest.trim_start().strip_prefix("super::") {
+                base.pop();
+                rest = t;
+            }
+            let rest = rest.trim_start();
+            let items = match rest.strip_prefix('{') {
+                Some(group) => group_items(group),
+                None => vec![rest],
+            };
+            for item in items {
+                let text = path_text(item);
+                let mut full = base.clone();
+                full.extend(text.split("::").filter(|s| !s.is_empty()).map(String::from));
+                add(full, format!("{first}::{text}"));
+            }
+        }
+    }
+    uses
 }
 
 /// The names that point up a layer, as messages.
@@ -508,6 +581,14 @@ fn no_cycle_between_top_level_modules() {
     }
 }
 
+#[test]
+fn no_cycle_between_the_files_of_a_folder() {
+    let (files, _) = checked_files(Path::new(env!("CARGO_MANIFEST_DIR")));
+    if let Some(c) = cycle(&folder_uses(&files)) {
+        panic!("a cycle between the files of one folder: {}", describe(&c));
+    }
+}
+
 /// The check itself finds what it is meant to find (and ignores what it must ignore).
 #[test]
 fn the_check_finds_upward_names_and_cycles() {
@@ -561,4 +642,55 @@ fn the_check_finds_upward_names_and_cycles() {
     both.extend(scan("src/rdma/udp.rs", "use crate::net::PollFd;"));
     let c = cycle(&both).expect("a cycle");
     assert!(describe(&c).contains("src/rdma/udp.rs names `crate::net::PollFd`"));
+}
+
+/// The folder check resolves each way a file names a sibling, and finds their cycle.
+#[test]
+fn the_check_finds_cycles_between_the_files_of_a_folder() {
+    let file = |rel: &str, code: &str| {
+        let rel = PathBuf::from(rel);
+        let path = module_path(&rel);
+        (rel, path, without_tests(&strip(code)).0)
+    };
+    let files = vec![
+        file(
+            "src/net/tcp/mod.rs",
+            "mod send; mod recv; fn f() { recv::g(); }",
+        ),
+        file("src/net/tcp/send.rs", "use super::{recv::R, HDR};"),
+        file(
+            "src/net/tcp/recv.rs",
+            "fn g() { crate::net::tcp::send::S::new(); }",
+        ),
+        file(
+            "src/net/shm/ring.rs",
+            "use super::super::tcp::send::S; // crate::net::tcp::recv::R",
+        ),
+        file(
+            "src/net/other.rs",
+            "#[cfg(test)]\nmod tests { use super::tcp::send::S; }",
+        ),
+        file(
+            "src/net/tcp/setup.rs",
+            "use self::inner::X; use super::send::S;",
+        ),
+    ];
+    let found: Vec<(String, String)> = folder_uses(&files)
+        .into_iter()
+        .map(|u| (u.from, u.to))
+        .collect();
+    let pair = |a: &str, b: &str| (format!("src/net/tcp/{a}"), format!("src/net/tcp/{b}"));
+    // Another folder's files, test code and what mod.rs takes from its children are not
+    // counted.
+    assert_eq!(
+        found,
+        [
+            pair("send.rs", "recv.rs"),
+            pair("send.rs", "mod.rs"),
+            pair("recv.rs", "send.rs"),
+            pair("setup.rs", "send.rs"),
+        ]
+    );
+    let c = cycle(&folder_uses(&files)).expect("send and recv name each other");
+    assert!(describe(&c).contains("send.rs"), "{}", describe(&c));
 }

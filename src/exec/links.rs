@@ -174,9 +174,9 @@ pub(crate) struct Links {
     /// (`ROCCL_STUCK_WARN`; default a third of the timeout).
     pub stuck_warn: Duration,
     /// Vectors the executor reuses from call to call.
-    pub scratch_ops: Vec<super::Op>,
+    pub scratch_ops: Vec<super::requests::Op>,
     pub scratch_fds: Vec<PollFd>,
-    pub scratch_users: Vec<super::UserBuf>,
+    pub scratch_users: Vec<super::requests::UserBuf>,
     pub scratch_members: Vec<usize>,
     /// Per peer, whether GPU memory may be posted toward it and how it is registered:
     /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at

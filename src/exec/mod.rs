@@ -30,6 +30,8 @@ mod mem;
 use mem::gpu_memory_on_cpu_path;
 pub(crate) use mem::{Mem, MemMut};
 pub(crate) mod links;
+mod requests;
+use requests::{Op, UserBuf};
 mod virtual_time;
 
 /// Which buffer a region lives in.
@@ -59,15 +61,6 @@ impl Reg {
     }
 }
 
-/// A caller buffer as the executor holds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct UserBuf {
-    addr: usize,
-    len: usize,
-    write: bool,
-    device: bool,
-}
-
 /// A registration of a GPU buffer on one connection, for one call.
 struct DevReg {
     peer: usize,
@@ -80,24 +73,6 @@ struct DevReg {
 /// Token of a request in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tok(u32);
-
-#[derive(Clone, Copy)]
-pub(crate) struct Op {
-    send: bool,
-    peer: u32,
-    ch: u8,
-    req: ReqId,
-    addr: usize,
-    len: usize,
-    active: bool,
-    done: bool,
-    size: usize,
-    /// When it was posted (`metrics::now_ns`), where the communicator is traced; else 0.
-    posted: u64,
-    /// A receive on a simulated network: its virtual arrival (ps), applied to the rank's
-    /// clock when the algorithm takes it (0: none).
-    arrival: u64,
-}
 
 const MAX_OPS: usize = 128;
 
