@@ -23,7 +23,7 @@ use crate::types::{DataType, RedOp};
 const VERSION: u32 = 10;
 
 /// The settings every rank must share, in blob order.
-const SETTINGS: [&str; 10] = [
+pub(super) const SETTINGS: [&str; 10] = [
     "ROCCL_ALGO",
     "ROCCL_RING_WINDOW",
     "ROCCL_SLICE",

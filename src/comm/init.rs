@@ -69,64 +69,11 @@ impl Communicator {
         cfg: Config,
         abort: &std::sync::atomic::AtomicBool,
     ) -> Result<Communicator> {
-        if nranks == 0 {
-            return Err(Error::arg("nranks must be at least 1"));
-        }
-        if rank >= nranks {
-            return Err(Error::arg(format!(
-                "rank {rank} is out of range for {nranks} ranks (ranks are 0..{})",
-                nranks - 1
-            )));
-        }
+        check_rank(rank, nranks)?;
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
-        // The simulated network places its rank on a host of its cluster: it is made here,
-        // where the rank is known.
-        let net: Arc<dyn net::Net> = if cfg.net == NetKind::Sim {
-            Arc::new(net::sim::SimNet::new(rank, cfg.sim.clone())?)
-        } else {
-            net::open(cfg.net, local)?
-        };
-        // The network's own waits (retransmission, draining at close) end at this
-        // communicator's deadline, not at one read from the environment.
-        net.set_timeout(cfg.waiter.timeout);
-        // Connections prove that they belong to this job (docs/SECURITY.md).
-        let job_key = id.job_key();
-        net.set_job_key(&job_key);
-        if crate::bootstrap::seal::requested() && !id.encrypted() {
-            return Err(Error::InvalidUsage(format!(
-                "rank {rank}: ROCCL_ENCRYPT=1 (or ncclSetEncryption) here, but the unique id was made without encryption: ask for it where the id is made (rank 0, before rocclGetUniqueId / ncclGetUniqueId), or on every rank in launcher mode"
-            )));
-        }
-        if id.encrypted() && !id.has_secret() && !crate::bootstrap::seal::has_psk() {
-            return Err(bootstrap::keyless_encryption(rank));
-        }
-        net.set_encryption(id.encrypted());
-        if id.encrypted() && !net.encrypts() && !matches!(cfg.net, NetKind::Shm | NetKind::Sim) {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                crate::warn!(
-                    "ROCCL_ENCRYPT: the bootstrap is encrypted, but data over {} is not (RDMA cannot be encrypted in software without losing zero copy; shared memory stays on the host): use ROCCL_NET=tcp to encrypt the data too, or IPsec/MACsec below roccl (docs/SECURITY.md)",
-                    net.name()
-                )
-            });
-        }
-        // Whether GPU memory can go to peers over this network. Connections keep eager
-        // messages: the executor hands the network a GPU copy for those.
-        let net_gpu = if cfg.gpu_direct != GpuDirect::Off {
-            let p = net.properties(0)?.ptr_support;
-            if p.dmabuf || p.device {
-                Some(p.dmabuf)
-            } else {
-                crate::info!(
-                    "GPU-direct (ROCCL_GPU_DIRECT) is not possible: {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
-                    net.name()
-                );
-                None
-            }
-        } else {
-            None
-        };
+        let net = open_network(id, rank, &cfg, local)?;
+        let net_gpu = gpu_direct_over(&*net, &cfg)?;
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
         // A network named explicitly (tcp, rocev2, verbs) carries every peer when the job is
@@ -134,43 +81,11 @@ impl Communicator {
         // network between hosts, and ranks of one host use shared memory as under `auto`:
         // the endpoint is made for it too and dropped after the rendezvous on one host.
         let shm_between_hosts = !matches!(cfg.net, NetKind::Auto | NetKind::Shm | NetKind::Sim);
-        let shm = if (cfg.net == NetKind::Auto || shm_between_hosts)
-            && crate::envvar::switch_or("ROCCL_SHM", true)
-        {
-            match net::shm::ShmNet::new().and_then(|n| {
-                net::Net::set_job_key(&n, &job_key);
-                let (h, l) = net::Net::listen(&n, 0)?;
-                Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
-            }) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    crate::info!(
-                        "shared memory unavailable ({e}): peers on this host use {}",
-                        net.name()
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
+        let shm = shm_endpoint(&cfg, shm_between_hosts, id, &*net);
         // Segments for collectives through shared memory, created before the rendezvous so
         // that peers on this host can map them once it is over.
         let tag = nonce ^ ((nranks as u64) << 48);
-        let node_seg = if nranks > 1
-            && ((shm.is_some() && cfg.net == NetKind::Auto) || cfg.net == NetKind::Shm)
-        {
-            let slot = cfg.shm_slot.unwrap_or(crate::algo::shm::node::DEFAULT_SLOT);
-            match crate::algo::shm::node::NodeSeg::create(tag, rank, slot) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    crate::info!("shared-memory collectives unavailable on rank {rank}: {e}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
+        let node_seg = node_segment(&cfg, shm.is_some(), tag, rank, nranks);
         let props = net.properties(0)?;
         let mine = agree::settings(&cfg, stream::ops::stream_chunk()?);
         // A listener for later rendezvous without a new unique id (shrink, grow).
@@ -179,322 +94,147 @@ impl Communicator {
                 crate::info!("rank {rank}: no spare rendezvous listener ({e}): shrink and grow will be refused")
             })
             .ok();
-        let given = cfg.clone();
-        let table = bootstrap::rendezvous_abortable(
-            id,
+        let handles = (&handle, shm.as_ref().map(|s| &s.1));
+        let own = own_blob(
+            &cfg,
             rank,
-            nranks,
-            &agree::blob(
-                &handle,
-                net.name(),
-                shm.as_ref().map(|s| &s.1),
-                node_seg.is_some(),
-                &mine,
-                agree::HostInputs {
-                    cores: crate::os::host_cores() as u32,
-                    latency_us: props.latency_us,
-                    speed_mbps: props.speed_mbps,
-                    nic: agree::nic_fingerprint(&props),
-                    devices: net.devices() as u32,
-                },
-                spare.as_ref().map(|s| s.addr()),
-                match (&cfg.host, cfg.net) {
-                    (Some(h), _) => bootstrap::host_id_of(h),
-                    // A simulated rank is on the host of the simulated cluster it sits on:
-                    // hierarchies and ring orders are simulated as they would run there.
-                    (None, NetKind::Sim) => {
-                        bootstrap::host_id_of(&format!("sim-host-{}", cfg.sim.host_of(rank)?))
+            (&*net, &props),
+            handles,
+            node_seg.is_some(),
+            &mine,
+            &spare,
+        )?;
+        let table =
+            bootstrap::rendezvous_abortable(id, rank, nranks, &own, cfg.waiter.timeout, abort)
+                .inspect_err(|_| {
+                    if node_seg.is_some() {
+                        // A rank killed meanwhile cannot unlink its own segment.
+                        crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
                     }
-                    (None, _) => bootstrap::host_id(),
-                },
-            ),
-            cfg.waiter.timeout,
-            abort,
-        )
-        .inspect_err(|_| {
-            if node_seg.is_some() {
-                // A rank killed meanwhile cannot unlink its own segment.
-                crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
-            }
-        })?;
-        let mut blobs = table
-            .iter()
-            .enumerate()
-            .map(|(r, b)| agree::parse_blob(r, b, rank, net.name(), &mine))
-            .collect::<Result<Vec<_>>>()?;
-        // Every rank sees the same table, so all drop the shared-memory endpoints alike.
-        let one_host = blobs.iter().all(|b| b.host == blobs[0].host);
-        let mut shm = shm;
-        if shm_between_hosts && one_host {
-            shm = None;
-            for b in &mut blobs {
-                b.shm = None;
-            }
-        }
-        let my_host = blobs[rank].host;
-        let local_ranks = blobs.iter().filter(|b| b.host == my_host).count();
-        let cores = crate::os::host_cores();
+                })?;
+        let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, shm_between_hosts)?;
+        let given = cfg.clone();
+        let place = Placement::of(&blobs, rank, shm.is_some());
         let mut cfg = cfg;
-        cfg.waiter.fit(local_ranks, cores);
+        cfg.waiter.fit(place.local_ranks, place.cores);
         // Large messages take a channel per NIC of the fewest any rank has (the same on
         // every rank: the channels decide how a call is cut).
         cfg.tuning.nics = agree::nics_per_rank(&blobs);
-        // The worker thread (stream-ordered and non-blocking calls) polls between jobs: it
-        // spins only with a core for it next to the application's thread of every rank, and
-        // otherwise yields (2 cores, 2 ranks, simulated device: 8 B stream-ordered all-reduce
-        // 23.5 µs blocking in the channel at once, 13.4 µs yielding first; docs/PERFORMANCE-LOG.md).
-        let worker_wait = Waiter {
-            spin: if cores >= 2 * local_ranks {
-                cfg.waiter.spin
-            } else {
-                Duration::ZERO
-            },
-            ..cfg.waiter.clone()
-        };
-        // Peers on this host that offer shared memory are reached through it.
-        let peer_net: Vec<usize> = (0..nranks)
-            .map(|p| {
-                let same_host = blobs[p].host == my_host;
-                usize::from(shm.is_some() && same_host && blobs[p].shm.is_some())
-            })
-            .collect();
-        let all_have_node = blobs.iter().all(|b| b.node);
-        let measured = agree::slowest_speeds(&blobs);
-        let shm_net = net.name() == "shm";
-        let handles: Vec<Vec<NetHandle>> = blobs
-            .iter()
-            .map(|b| {
-                let s = b.shm.clone().unwrap_or_else(|| b.handle.clone());
-                vec![b.handle.clone(), s]
-            })
-            .collect();
-        let shm_peers = (0..nranks)
-            .filter(|&p| p != rank && peer_net[p] == 1)
-            .count();
-        let other_peers = nranks - 1 - shm_peers;
-        // Peers on this host talk through the kernel's loopback path whatever the interface.
-        let all_local = local_ranks == nranks;
         // Every rank on this host with its segment: map them all (every rank decides alike).
         let node = match node_seg {
-            Some(own) if all_local && all_have_node => {
+            Some(own) if place.local_ranks == nranks && blobs.iter().all(|b| b.node) => {
                 crate::algo::shm::node::Node::attach(own, tag, rank, nranks, &cfg.waiter, abort)?
             }
             _ => None,
         };
-        // The same cost inputs on every rank, however the hosts differ (agree.rs).
-        let cost = agree::agreed_cost(&blobs, shm_net, node.as_ref().map(|n| (n.slot(), n.cma())));
-        let simulated = (cfg.net == NetKind::Sim).then(|| agree::simulated_costs(&cfg.sim, cost));
-        let cost = simulated.map_or(cost, |s| s.1);
-        // Hosts, and the links inside and between them (hierarchical calls, ring orders).
-        let topo =
-            crate::algo::topo::Topology::new(&blobs.iter().map(|b| b.host).collect::<Vec<_>>())
-                .with_nics(agree::nics_per_host(&blobs));
-        let (topo, hier_cost) = if topo.nhosts() > 1 {
-            let all_shm = blobs.iter().all(|b| b.shm.is_some());
-            let intra = match simulated {
-                Some(s) => s.0,
-                None if all_shm => agree::agreed_cost(&blobs, true, None),
-                None => cost,
-            };
-            crate::info!(
-                "rank {rank}: {} hosts, {} to {} ranks each on {} NIC(s) (ring order host by host: {}); inside hosts α={:.1}µs β={:.2}GB/s",
-                topo.nhosts(),
-                (0..nranks).map(|r| topo.local(r).len()).min().unwrap_or(0),
-                topo.max_local(),
-                topo.nics(),
-                if topo.ring_in_rank_order() { "rank order" } else { "reordered" },
-                intra.alpha_us,
-                intra.beta_gbs
-            );
-            (Some(Arc::new(topo)), Some((intra, cost)))
-        } else {
-            (None, None)
-        };
-        // Flat exchanges from every rank of a host at once share its NICs (model.rs).
-        let cost = match &topo {
-            Some(t) => {
-                let m = t.max_local().max(1);
-                LinkCost {
-                    nic_share: t.nics().clamp(1, m) as f64 / m as f64,
-                    ..cost
-                }
-            }
-            None => cost,
-        };
-        let name = combined_name(net.name(), shm_peers, other_peers);
-        if let Some(n) = &node {
-            crate::info!(
-                "rank {rank}: collectives through shared segments on ({} KiB slots; single-copy broadcasts: {})",
-                n.slot() >> 10,
-                if n.cma() { "yes" } else { "no, process_vm_readv refused" }
-            );
-        }
-        crate::info!(
-            "rank {rank}/{nranks}: net {name} on {}{} ({}), {local_ranks} rank(s) on this host with {cores} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
-            props.name,
-            if net.devices() > 1 {
-                format!(
-                    " and {} more device(s) (large calls take a channel per NIC, {} on every rank)",
-                    net.devices() - 1,
-                    cfg.tuning.nics
-                )
-            } else {
-                String::new()
-            },
-            local,
-            cfg.waiter.spin,
-            cfg.waiter.yield_for,
-            cfg.waiter.timeout,
-            cost.alpha_us,
-            cost.beta_gbs,
-            cost.msg_cpu_us,
-            cost.gamma_gbs,
-            cost.copy_gbs,
-            measured.reduce_gbs,
-            measured.copy_gbs
-        );
-        // Ranks of one host start their channels on different NICs (rank i of the host on
-        // NIC i, then in turn), so that ranks talking across hosts at once — the calls by
-        // host, one rank per local index — each have one.
-        let local_index = blobs[..rank].iter().filter(|b| b.host == my_host).count();
-        let mut endpoints = vec![Endpoint {
-            dev: local_index % net.devices().max(1),
-            net,
-            listen,
-        }];
-        if let Some((n, _, l)) = shm {
-            endpoints.push(Endpoint {
-                net: n,
-                dev: 0,
-                listen: l,
-            });
-        }
-        let links = Links::new(
+        let (cost, topo, hier_cost) = cost_and_topology(&blobs, &cfg, rank, &*net, node.as_ref());
+        let name = combined_name(net.name(), place.shm_peers, place.other_peers());
+        log_setup(
             rank,
-            nranks,
-            (nonce ^ (nonce >> 32)) as u32,
-            endpoints,
-            peer_net,
-            handles,
+            &cfg,
+            (&*net, &props, local),
+            name,
+            &place,
+            (&cost, node.as_ref()),
+            &blobs,
         );
-        let mut links = links;
+        let endpoints = endpoints(net, listen, shm, place.local_index);
+        let mut links = make_links(rank, &cfg, (nonce, endpoints), &place, &blobs);
         // Peers reached over the network that takes GPU memory (not over shared memory).
         links.device_mem = (0..nranks)
             .map(|p| net_gpu.filter(|_| links.peer_net[p] == 0))
             .collect();
-        let device_mem = links.device_mem.clone();
-        // Peers whose process this rank can look at (same host, same pid namespace): a
-        // failure then says whether it exited or is stopped.
-        links.local_pids = blobs
-            .iter()
-            .map(|b| {
-                let here = b.host == my_host && b.pid_ns == blobs[rank].pid_ns;
-                (here && b.pid != 0).then_some(b.pid)
-            })
-            .collect();
-        links.timeout_grace =
-            (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
-        // Counters, always on (crate::metrics), and the endpoint where ROCCL_METRICS_ADDR asks.
-        let id_hash = {
-            use sha2::Digest;
-            let d = sha2::Sha256::digest(&id.as_bytes()[..32]);
-            u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
-        };
-        let metrics = crate::metrics::CommMetrics::new(
+        let id_hash = id_hash(id);
+        links.metrics = Some(comm_metrics(
             rank,
             nranks,
             id_hash,
             name,
-            &crate::algo::Algo::NAMES,
-        );
-        for e in &links.endpoints {
-            let w = Arc::downgrade(&e.net);
-            metrics.add_net_source(
-                e.net.name(),
-                Box::new(move |out| {
-                    if let Some(n) = w.upgrade() {
-                        n.counters(out)
-                    }
-                }),
-            );
-        }
-        if let Some(n) = &node {
-            let s = std::sync::Arc::clone(&n.stats);
-            metrics.add_net_source(
-                "shm",
-                Box::new(move |out| {
-                    out.push((
-                        "node_sleeps",
-                        s.sleeps.load(std::sync::atomic::Ordering::Relaxed),
-                    ));
-                    out.push((
-                        "node_wakeups",
-                        s.wakeups.load(std::sync::atomic::Ordering::Relaxed),
-                    ));
-                }),
-            );
-        }
-        links.metrics = Some(metrics);
-        links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
-            s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
-            _ => cfg.waiter.timeout / 3,
-        };
+            &links,
+            node.as_ref(),
+        ));
         if let Some(Err(e)) = crate::metrics::http::start_from_env() {
             crate::warn!("{e}: no metrics endpoint");
         }
+        let connect_all = cfg.connect_all;
+        let parts = Parts {
+            id_hash,
+            name,
+            net_gpu,
+            node,
+            cost,
+            topo,
+            hier_cost,
+            spares: blobs.iter().map(|b| b.spare).collect(),
+            spare,
+            given,
+            worker_wait: worker_wait(&cfg, &place),
+        };
+        let comm = Communicator::assemble(id, rank, nranks, cfg, links, parts);
+        if connect_all {
+            comm.connect_all_abortable(abort)?;
+        }
+        Ok(comm)
+    }
+
+    /// The communicator of the parts made by [`Communicator::init_abortable`].
+    fn assemble(
+        id: &UniqueId,
+        rank: usize,
+        nranks: usize,
+        cfg: Config,
+        links: Links,
+        p: Parts,
+    ) -> Communicator {
         let abort_flag = Arc::clone(&links.abort);
         let clock = links.clock.clone();
-        let connect_all = cfg.connect_all;
+        let device_mem = links.device_mem.clone();
         let broken = Arc::new(Broken::default());
-        let comm = Communicator {
+        Communicator {
             shared: Arc::new(Shared {
                 rank,
                 nranks,
-                id_hash,
+                id_hash: p.id_hash,
                 encrypted: id.encrypted(),
-                net: name,
-                flat: node.is_some(),
+                net: p.name,
+                flat: p.node.is_some(),
                 gpu_direct_min: cfg.gpu_direct_min,
                 gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
-                gpu_direct_net: net_gpu.is_some(),
+                gpu_direct_net: p.net_gpu.is_some(),
                 device_mem,
                 clock,
                 state: Mutex::new(State {
                     links,
-                    node,
+                    node: p.node,
                     premul: Vec::new(),
                     call_tag: 0,
                     last_choice: None,
                     stage: Vec::new(),
                     broken: Arc::clone(&broken),
-                    cfg,
-                    cost,
-                    topo,
-                    hier_cost,
+                    cost: p.cost,
+                    topo: p.topo,
+                    hier_cost: p.hier_cost,
                     hier_scratch: Vec::new(),
                     serving: 0,
-                    worker_spin: worker_wait.spin,
+                    worker_spin: p.worker_wait.spin,
+                    cfg,
                 }),
                 broken,
                 turn: Condvar::new(),
                 tickets: AtomicU64::new(0),
                 worker: Mutex::new(None),
-                worker_wait,
+                worker_wait: p.worker_wait,
                 abort: abort_flag,
                 reshape: super::reshape::Reshape {
-                    spare,
-                    spares: blobs.iter().map(|b| b.spare).collect(),
+                    spare: p.spare,
+                    spares: p.spares,
                     key: id.job_key(),
-                    cfg: given,
+                    cfg: p.given,
                     count: AtomicU64::new(0),
                     revoked: std::sync::atomic::AtomicBool::new(false),
                 },
             }),
-        };
-        if connect_all {
-            comm.connect_all_abortable(abort)?;
         }
-        Ok(comm)
     }
 
     /// [`Communicator::connect_all`] during an abortable init: its waits watch the
@@ -645,4 +385,471 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
     addrs
         .next()
         .ok_or_else(|| Error::arg(format!("root host '{host}' has no address")))
+}
+
+/// `rank` of `nranks` makes sense.
+fn check_rank(rank: usize, nranks: usize) -> Result<()> {
+    if nranks == 0 {
+        return Err(Error::arg("nranks must be at least 1"));
+    }
+    if rank >= nranks {
+        return Err(Error::arg(format!(
+            "rank {rank} is out of range for {nranks} ranks (ranks are 0..{})",
+            nranks - 1
+        )));
+    }
+    Ok(())
+}
+
+/// What [`Communicator::init_abortable`] hands [`Communicator::assemble`] besides the links.
+struct Parts {
+    id_hash: u64,
+    /// The name the communicator reports ([`combined_name`]).
+    name: &'static str,
+    /// Whether GPU memory goes to peers over the network (and as dmabufs).
+    net_gpu: Option<bool>,
+    node: Option<crate::algo::shm::node::Node>,
+    cost: LinkCost,
+    topo: Option<Arc<crate::algo::topo::Topology>>,
+    hier_cost: Option<(LinkCost, LinkCost)>,
+    spare: Option<bootstrap::spare::SpareRoot>,
+    spares: Vec<Option<SocketAddr>>,
+    /// The settings as given (before they were fitted to the host), for shrink and grow.
+    given: Config,
+    worker_wait: Waiter,
+}
+
+/// Where this rank sits among the ranks of the table: its host, its peers on it and how
+/// each peer is reached.
+struct Placement {
+    my_host: u64,
+    local_ranks: usize,
+    /// This rank's index among the ranks of its host.
+    local_index: usize,
+    cores: usize,
+    /// Per peer: 1 when reached through shared memory, else 0 (the network).
+    peer_net: Vec<usize>,
+    shm_peers: usize,
+    nranks: usize,
+}
+
+impl Placement {
+    /// The placement of `rank` in `blobs`; `shm`: whether this rank has a shared-memory
+    /// endpoint (peers on this host that offer one too are reached through it).
+    fn of(blobs: &[agree::Blob], rank: usize, shm: bool) -> Placement {
+        let my_host = blobs[rank].host;
+        let peer_net: Vec<usize> = blobs
+            .iter()
+            .map(|b| usize::from(shm && b.host == my_host && b.shm.is_some()))
+            .collect();
+        let shm_peers = (0..blobs.len())
+            .filter(|&p| p != rank && peer_net[p] == 1)
+            .count();
+        Placement {
+            my_host,
+            local_ranks: blobs.iter().filter(|b| b.host == my_host).count(),
+            local_index: blobs[..rank].iter().filter(|b| b.host == my_host).count(),
+            cores: crate::os::host_cores(),
+            peer_net,
+            shm_peers,
+            nranks: blobs.len(),
+        }
+    }
+
+    /// Peers reached over the network.
+    fn other_peers(&self) -> usize {
+        self.nranks - 1 - self.shm_peers
+    }
+}
+
+/// The network of `cfg` for `rank`, told this communicator's deadline and job key, with the
+/// encryption the id asks for (refused where it cannot be had).
+fn open_network(
+    id: &UniqueId,
+    rank: usize,
+    cfg: &Config,
+    local: std::net::IpAddr,
+) -> Result<Arc<dyn net::Net>> {
+    // The simulated network places its rank on a host of its cluster: it is made here,
+    // where the rank is known.
+    let net: Arc<dyn net::Net> = if cfg.net == NetKind::Sim {
+        Arc::new(net::sim::SimNet::new(rank, cfg.sim.clone())?)
+    } else {
+        net::open(cfg.net, local)?
+    };
+    // The network's own waits (retransmission, draining at close) end at this
+    // communicator's deadline, not at one read from the environment.
+    net.set_timeout(cfg.waiter.timeout);
+    // Connections prove that they belong to this job (docs/SECURITY.md).
+    net.set_job_key(&id.job_key());
+    if crate::bootstrap::seal::requested() && !id.encrypted() {
+        return Err(Error::InvalidUsage(format!(
+            "rank {rank}: ROCCL_ENCRYPT=1 (or ncclSetEncryption) here, but the unique id was made without encryption: ask for it where the id is made (rank 0, before rocclGetUniqueId / ncclGetUniqueId), or on every rank in launcher mode"
+        )));
+    }
+    if id.encrypted() && !id.has_secret() && !crate::bootstrap::seal::has_psk() {
+        return Err(bootstrap::keyless_encryption(rank));
+    }
+    net.set_encryption(id.encrypted());
+    if id.encrypted() && !net.encrypts() && !matches!(cfg.net, NetKind::Shm | NetKind::Sim) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            crate::warn!(
+                "ROCCL_ENCRYPT: the bootstrap is encrypted, but data over {} is not (RDMA cannot be encrypted in software without losing zero copy; shared memory stays on the host): use ROCCL_NET=tcp to encrypt the data too, or IPsec/MACsec below roccl (docs/SECURITY.md)",
+                net.name()
+            )
+        });
+    }
+    Ok(net)
+}
+
+/// Whether GPU memory can go to peers over `net` (`Some(dmabuf)`), as `cfg` asks.
+/// Connections keep eager messages: the executor hands the network a GPU copy for those.
+fn gpu_direct_over(net: &dyn net::Net, cfg: &Config) -> Result<Option<bool>> {
+    if cfg.gpu_direct == GpuDirect::Off {
+        return Ok(None);
+    }
+    let p = net.properties(0)?.ptr_support;
+    if p.dmabuf || p.device {
+        return Ok(Some(p.dmabuf));
+    }
+    crate::info!(
+        "GPU-direct (ROCCL_GPU_DIRECT) is not possible: {} cannot take GPU memory (it needs an RDMA NIC with dmabuf or peer-memory support): GPU buffers are staged through host memory",
+        net.name()
+    );
+    Ok(None)
+}
+
+/// A shared-memory network endpoint (network, handle, listener) for peers on this host,
+/// where `cfg` wants one and this host offers it.
+type ShmEndpoint = (Arc<dyn net::Net>, NetHandle, Box<dyn net::ListenComm>);
+
+/// The shared-memory endpoint of a rank whose network is `net` (see `init_abortable`).
+fn shm_endpoint(
+    cfg: &Config,
+    between_hosts: bool,
+    id: &UniqueId,
+    net: &dyn net::Net,
+) -> Option<ShmEndpoint> {
+    if !(cfg.net == NetKind::Auto || between_hosts) || !crate::envvar::switch_or("ROCCL_SHM", true)
+    {
+        return None;
+    }
+    let made = net::shm::ShmNet::new().and_then(|n| {
+        net::Net::set_job_key(&n, &id.job_key());
+        let (h, l) = net::Net::listen(&n, 0)?;
+        Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))
+    });
+    made.inspect_err(|e| {
+        crate::info!(
+            "shared memory unavailable ({e}): peers on this host use {}",
+            net.name()
+        )
+    })
+    .ok()
+}
+
+/// This rank's segment for collectives through shared memory, where they can run.
+fn node_segment(
+    cfg: &Config,
+    shm: bool,
+    tag: u64,
+    rank: usize,
+    nranks: usize,
+) -> Option<crate::algo::shm::node::NodeSeg> {
+    if nranks < 2 || !((shm && cfg.net == NetKind::Auto) || cfg.net == NetKind::Shm) {
+        return None;
+    }
+    let slot = cfg.shm_slot.unwrap_or(crate::algo::shm::node::DEFAULT_SLOT);
+    crate::algo::shm::node::NodeSeg::create(tag, rank, slot)
+        .inspect_err(|e| crate::info!("shared-memory collectives unavailable on rank {rank}: {e}"))
+        .ok()
+}
+
+/// The blob this rank registers at the rendezvous (`agree::blob`): its listen handles
+/// (network, shared memory), settings, host and spare rendezvous address.
+fn own_blob(
+    cfg: &Config,
+    rank: usize,
+    (net, props): (&dyn net::Net, &net::NetProperties),
+    (handle, shm): (&NetHandle, Option<&NetHandle>),
+    node: bool,
+    mine: &[u64; agree::SETTINGS.len()],
+    spare: &Option<bootstrap::spare::SpareRoot>,
+) -> Result<Vec<u8>> {
+    Ok(agree::blob(
+        handle,
+        net.name(),
+        shm,
+        node,
+        mine,
+        agree::HostInputs {
+            cores: crate::os::host_cores() as u32,
+            latency_us: props.latency_us,
+            speed_mbps: props.speed_mbps,
+            nic: agree::nic_fingerprint(props),
+            devices: net.devices() as u32,
+        },
+        spare.as_ref().map(|s| s.addr()),
+        host_of(cfg, rank)?,
+    ))
+}
+
+/// The rendezvous table's blobs, checked against this rank's settings; on a job of one
+/// host whose network was named (`shm_between_hosts`), without the shared-memory endpoints
+/// (every rank sees the same table, so all drop them alike).
+fn table_blobs(
+    table: &[Vec<u8>],
+    rank: usize,
+    (net, mine): (&str, &[u64; agree::SETTINGS.len()]),
+    shm: Option<ShmEndpoint>,
+    shm_between_hosts: bool,
+) -> Result<(Vec<agree::Blob>, Option<ShmEndpoint>)> {
+    let mut blobs = table
+        .iter()
+        .enumerate()
+        .map(|(r, b)| agree::parse_blob(r, b, rank, net, mine))
+        .collect::<Result<Vec<_>>>()?;
+    if !(shm_between_hosts && blobs.iter().all(|b| b.host == blobs[0].host)) {
+        return Ok((blobs, shm));
+    }
+    for b in &mut blobs {
+        b.shm = None;
+    }
+    Ok((blobs, None))
+}
+
+/// The host id this rank registers: `ROCCL_HOST`'s, the simulated host's, or this host's.
+fn host_of(cfg: &Config, rank: usize) -> Result<u64> {
+    Ok(match (&cfg.host, cfg.net) {
+        (Some(h), _) => bootstrap::host_id_of(h),
+        // A simulated rank is on the host of the simulated cluster it sits on: hierarchies
+        // and ring orders are simulated as they would run there.
+        (None, NetKind::Sim) => {
+            bootstrap::host_id_of(&format!("sim-host-{}", cfg.sim.host_of(rank)?))
+        }
+        (None, _) => bootstrap::host_id(),
+    })
+}
+
+/// The cost model's inputs (the same on every rank, however the hosts differ: agree.rs), and
+/// for a job of several hosts its topology and the costs inside and between hosts.
+#[allow(clippy::type_complexity)]
+fn cost_and_topology(
+    blobs: &[agree::Blob],
+    cfg: &Config,
+    rank: usize,
+    net: &dyn net::Net,
+    node: Option<&crate::algo::shm::node::Node>,
+) -> (
+    LinkCost,
+    Option<Arc<crate::algo::topo::Topology>>,
+    Option<(LinkCost, LinkCost)>,
+) {
+    let shm_net = net.name() == "shm";
+    let cost = agree::agreed_cost(blobs, shm_net, node.map(|n| (n.slot(), n.cma())));
+    let simulated = (cfg.net == NetKind::Sim).then(|| agree::simulated_costs(&cfg.sim, cost));
+    let cost = simulated.map_or(cost, |s| s.1);
+    // Hosts, and the links inside and between them (hierarchical calls, ring orders).
+    let topo = crate::algo::topo::Topology::new(&blobs.iter().map(|b| b.host).collect::<Vec<_>>())
+        .with_nics(agree::nics_per_host(blobs));
+    if topo.nhosts() < 2 {
+        return (cost, None, None);
+    }
+    let all_shm = blobs.iter().all(|b| b.shm.is_some());
+    let intra = match simulated {
+        Some(s) => s.0,
+        None if all_shm => agree::agreed_cost(blobs, true, None),
+        None => cost,
+    };
+    crate::info!(
+        "rank {rank}: {} hosts, {} to {} ranks each on {} NIC(s) (ring order host by host: {}); inside hosts α={:.1}µs β={:.2}GB/s",
+        topo.nhosts(),
+        (0..blobs.len()).map(|r| topo.local(r).len()).min().unwrap_or(0),
+        topo.max_local(),
+        topo.nics(),
+        if topo.ring_in_rank_order() { "rank order" } else { "reordered" },
+        intra.alpha_us,
+        intra.beta_gbs
+    );
+    // Flat exchanges from every rank of a host at once share its NICs (model.rs).
+    let m = topo.max_local().max(1);
+    let shared = LinkCost {
+        nic_share: topo.nics().clamp(1, m) as f64 / m as f64,
+        ..cost
+    };
+    (shared, Some(Arc::new(topo)), Some((intra, cost)))
+}
+
+/// The INFO line that says how this rank is set up: network, waits, cost model.
+fn log_setup(
+    rank: usize,
+    cfg: &Config,
+    (net, props, local): (&dyn net::Net, &net::NetProperties, std::net::IpAddr),
+    name: &str,
+    place: &Placement,
+    (cost, node): (&LinkCost, Option<&crate::algo::shm::node::Node>),
+    blobs: &[agree::Blob],
+) {
+    if let Some(n) = node {
+        crate::info!(
+            "rank {rank}: collectives through shared segments on ({} KiB slots; single-copy broadcasts: {})",
+            n.slot() >> 10,
+            if n.cma() { "yes" } else { "no, process_vm_readv refused" }
+        );
+    }
+    let measured = agree::slowest_speeds(blobs);
+    crate::info!(
+        "rank {rank}/{}: net {name} on {}{} ({}), {} rank(s) on this host with {} core(s): spin {:?}, yield {:?}, timeout {:?}; cost model α={:.1}µs β={:.2}GB/s message cpu {:.1}µs γ={:.1}GB/s copy {:.1}GB/s (from measured speeds, slowest rank: reduce {:.1}GB/s, copy {:.1}GB/s)",
+        place.nranks,
+        props.name,
+        if net.devices() > 1 {
+            format!(
+                " and {} more device(s) (large calls take a channel per NIC, {} on every rank)",
+                net.devices() - 1,
+                cfg.tuning.nics
+            )
+        } else {
+            String::new()
+        },
+        local,
+        place.local_ranks,
+        place.cores,
+        cfg.waiter.spin,
+        cfg.waiter.yield_for,
+        cfg.waiter.timeout,
+        cost.alpha_us,
+        cost.beta_gbs,
+        cost.msg_cpu_us,
+        cost.gamma_gbs,
+        cost.copy_gbs,
+        measured.reduce_gbs,
+        measured.copy_gbs
+    );
+}
+
+/// The worker thread's wait (stream-ordered and non-blocking calls): it polls between jobs,
+/// spinning only with a core for it next to the application's thread of every rank, and
+/// otherwise yields (2 cores, 2 ranks, simulated device: 8 B stream-ordered all-reduce
+/// 23.5 µs blocking in the channel at once, 13.4 µs yielding first; docs/PERFORMANCE-LOG.md).
+fn worker_wait(cfg: &Config, place: &Placement) -> Waiter {
+    Waiter {
+        spin: if place.cores >= 2 * place.local_ranks {
+            cfg.waiter.spin
+        } else {
+            Duration::ZERO
+        },
+        ..cfg.waiter.clone()
+    }
+}
+
+/// The endpoints connections are made on: the network (ranks of one host start their
+/// channels on different NICs: rank i of the host on NIC i, then in turn, so that ranks
+/// talking across hosts at once — the calls by host, one rank per local index — each have
+/// one), and shared memory when there is an endpoint for it.
+fn endpoints(
+    net: Arc<dyn net::Net>,
+    listen: Box<dyn net::ListenComm>,
+    shm: Option<ShmEndpoint>,
+    local_index: usize,
+) -> Vec<Endpoint> {
+    let mut endpoints = vec![Endpoint {
+        dev: local_index % net.devices().max(1),
+        net,
+        listen,
+    }];
+    if let Some((n, _, l)) = shm {
+        endpoints.push(Endpoint {
+            net: n,
+            dev: 0,
+            listen: l,
+        });
+    }
+    endpoints
+}
+
+/// The connection table of this rank over `endpoints`, with the peers' handles, the
+/// processes this rank can look at, and the waits derived from the deadline.
+fn make_links(
+    rank: usize,
+    cfg: &Config,
+    (nonce, endpoints): (u64, Vec<Endpoint>),
+    place: &Placement,
+    blobs: &[agree::Blob],
+) -> Links {
+    let handles: Vec<Vec<NetHandle>> = blobs
+        .iter()
+        .map(|b| {
+            let s = b.shm.clone().unwrap_or_else(|| b.handle.clone());
+            vec![b.handle.clone(), s]
+        })
+        .collect();
+    let mut links = Links::new(
+        rank,
+        blobs.len(),
+        (nonce ^ (nonce >> 32)) as u32,
+        endpoints,
+        place.peer_net.clone(),
+        handles,
+    );
+    // Peers whose process this rank can look at (same host, same pid namespace): a
+    // failure then says whether it exited or is stopped.
+    links.local_pids = blobs
+        .iter()
+        .map(|b| {
+            let here = b.host == place.my_host && b.pid_ns == blobs[rank].pid_ns;
+            (here && b.pid != 0).then_some(b.pid)
+        })
+        .collect();
+    links.timeout_grace =
+        (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
+    links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
+        s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
+        _ => cfg.waiter.timeout / 3,
+    };
+    links
+}
+
+/// The communicator's id in counters and logs: the first 8 bytes of a hash of the id.
+fn id_hash(id: &UniqueId) -> u64 {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(&id.as_bytes()[..32]);
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
+}
+
+/// The communicator's counters (always on, crate::metrics), reading its networks' and
+/// shared segments' counters too.
+fn comm_metrics(
+    rank: usize,
+    nranks: usize,
+    id_hash: u64,
+    name: &'static str,
+    links: &Links,
+    node: Option<&crate::algo::shm::node::Node>,
+) -> Arc<crate::metrics::CommMetrics> {
+    let metrics =
+        crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, &crate::algo::Algo::NAMES);
+    for e in &links.endpoints {
+        let w = Arc::downgrade(&e.net);
+        metrics.add_net_source(
+            e.net.name(),
+            Box::new(move |out| {
+                if let Some(n) = w.upgrade() {
+                    n.counters(out)
+                }
+            }),
+        );
+    }
+    if let Some(n) = node {
+        let s = Arc::clone(&n.stats);
+        metrics.add_net_source(
+            "shm",
+            Box::new(move |out| {
+                use std::sync::atomic::Ordering::Relaxed;
+                out.push(("node_sleeps", s.sleeps.load(Relaxed)));
+                out.push(("node_wakeups", s.wakeups.load(Relaxed)));
+            }),
+        );
+    }
+    metrics
 }
