@@ -6,14 +6,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algo::model::{self, CollKind};
-use crate::algo::{self, shm, Algo, Pipeline};
+use crate::algo::{shm, Algo, Pipeline};
 use crate::device::Device;
 use crate::error::{Error, PeerCause, Result};
 use crate::exec::{Exec, Mem, MemMut};
 use crate::types::{DataType, RedOp};
 
+use super::calls::{host, Call};
 use super::MISMATCH_TEXT;
-use super::{agree, hier, scratch, CallInfo, CallOpts, Collective, P2p, P2pMem, State};
+use super::{agree, scratch, CallInfo, CallOpts, Collective, P2p, P2pMem, State};
 
 /// The index of `crate::metrics::KINDS` a collective is counted under.
 fn metrics_kind(c: &Collective) -> usize {
@@ -130,21 +131,6 @@ fn premultiplied<'a>(
     };
     scale(scratch)?;
     Ok((sum, Some(Mem::host(scratch)), recv))
-}
-
-/// The bytes of a read-only caller buffer, for code that reads with the CPU.
-fn host<'a>(m: Option<Mem<'a>>) -> Result<Option<&'a [u8]>> {
-    m.map(|m| m.slice()).transpose()
-}
-
-fn elems(what: &str, len: usize, dt: DataType) -> Result<usize> {
-    if len % dt.size() != 0 {
-        return Err(Error::arg(format!(
-            "{what} of {len} bytes is not a whole number of {dt} elements ({} bytes each)",
-            dt.size()
-        )));
-    }
-    Ok(len / dt.size())
 }
 
 impl State {
@@ -287,7 +273,7 @@ impl State {
 
     /// The algorithm and pipeline of a call; `by_host`: the call may run hierarchically
     /// (host memory).
-    fn choose(
+    pub(super) fn choose(
         &mut self,
         kind: CollKind,
         dt: DataType,
@@ -399,7 +385,14 @@ impl State {
             recv,
             &mut scratch,
         ) {
-            Ok((coll, send, recv)) => self.execute_inner(coll, dt, send, recv, opts, dev),
+            Ok((coll, send, recv)) => self.run_call(Call {
+                coll,
+                dt,
+                send,
+                recv,
+                opts,
+                dev,
+            }),
             Err(e) => Err(e),
         };
         self.premul = scratch::kept(scratch);
@@ -472,320 +465,9 @@ impl State {
         self.links.close_all();
     }
 
-    fn execute_inner(
-        &mut self,
-        coll: Collective,
-        dt: DataType,
-        send: Option<Mem<'_>>,
-        recv: MemMut<'_>,
-        opts: &CallOpts,
-        dev: Option<&Arc<dyn Device>>,
-    ) -> Result<CallInfo> {
-        let (n, me) = (self.links.nranks, self.links.rank);
-        let check_root = |root: usize| {
-            if root >= n {
-                Err(Error::arg(format!(
-                    "root {root} is out of range for {n} ranks"
-                )))
-            } else {
-                Ok(())
-            }
-        };
-        let same_len = |s: Option<Mem>, want: usize, what: &str| match s {
-            Some(s) if s.len() != want => Err(Error::arg(format!(
-                "{what}: send buffer has {} bytes but {want} are expected",
-                s.len()
-            ))),
-            _ => Ok(()),
-        };
-        let esz = dt.size();
-        let info = |a: Algo, p: Pipeline| CallInfo {
-            algo: Some(a),
-            pipeline: Some(p),
-        };
-        match coll {
-            Collective::AllReduce(op) => {
-                let count = elems("all_reduce receive buffer", recv.len(), dt)?;
-                same_len(send, recv.len(), "all_reduce")?;
-                let by_host = dev.is_none();
-                let (a, pl) = self.choose(CollKind::AllReduce, dt, recv.len(), opts, by_host);
-                if count == 0 {
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::Hier {
-                    self.all_reduce_hier(dt, op, count, send, recv)?;
-                    return Ok(info(a, pl));
-                }
-                if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    let two_shot = a == Algo::ShmTwoShot;
-                    self.run_flat(coll, dt, recv.len(), u8::from(two_shot), |f| {
-                        shm::all_reduce_shm(f, dt, op, send, recv, two_shot)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let need = hier::all_reduce_stage(a, n, count, dt, &pl);
-                // Rings go host after host (the order is rank order on one host).
-                let order = self.ring_order().filter(|_| a == Algo::Ring);
-                let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                let window = self.cfg.ring_window / esz * esz;
-                if a == Algo::Ring && window > 0 && recv.len() > 2 * window {
-                    let mut recv = recv;
-                    let mut off = 0;
-                    while off < recv.len() {
-                        let len = window.min(recv.len() - off);
-                        let s = send.map(|s| s.part(off, len));
-                        let r = recv.part(off, len);
-                        self.run_group(group, s, r, dev, need, |exec| {
-                            algo::all_reduce_ring(exec, dt, op, len / esz, &pl)
-                        })?;
-                        off += len;
-                    }
-                    return Ok(info(a, pl));
-                }
-                self.run_group(group, send, recv, dev, need, |exec| {
-                    hier::all_reduce_run(exec, a, dt, op, count, &pl)
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::Broadcast { root } => {
-                check_root(root)?;
-                let count = elems("broadcast buffer", recv.len(), dt)?;
-                let send = if me == root { send } else { None };
-                same_len(send, recv.len(), "broadcast")?;
-                let (a, pl) = self.choose(CollKind::Broadcast, dt, recv.len(), opts, dev.is_none());
-                if count == 0 {
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::Hier {
-                    self.broadcast_hier(root, dt, count, send, recv)?;
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::ShmOneShot {
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, recv.len(), 0, |f| {
-                        shm::broadcast_shm(f, root, send, recv)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let need = hier::rooted_stage(a, false, &pl);
-                let order = self.ring_order().filter(|_| a == Algo::Ring);
-                let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, need, |exec| {
-                    let root = exec.group_rank(root).unwrap_or(root);
-                    match a {
-                        Algo::Tree => algo::broadcast_tree(exec, root, dt, count, &pl),
-                        _ => algo::broadcast_ring(exec, root, dt, count, &pl),
-                    }
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::Reduce { op, root } => {
-                check_root(root)?;
-                let input_len = send.map_or(recv.len(), |s| s.len());
-                let count = elems("reduce input", input_len, dt)?;
-                if me == root && recv.len() != input_len {
-                    return Err(Error::arg(format!(
-                        "reduce: the root's receive buffer has {} bytes but the input has {input_len}",
-                        recv.len()
-                    )));
-                }
-                let (a, pl) = self.choose(CollKind::Reduce, dt, input_len, opts, dev.is_none());
-                if count == 0 {
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::Hier {
-                    self.reduce_hier(root, dt, op, count, send, recv)?;
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::ShmOneShot {
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, input_len, 0, |f| {
-                        shm::reduce_shm(f, root, dt, op, send, recv)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let need = hier::rooted_stage(a, true, &pl);
-                let order = self.ring_order().filter(|_| a == Algo::Ring);
-                let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, need, |exec| {
-                    let root = exec.group_rank(root).unwrap_or(root);
-                    match a {
-                        Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
-                        _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
-                    }
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::AllGather => {
-                let total = elems("all_gather receive buffer", recv.len(), dt)?;
-                let count = match send {
-                    Some(s) => {
-                        let c = elems("all_gather send buffer", s.len(), dt)?;
-                        if c * n != total {
-                            return Err(Error::arg(format!(
-                                "all_gather: receive buffer holds {total} elements but {n} ranks × {c} are expected"
-                            )));
-                        }
-                        c
-                    }
-                    None if total % n != 0 => {
-                        return Err(Error::arg(format!(
-                            "in-place all_gather: buffer of {total} elements is not divisible by {n} ranks"
-                        )))
-                    }
-                    None => total / n,
-                };
-                let (a, pl) = self.choose(CollKind::AllGather, dt, recv.len(), opts, dev.is_none());
-                if count == 0 {
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::Hier {
-                    self.all_gather_hier(dt, count, send, recv)?;
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::ShmOneShot {
-                    let block = count * esz;
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, 0, |f| {
-                        shm::all_gather_shm(f, send, recv, block)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let order = self.ring_order().filter(|_| a == Algo::Ring);
-                let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, 64, |exec| match a {
-                    Algo::Bruck => algo::all_gather_bruck(exec, dt, count),
-                    _ => algo::all_gather_ring(exec, dt, count, &pl),
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::ReduceScatter(op) => {
-                let count = match send {
-                    Some(s) => {
-                        let c = elems("reduce_scatter receive buffer", recv.len(), dt)?;
-                        let total = elems("reduce_scatter send buffer", s.len(), dt)?;
-                        if c * n != total {
-                            return Err(Error::arg(format!(
-                                "reduce_scatter: send buffer holds {total} elements but {n} ranks × {c} are expected"
-                            )));
-                        }
-                        c
-                    }
-                    None => {
-                        let total = elems("reduce_scatter buffer", recv.len(), dt)?;
-                        if total % n != 0 {
-                            return Err(Error::arg(format!(
-                                "in-place reduce_scatter: buffer of {total} elements is not divisible by {n} ranks"
-                            )));
-                        }
-                        total / n
-                    }
-                };
-                let (a, pl) = self.choose(
-                    CollKind::ReduceScatter,
-                    dt,
-                    count * n * esz,
-                    opts,
-                    dev.is_none(),
-                );
-                if count == 0 {
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::Hier {
-                    self.reduce_scatter_hier(dt, op, count, send, recv)?;
-                    return Ok(info(a, pl));
-                }
-                if a == Algo::ShmOneShot {
-                    let block = count * esz;
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, 0, |f| {
-                        shm::reduce_scatter_shm(f, dt, op, send, recv, block)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let need = match a {
-                    Algo::Bruck => algo::bruck_stage(n, n * count, dt),
-                    _ => algo::reduce_scatter_ring_stage(count, dt, &pl),
-                };
-                let order = self.ring_order().filter(|_| a == Algo::Ring);
-                let group = order.as_ref().map_or(&[][..], |t| t.ring());
-                self.run_group(group, send, recv, dev, need, |exec| match a {
-                    Algo::Bruck => algo::reduce_scatter_bruck(exec, dt, op, count),
-                    _ => algo::reduce_scatter_ring(exec, dt, op, count, &pl),
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::AllToAll => {
-                let total = elems("all_to_all receive buffer", recv.len(), dt)?;
-                same_len(send, recv.len(), "all_to_all")?;
-                if total % n != 0 {
-                    return Err(Error::arg(format!(
-                        "all_to_all: buffer of {total} elements is not divisible by {n} ranks"
-                    )));
-                }
-                let (a, pl) = self.choose(CollKind::AllToAll, dt, recv.len(), opts, false);
-                if total == 0 {
-                    return Ok(info(a, pl));
-                }
-                let block = recv.len() / n;
-                if a == Algo::ShmOneShot {
-                    let (send, recv) = (host(send)?, recv.into_slice()?);
-                    self.run_flat(coll, dt, block, 0, |f| {
-                        shm::all_to_all_shm(f, send, recv, block)
-                    })?;
-                    return Ok(info(a, pl));
-                }
-                let need = if send.is_none() { recv.len() } else { 64 };
-                self.run_exec(send, recv, dev, need, |exec| {
-                    algo::all_to_all_pairwise(exec, block)
-                })?;
-                Ok(info(a, pl))
-            }
-            Collective::Barrier => {
-                if self.node.is_some() {
-                    self.run_flat(coll, dt, 0, 0, shm::barrier_shm)?;
-                } else {
-                    self.run_exec(
-                        None,
-                        MemMut::host(&mut []),
-                        None,
-                        64,
-                        algo::barrier_dissemination,
-                    )?;
-                }
-                Ok(CallInfo {
-                    algo: None,
-                    pipeline: None,
-                })
-            }
-            Collective::SendRecv { to, from } => {
-                for p in [to, from].into_iter().flatten() {
-                    if p >= n {
-                        return Err(Error::arg(format!(
-                            "peer {p} is out of range for {n} ranks"
-                        )));
-                    }
-                }
-                let slen = send.map_or(0, |s| s.len());
-                elems("send buffer", slen, dt)?;
-                elems("receive buffer", recv.len(), dt)?;
-                let rlen = recv.len();
-                let src = send.unwrap_or(Mem::host(&[]));
-                self.run_exec(Some(src), recv, dev, 64, |exec| {
-                    algo::sendrecv(exec, to, slen, from, rlen)
-                })?;
-                Ok(CallInfo {
-                    algo: None,
-                    pipeline: None,
-                })
-            }
-        }
-    }
-
     /// Run a collective through the host's shared-memory segments (the model offers those
     /// algorithms only when they are mapped).
-    fn run_flat(
+    pub(super) fn run_flat(
         &mut self,
         coll: Collective,
         dt: DataType,

@@ -7,6 +7,7 @@
 
 mod agree;
 mod api;
+mod calls;
 mod config;
 mod dispatch;
 mod hier;
