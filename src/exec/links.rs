@@ -485,141 +485,18 @@ impl Links {
         if self.has_all(sends.iter().copied(), recvs.iter().copied()) {
             return Ok(()); // the common case: no allocation
         }
-        // Each missing connection once: a batch with several messages to one peer lists it
-        // several times, and a second connection to the same (peer, channel) would replace
-        // the first after the peer had taken it (it then read end-of-file).
-        let mut need_send: Vec<(usize, usize)> = sends
-            .iter()
-            .copied()
-            .filter(|&(p, c)| p != self.rank && self.send[p][c].is_none())
-            .collect();
-        need_send.sort_unstable();
-        need_send.dedup();
-        let mut need_recv: Vec<(usize, usize)> = recvs
-            .iter()
-            .copied()
-            .filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none())
-            .collect();
-        need_recv.sort_unstable();
-        need_recv.dedup();
+        let (need_send, need_recv) = self.missing(sends, recvs)?;
         if need_send.is_empty() && need_recv.is_empty() {
             return Ok(());
         }
-        for &(p, c) in need_send.iter().chain(&need_recv) {
-            if p >= self.nranks || c >= MAX_CHANNELS {
-                return Err(Error::Internal(format!(
-                    "connection to rank {p} channel {c} out of range"
-                )));
-            }
-        }
-        // What this rank dials: its sends, except to duplex peers, where the lower rank of the
-        // pair opens the connection that carries both ways, for whichever way it needs.
-        let mut dial: Vec<(usize, usize)> = need_send
-            .iter()
-            .chain(&need_recv)
-            .copied()
-            .filter(|&(p, c)| {
-                if self.duplex[p] {
-                    self.rank < p && self.send[p][c].is_none() && self.recv[p][c].is_none()
-                } else {
-                    need_send.contains(&(p, c))
-                }
-            })
-            .collect();
-        dial.sort_unstable();
-        dial.dedup();
-        let mut connecting: Vec<(usize, usize, Box<dyn Connecting>)> = Vec::new();
-        for &(p, c) in &dial {
-            let e = self.peer_net[p];
-            let ep = &self.endpoints[e];
-            let open = if self.duplex[p] {
-                Net::connect_duplex
-            } else {
-                Net::connect
-            };
-            // Channels spread over the network's devices (several NICs), in turn from this
-            // rank's first.
-            let dev = (ep.dev + c) % ep.net.devices().max(1);
-            let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| Error::Remote {
-                rank: p,
-                cause: crate::error::PeerCause::Failed,
-                msg: format!("connecting over {}: {err}", ep.net.name()),
-            })?;
-            connecting.push((p, c, conn));
-            self.dialed += 1;
-        }
+        let dial = self.to_dial(&need_send, &need_recv);
+        let mut connecting = self.dial(&dial)?;
         let mut hellos: Vec<(usize, usize, HelloOut)> = Vec::new();
         let mut fds = Vec::new();
         let mut w = waiter.start();
         loop {
-            let mut progressed = false;
-            // Outgoing: connect, then send the hello.
-            let mut i = 0;
-            while i < connecting.len() {
-                let (p, c) = (connecting[i].0, connecting[i].1);
-                let polled = connecting[i].2.poll().map_err(|err| Error::Remote {
-                    rank: p,
-                    cause: crate::error::PeerCause::Failed,
-                    msg: err.to_string(),
-                })?;
-                if let Some(mut comm) = polled {
-                    let flag = if self.duplex[p] { DUPLEX } else { 0 };
-                    let buf = hello(self.rank, c as u32 | flag, self.comm_id);
-                    // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
-                    // send completes; the comm is declared first so it drops first.
-                    let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
-                        .map_err(|err| Error::Remote {
-                            rank: p,
-                            cause: crate::error::PeerCause::Failed,
-                            msg: err.to_string(),
-                        })?
-                        .ok_or_else(|| {
-                            Error::Internal("fresh connection has no free request".into())
-                        })?;
-                    hellos.push((
-                        p,
-                        c,
-                        HelloOut {
-                            comm,
-                            req,
-                            _buf: buf,
-                        },
-                    ));
-                    connecting.swap_remove(i);
-                    progressed = true;
-                } else {
-                    i += 1;
-                }
-            }
-            let mut i = 0;
-            while i < hellos.len() {
-                let (p, c) = (hellos[i].0, hellos[i].1);
-                let h = &mut hellos[i].2;
-                if h.comm
-                    .test(h.req)
-                    .map_err(|err| Error::Remote {
-                        rank: p,
-                        cause: crate::error::PeerCause::Failed,
-                        msg: err.to_string(),
-                    })?
-                    .is_some()
-                {
-                    let (_, _, mut h) = hellos.swap_remove(i);
-                    if self.duplex[p] {
-                        let back = h.comm.reverse().ok_or_else(|| {
-                            Error::Internal(format!(
-                                "{} offered duplex connections but gave no receiving side",
-                                self.net_name(p)
-                            ))
-                        })?;
-                        self.recv[p][c] = Some(back);
-                    }
-                    self.send[p][c] = Some(h.comm);
-                    progressed = true;
-                } else {
-                    i += 1;
-                }
-            }
+            let mut progressed = self.say_hello(&mut connecting, &mut hellos)?;
+            progressed |= self.hellos_sent(&mut hellos)?;
             progressed |= self.accept_pending()?;
             // Receives arrive as accepted connections, and so do sends to the duplex peers
             // that open the connection.
@@ -649,49 +526,208 @@ impl Links {
                 h.comm.poll_fds(&mut fds);
             }
             self.listen_fds(&mut fds);
+            let waiting_on: Vec<usize> = connecting
+                .iter()
+                .map(|x| x.0)
+                .chain(hellos.iter().map(|x| x.0))
+                .chain(awaited.iter().map(|x| x.0))
+                .collect();
             if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Error::InvalidUsage(
                     "the communicator was aborted by the application while connecting".into(),
                 ));
             }
             if self.aborted() {
-                let waiting_on = connecting
-                    .iter()
-                    .map(|x| x.0)
-                    .chain(hellos.iter().map(|x| x.0))
-                    .chain(awaited.iter().map(|x| x.0))
-                    .min();
-                return Err(self.aborted_while_connecting(waiting_on));
+                return Err(self.aborted_while_connecting(waiting_on.iter().copied().min()));
             }
             if w.idle(&fds).is_err() {
-                let mut who: Vec<usize> = connecting
-                    .iter()
-                    .map(|x| x.0)
-                    .chain(hellos.iter().map(|x| x.0))
-                    .collect();
-                who.extend(awaited.iter().map(|x| x.0));
-                who.sort_unstable();
-                who.dedup();
-                // What this host can see of their processes (exited, stopped) says why.
-                let seen: Vec<String> = who
-                    .iter()
-                    .filter_map(|&p| Some(format!("rank {p}: {}", self.peer_state(p)?)))
-                    .collect();
-                let why = if seen.is_empty() {
-                    "are they alive and running the same collectives?".to_string()
-                } else {
-                    seen.join("; ")
-                };
-                let detail = format!(
-                    "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): {why}",
-                    self.rank,
-                    crate::error::ranks_list(&who),
-                    waiter.timeout
-                );
-                self.suspect = who.first().copied();
-                return Err(self.failure(self.suspect, true, detail));
+                return Err(self.connect_timed_out(waiting_on, waiter));
             }
         }
+    }
+
+    /// The connections of `sends` and `recvs` (peer, channel) this rank lacks, each once: a
+    /// batch with several messages to one peer lists it several times, and a second
+    /// connection to the same (peer, channel) would replace the first after the peer had
+    /// taken it (it then read end-of-file).
+    #[allow(clippy::type_complexity)]
+    fn missing(
+        &self,
+        sends: &[(usize, usize)],
+        recvs: &[(usize, usize)],
+    ) -> Result<(Vec<(usize, usize)>, Vec<(usize, usize)>)> {
+        let mut need_send: Vec<(usize, usize)> = sends
+            .iter()
+            .copied()
+            .filter(|&(p, c)| p != self.rank && self.send[p][c].is_none())
+            .collect();
+        need_send.sort_unstable();
+        need_send.dedup();
+        let mut need_recv: Vec<(usize, usize)> = recvs
+            .iter()
+            .copied()
+            .filter(|&(p, c)| p != self.rank && self.recv[p][c].is_none())
+            .collect();
+        need_recv.sort_unstable();
+        need_recv.dedup();
+        for &(p, c) in need_send.iter().chain(&need_recv) {
+            if p >= self.nranks || c >= MAX_CHANNELS {
+                return Err(Error::Internal(format!(
+                    "connection to rank {p} channel {c} out of range"
+                )));
+            }
+        }
+        Ok((need_send, need_recv))
+    }
+
+    /// What this rank dials: its sends, except to duplex peers, where the lower rank of the
+    /// pair opens the connection that carries both ways, for whichever way it needs.
+    fn to_dial(
+        &self,
+        need_send: &[(usize, usize)],
+        need_recv: &[(usize, usize)],
+    ) -> Vec<(usize, usize)> {
+        let mut dial: Vec<(usize, usize)> = need_send
+            .iter()
+            .chain(need_recv)
+            .copied()
+            .filter(|&(p, c)| {
+                if self.duplex[p] {
+                    self.rank < p && self.send[p][c].is_none() && self.recv[p][c].is_none()
+                } else {
+                    need_send.contains(&(p, c))
+                }
+            })
+            .collect();
+        dial.sort_unstable();
+        dial.dedup();
+        dial
+    }
+
+    /// Start connecting to each (peer, channel) of `dial`, over the network that reaches the
+    /// peer; channels spread over the network's devices (several NICs), in turn from this
+    /// rank's first.
+    #[allow(clippy::type_complexity)]
+    fn dial(
+        &mut self,
+        dial: &[(usize, usize)],
+    ) -> Result<Vec<(usize, usize, Box<dyn Connecting>)>> {
+        let mut connecting = Vec::with_capacity(dial.len());
+        for &(p, c) in dial {
+            let e = self.peer_net[p];
+            let ep = &self.endpoints[e];
+            let open = if self.duplex[p] {
+                Net::connect_duplex
+            } else {
+                Net::connect
+            };
+            let dev = (ep.dev + c) % ep.net.devices().max(1);
+            let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| {
+                Error::remote(
+                    p,
+                    PeerCause::Failed,
+                    format!("connecting over {}: {err}", ep.net.name()),
+                )
+            })?;
+            connecting.push((p, c, conn));
+            self.dialed += 1;
+        }
+        Ok(connecting)
+    }
+
+    /// Drive the connections being made: each one made sends its hello (moved from
+    /// `connecting` to `hellos`). Whether any did.
+    #[allow(clippy::type_complexity)]
+    fn say_hello(
+        &mut self,
+        connecting: &mut Vec<(usize, usize, Box<dyn Connecting>)>,
+        hellos: &mut Vec<(usize, usize, HelloOut)>,
+    ) -> Result<bool> {
+        let mut progressed = false;
+        let mut i = 0;
+        while i < connecting.len() {
+            let (p, c) = (connecting[i].0, connecting[i].1);
+            let failed = |err: Error| Error::remote(p, PeerCause::Failed, err.to_string());
+            let Some(mut comm) = connecting[i].2.poll().map_err(failed)? else {
+                i += 1;
+                continue;
+            };
+            let flag = if self.duplex[p] { DUPLEX } else { 0 };
+            let buf = hello(self.rank, c as u32 | flag, self.comm_id);
+            // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
+            // send completes; the comm is declared first so it drops first.
+            let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
+                .map_err(failed)?
+                .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
+            hellos.push((
+                p,
+                c,
+                HelloOut {
+                    comm,
+                    req,
+                    _buf: buf,
+                },
+            ));
+            connecting.swap_remove(i);
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    /// Connections whose hello went out are ready: kept as the send (and, duplex, the
+    /// receive) connection to their peer. Whether any was.
+    fn hellos_sent(&mut self, hellos: &mut Vec<(usize, usize, HelloOut)>) -> Result<bool> {
+        let mut progressed = false;
+        let mut i = 0;
+        while i < hellos.len() {
+            let (p, c) = (hellos[i].0, hellos[i].1);
+            let h = &mut hellos[i].2;
+            let sent = h.comm.test(h.req);
+            if sent
+                .map_err(|err| Error::remote(p, PeerCause::Failed, err.to_string()))?
+                .is_none()
+            {
+                i += 1;
+                continue;
+            }
+            let (_, _, mut h) = hellos.swap_remove(i);
+            if self.duplex[p] {
+                let back = h.comm.reverse().ok_or_else(|| {
+                    Error::Internal(format!(
+                        "{} offered duplex connections but gave no receiving side",
+                        self.net_name(p)
+                    ))
+                })?;
+                self.recv[p][c] = Some(back);
+            }
+            self.send[p][c] = Some(h.comm);
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    /// The error of connections not made within the deadline: the peers waited on, and what
+    /// this host can see of their processes (exited, stopped) says why.
+    fn connect_timed_out(&mut self, mut who: Vec<usize>, waiter: &Waiter) -> Error {
+        who.sort_unstable();
+        who.dedup();
+        let seen: Vec<String> = who
+            .iter()
+            .filter_map(|&p| Some(format!("rank {p}: {}", self.peer_state(p)?)))
+            .collect();
+        let why = if seen.is_empty() {
+            "are they alive and running the same collectives?".to_string()
+        } else {
+            seen.join("; ")
+        };
+        let detail = format!(
+            "rank {} could not connect with {} within {:.0?} (ROCCL_TIMEOUT): {why}",
+            self.rank,
+            crate::error::ranks_list(&who),
+            waiter.timeout
+        );
+        self.suspect = who.first().copied();
+        self.failure(self.suspect, true, detail)
     }
 }
 
