@@ -324,157 +324,37 @@ impl Links {
     /// peers to take part, and up to `timeout` for the decisions on answers given. Run
     /// between calls only.
     pub fn close_idle(&mut self, wait: Duration, timeout: Duration) -> Result<Suspended> {
-        let after = |t: Instant, d: Duration| {
-            t.checked_add(d)
-                .unwrap_or_else(|| t + Duration::from_secs(86_400 * 365))
-        };
         let wait = wait.min(timeout / 2);
         self.suspend_round += 1;
-        let round = self.suspend_round;
         let start = Instant::now();
-        let wait_end = after(start, wait);
         self.accept_pending()?;
         let peers = self.connected_peers();
         let at_start: Vec<(usize, View)> = peers.iter().map(|&p| (p, self.view(p))).collect();
-        // Peers asked, and whether the request's bytes left.
-        let mut asking: Vec<(usize, bool)> = Vec::new();
-        let mut expecting: Vec<usize> = peers.iter().copied().filter(|&p| p < self.rank).collect();
-        let mut deciding: Vec<Deciding> = Vec::new();
-        let mut out: Vec<Outgoing> = Vec::new();
-        let mut events = Vec::new();
-        let mut closed = 0;
-        let mut shut = vec![(0u8, 0u8); self.nranks];
+        let mut r = Round {
+            number: self.suspend_round,
+            wait,
+            timeout,
+            wait_end: after(start, wait),
+            asking: Vec::new(),
+            expecting: peers.iter().copied().filter(|&p| p < self.rank).collect(),
+            deciding: Vec::new(),
+            out: Vec::new(),
+            events: Vec::new(),
+            closed: 0,
+            shut: vec![(0u8, 0u8); self.nranks],
+        };
         for &p in peers.iter().filter(|&&p| p > self.rank) {
-            self.queue(&mut out, p, REQUEST, round, 0, wait_end, None);
-            asking.push((p, false));
+            self.queue(&mut r.out, p, REQUEST, r.number, 0, r.wait_end, None);
+            r.asking.push((p, false));
         }
         loop {
             let mut moved = self.accept_pending()?;
-            let now = Instant::now();
-            let inbox = std::mem::take(&mut self.suspend_inbox);
-            for (i, step) in inbox.iter().enumerate() {
-                moved = true;
-                match step.kind {
-                    REQUEST if step.peer < self.rank => {
-                        let newer = inbox[i + 1..]
-                            .iter()
-                            .any(|s| s.kind == REQUEST && s.peer == step.peer);
-                        if newer || step.round <= self.decided(step.peer) {
-                            continue; // a round its asker settled or gave up on
-                        }
-                        let view = self.view(step.peer);
-                        // An answer of an earlier round still open: close nothing in this
-                        // one (its decision could close connections reopened since).
-                        let open = deciding.iter().any(|d| d.peer == step.peer);
-                        let mask = if open { 0 } else { view.idle_with(&step.view) };
-                        // The asker waits for it, and accepts it within moments; one that
-                        // gave up already may never accept it (RoCE needs the accept).
-                        let until = after(now, wait.max(Duration::from_secs(1)));
-                        self.queue(&mut out, step.peer, ANSWER, step.round, mask, until, None);
-                        if mask != 0 {
-                            deciding.push(Deciding {
-                                peer: step.peer,
-                                round: step.round,
-                                sends: view.sends & mask,
-                                recvs: view.recvs & mask,
-                                until: after(now, timeout),
-                            });
-                        }
-                        expecting.retain(|&p| p != step.peer);
-                    }
-                    ANSWER if step.round == round => {
-                        let Some(at) = asking.iter().position(|a| a.0 == step.peer) else {
-                            continue;
-                        };
-                        asking.swap_remove(at);
-                        let view = self.view(step.peer);
-                        let mask = step.mask & view.idle_mask_alone();
-                        // Closed once the decision is delivered: the peer closes when it
-                        // reads it, so neither end closes what the other keeps.
-                        // An answer of "nothing" waits for no decision.
-                        if step.mask != 0 {
-                            let close =
-                                (mask != 0).then_some((view.sends & mask, view.recvs & mask));
-                            let until = after(now, timeout);
-                            self.queue(&mut out, step.peer, DECISION, round, mask, until, close);
-                        }
-                    }
-                    DECISION => {
-                        self.note_decided(step.peer, step.round);
-                        let at = deciding
-                            .iter()
-                            .position(|d| d.peer == step.peer && d.round == step.round);
-                        if let Some(at) = at {
-                            let d = deciding.swap_remove(at);
-                            let (s, r) = (d.sends & step.mask, d.recvs & step.mask);
-                            closed += self.close_channels(d.peer, s, r);
-                            shut[d.peer].0 |= s;
-                            shut[d.peer].1 |= r;
-                        }
-                    }
-                    // A step of a round already settled.
-                    _ => {}
-                }
-            }
-            events.clear();
-            Self::progress(&mut out, &mut events);
-            for &(p, kind, what, close) in &events {
-                moved = true;
-                if kind == REQUEST && what == POSTED {
-                    if let Some(a) = asking.iter_mut().find(|a| a.0 == p) {
-                        a.1 = true;
-                    }
-                }
-                if let (DELIVERED, Some((s, r))) = (what, close) {
-                    closed += self.close_channels(p, s, r);
-                    shut[p].0 |= s;
-                    shut[p].1 |= r;
-                }
-            }
-            let now = Instant::now();
-            if now >= wait_end {
-                // Peers asked that did not answer: tell those that may have read the
-                // request that nothing closes. One whose answer is on its way waits for
-                // this in its own loop, which accepts it within moments; one that is not
-                // suspending may never accept it (RoCE needs the accept), so it is tried
-                // for a while, not waited for. Requests still connecting are dropped.
-                let grace = after(now, wait.max(Duration::from_secs(1)));
-                for (p, posted) in std::mem::take(&mut asking) {
-                    if posted {
-                        self.queue(&mut out, p, DECISION, round, 0, grace, None);
-                    }
-                }
-                out.retain(|o| o.kind != REQUEST || o.sent.is_some());
-                expecting.clear();
-            }
-            deciding.retain(|d| {
-                let gone = matches!(self.peer_state(d.peer), Some(PeerProcess::Exited { .. }));
-                if now >= d.until || gone {
-                    crate::warn!(
-                        "rank {}: rank {} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",
-                        self.rank,
-                        d.peer
-                    );
-                    return false;
-                }
-                true
-            });
-            out.retain(|o| {
-                if now < o.deadline {
-                    return true;
-                }
-                if o.then_close.is_some() {
-                    crate::info!(
-                        "rank {}: the decision about suspending did not reach rank {}: the connections with it stay open",
-                        self.rank,
-                        o.peer
-                    );
-                }
-                false
-            });
+            moved |= self.take_steps(&mut r);
+            moved |= self.deliver(&mut r);
+            self.expire(&mut r, Instant::now());
             // Every step is delivered or dropped at its deadline before this returns.
-            let settled = asking.is_empty() && expecting.is_empty() && deciding.is_empty();
-            if settled && out.is_empty() {
+            let settled = r.asking.is_empty() && r.expecting.is_empty() && r.deciding.is_empty();
+            if settled && r.out.is_empty() {
                 break;
             }
             if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
@@ -488,9 +368,12 @@ impl Links {
         }
         let kept_with = at_start
             .iter()
-            .filter(|(p, v)| (v.sends & !shut[*p].0) | (v.recvs & !shut[*p].1) | v.unsettled != 0)
+            .filter(|(p, v)| {
+                (v.sends & !r.shut[*p].0) | (v.recvs & !r.shut[*p].1) | v.unsettled != 0
+            })
             .map(|(p, _)| *p)
             .collect();
+        let (round, closed) = (r.number, r.closed);
         crate::info!(
             "rank {}: suspend round {round} settled in {:.1?}: closed {closed} connections, kept those with ranks {kept_with:?}",
             self.rank,
@@ -498,6 +381,181 @@ impl Links {
         );
         Ok(Suspended { closed, kept_with })
     }
+
+    /// Take the steps the peers sent (requests, answers, decisions). Whether there were any.
+    fn take_steps(&mut self, r: &mut Round) -> bool {
+        let now = Instant::now();
+        let inbox = std::mem::take(&mut self.suspend_inbox);
+        for (i, step) in inbox.iter().enumerate() {
+            match step.kind {
+                REQUEST if step.peer < self.rank => {
+                    let newer = inbox[i + 1..]
+                        .iter()
+                        .any(|s| s.kind == REQUEST && s.peer == step.peer);
+                    if newer || step.round <= self.decided(step.peer) {
+                        continue; // a round its asker settled or gave up on
+                    }
+                    self.answer(r, step, now);
+                }
+                ANSWER if step.round == r.number => self.decide(r, step, now),
+                DECISION => {
+                    self.note_decided(step.peer, step.round);
+                    let at = r
+                        .deciding
+                        .iter()
+                        .position(|d| d.peer == step.peer && d.round == step.round);
+                    if let Some(at) = at {
+                        let d = r.deciding.swap_remove(at);
+                        let (s, rv) = (d.sends & step.mask, d.recvs & step.mask);
+                        r.closed += self.close_channels(d.peer, s, rv);
+                        r.shut[d.peer].0 |= s;
+                        r.shut[d.peer].1 |= rv;
+                    }
+                }
+                // A step of a round already settled.
+                _ => {}
+            }
+        }
+        !inbox.is_empty()
+    }
+
+    /// Answer a lower rank's request with the channels idle on both sides, and wait for
+    /// its decision about them.
+    fn answer(&mut self, r: &mut Round, step: &Step, now: Instant) {
+        let view = self.view(step.peer);
+        // An answer of an earlier round still open: close nothing in this one (its
+        // decision could close connections reopened since).
+        let open = r.deciding.iter().any(|d| d.peer == step.peer);
+        let mask = if open { 0 } else { view.idle_with(&step.view) };
+        // The asker waits for it, and accepts it within moments; one that gave up already
+        // may never accept it (RoCE needs the accept).
+        let until = after(now, r.wait.max(Duration::from_secs(1)));
+        self.queue(&mut r.out, step.peer, ANSWER, step.round, mask, until, None);
+        if mask != 0 {
+            r.deciding.push(Deciding {
+                peer: step.peer,
+                round: step.round,
+                sends: view.sends & mask,
+                recvs: view.recvs & mask,
+                until: after(now, r.timeout),
+            });
+        }
+        r.expecting.retain(|&p| p != step.peer);
+    }
+
+    /// A higher rank answered this round's request: decide which of the channels it found
+    /// idle are still idle here, and tell it.
+    fn decide(&mut self, r: &mut Round, step: &Step, now: Instant) {
+        let Some(at) = r.asking.iter().position(|a| a.0 == step.peer) else {
+            return;
+        };
+        r.asking.swap_remove(at);
+        let view = self.view(step.peer);
+        let mask = step.mask & view.idle_mask_alone();
+        // Closed once the decision is delivered: the peer closes when it reads it, so
+        // neither end closes what the other keeps. An answer of "nothing" waits for no
+        // decision.
+        if step.mask != 0 {
+            let close = (mask != 0).then_some((view.sends & mask, view.recvs & mask));
+            let until = after(now, r.timeout);
+            self.queue(
+                &mut r.out, step.peer, DECISION, r.number, mask, until, close,
+            );
+        }
+    }
+
+    /// Move the outgoing steps on; a delivered decision closes its channels. Whether any
+    /// moved.
+    fn deliver(&mut self, r: &mut Round) -> bool {
+        r.events.clear();
+        Self::progress(&mut r.out, &mut r.events);
+        for &(p, kind, what, close) in &r.events {
+            if kind == REQUEST && what == POSTED {
+                if let Some(a) = r.asking.iter_mut().find(|a| a.0 == p) {
+                    a.1 = true;
+                }
+            }
+            if let (DELIVERED, Some((s, rv))) = (what, close) {
+                r.closed += self.close_channels(p, s, rv);
+                r.shut[p].0 |= s;
+                r.shut[p].1 |= rv;
+            }
+        }
+        !r.events.is_empty()
+    }
+
+    /// What is past its time: the wait for answers, decisions that never came, steps that
+    /// were not delivered.
+    fn expire(&mut self, r: &mut Round, now: Instant) {
+        if now >= r.wait_end {
+            // Peers asked that did not answer: tell those that may have read the request
+            // that nothing closes. One whose answer is on its way waits for this in its own
+            // loop, which accepts it within moments; one that is not suspending may never
+            // accept it (RoCE needs the accept), so it is tried for a while, not waited for.
+            // Requests still connecting are dropped.
+            let grace = after(now, r.wait.max(Duration::from_secs(1)));
+            for (p, posted) in std::mem::take(&mut r.asking) {
+                if posted {
+                    self.queue(&mut r.out, p, DECISION, r.number, 0, grace, None);
+                }
+            }
+            r.out.retain(|o| o.kind != REQUEST || o.sent.is_some());
+            r.expecting.clear();
+        }
+        let timeout = r.timeout;
+        r.deciding.retain(|d| {
+            let gone = matches!(self.peer_state(d.peer), Some(PeerProcess::Exited { .. }));
+            if now >= d.until || gone {
+                crate::warn!(
+                    "rank {}: rank {} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",
+                    self.rank,
+                    d.peer
+                );
+                return false;
+            }
+            true
+        });
+        r.out.retain(|o| {
+            if now < o.deadline {
+                return true;
+            }
+            if o.then_close.is_some() {
+                crate::info!(
+                    "rank {}: the decision about suspending did not reach rank {}: the connections with it stay open",
+                    self.rank,
+                    o.peer
+                );
+            }
+            false
+        });
+    }
+}
+
+/// `t + d`, or a year on where that overflows (no deadline).
+fn after(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .unwrap_or_else(|| t + Duration::from_secs(86_400 * 365))
+}
+
+/// One suspend round of this rank ([`Links::close_idle`]): what it asked, answered and
+/// decides, and what it closed.
+struct Round {
+    number: u64,
+    /// How long peers are waited for.
+    wait: Duration,
+    timeout: Duration,
+    wait_end: Instant,
+    /// Peers asked, and whether the request's bytes left.
+    asking: Vec<(usize, bool)>,
+    /// Lower ranks whose request is awaited.
+    expecting: Vec<usize>,
+    /// Answers given, awaiting the asker's decision.
+    deciding: Vec<Deciding>,
+    out: Vec<Outgoing>,
+    events: Vec<Event>,
+    closed: usize,
+    /// Per peer, the channels closed (sends, receives).
+    shut: Vec<(u8, u8)>,
 }
 
 /// An answer given that waits for its decision.
