@@ -261,35 +261,7 @@ pub fn enqueue_steps(
     bufs: Vec<Arc<dyn Alloc>>,
     timeout: Duration,
 ) -> Result<()> {
-    let mut distinct: Vec<StreamId> = Vec::new();
-    for &s in streams {
-        if !distinct.contains(&s) {
-            distinct.push(s);
-        }
-    }
-    if distinct.is_empty() || steps.is_empty() || steps.iter().any(|s| s.parts.is_empty()) {
-        return Err(Error::Internal(
-            "stream-ordered operation without streams or work".into(),
-        ));
-    }
-    if distinct.len() > MAX_STREAMS {
-        return Err(Error::arg(format!(
-            "one group spans {} streams; at most {MAX_STREAMS} are supported",
-            distinct.len()
-        )));
-    }
-    if steps.len() > MAX_STEPS {
-        return Err(Error::Internal(format!(
-            "a stream-ordered operation of {} steps (at most {MAX_STEPS})",
-            steps.len()
-        )));
-    }
-    let copies = || steps.iter().flat_map(|s| s.before.iter().chain(&s.after));
-    if copies().any(|c| !distinct.contains(&c.stream)) {
-        return Err(Error::Internal(
-            "a staging copy on a stream the operation does not use".into(),
-        ));
-    }
+    let distinct = checked_streams(streams, &steps)?;
     let capturing = distinct
         .iter()
         .map(|&s| dev.is_capturing(s))
@@ -320,40 +292,16 @@ pub fn enqueue_steps(
             }
         }
     }
-    let (last_slot, last_g) = *taken.last().expect("at least one step");
     let done = |k: usize| table.slab.handle(taken[k].0 * PER_SLOT + MAX_STREAMS);
-    let ready = |k: usize, i: usize| table.slab.handle(taken[k].0 * PER_SLOT + i);
     let mut released = Vec::new();
-    let emitted = (|| -> Result<()> {
-        for (i, &s) in distinct.iter().enumerate() {
-            for (k, step) in steps.iter().enumerate() {
-                for c in step.before.iter().filter(|c| c.stream == s) {
-                    // SAFETY: a plan's copies move between the call's buffers (its caller vouched
-                    // for them when it enqueued the call) and staging buffers kept in `bufs` until
-                    // the copies have run.
-                    unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
-                }
-                signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
-            }
-            for (k, step) in steps.iter().enumerate() {
-                dev.stream_wait(s, &done(k), taken[k].1)?;
-                for c in step.after.iter().filter(|c| c.stream == s) {
-                    // SAFETY: a plan's copies move between the call's buffers (its caller vouched
-                    // for them when it enqueued the call) and staging buffers kept in `bufs` until
-                    // the copies have run.
-                    unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
-                }
-            }
-            if !bufs.is_empty() {
-                let r = table
-                    .slab
-                    .handle(last_slot * PER_SLOT + MAX_STREAMS + 1 + i);
-                signal(dev.as_ref(), s, &r, last_g)?;
-                released.push(r);
-            }
-        }
-        Ok(())
-    })();
+    let emitted = emit_stream_work(
+        dev,
+        table,
+        (&distinct, &steps),
+        &taken,
+        &bufs,
+        &mut released,
+    );
     if let Err(e) = emitted {
         // Streams may already wait on these steps: let them pass. The slots and buffers stay
         // taken (a stream may still write their flags or copy through them).
@@ -367,6 +315,7 @@ pub fn enqueue_steps(
     if staged_bufs {
         // Back to the pool once every stream has passed its copies and the worker is done
         // with the last step.
+        let (last_slot, last_g) = *taken.last().expect("at least one step");
         released.push(done(taken.len() - 1));
         table
             .staging
@@ -374,7 +323,99 @@ pub fn enqueue_steps(
             .lock()
             .push((released, last_slot, last_g, bufs));
     }
-    let nready = distinct.len();
+    hand_to_workers(table, steps, &taken, distinct.len(), staged_bufs);
+    Ok(())
+}
+
+/// The distinct streams of a stream-ordered operation, checked against its steps: some
+/// work, not too many streams or steps, and every copy on one of the streams.
+fn checked_streams(streams: &[StreamId], steps: &[Step]) -> Result<Vec<StreamId>> {
+    let mut distinct: Vec<StreamId> = Vec::new();
+    for &s in streams {
+        if !distinct.contains(&s) {
+            distinct.push(s);
+        }
+    }
+    if distinct.is_empty() || steps.is_empty() || steps.iter().any(|s| s.parts.is_empty()) {
+        return Err(Error::Internal(
+            "stream-ordered operation without streams or work".into(),
+        ));
+    }
+    if distinct.len() > MAX_STREAMS {
+        return Err(Error::arg(format!(
+            "one group spans {} streams; at most {MAX_STREAMS} are supported",
+            distinct.len()
+        )));
+    }
+    if steps.len() > MAX_STEPS {
+        return Err(Error::Internal(format!(
+            "a stream-ordered operation of {} steps (at most {MAX_STEPS})",
+            steps.len()
+        )));
+    }
+    let mut copies = steps.iter().flat_map(|s| s.before.iter().chain(&s.after));
+    if copies.any(|c| !distinct.contains(&c.stream)) {
+        return Err(Error::Internal(
+            "a staging copy on a stream the operation does not use".into(),
+        ));
+    }
+    Ok(distinct)
+}
+
+/// Put on each stream its copies in of every step, each step's ready signal, then step by
+/// step a wait until it is done and its copies out; with staging buffers, a last signal
+/// that the stream has passed them (its flag added to `released`).
+fn emit_stream_work(
+    dev: &Arc<dyn Device>,
+    table: &'static Slots,
+    (distinct, steps): (&[StreamId], &[Step]),
+    taken: &[(usize, u64)],
+    bufs: &[Arc<dyn Alloc>],
+    released: &mut Vec<Flag>,
+) -> Result<()> {
+    let (last_slot, last_g) = *taken.last().expect("at least one step");
+    let done = |k: usize| table.slab.handle(taken[k].0 * PER_SLOT + MAX_STREAMS);
+    let ready = |k: usize, i: usize| table.slab.handle(taken[k].0 * PER_SLOT + i);
+    for (i, &s) in distinct.iter().enumerate() {
+        for (k, step) in steps.iter().enumerate() {
+            for c in step.before.iter().filter(|c| c.stream == s) {
+                // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+                // for them when it enqueued the call) and staging buffers kept in `bufs` until
+                // the copies have run.
+                unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
+            }
+            signal(dev.as_ref(), s, &ready(k, i), taken[k].1)?;
+        }
+        for (k, step) in steps.iter().enumerate() {
+            dev.stream_wait(s, &done(k), taken[k].1)?;
+            for c in step.after.iter().filter(|c| c.stream == s) {
+                // SAFETY: a plan's copies move between the call's buffers (its caller vouched
+                // for them when it enqueued the call) and staging buffers kept in `bufs` until
+                // the copies have run.
+                unsafe { dev.copy_async(s, c.dst, c.src, c.bytes)? };
+            }
+        }
+        if !bufs.is_empty() {
+            let r = table
+                .slab
+                .handle(last_slot * PER_SLOT + MAX_STREAMS + 1 + i);
+            signal(dev.as_ref(), s, &r, last_g)?;
+            released.push(r);
+        }
+    }
+    Ok(())
+}
+
+/// Give each step's parts to their communicators' workers: a part waits until every
+/// stream signalled the step ready, and the last part of a step marks it done (and gives
+/// its slot back, unless it holds the staging buffers' release flags).
+fn hand_to_workers(
+    table: &'static Slots,
+    steps: Vec<Step>,
+    taken: &[(usize, u64)],
+    nready: usize,
+    staged_bufs: bool,
+) {
     let nsteps = steps.len();
     for (k, step) in steps.into_iter().enumerate() {
         let (slot, g) = taken[k];
@@ -384,7 +425,7 @@ pub fn enqueue_steps(
         let give_back = !(staged_bufs && k + 1 == nsteps);
         for (comm, part) in step.parts {
             let remaining = Arc::clone(&remaining);
-            let done = done(k);
+            let done = table.slab.handle(base + MAX_STREAMS);
             comm.enqueue(Box::new(move |turn: &mut Turn| {
                 let r = (0..nready)
                     .try_for_each(|i| wait_flag(table.slab.flag(base + i), g, turn))
@@ -401,7 +442,6 @@ pub fn enqueue_steps(
             }));
         }
     }
-    Ok(())
 }
 
 /// A stream-ordered call recorded into a graph: what its host node does at every replay.
