@@ -23,6 +23,14 @@ macro_rules! errln {
     };
 }
 
+/// A line of the node report, added to the text that is printed at its end.
+macro_rules! outln {
+    ($out:expr, $($t:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($t)*);
+    }};
+}
+
 fn rdma_core_version() -> String {
     // Debian/Ubuntu package names, then RPM.
     let queries: [(&str, &[&str]); 3] = [
@@ -276,66 +284,69 @@ fn main() -> ExitCode {
         .collect::<Vec<_>>()
         .as_slice()
     {
-        [] => {}
+        [] => node_report(),
         ["--status", addrs @ ..] if !addrs.is_empty() => {
             let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
             let r = roccl::tool::status::report(&addrs);
             roccl::tool::print_line(format_args!("{}", r.trim_end()));
-            return ExitCode::SUCCESS;
+            ExitCode::SUCCESS
         }
-        ["--watch", rest @ ..] if !rest.is_empty() => {
-            let mut addrs = Vec::new();
-            let (mut interval, mut count) = (std::time::Duration::from_secs(1), None);
-            let mut it = rest.iter();
-            while let Some(&a) = it.next() {
-                match a {
-                    "--interval" | "--count" => {
-                        let v = it.next().and_then(|v| v.parse::<f64>().ok());
-                        match (a, v) {
-                            ("--interval", Some(s)) if s > 0.0 && s < 86400.0 => {
-                                interval = std::time::Duration::from_secs_f64(s)
-                            }
-                            ("--count", Some(c)) if c >= 1.0 => count = Some(c as u64),
-                            _ => {
-                                errln!("roccl-info: {a} needs a positive number (--interval seconds, --count refreshes)");
-                                return ExitCode::from(2);
-                            }
-                        }
-                    }
-                    _ => addrs.push(a.to_string()),
-                }
+        ["--watch", rest @ ..] if !rest.is_empty() => watch(rest),
+        ["--listen", a] | ["--peer", a] => match link_test(args[0] == "--listen", a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                errln!("roccl-info: error: {e}");
+                ExitCode::from(2)
             }
-            if addrs.is_empty() {
-                errln!("roccl-info --watch: give the ranks' ROCCL_METRICS_ADDR endpoints");
-                return ExitCode::from(2);
-            }
-            roccl::tool::watch::run(&addrs, interval, count);
-            return ExitCode::SUCCESS;
-        }
-        ["--listen", a] | ["--peer", a] => {
-            return match link_test(args[0] == "--listen", a) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    errln!("roccl-info: error: {e}");
-                    ExitCode::from(2)
-                }
-            };
-        }
+        },
         _ => {
             errln!("usage: roccl-info                 what roccl sees on this node\n       roccl-info --listen ADDR:PORT  (on host A) and\n       roccl-info --peer ADDR:PORT    (on host B, ADDR = host A): TCP vs RoCE v2 latency and bandwidth\n(one TCP port for the rendezvous)\n       roccl-info --status ADDR...    which rank the others wait for, from the ranks' ROCCL_METRICS_ADDR endpoints\n       roccl-info --watch ADDR... [--interval S] [--count N]   per-peer round-trip time, throughput and rates, refreshed");
-            return ExitCode::from(2);
+            ExitCode::from(2)
         }
     }
-    let mut out = String::new();
-    macro_rules! outln {
-        ($($t:tt)*) => {{
-            use std::fmt::Write as _;
-            let _ = writeln!(out, $($t)*);
-        }};
+}
+
+/// `--watch ADDR... [--interval S] [--count N]`: read the endpoints and the refresh
+/// settings from the arguments after `--watch`, then show the ranks' per-peer figures
+/// until the count runs out (or for ever). A bad number or no endpoint is a usage error.
+fn watch(rest: &[&str]) -> ExitCode {
+    let mut addrs = Vec::new();
+    let (mut interval, mut count) = (std::time::Duration::from_secs(1), None);
+    let mut it = rest.iter();
+    while let Some(&a) = it.next() {
+        match a {
+            "--interval" | "--count" => {
+                let v = it.next().and_then(|v| v.parse::<f64>().ok());
+                match (a, v) {
+                    ("--interval", Some(s)) if s > 0.0 && s < 86400.0 => {
+                        interval = std::time::Duration::from_secs_f64(s)
+                    }
+                    ("--count", Some(c)) if c >= 1.0 => count = Some(c as u64),
+                    _ => {
+                        errln!("roccl-info: {a} needs a positive number (--interval seconds, --count refreshes)");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
+            _ => addrs.push(a.to_string()),
+        }
     }
+    if addrs.is_empty() {
+        errln!("roccl-info --watch: give the ranks' ROCCL_METRICS_ADDR endpoints");
+        return ExitCode::from(2);
+    }
+    roccl::tool::watch::run(&addrs, interval, count);
+    ExitCode::SUCCESS
+}
+
+/// Without arguments: what roccl sees on this node, a section at a time, gathered into one
+/// text that is printed at the end (so that a failure to read the RDMA devices prints
+/// nothing but the error).
+fn node_report() -> ExitCode {
+    let mut out = String::new();
     let root = std::env::var("ROCCL_SYSFS_ROOT").unwrap_or_else(|_| select::SYSFS_ROOT.to_string());
-    outln!("roccl-info {}", env!("CARGO_PKG_VERSION"));
-    outln!("\n== RDMA devices ({root})");
+    outln!(out, "roccl-info {}", env!("CARGO_PKG_VERSION"));
+    outln!(out, "\n== RDMA devices ({root})");
     let ports = match select::scan(Path::new(&root)) {
         Ok(p) => p,
         Err(e) => {
@@ -343,10 +354,59 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    report_devices(&mut out, &ports);
+    report_locked_memory(&mut out, &ports);
+    outln!(out, "\n== /dev/infiniband");
+    outln!(out, "{}", dev_access());
+    outln!(out, "\n== rdma-core");
+    outln!(out, "{}", rdma_core_version());
+    report_interfaces(&mut out);
+    report_host_speeds(&mut out);
+    report_gpu_runtimes(&mut out);
+    // A closed pipe (`roccl-info | head`) ends it quietly.
+    roccl::tool::print_line(format_args!("{}", out.trim_end()));
+    ExitCode::SUCCESS
+}
+
+/// The body of the RDMA devices section: the ports sysfs shows, the GID roccl would pick
+/// and why (or why none fits), whether libibverbs can open the chosen device, and the
+/// network roccl would end up using.
+fn report_devices(out: &mut String, ports: &[select::PortInfo]) {
     let net_hint = std::env::var("ROCCL_NET").unwrap_or_else(|_| "auto".into());
-    // What ROCCL_NET=auto picks: shared memory between ranks of one host unless ROCCL_SHM=0,
-    // `remote` to other hosts.
-    let will_use = |remote: &str| match net_hint.trim().to_ascii_lowercase().as_str() {
+    if ports.is_empty() {
+        outln!(out, "no RDMA device: {}; ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP", will_use(&net_hint, "tcp"));
+        if let Some(v) = libibverbs_view() {
+            outln!(out, "libibverbs: {v}");
+        }
+    } else {
+        let choice = Criteria::from_env().and_then(|c| select::choose(ports, &c));
+        match &choice {
+            Ok(c) => {
+                outln!(out, "{}", select::describe(ports, Some(c)));
+                let (text, usable) = verbs_check(c);
+                outln!(out, "{text}");
+                let net = if usable {
+                    "verbs (RoCE v2 on this NIC)"
+                } else if cfg!(feature = "verbs") {
+                    "tcp (the NIC is not usable, see above)"
+                } else {
+                    "tcp (built without the verbs feature)"
+                };
+                outln!(out, "{}", will_use(&net_hint, net));
+            }
+            Err(e) => {
+                outln!(out, "{}", select::describe(ports, None));
+                outln!(out, "no usable RoCE v2 GID: {e}");
+            }
+        }
+    }
+}
+
+/// The sentence that says which network roccl will use, given ROCCL_NET (`net_hint`) and
+/// the network it would use to other hosts (`remote`): with ROCCL_NET=auto that is shared
+/// memory between ranks of one host unless ROCCL_SHM=0, and `remote` to other hosts.
+fn will_use(net_hint: &str, remote: &str) -> String {
+    match net_hint.trim().to_ascii_lowercase().as_str() {
         "" | "auto" => {
             let shm = roccl::envvar::raw("ROCCL_SHM").and_then(|v| roccl::envvar::parse_switch(&v))
                 != Some(false);
@@ -357,68 +417,57 @@ fn main() -> ExitCode {
             }
         }
         other => format!("roccl will use {other} (ROCCL_NET={other})"),
-    };
-    if ports.is_empty() {
-        outln!("no RDMA device: {}; ROCCL_NET=rocev2 runs RoCE v2 through the userspace engine over UDP", will_use("tcp"));
-        if let Some(v) = libibverbs_view() {
-            outln!("libibverbs: {v}");
-        }
-    } else {
-        let choice = Criteria::from_env().and_then(|c| select::choose(&ports, &c));
-        match &choice {
-            Ok(c) => {
-                outln!("{}", select::describe(&ports, Some(c)));
-                let (text, usable) = verbs_check(c);
-                outln!("{text}");
-                let net = if usable {
-                    "verbs (RoCE v2 on this NIC)"
-                } else if cfg!(feature = "verbs") {
-                    "tcp (the NIC is not usable, see above)"
-                } else {
-                    "tcp (built without the verbs feature)"
-                };
-                outln!("{}", will_use(net));
-            }
-            Err(e) => {
-                outln!("{}", select::describe(&ports, None));
-                outln!("no usable RoCE v2 GID: {e}");
-            }
-        }
     }
-    outln!("\n== locked memory (ulimit -l)");
+}
+
+/// The locked-memory section: the soft and hard `ulimit -l`, with a warning when RDMA
+/// devices are present and the limit is too low for them to register buffers.
+fn report_locked_memory(out: &mut String, ports: &[select::PortInfo]) {
+    outln!(out, "\n== locked memory (ulimit -l)");
     match roccl::os::memlock_limit() {
         Ok((soft, hard)) => {
-            outln!("soft {}, hard {}", human(soft), human(hard));
+            outln!(out, "soft {}, hard {}", human(soft), human(hard));
             if soft.is_some_and(|s| s < (64 << 20)) && !ports.is_empty() {
-                outln!("WARNING: RDMA registration pins memory against this limit: raise it (ulimit -l unlimited, /etc/security/limits.conf memlock, or --ulimit memlock=-1 for containers)");
+                outln!(out, "WARNING: RDMA registration pins memory against this limit: raise it (ulimit -l unlimited, /etc/security/limits.conf memlock, or --ulimit memlock=-1 for containers)");
             }
         }
-        Err(e) => outln!("unknown: {e}"),
+        Err(e) => outln!(out, "unknown: {e}"),
     }
-    outln!("\n== /dev/infiniband");
-    outln!("{}", dev_access());
-    outln!("\n== rdma-core");
-    outln!("{}", rdma_core_version());
+}
+
+/// The network interfaces section: every interface with its address, and the one roccl
+/// would listen on for the rendezvous.
+fn report_interfaces(out: &mut String) {
     outln!(
+        out,
         "\n== network interfaces (ROCCL_SOCKET_IFNAME={})",
         std::env::var("ROCCL_SOCKET_IFNAME").unwrap_or_default()
     );
     match ifaces::list() {
         Ok(l) => {
             for i in &l {
-                outln!("{:<12} {}", i.name, i.addr);
+                outln!(out, "{:<12} {}", i.name, i.addr);
             }
             match ifaces::local_addr(None) {
-                Ok(a) => outln!("roccl would listen on {a}"),
-                Err(e) => outln!("no usable interface: {e}"),
+                Ok(a) => outln!(out, "roccl would listen on {a}"),
+                Err(e) => outln!(out, "no usable interface: {e}"),
             }
         }
-        Err(e) => outln!("cannot list interfaces: {e}"),
+        Err(e) => outln!(out, "cannot list interfaces: {e}"),
     }
-    outln!("\n== host speeds (what the cost model is fed; docs/ARCHITECTURE.md)");
+}
+
+/// The host speeds section: the reduction and copy speeds measured here, and the figures
+/// the cost model is given from them, since they decide which algorithm roccl picks.
+fn report_host_speeds(out: &mut String) {
+    outln!(
+        out,
+        "\n== host speeds (what the cost model is fed; docs/ARCHITECTURE.md)"
+    );
     let m = roccl::algo::calibrate::host_speeds();
     let f = roccl::algo::calibrate::for_model(m);
     outln!(
+        out,
         "measured: reduce (f32 sum) {:.1} GB/s, copy {:.1} GB/s; model: {:.1} / {:.1} GB/s ({}), {} CPU(s) usable",
         m.reduce_gbs,
         m.copy_gbs,
@@ -431,19 +480,27 @@ fn main() -> ExitCode {
         },
         roccl::os::host_cores()
     );
+}
+
+/// The GPU runtimes section: each runtime built in and whether its device is present and
+/// takes stream memory operations, then when GPU buffers go straight through the NIC.
+fn report_gpu_runtimes(out: &mut String) {
     outln!(
+        out,
         "\n== GPU runtimes (ROCCL_DEVICE={})",
         std::env::var("ROCCL_DEVICE").unwrap_or_default()
     );
     let built = roccl::device::runtimes_built();
     if built.is_empty() {
         outln!(
+            out,
             "none built in (rebuild with --features hip or cuda for device buffers; docs/GPU.md)"
         );
     }
     for rt in built {
         match roccl::device::open_runtime(rt) {
             Ok(d) => outln!(
+                out,
                 "{rt}: device present; stream memory operations: {}",
                 if d.stream_waits() {
                     "yes"
@@ -451,11 +508,12 @@ fn main() -> ExitCode {
                     "no (calls on streams wait on the host)"
                 }
             ),
-            Err(e) => outln!("{rt}: {e}"),
+            Err(e) => outln!(out, "{rt}: {e}"),
         }
     }
     let gd = std::env::var("ROCCL_GPU_DIRECT").unwrap_or_else(|_| "auto".into());
     outln!(
+        out,
         "GPU-direct (ROCCL_GPU_DIRECT={gd}): broadcast, all-gather, all-to-all and send/receive of at least ROCCL_GPU_DIRECT_MIN (64K) on a discrete GPU's memory go through the NIC without staging when the RDMA network takes GPU memory: dmabuf registration (ibv_reg_dmabuf_mr: Linux >= 5.12 and a NIC driver with dmabuf support) or peer memory (loaded here: {}); otherwise, and for reductions, staged through pinned host buffers",
         if roccl::net::rocev2::peer_memory() {
             "yes"
@@ -463,9 +521,6 @@ fn main() -> ExitCode {
             "no: nvidia_peermem / amdkfd peer-memory client absent"
         }
     );
-    // A closed pipe (`roccl-info | head`) ends it quietly.
-    roccl::tool::print_line(format_args!("{}", out.trim_end()));
-    ExitCode::SUCCESS
 }
 
 #[cfg(test)]

@@ -372,22 +372,38 @@ fn label(s: &str) -> String {
 
 /// Every live communicator's counters in the Prometheus text format (names `roccl_*`).
 pub fn prometheus() -> String {
-    use std::fmt::Write;
     let comms = live();
     let mut out = String::new();
-    let mut family = |name: &str, help: &str, kind: &str, rows: &mut dyn FnMut(&mut String)| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        rows(&mut out);
-    };
-    let base = |m: &CommMetrics| {
-        format!(
-            "rank=\"{}\",comm=\"{:016x}\",network=\"{}\"",
-            m.rank,
-            m.comm,
-            label(m.net)
-        )
-    };
+    write_call_families(&mut out, &comms);
+    write_peer_counter_families(&mut out, &comms);
+    write_peer_gauge_families(&mut out, &comms);
+    write_waiting_family(&mut out, &comms);
+    write_net_families(&mut out, &comms);
+    out
+}
+
+/// The `# HELP` and `# TYPE` lines that open a family of metrics in the exposition.
+fn family_header(out: &mut String, name: &str, help: &str, kind: &str) {
+    use std::fmt::Write;
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// The labels that name a communicator on each of its rows: its rank, its id and the
+/// network (`net`) the figures come from.
+fn comm_labels(m: &CommMetrics, net: &str) -> String {
+    format!(
+        "rank=\"{}\",comm=\"{:016x}\",network=\"{}\"",
+        m.rank,
+        m.comm,
+        label(net)
+    )
+}
+
+/// The per-call counters (calls, bytes, seconds): a row for each communicator, collective
+/// and algorithm that has completed at least one call, so that unused pairs stay out.
+fn write_call_families(out: &mut String, comms: &[Arc<CommMetrics>]) {
+    use std::fmt::Write;
     type Pick = fn(&CallCounters) -> f64;
     let call_families: [(&str, &str, Pick); 3] = [
         (
@@ -407,27 +423,32 @@ pub fn prometheus() -> String {
         ),
     ];
     for (name, help, pick) in call_families {
-        family(name, help, "counter", &mut |o| {
-            for m in &comms {
-                for (k, kind) in KINDS.iter().enumerate() {
-                    for a in 0..MAX_ALGOS {
-                        let c = m.calls(k, a);
-                        if c.calls.load(Relaxed) == 0 {
-                            continue;
-                        }
-                        let _ = writeln!(
-                            o,
-                            "{name}{{{},collective=\"{}\",algorithm=\"{}\"}} {}",
-                            base(m),
-                            kind,
-                            m.algo_name(a).unwrap_or("none"),
-                            pick(c)
-                        );
+        family_header(out, name, help, "counter");
+        for m in comms {
+            for (k, kind) in KINDS.iter().enumerate() {
+                for a in 0..MAX_ALGOS {
+                    let c = m.calls(k, a);
+                    if c.calls.load(Relaxed) == 0 {
+                        continue;
                     }
+                    let _ = writeln!(
+                        out,
+                        "{name}{{{},collective=\"{}\",algorithm=\"{}\"}} {}",
+                        comm_labels(m, m.net),
+                        kind,
+                        m.algo_name(a).unwrap_or("none"),
+                        pick(c)
+                    );
                 }
             }
-        });
+        }
     }
+}
+
+/// The per-peer traffic counters (bytes and messages, each way): a row for each
+/// communicator and each peer other than the rank itself.
+fn write_peer_counter_families(out: &mut String, comms: &[Arc<CommMetrics>]) {
+    use std::fmt::Write;
     type PeerPick = fn(&PeerCounters) -> u64;
     let peer_families: [(&str, &str, PeerPick); 4] = [
         (
@@ -452,16 +473,26 @@ pub fn prometheus() -> String {
         ),
     ];
     for (name, help, pick) in peer_families {
-        family(name, help, "counter", &mut |o| {
-            for m in &comms {
-                for (peer, p) in m.peers.iter().enumerate() {
-                    if peer != m.rank {
-                        let _ = writeln!(o, "{name}{{{},peer=\"{peer}\"}} {}", base(m), pick(p));
-                    }
+        family_header(out, name, help, "counter");
+        for m in comms {
+            for (peer, p) in m.peers.iter().enumerate() {
+                if peer != m.rank {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{{},peer=\"{peer}\"}} {}",
+                        comm_labels(m, m.net),
+                        pick(p)
+                    );
                 }
             }
-        });
+        }
     }
+}
+
+/// The per-peer gauges (round-trip time, send throughput): a row only for the peers whose
+/// transport has measured the figure yet, since a zero would read as a real measurement.
+fn write_peer_gauge_families(out: &mut String, comms: &[Arc<CommMetrics>]) {
+    use std::fmt::Write;
     type PeerGauge = fn(&PeerCounters) -> Option<f64>;
     let peer_gauges: [(&str, &str, PeerGauge); 2] = [
         (
@@ -482,50 +513,59 @@ pub fn prometheus() -> String {
         ),
     ];
     for (name, help, pick) in peer_gauges {
-        family(name, help, "gauge", &mut |o| {
-            for m in &comms {
-                for (peer, p) in m.peers.iter().enumerate() {
-                    if let (true, Some(v)) = (peer != m.rank, pick(p)) {
-                        let _ = writeln!(o, "{name}{{{},peer=\"{peer}\"}} {v}", base(m));
-                    }
+        family_header(out, name, help, "gauge");
+        for m in comms {
+            for (peer, p) in m.peers.iter().enumerate() {
+                if let (true, Some(v)) = (peer != m.rank, pick(p)) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{{},peer=\"{peer}\"}} {v}",
+                        comm_labels(m, m.net)
+                    );
                 }
             }
-        });
+        }
     }
-    family(
+}
+
+/// How long each communicator's call in flight has gone without progress (0 when none
+/// is in flight): the gauge that shows a stuck job from outside.
+fn write_waiting_family(out: &mut String, comms: &[Arc<CommMetrics>]) {
+    use std::fmt::Write;
+    family_header(
+        out,
         "roccl_call_waiting_seconds",
         "How long the call in flight has waited without progress (0: none).",
         "gauge",
-        &mut |o| {
-            for m in &comms {
-                let f = &m.inflight;
-                let started = f.started.load(Relaxed);
-                let age = if f.active.load(Relaxed) && started != 0 {
-                    now_ns().saturating_sub(started) as f64 / 1e9
-                } else {
-                    0.0
-                };
-                let _ = writeln!(o, "roccl_call_waiting_seconds{{{}}} {age}", base(m));
-            }
-        },
     );
-    // Each network's own counters, one family per counter name.
+    for m in comms {
+        let f = &m.inflight;
+        let started = f.started.load(Relaxed);
+        let age = if f.active.load(Relaxed) && started != 0 {
+            now_ns().saturating_sub(started) as f64 / 1e9
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            out,
+            "roccl_call_waiting_seconds{{{}}} {age}",
+            comm_labels(m, m.net)
+        );
+    }
+}
+
+/// Each network's own counters, read from the sources the networks added: one family per
+/// counter name (`roccl_net_<name>_total`), in order of name, with a row for each
+/// communicator and network that reports it.
+fn write_net_families(out: &mut String, comms: &[Arc<CommMetrics>]) {
+    use std::fmt::Write;
     let mut net_rows: Vec<(&'static str, String, u64)> = Vec::new();
-    for m in &comms {
+    for m in comms {
         for (net, src) in m.nets.lock().iter() {
             let mut v = Vec::new();
             src(&mut v);
             for (name, value) in v {
-                net_rows.push((
-                    name,
-                    format!(
-                        "rank=\"{}\",comm=\"{:016x}\",network=\"{}\"",
-                        m.rank,
-                        m.comm,
-                        label(net)
-                    ),
-                    value,
-                ));
+                net_rows.push((name, comm_labels(m, net), value));
             }
         }
     }
@@ -547,7 +587,6 @@ pub fn prometheus() -> String {
             i += 1;
         }
     }
-    out
 }
 
 /// Every live communicator and its call in flight, as JSON (`/status`).

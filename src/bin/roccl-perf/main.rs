@@ -21,7 +21,7 @@ use roccl::comm::stream::ops;
 use roccl::device::sim::SimDevice;
 use roccl::device::{self, Device};
 use roccl::tool::launch::{self, Outcome};
-use roccl::{CallOpts, Communicator, UniqueId};
+use roccl::{CallOpts, Communicator, DataType, RedOp, UniqueId};
 
 use args::{check_args, Args, Op, Plan};
 use bench::{Bench, DevStream};
@@ -64,27 +64,24 @@ fn open_device(a: &Args) -> Result<Option<DevStream>, String> {
     Ok(Some((dev, s)))
 }
 
+/// One rank's whole run: check the arguments, set up the benchmark on the communicator,
+/// print the preamble, sweep every size of every asked collective, then report. Returns
+/// whether every checked result was right.
 fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     let local = if std::env::var_os(LAUNCHED).is_some() {
         c.nranks()
     } else {
         1
     };
-    let Plan {
-        dts,
-        redops,
-        algo,
-        ops,
-        sizes,
-    } = check_args(a, c.nranks(), local)?;
+    let plan = check_args(a, c.nranks(), local)?;
     let c = Arc::new(c);
     let base = Bench {
         c: &c,
         a,
-        dt: dts[0],
-        op: redops[0],
+        dt: plan.dts[0],
+        op: plan.redops[0],
         opts: CallOpts {
-            algo,
+            algo: plan.algo,
             ..Default::default()
         },
         dev: open_device(a)?,
@@ -92,13 +89,31 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
     };
     let lead = c.rank() == 0;
     let table = Table { stats: a.stats };
-    let header = Header {
+    let header = run_header(&base, &plan);
+    if lead {
+        print_preamble(&base, &header, &table)?;
+    }
+    let (rows, ok) = sweep(&base, &plan, &table, lead)?;
+    if a.counters {
+        print_counters(&c);
+    }
+    if lead {
+        report_results(a, header, rows)?;
+    }
+    Ok(ok)
+}
+
+/// The run's settings as the JSON report records them, gathered once so that the printed
+/// preamble and the written file agree.
+fn run_header(base: &Bench, plan: &Plan) -> Header {
+    let (c, a) = (base.c, base.a);
+    Header {
         ranks: c.nranks(),
         net: c.net_name().into(),
         device: base.dev.as_ref().map(|(d, _)| d.name().to_string()),
-        ops: ops.iter().map(|o| o.name().to_string()).collect(),
-        dtypes: dts.iter().map(|d| d.name().to_string()).collect(),
-        redops: redops.iter().map(|r| r.name().to_string()).collect(),
+        ops: plan.ops.iter().map(|o| o.name().to_string()).collect(),
+        dtypes: plan.dts.iter().map(|d| d.name().to_string()).collect(),
+        redops: plan.redops.iter().map(|r| r.name().to_string()).collect(),
         algo: a.algo.clone(),
         minbytes: a.minbytes.clone(),
         maxbytes: a.maxbytes.clone(),
@@ -110,98 +125,87 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
         average: a.average,
         timeout_s: roccl::comm::timeout().as_secs_f64(),
         cycles: a.cycles,
-    };
-    if lead {
-        outln!(
-            "# roccl-perf: version {}, {} ranks, net {}{}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}, {}",
-            env!("CARGO_PKG_VERSION"),
-            c.nranks(),
-            c.net_name(),
-            match &base.dev {
-                Some((d, _)) => format!(
-                    ", {} device buffers, stream-ordered (chunk {})",
-                    d.name(),
-                    ops::stream_chunk().map_err(|e| e.to_string())?
-                ),
-                None => String::new(),
-            },
-            header.dtypes.join(","),
-            header.redops.join(","),
-            a.iters,
-            a.warmup,
-            match a.placements() {
-                (true, true) => "out of place and in place",
-                (true, false) => "out of place",
-                _ => "in place",
-            },
-            match a.check {
-                0 => "off".to_string(),
-                1 => "on".to_string(),
-                k => format!("on ({k} calls)"),
-            },
-            if a.blocking == 1 { "blocking" } else { "non-blocking" }
-        );
-        outln!(
-            "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0 blocking: {} average: {} timeout: {}s",
-            args::sizes(a)?.first().copied().unwrap_or(0),
-            args::sizes(a)?.last().copied().unwrap_or(0),
-            header.step,
-            a.warmup,
-            a.iters,
-            a.check.min(1),
-            a.blocking,
-            a.average,
-            header.timeout_s
-        );
-        outln!("#");
-        for l in table.header() {
-            outln!("{l}");
-        }
     }
-    let (do_out, do_in) = a.placements();
+}
+
+/// Rank 0's lines before the results: roccl's own summary of the run, the line in
+/// nccl-tests' format that tools parsing its output expect, and the table's header.
+fn print_preamble(base: &Bench, header: &Header, table: &Table) -> Result<(), String> {
+    let (c, a) = (base.c, base.a);
+    outln!(
+        "# roccl-perf: version {}, {} ranks, net {}{}, dtype {}, redop {}, iters {}, warmup {}, {}, check {}, {}",
+        env!("CARGO_PKG_VERSION"),
+        c.nranks(),
+        c.net_name(),
+        match &base.dev {
+            Some((d, _)) => format!(
+                ", {} device buffers, stream-ordered (chunk {})",
+                d.name(),
+                ops::stream_chunk().map_err(|e| e.to_string())?
+            ),
+            None => String::new(),
+        },
+        header.dtypes.join(","),
+        header.redops.join(","),
+        a.iters,
+        a.warmup,
+        match a.placements() {
+            (true, true) => "out of place and in place",
+            (true, false) => "out of place",
+            _ => "in place",
+        },
+        match a.check {
+            0 => "off".to_string(),
+            1 => "on".to_string(),
+            k => format!("on ({k} calls)"),
+        },
+        if a.blocking == 1 { "blocking" } else { "non-blocking" }
+    );
+    outln!(
+        "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0 blocking: {} average: {} timeout: {}s",
+        args::sizes(a)?.first().copied().unwrap_or(0),
+        args::sizes(a)?.last().copied().unwrap_or(0),
+        header.step,
+        a.warmup,
+        a.iters,
+        a.check.min(1),
+        a.blocking,
+        a.average,
+        header.timeout_s
+    );
+    outln!("#");
+    for l in table.header() {
+        outln!("{l}");
+    }
+    Ok(())
+}
+
+/// Every cycle over every collective, data type, reduction and size, rank 0 printing a
+/// table row per size as it goes. Returns the results and whether all were right.
+fn sweep(base: &Bench, plan: &Plan, table: &Table, lead: bool) -> Result<(Vec<Row>, bool), String> {
+    let a = base.a;
     let mut rows = Vec::new();
     let mut ok = true;
     let mut cycle = 0;
     while a.cycles == 0 || cycle < a.cycles {
         cycle += 1;
-        for &o in &ops {
+        for &o in &plan.ops {
             let list: Vec<usize> = if o == Op::Barrier {
                 vec![0]
             } else {
-                sizes.clone()
+                plan.sizes.clone()
             };
-            for &dt in &dts {
+            for &dt in &plan.dts {
                 // A reduction matters only to collectives that reduce.
                 let reds = if o.reduces() {
-                    &redops[..]
+                    &plan.redops[..]
                 } else {
-                    &redops[..1]
+                    &plan.redops[..1]
                 };
                 for &red in reds {
                     for &s in &list {
-                        let mut got = [None, None];
-                        for (k, inplace) in [false, true].into_iter().enumerate() {
-                            let wanted = if inplace { do_in } else { do_out };
-                            if !wanted || (inplace && !o.has_inplace() && do_out) {
-                                continue;
-                            }
-                            let b = Bench {
-                                dt,
-                                op: red,
-                                inplace,
-                                ..base.clone()
-                            };
-                            let m = b.run(o, s).map_err(|e| {
-                                format!(
-                                    "{} {} at {s} bytes: {e}",
-                                    o.name(),
-                                    if inplace { "in place" } else { "out of place" }
-                                )
-                            })?;
-                            let row = make_row(&b, o, m);
-                            ok &= row.wrong.unwrap_or(0) == 0;
-                            got[k] = Some(row);
-                        }
+                        let got = measure_size(base, o, dt, red, s)?;
+                        ok &= got.iter().flatten().all(|row| row.wrong.unwrap_or(0) == 0);
                         if lead {
                             outln!("{}", table.row(got[0].as_ref(), got[1].as_ref()));
                         }
@@ -211,34 +215,70 @@ fn rank_main(c: Communicator, a: &Args) -> Result<bool, String> {
             }
         }
     }
-    if a.counters {
-        print_counters(&c);
+    Ok((rows, ok))
+}
+
+/// One size of one collective, out of place then in place as the arguments ask (a
+/// collective without an in-place form runs in place only when out of place is not asked
+/// for): the two halves of one table row.
+fn measure_size(
+    base: &Bench,
+    o: Op,
+    dt: DataType,
+    red: RedOp,
+    s: usize,
+) -> Result<[Option<Row>; 2], String> {
+    let (do_out, do_in) = base.a.placements();
+    let mut got = [None, None];
+    for (k, inplace) in [false, true].into_iter().enumerate() {
+        let wanted = if inplace { do_in } else { do_out };
+        if !wanted || (inplace && !o.has_inplace() && do_out) {
+            continue;
+        }
+        let b = Bench {
+            dt,
+            op: red,
+            inplace,
+            ..base.clone()
+        };
+        let m = b.run(o, s).map_err(|e| {
+            format!(
+                "{} {} at {s} bytes: {e}",
+                o.name(),
+                if inplace { "in place" } else { "out of place" }
+            )
+        })?;
+        got[k] = Some(make_row(&b, o, m));
     }
-    if lead {
-        for l in report::closing(&rows, a.check > 0) {
-            outln!("{l}");
-        }
-        if a.device.is_some() || a.stream {
-            // Device memory the CPU cannot reach is staged, except what went GPU-direct.
-            outln!(
-                "# bytes staged through pinned host buffers (rank 0, in and out): {}",
-                roccl::comm::stream::ops::staged_bytes()
-            );
-        }
-        if let Some(path) = &a.json {
-            let doc = Doc {
-                tool: "roccl-perf",
-                version: env!("CARGO_PKG_VERSION"),
-                header,
-                wrong_total: (a.check > 0).then(|| rows.iter().filter_map(|r| r.wrong).sum()),
-                avg_busbw_gbs: report::avg_busbw(&rows),
-                results: rows,
-            };
-            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-            std::fs::write(path, text).map_err(|e| format!("writing {path}: {e}"))?;
-        }
+    Ok(got)
+}
+
+/// Rank 0's closing lines (errors found, average bus bandwidth, bytes staged when device
+/// buffers were used), and `--json`: the whole run written to a file.
+fn report_results(a: &Args, header: Header, rows: Vec<Row>) -> Result<(), String> {
+    for l in report::closing(&rows, a.check > 0) {
+        outln!("{l}");
     }
-    Ok(ok)
+    if a.device.is_some() || a.stream {
+        // Device memory the CPU cannot reach is staged, except what went GPU-direct.
+        outln!(
+            "# bytes staged through pinned host buffers (rank 0, in and out): {}",
+            roccl::comm::stream::ops::staged_bytes()
+        );
+    }
+    if let Some(path) = &a.json {
+        let doc = Doc {
+            tool: "roccl-perf",
+            version: env!("CARGO_PKG_VERSION"),
+            header,
+            wrong_total: (a.check > 0).then(|| rows.iter().filter_map(|r| r.wrong).sum()),
+            avg_busbw_gbs: report::avg_busbw(&rows),
+            results: rows,
+        };
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("writing {path}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// The result of one measurement, as printed and written.

@@ -208,6 +208,134 @@ pub struct IbvVerbs {
     wc_errors: crate::rdma::verbs::WcErrors,
 }
 
+/// Find the device `choice` names among those libibverbs lists and open it. The list is
+/// freed before returning either way; a device sysfs shows but libibverbs does not list
+/// means its provider library is missing, which the error says.
+fn open_context(choice: &Choice, cx: &Context) -> Result<*mut ffi::ibv_context> {
+    let mut n: c_int = 0;
+    // SAFETY: `n` is a valid out-pointer; the list is freed below.
+    let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+    if list.is_null() || n == 0 {
+        if !list.is_null() {
+            // SAFETY: `list` came from ibv_get_device_list.
+            unsafe { ffi::ibv_free_device_list(list) };
+        }
+        return Err(hints::verb_error(Verb::GetDeviceList, errno(), cx).into());
+    }
+    let mut found = ptr::null_mut();
+    let mut names = Vec::new();
+    for i in 0..n as usize {
+        // SAFETY: the list holds `n` valid device pointers.
+        let d = unsafe { *list.add(i) };
+        // SAFETY: ibv_get_device_name returns a NUL-terminated string owned by the device.
+        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(d)) }
+            .to_string_lossy()
+            .into_owned();
+        if name == choice.dev {
+            found = d;
+        }
+        names.push(name);
+    }
+    let ctx = if found.is_null() {
+        ptr::null_mut()
+    } else {
+        // SAFETY: `found` is a device of the list, which is still alive.
+        unsafe { ffi::ibv_open_device(found) }
+    };
+    let open_errno = errno();
+    // SAFETY: opened contexts stay valid after the list is freed.
+    unsafe { ffi::ibv_free_device_list(list) };
+    if found.is_null() {
+        return Err(Error::arg(format!(
+            "RDMA device {} (chosen from sysfs) is not among the devices libibverbs lists ({}): is its provider library installed (ibverbs-providers)?",
+            choice.dev,
+            names.join(", ")
+        )));
+    }
+    if ctx.is_null() {
+        return Err(hints::verb_error(Verb::OpenDevice, open_errno, cx).into());
+    }
+    Ok(ctx)
+}
+
+/// The device's and the chosen port's attributes, from the open context `ctx`. The port
+/// must be up and speak Ethernet (RoCE v2), since roccl cannot use it otherwise; the
+/// caller closes the context on an error.
+fn query_device_and_port(
+    ctx: *mut ffi::ibv_context,
+    choice: &Choice,
+    cx: &Context,
+) -> Result<(ffi::ibv_device_attr, ffi::ibv_port_attr)> {
+    // SAFETY: zeroed attribute structs are valid out-parameters.
+    let mut dattr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is open; `dattr` is a valid out-pointer.
+    let r = unsafe { ffi::ibv_query_device(ctx, &mut dattr) };
+    if r != 0 {
+        return Err(hints::verb_error(Verb::QueryDevice, r, cx).into());
+    }
+    let port = choice.port as u8;
+    // SAFETY: as above.
+    let mut pattr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is open; `pattr` is a valid out-pointer of the size passed inside.
+    let r = unsafe { ffi::___ibv_query_port(ctx, port, &mut pattr) };
+    if r != 0 {
+        return Err(hints::verb_error(Verb::QueryPort, r, cx).into());
+    }
+    if pattr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+        return Err(Error::arg(format!(
+            "{}:{port} is not ACTIVE (state {}): check the cable and `ip link` of its interface",
+            choice.dev, pattr.state
+        )));
+    }
+    if pattr.link_layer != 2 {
+        return Err(Error::arg(format!(
+            "{}:{port} has an InfiniBand link layer: roccl speaks RoCE v2 (Ethernet) only",
+            choice.dev
+        )));
+    }
+    Ok((dattr, pattr))
+}
+
+/// The IP address of the chosen GID as libibverbs reads it from the open context `ctx`,
+/// noting in the log when it differs from what sysfs showed (the address libibverbs gives
+/// is the one used). The caller closes the context on an error.
+fn read_gid(ctx: *mut ffi::ibv_context, choice: &Choice, cx: &Context) -> Result<IpAddr> {
+    let port = choice.port as u8;
+    // SAFETY: a zeroed GID is a valid out-parameter.
+    let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is open; `gid` is a valid out-pointer.
+    let r = unsafe { ffi::ibv_query_gid(ctx, port, choice.gid_index as c_int, &mut gid) };
+    if r != 0 {
+        return Err(hints::verb_error(Verb::QueryGid, errno(), cx).into());
+    }
+    // SAFETY: a GID is 16 plain bytes in either view of the union.
+    let raw = unsafe { gid.raw };
+    let addr = ip_of(raw);
+    if addr != choice.gid.ip() {
+        crate::info!(
+            "RoCE v2: {}:{port} GID {} reads {addr} through libibverbs but {} in sysfs",
+            choice.dev,
+            choice.gid_index,
+            choice.gid.ip()
+        );
+    }
+    Ok(addr)
+}
+
+/// Start the thread that turns the device's asynchronous events (fatal errors, lost
+/// links, QPs in error) into errors of the QPs they hit, until `stop` is set.
+fn spawn_event_thread(
+    dev: &Arc<Dev>,
+    flags: &FlagTable,
+    stop: &Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>> {
+    let (d, f, s) = (Arc::clone(dev), Arc::clone(flags), Arc::clone(stop));
+    std::thread::Builder::new()
+        .name("roccl-ibv-events".into())
+        .spawn(move || async_events(d, f, s))
+        .map_err(|e| Error::sys("spawning the RDMA async-event thread", e))
+}
+
 impl IbvVerbs {
     /// Open the device, port and GID of `choice`.
     pub fn open(choice: &Choice, settings: IbSettings) -> Result<IbvVerbs> {
@@ -215,101 +343,15 @@ impl IbvVerbs {
             dev: choice.dev.clone(),
             ..Context::default()
         };
-        let mut n: c_int = 0;
-        // SAFETY: `n` is a valid out-pointer; the list is freed below.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-        if list.is_null() || n == 0 {
-            if !list.is_null() {
-                // SAFETY: `list` came from ibv_get_device_list.
-                unsafe { ffi::ibv_free_device_list(list) };
-            }
-            return Err(hints::verb_error(Verb::GetDeviceList, errno(), &cx).into());
-        }
-        let mut found = ptr::null_mut();
-        let mut names = Vec::new();
-        for i in 0..n as usize {
-            // SAFETY: the list holds `n` valid device pointers.
-            let d = unsafe { *list.add(i) };
-            // SAFETY: ibv_get_device_name returns a NUL-terminated string owned by the device.
-            let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(d)) }
-                .to_string_lossy()
-                .into_owned();
-            if name == choice.dev {
-                found = d;
-            }
-            names.push(name);
-        }
-        let ctx = if found.is_null() {
-            ptr::null_mut()
-        } else {
-            // SAFETY: `found` is a device of the list, which is still alive.
-            unsafe { ffi::ibv_open_device(found) }
-        };
-        let open_errno = errno();
-        // SAFETY: opened contexts stay valid after the list is freed.
-        unsafe { ffi::ibv_free_device_list(list) };
-        if found.is_null() {
-            return Err(Error::arg(format!(
-                "RDMA device {} (chosen from sysfs) is not among the devices libibverbs lists ({}): is its provider library installed (ibverbs-providers)?",
-                choice.dev,
-                names.join(", ")
-            )));
-        }
-        if ctx.is_null() {
-            return Err(hints::verb_error(Verb::OpenDevice, open_errno, &cx).into());
-        }
+        let ctx = open_context(choice, &cx)?;
         let close = |e: Error| {
             // SAFETY: `ctx` was opened above and nothing else uses it yet.
             unsafe { ffi::ibv_close_device(ctx) };
             e
         };
-        // SAFETY: zeroed attribute structs are valid out-parameters.
-        let mut dattr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: `ctx` is open; `dattr` is a valid out-pointer.
-        let r = unsafe { ffi::ibv_query_device(ctx, &mut dattr) };
-        if r != 0 {
-            return Err(close(hints::verb_error(Verb::QueryDevice, r, &cx).into()));
-        }
+        let (dattr, pattr) = query_device_and_port(ctx, choice, &cx).map_err(close)?;
         let port = choice.port as u8;
-        // SAFETY: as above.
-        let mut pattr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: `ctx` is open; `pattr` is a valid out-pointer of the size passed inside.
-        let r = unsafe { ffi::___ibv_query_port(ctx, port, &mut pattr) };
-        if r != 0 {
-            return Err(close(hints::verb_error(Verb::QueryPort, r, &cx).into()));
-        }
-        if pattr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
-            return Err(close(Error::arg(format!(
-                "{}:{port} is not ACTIVE (state {}): check the cable and `ip link` of its interface",
-                choice.dev, pattr.state
-            ))));
-        }
-        if pattr.link_layer != 2 {
-            return Err(close(Error::arg(format!(
-                "{}:{port} has an InfiniBand link layer: roccl speaks RoCE v2 (Ethernet) only",
-                choice.dev
-            ))));
-        }
-        // SAFETY: as above.
-        let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
-        // SAFETY: `ctx` is open; `gid` is a valid out-pointer.
-        let r = unsafe { ffi::ibv_query_gid(ctx, port, choice.gid_index as c_int, &mut gid) };
-        if r != 0 {
-            return Err(close(
-                hints::verb_error(Verb::QueryGid, errno(), &cx).into(),
-            ));
-        }
-        // SAFETY: a GID is 16 plain bytes in either view of the union.
-        let raw = unsafe { gid.raw };
-        let addr = ip_of(raw);
-        if addr != choice.gid.ip() {
-            crate::info!(
-                "RoCE v2: {}:{port} GID {} reads {addr} through libibverbs but {} in sysfs",
-                choice.dev,
-                choice.gid_index,
-                choice.gid.ip()
-            );
-        }
+        let addr = read_gid(ctx, choice, &cx).map_err(close)?;
         // SAFETY: `ctx` is open.
         let pd = unsafe { ffi::ibv_alloc_pd(ctx) };
         if pd.is_null() {
@@ -338,13 +380,7 @@ impl IbvVerbs {
         cx.max_qp = Some((dev.max_qp, 0));
         let flags: FlagTable = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let events = {
-            let (d, f, s) = (Arc::clone(&dev), Arc::clone(&flags), Arc::clone(&stop));
-            std::thread::Builder::new()
-                .name("roccl-ibv-events".into())
-                .spawn(move || async_events(d, f, s))
-                .map_err(|e| Error::sys("spawning the RDMA async-event thread", e))?
-        };
+        let events = spawn_event_thread(&dev, &flags, &stop)?;
         crate::info!(
             "RoCE v2 on {}:{port} GID {} {addr} ({}), MTU {}, max QPs {}, dmabuf {}",
             dev.name,
