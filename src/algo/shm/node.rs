@@ -355,6 +355,61 @@ impl Node {
         w: &Waiter,
         abort: &AtomicBool,
     ) -> Result<Option<Node>> {
+        let (peers, why) = Self::open_peer_segments(&own, tag, me, nranks);
+        let cma_pids = Self::peer_pids(&peers, me, nranks);
+        let cma_ok = Self::can_read_every_peer(&peers, &cma_pids, me);
+        let mine = header(&own.seg);
+        mine.cma_ok.store(u32::from(cma_ok), Ordering::Relaxed);
+        mine.attached
+            .store(if why.is_some() { 2 } else { 1 }, Ordering::Release);
+        // Wait for every peer's verdict (peers we could not open count as failed).
+        let peer_failed = Self::wait_for_verdicts(&peers, &cma_pids, tag, me, nranks, w, abort)?;
+        let failed = why.is_some() || peer_failed;
+        own.unlink();
+        if failed {
+            crate::info!(
+                "rank {me}: flat shared-memory collectives off ({}): collectives use the shared-memory rings",
+                why.unwrap_or_else(|| "a peer could not attach".into())
+            );
+            return Ok(None);
+        }
+        // Liveness checks by pid only within our pid namespace, and never on our own process.
+        let pids = cma_pids
+            .iter()
+            .map(|&p| if p == std::process::id() { 0 } else { p })
+            .collect();
+        // Every rank could read every other: single-copy broadcasts (all decide alike).
+        let cma = cma_ok
+            && peers
+                .iter()
+                .flatten()
+                .all(|s| header(s).cma_ok.load(Ordering::Relaxed) == 1);
+        let slot = own.slot;
+        Ok(Some(Node {
+            me,
+            own,
+            peers,
+            pids,
+            cma_pids,
+            cma,
+            slot,
+            calls: 0,
+            calls64: 0,
+            tag: 0,
+            unwoken: Cell::new(0),
+            stats: std::sync::Arc::default(),
+        }))
+    }
+
+    /// Map every other rank's segment (`None` at our own rank and at those that would not
+    /// open), with the first reason the flat path cannot be used: a segment that would not
+    /// open, or a peer whose slot size differs from ours, since all must lay out alike.
+    fn open_peer_segments(
+        own: &NodeSeg,
+        tag: u64,
+        me: usize,
+        nranks: usize,
+    ) -> (Vec<Option<Segment>>, Option<String>) {
         let mut peers = Vec::with_capacity(nranks);
         let mut why = None;
         for r in 0..nranks {
@@ -380,11 +435,15 @@ impl Node {
                 }
             }
         }
-        // Peers whose pids mean something here (same pid namespace), and whether this rank
-        // can read every one of them directly (process_vm_readv: fails across namespaces or
-        // under a restrictive ptrace policy).
+        (peers, why)
+    }
+
+    /// Every rank's pid as this process can use it: our own, and each peer's when it lives
+    /// in our pid namespace (0 otherwise, and for peers not mapped), since a pid from
+    /// another namespace names some other process here.
+    fn peer_pids(peers: &[Option<Segment>], me: usize, nranks: usize) -> Vec<u32> {
         let ns = pid_namespace();
-        let cma_pids: Vec<u32> = (0..nranks)
+        (0..nranks)
             .map(|r| match &peers[r] {
                 None if r == me => std::process::id(),
                 None => 0,
@@ -397,8 +456,14 @@ impl Node {
                     }
                 }
             })
-            .collect();
-        let cma_ok = peers.iter().enumerate().all(|(r, p)| {
+            .collect()
+    }
+
+    /// Whether this rank can read every peer's memory directly (process_vm_readv), tried
+    /// on the probe word each peer publishes: it fails across pid namespaces and under a
+    /// restrictive ptrace policy, and single-copy transfers need it towards everyone.
+    fn can_read_every_peer(peers: &[Option<Segment>], cma_pids: &[u32], me: usize) -> bool {
+        peers.iter().enumerate().all(|(r, p)| {
             let Some(s) = p else { return r == me };
             let mut word = 0u64;
             cma_pids[r] != 0
@@ -409,14 +474,25 @@ impl Node {
                 )
                 .is_ok()
                 && word == CMA_PROBE
-        });
-        let mine = header(&own.seg);
-        mine.cma_ok.store(u32::from(cma_ok), Ordering::Relaxed);
-        mine.attached
-            .store(if why.is_some() { 2 } else { 1 }, Ordering::Release);
-        // Wait for every peer's verdict (peers we could not open count as failed).
+        })
+    }
+
+    /// Wait until every mapped peer has raised its attach flag, and say whether any of them
+    /// failed. The application's abort ends the wait with an error; so do a peer whose
+    /// process has exited and the timeout, after removing the segments of dead ranks, so
+    /// that a rank that died during initialization neither holds the others for ever nor
+    /// leaves its segments behind.
+    fn wait_for_verdicts(
+        peers: &[Option<Segment>],
+        cma_pids: &[u32],
+        tag: u64,
+        me: usize,
+        nranks: usize,
+        w: &Waiter,
+        abort: &AtomicBool,
+    ) -> Result<bool> {
         let start = Instant::now();
-        let mut failed = why.is_some();
+        let mut failed = false;
         for (r, p) in peers.iter().enumerate() {
             let Some(s) = p else { continue };
             let mut polls = 0u32;
@@ -462,40 +538,7 @@ impl Node {
                 }
             }
         }
-        own.unlink();
-        if failed {
-            crate::info!(
-                "rank {me}: flat shared-memory collectives off ({}): collectives use the shared-memory rings",
-                why.unwrap_or_else(|| "a peer could not attach".into())
-            );
-            return Ok(None);
-        }
-        // Liveness checks by pid only within our pid namespace, and never on our own process.
-        let pids = cma_pids
-            .iter()
-            .map(|&p| if p == std::process::id() { 0 } else { p })
-            .collect();
-        // Every rank could read every other: single-copy broadcasts (all decide alike).
-        let cma = cma_ok
-            && peers
-                .iter()
-                .flatten()
-                .all(|s| header(s).cma_ok.load(Ordering::Relaxed) == 1);
-        let slot = own.slot;
-        Ok(Some(Node {
-            me,
-            own,
-            peers,
-            pids,
-            cma_pids,
-            cma,
-            slot,
-            calls: 0,
-            calls64: 0,
-            tag: 0,
-            unwoken: Cell::new(0),
-            stats: std::sync::Arc::default(),
-        }))
+        Ok(failed)
     }
 
     /// Bytes of one slot (the largest piece of a flat call).
@@ -1050,176 +1093,4 @@ impl Drop for Node {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn call_numbers_widen_across_wrap() {
-        let base = 1u64 << 32;
-        assert_eq!(full_call(base + 5, 5, 5), base + 5);
-        assert_eq!(full_call(base + 5, 5, 3), base + 3);
-        // The call before the 32-bit counter wrapped.
-        assert_eq!(full_call(base + 1, 1, u32::MAX), base - 1);
-        // A `result` never published (0) has not reached a call past 2^31, where the 32-bit
-        // comparison would say it had.
-        let k = (1u32 << 31) + 7;
-        assert!(reached(0, k));
-        assert!(0 < full_call(u64::from(k), k, k));
-    }
-
-    #[test]
-    fn counters_compare_across_wrap() {
-        assert!(reached(5, 5));
-        assert!(reached(6, 5));
-        assert!(!reached(4, 5));
-        assert!(reached(2, u32::MAX));
-        assert!(!reached(u32::MAX, 2));
-    }
-
-    /// Two ranks' nodes in this process (process_vm_readv reads our own memory).
-    fn pair(w: &Waiter) -> (Node, Node) {
-        let tag = u64::from(std::process::id()) << 20 ^ 0x5eed;
-        let segs: Vec<NodeSeg> = (0..2)
-            .map(|r| NodeSeg::create(tag, r, 4096).unwrap())
-            .collect();
-        let mut nodes: Vec<Node> = std::thread::scope(|s| {
-            let hs: Vec<_> = segs
-                .into_iter()
-                .enumerate()
-                .map(|(r, seg)| {
-                    s.spawn(move || Node::attach(seg, tag, r, 2, w, &AtomicBool::new(false)))
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap().unwrap().expect("attached"))
-                .collect()
-        });
-        let b = nodes.pop().unwrap();
-        (nodes.pop().unwrap(), b)
-    }
-
-    #[test]
-    fn a_copy_from_a_rank_that_failed_meanwhile_is_an_error() {
-        let w = Waiter {
-            timeout: Duration::from_secs(10),
-            ..Waiter::from_env()
-        };
-        let abort = AtomicBool::new(false);
-        let (mut a, mut b) = pair(&w);
-        assert!(a.cma() && b.cma(), "process_vm_readv on our own process");
-        let src: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
-        let mut out = vec![0u8; src.len()];
-        for fail in [false, true] {
-            let k = a.begin([5000, 1], &w, &abort).unwrap();
-            assert_eq!(b.begin([5000, 1], &w, &abort).unwrap(), k);
-            a.set_direct(k, &src);
-            a.publish(Counter::Arrive, k);
-            if fail {
-                // Rank 0 gives up after publishing its buffer, before rank 1 copies it.
-                a.mark_broken();
-            }
-            b.publish(Counter::Arrive, k);
-            b.wait_one(0, Counter::Arrive, k, &w, &abort).unwrap();
-            let r = b.read_direct(0, k, &mut out);
-            if fail {
-                let e = r.expect_err("copied from a rank that failed").to_string();
-                assert!(e.contains("rank 0") && e.contains("failed"), "{e}");
-            } else {
-                r.unwrap();
-                assert_eq!(out, src);
-                a.wait_one(1, Counter::Arrive, k, &w, &abort).unwrap();
-            }
-        }
-    }
-
-    /// Only segments whose owner is gone are removed: of three ranks' segments, the one
-    /// whose header names a process that exited goes, a live process's and our own stay.
-    #[test]
-    fn only_the_segments_of_dead_processes_are_removed() {
-        let tag = u64::from(std::process::id()) << 20 ^ 0xdead;
-        let segs: Vec<NodeSeg> = (0..3)
-            .map(|r| NodeSeg::create(tag, r, 4096).unwrap())
-            .collect();
-        let mut dead = std::process::Command::new("true").spawn().unwrap();
-        let dead_pid = dead.id();
-        dead.wait().unwrap();
-        let mut live = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        header(&segs[1].seg).pid.store(dead_pid, Ordering::Relaxed);
-        header(&segs[2].seg).pid.store(live.id(), Ordering::Relaxed);
-        let exists = |r: usize| {
-            std::path::Path::new(&format!("/dev/shm/roccl-node-{tag:016x}-{r}")).exists()
-        };
-        assert!((0..3).all(exists));
-        assert_eq!(remove_dead_segments(tag, 0, 3), vec![1]);
-        assert_eq!((exists(0), exists(1), exists(2)), (true, false, true));
-        let _ = live.kill();
-        let _ = live.wait();
-    }
-
-    /// A peer that never attaches: if its process is gone, attach fails naming it and
-    /// removes its segment (instead of waiting out the timeout, 5 s here, and failing with
-    /// a timeout); if the application aborts, attach ends with an error saying so.
-    #[test]
-    fn attach_ends_on_a_dead_peer_or_an_abort() {
-        let w = Waiter {
-            timeout: Duration::from_secs(5),
-            ..Waiter::from_env()
-        };
-        for abort in [false, true] {
-            let tag = u64::from(std::process::id()) << 20 ^ 0xa77 ^ u64::from(abort);
-            let mine = NodeSeg::create(tag, 0, 4096).unwrap();
-            let peer = NodeSeg::create(tag, 1, 4096).unwrap();
-            let mut child = std::process::Command::new("sleep")
-                .arg("30")
-                .spawn()
-                .unwrap();
-            header(&peer.seg).pid.store(child.id(), Ordering::Relaxed);
-            if !abort {
-                child.kill().unwrap();
-                child.wait().unwrap();
-            }
-            let flag = AtomicBool::new(abort);
-            let r = Node::attach(mine, tag, 0, 2, &w, &flag);
-            let _ = child.kill();
-            let _ = child.wait();
-            let e = match r {
-                Err(e) => e.to_string(),
-                Ok(_) => panic!("attached without the peer"),
-            };
-            if abort {
-                assert!(e.contains("aborted by the application"), "{e}");
-            } else {
-                assert!(
-                    e.contains("rank 1") && e.contains("exited during initialization"),
-                    "{e}"
-                );
-                let name = format!("/dev/shm/roccl-node-{tag:016x}-1");
-                assert!(!std::path::Path::new(&name).exists(), "{name} left behind");
-            }
-            drop(peer);
-        }
-    }
-
-    #[test]
-    fn a_killed_process_is_gone_before_it_is_reaped() {
-        assert!(!process_gone(std::process::id()));
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        assert!(!process_gone(child.id()));
-        child.kill().unwrap();
-        let t = Instant::now();
-        while !process_gone(child.id()) {
-            assert!(
-                t.elapsed() < Duration::from_secs(5),
-                "zombie not seen as gone"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        child.wait().unwrap();
-    }
-}
+mod tests;
