@@ -471,20 +471,7 @@ impl<'a> Exec<'a> {
         let alloc = dev.allocation_id(u.addr).map(|id| (u64::MAX, id));
         let mut hit = alloc.is_some_and(|id| self.cached(peer, ch, send, u, id));
         let (dmabuf, inode) = if use_dmabuf && !hit {
-            if !self.dmabufs.iter().any(|d| d.0 == buf) {
-                let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
-                let file = std::fs::File::from(fd);
-                let m = file
-                    .metadata()
-                    .map_err(|e| Error::sys("fstat of an exported dmabuf", e))?;
-                self.dmabufs.push((buf, file, off, (m.dev(), m.ino())));
-            }
-            let d = self
-                .dmabufs
-                .iter()
-                .find(|d| d.0 == buf)
-                .expect("exported above");
-            (Some((d.1.as_raw_fd(), d.2)), Some(d.3))
+            self.dmabuf_of(&dev, buf, u)?
         } else {
             (None, None)
         };
@@ -504,10 +491,54 @@ impl<'a> Exec<'a> {
             });
             return Ok(());
         }
-        let epoch = self.links.dev_epoch;
-        // Messages small enough to go eagerly pass through the network's host buffers: the
-        // GPU copies them there or out of them.
-        let copy_dev = Arc::clone(&dev);
+        let mr = self.register_on_connection(&dev, (peer, ch, send), u, dmabuf)?;
+        let mr = self.keep_registration((peer, ch, send), u, ident, mr);
+        self.dregs.push(DevReg {
+            peer,
+            ch,
+            send,
+            buf,
+            mr,
+        });
+        Ok(())
+    }
+
+    /// The dmabuf of GPU buffer `buf` (`u`), exported once per call: its fd and offset, and
+    /// its identity (device and inode of the file).
+    #[allow(clippy::type_complexity)]
+    fn dmabuf_of(
+        &mut self,
+        dev: &Arc<dyn Device>,
+        buf: Buf,
+        u: UserBuf,
+    ) -> Result<(Option<(i32, u64)>, Option<(u64, u64)>)> {
+        if !self.dmabufs.iter().any(|d| d.0 == buf) {
+            let (fd, off) = dev.dmabuf_export(u.addr, u.len)?;
+            let file = std::fs::File::from(fd);
+            let m = file
+                .metadata()
+                .map_err(|e| Error::sys("fstat of an exported dmabuf", e))?;
+            self.dmabufs.push((buf, file, off, (m.dev(), m.ino())));
+        }
+        let d = self
+            .dmabufs
+            .iter()
+            .find(|d| d.0 == buf)
+            .expect("exported above");
+        Ok((Some((d.1.as_raw_fd(), d.2)), Some(d.3)))
+    }
+
+    /// Register GPU buffer `u` on the connection (peer, channel, whether it sends), handing
+    /// the connection a GPU copy for the messages small enough to go eagerly (they pass
+    /// through the network's host buffers).
+    fn register_on_connection(
+        &mut self,
+        dev: &Arc<dyn Device>,
+        (peer, ch, send): (usize, usize, bool),
+        u: UserBuf,
+        dmabuf: Option<(i32, u64)>,
+    ) -> Result<MemHandle> {
+        let copy_dev = Arc::clone(dev);
         // SAFETY (of the calls the network makes): it copies only between this request's
         // buffer, valid for the call, and its own staging or bounce buffers.
         let copy: crate::net::DeviceCopy =
@@ -528,7 +559,7 @@ impl<'a> Exec<'a> {
             unsafe { c.reg_mr_device(u.addr, u.len, dmabuf) }
         };
         // A local failure (the NIC or its driver): no peer to blame.
-        let mr = mr.map_err(|e| {
+        mr.map_err(|e| {
             Error::InvalidUsage(format!(
                 "registering {} bytes of GPU memory on the connection {} rank {peer} over {}{} failed: {e}; set ROCCL_GPU_DIRECT=0 to stage GPU buffers through host memory instead",
                 u.len,
@@ -536,9 +567,20 @@ impl<'a> Exec<'a> {
                 self.links.net_name(peer),
                 if dmabuf.is_some() { " (dmabuf)" } else { " (peer memory)" },
             ))
-        })?;
-        // Kept for later calls when its memory can be told apart and there is room (the
-        // least recently used entry that this call does not use goes); else for this call.
+        })
+    }
+
+    /// Keep registration `mr` for later calls when its memory can be told apart (`ident`)
+    /// and there is room (the least recently used entry that this call does not use goes):
+    /// then `None`; else `mr`, released at the end of this call.
+    fn keep_registration(
+        &mut self,
+        (peer, ch, send): (usize, usize, bool),
+        u: UserBuf,
+        ident: Option<(u64, u64)>,
+        mr: MemHandle,
+    ) -> Option<MemHandle> {
+        let epoch = self.links.dev_epoch;
         let keep = ident.filter(|_| {
             let cache = &self.links.dev_cache;
             if cache.len() < links::DEV_CACHE {
@@ -549,32 +591,22 @@ impl<'a> Exec<'a> {
                 .min_by_key(|&i| cache[i].used);
             lru.is_some_and(|i| self.links.drop_cached(i))
         });
-        let mr = match keep {
-            Some(ident) => {
-                let used = self.links.dev_clock;
-                self.links.dev_cache.push(links::DevCached {
-                    peer,
-                    ch,
-                    send,
-                    addr: u.addr,
-                    len: u.len,
-                    ident,
-                    mr,
-                    used,
-                    call: epoch,
-                });
-                None
-            }
-            None => Some(mr),
+        let Some(ident) = keep else {
+            return Some(mr);
         };
-        self.dregs.push(DevReg {
+        let used = self.links.dev_clock;
+        self.links.dev_cache.push(links::DevCached {
             peer,
             ch,
             send,
-            buf,
+            addr: u.addr,
+            len: u.len,
+            ident,
             mr,
+            used,
+            call: epoch,
         });
-        Ok(())
+        None
     }
 
     /// Whether a kept registration of memory `ident` on the connection covers `u` (then
