@@ -151,128 +151,152 @@ impl TreeM {
     }
 }
 
+impl TreeM {
+    /// The way up: take the children's slices, combine them, pass partial results to the
+    /// parent. Whether anything moved.
+    fn advance_up(&mut self, exec: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let nk = self.kids.len();
+        for c in 0..nk {
+            while let Some(slot) = self.crecvs[c].pop_done(exec) {
+                self.arrived[c].push(slot)?;
+                moved = true;
+            }
+        }
+        moved |= self.combine(exec)?;
+        if nk == 0 && self.reduced < self.k {
+            self.reduced = self.k;
+        }
+        // Post child receives.
+        for c in 0..nk {
+            while self.crecv_posted[c] < self.k
+                && self.crecv_posted[c] - self.reduced < self.depth
+                && self.cslots.available() > 0
+            {
+                let slot = self.cslots.get().expect("checked");
+                let k = self.crecv_posted[c];
+                let tok = exec.recv(self.kids[c], self.ch, self.cslots.reg(slot, self.len(k)))?;
+                self.crecvs[c].push(tok, slot)?;
+                self.crecv_posted[c] += 1;
+                moved = true;
+            }
+        }
+        if let Some(p) = self.parent {
+            while self.usends.pop_done(exec).is_some() {
+                self.usend_done += 1;
+                moved = true;
+            }
+            while self.usend_posted < self.reduced
+                && self.usend_posted - self.usend_done < self.depth
+            {
+                let tok = exec.send(p, self.ch, self.up_reg(self.usend_posted))?;
+                self.usends.push(tok, ())?;
+                self.usend_posted += 1;
+                moved = true;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Combine slices in order once every child's piece is here: own input first, then
+    /// children in order, so results do not depend on timing. Whether any was.
+    fn combine(&mut self, exec: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let nk = self.kids.len();
+        while self.reduced < self.k && (0..nk).all(|c| !self.arrived[c].is_empty()) {
+            let k = self.reduced;
+            let acc = self.acc(k);
+            if nk > 0 {
+                // A staged partial slot is reused every 2*depth slices: its previous
+                // slice must have gone up first.
+                if self.partial_in_stage
+                    && k >= 2 * self.depth
+                    && self.usend_done <= k - 2 * self.depth
+                {
+                    break;
+                }
+                let Some(s0) = self.arrived[0].pop() else {
+                    break;
+                };
+                exec.reduce(
+                    acc,
+                    self.reg(Buf::Src, k),
+                    self.cslots.reg(s0, acc.len),
+                    self.dt,
+                    self.op,
+                )?;
+                self.cslots.put(s0);
+                if nk > 1 {
+                    let Some(s1) = self.arrived[1].pop() else {
+                        return Err(Error::Internal(
+                            "tree: second child's slice vanished".into(),
+                        ));
+                    };
+                    exec.reduce(acc, acc, self.cslots.reg(s1, acc.len), self.dt, self.op)?;
+                    self.cslots.put(s1);
+                }
+            }
+            if self.parent.is_none() && self.op == RedOp::Avg {
+                exec.finish_avg(acc, self.dt, self.n)?;
+            }
+            self.reduced += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// The way down: take the final slices from the parent, pass them to the children.
+    /// Whether anything moved.
+    fn advance_down(&mut self, exec: &mut Exec) -> Result<bool> {
+        let mut moved = false;
+        let nk = self.kids.len();
+        if let Some(p) = self.parent {
+            while self.drecvs.pop_done(exec).is_some() {
+                self.drecv_done += 1;
+                moved = true;
+            }
+            while self.drecv_posted < self.k && self.drecv_posted - self.drecv_done < self.depth {
+                let r = self.reg(Buf::Dst, self.drecv_posted);
+                if self.up && self.usend_done <= self.drecv_posted {
+                    break; // this slice still has to go up (from this very memory)
+                }
+                let tok = exec.recv(p, self.ch, r)?;
+                self.drecvs.push(tok, ())?;
+                self.drecv_posted += 1;
+                moved = true;
+            }
+        }
+        let avail = self.down_avail();
+        for c in 0..nk {
+            while self.dsends[c].pop_done(exec).is_some() {
+                self.dsend_done[c] += 1;
+                moved = true;
+            }
+            while self.dsend_posted[c] < avail
+                && self.dsend_posted[c] - self.dsend_done[c] < self.depth
+            {
+                let tok = exec.send(
+                    self.kids[c],
+                    self.ch,
+                    self.reg(Buf::Dst, self.dsend_posted[c]),
+                )?;
+                self.dsends[c].push(tok, ())?;
+                self.dsend_posted[c] += 1;
+                moved = true;
+            }
+        }
+        Ok(moved)
+    }
+}
+
 impl Machine for TreeM {
     fn advance(&mut self, exec: &mut Exec) -> Result<bool> {
         let mut moved = false;
-        let nk = self.kids.len();
         if self.up {
-            for c in 0..nk {
-                while let Some(slot) = self.crecvs[c].pop_done(exec) {
-                    self.arrived[c].push(slot)?;
-                    moved = true;
-                }
-            }
-            // Combine slices in order once every child's piece is here: own input first,
-            // then children in order, so results do not depend on timing.
-            while self.reduced < self.k && (0..nk).all(|c| !self.arrived[c].is_empty()) {
-                let k = self.reduced;
-                let acc = self.acc(k);
-                if nk > 0 {
-                    // A staged partial slot is reused every 2*depth slices: its previous
-                    // slice must have gone up first.
-                    if self.partial_in_stage
-                        && k >= 2 * self.depth
-                        && self.usend_done <= k - 2 * self.depth
-                    {
-                        break;
-                    }
-                    let Some(s0) = self.arrived[0].pop() else {
-                        break;
-                    };
-                    exec.reduce(
-                        acc,
-                        self.reg(Buf::Src, k),
-                        self.cslots.reg(s0, acc.len),
-                        self.dt,
-                        self.op,
-                    )?;
-                    self.cslots.put(s0);
-                    if nk > 1 {
-                        let Some(s1) = self.arrived[1].pop() else {
-                            return Err(Error::Internal(
-                                "tree: second child's slice vanished".into(),
-                            ));
-                        };
-                        exec.reduce(acc, acc, self.cslots.reg(s1, acc.len), self.dt, self.op)?;
-                        self.cslots.put(s1);
-                    }
-                }
-                if self.parent.is_none() && self.op == RedOp::Avg {
-                    exec.finish_avg(acc, self.dt, self.n)?;
-                }
-                self.reduced += 1;
-                moved = true;
-            }
-            if nk == 0 && self.reduced < self.k {
-                self.reduced = self.k;
-            }
-            // Post child receives.
-            for c in 0..nk {
-                while self.crecv_posted[c] < self.k
-                    && self.crecv_posted[c] - self.reduced < self.depth
-                    && self.cslots.available() > 0
-                {
-                    let slot = self.cslots.get().expect("checked");
-                    let k = self.crecv_posted[c];
-                    let tok =
-                        exec.recv(self.kids[c], self.ch, self.cslots.reg(slot, self.len(k)))?;
-                    self.crecvs[c].push(tok, slot)?;
-                    self.crecv_posted[c] += 1;
-                    moved = true;
-                }
-            }
-            if let Some(p) = self.parent {
-                while self.usends.pop_done(exec).is_some() {
-                    self.usend_done += 1;
-                    moved = true;
-                }
-                while self.usend_posted < self.reduced
-                    && self.usend_posted - self.usend_done < self.depth
-                {
-                    let tok = exec.send(p, self.ch, self.up_reg(self.usend_posted))?;
-                    self.usends.push(tok, ())?;
-                    self.usend_posted += 1;
-                    moved = true;
-                }
-            }
+            moved |= self.advance_up(exec)?;
         }
         if self.down {
-            if let Some(p) = self.parent {
-                while self.drecvs.pop_done(exec).is_some() {
-                    self.drecv_done += 1;
-                    moved = true;
-                }
-                while self.drecv_posted < self.k && self.drecv_posted - self.drecv_done < self.depth
-                {
-                    let r = self.reg(Buf::Dst, self.drecv_posted);
-                    if self.up && self.usend_done <= self.drecv_posted {
-                        break; // this slice still has to go up (from this very memory)
-                    }
-                    let tok = exec.recv(p, self.ch, r)?;
-                    self.drecvs.push(tok, ())?;
-                    self.drecv_posted += 1;
-                    moved = true;
-                }
-            }
-            let avail = self.down_avail();
-            for c in 0..nk {
-                while self.dsends[c].pop_done(exec).is_some() {
-                    self.dsend_done[c] += 1;
-                    moved = true;
-                }
-                while self.dsend_posted[c] < avail
-                    && self.dsend_posted[c] - self.dsend_done[c] < self.depth
-                {
-                    let tok = exec.send(
-                        self.kids[c],
-                        self.ch,
-                        self.reg(Buf::Dst, self.dsend_posted[c]),
-                    )?;
-                    self.dsends[c].push(tok, ())?;
-                    self.dsend_posted[c] += 1;
-                    moved = true;
-                }
-            }
+            moved |= self.advance_down(exec)?;
         }
         Ok(moved)
     }
