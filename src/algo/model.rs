@@ -92,6 +92,35 @@ pub enum CollKind {
     AllToAll,
 }
 
+impl CollKind {
+    /// Every kind, in the order of [`CollKind::index`].
+    pub const ALL: [CollKind; 6] = [
+        CollKind::AllReduce,
+        CollKind::Broadcast,
+        CollKind::Reduce,
+        CollKind::AllGather,
+        CollKind::ReduceScatter,
+        CollKind::AllToAll,
+    ];
+
+    /// Its position in [`CollKind::ALL`].
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Its name in counters, traces and logs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollKind::AllReduce => "all_reduce",
+            CollKind::Broadcast => "broadcast",
+            CollKind::Reduce => "reduce",
+            CollKind::AllGather => "all_gather",
+            CollKind::ReduceScatter => "reduce_scatter",
+            CollKind::AllToAll => "all_to_all",
+        }
+    }
+}
+
 /// Knobs that override the model (`ROCCL_SLICE`, `ROCCL_DEPTH`, `ROCCL_NCHANNELS`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {

@@ -16,22 +16,39 @@ use super::calls::{host, Call};
 use super::MISMATCH_TEXT;
 use super::{agree, scratch, CallInfo, CallOpts, Collective, P2p, P2pMem, State};
 
-/// The index of `crate::metrics::KINDS` a collective is counted under.
-fn metrics_kind(c: &Collective) -> usize {
-    match c {
-        Collective::AllReduce(_) => 0,
-        Collective::Broadcast { .. } => 1,
-        Collective::Reduce { .. } => 2,
-        Collective::AllGather => 3,
-        Collective::ReduceScatter(_) => 4,
-        Collective::AllToAll => 5,
-        Collective::SendRecv { .. } => METRICS_P2P,
-        _ => 7,
+/// The kinds of call a communicator counts: every collective ([`CollKind`]), then
+/// point-to-point calls, then the rest (barriers).
+pub(super) const CALL_KINDS: [&str; CollKind::ALL.len() + 2] = {
+    let mut names = [""; CollKind::ALL.len() + 2];
+    let mut i = 0;
+    while i < CollKind::ALL.len() {
+        names[i] = CollKind::ALL[i].name();
+        i += 1;
     }
-}
+    names[POINT_TO_POINT] = "p2p";
+    names[OTHER_CALLS] = "other";
+    names
+};
 
-/// `crate::metrics::KINDS`' point-to-point entry.
-const METRICS_P2P: usize = 6;
+/// The entry of [`CALL_KINDS`] of point-to-point calls.
+const POINT_TO_POINT: usize = CollKind::ALL.len();
+/// The entry of [`CALL_KINDS`] of the other calls.
+const OTHER_CALLS: usize = POINT_TO_POINT + 1;
+
+/// The entry of [`CALL_KINDS`] a collective is counted under.
+fn metrics_kind(c: &Collective) -> usize {
+    let kind = match c {
+        Collective::AllReduce(_) => CollKind::AllReduce,
+        Collective::Broadcast { .. } => CollKind::Broadcast,
+        Collective::Reduce { .. } => CollKind::Reduce,
+        Collective::AllGather => CollKind::AllGather,
+        Collective::ReduceScatter(_) => CollKind::ReduceScatter,
+        Collective::AllToAll => CollKind::AllToAll,
+        Collective::SendRecv { .. } => return POINT_TO_POINT,
+        _ => return OTHER_CALLS,
+    };
+    kind.index()
+}
 
 /// An average of 16- and 8-bit floats overflows when summed first (8 ranks × f16 10000 sum
 /// to inf; 4 ranks × e4m3 300 saturate at 448): as NCCL does, each rank's input is divided
@@ -159,7 +176,7 @@ impl State {
     ) -> Result<()> {
         let bytes: usize = ops.iter().map(|o| o.len()).sum();
         if let Some(m) = &self.links.metrics {
-            m.call_start(METRICS_P2P, bytes);
+            m.call_start(POINT_TO_POINT, bytes);
         }
         if let Some(c) = &self.links.clock {
             c.call_started();

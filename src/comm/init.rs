@@ -827,8 +827,11 @@ fn comm_metrics(
     links: &Links,
     node: Option<&crate::algo::shm::node::Node>,
 ) -> Arc<crate::metrics::CommMetrics> {
-    let metrics =
-        crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, &crate::algo::Algo::NAMES);
+    let names = (
+        &super::dispatch::CALL_KINDS[..],
+        &crate::algo::Algo::NAMES[..],
+    );
+    let metrics = crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, names);
     for e in &links.endpoints {
         let w = Arc::downgrade(&e.net);
         metrics.add_net_source(

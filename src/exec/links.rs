@@ -184,7 +184,7 @@ pub(crate) struct Links {
     pub device_mem: Vec<Option<bool>>,
     /// GPU buffers registered through their dmabufs, kept across calls (see [`DevCached`]).
     pub dev_cache: Vec<DevCached>,
-    /// Sends completed (the peer's round-trip time is read every `metrics::RTT_EVERY`).
+    /// Sends completed (the peer's round-trip time is read every `RTT_EVERY`, in the executor).
     pub sends_done: u64,
     /// Clock of `dev_cache` uses (least recently used goes first).
     pub dev_clock: u64,

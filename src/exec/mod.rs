@@ -76,6 +76,13 @@ pub(crate) struct Tok(u32);
 
 const MAX_OPS: usize = 128;
 
+/// The peer's round-trip time is read from the transport (into the metrics) once per this
+/// many sends.
+const RTT_EVERY: u64 = 64;
+/// Smallest send whose time counts toward the peer's throughput estimate (smaller ones
+/// measure latency, not bandwidth).
+const THROUGHPUT_MIN: usize = 64 << 10;
+
 /// One call's buffers and requests.
 pub(crate) struct Exec<'a> {
     src: UserBuf,
@@ -426,9 +433,7 @@ impl<'a> Exec<'a> {
             arrival: 0,
             // Timed where traced, and big sends for the throughput estimate.
             posted: match &self.links.metrics {
-                Some(mt)
-                    if mt.trace().is_some() || (send && m.1 >= crate::metrics::THROUGHPUT_MIN) =>
-                {
+                Some(mt) if mt.trace().is_some() || (send && m.1 >= THROUGHPUT_MIN) => {
                     crate::metrics::now_ns()
                 }
                 _ => 0,
@@ -770,7 +775,7 @@ impl<'a> Exec<'a> {
                 let mut rtt = None;
                 if o.send && self.links.metrics.is_some() {
                     self.links.sends_done = self.links.sends_done.wrapping_add(1);
-                    if self.links.sends_done % crate::metrics::RTT_EVERY == 1 {
+                    if self.links.sends_done % RTT_EVERY == 1 {
                         rtt = self.links.send_comm(peer, ch)?.rtt();
                     }
                 }
@@ -779,7 +784,7 @@ impl<'a> Exec<'a> {
                     let dur = || crate::metrics::now_ns().saturating_sub(o.posted);
                     if o.send {
                         m.sent(peer, size);
-                        if o.posted != 0 && size >= crate::metrics::THROUGHPUT_MIN {
+                        if o.posted != 0 && size >= THROUGHPUT_MIN {
                             m.throughput(peer, size, dur());
                         }
                         if let Some(rtt) = rtt {

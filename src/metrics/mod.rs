@@ -23,17 +23,6 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-/// Names of the call kinds counted (the index [`CommMetrics::call_done`] takes).
-pub const KINDS: [&str; 8] = [
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "p2p",
-    "other",
-];
 /// Algorithms per kind that are counted apart (index 0: none, for point-to-point calls):
 /// as many as a call tag's 4 algorithm bits tell apart.
 pub const MAX_ALGOS: usize = 16;
@@ -58,18 +47,13 @@ pub struct PeerCounters {
     /// Completed receives.
     pub messages_received: AtomicU64,
     /// The connection's round-trip time as its transport last reported it (TCP's smoothed
-    /// RTT, the RoCE engine's), nanoseconds; 0 until known. Read every [`RTT_EVERY`] sends.
+    /// RTT, the RoCE engine's), nanoseconds; 0 until known. The executor reads it now and then.
     pub rtt_ns: AtomicU64,
     /// Running estimate of the send throughput to the peer, bytes per second: sends of
-    /// [`THROUGHPUT_MIN`] bytes or more, from post to completion, averaged with weight 1/8.
+    /// large enough to measure bandwidth (the executor says which), from post to completion,
+    /// averaged with weight 1/8.
     pub throughput_bps: AtomicU64,
 }
-
-/// The peer's round-trip time is read from the transport once per this many sends.
-pub const RTT_EVERY: u64 = 64;
-/// Smallest send whose time counts toward the throughput estimate (smaller ones measure
-/// latency, not bandwidth).
-pub const THROUGHPUT_MIN: usize = 64 << 10;
 
 /// One (kind, algorithm)'s calls.
 #[derive(Default)]
@@ -114,6 +98,8 @@ pub struct CommMetrics {
     pub comm: u64,
     /// The network's name.
     pub net: &'static str,
+    /// Names of the kinds of call counted (see [`CommMetrics::new`]).
+    kinds: &'static [&'static str],
     /// Names of the algorithms (index 1.. of a call's algorithm).
     pub algos: &'static [&'static str],
     /// Per peer (index = rank).
@@ -143,22 +129,29 @@ pub fn now_ns() -> u64 {
 
 impl CommMetrics {
     /// The counters of rank `rank` of `nranks` of communicator `comm` over `net`, with the
-    /// names of its algorithms.
+    /// names of the kinds of call it counts (the index [`CommMetrics::call_start`] takes;
+    /// the last is where unknown kinds go) and of its algorithms.
     pub fn new(
         rank: usize,
         nranks: usize,
         comm: u64,
         net: &'static str,
-        algos: &'static [&'static str],
+        (kinds, algos): (&'static [&'static str], &'static [&'static str]),
     ) -> Arc<CommMetrics> {
+        let kinds = if kinds.is_empty() {
+            &["call"][..]
+        } else {
+            kinds
+        };
         let m = Arc::new(CommMetrics {
             rank,
             nranks,
             comm,
             net,
+            kinds,
             algos,
             peers: (0..nranks).map(|_| PeerCounters::default()).collect(),
-            calls: (0..KINDS.len() * MAX_ALGOS)
+            calls: (0..kinds.len() * MAX_ALGOS)
                 .map(|_| CallCounters::default())
                 .collect(),
             inflight: InFlight {
@@ -198,7 +191,7 @@ impl CommMetrics {
         }
     }
 
-    /// A send of `bytes` (at least [`THROUGHPUT_MIN`]) to `peer` took `nanos` from post to
+    /// A send of `bytes` (large enough to measure bandwidth) to `peer` took `nanos` from post to
     /// completion.
     #[inline]
     pub fn throughput(&self, peer: usize, bytes: usize, nanos: u64) {
@@ -224,7 +217,7 @@ impl CommMetrics {
         }
     }
 
-    /// A call of `kind` (index into [`KINDS`]) on `bytes` starts.
+    /// A call of `kind` (index into the kinds given to [`CommMetrics::new`]) on `bytes` starts.
     #[inline]
     pub fn call_start(&self, kind: usize, bytes: usize) {
         let f = &self.inflight;
@@ -263,7 +256,7 @@ impl CommMetrics {
             return;
         }
         f.active.store(false, Relaxed);
-        let kind = f.kind.load(Relaxed).min(KINDS.len() - 1);
+        let kind = f.kind.load(Relaxed).min(self.kinds.len() - 1);
         let algo = f.algo.load(Relaxed).min(MAX_ALGOS - 1);
         let c = &self.calls[kind * MAX_ALGOS + algo];
         bump(&c.calls, 1);
@@ -278,7 +271,7 @@ impl CommMetrics {
         if let Some(t) = &self.trace {
             let start = self.trace_start.load(Relaxed);
             t.call(
-                KINDS[kind],
+                self.kinds[kind],
                 f.bytes.load(Relaxed),
                 self.algo_name(algo),
                 self.net,
@@ -328,7 +321,7 @@ impl CommMetrics {
             "rank {} (communicator {:016x}): {} of {} bytes{} has made no progress for {:.1} s; it waits on rank(s) {:?}",
             self.rank,
             self.comm,
-            KINDS[f.kind.load(Relaxed).min(KINDS.len() - 1)],
+            self.kind_name(f.kind.load(Relaxed)),
             f.bytes.load(Relaxed),
             self.algo_name(f.algo.load(Relaxed))
                 .map(|a| format!(" ({a})"))
@@ -349,7 +342,17 @@ impl CommMetrics {
 
     /// The counters of a (kind, algorithm) pair.
     pub fn calls(&self, kind: usize, algo: usize) -> &CallCounters {
-        &self.calls[kind.min(KINDS.len() - 1) * MAX_ALGOS + algo.min(MAX_ALGOS - 1)]
+        &self.calls[kind.min(self.kinds.len() - 1) * MAX_ALGOS + algo.min(MAX_ALGOS - 1)]
+    }
+
+    /// The name of call kind `kind` (unknown ones count as the last).
+    pub fn kind_name(&self, kind: usize) -> &'static str {
+        self.kinds[kind.min(self.kinds.len() - 1)]
+    }
+
+    /// The names of the kinds of call counted.
+    pub fn kinds(&self) -> &'static [&'static str] {
+        self.kinds
     }
 }
 
@@ -425,7 +428,7 @@ fn write_call_families(out: &mut String, comms: &[Arc<CommMetrics>]) {
     for (name, help, pick) in call_families {
         family_header(out, name, help, "counter");
         for m in comms {
-            for (k, kind) in KINDS.iter().enumerate() {
+            for (k, kind) in m.kinds().iter().enumerate() {
                 for a in 0..MAX_ALGOS {
                     let c = m.calls(k, a);
                     if c.calls.load(Relaxed) == 0 {
@@ -603,7 +606,7 @@ pub fn status() -> serde_json::Value {
                     now_ns().saturating_sub(started)
                 };
                 serde_json::json!({
-                    "collective": KINDS[f.kind.load(Relaxed).min(KINDS.len() - 1)],
+                    "collective": m.kind_name(f.kind.load(Relaxed)),
                     "algorithm": m.algo_name(f.algo.load(Relaxed)),
                     "bytes": f.bytes.load(Relaxed),
                     // Since it began to wait (a call that never waited has not run long).
@@ -664,7 +667,8 @@ mod tests {
 
     #[test]
     fn counters_reach_the_text_format_and_the_status() {
-        let m = CommMetrics::new(1, 3, 0xabcd, "tcp", &["ring", "tree"]);
+        let kinds = &["all_reduce", "broadcast", "p2p", "other"];
+        let m = CommMetrics::new(1, 3, 0xabcd, "tcp", (kinds, &["ring", "tree"]));
         m.call_start(0, 4096);
         m.call_algo(1);
         m.sent(0, 100);
