@@ -430,6 +430,9 @@ pub fn rendezvous(
 /// How often a rank waiting for the root looks at its abort flag.
 const ABORT_POLL: Duration = Duration::from_millis(100);
 
+/// How long one try to connect to the root may take (a rank tries again until its deadline).
+const ROOT_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// [`rendezvous`], ended within about 100 ms by `abort` (set from another thread,
 /// e.g. by `rocclCommAbort` during a non-blocking init) with an error saying so.
 ///
@@ -513,7 +516,7 @@ impl Join<'_> {
         if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(Attempt::Fail(self.aborted()));
         }
-        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500))
+        let mut s = TcpStream::connect_timeout(&self.addr, ROOT_CONNECT_TIMEOUT)
             .map_err(|e| Retry(e.to_string()))?;
         let _ = s.set_nodelay(true);
         // Short read timeouts: the abort flag is looked at between them.

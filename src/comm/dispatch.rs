@@ -3,7 +3,6 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::algo::model::{self, CollKind};
 use crate::algo::{shm, Algo, Pipeline};
@@ -14,7 +13,8 @@ use crate::types::{DataType, RedOp};
 
 use super::calls::{host, Call};
 use super::MISMATCH_TEXT;
-use super::{agree, scratch, CallInfo, CallOpts, Collective, P2p, P2pMem, State};
+use super::{agree, scratch, CallInfo, CallOpts, Collective, LastChoice, P2p, P2pMem, State};
+use crate::exec::links::{NOTICE_BUDGET, SHORT_NOTICE_BUDGET};
 
 /// The kinds of call a communicator counts: every collective ([`CollKind`]), then
 /// point-to-point calls, then the rest (barriers).
@@ -300,11 +300,12 @@ impl State {
     ) -> (Algo, Pipeline) {
         let forced = opts.algo.or(self.cfg.algo);
         // Calls repeat (one all-reduce per layer): the last choice is kept.
-        if let Some((k, d, b, f, h, choice)) = self.last_choice {
-            if k == kind && d == dt && b == bytes && f == forced && h == by_host {
-                self.call_tag = agree::with_algo(self.call_tag, choice.0);
-                self.note_algo(choice.0);
-                return choice;
+        if let Some(last) = self.last_choice {
+            let shape = (last.kind, last.dt, last.bytes, last.forced, last.by_host);
+            if shape == (kind, dt, bytes, forced, by_host) {
+                self.call_tag = agree::with_algo(self.call_tag, last.choice.0);
+                self.note_algo(last.choice.0);
+                return last.choice;
             }
         }
         let mut choice = model::choose_for(
@@ -319,7 +320,14 @@ impl State {
         if by_host && self.wants_hier(kind, dt, bytes, forced, &choice) {
             choice.0 = Algo::Hier;
         }
-        self.last_choice = Some((kind, dt, bytes, forced, by_host, choice));
+        self.last_choice = Some(LastChoice {
+            kind,
+            dt,
+            bytes,
+            forced,
+            by_host,
+            choice,
+        });
         self.call_tag = agree::with_algo(self.call_tag, choice.0);
         self.note_algo(choice.0);
         choice
@@ -472,12 +480,11 @@ impl State {
             if matches!(cause, PeerCause::OtherCall { .. }) && self.links.mismatch.is_none() {
                 // The peer would only see its connection close: tell it which call we are in.
                 self.links
-                    .notify_mismatch(*rank, self.call_tag, Duration::from_millis(300));
+                    .notify_mismatch(*rank, self.call_tag, SHORT_NOTICE_BUDGET);
             }
         }
         if let Some(c) = cause.filter(|c| *c != self.links.rank && !by_app) {
-            self.links
-                .notify_abort(c, false, Duration::from_millis(500));
+            self.links.notify_abort(c, false, NOTICE_BUDGET);
         }
         self.links.close_all();
     }

@@ -11,7 +11,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::algo::model::LinkCost;
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, Result};
-use crate::exec::links::{Endpoint, Links};
+use crate::exec::links::{Endpoint, Links, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN};
 use crate::net::{self, NetHandle, NetKind};
 use crate::os::wait::Waiter;
 
@@ -801,8 +801,7 @@ fn make_links(
             (here && b.pid != 0).then_some(b.pid)
         })
         .collect();
-    links.timeout_grace =
-        (cfg.waiter.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(2));
+    links.timeout_grace = (cfg.waiter.timeout / 2).clamp(TIMEOUT_GRACE_MIN, TIMEOUT_GRACE_MAX);
     links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
         s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
         _ => cfg.waiter.timeout / 3,

@@ -57,6 +57,19 @@ pub struct Released {
 /// What the cost model chose for a call.
 type Choice = (Algo, Pipeline);
 
+/// A call's shape and the algorithm and pipeline the model chose for it.
+#[derive(Clone, Copy)]
+struct LastChoice {
+    kind: CollKind,
+    dt: DataType,
+    bytes: usize,
+    /// The algorithm forced by the call or the settings, if any.
+    forced: Option<Algo>,
+    /// Whether the call could run by host.
+    by_host: bool,
+    choice: Choice,
+}
+
 struct State {
     links: Links,
     /// Every rank's shared-memory segment, when all ranks are on this host.
@@ -66,8 +79,8 @@ struct State {
     premul: Vec<u8>,
     /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
     call_tag: u32,
-    /// The model's last answer: collective, data type, bytes, forced algorithm → choice.
-    last_choice: Option<(CollKind, DataType, usize, Option<Algo>, bool, Choice)>,
+    /// The model's last answer, kept because calls repeat (one all-reduce per layer).
+    last_choice: Option<LastChoice>,
     stage: Vec<u64>,
     /// The error that made the communicator unusable; shared with [`Shared::broken`] so that
     /// readers never wait for the call that holds the state.

@@ -38,6 +38,22 @@ const DUPLEX: u32 = 0x4000_0000;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
 
+/// How long a rank that failed spends telling the others whom to blame (abort notices) or
+/// which call it is in (a mismatch notice), before it closes its connections.
+pub(crate) const NOTICE_BUDGET: Duration = Duration::from_millis(500);
+/// How long a rank telling of a mismatch, or of its own timeout, spends on it: the others
+/// may be waiting on it and would blame it otherwise.
+pub(crate) const SHORT_NOTICE_BUDGET: Duration = Duration::from_millis(300);
+/// How long a rank whose connection broke collects other ranks' notices before it names a
+/// culprit (after a timeout it waits [`Links::timeout_grace`] instead).
+const BLAME_GRACE: Duration = Duration::from_millis(300);
+/// How long a rank waits on for more notices once the one it has settles the culprit.
+const BLAME_SETTLE: Duration = Duration::from_millis(50);
+/// The bounds of [`Links::timeout_grace`]: half the timeout, within these.
+pub(crate) const TIMEOUT_GRACE_MIN: Duration = Duration::from_millis(500);
+/// See [`TIMEOUT_GRACE_MIN`].
+pub(crate) const TIMEOUT_GRACE_MAX: Duration = Duration::from_secs(2);
+
 /// The 16 bytes every hello and notice starts with: magic, sender's rank, channel word
 /// (channel and flags), communicator id; the rest is zero.
 fn hello(rank: usize, word: u32, comm_id: u32) -> Box<[u8; HELLO_MAX]> {
@@ -306,7 +322,7 @@ impl Links {
             notices: Vec::new(),
             mismatch: None,
             notified: false,
-            timeout_grace: Duration::from_millis(500),
+            timeout_grace: TIMEOUT_GRACE_MIN,
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             metrics: None,
             stuck_warn: Duration::MAX,
@@ -889,7 +905,7 @@ impl Links {
             // alive), so wait on for the notices that leave one rank silent.
             if now >= start + grace
                 || (settled
-                    && first.is_some_and(|f| now >= f + Duration::from_millis(50))
+                    && first.is_some_and(|f| now >= f + BLAME_SETTLE)
                     && self.culprit(None).is_some())
             {
                 break;
@@ -932,7 +948,7 @@ impl Links {
         if timed_out {
             if let Some(s) = own {
                 // Tell the others first: they may be waiting on us and blame us otherwise.
-                self.notify_abort(s, true, Duration::from_millis(300));
+                self.notify_abort(s, true, SHORT_NOTICE_BUDGET);
             }
         }
         // After a timeout the real culprit's neighbours time out at about the same moment,
@@ -940,7 +956,7 @@ impl Links {
         let grace = if timed_out {
             self.timeout_grace
         } else {
-            Duration::from_millis(300)
+            BLAME_GRACE
         };
         let culprit = self.blame(own, grace);
         if let Some((p, tag)) = self.mismatch.filter(|m| own.map_or(true, |o| o == m.0)) {

@@ -24,7 +24,7 @@ use crate::types::{DataType, RedOp};
 use crate::os::wait::Waiter;
 use links::Links;
 
-mod broken;
+mod conn_failure;
 mod group;
 mod mem;
 use mem::gpu_memory_on_cpu_path;
@@ -316,18 +316,18 @@ impl<'a> Exec<'a> {
                 let net = self.links.net_name(peer);
                 let state = self.links.peer_state(peer);
                 let kind = (!crate::net::is_local_fault(source)).then(|| source.kind());
-                let (silent, cause) = match broken::broken(kind, self.links.rank, peer, net, state)
-                {
-                    // Nothing to ask the others: no notice could reach them either.
-                    broken::Broken::Here(m) => {
-                        return Error::sys(
-                            format!("{m}: {e}"),
-                            std::io::Error::other(crate::net::LocalFault),
-                        )
-                    }
-                    broken::Broken::Silent(m) => (true, m),
-                    broken::Broken::Gone(m) => (false, m),
-                };
+                let (silent, cause) =
+                    match conn_failure::conn_failure(kind, self.links.rank, peer, net, state) {
+                        // Nothing to ask the others: no notice could reach them either.
+                        conn_failure::ConnFailure::Here(m) => {
+                            return Error::sys(
+                                format!("{m}: {e}"),
+                                std::io::Error::other(crate::net::LocalFault),
+                            )
+                        }
+                        conn_failure::ConnFailure::Silent(m) => (true, m),
+                        conn_failure::ConnFailure::Gone(m) => (false, m),
+                    };
                 // If the peer failed because some other rank did, abort notices name that
                 // rank: `failure` waits a moment for them. A silent peer is a timeout: the
                 // others are told and heard as after one.

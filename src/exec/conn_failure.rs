@@ -5,7 +5,7 @@ use std::io::ErrorKind;
 
 /// The cause of a connection's failure, as an error states it.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Broken {
+pub(crate) enum ConnFailure {
     /// This host could not send at all: the fault is here, not at the peer.
     Here(String),
     /// The peer never answered (retries exhausted): like a timeout.
@@ -17,15 +17,15 @@ pub(crate) enum Broken {
 /// The cause of a failed connection to `peer` over `net`, from the network error's `kind`
 /// (`None`: a fault on this host's side, [`crate::net::LocalFault`]) and, for a peer of
 /// this host, what its process is (`state`: exited, stopped).
-pub(crate) fn broken(
+pub(crate) fn conn_failure(
     kind: Option<ErrorKind>,
     me: usize,
     peer: usize,
     net: &str,
     state: Option<super::links::PeerProcess>,
-) -> Broken {
+) -> ConnFailure {
     let Some(kind) = kind else {
-        return Broken::Here(format!(
+        return ConnFailure::Here(format!(
             "rank {me}: this rank's network failed (rank {peer} and possibly others unreachable over {net})"
         ));
     };
@@ -33,21 +33,21 @@ pub(crate) fn broken(
     if let Some(state) = state {
         let cause = format!("rank {peer} failed: {state}");
         return match kind {
-            ErrorKind::TimedOut => Broken::Silent(cause),
-            _ => Broken::Gone(cause),
+            ErrorKind::TimedOut => ConnFailure::Silent(cause),
+            _ => ConnFailure::Gone(cause),
         };
     }
     match kind {
-        ErrorKind::TimedOut => Broken::Silent(format!(
+        ErrorKind::TimedOut => ConnFailure::Silent(format!(
             "rank {peer} did not answer over {net} for as long as ROCCL_TIMEOUT allows (retries exhausted): it is stopped, hung or unreachable"
         )),
         ErrorKind::UnexpectedEof
         | ErrorKind::ConnectionReset
         | ErrorKind::ConnectionAborted
-        | ErrorKind::BrokenPipe => Broken::Gone(format!(
+        | ErrorKind::BrokenPipe => ConnFailure::Gone(format!(
             "rank {peer} exited or aborted (it closed its connection)"
         )),
-        _ => Broken::Gone(format!("the connection to rank {peer} over {net} failed")),
+        _ => ConnFailure::Gone(format!("the connection to rank {peer} over {net} failed")),
     }
 }
 
@@ -57,8 +57,8 @@ mod tests {
 
     #[test]
     fn retries_exhausted_is_silence_not_an_exit() {
-        let b = broken(Some(ErrorKind::TimedOut), 0, 2, "rocev2", None);
-        let Broken::Silent(m) = b else {
+        let b = conn_failure(Some(ErrorKind::TimedOut), 0, 2, "rocev2", None);
+        let ConnFailure::Silent(m) = b else {
             panic!("{b:?}")
         };
         assert!(m.contains("rank 2 did not answer over rocev2"), "{m}");
@@ -72,28 +72,30 @@ mod tests {
             ErrorKind::ConnectionReset,
             ErrorKind::BrokenPipe,
         ] {
-            let b = broken(Some(k), 0, 1, "tcp", None);
+            let b = conn_failure(Some(k), 0, 1, "tcp", None);
             assert_eq!(
                 b,
-                Broken::Gone("rank 1 exited or aborted (it closed its connection)".into())
+                ConnFailure::Gone("rank 1 exited or aborted (it closed its connection)".into())
             );
         }
     }
 
     #[test]
     fn a_local_send_failure_blames_this_rank() {
-        let b = broken(None, 1, 0, "rocev2", None);
-        let Broken::Here(m) = b else { panic!("{b:?}") };
+        let b = conn_failure(None, 1, 0, "rocev2", None);
+        let ConnFailure::Here(m) = b else {
+            panic!("{b:?}")
+        };
         assert!(m.starts_with("rank 1: this rank's network failed"), "{m}");
     }
 
     #[test]
     fn the_peer_process_state_names_the_cause() {
         let stopped = Some(crate::exec::links::PeerProcess::Stopped { pid: 7 });
-        let b = broken(Some(ErrorKind::TimedOut), 0, 1, "rocev2", stopped);
+        let b = conn_failure(Some(ErrorKind::TimedOut), 0, 1, "rocev2", stopped);
         assert_eq!(
             b,
-            Broken::Silent(
+            ConnFailure::Silent(
                 "rank 1 failed: its process (pid 7 on this host) is stopped (SIGSTOP, a terminal's Ctrl-Z, or a debugger)"
                     .into()
             )
