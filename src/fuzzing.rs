@@ -57,3 +57,16 @@ pub fn seed_blob(handle: &NetHandle, net: &str, shm: Option<&NetHandle>) -> Resu
 pub fn seed_rocev2(setup: SocketAddr, ep: &QpEndpoint) -> (Vec<u8>, Vec<u8>) {
     crate::net::rocev2::fuzz_seed(setup, ep)
 }
+
+/// A message of the hello protocol between ranks (the first message of every connection,
+/// and the abort, mismatch and suspend notices), as a listener of communicator `comm_id`
+/// with `nranks` ranks reads it; what reads must write back to the same bytes.
+pub fn hello(bytes: &[u8], comm_id: u32, nranks: usize) {
+    crate::exec::hello::fuzz(bytes, comm_id, nranks);
+}
+
+/// A message of each kind of the hello protocol, from rank 1 of communicator `comm_id`:
+/// seeds for [`hello`].
+pub fn seed_hellos(comm_id: u32) -> Vec<Vec<u8>> {
+    crate::exec::hello::fuzz_seeds(comm_id)
+}

@@ -330,7 +330,15 @@ fn capi() {
     put("capi", "arguments", &w.0);
 }
 
+fn hellos() {
+    let id = 0x5eed_0001u32;
+    for (i, m) in roccl::fuzzing::seed_hellos(id).iter().enumerate() {
+        put("hello", &format!("kind{i}"), &[&id.to_le_bytes()[..], m].concat());
+    }
+}
+
 fn main() {
+    hellos();
     packets();
     engine();
     net_setup();

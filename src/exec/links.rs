@@ -17,24 +17,12 @@ use crate::net::{
 
 use crate::os::wait::Waiter;
 
+use super::hello::{self, Hello};
+
 mod suspend;
 
-const HELLO_MAGIC: u32 = 0x4c4c_4f52; // "ROLL"
-/// Channel bit of a hello that is an abort notice; the low bits name the failed rank.
-const ABORT: u32 = 0x8000_0000;
-/// With [`ABORT`]: the sender found this rank in another call than its own; the 4 bytes
-/// after the hello are the sender's call tag.
-const MISMATCH: u32 = 0x2000_0000;
-/// Bytes of a mismatch notice.
-const MISMATCH_LEN: usize = 20;
-/// Channel bit of a hello that is a step of closing idle connections while suspended
-/// ([`suspend`]); the low bits say which step.
-const SUSPEND: u32 = 0x1000_0000;
-/// Bytes of a hello (16), a mismatch notice (20) or a suspend step (the longest).
-const HELLO_MAX: usize = suspend::MESSAGE_LEN;
-/// Channel bit of a hello that opens a duplex connection: it carries both directions of
-/// its (peer, channel).
-const DUPLEX: u32 = 0x4000_0000;
+/// Bytes of the longest hello-protocol message.
+const HELLO_MAX: usize = hello::MAX_LEN;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
 
@@ -54,15 +42,12 @@ pub(crate) const TIMEOUT_GRACE_MIN: Duration = Duration::from_millis(500);
 /// See [`TIMEOUT_GRACE_MIN`].
 pub(crate) const TIMEOUT_GRACE_MAX: Duration = Duration::from_secs(2);
 
-/// The 16 bytes every hello and notice starts with: magic, sender's rank, channel word
-/// (channel and flags), communicator id; the rest is zero.
-fn hello(rank: usize, word: u32, comm_id: u32) -> Box<[u8; HELLO_MAX]> {
+/// The message `h` from `rank` of communicator `comm_id`, boxed to stay put while it is
+/// sent, and its length.
+fn hello_message(h: &Hello, rank: usize, comm_id: u32) -> (Box<[u8; HELLO_MAX]>, usize) {
     let mut buf = Box::new([0u8; HELLO_MAX]);
-    buf[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-    buf[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
-    buf[8..12].copy_from_slice(&word.to_le_bytes());
-    buf[12..16].copy_from_slice(&comm_id.to_le_bytes());
-    buf
+    let len = hello::encode(h, rank, comm_id, &mut buf);
+    (buf, len)
 }
 
 /// A peer's process on this host that is not simply running ([`Links::peer_state`]).
@@ -668,11 +653,14 @@ impl Links {
                 i += 1;
                 continue;
             };
-            let flag = if self.duplex[p] { DUPLEX } else { 0 };
-            let buf = hello(self.rank, c as u32 | flag, self.comm_id);
+            let h = Hello::Channel {
+                channel: c,
+                duplex: self.duplex[p],
+            };
+            let (buf, len) = hello_message(&h, self.rank, self.comm_id);
             // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
             // send completes; the comm is declared first so it drops first.
-            let req = unsafe { comm.isend(buf.as_ptr(), 16, 0, None) }
+            let req = unsafe { comm.isend(buf.as_ptr(), len, 0, None) }
                 .map_err(failed)?
                 .ok_or_else(|| Error::Internal("fresh connection has no free request".into()))?;
             hellos.push((
@@ -804,43 +792,23 @@ impl Links {
                 continue;
             }
             let h = self.incoming.swap_remove(i);
-            let b = &h.buf;
-            let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
-            let p = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
-            let c = u32::from_le_bytes(b[8..12].try_into().unwrap());
-            let id = u32::from_le_bytes(b[12..16].try_into().unwrap());
-            let long = sizes[0] == MISMATCH_LEN && c & MISMATCH != 0;
-            let step = sizes[0] == suspend::MESSAGE_LEN && c & SUSPEND != 0 && c & ABORT == 0;
-            if (sizes[0] != 16 && !long && !step)
-                || magic != HELLO_MAGIC
-                || id != self.comm_id
-                || p >= self.nranks
-            {
+            let Some((p, message)) = hello::decode(&h.buf[..sizes[0]], self.comm_id, self.nranks)
+            else {
                 continue; // not one of ours
+            };
+            match message {
+                Hello::Mismatch { tag } => {
+                    self.mismatch = Some((p, tag));
+                    self.notices.push((p, self.rank));
+                }
+                Hello::SuspendStep { kind, message } => self.file_step(p, kind, message),
+                Hello::Abort { failed } => self.notices.push((p, failed)),
+                Hello::Channel { channel, duplex } if channel < MAX_CHANNELS => {
+                    self.spare.push((p, channel, duplex, h.comm));
+                }
+                Hello::Channel { .. } => continue,
             }
-            if long {
-                let tag = u32::from_le_bytes(b[16..20].try_into().unwrap());
-                self.mismatch = Some((p, tag));
-                self.notices.push((p, self.rank));
-                progressed = true;
-                continue;
-            }
-            if step {
-                self.file_step(p, c & !SUSPEND, &b[..]);
-                progressed = true;
-                continue;
-            }
-            if c & ABORT != 0 {
-                self.notices.push((p, (c & !ABORT) as usize));
-                progressed = true;
-                continue;
-            }
-            let duplex = c & DUPLEX != 0;
-            let c = (c & !DUPLEX) as usize;
-            if c < MAX_CHANNELS {
-                self.spare.push((p, c, duplex, h.comm));
-                progressed = true;
-            }
+            progressed = true;
         }
         let mut i = 0;
         while i < self.spare.len() {
@@ -1030,21 +998,16 @@ impl Links {
         let others: Vec<usize> = (0..self.nranks)
             .filter(|&p| p != self.rank && (tell_cause || p != cause))
             .collect();
-        self.send_notices(&others, ABORT | cause as u32, None, budget);
+        self.send_notices(&others, Hello::Abort { failed: cause }, budget);
     }
 
     /// Best effort: tell `peer` that it is in another call than this rank's (tag `tag`), so
     /// that its error names both calls too. Bounded to about `budget`.
     pub fn notify_mismatch(&mut self, peer: usize, tag: u32, budget: Duration) {
-        self.send_notices(
-            &[peer],
-            ABORT | MISMATCH | self.rank as u32,
-            Some(tag),
-            budget,
-        );
+        self.send_notices(&[peer], Hello::Mismatch { tag }, budget);
     }
 
-    fn send_notices(&mut self, to: &[usize], word: u32, tag: Option<u32>, budget: Duration) {
+    fn send_notices(&mut self, to: &[usize], notice: Hello, budget: Duration) {
         let end = Instant::now() + budget;
         let mut pending = Vec::new();
         for &p in to {
@@ -1054,7 +1017,6 @@ impl Links {
                 pending.push((c, None::<HelloOut>));
             }
         }
-        let len = if tag.is_some() { MISMATCH_LEN } else { 16 };
         while !pending.is_empty() && Instant::now() < end {
             // The others may be sending theirs at this moment: over networks whose connect
             // needs the peer's accept (the userspace RoCE v2 engine), two ranks each waiting
@@ -1066,8 +1028,7 @@ impl Links {
                 }
                 match conn.poll() {
                     Ok(Some(comm)) => {
-                        let mut buf = hello(self.rank, word, self.comm_id);
-                        buf[16..20].copy_from_slice(&tag.unwrap_or(0).to_le_bytes());
+                        let (buf, len) = hello_message(&notice, self.rank, self.comm_id);
                         *sent = HelloOut::post(comm, buf, len);
                         sent.is_some()
                     }

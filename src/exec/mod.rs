@@ -26,6 +26,7 @@ use links::Links;
 
 mod conn_failure;
 mod group;
+pub(crate) mod hello;
 mod mem;
 use mem::gpu_memory_on_cpu_path;
 pub(crate) use mem::{Mem, MemMut};

@@ -22,12 +22,17 @@
 
 use std::time::{Duration, Instant};
 
-use super::{HelloOut, Links, PeerProcess, HELLO_MAX, MAX_CHANNELS, SUSPEND};
+use super::{HelloOut, Links, PeerProcess, HELLO_MAX, MAX_CHANNELS};
 use crate::error::{Error, Result};
+use crate::exec::hello::{self, Hello};
 use crate::net::Connecting;
 
 /// Bytes of a suspend step: the 16-byte hello, the round, the masks and the counts.
 pub(super) const MESSAGE_LEN: usize = 32 + 16 * MAX_CHANNELS;
+const _: () = assert!(
+    MESSAGE_LEN == hello::MAX_LEN,
+    "a suspend step fills the longest hello"
+);
 
 const REQUEST: u32 = 1;
 const ANSWER: u32 = 2;
@@ -254,7 +259,9 @@ impl Links {
         deadline: Instant,
         then_close: Option<(u8, u8)>,
     ) {
-        let mut buf = super::hello(self.rank, SUSPEND | kind, self.comm_id);
+        let mut buf = Box::new([0u8; HELLO_MAX]);
+        let step = Hello::SuspendStep { kind, message: &[] };
+        hello::encode(&step, self.rank, self.comm_id, &mut buf);
         let view = if kind == REQUEST {
             self.view(peer)
         } else {

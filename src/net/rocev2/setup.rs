@@ -311,7 +311,7 @@ pub(crate) fn fuzz_seed(setup: SocketAddr, ep: &QpEndpoint) -> (Vec<u8>, Vec<u8>
         fifo_rkey: 0x1234,
         eager: EagerCfg {
             size: 8192,
-            slots: EAGER_SLOTS,
+            slots: super::eager::EAGER_SLOTS,
         },
         hardware: false,
         dev: 1,
