@@ -125,6 +125,54 @@ impl Error {
     }
 }
 
+/// The error that made a communicator unusable, as it reports it later
+/// (`Communicator::async_error`, `ncclCommGetAsyncError`): its class, the peer it blames
+/// and why, where known, and its message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AsyncError {
+    /// The class of the error.
+    pub kind: ErrorKind,
+    /// The rank blamed, for an [`Error::Remote`].
+    pub rank: Option<usize>,
+    /// Why that rank is blamed.
+    pub cause: Option<PeerCause>,
+    /// The error's message, as its `Display` says it.
+    pub message: String,
+}
+
+impl AsyncError {
+    /// What `e` says, kept.
+    pub fn of(e: &Error) -> AsyncError {
+        let (rank, cause) = match e {
+            Error::Remote { rank, cause, .. } => (Some(*rank), Some(*cause)),
+            _ => (None, None),
+        };
+        AsyncError {
+            kind: e.kind(),
+            rank,
+            cause,
+            message: e.to_string(),
+        }
+    }
+
+    /// An error of class `kind` with `message` and no peer to blame.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> AsyncError {
+        AsyncError {
+            kind,
+            rank: None,
+            cause: None,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for AsyncError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// "rank 3" or "ranks 1, 2, 5", for messages that name peers.
 pub fn ranks_list(ranks: &[usize]) -> String {
     match ranks {

@@ -47,5 +47,5 @@ pub mod types;
 pub use algo::Algo;
 pub use bootstrap::UniqueId;
 pub use comm::{CallInfo, CallOpts, Collective, Communicator, Config, Handle, P2p, Turn};
-pub use error::{Error, PeerCause, Result};
+pub use error::{AsyncError, Error, PeerCause, Result};
 pub use types::{DataType, Element, RedOp, F8E4M3, F8E5M2};

@@ -350,6 +350,15 @@ fn mismatched_calls_of_equal_sizes_are_detected_over_networks() {
                     );
                 }
                 let e = err.to_string();
+                // The communicator reports the same, typed.
+                let later = c.async_error().expect("the communicator is broken");
+                assert_eq!(later.message, e, "{net:?} case {case}");
+                if case < 3 {
+                    assert!(
+                        matches!(later.cause, Some(roccl::PeerCause::OtherCall { .. })),
+                        "{later:?}"
+                    );
+                }
                 let want: &[&str] = match case {
                     0 => &["all_reduce(sum, f32)", "all_reduce(max, f32)"],
                     1 => &["all_reduce(sum, f32)", "broadcast(root 0)"],

@@ -435,6 +435,6 @@ fn captured_calls_replay_and_failures_release_the_stream() {
         .unwrap();
         dev.synchronize(s).unwrap();
         let e = c.async_error().expect("the failure is reported");
-        assert!(e.contains("15"), "{e}");
+        assert!(e.message.contains("15"), "{e}");
     });
 }

@@ -467,7 +467,7 @@ impl State {
         if matches!(e, Error::InvalidArgument(_)) {
             return;
         }
-        self.broken.set(e.kind(), e.to_string());
+        self.broken.set(crate::error::AsyncError::of(e));
         let cause = match e {
             Error::Remote { rank, .. } => Some(*rank),
             _ => self.links.suspect,

@@ -29,7 +29,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::algo::model::{self, CollKind, LinkCost};
 use crate::algo::{Algo, Pipeline};
 use crate::device::Device;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{AsyncError, Error, ErrorKind, Result};
 use crate::exec::links::Links;
 pub(crate) use crate::exec::{Mem, MemMut};
 pub use crate::os::wait::Waiter;
@@ -142,19 +142,19 @@ type Job = (u64, Work);
 /// The error that made a communicator unusable: set once (the first error wins), read
 /// without waiting by any thread.
 #[derive(Default)]
-struct Broken(std::sync::OnceLock<(ErrorKind, String)>);
+struct Broken(std::sync::OnceLock<AsyncError>);
 
 impl Broken {
-    fn get(&self) -> Option<&(ErrorKind, String)> {
+    fn get(&self) -> Option<&AsyncError> {
         self.0.get()
     }
-    /// Record `kind`/`msg` unless an earlier error is recorded; true if this one was.
-    fn set(&self, kind: ErrorKind, msg: String) -> bool {
-        self.0.set((kind, msg)).is_ok()
+    /// Record `e` unless an earlier error is recorded; true if this one was.
+    fn set(&self, e: AsyncError) -> bool {
+        self.0.set(e).is_ok()
     }
     /// The error later calls get.
     fn error(&self) -> Option<Error> {
-        self.get().map(|(_, b)| {
+        self.get().map(|b| {
             Error::InvalidUsage(format!(
                 "communicator is unusable after an earlier error: {b}"
             ))
@@ -230,14 +230,10 @@ impl Communicator {
         self.shared.flat
     }
 
-    /// The error that made this communicator unusable, if any.
-    pub fn async_error(&self) -> Option<String> {
-        self.async_error_kind().map(|e| e.1)
-    }
-
-    /// The error that made this communicator unusable, with its class. Never waits: a call
-    /// in progress on another thread does not hold it.
-    pub fn async_error_kind(&self) -> Option<(ErrorKind, String)> {
+    /// The error that made this communicator unusable, if any: its class, the peer it
+    /// blames and why, and its message. Never waits: a call in progress on another thread
+    /// does not hold it.
+    pub fn async_error(&self) -> Option<AsyncError> {
         self.shared.broken.get().cloned()
     }
 
@@ -296,7 +292,9 @@ impl Communicator {
     /// [`Communicator::abort`], leaving `why` as the communicator's error.
     fn abort_with(&self, why: &str) {
         self.shared.abort.store(true, Ordering::SeqCst);
-        self.shared.broken.set(ErrorKind::InvalidUsage, why.into());
+        self.shared
+            .broken
+            .set(AsyncError::new(ErrorKind::InvalidUsage, why));
         let mut state = self.shared.state.lock();
         if let Some(node) = &state.node {
             node.mark_broken();

@@ -6,7 +6,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use crate::device::Device;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{AsyncError, Error, ErrorKind, Result};
 use crate::exec::{Mem, MemMut};
 use crate::types::{DataType, Element, RedOp};
 
@@ -246,7 +246,7 @@ impl Turn<'_> {
     /// Record `e` as the communicator's error (nobody waits for this call's result: the
     /// application learns it from [`Communicator::async_error`]); argument errors too.
     pub fn fail(&mut self, e: &Error) {
-        if self.state.broken.set(e.kind(), e.to_string()) {
+        if self.state.broken.set(AsyncError::of(e)) {
             if let Some(node) = &self.state.node {
                 node.mark_broken();
             }
@@ -284,7 +284,7 @@ fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
             shared.rank,
             panic_text(&**p)
         );
-        if state.broken.set(ErrorKind::Internal, msg) {
+        if state.broken.set(AsyncError::new(ErrorKind::Internal, msg)) {
             if let Some(node) = &state.node {
                 node.mark_broken();
             }

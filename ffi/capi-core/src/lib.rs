@@ -797,11 +797,11 @@ pub unsafe extern "C" fn rocclCommGetAsyncError(
             }
             // Revoked: quiescent once revoke returned (NCCL: ncclSuccess then).
             State::Ready(c) if c.revoked() => SUCCESS,
-            State::Ready(c) => match c.async_error_kind() {
+            State::Ready(c) => match c.async_error() {
                 None => SUCCESS,
-                Some((k, msg)) => {
-                    set_last_error(&msg);
-                    code_of(k)
+                Some(e) => {
+                    set_last_error(&e.message);
+                    code_of(e.kind)
                 }
             },
         };

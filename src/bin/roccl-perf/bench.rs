@@ -364,7 +364,7 @@ impl Bench<'_> {
         }?;
         dev.synchronize(stream)?;
         match self.c.async_error() {
-            Some(e) => Err(roccl::Error::InvalidUsage(e)),
+            Some(e) => Err(roccl::Error::InvalidUsage(e.message)),
             None => Ok(()),
         }
     }
@@ -431,7 +431,7 @@ impl Bench<'_> {
         }
         dev.synchronize(stream)?;
         if let Some(e) = self.c.async_error() {
-            return Err(roccl::Error::InvalidUsage(e));
+            return Err(roccl::Error::InvalidUsage(e.message));
         }
         let each = start.elapsed().as_secs_f64() * 1e6 / times.len() as f64;
         times.fill(each);

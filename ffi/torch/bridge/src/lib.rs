@@ -459,6 +459,7 @@ impl Comm {
         catch_unwind(AssertUnwindSafe(|| self.inner.async_error()))
             .ok()
             .flatten()
+            .map(|e| e.message)
             .unwrap_or_default()
     }
 }
