@@ -11,7 +11,7 @@ pub mod verbs;
 pub mod wire;
 
 #[cfg(test)]
-mod sim;
+mod engine_pair;
 
 /// `ROCCL_ROCEV2_SIM_GPU=1`: the userspace engine poses as a NIC that reaches GPU memory: it
 /// advertises GPU pointers and dmabufs (NCCL_PTR_CUDA | NCCL_PTR_DMABUF), takes host memory

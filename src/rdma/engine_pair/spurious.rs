@@ -5,7 +5,7 @@ use super::*;
 
 /// Write 64 bytes while engine 1 is descheduled for `stall` µs; returns the packets
 /// engine 0 resent, of those the ones it counted spurious, and its timeouts.
-fn write_past_a_stall(s: &mut Sim, stall: u64) -> (u64, u64, u64) {
+fn write_past_a_stall(s: &mut Pair, stall: u64) -> (u64, u64, u64) {
     let before = s.eng[0].stats();
     s.stall_1_until = s.t + stall;
     write_through(s, &mut [5u8; 64], &mut [0u8; 64]);
@@ -23,7 +23,7 @@ fn write_past_a_stall(s: &mut Sim, stall: u64) -> (u64, u64, u64) {
 /// wait fades within two seconds of quiet.
 #[test]
 fn a_late_acknowledgement_is_told_from_a_loss_and_waited_for() {
-    let mut s = Sim::new(3, Faults::default(), provider_attr());
+    let mut s = Pair::new(3, Faults::default(), provider_attr());
     write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     // A 6 ms pause, past the 3 ms timer: probes and a timeout; every resend arrives as a
     // duplicate, is reported, and counts spurious.
@@ -50,7 +50,7 @@ fn a_late_acknowledgement_is_told_from_a_loss_and_waited_for() {
 /// lost (not late) counts the resend spurious but leaves the timer as it was.
 #[test]
 fn a_lost_acknowledgement_does_not_lengthen_the_timer() {
-    let mut s = Sim::new(4, Faults::default(), provider_attr());
+    let mut s = Pair::new(4, Faults::default(), provider_attr());
     write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     // Engine 1 answers nothing for 6 ms: it has the packet, every answer is lost.
     s.mute_1_until = s.t + 6_000;
@@ -69,7 +69,7 @@ fn a_lost_acknowledgement_does_not_lengthen_the_timer() {
 /// responder reports as duplicates.
 #[test]
 fn lost_packets_are_not_counted_spurious() {
-    let mut s = Sim::new(5, Faults::default(), provider_attr());
+    let mut s = Pair::new(5, Faults::default(), provider_attr());
     write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     let first = 0x00ff_fff0u32 + 1;
     s.lose_once = [3u32, 9, 17]
@@ -88,11 +88,11 @@ fn lost_packets_are_not_counted_spurious() {
 /// path a timeout is more likely a loss than a late peer.
 #[test]
 fn a_reported_gap_drops_the_slack() {
-    let mut s = Sim::new(6, Faults::default(), provider_attr());
+    let mut s = Pair::new(6, Faults::default(), provider_attr());
     write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     assert!(write_past_a_stall(&mut s, 6_000).2 >= 1);
     assert_eq!(write_past_a_stall(&mut s, 5_000).2, 0, "did not learn");
-    // Three one-packet writes so far from Sim::new's first PSN: lose the third packet of
+    // Three one-packet writes so far from Pair::new's first PSN: lose the third packet of
     // the next write, so the responder reports the gap.
     s.lose_once = vec![(0x00ff_fff0 + 3 + 2) & 0x00ff_ffff];
     let naks = s.eng[0].stats().seq_naks_received;
@@ -111,7 +111,7 @@ fn a_reported_gap_drops_the_slack() {
 /// away.
 #[test]
 fn resends_of_packets_kept_out_of_order_count_spurious() {
-    let mut s = Sim::new(7, Faults::default(), provider_attr());
+    let mut s = Pair::new(7, Faults::default(), provider_attr());
     write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
     // Packet 10 of the next write is lost at its first send and at its first resend; the
     // responder is descheduled meanwhile, so the timeout resends what it keeps.

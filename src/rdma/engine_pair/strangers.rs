@@ -10,10 +10,10 @@ use crate::rdma::wire;
 /// address) put the QP in error: one datagram killed a connection.
 #[test]
 fn forged_acknowledgements_neither_complete_nor_fail_anything() {
-    let mut s = Sim::new(41, Faults::default(), attr(1024));
+    let mut s = Pair::new(41, Faults::default(), attr(1024));
     let mut src = pattern(3, 4096);
     let mut dst = vec![0u8; src.len()];
-    let first = 0x00ff_fff0u32; // engine 0's first PSN (see Sim::new)
+    let first = 0x00ff_fff0u32; // engine 0's first PSN (see Pair::new)
                                 // Engine 0's write leaves but nothing reaches engine 1: it stays outstanding.
     s.cut = true;
     post_write(&mut s, &mut src, &mut dst);
@@ -23,7 +23,7 @@ fn forged_acknowledgements_neither_complete_nor_fail_anything() {
     let fatal = wire::Aeth::nak(0, wire::NakCode::RemoteAccessError);
     let stranger = SocketAddr::from(([10, 0, 0, 9], 50_001));
     let peer = SocketAddr::from((IPS[1], 50_001));
-    let rts = |s: &mut Sim| s.eng[0].qp_state(s.qp[0]).unwrap() == QpState::Rts;
+    let rts = |s: &mut Pair| s.eng[0].qp_state(s.qp[0]).unwrap() == QpState::Rts;
     // A stranger's NAK for an outstanding PSN, and its ACK of everything.
     inject_ack(&mut s, stranger, fatal, first);
     inject_ack(
@@ -85,11 +85,11 @@ fn short_datagrams_to_an_engine_on_every_address_are_dropped() {
 /// now at most a few are queued and the rest are dropped and counted.
 #[test]
 fn duplicate_reads_are_not_queued_without_bound() {
-    let mut s = Sim::new(43, Faults::default(), attr(1024));
+    let mut s = Pair::new(43, Faults::default(), attr(1024));
     let mut mem = pattern(5, 4096);
     let rkey = s.reg(1, &mut mem, Access::ALL);
     let peer = SocketAddr::from((IPS[0], 50_000));
-    let epsn = 0x00ff_fff0u32; // engine 1's first expected PSN: engine 0's first (Sim::new)
+    let epsn = 0x00ff_fff0u32; // engine 1's first expected PSN: engine 0's first (Pair::new)
     let before = s.eng[1].stats().tx_packets;
     for k in 1..=1000u32 {
         let p = wire::Packet {

@@ -1,485 +1,14 @@
-//! Tests of the RC engine through a simulated link that drops, duplicates, reorders and
-//! corrupts datagrams, in virtual time.
+//! Tests of the RC engine: two engines over a simulated link that drops, duplicates,
+//! reorders and corrupts datagrams, in virtual time (the harness: `harness.rs`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use super::engine::*;
-use super::mem::Access;
+use crate::rdma::engine::*;
+use crate::rdma::mem::Access;
+use harness::*;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() % 1_000_000) as f64 / 1e6 < p
-    }
-}
-
-#[derive(Clone, Copy, Default)]
-struct Faults {
-    drop: f64,
-    dup: f64,
-    reorder: f64,
-    corrupt: f64,
-}
-
-struct InFlight {
-    at: u64,
-    to: usize,
-    from: SocketAddr,
-    data: Vec<u8>,
-}
-
-struct Sim {
-    eng: [Engine; 2],
-    cq: [CqId; 2],
-    qp: [Qpn; 2],
-    t0: Instant,
-    t: u64,
-    link: Vec<InFlight>,
-    rng: Rng,
-    faults: Faults,
-    /// Drop everything (a dead link).
-    cut: bool,
-    /// Drop engine 0's requests from this PSN on.
-    drop_psn_from: Option<u32>,
-    /// Drop engine 1's positive acknowledgements (NAKs pass).
-    drop_acks: bool,
-    /// Link speed in bytes per µs (0: unlimited) and when each direction is free again:
-    /// a datagram waits for the ones before it to leave.
-    bytes_per_us: u64,
-    busy_until: [u64; 2],
-    /// Engine 0's request PSNs lost at their first transmission only.
-    lose_once: Vec<u32>,
-    /// Everything engine 1 sends is lost until this virtual time (µs).
-    mute_1_until: u64,
-    /// Engine 1 is descheduled until this virtual time (µs): it neither receives (its
-    /// datagrams wait, as in a socket buffer), sends nor runs its timers.
-    stall_1_until: u64,
-    /// What left the engines, by kind (see [`Tally`]).
-    tally: Tally,
-}
-
-/// Packets that left the engines: roccl reports (opcode 0xC0), and acknowledgements that
-/// carry a syndrome IBTA reserves (none may: a NIC would take them as malformed).
-#[derive(Clone, Copy, Debug, Default)]
-struct Tally {
-    reports: u64,
-    reserved_acks: u64,
-}
-
-impl Tally {
-    fn note(&mut self, datagram: &[u8]) {
-        let op = datagram[0];
-        if op == crate::rdma::wire::Opcode::Report as u8 {
-            self.reports += 1;
-        } else if op == crate::rdma::wire::Opcode::Ack as u8 && datagram[12] & 0xe0 == 0x40 {
-            // The AETH follows the 12-byte BTH.
-            self.reserved_acks += 1;
-        }
-    }
-}
-
-const IPS: [[u8; 4]; 2] = [[10, 0, 0, 1], [10, 0, 0, 2]];
-
-impl Sim {
-    fn new(seed: u64, faults: Faults, attr: QpAttr) -> Sim {
-        Sim::build(seed, faults, attr, None)
-    }
-
-    /// `any`: `None`, each engine on its address; `Some(sourced)`, each engine on every
-    /// address (unspecified), its QP given its address (`set_qp_source`) when `sourced`.
-    fn build(seed: u64, faults: Faults, attr: QpAttr, any: Option<bool>) -> Sim {
-        let mk = |i: usize| match any {
-            None => Engine::new(IpAddr::from(IPS[i]), 4791),
-            Some(_) => Engine::new(IpAddr::from([0u8; 4]), 4791),
-        };
-        let mut eng = [mk(0), mk(1)];
-        let cq = [eng[0].create_cq(), eng[1].create_cq()];
-        let qp = [
-            eng[0].create_qp(cq[0], cq[0], 50_000).unwrap(),
-            eng[1].create_qp(cq[1], cq[1], 50_001).unwrap(),
-        ];
-        if any == Some(true) {
-            for i in 0..2 {
-                eng[i].set_qp_source(qp[i], IpAddr::from(IPS[i])).unwrap();
-            }
-        }
-        // Start PSNs near the 24-bit wrap to exercise it.
-        let psn = [0x00ff_fff0u32, 0x00ff_ff00];
-        for i in 0..2 {
-            let j = 1 - i;
-            let a = QpAttr {
-                dest: SocketAddr::from((IPS[j], 4791)),
-                dest_qpn: qp[j],
-                rq_psn: psn[j],
-                sq_psn: psn[i],
-                ..attr
-            };
-            eng[i].modify_qp(qp[i], QpState::Init, &a).unwrap();
-            eng[i].modify_qp(qp[i], QpState::Rtr, &a).unwrap();
-            eng[i].modify_qp(qp[i], QpState::Rts, &a).unwrap();
-        }
-        Sim {
-            eng,
-            cq,
-            qp,
-            t0: Instant::now(),
-            t: 0,
-            link: Vec::new(),
-            rng: Rng(seed | 1),
-            faults,
-            cut: false,
-            drop_psn_from: None,
-            drop_acks: false,
-            bytes_per_us: 0,
-            busy_until: [0; 2],
-            lose_once: Vec::new(),
-            mute_1_until: 0,
-            stall_1_until: 0,
-            tally: Tally::default(),
-        }
-    }
-
-    fn now(&self) -> Instant {
-        self.t0 + Duration::from_micros(self.t)
-    }
-
-    /// One round: transmit everything, deliver what is due, or jump to the next event.
-    fn step(&mut self) {
-        let now = self.now();
-        let mut buf = vec![0u8; 9000];
-        let mut moved = false;
-        let stalled = self.t < self.stall_1_until;
-        for (e, ip) in IPS.iter().enumerate() {
-            if e == 1 && stalled {
-                continue;
-            }
-            while let Some(tx) = self.eng[e].poll_transmit(now, &mut buf) {
-                moved = true;
-                self.tally.note(&buf[..tx.len]);
-                let from = SocketAddr::new(IpAddr::from(*ip), tx.src_port);
-                let to = IPS
-                    .iter()
-                    .position(|ip| IpAddr::from(*ip) == tx.dest.ip())
-                    .expect("known peer");
-                if self.cut || self.rng.chance(self.faults.drop) || self.filtered(e, &buf[..tx.len])
-                {
-                    continue;
-                }
-                let mut data = buf[..tx.len].to_vec();
-                if self.rng.chance(self.faults.corrupt) {
-                    let i = (self.rng.next() as usize) % data.len();
-                    data[i] ^= 1 << (self.rng.next() % 8);
-                }
-                let mut delay = if self.rng.chance(self.faults.reorder) {
-                    5 + self.rng.next() % 200
-                } else {
-                    5
-                };
-                if self.bytes_per_us > 0 {
-                    // Serialise: leave after the datagrams queued before this one.
-                    let start = self.busy_until[e].max(self.t);
-                    self.busy_until[e] = start + (data.len() as u64).div_ceil(self.bytes_per_us);
-                    delay += self.busy_until[e] - self.t;
-                }
-                if self.rng.chance(self.faults.dup) {
-                    self.link.push(InFlight {
-                        at: self.t + delay + 3,
-                        to,
-                        from,
-                        data: data.clone(),
-                    });
-                }
-                self.link.push(InFlight {
-                    at: self.t + delay,
-                    to,
-                    from,
-                    data,
-                });
-            }
-        }
-        let due: Vec<InFlight> = {
-            let (d, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.link)
-                .into_iter()
-                .partition(|p| p.at <= self.t && !(p.to == 1 && stalled));
-            self.link = keep;
-            d
-        };
-        for p in due {
-            moved = true;
-            self.eng[p.to].handle_datagram(now, p.from, &p.data);
-        }
-        if !moved {
-            let stall = self.stall_1_until;
-            let next_packet = self
-                .link
-                .iter()
-                .map(|p| if p.to == 1 { p.at.max(stall) } else { p.at })
-                .min();
-            let next_timer = self
-                .eng
-                .iter()
-                .filter_map(|e| e.poll_timeout())
-                .min()
-                .map(|i| (i.saturating_duration_since(self.t0).as_micros() as u64).max(self.t + 1));
-            self.t = match (next_packet, next_timer) {
-                (Some(a), Some(b)) => a.min(b),
-                (Some(a), None) | (None, Some(a)) => a,
-                (None, None) => self.t + 1000,
-            };
-            let now = self.now();
-            let stalled = self.t < self.stall_1_until;
-            for (i, e) in self.eng.iter_mut().enumerate() {
-                if i == 0 || !stalled {
-                    e.handle_timeout(now);
-                }
-            }
-        } else {
-            self.t += 1;
-        }
-    }
-
-    /// Whether the targeted drops (`drop_psn_from`, `drop_acks`, `lose_once`,
-    /// `mute_1_until`) take this datagram.
-    fn filtered(&mut self, from: usize, d: &[u8]) -> bool {
-        let opcode = d[0];
-        let psn = u32::from_be_bytes([0, d[9], d[10], d[11]]);
-        if from == 1 && self.t < self.mute_1_until {
-            return true;
-        }
-        if from == 0 && opcode != 0x11 {
-            if let Some(i) = self.lose_once.iter().position(|&p| p == psn) {
-                self.lose_once.swap_remove(i);
-                return true;
-            }
-        }
-        match from {
-            0 => opcode != 0x11 && self.drop_psn_from.is_some_and(|p| psn_diff(psn, p) >= 0),
-            _ => self.drop_acks && opcode == 0x11 && d[12] >> 5 == 0,
-        }
-    }
-
-    fn run_until(&mut self, mut done: impl FnMut(&mut Sim) -> bool) {
-        for _ in 0..5_000_000 {
-            if done(self) {
-                return;
-            }
-            self.step();
-        }
-        panic!(
-            "simulation did not finish (t = {} µs): states {:?} {:?}, stats {:?} {:?}",
-            self.t,
-            self.eng[0].qp_state(self.qp[0]),
-            self.eng[1].qp_state(self.qp[1]),
-            self.eng[0].stats(),
-            self.eng[1].stats()
-        );
-    }
-
-    fn reg(&mut self, e: usize, buf: &mut [u8], access: Access) -> u32 {
-        // SAFETY: every test keeps its buffers alive until the simulation ends.
-        unsafe {
-            self.eng[e]
-                .mrs
-                .register(buf.as_mut_ptr() as usize, buf.len(), access)
-        }
-        .unwrap()
-    }
-
-    fn drain(&mut self, e: usize, out: &mut Vec<Wc>) {
-        let mut w = [Wc::EMPTY; 16];
-        loop {
-            let n = self.eng[e].poll_cq(self.cq[e], &mut w);
-            if n == 0 {
-                return;
-            }
-            out.extend_from_slice(&w[..n]);
-        }
-    }
-}
-
-fn psn_diff(a: u32, b: u32) -> i32 {
-    ((a.wrapping_sub(b) & 0x00ff_ffff) << 8) as i32 >> 8
-}
-
-fn attr(mtu: u32) -> QpAttr {
-    QpAttr {
-        mtu,
-        timeout: 8,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        min_rnr_timer: 1,
-        ..QpAttr::default()
-    }
-}
-
-fn pattern(seed: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i * 131 + seed * 7919) >> 3) as u8)
-        .collect()
-}
-
-/// Sends, writes, writes with immediate and reads of many sizes through a bad link: each
-/// delivered exactly once, in order, bit-exact.
-fn lossy_workload(seed: u64, faults: Faults) -> Stats {
-    lossy_workload_with(seed, faults, attr(1024)).0
-}
-
-/// [`lossy_workload`] with QP attributes `a`; also returns the virtual time it took (µs).
-fn lossy_workload_with(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64) {
-    let (st, t, _) = lossy_workload_tally(seed, faults, a);
-    (st, t)
-}
-
-/// [`lossy_workload_with`], also returning what left the engines.
-fn lossy_workload_tally(seed: u64, faults: Faults, a: QpAttr) -> (Stats, u64, Tally) {
-    let mut s = Sim::new(seed, faults, a);
-    let sizes = [0usize, 1, 3, 1023, 1024, 1025, 4096, 5000, 20_000, 7];
-    const N: usize = 80;
-    let mut srcs: Vec<Vec<u8>> = (0..N).map(|i| pattern(i, sizes[i % sizes.len()])).collect();
-    let mut recv_bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; 20_000]).collect();
-    let mut target = vec![0u8; N * 20_000];
-    let mut read_src = pattern(999, 20_016);
-    let mut read_dst: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; 20_000]).collect();
-    let src_keys: Vec<u32> = srcs
-        .iter_mut()
-        .map(|b| s.reg(0, b, Access::LOCAL_WRITE))
-        .collect();
-    let dst_keys: Vec<u32> = read_dst
-        .iter_mut()
-        .map(|b| s.reg(0, b, Access::LOCAL_WRITE))
-        .collect();
-    let recv_keys: Vec<u32> = recv_bufs
-        .iter_mut()
-        .map(|b| s.reg(1, b, Access::LOCAL_WRITE))
-        .collect();
-    let tkey = s.reg(1, &mut target, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
-    let rkey = s.reg(1, &mut read_src, Access::REMOTE_READ);
-    for (i, b) in recv_bufs.iter().enumerate() {
-        let sge = Sge {
-            addr: b.as_ptr() as u64,
-            len: b.len() as u32,
-            lkey: recv_keys[i],
-        };
-        s.eng[1]
-            .post_recv(
-                s.qp[1],
-                &RecvWr {
-                    wr_id: 1000 + i as u64,
-                    sge: Some(sge),
-                },
-            )
-            .unwrap();
-    }
-    let mut expect_recv = Vec::new(); // (message index, len, imm)
-    for i in 0..N {
-        let len = srcs[i].len();
-        let op = [
-            WrOpcode::Send,
-            WrOpcode::Write,
-            WrOpcode::WriteImm,
-            WrOpcode::Read,
-            WrOpcode::SendImm,
-        ][i % 5];
-        let sge = if op == WrOpcode::Read {
-            Some(Sge {
-                addr: read_dst[i].as_ptr() as u64,
-                len: len as u32,
-                lkey: dst_keys[i],
-            })
-        } else {
-            Some(Sge {
-                addr: srcs[i].as_ptr() as u64,
-                len: len as u32,
-                lkey: src_keys[i],
-            })
-        };
-        let (remote_addr, rk) = match op {
-            WrOpcode::Read => (read_src.as_ptr() as u64 + (i % 7) as u64, rkey),
-            _ => (target.as_ptr() as u64 + (i * 20_000) as u64, tkey),
-        };
-        let wr = SendWr {
-            wr_id: i as u64,
-            opcode: op,
-            sge,
-            inline: len <= 16 && op != WrOpcode::Read,
-            imm: 0xabc0_0000 + i as u32,
-            remote_addr,
-            rkey: rk,
-            signaled: true,
-        };
-        s.eng[0].post_send(s.qp[0], &wr).unwrap();
-        if matches!(op, WrOpcode::Send | WrOpcode::SendImm | WrOpcode::WriteImm) {
-            let imm = (op != WrOpcode::Send).then_some(0xabc0_0000 + i as u32);
-            expect_recv.push((i, len, imm, op));
-        }
-    }
-    let mut a = Vec::new();
-    let mut b = Vec::new();
-    s.run_until(|s| {
-        s.drain(0, &mut a);
-        s.drain(1, &mut b);
-        a.len() == N && b.len() == expect_recv.len()
-    });
-    // Sender: every request completed successfully, in order.
-    for (i, w) in a.iter().enumerate() {
-        assert_eq!(
-            (w.wr_id, w.status),
-            (i as u64, WcStatus::Success),
-            "sender completion {i}"
-        );
-    }
-    // Receiver: one completion per message, in order, with the right length and data.
-    for (k, (w, &(i, len, imm, op))) in b.iter().zip(&expect_recv).enumerate() {
-        assert_eq!(w.status, WcStatus::Success, "receive {k}");
-        assert_eq!(w.wr_id, 1000 + k as u64, "receives are consumed in order");
-        assert_eq!(w.byte_len as usize, len, "message {i} length");
-        assert_eq!(w.imm, imm, "message {i} immediate");
-        let expect_op = if op == WrOpcode::WriteImm {
-            WcOpcode::RecvRdmaWithImm
-        } else {
-            WcOpcode::Recv
-        };
-        assert_eq!(w.opcode, expect_op);
-        if op != WrOpcode::WriteImm {
-            assert_eq!(&recv_bufs[k][..len], &srcs[i][..], "message {i} payload");
-        }
-    }
-    for i in 0..N {
-        let len = srcs[i].len();
-        match i % 5 {
-            1 | 2 => assert_eq!(
-                &target[i * 20_000..i * 20_000 + len],
-                &srcs[i][..],
-                "write {i}"
-            ),
-            3 => assert_eq!(
-                &read_dst[i][..len],
-                &read_src[i % 7..i % 7 + len],
-                "read {i}"
-            ),
-            _ => {}
-        }
-    }
-    let st = [s.eng[0].stats(), s.eng[1].stats()];
-    drop((srcs, recv_bufs, target, read_src, read_dst));
-    let st = Stats {
-        icrc_errors: st[0].icrc_errors + st[1].icrc_errors,
-        retransmits: st[0].retransmits + st[1].retransmits,
-        duplicates: st[0].duplicates + st[1].duplicates,
-        out_of_sequence: st[0].out_of_sequence + st[1].out_of_sequence,
-        ..st[0]
-    };
-    (st, s.t, s.tally)
-}
-
+mod harness;
 #[test]
 fn clean_link_delivers_everything() {
     let st = lossy_workload(1, Faults::default());
@@ -540,7 +69,7 @@ fn reports_go_only_to_an_engine_and_in_the_vendor_opcode() {
 
 #[test]
 fn dead_link_exhausts_retries() {
-    let mut s = Sim::new(
+    let mut s = Pair::new(
         3,
         Faults::default(),
         QpAttr {
@@ -615,7 +144,7 @@ fn rkey_bounds_and_rights_are_enforced() {
         ), // no remote read
     ];
     for (good_key, off, len, access, op) in cases {
-        let mut s = Sim::new(5, Faults::default(), attr(1024));
+        let mut s = Pair::new(5, Faults::default(), attr(1024));
         let mut local = vec![5u8; 64];
         let mut remote = vec![0u8; 64];
         let lk = s.reg(0, &mut local, Access::LOCAL_WRITE);
@@ -653,7 +182,7 @@ fn rkey_bounds_and_rights_are_enforced() {
 #[test]
 fn receiver_not_ready() {
     // No receive ever posted: RNR retries run out.
-    let mut s = Sim::new(
+    let mut s = Pair::new(
         9,
         Faults::default(),
         QpAttr {
@@ -687,7 +216,7 @@ fn receiver_not_ready() {
     assert!(s.eng[1].stats().rnr_naks_sent >= 3);
 
     // A receive posted late: the RNR NAKs hold the send until it is there.
-    let mut s = Sim::new(10, Faults::default(), attr(1024));
+    let mut s = Pair::new(10, Faults::default(), attr(1024));
     let mut buf = vec![7u8; 3000];
     let mut rbuf = vec![0u8; 3000];
     let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
@@ -732,7 +261,7 @@ fn receiver_not_ready() {
 
 #[test]
 fn too_long_send_is_a_length_error() {
-    let mut s = Sim::new(12, Faults::default(), attr(256));
+    let mut s = Pair::new(12, Faults::default(), attr(256));
     let mut buf = vec![1u8; 1000];
     let mut rbuf = vec![0u8; 300];
     let k = s.reg(0, &mut buf, Access::LOCAL_WRITE);
@@ -819,7 +348,7 @@ fn long_messages_recover_by_nak() {
         reorder: 0.02,
         corrupt: 0.02,
     };
-    let mut s = Sim::new(21, f, attr(1024));
+    let mut s = Pair::new(21, f, attr(1024));
     let len = 800_000usize;
     let mut src = pattern(3, len);
     let mut dst = vec![0u8; len];
@@ -870,45 +399,11 @@ fn long_messages_recover_by_nak() {
     assert!(s.t < 60_000, "recovery relied on timeouts: {} µs", s.t);
 }
 
-/// A write of `len` bytes from engine 0 into a fresh buffer of engine 1, posted.
-fn post_write(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
-    let k = s.reg(0, src, Access::LOCAL_WRITE);
-    let rk = s.reg(1, dst, Access::ALL);
-    let wr = SendWr {
-        wr_id: 1,
-        opcode: WrOpcode::Write,
-        sge: Some(Sge {
-            addr: src.as_ptr() as u64,
-            len: src.len() as u32,
-            lkey: k,
-        }),
-        inline: false,
-        imm: 0,
-        remote_addr: dst.as_ptr() as u64,
-        rkey: rk,
-        signaled: true,
-    };
-    s.eng[0].post_send(s.qp[0], &wr).unwrap();
-}
-
-/// Write `src` into `dst` through the simulation and wait for the completion, which must
-/// be a success with `dst` equal to `src`.
-fn write_through(s: &mut Sim, src: &mut [u8], dst: &mut [u8]) {
-    post_write(s, src, dst);
-    let mut w = Vec::new();
-    s.run_until(|s| {
-        s.drain(0, &mut w);
-        !w.is_empty()
-    });
-    assert_eq!(w[0].status, WcStatus::Success);
-    assert!(dst == src, "{}-byte write corrupted", src.len());
-}
-
 #[test]
 fn an_engine_on_every_address_uses_each_queue_pairs_own() {
     // A switchless mesh: the engine listens on every address, each QP is reached at (and
     // sends from) its address on the cable to its peer, and the ICRC covers that address.
-    let mut s = Sim::build(3, Faults::default(), attr(1024), Some(true));
+    let mut s = Pair::build(3, Faults::default(), attr(1024), Some(true));
     let mut src = pattern(1, 10_000);
     let mut dst = vec![0u8; 10_000];
     write_through(&mut s, &mut src, &mut dst);
@@ -918,7 +413,7 @@ fn an_engine_on_every_address_uses_each_queue_pairs_own() {
     );
     // Without its address a QP's packets carry an ICRC over 0.0.0.0, which the peer
     // (checking with its own address) drops: nothing arrives.
-    let mut s = Sim::build(3, Faults::default(), attr(1024), Some(false));
+    let mut s = Pair::build(3, Faults::default(), attr(1024), Some(false));
     let mut dst = vec![0u8; 10_000];
     post_write(&mut s, &mut src, &mut dst);
     for _ in 0..50 {
@@ -928,63 +423,12 @@ fn an_engine_on_every_address_uses_each_queue_pairs_own() {
     assert!(dst.iter().all(|&b| b == 0));
 }
 
-/// Hand engine 0 an acknowledgement `aeth` for `psn` that claims to come from `from` (ICRC
-/// and all, at engine 0's QP number).
-fn inject_ack(s: &mut Sim, from: SocketAddr, aeth: super::wire::Aeth, psn: u32) {
-    use super::wire;
-    let p = wire::Packet {
-        bth: wire::Bth {
-            opcode: wire::Opcode::Ack,
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: wire::DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: s.qp[0],
-            ack_req: false,
-            psn,
-        },
-        reth: None,
-        imm: None,
-        aeth: Some(aeth),
-        payload: &[],
-    };
-    inject(s, 0, from, &p);
-}
-
-/// Hand engine `e` the packet `p` from `from`, ICRC and all, as its socket would.
-fn inject(s: &mut Sim, e: usize, from: SocketAddr, p: &super::wire::Packet<'_>) {
-    let ip = super::wire::IpInfo {
-        src: from.ip(),
-        dst: IpAddr::from(IPS[e]),
-        src_port: from.port(),
-        dst_port: 4791,
-    };
-    let mut buf = [0u8; 256];
-    let n = super::wire::encode(p, &ip, &mut buf).unwrap();
-    let now = s.now();
-    s.eng[e].handle_datagram(now, from, &buf[..n]);
-}
-
-/// Hand engine 0 a sequence-error NAK from engine 1 for PSN `psn`.
-fn inject_nak(s: &mut Sim, psn: u32) {
-    use super::wire;
-    let from = SocketAddr::from((IPS[1], 50_001));
-    inject_ack(
-        s,
-        from,
-        wire::Aeth::nak(0, wire::NakCode::PsnSequenceError),
-        psn,
-    );
-}
-
 /// A sequence-error NAK that acknowledges progress gives the requester
 /// its retries back, as an ACK does. With one retry: a timeout uses it, a NAK acknowledges
 /// half the message, the next timeout must retransmit rather than fail.
 #[test]
 fn a_nak_that_acknowledges_progress_resets_the_retry_count() {
-    let mut s = Sim::new(
+    let mut s = Pair::new(
         31,
         Faults::default(),
         QpAttr {
@@ -994,7 +438,7 @@ fn a_nak_that_acknowledges_progress_resets_the_retry_count() {
     );
     let mut src = pattern(5, 10 * 1024);
     let mut dst = vec![0u8; src.len()];
-    let first = 0x00ff_fff0u32; // engine 0's first PSN (see Sim::new)
+    let first = 0x00ff_fff0u32; // engine 0's first PSN (see Pair::new)
                                 // The responder gets the first 5 packets; the rest and its ACKs are lost.
     s.drop_psn_from = Some((first + 5) & 0x00ff_ffff);
     s.drop_acks = true;
@@ -1030,7 +474,7 @@ fn a_deadline_rides_out_a_one_second_outage() {
         retry_for: Some(Duration::from_secs(3)),
         ..attr(1024) // timeout code 8: ~1 ms
     };
-    let mut s = Sim::new(33, Faults::default(), cfg);
+    let mut s = Pair::new(33, Faults::default(), cfg);
     let mut src = pattern(9, 20_000);
     let mut dst = vec![0u8; src.len()];
     s.cut = true;
@@ -1064,7 +508,7 @@ fn a_deadline_rides_out_a_one_second_outage() {
         retry_for: Some(Duration::from_millis(700)),
         ..cfg
     };
-    let mut s = Sim::new(35, Faults::default(), cfg);
+    let mut s = Pair::new(35, Faults::default(), cfg);
     s.cut = true;
     post_write(&mut s, &mut src, &mut dst);
     let mut a = Vec::new();
@@ -1085,7 +529,7 @@ fn a_deadline_rides_out_a_one_second_outage() {
 /// transmission was lost; the closed QP then goes quiet and can be freed.
 #[test]
 fn a_closed_queue_pair_delivers_what_was_posted() {
-    let mut s = Sim::new(
+    let mut s = Pair::new(
         37,
         Faults::default(),
         QpAttr {
@@ -1140,7 +584,7 @@ fn selective_retransmission_resends_only_what_was_lost() {
         corrupt: 0.05,
     };
     let run = |a: QpAttr| {
-        let mut s = Sim::new(23, f, a);
+        let mut s = Pair::new(23, f, a);
         let len = 2_000_000usize;
         let mut src = pattern(4, len);
         let mut dst = vec![0u8; len];
@@ -1161,37 +605,6 @@ fn selective_retransmission_resends_only_what_was_lost() {
         t_sel <= t_gbn,
         "selective took {t_sel} µs, go-back-N {t_gbn} µs"
     );
-}
-
-/// QP attributes as the userspace provider sets them (selective, retry until a deadline).
-fn provider_attr() -> QpAttr {
-    QpAttr {
-        selective: true,
-        retry_for: Some(Duration::from_secs(30)),
-        timeout: 12,
-        ..attr(4096)
-    }
-}
-
-/// A `len`-byte write through a 2 GB/s, 5 µs link losing engine 0's packets at the PSN
-/// offsets `lose` (first transmission only) and everything engine 1 sends until `mute`
-/// µs; returns the virtual time until its completion and the packets resent.
-fn timed_write(len: usize, lose: &[u32], mute: u64) -> (u64, u64) {
-    let mut s = Sim::new(1, Faults::default(), provider_attr());
-    s.bytes_per_us = 2000;
-    // Time one round trip first, as a running QP would have (the tail-loss probe and
-    // the timer follow the measured round trip).
-    write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
-    // Sim::new's first send PSN of engine 0, plus the one packet just written.
-    let first = 0x00ff_fff0u32 + 1;
-    s.lose_once = lose.iter().map(|o| (first + o) & 0x00ff_ffff).collect();
-    let mut src = pattern(9, len);
-    let mut dst = vec![0u8; len];
-    let t0 = s.t;
-    s.mute_1_until = t0 + mute;
-    let resent0 = s.eng[0].stats().retransmits;
-    write_through(&mut s, &mut src, &mut dst);
-    (s.t - t0, s.eng[0].stats().retransmits - resent0)
 }
 
 /// A lost last packet (nothing after it makes the responder NAK) is resent by the
@@ -1286,7 +699,7 @@ fn loss_cost() {
             let reps = std::env::var("REPS")
                 .map_or(if len > 4 << 20 { 3 } else { 20 }, |v| v.parse().unwrap());
             for r in 0..reps {
-                let mut s = Sim::new(100 + r, Faults::default(), a);
+                let mut s = Pair::new(100 + r, Faults::default(), a);
                 s.bytes_per_us = 2000;
                 // A running QP has measured its round trip: one clean write first.
                 write_through(&mut s, &mut [7u8; 64], &mut [0u8; 64]);
@@ -1317,4 +730,5 @@ fn loss_cost() {
 }
 
 mod spurious;
+
 mod strangers;
