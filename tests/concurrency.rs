@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::*;
 use roccl::algo::model::Tuning;
 use roccl::comm::stream::{enqueue, Part};
-use roccl::device::sim::SimDevice;
+use roccl::device::fake_gpu::FakeGpu;
 use roccl::device::Device;
 use roccl::{CallOpts, Collective, Communicator, DataType, RedOp};
 
@@ -53,7 +53,7 @@ fn many_threads_share_one_communicator() {
     const THREADS: usize = 6;
     const CALLS: usize = 1500;
     watchdog(Duration::from_secs(120), "3 ranks x 6 threads", || {
-        let dev = SimDevice::new(Duration::ZERO);
+        let dev = FakeGpu::new(Duration::ZERO);
         run_ranks(RANKS, config(Tuning::default()), |c| {
             let c = Arc::new(c);
             let streamed = Arc::new(AtomicUsize::new(0));
@@ -213,7 +213,7 @@ fn async_error_does_not_wait_for_the_running_call() {
 #[test]
 fn a_stream_that_never_arrives_times_out() {
     watchdog(Duration::from_secs(60), "stream wait", || {
-        let dev = SimDevice::new(Duration::ZERO);
+        let dev = FakeGpu::new(Duration::ZERO);
         let mut cfg = config(Tuning::default());
         cfg.waiter.timeout = Duration::from_secs(1);
         run_ranks(1, cfg, |c| {
@@ -262,7 +262,7 @@ fn a_stream_that_never_arrives_times_out() {
 #[test]
 fn a_timed_out_calls_flags_are_not_reused_while_its_stream_may_write_them() {
     watchdog(Duration::from_secs(60), "late stream write", || {
-        let dev = SimDevice::new(Duration::ZERO);
+        let dev = FakeGpu::new(Duration::ZERO);
         let as_dev: Arc<dyn Device> = dev.clone();
         let mut cfg = config(Tuning::default());
         cfg.waiter.timeout = Duration::from_secs(1);

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use roccl::algo::model::Tuning;
 use roccl::comm::stream::ops::{self, Op, RawBuf};
 use roccl::comm::GpuDirect;
-use roccl::device::sim::{SimBuffer, SimDevice};
+use roccl::device::fake_gpu::{FakeGpu, FakeGpuBuffer};
 use roccl::device::{Device, StreamId};
 use roccl::net::NetKind;
 use roccl::{Algo, Collective, Communicator, Config, DataType, RedOp, UniqueId};
@@ -41,7 +41,7 @@ const DT: DataType = DataType::F32;
 /// What to check after the stream ran: name, snapshot of the output, expected element `i`.
 type Checks = Vec<(String, Arc<Mutex<Vec<u8>>>, Box<dyn Fn(usize) -> f64>)>;
 
-fn raw_of(b: &SimBuffer) -> RawBuf {
+fn raw_of(b: &FakeGpuBuffer) -> RawBuf {
     RawBuf {
         addr: b.addr(),
         len: b.len(),
@@ -50,9 +50,9 @@ fn raw_of(b: &SimBuffer) -> RawBuf {
 
 /// Write `v(i)` into element `i` of `b` late on `stream`.
 fn produce(
-    sim: &SimDevice,
+    sim: &FakeGpu,
     stream: StreamId,
-    b: &Arc<SimBuffer>,
+    b: &Arc<FakeGpuBuffer>,
     v: impl Fn(usize) -> f64 + Send + Sync + 'static,
 ) {
     let b = Arc::clone(b);
@@ -68,10 +68,10 @@ fn produce(
 
 /// Snapshot `b` on `stream`, then scribble over `scribble`.
 fn consume(
-    sim: &SimDevice,
+    sim: &FakeGpu,
     stream: StreamId,
-    b: &Arc<SimBuffer>,
-    scribble: &[&Arc<SimBuffer>],
+    b: &Arc<FakeGpuBuffer>,
+    scribble: &[&Arc<FakeGpuBuffer>],
 ) -> Arc<Mutex<Vec<u8>>> {
     let snap = Arc::new(Mutex::new(Vec::new()));
     let (s, b) = (Arc::clone(&snap), Arc::clone(b));
@@ -92,11 +92,11 @@ fn on_stream(dev: &Arc<dyn Device>, c: &Arc<Communicator>, stream: StreamId, ops
         .into_iter()
         .map(|o| (Arc::clone(c), o, stream))
         .collect();
-    // SAFETY: every buffer is a live SimBuffer kept until the stream is synchronized.
+    // SAFETY: every buffer is a live FakeGpuBuffer kept until the stream is synchronized.
     unsafe { ops::run_on_streams(dev, ops, Duration::from_secs(60)) }.unwrap();
 }
 
-fn coll(c: Collective, send: Option<&Arc<SimBuffer>>, recv: &Arc<SimBuffer>) -> Op {
+fn coll(c: Collective, send: Option<&Arc<FakeGpuBuffer>>, recv: &Arc<FakeGpuBuffer>) -> Op {
     Op::Coll {
         coll: c,
         dt: DT,
@@ -108,7 +108,7 @@ fn coll(c: Collective, send: Option<&Arc<SimBuffer>>, recv: &Arc<SimBuffer>) -> 
 
 /// One rank's round of every GPU-direct collective; returns what to check.
 fn direct_round(
-    sim: &Arc<SimDevice>,
+    sim: &Arc<FakeGpu>,
     c: &Arc<Communicator>,
     stream: StreamId,
     count: usize,
@@ -254,7 +254,7 @@ fn direct_round(
 /// rank, twice: more GPU registrations in one call than the cache keeps (64), so a call's own
 /// registrations must not be evicted while it runs, and the second call reuses some. Every
 /// other buffer is above the eager size (16 KiB), so RDMA writes use the registrations too.
-fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -> Checks {
+fn many_buffers(sim: &Arc<FakeGpu>, c: &Arc<Communicator>, stream: StreamId) -> Checks {
     let dev: Arc<dyn Device> = sim.clone();
     let (n, me) = (c.nranks(), c.rank());
     let (to, from) = ((me + 1) % n, (me + n - 1) % n);
@@ -298,7 +298,7 @@ fn many_buffers(sim: &Arc<SimDevice>, c: &Arc<Communicator>, stream: StreamId) -
 /// kept from the previous round is stale and must not be used for the new memory (its bytes
 /// would go to the freed buffer). Returns whether any address came back.
 fn reallocated(
-    sim: &Arc<SimDevice>,
+    sim: &Arc<FakeGpu>,
     c: &Arc<Communicator>,
     stream: StreamId,
     gate: &Barrier,
@@ -310,7 +310,7 @@ fn reallocated(
     let me = c.rank();
     let mut seen = Vec::new();
     let mut reused = false;
-    let mut bufs: Option<(Arc<SimBuffer>, Arc<SimBuffer>)> = None;
+    let mut bufs: Option<(Arc<FakeGpuBuffer>, Arc<FakeGpuBuffer>)> = None;
     for round in 0..4usize {
         for turn in 0..c.nranks() {
             gate.wait();
@@ -357,7 +357,7 @@ fn check_all(what: &str, checks: Checks) {
 
 /// One simulated device for the process (roccl keeps one table of flags per runtime and
 /// process, as with a real GPU runtime).
-fn run(sim: &Arc<SimDevice>, n: usize, cfg: Config, counts: &[usize], expect_direct: bool) {
+fn run(sim: &Arc<FakeGpu>, n: usize, cfg: Config, counts: &[usize], expect_direct: bool) {
     let id = UniqueId::new().unwrap();
     let gate = Barrier::new(n);
     let (net, algo, direct_min) = (cfg.net, cfg.algo, cfg.gpu_direct_min);
@@ -468,7 +468,7 @@ fn gpu_memory_moves_without_staging_over_rdma() {
     // Odd counts, one element, and a pipelined broadcast; ring and tree broadcasts. The
     // repeated count allocates buffers where the last round's were freed: registrations kept
     // from that round must not be taken for the new memory (it would never see the data).
-    let sim = SimDevice::new(Duration::from_micros(200));
+    let sim = FakeGpu::new(Duration::from_micros(200));
     let (auto, rdma) = (GpuDirect::Auto, NetKind::RoceV2);
     let tree = Some(Algo::Tree);
     run(

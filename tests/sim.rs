@@ -2,14 +2,14 @@
 //! with every rank a thread, up to 1024 ranks; every collective with every algorithm it has,
 //! every rank's output checked; and the predicted times against the link model's formulas.
 //!
-//! `roccl::tool::sim::run` raises the soft limit of open files to about 4 per rank (1024
+//! `roccl::tool::thread_job::run` raises the soft limit of open files to about 4 per rank (1024
 //! ranks: about 4400) where the hard limit allows. Run in release mode:
 //! `cargo test --release --test sim -- --test-threads 2`.
 
 use std::time::Duration;
 
 use roccl::net::sim::SimSpec;
-use roccl::tool::sim::{run, SimCase, SimJob, SimOp, SimResult};
+use roccl::tool::thread_job::{run, SimCase, SimJob, SimOp, SimResult};
 use roccl::Algo;
 
 fn job(ranks: usize, spec: &str) -> SimJob {

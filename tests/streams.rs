@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use roccl::algo::model::Tuning;
 use roccl::comm::stream::{enqueue, Part};
-use roccl::device::sim::{SimBuffer, SimDevice};
+use roccl::device::fake_gpu::{FakeGpu, FakeGpuBuffer};
 use roccl::device::{Device, MemKind};
 use roccl::net::NetKind;
 use roccl::{CallOpts, Collective, Communicator, DataType, Error, RedOp, UniqueId};
@@ -90,7 +90,12 @@ fn case(k: Kind, dt: DataType, op: RedOp, count: usize, n: usize, me: usize, roo
 }
 
 /// The work of one collective on device buffers.
-fn part(coll: Collective, dt: DataType, send: Arc<SimBuffer>, recv: Arc<SimBuffer>) -> Part {
+fn part(
+    coll: Collective,
+    dt: DataType,
+    send: Arc<FakeGpuBuffer>,
+    recv: Arc<FakeGpuBuffer>,
+) -> Part {
     Arc::new(move |turn| {
         send.with(|s| {
             recv.with(|r| {
@@ -102,7 +107,7 @@ fn part(coll: Collective, dt: DataType, send: Arc<SimBuffer>, recv: Arc<SimBuffe
 }
 
 /// The work of one in-place collective on a device buffer.
-fn part_in_place(coll: Collective, dt: DataType, buf: Arc<SimBuffer>) -> Part {
+fn part_in_place(coll: Collective, dt: DataType, buf: Arc<FakeGpuBuffer>) -> Part {
     Arc::new(move |turn| {
         buf.with(|x| {
             turn.run_raw(coll, dt, None, x, &CallOpts::default())
@@ -113,7 +118,7 @@ fn part_in_place(coll: Collective, dt: DataType, buf: Arc<SimBuffer>) -> Part {
 
 /// Producer, collective, consumer on `stream`; returns the snapshot the consumer took.
 fn ordered(
-    dev: &Arc<SimDevice>,
+    dev: &Arc<FakeGpu>,
     c: &Arc<Communicator>,
     stream: usize,
     cs: &Case,
@@ -150,7 +155,7 @@ fn ordered(
 }
 
 fn matrix(n: usize, net: NetKind) {
-    let dev = SimDevice::new(DELAY);
+    let dev = FakeGpu::new(DELAY);
     let mut cfg = config(Tuning::default());
     cfg.net = net;
     run_ranks(n, cfg, |c| {
@@ -205,7 +210,7 @@ fn back_to_back_calls_keep_stream_order_with_host_functions() {
 }
 
 fn back_to_back(host_fn_only: bool) {
-    let dev = SimDevice::new(DELAY);
+    let dev = FakeGpu::new(DELAY);
     dev.set_host_fn_only(host_fn_only);
     run_ranks(2, config(Tuning::default()), |c| {
         let (me, c) = (c.rank(), Arc::new(c));
@@ -268,7 +273,7 @@ fn group_over_two_communicators_and_two_streams_with_host_functions() {
 }
 
 fn group_two_streams(host_fn_only: bool) {
-    let dev = SimDevice::new(DELAY);
+    let dev = FakeGpu::new(DELAY);
     dev.set_host_fn_only(host_fn_only);
     let id2 = UniqueId::new().unwrap();
     run_ranks(2, config(Tuning::default()), |c| {
@@ -286,7 +291,7 @@ fn group_two_streams(host_fn_only: bool) {
             b2.with(|x| x.copy_from_slice(&fill(DataType::F32, 5000, |i| (10 * me + i) as f64)))
         })
         .unwrap();
-        let inplace = |buf: Arc<SimBuffer>| -> Part {
+        let inplace = |buf: Arc<FakeGpuBuffer>| -> Part {
             Arc::new(move |turn| {
                 buf.with(|x| {
                     turn.run_raw(
@@ -344,12 +349,12 @@ fn group_two_streams(host_fn_only: bool) {
 fn captured_calls_replay_and_failures_release_the_stream() {
     // No delay: the consumer runs as soon as the host node returns, so a node that returned
     // before the collective was done would show stale sums.
-    let dev = SimDevice::new(Duration::ZERO);
+    let dev = FakeGpu::new(Duration::ZERO);
     dev.set_host_fn_only(true);
     let as_dev: Arc<dyn Device> = dev.clone();
-    let plain = SimDevice::new(DELAY);
+    let plain = FakeGpu::new(DELAY);
     let as_plain: Arc<dyn Device> = plain.clone();
-    let sum = |buf: Arc<SimBuffer>| -> Part {
+    let sum = |buf: Arc<FakeGpuBuffer>| -> Part {
         Arc::new(move |turn| {
             buf.with(|x| {
                 turn.run_raw(

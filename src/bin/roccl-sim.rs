@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use roccl::net::sim::{SimSpec, SIM_KEYS};
-use roccl::tool::sim::{self, SimCase, SimJob, SimOp};
+use roccl::tool::thread_job::{self, SimCase, SimJob, SimOp};
 use roccl::Algo;
 
 #[derive(Parser, Debug)]
@@ -172,7 +172,7 @@ fn run(a: &Args) -> Result<bool, String> {
         "op", "size(B)", "algo", "time(us)", "fastest(us)", "algbw", "busbw", "#wrong"
     ));
     let started = std::time::Instant::now();
-    let (results, init) = sim::run_timed(&job, &cases).map_err(|e| e.to_string())?;
+    let (results, init) = thread_job::run_timed(&job, &cases).map_err(|e| e.to_string())?;
     out(format!(
         "# {} communicators made in {:.2} s of real time (threads started, rendezvous over loopback TCP, table received)",
         a.ranks,

@@ -5,16 +5,16 @@
 //! runtime has none). It knows nothing of communicators or algorithms: the stream-ordered
 //! collectives built on it live with the communicator (`comm::stream`).
 //!
-//! Backends: [`sim::SimDevice`] (host memory posing as device memory, streams as worker
+//! Backends: [`fake_gpu::FakeGpu`] (host memory posing as device memory, streams as worker
 //! threads that run their work late and out of step with the caller, so missing stream
 //! ordering shows up as wrong results in CI). HIP and CUDA backends implement the same
 //! trait (docs/GPU.md).
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fake_gpu;
 #[cfg(feature = "hip")]
 pub mod hip;
-pub mod sim;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

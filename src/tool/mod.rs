@@ -3,8 +3,8 @@
 //! `roccl-perf --ranks N` (`launch`), `roccl-info --status` (`status`) and `roccl-info --watch` (`watch`).
 
 pub mod launch;
-pub mod sim;
 pub mod status;
+pub mod thread_job;
 pub mod watch;
 
 use std::io::Write;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use roccl_core::comm::stream::ops::{self, Op, RawBuf};
-use roccl_core::device::sim::SimDevice;
+use roccl_core::device::fake_gpu::FakeGpu;
 use roccl_core::device::{Device, StreamId};
 use roccl_core::error::ErrorKind;
 use roccl_core::{Collective, Communicator, Config, DataType, Error, UniqueId};
@@ -369,7 +369,7 @@ fn run_blocking(ops: Vec<(Arc<Communicator>, Op)>) -> R {
 }
 
 /// The device layer, and the simulated device when that is it (it adopts streams).
-type Runtime = (Arc<dyn Device>, Option<Arc<SimDevice>>);
+type Runtime = (Arc<dyn Device>, Option<Arc<FakeGpu>>);
 
 /// The GPU runtime that orders calls given a stream, chosen once per process by
 /// `ROCCL_DEVICE`: `hip` (a build with `--features hip`), `sim` (the simulated device:
@@ -386,7 +386,7 @@ fn device() -> R<Runtime> {
                     .ok()
                     .and_then(|v| v.trim().parse::<u64>().ok())
                     .unwrap_or(100);
-                let sim = SimDevice::new(Duration::from_micros(us));
+                let sim = FakeGpu::new(Duration::from_micros(us));
                 Ok((sim.clone() as Arc<dyn Device>, Some(sim)))
             }
             "none" => Err("a stream was given, but ROCCL_DEVICE=none: pass a NULL stream with host memory".into()),
@@ -418,7 +418,7 @@ fn device() -> R<Runtime> {
 
 /// The simulated device the C ABI uses when `ROCCL_DEVICE=sim` (tests allocate its
 /// buffers and drive its streams); `None` otherwise.
-pub fn sim_device() -> Option<Arc<SimDevice>> {
+pub fn sim_device() -> Option<Arc<FakeGpu>> {
     device().ok().and_then(|(_, sim)| sim)
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use roccl::comm::stream::ops;
-use roccl::device::sim::SimDevice;
+use roccl::device::fake_gpu::FakeGpu;
 use roccl::device::{self, Device};
 use roccl::tool::launch::{self, Outcome};
 use roccl::{CallOpts, Communicator, DataType, RedOp, UniqueId};
@@ -53,7 +53,7 @@ fn open_device(a: &Args) -> Result<Option<DevStream>, String> {
     };
     let dev: Arc<dyn Device> = match name {
         "sim" | "sim-apu" => {
-            let d = SimDevice::new(std::time::Duration::ZERO);
+            let d = FakeGpu::new(std::time::Duration::ZERO);
             d.set_integrated(name == "sim-apu");
             d
         }

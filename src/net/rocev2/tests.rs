@@ -963,11 +963,11 @@ fn an_explicit_receive_registration_is_reachable_only_while_a_receive_uses_it() 
 /// address is PROT_NONE, its bytes a memfd), `len` bytes at `offset` of a buffer, with
 /// the dmabuf (fd, offset) it exports.
 fn fake_gpu(
-    dev: &Arc<crate::device::sim::SimDevice>,
+    dev: &Arc<crate::device::fake_gpu::FakeGpu>,
     len: usize,
     offset: usize,
 ) -> (
-    Arc<crate::device::sim::SimBuffer>,
+    Arc<crate::device::fake_gpu::FakeGpuBuffer>,
     usize,
     (std::os::fd::OwnedFd, u64),
 ) {
@@ -991,7 +991,7 @@ fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
     let net = RoceNet::over(rec.clone(), lo);
     net.expect_device_buffers();
     let (mut s, mut r) = pair(&net);
-    let dev = crate::device::sim::SimDevice::new(std::time::Duration::ZERO);
+    let dev = crate::device::fake_gpu::FakeGpu::new(std::time::Duration::ZERO);
     let dmabuf = |e: &(std::os::fd::OwnedFd, u64)| Some((e.0.as_raw_fd(), e.1));
     let (_probe, piova, pbuf) = fake_gpu(&dev, 4096, 0);
     // SAFETY: refused (nothing is registered), and `_probe` outlives the call.

@@ -5,13 +5,13 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use roccl_core::device::sim::{SimBuffer, SimDevice};
+use roccl_core::device::fake_gpu::{FakeGpu, FakeGpuBuffer};
 
-pub fn ptr(b: &SimBuffer) -> *mut c_void {
+pub fn ptr(b: &FakeGpuBuffer) -> *mut c_void {
     b.addr() as *mut c_void
 }
 
-pub fn put(b: &SimBuffer, v: impl Fn(usize) -> f32) {
+pub fn put(b: &FakeGpuBuffer, v: impl Fn(usize) -> f32) {
     b.with(|x| {
         for (i, e) in x.chunks_mut(4).enumerate() {
             e.copy_from_slice(&v(i).to_le_bytes());
@@ -27,9 +27,9 @@ pub fn floats(x: &[u8]) -> Vec<f32> {
 
 /// Producer writing `v` into `b` late on `stream`.
 pub fn produce(
-    sim: &SimDevice,
+    sim: &FakeGpu,
     stream: usize,
-    b: &Arc<SimBuffer>,
+    b: &Arc<FakeGpuBuffer>,
     v: impl Fn(usize) -> f32 + Send + Sync + 'static,
 ) {
     let b = Arc::clone(b);
@@ -38,10 +38,10 @@ pub fn produce(
 
 /// Consumer: snapshot `b`, then scribble over `bs`.
 pub fn consume(
-    sim: &SimDevice,
+    sim: &FakeGpu,
     stream: usize,
-    b: &Arc<SimBuffer>,
-    bs: &[&Arc<SimBuffer>],
+    b: &Arc<FakeGpuBuffer>,
+    bs: &[&Arc<FakeGpuBuffer>],
 ) -> Arc<Mutex<Vec<u8>>> {
     let snap = Arc::new(Mutex::new(Vec::new()));
     let (s, b) = (Arc::clone(&snap), Arc::clone(b));

@@ -5,8 +5,8 @@
 //! before it finished, then reads or leaves wrong data, and the tests see it.
 //!
 //! Streams can be captured into graphs as CUDA's stream capture does: between
-//! [`SimDevice::begin_capture`] and [`SimDevice::end_capture`] the work enqueued on the
-//! stream is recorded instead of run, and [`SimDevice::graph_launch`] replays it, as often as
+//! [`FakeGpu::begin_capture`] and [`FakeGpu::end_capture`] the work enqueued on the
+//! stream is recorded instead of run, and [`FakeGpu::graph_launch`] replays it, as often as
 //! wanted. What CUDA refuses during capture is refused here too and invalidates the capture
 //! (synchronizing or querying the stream, one-shot host functions).
 
@@ -20,7 +20,7 @@ use parking_lot::{Condvar, Mutex};
 use super::{Alloc, Device, Flag, FlagSlab, MemKind, PtrInfo, StreamId};
 
 /// An allocation of the simulated device.
-struct SimAlloc(Arc<SimBuffer>);
+struct SimAlloc(Arc<FakeGpuBuffer>);
 
 impl Alloc for SimAlloc {
     fn addr(&self) -> usize {
@@ -59,8 +59,8 @@ struct SimStream {
     capture: Mutex<Option<Capture>>,
 }
 
-/// Work captured from a stream ([`SimDevice::end_capture`]), replayed by
-/// [`SimDevice::graph_launch`].
+/// Work captured from a stream ([`FakeGpu::end_capture`]), replayed by
+/// [`FakeGpu::graph_launch`].
 pub struct SimGraph {
     nodes: Vec<Node>,
 }
@@ -92,7 +92,7 @@ enum Backing {
 }
 
 /// Device memory of the simulated GPU.
-pub struct SimBuffer {
+pub struct FakeGpuBuffer {
     data: Mutex<Backing>,
     len: usize,
     addr: usize,
@@ -100,7 +100,7 @@ pub struct SimBuffer {
     id: u64,
 }
 
-impl Drop for SimBuffer {
+impl Drop for FakeGpuBuffer {
     fn drop(&mut self) {
         if let Backing::Guarded { alias, map_len, .. } = *self.data.get_mut() {
             // SAFETY: the two mappings made by `Backing::guarded`, used by nothing else.
@@ -166,7 +166,7 @@ impl Backing {
     }
 }
 
-impl SimBuffer {
+impl FakeGpuBuffer {
     /// Its address (what a C program would pass as the buffer).
     pub fn addr(&self) -> usize {
         self.addr
@@ -206,10 +206,10 @@ impl SimBuffer {
 
 /// A buffer of the simulated device: (address, bytes, kind, the CPU may access it, the
 /// buffer while it lives).
-type Registered = (usize, usize, MemKind, bool, Weak<SimBuffer>);
+type Registered = (usize, usize, MemKind, bool, Weak<FakeGpuBuffer>);
 
 /// The simulated device.
-pub struct SimDevice {
+pub struct FakeGpu {
     streams: Mutex<HashMap<StreamId, Arc<SimStream>>>,
     buffers: Mutex<Vec<Registered>>,
     next: AtomicU64,
@@ -225,10 +225,10 @@ pub struct SimDevice {
     copy_stream: std::sync::OnceLock<StreamId>,
 }
 
-impl SimDevice {
+impl FakeGpu {
     /// A simulated device whose streams delay each item by up to `max_delay`.
-    pub fn new(max_delay: Duration) -> Arc<SimDevice> {
-        Arc::new(SimDevice {
+    pub fn new(max_delay: Duration) -> Arc<FakeGpu> {
+        Arc::new(FakeGpu {
             streams: Mutex::new(HashMap::new()),
             buffers: Mutex::new(Vec::new()),
             next: AtomicU64::new(0x5100_0000),
@@ -424,7 +424,7 @@ impl SimDevice {
     }
 
     /// Device memory of `bytes` bytes, zeroed, that the CPU may access (as on an APU).
-    pub fn alloc(&self, bytes: usize) -> Arc<SimBuffer> {
+    pub fn alloc(&self, bytes: usize) -> Arc<FakeGpuBuffer> {
         self.alloc_as(bytes, MemKind::Device, true)
     }
 
@@ -432,11 +432,11 @@ impl SimDevice {
     /// through staging copies on the stream. Its address faults on any CPU access (the
     /// bytes live in a memfd the simulated device maps for itself), so a path that touched
     /// it would crash the test instead of passing.
-    pub fn alloc_device_only(&self, bytes: usize) -> Arc<SimBuffer> {
+    pub fn alloc_device_only(&self, bytes: usize) -> Arc<FakeGpuBuffer> {
         self.alloc_as(bytes, MemKind::Device, false)
     }
 
-    fn alloc_as(&self, bytes: usize, kind: MemKind, host: bool) -> Arc<SimBuffer> {
+    fn alloc_as(&self, bytes: usize, kind: MemKind, host: bool) -> Arc<FakeGpuBuffer> {
         let heap = || {
             let data = vec![0u64; bytes.div_ceil(8).max(1)];
             let addr = data.as_ptr() as usize;
@@ -454,7 +454,7 @@ impl SimDevice {
             })
         };
         static IDS: AtomicU64 = AtomicU64::new(1);
-        let b = Arc::new(SimBuffer {
+        let b = Arc::new(FakeGpuBuffer {
             data: Mutex::new(data),
             len: bytes,
             addr,
@@ -477,7 +477,7 @@ impl SimDevice {
     }
 
     /// The live buffer holding `addr..addr + n`, and the offset of `addr` in it.
-    fn find(&self, addr: usize, n: usize) -> Result<(Arc<SimBuffer>, usize)> {
+    fn find(&self, addr: usize, n: usize) -> Result<(Arc<FakeGpuBuffer>, usize)> {
         self.buffers
             .lock()
             .iter()
@@ -491,7 +491,7 @@ impl SimDevice {
     }
 }
 
-impl Drop for SimDevice {
+impl Drop for FakeGpu {
     fn drop(&mut self) {
         for s in self.streams.lock().values() {
             s.q.lock().closed = true;
@@ -500,7 +500,7 @@ impl Drop for SimDevice {
     }
 }
 
-impl Device for SimDevice {
+impl Device for FakeGpu {
     fn name(&self) -> &'static str {
         "sim"
     }
@@ -608,11 +608,11 @@ impl Device for SimDevice {
     }
 
     fn create_stream(&self) -> Result<StreamId> {
-        Ok(SimDevice::create_stream(self))
+        Ok(FakeGpu::create_stream(self))
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<()> {
-        SimDevice::synchronize(self, stream)
+        FakeGpu::synchronize(self, stream)
     }
 
     fn integrated(&self) -> bool {
@@ -629,7 +629,7 @@ impl Device for SimDevice {
     fn copy_stream(&self) -> Result<StreamId> {
         Ok(*self
             .copy_stream
-            .get_or_init(|| SimDevice::create_stream(self)))
+            .get_or_init(|| FakeGpu::create_stream(self)))
     }
 
     fn stream_write(&self, stream: StreamId, flag: &Flag, value: u64) -> Result<()> {
@@ -673,7 +673,7 @@ mod tests {
     #[test]
     fn device_only_memory_is_out_of_the_cpus_reach() {
         use std::os::fd::AsRawFd;
-        let dev = SimDevice::new(Duration::ZERO);
+        let dev = FakeGpu::new(Duration::ZERO);
         let d: Arc<dyn Device> = dev.clone();
         let s = dev.create_stream();
         let b = dev.alloc_device_only(10_000);
