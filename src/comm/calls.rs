@@ -108,7 +108,7 @@ impl State {
         if let Algo::ShmOneShot | Algo::ShmTwoShot = a {
             let (send, recv) = (host(send)?, recv.into_slice()?);
             let two_shot = a == Algo::ShmTwoShot;
-            self.run_flat(coll, dt, recv.len(), u8::from(two_shot), |f| {
+            self.run_in_segments(coll, dt, recv.len(), u8::from(two_shot), |f| {
                 shm::all_reduce_shm(f, dt, op, send, recv, two_shot)
             })?;
             return Ok(info(a, pl));
@@ -163,7 +163,7 @@ impl State {
         }
         if a == Algo::ShmOneShot {
             let (send, recv) = (host(send)?, recv.into_slice()?);
-            self.run_flat(coll, dt, recv.len(), 0, |f| {
+            self.run_in_segments(coll, dt, recv.len(), 0, |f| {
                 shm::broadcast_shm(f, root, send, recv)
             })?;
             return Ok(info(a, pl));
@@ -211,7 +211,7 @@ impl State {
         }
         if a == Algo::ShmOneShot {
             let (send, recv) = (host(send)?, recv.into_slice()?);
-            self.run_flat(coll, dt, input_len, 0, |f| {
+            self.run_in_segments(coll, dt, input_len, 0, |f| {
                 shm::reduce_shm(f, root, dt, op, send, recv)
             })?;
             return Ok(info(a, pl));
@@ -269,7 +269,7 @@ impl State {
         if a == Algo::ShmOneShot {
             let block = count * esz;
             let (send, recv) = (host(send)?, recv.into_slice()?);
-            self.run_flat(coll, dt, block, 0, |f| {
+            self.run_in_segments(coll, dt, block, 0, |f| {
                 shm::all_gather_shm(f, send, recv, block)
             })?;
             return Ok(info(a, pl));
@@ -332,7 +332,7 @@ impl State {
         if a == Algo::ShmOneShot {
             let block = count * esz;
             let (send, recv) = (host(send)?, recv.into_slice()?);
-            self.run_flat(coll, dt, block, 0, |f| {
+            self.run_in_segments(coll, dt, block, 0, |f| {
                 shm::reduce_scatter_shm(f, dt, op, send, recv, block)
             })?;
             return Ok(info(a, pl));
@@ -375,7 +375,7 @@ impl State {
         let block = recv.len() / n;
         if a == Algo::ShmOneShot {
             let (send, recv) = (host(send)?, recv.into_slice()?);
-            self.run_flat(coll, dt, block, 0, |f| {
+            self.run_in_segments(coll, dt, block, 0, |f| {
                 shm::all_to_all_shm(f, send, recv, block)
             })?;
             return Ok(info(a, pl));
@@ -391,7 +391,7 @@ impl State {
     fn barrier_call(&mut self, c: Call<'_>) -> Result<CallInfo> {
         let Call { coll, dt, .. } = c;
         if self.node.is_some() {
-            self.run_flat(coll, dt, 0, 0, shm::barrier_shm)?;
+            self.run_in_segments(coll, dt, 0, 0, shm::barrier_shm)?;
         } else {
             self.run_exec(
                 None,

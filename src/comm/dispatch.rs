@@ -491,13 +491,13 @@ impl State {
 
     /// Run a collective through the host's shared-memory segments (the model offers those
     /// algorithms only when they are mapped).
-    pub(super) fn run_flat(
+    pub(super) fn run_in_segments(
         &mut self,
         coll: Collective,
         dt: DataType,
         bytes: usize,
         variant: u8,
-        f: impl FnOnce(&mut shm::Flat) -> Result<()>,
+        f: impl FnOnce(&mut shm::SegmentCall) -> Result<()>,
     ) -> Result<()> {
         let (kind, op, root) = match coll {
             Collective::AllReduce(op) => (1, Some(op), None),
@@ -518,7 +518,7 @@ impl State {
         let node = self.node.as_mut().ok_or_else(|| {
             Error::Internal("shared-memory algorithm chosen without segments".into())
         })?;
-        let mut flat = shm::Flat {
+        let mut call = shm::SegmentCall {
             node,
             waiter: &self.cfg.waiter,
             abort: &self.links.abort,
@@ -526,8 +526,8 @@ impl State {
             rank: self.links.rank,
             meta: [bytes as u64, code],
         };
-        let r = f(&mut flat);
-        flat.node.flush_wakes();
+        let r = f(&mut call);
+        call.node.flush_wakes();
         r
     }
 

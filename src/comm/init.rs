@@ -197,7 +197,7 @@ impl Communicator {
                 id_hash: p.id_hash,
                 encrypted: id.encrypted(),
                 net: p.name,
-                flat: p.node.is_some(),
+                shm_segments: p.node.is_some(),
                 gpu_direct_min: cfg.gpu_direct_min,
                 gpu_direct_integrated: cfg.gpu_direct == GpuDirect::On,
                 gpu_direct_net: p.net_gpu.is_some(),
@@ -672,7 +672,7 @@ fn cost_and_topology(
         intra.alpha_us,
         intra.beta_gbs
     );
-    // Flat exchanges from every rank of a host at once share its NICs (model.rs).
+    // SegmentCall exchanges from every rank of a host at once share its NICs (model.rs).
     let m = topo.max_local().max(1);
     let shared = LinkCost {
         nic_share: topo.nics().clamp(1, m) as f64 / m as f64,

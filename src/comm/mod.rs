@@ -107,7 +107,7 @@ struct Shared {
     /// The job encrypts (its unique id says so): communicators split from it do too.
     encrypted: bool,
     net: &'static str,
-    flat: bool,
+    shm_segments: bool,
     /// Smallest message of a GPU-direct call ([`Config::gpu_direct_min`]).
     gpu_direct_min: usize,
     /// Integrated GPUs go GPU-direct too ([`GpuDirect::On`]).
@@ -227,7 +227,7 @@ impl Communicator {
     /// Whether the shared-memory collectives (`shm1`, `shm2`) are available: every rank is
     /// on this host and all of them mapped each other's segments.
     pub fn shm_collectives(&self) -> bool {
-        self.shared.flat
+        self.shared.shm_segments
     }
 
     /// The error that made this communicator unusable, if any: its class, the peer it
@@ -354,7 +354,7 @@ impl Communicator {
         let reach =
             |p: usize| p == me || self.shared.device_mem.get(p).copied().flatten().is_some();
         moves_only
-            && !self.shared.flat
+            && !self.shared.shm_segments
             && match peer {
                 Some(p) => reach(p),
                 None => (0..self.shared.nranks).all(reach),

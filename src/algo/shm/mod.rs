@@ -35,8 +35,8 @@ pub(crate) mod node;
 use crate::reduce::{copy_large, finish_avg, reduce_into, reduce_to};
 use crate::types::{DataType, RedOp};
 
-/// A flat call's context: the segments, the waiting policy and the abort flag.
-pub(crate) struct Flat<'a> {
+/// A call through the shared segments: the segments, the waiting policy and the abort flag.
+pub(crate) struct SegmentCall<'a> {
     pub node: &'a mut Node,
     pub waiter: &'a Waiter,
     pub abort: &'a AtomicBool,
@@ -47,7 +47,7 @@ pub(crate) struct Flat<'a> {
     pub meta: [u64; 2],
 }
 
-impl Flat<'_> {
+impl SegmentCall<'_> {
     /// Begin a call and publish, for every rank `d`, bytes `off..off + len` of block `d` of
     /// `input` (blocks of `block` bytes) as piece `d` of this rank's slot; returns once every
     /// peer has published too.
@@ -125,7 +125,7 @@ impl Flat<'_> {
 /// All-reduce: one-shot (every rank reduces everything) or two-shot (each rank reduces a
 /// 1/n share, then everyone copies the reduced shares).
 pub(crate) fn all_reduce_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     dt: DataType,
     op: RedOp,
     send: Option<&[u8]>,
@@ -140,7 +140,7 @@ pub(crate) fn all_reduce_shm(
     if !two_shot && recv.len() <= INLINE {
         return all_reduce_inline(f, dt, op, send, recv);
     }
-    for (off, len) in Flat::pieces(recv.len(), f.node.slot(), esz) {
+    for (off, len) in SegmentCall::pieces(recv.len(), f.node.slot(), esz) {
         let k = f.begin()?;
         let src = match send {
             Some(s) => &s[off..off + len],
@@ -210,7 +210,7 @@ struct Line([u8; INLINE]);
 /// so each peer's input reaches a rank with the one cache-line transfer that tells it the
 /// input is there (no slot, no second line). Reduced in rank order like the slot path.
 fn all_reduce_inline(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     dt: DataType,
     op: RedOp,
     send: Option<&[u8]>,
@@ -273,7 +273,7 @@ fn share(elems: usize, n: usize, r: usize, esz: usize) -> (usize, usize) {
 /// In place, a rank overwrites another rank's share of its buffer (its input there) only
 /// after that rank published `result`, i.e. finished reading it.
 fn all_reduce_direct(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     dt: DataType,
     op: RedOp,
     send: Option<&[u8]>,
@@ -357,14 +357,19 @@ pub(crate) const DIRECT_BROADCAST_MIN: usize = 256 << 10;
 /// publishes the head as its source, so readers learn where the cut is; it publishes `done`
 /// when its writes are over (readers return then) and returns once every reader published
 /// `result` (done reading its buffer).
-fn broadcast_direct(f: &mut Flat, root: usize, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+fn broadcast_direct(
+    f: &mut SegmentCall,
+    root: usize,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
     let (n, len) = (f.nranks, recv.len());
     let k = f.begin()?;
     if f.rank == root {
         // A multiple of 4 KiB from the start of the buffer: whole pages when the buffer is
         // page-aligned (large allocations are, give or take a malloc header).
         let cut = (len - root_share(len, n, send.is_some())) & !4095;
-        let push = |f: &mut Flat, src: &[u8]| -> Result<()> {
+        let push = |f: &mut SegmentCall, src: &[u8]| -> Result<()> {
             f.node.set_direct(k, &src[..cut]);
             f.node.publish(Counter::Arrive, k);
             // Readers asleep on our arrive must copy while we do, not after.
@@ -428,7 +433,7 @@ fn root_share(len: usize, n: usize, out_of_place: bool) -> usize {
 /// messages, the others copy straight out of the root's buffer (one copy instead of two) and
 /// the root waits until they have.
 pub(crate) fn broadcast_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     root: usize,
     send: Option<&[u8]>,
     recv: &mut [u8],
@@ -436,7 +441,7 @@ pub(crate) fn broadcast_shm(
     if f.node.cma() && recv.len() >= DIRECT_BROADCAST_MIN {
         return broadcast_direct(f, root, send, recv);
     }
-    for (off, len) in Flat::pieces(recv.len(), f.node.slot(), 1) {
+    for (off, len) in SegmentCall::pieces(recv.len(), f.node.slot(), 1) {
         let k = f.begin()?;
         // Up to INLINE bytes travel in the root's arrive line (one cache-line transfer).
         let inline = len <= INLINE;
@@ -471,7 +476,7 @@ pub(crate) fn broadcast_shm(
 
 /// Reduce to `root`: everyone publishes its input, the root reduces all of them.
 pub(crate) fn reduce_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     root: usize,
     dt: DataType,
     op: RedOp,
@@ -479,7 +484,7 @@ pub(crate) fn reduce_shm(
     recv: &mut [u8],
 ) -> Result<()> {
     let total = send.map_or(recv.len(), |s| s.len());
-    for (off, len) in Flat::pieces(total, f.node.slot(), dt.size()) {
+    for (off, len) in SegmentCall::pieces(total, f.node.slot(), dt.size()) {
         let k = f.begin()?;
         let src = match send {
             Some(s) => &s[off..off + len],
@@ -498,7 +503,7 @@ pub(crate) fn reduce_shm(
 
 /// All-gather of blocks of `block` bytes (in place: our block is block `rank` of `recv`).
 pub(crate) fn all_gather_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     send: Option<&[u8]>,
     recv: &mut [u8],
     block: usize,
@@ -507,7 +512,7 @@ pub(crate) fn all_gather_shm(
     if f.node.cma() && block >= DIRECT_GATHER_MIN {
         return all_gather_direct(f, send, recv, block);
     }
-    for (off, len) in Flat::pieces(block, f.node.slot(), 1) {
+    for (off, len) in SegmentCall::pieces(block, f.node.slot(), 1) {
         let k = f.begin()?;
         let src = match send {
             Some(s) => &s[off..off + len],
@@ -538,7 +543,7 @@ pub(crate) const DIRECT_GATHER_MIN: usize = 128 << 10;
 /// per call (written by one, read by the other, written again): when the ranks' cores do not
 /// share a cache, copying through slots is several times slower (docs/PERFORMANCE-LOG.md).
 fn all_gather_direct(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     send: Option<&[u8]>,
     recv: &mut [u8],
     block: usize,
@@ -568,7 +573,7 @@ fn all_gather_direct(
 /// Reduce-scatter into blocks of `block` bytes (in place: the result is block `rank` of
 /// `recv`, which holds every rank's input).
 pub(crate) fn reduce_scatter_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     dt: DataType,
     op: RedOp,
     send: Option<&[u8]>,
@@ -576,7 +581,7 @@ pub(crate) fn reduce_scatter_shm(
     block: usize,
 ) -> Result<()> {
     let (n, me) = (f.nranks, f.rank);
-    for (off, len) in Flat::pieces(block, f.node.slot() / n, dt.size()) {
+    for (off, len) in SegmentCall::pieces(block, f.node.slot() / n, dt.size()) {
         let k = f.publish_blocks(send.unwrap_or(recv), block, off, len)?;
         let at = if send.is_some() {
             off
@@ -590,13 +595,13 @@ pub(crate) fn reduce_scatter_shm(
 
 /// All-to-all of blocks of `block` bytes.
 pub(crate) fn all_to_all_shm(
-    f: &mut Flat,
+    f: &mut SegmentCall,
     send: Option<&[u8]>,
     recv: &mut [u8],
     block: usize,
 ) -> Result<()> {
     let (n, me) = (f.nranks, f.rank);
-    for (off, len) in Flat::pieces(block, f.node.slot() / n, 1) {
+    for (off, len) in SegmentCall::pieces(block, f.node.slot() / n, 1) {
         let k = f.publish_blocks(send.unwrap_or(recv), block, off, len)?;
         for r in 0..n {
             let at = r * block + off;
@@ -607,7 +612,7 @@ pub(crate) fn all_to_all_shm(
 }
 
 /// Barrier: one flat call with no data.
-pub(crate) fn barrier_shm(f: &mut Flat) -> Result<()> {
+pub(crate) fn barrier_shm(f: &mut SegmentCall) -> Result<()> {
     let k = f.begin()?;
     f.node.publish(Counter::Arrive, k);
     f.wait_all(Counter::Arrive, k)

@@ -50,7 +50,7 @@ pub(crate) const INLINE: usize = 56;
 /// reader gets both with one cache-line transfer.
 #[repr(C, align(64))]
 struct ArriveLine {
-    /// Flat calls of this parity whose input this rank has published (low 32 bits) and a
+    /// SegmentCall calls of this parity whose input this rank has published (low 32 bits) and a
     /// hash of what the call is (high 32 bits): one store publishes both, one load checks
     /// both.
     word: AtomicU64,
@@ -63,7 +63,7 @@ struct NodeHeader {
     /// Arrive lines of even and odd calls: call k publishes in line k mod 2, which peers
     /// last read in call k − 2 (they have begun call k − 1, so they are done with it).
     arrive: [ArriveLine; 2],
-    /// Flat calls whose reduced chunk this rank has published (two-shot; low 32 bits).
+    /// SegmentCall calls whose reduced chunk this rank has published (two-shot; low 32 bits).
     result: AtomicU64,
     _p1: [u8; 56],
     /// Ranks sleeping in futex(2) on this segment's counters.
@@ -316,7 +316,7 @@ pub(crate) struct Node {
     cma_pids: Vec<u32>,
     /// Every rank can read every other directly.
     cma: bool,
-    /// Flat calls begun so far.
+    /// SegmentCall calls begun so far.
     calls: u32,
     /// The same, not wrapping: `result` and `done` carry it (not every call publishes them,
     /// so a 32-bit value could fall 2^31 calls behind and read as ahead).

@@ -397,7 +397,7 @@ impl Net for RoceNet {
 
 fn wc_error(w: &Wc, side: &str, verbs: &dyn Verbs, peer: SocketAddr) -> Error {
     verbs.completion_error(w.status);
-    let hint = crate::rdma::hints::wc_hint(w.status, &verbs.name(), &peer.ip().to_string());
+    let hint = crate::rdma::verb_errors::wc_hint(w.status, &verbs.name(), &peer.ip().to_string());
     let hint = if hint.is_empty() {
         String::new()
     } else {

@@ -1064,7 +1064,7 @@ impl RecvComm for ShmRecv {
 }
 
 #[cfg(test)]
-mod strangers;
+mod auth_tests;
 
 #[cfg(test)]
 mod tests {

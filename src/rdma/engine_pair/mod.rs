@@ -731,4 +731,4 @@ fn loss_cost() {
 
 mod spurious;
 
-mod strangers;
+mod forged;

@@ -9,7 +9,7 @@
 //! our GID index, hop limit, traffic class `ROCCL_IB_TC`, service level `ROCCL_IB_SL`,
 //! timeout `ROCCL_IB_TIMEOUT`, retry count `ROCCL_IB_RETRY_CNT`. An async-event thread turns
 //! fatal device, port and QP events into errors of the QPs they hit (reported at their next
-//! poll). Every failing verb becomes a [`hints::VerbError`]: the C call, the device, errno,
+//! poll). Every failing verb becomes a [`verb_errors::VerbError`]: the C call, the device, errno,
 //! the likely cause and the fix.
 //!
 //! The data path (`post_send`, `post_recv`, `poll_cq`) looks QPs up in a lock-free table and
@@ -46,8 +46,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rdma_sys as ffi;
 
-use super::hints::{self, Context, Verb};
 use super::select::Choice;
+use super::verb_errors::{self, Context, Verb};
 use super::verbs::{
     Access, Mr, QpEndpoint, QpId, QpState, RecvWr, SendWr, Verbs, Wc, WcOpcode, WcStatus,
 };
@@ -85,7 +85,9 @@ pub fn device_names() -> Result<Vec<String>> {
     // SAFETY: `n` is a valid out-pointer; the list is freed below.
     let list = unsafe { ffi::ibv_get_device_list(&mut n) };
     if list.is_null() {
-        return Err(hints::verb_error(Verb::GetDeviceList, errno(), &Context::default()).into());
+        return Err(
+            verb_errors::verb_error(Verb::GetDeviceList, errno(), &Context::default()).into(),
+        );
     }
     let names = (0..n.max(0) as usize)
         .map(|i| {
@@ -220,7 +222,7 @@ fn open_context(choice: &Choice, cx: &Context) -> Result<*mut ffi::ibv_context> 
             // SAFETY: `list` came from ibv_get_device_list.
             unsafe { ffi::ibv_free_device_list(list) };
         }
-        return Err(hints::verb_error(Verb::GetDeviceList, errno(), cx).into());
+        return Err(verb_errors::verb_error(Verb::GetDeviceList, errno(), cx).into());
     }
     let mut found = ptr::null_mut();
     let mut names = Vec::new();
@@ -253,7 +255,7 @@ fn open_context(choice: &Choice, cx: &Context) -> Result<*mut ffi::ibv_context> 
         )));
     }
     if ctx.is_null() {
-        return Err(hints::verb_error(Verb::OpenDevice, open_errno, cx).into());
+        return Err(verb_errors::verb_error(Verb::OpenDevice, open_errno, cx).into());
     }
     Ok(ctx)
 }
@@ -271,7 +273,7 @@ fn query_device_and_port(
     // SAFETY: `ctx` is open; `dattr` is a valid out-pointer.
     let r = unsafe { ffi::ibv_query_device(ctx, &mut dattr) };
     if r != 0 {
-        return Err(hints::verb_error(Verb::QueryDevice, r, cx).into());
+        return Err(verb_errors::verb_error(Verb::QueryDevice, r, cx).into());
     }
     let port = choice.port as u8;
     // SAFETY: as above.
@@ -279,7 +281,7 @@ fn query_device_and_port(
     // SAFETY: `ctx` is open; `pattr` is a valid out-pointer of the size passed inside.
     let r = unsafe { ffi::___ibv_query_port(ctx, port, &mut pattr) };
     if r != 0 {
-        return Err(hints::verb_error(Verb::QueryPort, r, cx).into());
+        return Err(verb_errors::verb_error(Verb::QueryPort, r, cx).into());
     }
     if pattr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
         return Err(Error::arg(format!(
@@ -306,7 +308,7 @@ fn read_gid(ctx: *mut ffi::ibv_context, choice: &Choice, cx: &Context) -> Result
     // SAFETY: `ctx` is open; `gid` is a valid out-pointer.
     let r = unsafe { ffi::ibv_query_gid(ctx, port, choice.gid_index as c_int, &mut gid) };
     if r != 0 {
-        return Err(hints::verb_error(Verb::QueryGid, errno(), cx).into());
+        return Err(verb_errors::verb_error(Verb::QueryGid, errno(), cx).into());
     }
     // SAFETY: a GID is 16 plain bytes in either view of the union.
     let raw = unsafe { gid.raw };
@@ -355,7 +357,9 @@ impl IbvVerbs {
         // SAFETY: `ctx` is open.
         let pd = unsafe { ffi::ibv_alloc_pd(ctx) };
         if pd.is_null() {
-            return Err(close(hints::verb_error(Verb::AllocPd, errno(), &cx).into()));
+            return Err(close(
+                verb_errors::verb_error(Verb::AllocPd, errno(), &cx).into(),
+            ));
         }
         let dmabuf = probe_dmabuf(pd);
         let dev = Arc::new(Dev {
@@ -438,12 +442,12 @@ impl IbvVerbs {
         let mut cx = self.dev.cx();
         cx.len = Some(len);
         let Some(reg) = reg_dmabuf_fn().filter(|_| self.dev.dmabuf) else {
-            return Err(hints::verb_error(Verb::RegDmabufMr, libc::EOPNOTSUPP, &cx).into());
+            return Err(verb_errors::verb_error(Verb::RegDmabufMr, libc::EOPNOTSUPP, &cx).into());
         };
         // SAFETY: the PD is live; the caller keeps the dmabuf alive until deregistration.
         let mr = unsafe { reg(self.dev.pd, offset, len, iova, fd, access.0 as c_int) };
         if mr.is_null() {
-            return Err(hints::verb_error(Verb::RegDmabufMr, errno(), &cx).into());
+            return Err(verb_errors::verb_error(Verb::RegDmabufMr, errno(), &cx).into());
         }
         // SAFETY: `mr` is a valid registration.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -501,7 +505,7 @@ impl IbvVerbs {
         if r != 0 {
             let mut cx = self.dev.cx();
             cx.peer = peer.map(|p| p.to_string());
-            return Err(hints::verb_error(verb, r, &cx).into());
+            return Err(verb_errors::verb_error(verb, r, &cx).into());
         }
         Ok(())
     }
@@ -583,7 +587,7 @@ impl Verbs for IbvVerbs {
         if mr.is_null() {
             let mut cx = self.dev.cx();
             cx.len = Some(len);
-            return Err(hints::verb_error(Verb::RegMr, errno(), &cx).into());
+            return Err(verb_errors::verb_error(Verb::RegMr, errno(), &cx).into());
         }
         // SAFETY: `mr` is a valid registration.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -647,7 +651,7 @@ impl Verbs for IbvVerbs {
         // SAFETY: `dev.ctx` is open.
         let chan = unsafe { ffi::ibv_create_comp_channel(dev.ctx) };
         if chan.is_null() {
-            return Err(hints::verb_error(Verb::CreateCompChannel, errno(), &cx).into());
+            return Err(verb_errors::verb_error(Verb::CreateCompChannel, errno(), &cx).into());
         }
         // SAFETY: `chan` is live; its descriptor becomes non-blocking so draining never waits.
         unsafe {
@@ -662,7 +666,7 @@ impl Verbs for IbvVerbs {
             let e = errno();
             // SAFETY: created above, unused.
             unsafe { ffi::ibv_destroy_comp_channel(chan) };
-            return Err(hints::verb_error(Verb::CreateCq, e, &cx).into());
+            return Err(verb_errors::verb_error(Verb::CreateCq, e, &cx).into());
         }
         let mut inline = self.inline;
         let (qp, max_inline) = loop {
@@ -692,7 +696,7 @@ impl Verbs for IbvVerbs {
                 ffi::ibv_destroy_cq(cq);
                 ffi::ibv_destroy_comp_channel(chan);
             }
-            return Err(hints::verb_error(Verb::CreateQp, e, &cx).into());
+            return Err(verb_errors::verb_error(Verb::CreateQp, e, &cx).into());
         };
         let psn = {
             let t = std::time::SystemTime::now()
@@ -854,7 +858,7 @@ impl Verbs for IbvVerbs {
         // SAFETY: `q.qp` is live; `w` and `sge` outlive the call (the NIC copies the request).
         let r = unsafe { ffi::ibv_post_send(q.qp, &mut w, &mut bad) };
         if r != 0 {
-            return Err(hints::verb_error(Verb::PostSend, r, &self.dev.cx()).into());
+            return Err(verb_errors::verb_error(Verb::PostSend, r, &self.dev.cx()).into());
         }
         Ok(())
     }
@@ -876,7 +880,7 @@ impl Verbs for IbvVerbs {
         // SAFETY: `q.qp` is live; `w` and `sge` outlive the call.
         let r = unsafe { ffi::ibv_post_recv(q.qp, &mut w, &mut bad) };
         if r != 0 {
-            return Err(hints::verb_error(Verb::PostRecv, r, &self.dev.cx()).into());
+            return Err(verb_errors::verb_error(Verb::PostRecv, r, &self.dev.cx()).into());
         }
         Ok(())
     }
@@ -914,7 +918,7 @@ impl Verbs for IbvVerbs {
             // SAFETY: `q.cq` is live.
             let r = unsafe { ffi::ibv_req_notify_cq(q.cq, 0) };
             if r != 0 {
-                return Err(hints::verb_error(Verb::ReqNotifyCq, r, &self.dev.cx()).into());
+                return Err(verb_errors::verb_error(Verb::ReqNotifyCq, r, &self.dev.cx()).into());
             }
         }
         Ok(got)
@@ -994,7 +998,7 @@ impl IbvVerbs {
         // SAFETY: `q.cq` is live; `wcs` holds `want` entries.
         let n = unsafe { ffi::ibv_poll_cq(q.cq, want, wcs.as_mut_ptr()) };
         if n < 0 {
-            return Err(hints::verb_error(Verb::PollCq, -n, &self.dev.cx()).into());
+            return Err(verb_errors::verb_error(Verb::PollCq, -n, &self.dev.cx()).into());
         }
         let mut k = 0;
         for w in &wcs[..n as usize] {
