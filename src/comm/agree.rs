@@ -1,324 +1,11 @@
-//! What every rank must agree on at init, and the rendezvous blob that carries it.
-//!
-//! Each rank registers one blob with the root: its network and handles, the settings that
-//! decide how a call is cut into messages, and the inputs of the cost model that differ by
-//! host (cores, the NIC's speed and latency, the measured reduction and copy speeds). After
-//! the rendezvous every rank holds every blob, so:
-//! - a setting that differs from this rank's is refused at init, naming the setting, both
-//!   values and both ranks (two ranks that cut a call differently could pair messages of
-//!   equal size at different offsets and sum the wrong bytes, silently);
-//! - the cost model's inputs are computed for every rank from the table and combined the
-//!   same way on all of them ([`agreed_cost`]), so every rank picks the same algorithm and
-//!   pipeline for the same call, however the hosts differ.
+//! What every rank agrees on from the rendezvous table (every rank's blob, `blob.rs`): the
+//! cost model's inputs are computed for every rank from the table and combined the same way
+//! on all of them ([`agreed_cost`]), so every rank picks the same algorithm and pipeline for
+//! the same call, however the hosts differ; and the NICs every rank and host has.
 
-use super::{Collective, Config};
+use super::blob::Blob;
 use crate::algo::calibrate::{self, HostSpeeds};
 use crate::algo::model::LinkCost;
-use crate::algo::Algo;
-use crate::bootstrap;
-use crate::error::{Error, Result};
-use crate::net::{NetHandle, HANDLE_MAX};
-use crate::types::{DataType, RedOp};
-
-const VERSION: u32 = 10;
-
-/// The settings every rank must share, in blob order.
-pub(super) const SETTINGS: [&str; 10] = [
-    "ROCCL_ALGO",
-    "ROCCL_RING_WINDOW",
-    "ROCCL_SLICE",
-    "ROCCL_DEPTH",
-    "ROCCL_NCHANNELS",
-    "ROCCL_STREAM_CHUNK",
-    "ROCCL_SHM_SLOT",
-    "ROCCL_GPU_DIRECT",
-    "ROCCL_GPU_DIRECT_MIN",
-    "ROCCL_HIER",
-];
-/// An unset setting (the cost model decides).
-const UNSET: u64 = u64::MAX;
-
-/// Algorithms by their number in the blob and in call tags.
-const ALGOS: [Algo; Algo::ALL.len()] = Algo::ALL;
-
-/// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
-/// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the
-/// process (pid and pid namespace: a peer of the same host can tell its state), the spare
-/// rendezvous listener (`bootstrap::spare`).
-pub(super) const BLOB_LEN: usize = 4
-    + 8
-    + 16
-    + HANDLE_MAX
-    + 8
-    + HANDLE_MAX
-    + 8
-    + 8 * SETTINGS.len()
-    + HOST_LEN
-    + PROC_LEN
-    + SPARE_LEN;
-const AT_FLAGS: usize = 28 + HANDLE_MAX;
-const AT_SHM: usize = AT_FLAGS + 8;
-const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
-const AT_SETTINGS: usize = AT_SPEEDS + 8;
-const AT_HOST: usize = AT_SETTINGS + 8 * SETTINGS.len();
-const HOST_LEN: usize = 24;
-const AT_PROC: usize = AT_HOST + HOST_LEN;
-const PROC_LEN: usize = 12;
-const AT_SPARE: usize = AT_PROC + PROC_LEN;
-const SPARE_LEN: usize = 24;
-
-/// The values of [`SETTINGS`] for `cfg`.
-pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len()] {
-    let opt = |v: Option<usize>| v.map_or(UNSET, |v| v as u64);
-    [
-        cfg.algo
-            .and_then(|a| ALGOS.iter().position(|&x| x == a))
-            .map_or(UNSET, |i| i as u64),
-        cfg.ring_window as u64,
-        opt(cfg.tuning.slice),
-        opt(cfg.tuning.depth),
-        opt(cfg.tuning.channels),
-        stream_chunk as u64,
-        opt(cfg.shm_slot),
-        cfg.gpu_direct as u64,
-        cfg.gpu_direct_min as u64,
-        cfg.hier as u64,
-    ]
-}
-
-/// A setting's value as a user would write it.
-fn show(setting: usize, v: u64) -> String {
-    match (setting, v) {
-        (0, UNSET) => "auto (unset)".into(),
-        (0, i) => ALGOS
-            .get(i as usize)
-            .map_or("?".into(), |a| a.name().into()),
-        (7, 0) => "0".into(),
-        (7, 1) => "auto".into(),
-        (7, _) => "1".into(),
-        (9, 0) => "0".into(),
-        (9, 1) => "auto".into(),
-        (9, _) => "1".into(),
-        (_, UNSET) => "unset".into(),
-        (_, v) => v.to_string(),
-    }
-}
-
-/// What differs by host among the cost model's inputs (besides the measured speeds).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct HostInputs {
-    /// CPU cores of the host.
-    pub cores: u32,
-    /// The network's one-way latency of a small message, µs.
-    pub latency_us: f32,
-    /// The network's link speed, Mbit/s.
-    pub speed_mbps: u32,
-    /// Which NIC the rank uses (a fingerprint of the network device's name, GUID and PCI
-    /// path): ranks of one host on different NICs spread the traffic between hosts.
-    pub nic: u64,
-    /// The network's devices (NICs) this rank spreads its channels over.
-    pub devices: u32,
-}
-
-/// One rank's registration, as every rank reads it.
-#[derive(Debug)]
-pub(super) struct Blob {
-    pub host: u64,
-    pub handle: NetHandle,
-    pub shm: Option<NetHandle>,
-    pub node: bool,
-    pub speeds: HostSpeeds,
-    pub inputs: HostInputs,
-    /// Its process id and pid namespace.
-    pub pid: u32,
-    pub pid_ns: u64,
-    /// Its spare rendezvous listener (shrink and grow), if it could bind one.
-    pub spare: Option<std::net::SocketAddr>,
-}
-
-/// This rank's blob.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn blob(
-    handle: &NetHandle,
-    net: &str,
-    shm: Option<&NetHandle>,
-    node: bool,
-    settings: &[u64; SETTINGS.len()],
-    inputs: HostInputs,
-    spare: Option<std::net::SocketAddr>,
-    host: u64,
-) -> Vec<u8> {
-    let mut b = Vec::with_capacity(BLOB_LEN);
-    b.extend_from_slice(&VERSION.to_le_bytes());
-    b.extend_from_slice(&host.to_le_bytes());
-    let mut name = [0u8; 16];
-    name[..net.len().min(16)].copy_from_slice(&net.as_bytes()[..net.len().min(16)]);
-    b.extend_from_slice(&name);
-    b.extend_from_slice(handle.as_bytes());
-    b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
-    b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
-    b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
-    for v in settings {
-        b.extend_from_slice(&v.to_le_bytes());
-    }
-    b.extend_from_slice(&inputs.cores.to_le_bytes());
-    b.extend_from_slice(&inputs.latency_us.to_le_bytes());
-    b.extend_from_slice(&inputs.speed_mbps.to_le_bytes());
-    b.extend_from_slice(&inputs.nic.to_le_bytes());
-    b.extend_from_slice(&inputs.devices.to_le_bytes());
-    b.extend_from_slice(&std::process::id().to_le_bytes());
-    b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
-    b.extend_from_slice(&bootstrap::spare::encode_addr(spare));
-    debug_assert_eq!(b.len(), BLOB_LEN);
-    b
-}
-
-/// Whether ranks on networks `a` and `b` can form one job: the same network, or RoCE v2
-/// through either provider — a NIC (`verbs`) and the userspace engine (`rocev2`) speak one
-/// wire protocol, so a host without an RDMA NIC joins hosts that have one. What they cannot
-/// share (a NIC reaches an engine only on UDP port 4791) is refused at connection setup.
-fn networks_meet(a: &str, b: &str) -> bool {
-    const ROCE_V2: [&str; 2] = ["rocev2", "verbs"];
-    a == b || (ROCE_V2.contains(&a) && ROCE_V2.contains(&b))
-}
-
-fn word(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-/// Rank `rank`'s blob, checked against this rank (`me`, network `my_net`, `mine`: this
-/// rank's settings).
-pub(super) fn parse_blob(
-    rank: usize,
-    b: &[u8],
-    me: usize,
-    my_net: &str,
-    mine: &[u64; SETTINGS.len()],
-) -> Result<Blob> {
-    if b.len() != BLOB_LEN || word(b, 0) != VERSION {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank} registered in an unknown format: are all ranks running the same roccl version?"
-        )));
-    }
-    let name = std::str::from_utf8(&b[12..28])
-        .unwrap_or("?")
-        .trim_end_matches('\0');
-    if !networks_meet(name, my_net) {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank} uses network '{name}' but rank {me} uses '{my_net}': set the same ROCCL_NET everywhere"
-        )));
-    }
-    for (i, setting) in SETTINGS.iter().enumerate() {
-        let at = AT_SETTINGS + 8 * i;
-        let theirs = u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
-        if theirs != mine[i] {
-            return Err(Error::InvalidUsage(format!(
-                "rank {rank} runs with {setting}={} but rank {me} with {setting}={}: it decides how calls are cut into messages, so it must be the same on every rank",
-                show(i, theirs),
-                show(i, mine[i])
-            )));
-        }
-    }
-    let shm = if b[AT_FLAGS] != 0 {
-        Some(NetHandle::from_bytes(&b[AT_SHM..AT_SPEEDS])?)
-    } else {
-        None
-    };
-    Ok(Blob {
-        host: u64::from_le_bytes(b[4..12].try_into().expect("8 bytes")),
-        handle: NetHandle::from_bytes(&b[28..AT_FLAGS])?,
-        shm,
-        node: b[AT_FLAGS + 1] != 0,
-        speeds: calibrate::decode(&b[AT_SPEEDS..AT_SETTINGS]),
-        inputs: HostInputs {
-            cores: word(b, AT_HOST),
-            latency_us: f32::from_le_bytes(b[AT_HOST + 4..AT_HOST + 8].try_into().expect("4")),
-            speed_mbps: word(b, AT_HOST + 8),
-            nic: u64::from_le_bytes(b[AT_HOST + 12..AT_HOST + 20].try_into().expect("8 bytes")),
-            devices: word(b, AT_HOST + 20),
-        },
-        pid: word(b, AT_PROC),
-        pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
-        spare: bootstrap::spare::decode_addr(&b[AT_SPARE..AT_SPARE + SPARE_LEN]),
-    })
-}
-
-/// Checks of a rendezvous table without I/O, for the fuzz targets: every blob is parsed as
-/// rank 0 of the table parses it (with rank 0's network and settings, read from its bytes,
-/// so that a table of one job gets past the checks), then the cost model's inputs are agreed
-/// from the parsed blobs and an algorithm chosen for a few calls.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz(table: &[&[u8]], shm_net: bool, node: Option<(usize, bool)>) {
-    let Some(first) = table.first().filter(|b| b.len() == BLOB_LEN) else {
-        return;
-    };
-    let net = std::str::from_utf8(&first[12..28])
-        .unwrap_or("?")
-        .trim_end_matches('\0');
-    let mut mine = [0u64; SETTINGS.len()];
-    for (i, m) in mine.iter_mut().enumerate() {
-        let at = AT_SETTINGS + 8 * i;
-        *m = u64::from_le_bytes(first[at..at + 8].try_into().expect("8 bytes"));
-    }
-    let Ok(blobs) = table
-        .iter()
-        .enumerate()
-        .map(|(r, b)| parse_blob(r, b, 0, net, &mine))
-        .collect::<Result<Vec<_>>>()
-    else {
-        return;
-    };
-    let cost = agreed_cost(&blobs, shm_net, node);
-    let _ = slowest_speeds(&blobs);
-    let tuning = crate::algo::model::Tuning::default();
-    for kind in [
-        crate::algo::model::CollKind::AllReduce,
-        crate::algo::model::CollKind::Broadcast,
-        crate::algo::model::CollKind::AllGather,
-    ] {
-        for bytes in [0usize, 8, 1 << 20, 1 << 30] {
-            let forced = ALGOS.get(mine[0] as usize).copied();
-            let _ = crate::algo::model::choose_for(
-                kind,
-                DataType::F32,
-                blobs.len(),
-                bytes,
-                &cost,
-                forced,
-                &tuning,
-            );
-        }
-    }
-}
-
-/// A blob of this rank with network `net` and its `handle`, under the settings of the
-/// environment: a seed of the fuzz targets' corpus.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_seed_blob(
-    handle: &NetHandle,
-    net: &str,
-    shm: Option<&NetHandle>,
-) -> Result<Vec<u8>> {
-    let cfg = Config::from_env()?;
-    let mine = settings(&cfg, super::stream::ops::stream_chunk()?);
-    let inputs = HostInputs {
-        cores: 2,
-        latency_us: 20.0,
-        speed_mbps: 10_000,
-        nic: 0,
-        devices: 1,
-    };
-    Ok(blob(
-        handle,
-        net,
-        shm,
-        false,
-        &mine,
-        inputs,
-        None,
-        bootstrap::host_id(),
-    ))
-}
 
 /// How one rank sees the job, from the table alone.
 struct View {
@@ -462,15 +149,6 @@ pub(super) fn simulated_costs(
     )
 }
 
-/// [`HostInputs::nic`] for a network device.
-pub(super) fn nic_fingerprint(p: &crate::net::NetProperties) -> u64 {
-    use std::hash::{Hash, Hasher};
-    // SipHash with fixed keys: the same value in every rank's process.
-    let mut h = std::hash::DefaultHasher::new();
-    (&p.name, p.guid, &p.pci_path).hash(&mut h);
-    h.finish()
-}
-
 /// The fewest NICs the ranks of any host use, at least 1: how many ways the traffic between
 /// hosts spreads on every host. A host's NICs: the distinct ones its ranks name
 /// ([`HostInputs::nic`]), or the devices each of its ranks has (the fewest), whichever is
@@ -508,97 +186,68 @@ pub(super) fn slowest_speeds(blobs: &[Blob]) -> HostSpeeds {
     calibrate::slowest(blobs.iter().map(|b| b.speeds))
 }
 
-/// The tag every message of a call carries: what the call is, so that a rank in another
-/// call is found out by the first message it exchanges (each network matches a message to a
-/// posted buffer by tag and fails on a tag nobody posted). Bit 31 is set (tags below are
-/// point-to-point exchanges and connection set-up); bits 27–30: the collective; 23–26: the
-/// data type of reductions (moves are checked by size only); 20–22: the reduction; 16–19:
-/// the algorithm (added by [`with_algo`]); 8–15: a hash of the call's byte count (`bytes`:
-/// the buffer every rank passes alike), so that calls whose messages happen to have equal
-/// sizes still differ; 0–7: the root, mod 256.
-pub(super) fn call_tag(coll: &Collective, dt: DataType, bytes: usize) -> u32 {
-    let (kind, op, root): (u32, Option<RedOp>, usize) = match *coll {
-        Collective::AllReduce(op) => (0, Some(op), 0),
-        Collective::Broadcast { root } => (1, None, root),
-        Collective::Reduce { op, root } => (2, Some(op), root),
-        Collective::AllGather => (3, None, 0),
-        Collective::ReduceScatter(op) => (4, Some(op), 0),
-        Collective::AllToAll => (5, None, 0),
-        Collective::Barrier => (6, None, 0),
-        Collective::SendRecv { .. } => return 0,
+/// Checks of a rendezvous table without I/O, for the fuzz targets: every blob is parsed as
+/// rank 0 of the table parses it (with rank 0's network and settings, read from its bytes,
+/// so that a table of one job gets past the checks), then the cost model's inputs are agreed
+/// from the parsed blobs and an algorithm chosen for a few calls.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz(table: &[&[u8]], shm_net: bool, node: Option<(usize, bool)>) {
+    use super::blob::{parse_blob, ALGOS, AT_SETTINGS, BLOB_LEN, SETTINGS};
+    use crate::error::Result;
+    use crate::types::DataType;
+    let Some(first) = table.first().filter(|b| b.len() == BLOB_LEN) else {
+        return;
     };
-    let (dt, op) = op.map_or((0, 0), |op| (dt as u32 + 1, op as u32 + 1));
-    let b = bytes as u64;
-    let count = (b ^ b >> 8 ^ b >> 16 ^ b >> 24 ^ b >> 32 ^ b >> 40) as u32 & 0xff;
-    1 << 31 | kind << 27 | (dt & 0xf) << 23 | (op & 7) << 20 | count << 8 | (root as u32 & 0xff)
-}
-
-/// The bits of a call tag that hold its byte count.
-const COUNT_BITS: u32 = 0xff << 8;
-
-/// `tag` with the algorithm that runs the call.
-pub(super) fn with_algo(tag: u32, algo: Algo) -> u32 {
-    if tag == 0 {
-        return 0;
+    let net = std::str::from_utf8(&first[12..28])
+        .unwrap_or("?")
+        .trim_end_matches('\0');
+    let mut mine = [0u64; SETTINGS.len()];
+    for (i, m) in mine.iter_mut().enumerate() {
+        let at = AT_SETTINGS + 8 * i;
+        *m = u64::from_le_bytes(first[at..at + 8].try_into().expect("8 bytes"));
     }
-    let a = ALGOS.iter().position(|&x| x == algo).unwrap_or(15) as u32 + 1;
-    (tag & !(0xf << 16)) | (a & 0xf) << 16
-}
-
-/// How the call of tag `theirs` differs from this rank's (`mine`), for errors.
-pub(super) fn differ(mine: u32, theirs: u32) -> String {
-    if mine & 1 << 31 != 0 && (mine ^ theirs) & !COUNT_BITS == 0 {
-        format!("{} with another count of bytes", describe(theirs))
-    } else {
-        describe(theirs)
-    }
-}
-
-/// What a call tag says, for errors: `all_reduce(sum, f32) by ring`.
-pub(super) fn describe(tag: u32) -> String {
-    if tag & 1 << 31 == 0 {
-        return "a point-to-point exchange (send/receive), not a collective".into();
-    }
-    let kind = match (tag >> 27) & 0xf {
-        0 => "all_reduce",
-        1 => "broadcast",
-        2 => "reduce",
-        3 => "all_gather",
-        4 => "reduce_scatter",
-        5 => "all_to_all",
-        6 => "barrier",
-        _ => "an unknown collective",
+    let Ok(blobs) = table
+        .iter()
+        .enumerate()
+        .map(|(r, b)| parse_blob(r, b, 0, net, &mine))
+        .collect::<Result<Vec<_>>>()
+    else {
+        return;
     };
-    let mut args = Vec::new();
-    if let Some(op) = ((tag >> 20) & 7).checked_sub(1) {
-        args.push(
-            [RedOp::Sum, RedOp::Prod, RedOp::Max, RedOp::Min, RedOp::Avg]
-                .get(op as usize)
-                .map_or("?".to_string(), |o| o.to_string()),
-        );
+    let cost = agreed_cost(&blobs, shm_net, node);
+    let _ = slowest_speeds(&blobs);
+    let tuning = crate::algo::model::Tuning::default();
+    for kind in [
+        crate::algo::model::CollKind::AllReduce,
+        crate::algo::model::CollKind::Broadcast,
+        crate::algo::model::CollKind::AllGather,
+    ] {
+        for bytes in [0usize, 8, 1 << 20, 1 << 30] {
+            let forced = ALGOS.get(mine[0] as usize).copied();
+            let _ = crate::algo::model::choose_for(
+                kind,
+                DataType::F32,
+                blobs.len(),
+                bytes,
+                &cost,
+                forced,
+                &tuning,
+            );
+        }
     }
-    if let Some(dt) = ((tag >> 23) & 0xf).checked_sub(1) {
-        args.push(
-            DataType::ALL
-                .get(dt as usize)
-                .map_or("?".to_string(), |d| d.to_string()),
-        );
-    }
-    if matches!(kind, "broadcast" | "reduce") {
-        args.push(format!("root {}", tag & 0xff));
-    }
-    let algo = ((tag >> 16) & 0xf)
-        .checked_sub(1)
-        .and_then(|a| ALGOS.get(a as usize))
-        .map_or(String::new(), |a| format!(" by {a}"));
-    format!("{kind}({}){algo}", args.join(", "))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::blob::*;
+    use super::super::call_tag::*;
+    use super::super::{Collective, Config};
     use super::*;
     use crate::algo::model::{self, CollKind, Tuning};
+    use crate::algo::Algo;
+    use crate::net::NetHandle;
     use crate::types::DataType;
+    use crate::types::RedOp;
 
     fn handle(b: u8) -> NetHandle {
         NetHandle::from_bytes(&[b; 40]).unwrap()

@@ -13,7 +13,7 @@ use crate::types::{DataType, RedOp};
 
 use super::calls::{host, Call};
 use super::MISMATCH_TEXT;
-use super::{agree, scratch, CallInfo, CallOpts, Collective, LastChoice, P2p, P2pMem, State};
+use super::{call_tag, scratch, CallInfo, CallOpts, Collective, LastChoice, P2p, P2pMem, State};
 use crate::exec::links::{NOTICE_BUDGET, SHORT_NOTICE_BUDGET};
 
 /// The kinds of call a communicator counts: every collective ([`CollKind`]), then
@@ -303,7 +303,7 @@ impl State {
         if let Some(last) = self.last_choice {
             let shape = (last.kind, last.dt, last.bytes, last.forced, last.by_host);
             if shape == (kind, dt, bytes, forced, by_host) {
-                self.call_tag = agree::with_algo(self.call_tag, last.choice.0);
+                self.call_tag = call_tag::with_algo(self.call_tag, last.choice.0);
                 self.note_algo(last.choice.0);
                 return last.choice;
             }
@@ -328,7 +328,7 @@ impl State {
             by_host,
             choice,
         });
-        self.call_tag = agree::with_algo(self.call_tag, choice.0);
+        self.call_tag = call_tag::with_algo(self.call_tag, choice.0);
         self.note_algo(choice.0);
         choice
     }
@@ -392,7 +392,7 @@ impl State {
             (Collective::ReduceScatter(_), Some(_)) => recv.len() * self.links.nranks,
             _ => recv.len(),
         };
-        self.call_tag = agree::call_tag(&coll, dt, bytes);
+        self.call_tag = call_tag::call_tag(&coll, dt, bytes);
         if let Some(m) = &self.links.metrics {
             m.call_start(metrics_kind(&coll), bytes);
         }
@@ -449,8 +449,8 @@ impl State {
         let msg = format!(
             "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
             self.links.rank,
-            agree::describe(self.call_tag),
-            agree::differ(self.call_tag, theirs)
+            call_tag::describe(self.call_tag),
+            call_tag::differ(self.call_tag, theirs)
         );
         Error::remote(rank, cause, msg)
     }

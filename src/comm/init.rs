@@ -15,7 +15,7 @@ use crate::exec::links::{Endpoint, Links, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN};
 use crate::net::{self, NetHandle, NetKind};
 use crate::os::wait::Waiter;
 
-use super::{agree, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
+use super::{agree, blob, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
 
 /// The name a communicator reports: its network, or shared memory when every peer is on this
 /// host, or both.
@@ -87,7 +87,7 @@ impl Communicator {
         let tag = nonce ^ ((nranks as u64) << 48);
         let node_seg = node_segment(&cfg, shm.is_some(), tag, rank, nranks);
         let props = net.properties(0)?;
-        let mine = agree::settings(&cfg, stream::ops::stream_chunk()?);
+        let mine = blob::settings(&cfg, stream::ops::stream_chunk()?);
         // A listener for later rendezvous without a new unique id (shrink, grow).
         let spare = bootstrap::spare::SpareRoot::bind(local)
             .inspect_err(|e| {
@@ -436,7 +436,7 @@ struct Placement {
 impl Placement {
     /// The placement of `rank` in `blobs`; `shm`: whether this rank has a shared-memory
     /// endpoint (peers on this host that offer one too are reached through it).
-    fn of(blobs: &[agree::Blob], rank: usize, shm: bool) -> Placement {
+    fn of(blobs: &[blob::Blob], rank: usize, shm: bool) -> Placement {
         let my_host = blobs[rank].host;
         let peer_net: Vec<usize> = blobs
             .iter()
@@ -566,7 +566,7 @@ fn node_segment(
         .ok()
 }
 
-/// The blob this rank registers at the rendezvous (`agree::blob`): its listen handles
+/// The blob this rank registers at the rendezvous (`blob::blob`): its listen handles
 /// (network, shared memory), settings, host and spare rendezvous address.
 fn own_blob(
     cfg: &Config,
@@ -574,20 +574,20 @@ fn own_blob(
     (net, props): (&dyn net::Net, &net::NetProperties),
     (handle, shm): (&NetHandle, Option<&NetHandle>),
     node: bool,
-    mine: &[u64; agree::SETTINGS.len()],
+    mine: &[u64; blob::SETTINGS.len()],
     spare: &Option<bootstrap::spare::SpareRoot>,
 ) -> Result<Vec<u8>> {
-    Ok(agree::blob(
+    Ok(blob::blob(
         handle,
         net.name(),
         shm,
         node,
         mine,
-        agree::HostInputs {
+        blob::HostInputs {
             cores: crate::os::host_cores() as u32,
             latency_us: props.latency_us,
             speed_mbps: props.speed_mbps,
-            nic: agree::nic_fingerprint(props),
+            nic: blob::nic_fingerprint(props),
             devices: net.devices() as u32,
         },
         spare.as_ref().map(|s| s.addr()),
@@ -601,14 +601,14 @@ fn own_blob(
 fn table_blobs(
     table: &[Vec<u8>],
     rank: usize,
-    (net, mine): (&str, &[u64; agree::SETTINGS.len()]),
+    (net, mine): (&str, &[u64; blob::SETTINGS.len()]),
     shm: Option<ShmEndpoint>,
     shm_between_hosts: bool,
-) -> Result<(Vec<agree::Blob>, Option<ShmEndpoint>)> {
+) -> Result<(Vec<blob::Blob>, Option<ShmEndpoint>)> {
     let mut blobs = table
         .iter()
         .enumerate()
-        .map(|(r, b)| agree::parse_blob(r, b, rank, net, mine))
+        .map(|(r, b)| blob::parse_blob(r, b, rank, net, mine))
         .collect::<Result<Vec<_>>>()?;
     if !(shm_between_hosts && blobs.iter().all(|b| b.host == blobs[0].host)) {
         return Ok((blobs, shm));
@@ -636,7 +636,7 @@ fn host_of(cfg: &Config, rank: usize) -> Result<u64> {
 /// for a job of several hosts its topology and the costs inside and between hosts.
 #[allow(clippy::type_complexity)]
 fn cost_and_topology(
-    blobs: &[agree::Blob],
+    blobs: &[blob::Blob],
     cfg: &Config,
     rank: usize,
     net: &dyn net::Net,
@@ -689,7 +689,7 @@ fn log_setup(
     name: &str,
     place: &Placement,
     (cost, node): (&LinkCost, Option<&crate::algo::shm::node::Node>),
-    blobs: &[agree::Blob],
+    blobs: &[blob::Blob],
 ) {
     if let Some(n) = node {
         crate::info!(
@@ -775,7 +775,7 @@ fn make_links(
     cfg: &Config,
     (nonce, endpoints): (u64, Vec<Endpoint>),
     place: &Placement,
-    blobs: &[agree::Blob],
+    blobs: &[blob::Blob],
 ) -> Links {
     let handles: Vec<Vec<NetHandle>> = blobs
         .iter()

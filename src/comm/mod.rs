@@ -7,6 +7,8 @@
 
 mod agree;
 mod api;
+mod blob;
+mod call_tag;
 mod calls;
 mod config;
 mod dispatch;
@@ -35,9 +37,11 @@ pub(crate) use crate::exec::{Mem, MemMut};
 pub use crate::os::wait::Waiter;
 use crate::types::DataType;
 #[cfg(feature = "fuzzing")]
-pub(crate) use agree::{fuzz, fuzz_seed_blob};
+pub(crate) use agree::fuzz;
 pub(crate) use api::P2pMem;
 pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
+#[cfg(feature = "fuzzing")]
+pub(crate) use blob::fuzz_seed_blob;
 pub use config::{Config, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
 pub use queue::{Handle, Turn};
 
@@ -77,7 +81,7 @@ struct State {
     /// Scaled inputs of averages of narrow floats (see `premultiplied`), kept from call
     /// to call up to `scratch::KEEP` bytes.
     premul: Vec<u8>,
-    /// The tag of the call in progress (`agree::call_tag`, with its algorithm).
+    /// The tag of the call in progress (`call_tag::call_tag`, with its algorithm).
     call_tag: u32,
     /// The model's last answer, kept because calls repeat (one all-reduce per layer).
     last_choice: Option<LastChoice>,
