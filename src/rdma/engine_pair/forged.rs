@@ -80,9 +80,9 @@ fn short_datagrams_to_an_engine_on_every_address_are_dropped() {
 }
 
 /// Duplicate RDMA read requests (PSNs behind the expected one, a valid rkey) by the
-/// thousand, as a stranger who guessed a QP number and a key could send: each used to be
-/// queued and executed again, so the responder sent 4 KiB for every one (4000 responses);
-/// now at most a few are queued and the rest are dropped and counted.
+/// thousand, as a stranger who guessed a QP number and a key could send: at most a few are
+/// queued and executed again (executing every one would send 4 KiB for each, 4000
+/// responses); the rest are dropped and counted.
 #[test]
 fn duplicate_reads_are_not_queued_without_bound() {
     let mut s = Pair::new(43, Faults::default(), attr(1024));

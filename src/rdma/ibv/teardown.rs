@@ -1,8 +1,8 @@
 //! Destroying a QP: free it with its completion queue and channel ([`free_qp`]). Waiting
 //! for its sends to be acknowledged first is its owner's part: the network drains a closing
 //! send comm once, bounded by the communicator's deadline (`Verbs::drain_limit`), before it
-//! destroys the QP (the provider draining again here posted a second marker and waited up to
-//! 10 s more, for every QP, after failures and aborts too).
+//! destroys the QP. The provider does not drain again here: that would post a second marker
+//! and wait once more for every QP, after failures and aborts too.
 
 use rdma_sys as ffi;
 
