@@ -11,7 +11,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::algo::model::LinkCost;
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, Result};
-use crate::exec::links::{Endpoint, Links, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN};
+use crate::exec::links::{Endpoint, LinkSettings, Links, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN};
 use crate::net::{self, NetHandle, NetKind};
 use crate::os::wait::Waiter;
 
@@ -139,20 +139,16 @@ impl Communicator {
             &blobs,
         );
         let endpoints = endpoints(net, listen, shm, place.local_index);
-        let mut links = make_links(rank, &cfg, (nonce, endpoints), &place, &blobs);
-        // Peers reached over the network that takes GPU memory (not over shared memory).
-        links.device_mem = (0..nranks)
-            .map(|p| net_gpu.filter(|_| links.peer_net[p] == 0))
-            .collect();
         let id_hash = id_hash(id);
-        links.metrics = Some(comm_metrics(
+        let metrics = comm_metrics((rank, nranks, id_hash), name, &endpoints, node.as_ref());
+        let links = make_links(
             rank,
-            nranks,
-            id_hash,
-            name,
-            &links,
-            node.as_ref(),
-        ));
+            &cfg,
+            (nonce, endpoints),
+            &place,
+            &blobs,
+            (net_gpu, metrics),
+        );
         if let Some(Err(e)) = crate::metrics::http::start_from_env() {
             crate::warn!("{e}: no metrics endpoint");
         }
@@ -769,13 +765,16 @@ fn endpoints(
 }
 
 /// The connection table of this rank over `endpoints`, with the peers' handles, the
-/// processes this rank can look at, and the waits derived from the deadline.
+/// processes this rank can look at, how GPU memory goes to each peer (over the network that
+/// takes it, `net_gpu`, not over shared memory), the waits derived from the deadline, and
+/// the counters.
 fn make_links(
     rank: usize,
     cfg: &Config,
     (nonce, endpoints): (u64, Vec<Endpoint>),
     place: &Placement,
     blobs: &[blob::Blob],
+    (net_gpu, metrics): (Option<bool>, Arc<crate::metrics::CommMetrics>),
 ) -> Links {
     let handles: Vec<Vec<NetHandle>> = blobs
         .iter()
@@ -784,29 +783,37 @@ fn make_links(
             vec![b.handle.clone(), s]
         })
         .collect();
-    let mut links = Links::new(
-        rank,
-        blobs.len(),
-        (nonce ^ (nonce >> 32)) as u32,
-        endpoints,
-        place.peer_net.clone(),
-        handles,
-    );
-    // Peers whose process this rank can look at (same host, same pid namespace): a
-    // failure then says whether it exited or is stopped.
-    links.local_pids = blobs
+    let local_pids = blobs
         .iter()
         .map(|b| {
             let here = b.host == place.my_host && b.pid_ns == blobs[rank].pid_ns;
             (here && b.pid != 0).then_some(b.pid)
         })
         .collect();
-    links.timeout_grace = (cfg.waiter.timeout / 2).clamp(TIMEOUT_GRACE_MIN, TIMEOUT_GRACE_MAX);
-    links.stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
+    let stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
         s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
         _ => cfg.waiter.timeout / 3,
     };
-    links
+    let settings = LinkSettings {
+        local_pids,
+        timeout_grace: Some((cfg.waiter.timeout / 2).clamp(TIMEOUT_GRACE_MIN, TIMEOUT_GRACE_MAX)),
+        stuck_warn: Some(stuck_warn),
+        device_mem: place
+            .peer_net
+            .iter()
+            .map(|&n| net_gpu.filter(|_| n == 0))
+            .collect(),
+        metrics: Some(metrics),
+    };
+    Links::new(
+        rank,
+        blobs.len(),
+        (nonce ^ (nonce >> 32)) as u32,
+        endpoints,
+        place.peer_net.clone(),
+        handles,
+        settings,
+    )
 }
 
 /// The communicator's id in counters and logs: the first 8 bytes of a hash of the id.
@@ -819,11 +826,9 @@ fn id_hash(id: &UniqueId) -> u64 {
 /// The communicator's counters (always on, crate::metrics), reading its networks' and
 /// shared segments' counters too.
 fn comm_metrics(
-    rank: usize,
-    nranks: usize,
-    id_hash: u64,
+    (rank, nranks, id_hash): (usize, usize, u64),
     name: &'static str,
-    links: &Links,
+    endpoints: &[Endpoint],
     node: Option<&crate::algo::shm::node::Node>,
 ) -> Arc<crate::metrics::CommMetrics> {
     let names = (
@@ -831,7 +836,7 @@ fn comm_metrics(
         &crate::algo::Algo::NAMES[..],
     );
     let metrics = crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, names);
-    for e in &links.endpoints {
+    for e in endpoints {
         let w = Arc::downgrade(&e.net);
         metrics.add_net_source(
             e.net.name(),

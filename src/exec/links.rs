@@ -89,6 +89,25 @@ impl std::fmt::Display for PeerProcess {
     }
 }
 
+/// What the communicator tells its links at init besides the connections to make
+/// ([`Links::new`]); the default knows no peer process, no GPU memory and no counters.
+#[derive(Default)]
+pub(crate) struct LinkSettings {
+    /// Per peer, its process id where this rank can look at it (same host and pid
+    /// namespace): a failure then says whether it exited or is stopped.
+    pub local_pids: Vec<Option<u32>>,
+    /// How long to collect other ranks' notices after a timeout (default
+    /// [`TIMEOUT_GRACE_MIN`]).
+    pub timeout_grace: Option<Duration>,
+    /// After how long without progress a call says which ranks it waits on (default: never).
+    pub stuck_warn: Option<Duration>,
+    /// Per peer, how GPU memory is registered toward it (see [`Links::device_memory`]);
+    /// empty: nowhere.
+    pub device_mem: Vec<Option<bool>>,
+    /// The communicator's counters.
+    pub metrics: Option<Arc<crate::metrics::CommMetrics>>,
+}
+
 /// A network and this rank's endpoint on it.
 pub(crate) struct Endpoint {
     pub net: Arc<dyn Net>,
@@ -271,6 +290,7 @@ impl Links {
         endpoints: Vec<Endpoint>,
         peer_net: Vec<usize>,
         handles: Vec<Vec<NetHandle>>,
+        settings: LinkSettings,
     ) -> Self {
         let duplex = (0..nranks)
             .map(|p| {
@@ -307,20 +327,24 @@ impl Links {
             notices: Vec::new(),
             mismatch: None,
             notified: false,
-            timeout_grace: TIMEOUT_GRACE_MIN,
+            timeout_grace: settings.timeout_grace.unwrap_or(TIMEOUT_GRACE_MIN),
             abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            metrics: None,
-            stuck_warn: Duration::MAX,
+            metrics: settings.metrics,
+            stuck_warn: settings.stuck_warn.unwrap_or(Duration::MAX),
             scratch_ops: Vec::with_capacity(128),
             scratch_fds: Vec::with_capacity(64),
             scratch_users: Vec::with_capacity(64),
             scratch_members: Vec::new(),
-            device_mem: vec![None; nranks],
+            device_mem: if settings.device_mem.is_empty() {
+                vec![None; nranks]
+            } else {
+                settings.device_mem
+            },
             dev_cache: Vec::new(),
             sends_done: 0,
             dev_clock: 0,
             dev_epoch: 0,
-            local_pids: vec![None; nranks],
+            local_pids: settings.local_pids,
             clock: endpoints_clock,
         }
     }
@@ -1060,6 +1084,7 @@ mod tests {
             Vec::new(),
             vec![0; nranks],
             vec![Vec::new(); nranks],
+            LinkSettings::default(),
         )
     }
 
@@ -1122,7 +1147,15 @@ mod tests {
             dev: 0,
             listen,
         };
-        let mut l = Links::new(0, 2, 7, vec![ep], vec![0; 2], handles);
+        let mut l = Links::new(
+            0,
+            2,
+            7,
+            vec![ep],
+            vec![0; 2],
+            handles,
+            LinkSettings::default(),
+        );
         let abort = Arc::clone(&l.abort);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -1203,7 +1236,15 @@ mod tests {
                     dev: 0,
                     listen,
                 };
-                Links::new(r, 3, 7, vec![ep], vec![0; 3], handles.clone())
+                Links::new(
+                    r,
+                    3,
+                    7,
+                    vec![ep],
+                    vec![0; 3],
+                    handles.clone(),
+                    LinkSettings::default(),
+                )
             })
             .collect()
     }
