@@ -83,7 +83,8 @@ impl State {
         }
     }
 
-    /// An all-reduce: checks, the choice, then the algorithm chosen (by host, shared segments, ring in windows, or the executor's).
+    /// An all-reduce: checks, the choice, then the algorithm chosen (by host, shared
+    /// segments, ring in windows, or the executor's).
     fn all_reduce_call(&mut self, c: Call<'_>, op: RedOp) -> Result<CallInfo> {
         let Call {
             coll,

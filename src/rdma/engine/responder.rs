@@ -8,7 +8,7 @@ use super::reports::hole_report;
 use super::{access_nak, psn_add, psn_diff, Engine, InSend, InWrite, Qp, Qpn, ReadJob};
 use super::{Wc, WcOpcode, WcStatus, ACK_DELAY, HOLES_MAX, NAK_REPEAT, PSN_MASK, RECENT};
 use crate::rdma::mem::Access;
-use crate::rdma::wire::{Aeth, NakCode, Opcode, Packet};
+use crate::rdma::wire::{Aeth, NakCode, Opcode, Packet, Reth};
 
 /// Most RDMA reads a QP's responder keeps queued for duplicate requests.
 const MAX_QUEUED_READS: usize = 16;
@@ -296,23 +296,29 @@ impl Engine {
         true
     }
 
+    /// The RETH of `pkt`, once its key grants `access` to the range it names; else a NAK
+    /// is queued (invalid request without a RETH, the access error otherwise) and `None`.
+    /// A zero-length range touches no memory: its key is not checked (IBTA).
+    fn granted(&mut self, qpn: Qpn, pkt: &Packet, access: Access) -> Option<Reth> {
+        let Some(r) = pkt.reth else {
+            self.nak(qpn, NakCode::InvalidRequest, None);
+            return None;
+        };
+        if r.dma_len > 0 {
+            if let Err(e) = self.mrs.check(r.rkey, r.va, r.dma_len as usize, access) {
+                self.nak(qpn, access_nak(e), None);
+                return None;
+            }
+        }
+        Some(r)
+    }
+
     /// Starts the RDMA WRITE message whose first (or only) packet is `pkt`, once its RETH's
     /// key grants write access to the target range. False if it was refused (NAKed).
     fn begin_write(&mut self, qpn: Qpn, pkt: &Packet) -> bool {
-        let Some(r) = pkt.reth else {
-            self.nak(qpn, NakCode::InvalidRequest, None);
+        let Some(r) = self.granted(qpn, pkt, Access::REMOTE_WRITE) else {
             return false;
         };
-        // A zero-length write touches no memory: its rkey is not checked (IBTA).
-        if r.dma_len > 0 {
-            if let Err(e) = self
-                .mrs
-                .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_WRITE)
-            {
-                self.nak(qpn, access_nak(e), None);
-                return false;
-            }
-        }
         let qp = self.qp(qpn).expect("checked");
         qp.in_write = Some(InWrite {
             va: r.va,
@@ -327,19 +333,9 @@ impl Engine {
     /// responses and moves the expected PSN past all but the last of them (the caller moves
     /// it past that one). False if it was refused (NAKed).
     fn accept_read_request(&mut self, qpn: Qpn, pkt: &Packet) -> bool {
-        let Some(r) = pkt.reth else {
-            self.nak(qpn, NakCode::InvalidRequest, None);
+        let Some(r) = self.granted(qpn, pkt, Access::REMOTE_READ) else {
             return false;
         };
-        if r.dma_len > 0 {
-            if let Err(e) = self
-                .mrs
-                .check(r.rkey, r.va, r.dma_len as usize, Access::REMOTE_READ)
-            {
-                self.nak(qpn, access_nak(e), None);
-                return false;
-            }
-        }
         let qp = self.qp(qpn).expect("checked");
         let n = r.dma_len.div_ceil(qp.mtu()).max(1);
         qp.reads.push_back(ReadJob {
