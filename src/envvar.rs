@@ -425,6 +425,58 @@ fn switch_value(name: &str, value: Option<String>, default: bool) -> bool {
     }
 }
 
+/// Where settings come from: a function from a variable's name to its value. The process
+/// environment is [`from_process`]; a `Config` built in code, or a test, gives its own.
+pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The process environment: the one place the library's settings are read from it (the
+/// launcher's variables aside, [`crate::bootstrap::env`], and logging's `ROCCL_DEBUG`).
+pub fn from_process(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// No setting set: every default.
+pub fn unset(_: &str) -> Option<String> {
+    None
+}
+
+/// `name` from `get`, trimmed; `None` when unset or blank.
+pub fn raw_in(get: Lookup<'_>, name: &str) -> Option<String> {
+    get(name)
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+/// `name` from `get` parsed as `T` (`None` when unset or blank); a value that does not
+/// parse is an error naming the variable, its value and what it accepts.
+pub fn get_in<T: FromStr>(get: Lookup<'_>, name: &str) -> Result<Option<T>> {
+    match raw_in(get, name) {
+        None => Ok(None),
+        Some(v) => v.parse().map(Some).map_err(|_| invalid(name, &v)),
+    }
+}
+
+/// `name` from `get` parsed as `T`, or `default` when unset; strict as [`get_in`].
+pub fn value_in<T: FromStr>(get: Lookup<'_>, name: &str, default: T) -> Result<T> {
+    Ok(get_in(get, name)?.unwrap_or(default))
+}
+
+/// The switch `name` from `get` (see [`parse_switch`]), or `default` when unset; strict.
+pub fn switch_in(get: Lookup<'_>, name: &str, default: bool) -> Result<bool> {
+    match raw_in(get, name) {
+        None => Ok(default),
+        Some(v) => parse_switch(&v).ok_or_else(|| invalid(name, &v)),
+    }
+}
+
+/// The byte count `name` from `get` (see [`parse_bytes`]); `None` when unset; strict.
+pub fn bytes_in(get: Lookup<'_>, name: &str) -> Result<Option<usize>> {
+    match raw_in(get, name) {
+        None => Ok(None),
+        Some(v) => parse_bytes(&v).map(Some).ok_or_else(|| invalid(name, &v)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

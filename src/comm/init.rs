@@ -6,8 +6,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
-
 use crate::algo::model::LinkCost;
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, Result};
@@ -15,6 +13,7 @@ use crate::exec::links::{Endpoint, LinkSettings, Links, TIMEOUT_GRACE_MAX, TIMEO
 use crate::net::{self, NetHandle, NetKind};
 use crate::os::wait::Waiter;
 
+use super::tickets::Tickets;
 use super::{agree, blob, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
 
 /// The name a communicator reports: its network, or shared memory when every peer is on this
@@ -199,26 +198,25 @@ impl Communicator {
                 gpu_direct_net: p.net_gpu.is_some(),
                 device_mem,
                 clock,
-                state: Mutex::new(State {
-                    links,
-                    node: p.node,
-                    premul: Vec::new(),
-                    call_tag: 0,
-                    last_choice: None,
-                    stage: Vec::new(),
-                    broken: Arc::clone(&broken),
-                    cost: p.cost,
-                    topo: p.topo,
-                    hier_cost: p.hier_cost,
-                    hier_scratch: Vec::new(),
-                    serving: 0,
-                    worker_spin: p.worker_wait.spin,
-                    cfg,
-                }),
+                calls: Tickets::new(
+                    State {
+                        links,
+                        node: p.node,
+                        premul: Vec::new(),
+                        call_tag: 0,
+                        last_choice: None,
+                        stage: Vec::new(),
+                        broken: Arc::clone(&broken),
+                        cost: p.cost,
+                        topo: p.topo,
+                        hier_cost: p.hier_cost,
+                        hier_scratch: Vec::new(),
+                        worker_spin: p.worker_wait.spin,
+                        cfg,
+                    },
+                    State::panicked,
+                ),
                 broken,
-                turn: Condvar::new(),
-                tickets: AtomicU64::new(0),
-                worker: Mutex::new(None),
                 worker_wait: p.worker_wait,
                 abort: abort_flag,
                 reshape: super::reshape::Reshape {
@@ -365,7 +363,7 @@ impl Communicator {
         if let Some(r) = root {
             r.serve(uid)?;
         }
-        let cfg = self.shared.state.lock().cfg.clone();
+        let cfg = self.shared.calls.lock().cfg.clone();
         let pos = group
             .iter()
             .position(|&r| r == me)

@@ -19,14 +19,11 @@ mod reshape;
 mod scratch;
 pub mod settings;
 pub mod stream;
-#[cfg(test)]
-mod tickets_model;
+mod tickets;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
-
-use parking_lot::{Condvar, Mutex};
 
 use crate::algo::model::{self, CollKind, LinkCost};
 use crate::algo::{Algo, Pipeline};
@@ -97,7 +94,6 @@ struct State {
     hier_cost: Option<(LinkCost, LinkCost)>,
     /// A reduce's host sum on a rank that gathers it for its host but is not the root.
     hier_scratch: Vec<u8>,
-    serving: u64,
     /// The worker thread's spin time (see `worker_wait`).
     worker_spin: Duration,
 }
@@ -122,15 +118,10 @@ struct Shared {
     device_mem: Vec<Option<bool>>,
     /// This rank's virtual clock on the simulated network (`ROCCL_NET=sim`).
     clock: Option<Arc<crate::net::sim::Clock>>,
-    state: Mutex<State>,
+    /// The state, and the calls on it in ticket order (non-blocking ones on the worker).
+    calls: tickets::Tickets<State, Work>,
     /// Set once, read without a lock ([`Communicator::async_error`]).
     broken: Arc<Broken>,
-    turn: Condvar,
-    /// The next ticket. Tickets of non-blocking calls are taken with the worker's queue
-    /// locked and queued before it is unlocked, so the worker receives its jobs in ticket
-    /// order (see [`Communicator::submit`]).
-    tickets: AtomicU64,
-    worker: Mutex<Option<mpsc::Sender<Job>>>,
     /// How the worker thread waits for its next job (see [`Communicator::worker`]).
     worker_wait: Waiter,
     /// Raised by `abort` without the state lock, so a blocked call sees it.
@@ -141,7 +132,6 @@ struct Shared {
 
 /// Work for the worker thread, as it runs in a turn.
 type Work = Box<dyn FnOnce(&mut State) + Send>;
-type Job = (u64, Work);
 
 /// The error that made a communicator unusable: set once (the first error wins), read
 /// without waiting by any thread.
@@ -164,14 +154,6 @@ impl Broken {
             ))
         })
     }
-}
-
-/// The text of a panic's payload.
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// A group of ranks that run collectives together.
@@ -299,7 +281,7 @@ impl Communicator {
         self.shared
             .broken
             .set(AsyncError::new(ErrorKind::InvalidUsage, why));
-        let mut state = self.shared.state.lock();
+        let mut state = self.shared.calls.lock();
         if let Some(node) = &state.node {
             node.mark_broken();
         }
@@ -314,7 +296,7 @@ impl Communicator {
         bytes: usize,
         algo: Option<Algo>,
     ) -> (Algo, Pipeline) {
-        let state = self.shared.state.lock();
+        let state = self.shared.calls.lock();
         model::choose_for(
             kind,
             dt,
@@ -392,7 +374,7 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         // Stop the worker after the jobs already queued.
-        self.shared.worker.lock().take();
+        self.shared.calls.close();
     }
 }
 
@@ -448,7 +430,7 @@ mod tests {
         );
         SPAWN_FAILS.with(|f| f.set(false));
         // The next turn is served: a blocking call on another thread returns.
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = std::sync::mpsc::channel();
         let c2 = Arc::clone(&c);
         std::thread::spawn(move || {
             let mut x = [5i32];
@@ -478,7 +460,7 @@ mod tests {
                     cfg.net = NetKind::Tcp;
                     cfg.waiter.timeout = Duration::from_secs(30);
                     let c = Communicator::init_with(&id, 2, r, cfg).unwrap();
-                    let kept = || c.shared.state.lock().premul.capacity();
+                    let kept = || c.shared.calls.lock().premul.capacity();
                     // Rank r sends (r + 1) × (i % 64): the average is 1.5 × (i % 64), exact.
                     let input = |n: usize| -> Vec<f16> {
                         (0..n)
@@ -501,11 +483,11 @@ mod tests {
                     c.reduce_scatter(&input(small), &mut out, RedOp::Avg)
                         .unwrap();
                     check(&out, r * small / 2);
-                    let at = c.shared.state.lock().premul.as_ptr();
+                    let at = c.shared.calls.lock().premul.as_ptr();
                     c.reduce_scatter(&input(small), &mut out, RedOp::Avg)
                         .unwrap();
                     check(&out, r * small / 2);
-                    let again = c.shared.state.lock().premul.as_ptr();
+                    let again = c.shared.calls.lock().premul.as_ptr();
                     (after_big, kept(), at == again)
                 })
             })

@@ -10,10 +10,8 @@ use crate::error::{AsyncError, Error, ErrorKind, Result};
 use crate::exec::{Mem, MemMut};
 use crate::types::{DataType, Element, RedOp};
 
-use super::{
-    panic_text, Broken, CallInfo, CallOpts, Collective, Communicator, Job, P2p, P2pMem, Shared,
-    State, Work,
-};
+use super::tickets::{Pause, Prims, Real, Ticketed};
+use super::{Broken, CallInfo, CallOpts, Collective, Communicator, P2p, P2pMem, State, Work};
 
 /// A non-blocking operation in flight; its buffer comes back from [`Handle::wait`].
 pub struct Handle<R> {
@@ -58,35 +56,16 @@ impl<R> Handle<R> {
 
 impl Communicator {
     pub(super) fn with_turn<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
-        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
-        run_turn(&self.shared, t, f)
+        self.shared.calls.with_turn(f)
     }
 
-    /// Queue `job` for the worker thread with the next ticket. The ticket is taken and the
-    /// job queued with the queue locked, so the worker receives jobs in ticket order (a job
-    /// queued after a later ticket's would wait for its turn forever). The worker thread is
-    /// started, if need be, before a ticket is taken: when it cannot start, no ticket is
-    /// lost and the job comes back with the error.
+    /// Queue `job` for the worker thread with the next ticket, starting the worker first
+    /// if need be ([`super::tickets::Tickets::submit`]).
     fn submit(&self, job: Work) -> std::result::Result<(), (Work, Error)> {
-        let mut w = self.shared.worker.lock();
-        if w.is_none() {
-            match self.spawn_worker() {
-                Ok(tx) => *w = Some(tx),
-                Err(e) => return Err((job, e)),
-            }
-        }
-        let tx = w.as_ref().expect("worker started above");
-        let t = self.shared.tickets.fetch_add(1, Ordering::SeqCst);
-        if let Err(mpsc::SendError((t, job))) = tx.send((t, job)) {
-            // The worker is gone (it only ends when the queue closes, which needs the
-            // communicator dropped): run the job here, in its turn.
-            drop(w);
-            run_turn(&self.shared, t, job);
-        }
-        Ok(())
+        self.shared.calls.submit(job, || self.spawn_worker())
     }
 
-    fn spawn_worker(&self) -> Result<mpsc::Sender<Job>> {
+    fn spawn_worker(&self) -> Result<mpsc::Sender<Ticketed<Work>>> {
         #[cfg(test)]
         if super::tests::SPAWN_FAILS.with(|f| f.get()) {
             return Err(Error::sys(
@@ -94,15 +73,8 @@ impl Communicator {
                 std::io::Error::from_raw_os_error(libc::EAGAIN),
             ));
         }
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = Real::channel::<Ticketed<Work>>();
         let shared = Arc::clone(&self.shared);
-        let waiter = self.shared.worker_wait.clone();
-        // A job that panics has broken the communicator (see `run_turn`); the worker goes on
-        // with the next, which fails at once, rather than leaving queued tickets unserved.
-        let run = move |shared: &Shared, (t, job): Job| {
-            let _ =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_turn(shared, t, job)));
-        };
         std::thread::Builder::new()
             .name(format!("roccl-r{}", self.shared.rank))
             .spawn(move || {
@@ -110,25 +82,8 @@ impl Communicator {
                 // per rank, yield when sharing) before sleeping in the channel: the next
                 // layer's call usually comes within microseconds, and a futex wake-up costs
                 // more than the collective itself.
-                let mut ws = waiter.start();
-                loop {
-                    match rx.try_recv() {
-                        Ok(job) => {
-                            run(&shared, job);
-                            ws.progressed();
-                        }
-                        Err(mpsc::TryRecvError::Disconnected) => return,
-                        Err(mpsc::TryRecvError::Empty) => {
-                            if matches!(ws.pause(), Ok(true) | Err(_)) {
-                                match rx.recv() {
-                                    Ok(job) => run(&shared, job),
-                                    Err(_) => return,
-                                }
-                                ws.progressed();
-                            }
-                        }
-                    }
-                }
+                let mut ws = WorkerWait(shared.worker_wait.start());
+                shared.calls.serve(rx, &mut ws);
             })
             .map_err(|e| Error::sys("starting the communicator's worker thread", e))
             .map(|_| tx)
@@ -270,29 +225,32 @@ impl Turn<'_> {
     }
 }
 
-/// Run `f` in turn `t`. The turn always advances, also when `f` panics: the communicator is
-/// then broken with the panic's text as its error, and the panic goes on to the caller.
-fn run_turn<R>(shared: &Shared, t: u64, f: impl FnOnce(&mut State) -> R) -> R {
-    let mut state = shared.state.lock();
-    while state.serving != t {
-        shared.turn.wait(&mut state);
+/// The worker thread waits between jobs as the communicator's waiting policy says.
+struct WorkerWait<'a>(crate::os::wait::WaitState<'a>);
+
+impl Pause for WorkerWait<'_> {
+    fn progressed(&mut self) {
+        self.0.progressed();
     }
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut state)));
-    if let Err(p) = &r {
+    fn pause(&mut self) -> bool {
+        // Past the deadline too: block (the worker has no deadline of its own).
+        matches!(self.0.pause(), Ok(true) | Err(_))
+    }
+}
+
+impl State {
+    /// What a call that panicked leaves: the communicator broken with the panic's text as
+    /// its error, its connections closed.
+    pub(super) fn panicked(&mut self, text: &str) {
         let msg = format!(
-            "a call on rank {} panicked: {} (a bug in roccl or in a job given to enqueue)",
-            shared.rank,
-            panic_text(&**p)
+            "a call on rank {} panicked: {text} (a bug in roccl or in a job given to enqueue)",
+            self.links.rank
         );
-        if state.broken.set(AsyncError::new(ErrorKind::Internal, msg)) {
-            if let Some(node) = &state.node {
+        if self.broken.set(AsyncError::new(ErrorKind::Internal, msg)) {
+            if let Some(node) = &self.node {
                 node.mark_broken();
             }
         }
-        state.links.close_all();
+        self.links.close_all();
     }
-    state.serving += 1;
-    shared.turn.notify_all();
-    drop(state);
-    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
 }
