@@ -256,6 +256,9 @@ pub trait Verbs: Send + Sync {
         }
     }
     /// Descriptors that become readable when QP `qp` has a completion (or the provider's).
+    /// Asked for only when the caller is about to sleep on them: a provider may arm its
+    /// wake-ups here (a system call on some), and must then hand out a descriptor that is
+    /// ready at once if a completion came before it armed them.
     fn qp_fds(&self, qp: QpId, out: &mut Vec<PollFd>) {
         let _ = qp;
         self.poll_fds(out)

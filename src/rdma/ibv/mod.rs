@@ -38,6 +38,7 @@ use teardown::free_qp;
 
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::raw::c_int;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
@@ -172,7 +173,13 @@ struct Qp {
     qpn: u32,
     psn: u32,
     unsignaled: AtomicU32,
+    /// The CQ is armed and its event not read yet (see [`Verbs::qp_fds`]).
     armed: AtomicBool,
+    /// Completions taken from the CQ right after arming it, before sleeping: the next
+    /// `poll_cq` returns them first. `stashed` says whether there are any, so the data path
+    /// takes the lock only then.
+    stash: Mutex<Vec<Wc>>,
+    stashed: AtomicBool,
     flags: Arc<QpFlags>,
     /// Inline data this QP was granted (`max_inline_data` after `ibv_create_qp`): each QP
     /// keeps its own, since the device may grant less (or more) than asked.
@@ -208,6 +215,9 @@ pub struct IbvVerbs {
     drain_ms: std::sync::atomic::AtomicU64,
     /// Completions in error the network saw, by status.
     wc_errors: crate::rdma::verbs::WcErrors,
+    /// A descriptor that is always readable (an eventfd holding 1, never read): handed to a
+    /// caller about to sleep while completions wait in a stash (see `qp_fds`).
+    ready: OwnedFd,
 }
 
 /// Find the device `choice` names among those libibverbs lists and open it. The list is
@@ -382,6 +392,16 @@ impl IbvVerbs {
             link_down: AtomicBool::new(false),
         });
         cx.max_qp = Some((dev.max_qp, 0));
+        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor we own.
+        let fd = unsafe { libc::eventfd(1, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::sys(
+                "creating the eventfd that wakes a verbs caller with completions waiting",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: `fd` is a new descriptor nobody else owns.
+        let ready = unsafe { OwnedFd::from_raw_fd(fd) };
         let flags: FlagTable = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let events = spawn_event_thread(&dev, &flags, &stop)?;
@@ -407,6 +427,7 @@ impl IbvVerbs {
             dev,
             drain_ms: std::sync::atomic::AtomicU64::new(0),
             wc_errors: Default::default(),
+            ready,
         })
     }
 
@@ -715,6 +736,8 @@ impl Verbs for IbvVerbs {
             psn,
             unsignaled: AtomicU32::new(0),
             armed: AtomicBool::new(false),
+            stash: Mutex::new(Vec::new()),
+            stashed: AtomicBool::new(false),
             flags: Arc::clone(&flags),
             max_inline,
         });
@@ -887,39 +910,20 @@ impl Verbs for IbvVerbs {
 
     fn poll_cq(&self, id: QpId, out: &mut [Wc]) -> Result<usize> {
         let q = self.qp(id)?;
-        // Consume completion-channel events (the descriptor is non-blocking): the CQ must be
-        // armed again before the next sleep.
-        let mut events = 0u32;
-        loop {
-            let mut cq = ptr::null_mut();
-            let mut cx = ptr::null_mut();
-            // SAFETY: `q.chan` is live; out-pointers are valid.
-            if unsafe { ffi::ibv_get_cq_event(q.chan, &mut cq, &mut cx) } != 0 {
-                break;
-            }
-            events += 1;
-        }
-        if events > 0 {
-            // SAFETY: acknowledging events we received for this CQ.
-            unsafe { ffi::ibv_ack_cq_events(q.cq, events) };
-            q.armed.store(false, Ordering::Relaxed);
-        }
+        // Only the CQ itself while the caller spins: completion-channel events and arming
+        // are system calls (on rxe, arming is one too), so they wait until the caller is
+        // about to sleep (`qp_fds`).
         let mut got = 0;
-        for attempt in 0..2 {
-            got = self.poll_into(q, out)?;
-            if got > 0 || attempt == 1 {
-                break;
+        if q.stashed.load(Ordering::Acquire) {
+            let mut stash = q.stash.lock();
+            got = stash.len().min(out.len());
+            for (o, w) in out.iter_mut().zip(stash.drain(..got)) {
+                *o = w;
             }
-            if q.armed.swap(true, Ordering::Relaxed) {
-                break;
-            }
-            // Nothing there: arm the CQ so the channel wakes a sleeper, then look once more
-            // (a completion that arrived before arming would not raise an event).
-            // SAFETY: `q.cq` is live.
-            let r = unsafe { ffi::ibv_req_notify_cq(q.cq, 0) };
-            if r != 0 {
-                return Err(verb_errors::verb_error(Verb::ReqNotifyCq, r, &self.dev.cx()).into());
-            }
+            q.stashed.store(!stash.is_empty(), Ordering::Release);
+        }
+        if got < out.len() {
+            got += self.poll_into(q, &mut out[got..])?;
         }
         Ok(got)
     }
@@ -937,14 +941,60 @@ impl Verbs for IbvVerbs {
         }
     }
 
+    /// About to sleep: read the channel's event (if the CQ raised one), arm the CQ again
+    /// and look at it once more, since a completion that came before arming raises no
+    /// event. What that look finds is stashed for the next `poll_cq`, and the always-ready
+    /// descriptor keeps the caller from sleeping.
     fn qp_fds(&self, id: QpId, out: &mut Vec<PollFd>) {
-        if let Ok(q) = self.qp(id) {
-            // SAFETY: `q.chan` is live while the QP is.
+        let Ok(q) = self.qp(id) else { return };
+        let mut events = 0u32;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut cx = ptr::null_mut();
+            // SAFETY: `q.chan` is live (non-blocking descriptor); out-pointers are valid.
+            if unsafe { ffi::ibv_get_cq_event(q.chan, &mut cq, &mut cx) } != 0 {
+                break;
+            }
+            events += 1;
+        }
+        if events > 0 {
+            // SAFETY: acknowledging events we received for this CQ.
+            unsafe { ffi::ibv_ack_cq_events(q.cq, events) };
+            q.armed.store(false, Ordering::Relaxed);
+        }
+        let ready = if q.armed.swap(true, Ordering::Relaxed) {
+            // Armed, and no event since: nothing completed after the look that armed it.
+            q.stashed.load(Ordering::Acquire)
+        } else {
+            // SAFETY: `q.cq` is live.
+            let r = unsafe { ffi::ibv_req_notify_cq(q.cq, 0) };
+            if r != 0 {
+                // Not armed: the caller's sleep is bounded; stay awake instead.
+                q.armed.store(false, Ordering::Relaxed);
+                true
+            } else {
+                let mut stash = q.stash.lock();
+                let mut buf = [Wc::EMPTY; 16];
+                match self.poll_into(q, &mut buf) {
+                    Ok(n) => stash.extend_from_slice(&buf[..n]),
+                    // The next poll_cq reports the error.
+                    Err(_) => q.armed.store(false, Ordering::Relaxed),
+                }
+                q.stashed.store(!stash.is_empty(), Ordering::Release);
+                !stash.is_empty() || !q.armed.load(Ordering::Relaxed)
+            }
+        };
+        if ready {
             out.push(PollFd {
-                fd: unsafe { (*q.chan).fd },
+                fd: self.ready.as_raw_fd(),
                 events: libc::POLLIN,
             });
         }
+        // SAFETY: `q.chan` is live while the QP is.
+        out.push(PollFd {
+            fd: unsafe { (*q.chan).fd },
+            events: libc::POLLIN,
+        });
     }
 
     unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
