@@ -100,7 +100,7 @@ impl Config {
                 // Known after the rendezvous (init).
                 nics: 1,
             },
-            waiter: Waiter::from_env(),
+            waiter: Waiter::from_lookup(&crate::envvar::from_process)?,
             shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {
                 Some(_) => Some(crate::algo::shm::node::slot_size()?),
                 None => None,

@@ -1161,7 +1161,7 @@ mod tests {
         std::thread::spawn(move || {
             let w = Waiter {
                 timeout,
-                ..Waiter::from_env()
+                ..Waiter::default()
             };
             let r = l.ensure(&[(1, 0)], &[], &w);
             let _ = tx.send(r.err().map(|e| e.to_string()));
@@ -1254,7 +1254,7 @@ mod tests {
     fn all_pairs(l: &mut Links) -> Vec<u64> {
         let w = Waiter {
             timeout: Duration::from_secs(20),
-            ..Waiter::from_env()
+            ..Waiter::default()
         };
         let me = l.rank;
         let peers: Vec<(usize, usize)> = (0..3)

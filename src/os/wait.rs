@@ -22,8 +22,18 @@ pub struct PollFd {
 /// Parts that serve a communicator take its deadline ([`Waiter::timeout`]) instead.
 pub fn timeout_from_env() -> Duration {
     // A bad value is refused at init (the settings check).
-    let s = crate::envvar::value_or("ROCCL_TIMEOUT", 300.0f64).max(1e-3);
-    Duration::from_secs_f64(s)
+    timeout_in(&crate::envvar::from_process).unwrap_or(DEFAULT_TIMEOUT)
+}
+
+/// The deadline without progress unless `ROCCL_TIMEOUT` says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `ROCCL_TIMEOUT` (seconds, above 0) from `get`, or [`DEFAULT_TIMEOUT`].
+pub fn timeout_in(get: crate::envvar::Lookup<'_>) -> crate::error::Result<Duration> {
+    match crate::envvar::get_in::<f64>(get, "ROCCL_TIMEOUT")? {
+        None => Ok(DEFAULT_TIMEOUT),
+        Some(s) => Ok(Duration::from_secs_f64(s.max(1e-3))),
+    }
 }
 
 /// Waiting policy of a communicator.
@@ -42,19 +52,26 @@ pub struct Waiter {
     pub fixed: bool,
 }
 
+impl Default for Waiter {
+    /// Spin 50 µs, yield 200 µs, then sleep; 300 s without progress is an error.
+    fn default() -> Self {
+        Waiter::from_lookup(&crate::envvar::unset).expect("the defaults parse")
+    }
+}
+
 impl Waiter {
-    /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT`.
-    pub fn from_env() -> Self {
-        // Bad values are refused at init (the settings check).
-        let us = |k: &str, d: u64| crate::envvar::value_or(k, d);
-        Waiter {
-            spin: Duration::from_micros(us("ROCCL_SPIN_US", 50)),
-            yield_for: Duration::from_micros(us("ROCCL_YIELD_US", 200)),
-            timeout: timeout_from_env(),
+    /// Policy from `ROCCL_SPIN_US`, `ROCCL_YIELD_US`, `ROCCL_TIMEOUT` as `get` gives them;
+    /// a value that does not parse is an error naming it.
+    pub fn from_lookup(get: crate::envvar::Lookup<'_>) -> crate::error::Result<Self> {
+        let us = |k: &str, d: u64| crate::envvar::value_in(get, k, d).map(Duration::from_micros);
+        Ok(Waiter {
+            spin: us("ROCCL_SPIN_US", 50)?,
+            yield_for: us("ROCCL_YIELD_US", 200)?,
+            timeout: timeout_in(get)?,
             nap: Duration::from_millis(10),
-            fixed: std::env::var_os("ROCCL_SPIN_US").is_some()
-                || std::env::var_os("ROCCL_YIELD_US").is_some(),
-        }
+            fixed: crate::envvar::raw_in(get, "ROCCL_SPIN_US").is_some()
+                || crate::envvar::raw_in(get, "ROCCL_YIELD_US").is_some(),
+        })
     }
 
     /// Adapt to the machine. With more ranks on this host than cores, a spinning rank
@@ -194,5 +211,43 @@ impl WaitState<'_> {
         // SAFETY: `pfds` is a valid array of pollfd for the duration of the call.
         unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_policy_comes_from_the_settings_given() {
+        let w = Waiter::from_lookup(&with(&[("ROCCL_SPIN_US", "7"), ("ROCCL_TIMEOUT", "2.5")]))
+            .unwrap();
+        assert_eq!(w.spin, Duration::from_micros(7));
+        assert_eq!(w.yield_for, Duration::from_micros(200));
+        assert_eq!(w.timeout, Duration::from_millis(2500));
+        assert!(w.fixed);
+        let d = Waiter::default();
+        assert_eq!(
+            (d.spin, d.timeout, d.fixed),
+            (Duration::from_micros(50), DEFAULT_TIMEOUT, false)
+        );
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_it() {
+        for (k, v) in [("ROCCL_SPIN_US", "soon"), ("ROCCL_TIMEOUT", "never")] {
+            let get = move |n: &str| (n == k).then(|| v.to_string());
+            let e = Waiter::from_lookup(&get).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(v), "{e}");
+        }
     }
 }

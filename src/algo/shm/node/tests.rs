@@ -51,7 +51,7 @@ fn pair(w: &Waiter) -> (Node, Node) {
 fn a_copy_from_a_rank_that_failed_meanwhile_is_an_error() {
     let w = Waiter {
         timeout: Duration::from_secs(10),
-        ..Waiter::from_env()
+        ..Waiter::default()
     };
     let abort = AtomicBool::new(false);
     let (mut a, mut b) = pair(&w);
@@ -114,7 +114,7 @@ fn only_the_segments_of_dead_processes_are_removed() {
 fn attach_ends_on_a_dead_peer_or_an_abort() {
     let w = Waiter {
         timeout: Duration::from_secs(5),
-        ..Waiter::from_env()
+        ..Waiter::default()
     };
     for abort in [false, true] {
         let tag = u64::from(std::process::id()) << 20 ^ 0xa77 ^ u64::from(abort);
