@@ -56,7 +56,10 @@ fn open_provider() -> Res<Box<dyn Verbs>> {
             let ip: IpAddr = env("ROCCL_IB_HCA")?
                 .parse()
                 .map_err(|e| format!("ROCCL_IB_HCA: an address for the engine: {e}"))?;
-            let v = roccl::rdma::udp::UserVerbs::open(ip).map_err(|e| e.to_string())?;
+            let settings =
+                roccl::rdma::udp::EngineSettings::from_lookup(&roccl::envvar::from_process)
+                    .map_err(|e| e.to_string())?;
+            let v = roccl::rdma::udp::UserVerbs::open(ip, &settings).map_err(|e| e.to_string())?;
             Ok(Box::new(v))
         }
         #[cfg(feature = "verbs")]
@@ -64,9 +67,11 @@ fn open_provider() -> Res<Box<dyn Verbs>> {
             use roccl::rdma::select;
             let ports = select::scan(std::path::Path::new(select::SYSFS_ROOT))
                 .map_err(|e| e.to_string())?;
-            let crit = select::Criteria::from_env().map_err(|e| e.to_string())?;
+            let crit = select::Criteria::from_lookup(&roccl::envvar::from_process)
+                .map_err(|e| e.to_string())?;
             let choice = select::choose_each(&ports, &crit).map_err(|e| e.to_string())?;
-            let settings = roccl::rdma::ibv::IbSettings::from_env().map_err(|e| e.to_string())?;
+            let settings = roccl::rdma::ibv::IbSettings::from_lookup(&roccl::envvar::from_process)
+                .map_err(|e| e.to_string())?;
             let v = roccl::rdma::ibv::IbvVerbs::open(&choice[0], settings)
                 .map_err(|e| e.to_string())?;
             Ok(Box::new(v))

@@ -164,7 +164,7 @@ fn engine() {
 }
 
 fn net_setup() {
-    let tcp = TcpNet::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let tcp = TcpNet::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST), &Default::default()).unwrap();
     let (th, _l) = tcp.listen(0).unwrap();
     let th = th.as_bytes();
     let mut hello = Vec::new();
@@ -189,7 +189,7 @@ fn net_setup() {
     w.u8(1).u8(rh.len() as u8).bytes(&rh).bytes(&info);
     put("net_setup", "rocev2", &w.0);
 
-    let shm = ShmNet::new().unwrap();
+    let shm = ShmNet::new(&Default::default()).unwrap();
     let (sh, _l) = shm.listen(0).unwrap();
     let sh = sh.as_bytes();
     let mut msg = vec![0u8; 96];
@@ -205,9 +205,9 @@ fn net_setup() {
 }
 
 fn rendezvous() {
-    let tcp = TcpNet::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let tcp = TcpNet::with_addr(IpAddr::V4(Ipv4Addr::LOCALHOST), &Default::default()).unwrap();
     let (th, _l) = tcp.listen(0).unwrap();
-    let shm = ShmNet::new().unwrap();
+    let shm = ShmNet::new(&Default::default()).unwrap();
     let (sh, _s) = shm.listen(0).unwrap();
     let blob = roccl::fuzzing::seed_blob(&th, "tcp", Some(&sh)).unwrap();
     let reg = roccl::fuzzing::seed_registration(1, 3, &blob);

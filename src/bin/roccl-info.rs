@@ -225,7 +225,7 @@ fn nic_present() -> bool {
 fn verbs_check(choice: &select::Choice) -> (String, bool) {
     use roccl::rdma::ibv::{IbSettings, IbvVerbs};
     use roccl::rdma::verbs::Verbs;
-    let settings = match IbSettings::from_env() {
+    let settings = match IbSettings::from_lookup(&roccl::envvar::from_process) {
         Ok(s) => s,
         Err(e) => return (format!("settings: {e}"), false),
     };
@@ -379,7 +379,8 @@ fn report_devices(out: &mut String, ports: &[select::PortInfo]) {
             outln!(out, "libibverbs: {v}");
         }
     } else {
-        let choice = Criteria::from_env().and_then(|c| select::choose(ports, &c));
+        let choice = Criteria::from_lookup(&roccl::envvar::from_process)
+            .and_then(|c| select::choose(ports, &c));
         match &choice {
             Ok(c) => {
                 outln!(out, "{}", select::describe(ports, Some(c)));

@@ -54,6 +54,9 @@ pub struct Config {
     /// some (`ROCCL_HIER`: auto = when the cost model says so, 0 = never, 1 = whenever the
     /// collective has it). Every rank must use the same value.
     pub hier: Hier,
+    /// Settings of the networks and RDMA providers (`ROCCL_TCP_*`, `ROCCL_SHM_RING`,
+    /// `ROCCL_SHM_CMA`, `ROCCL_ROCEV2_*`, `ROCCL_IB_*`).
+    pub network: crate::net::NetSettings,
 }
 
 /// When calls run hierarchically ([`Config::hier`]).
@@ -164,6 +167,7 @@ impl Config {
                 Err(_) => Hier::Auto,
             },
             sim: env_parse("ROCCL_SIM")?.unwrap_or_default(),
+            network: crate::net::NetSettings::from_env()?,
         })
     }
 }

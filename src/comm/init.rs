@@ -469,7 +469,7 @@ fn open_network(
     let net: Arc<dyn net::Net> = if cfg.net == NetKind::Sim {
         Arc::new(net::sim::SimNet::new(rank, cfg.sim.clone())?)
     } else {
-        net::open(cfg.net, local)?
+        net::open(cfg.net, local, &cfg.network)?
     };
     // The network's own waits (retransmission, draining at close) end at this
     // communicator's deadline, not at one read from the environment.
@@ -529,7 +529,7 @@ fn shm_endpoint(
     {
         return None;
     }
-    let made = net::shm::ShmNet::new().and_then(|n| {
+    let made = net::shm::ShmNet::new(&cfg.network.shm).and_then(|n| {
         net::Net::set_job_key(&n, &id.job_key());
         let (h, l) = net::Net::listen(&n, 0)?;
         Ok((Arc::new(n) as Arc<dyn net::Net>, h, l))

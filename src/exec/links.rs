@@ -1188,6 +1188,7 @@ mod tests {
                     Arc::new(
                         crate::net::rocev2::RoceNet::userspace(
                             std::net::Ipv4Addr::LOCALHOST.into(),
+                            &Default::default(),
                         )
                         .unwrap(),
                     )
@@ -1195,7 +1196,7 @@ mod tests {
                 crate::net::rocev2::handle_with_port,
             ),
             (
-                || Arc::new(crate::net::shm::ShmNet::new().unwrap()),
+                || Arc::new(crate::net::shm::ShmNet::new(&Default::default()).unwrap()),
                 crate::net::shm::handle_with_port,
             ),
         ];
@@ -1220,7 +1221,10 @@ mod tests {
         let nets: Vec<Arc<dyn Net>> = duplex
             .iter()
             .map(|&d| {
-                let n = crate::net::tcp::TcpNet::with_addr(std::net::Ipv4Addr::LOCALHOST.into());
+                let n = crate::net::tcp::TcpNet::with_addr(
+                    std::net::Ipv4Addr::LOCALHOST.into(),
+                    &Default::default(),
+                );
                 Arc::new(n.unwrap().with_duplex(d)) as Arc<dyn Net>
             })
             .collect();

@@ -11,9 +11,12 @@
 //! The same trait serves the core and, through a thin adapter, the NCCL/RCCL plugin ABI.
 
 pub mod rocev2;
+mod settings;
 pub mod shm;
 pub mod sim;
 pub mod tcp;
+
+pub use settings::NetSettings;
 
 use std::fmt;
 use std::io::{Read, Write};
@@ -898,44 +901,50 @@ impl std::str::FromStr for NetKind {
     }
 }
 
-/// Open the network for `kind` on the local address `ip`.
+/// Open the network for `kind` on the local address `ip`, as `settings` say.
 ///
 /// `Auto` picks a RoCE v2 NIC when roccl was built with the `verbs` feature and a usable
 /// device exists, else TCP, and says why once per process (`ROCCL_DEBUG=INFO`).
-pub fn open(kind: NetKind, ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
+pub fn open(kind: NetKind, ip: std::net::IpAddr, settings: &NetSettings) -> Result<Arc<dyn Net>> {
     match kind {
-        NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip)?)),
-        NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(ip)?)),
-        NetKind::Verbs => open_verbs(ip),
-        NetKind::Shm => Ok(Arc::new(shm::ShmNet::new()?)),
+        NetKind::Tcp => Ok(Arc::new(tcp::TcpNet::with_addr(ip, &settings.tcp)?)),
+        NetKind::RoceV2 => Ok(Arc::new(rocev2::RoceNet::userspace(
+            ip,
+            &settings.rocev2,
+        )?)),
+        NetKind::Verbs => open_verbs(ip, &settings.rocev2),
+        NetKind::Shm => Ok(Arc::new(shm::ShmNet::new(&settings.shm)?)),
         NetKind::Sim => Err(Error::arg(
             "ROCCL_NET=sim: the simulated network is opened by a communicator, which knows its rank (Communicator::init with Config::net = NetKind::Sim); it cannot serve as a plugin's network",
         )),
-        NetKind::Auto => match auto_nic(ip) {
+        NetKind::Auto => match auto_nic(ip, &settings.rocev2) {
             Ok(n) => Ok(n),
             Err(why) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| crate::info!("network: tcp ({why})"));
-                Ok(Arc::new(tcp::TcpNet::with_addr(ip)?))
+                Ok(Arc::new(tcp::TcpNet::with_addr(ip, &settings.tcp)?))
             }
         },
     }
 }
 
 #[cfg(feature = "verbs")]
-fn open_verbs(ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
-    Ok(Arc::new(rocev2::RoceNet::nic(ip)?))
+fn open_verbs(ip: std::net::IpAddr, settings: &rocev2::RoceSettings) -> Result<Arc<dyn Net>> {
+    Ok(Arc::new(rocev2::RoceNet::nic(ip, settings)?))
 }
 
 #[cfg(not(feature = "verbs"))]
-fn open_verbs(_ip: std::net::IpAddr) -> Result<Arc<dyn Net>> {
+fn open_verbs(_ip: std::net::IpAddr, _settings: &rocev2::RoceSettings) -> Result<Arc<dyn Net>> {
     Err(Error::arg(
         "ROCCL_NET=verbs: this roccl was built without the `verbs` feature; rebuild with `cargo build --features verbs` (needs libibverbs-dev, librdmacm-dev and libclang-dev), or use ROCCL_NET=rocev2 for RoCE v2 in userspace",
     ))
 }
 
 /// The NIC network if one is usable, else why not.
-fn auto_nic(ip: std::net::IpAddr) -> std::result::Result<Arc<dyn Net>, String> {
+fn auto_nic(
+    ip: std::net::IpAddr,
+    settings: &rocev2::RoceSettings,
+) -> std::result::Result<Arc<dyn Net>, String> {
     use crate::rdma::select;
     let ports =
         select::scan(std::path::Path::new(select::SYSFS_ROOT)).map_err(|e| e.to_string())?;
@@ -951,9 +960,9 @@ fn auto_nic(ip: std::net::IpAddr) -> std::result::Result<Arc<dyn Net>, String> {
             ports[0].dev
         ));
     }
-    let c = select::Criteria::from_env().map_err(|e| e.to_string())?;
-    let choice = select::choose(&ports, &c).map_err(|e| format!("no usable RoCE v2 GID: {e}"))?;
-    let n = open_verbs(ip).map_err(|e| format!("{} unusable: {e}", choice.dev))?;
+    let choice = select::choose(&ports, &settings.criteria)
+        .map_err(|e| format!("no usable RoCE v2 GID: {e}"))?;
+    let n = open_verbs(ip, settings).map_err(|e| format!("{} unusable: {e}", choice.dev))?;
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
         crate::info!(
@@ -1000,9 +1009,9 @@ fn a_hello_under_another_jobs_key_is_refused_on_every_network() {
     let lo = std::net::IpAddr::from([127, 0, 0, 1]);
     type Make = fn(std::net::IpAddr) -> Box<dyn Net>;
     let makes: [Make; 3] = [
-        |ip| Box::new(tcp::TcpNet::with_addr(ip).unwrap()),
-        |ip| Box::new(rocev2::RoceNet::userspace(ip).unwrap()),
-        |_| Box::new(shm::ShmNet::new().unwrap()),
+        |ip| Box::new(tcp::TcpNet::with_addr(ip, &Default::default()).unwrap()),
+        |ip| Box::new(rocev2::RoceNet::userspace(ip, &Default::default()).unwrap()),
+        |_| Box::new(shm::ShmNet::new(&Default::default()).unwrap()),
     ];
     for make in makes {
         let (ours, theirs) = (make(lo), make(lo));

@@ -12,12 +12,3 @@ pub mod wire;
 
 #[cfg(test)]
 mod engine_pair;
-
-/// `ROCCL_ROCEV2_SIM_GPU=1`: the userspace engine poses as a NIC that reaches GPU memory: it
-/// advertises GPU pointers and dmabufs (NCCL_PTR_CUDA | NCCL_PTR_DMABUF), takes host memory
-/// registered as GPU memory, and maps registered dmabufs (memfds in tests) itself, so the
-/// GPU-direct path (no eager or inline copies, dmabuf registration, flushes through the NIC)
-/// runs without a GPU (tests/plugin/run.sh, net::rocev2 tests).
-pub(crate) fn sim_gpu() -> bool {
-    crate::envvar::switch_or("ROCCL_ROCEV2_SIM_GPU", false)
-}

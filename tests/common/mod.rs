@@ -33,6 +33,7 @@ pub fn config(tuning: Tuning) -> Config {
         host: None,
         hier: roccl::comm::Hier::Auto,
         sim: Default::default(),
+        network: roccl::net::NetSettings::from_env().unwrap(),
     }
 }
 

@@ -181,7 +181,8 @@ fn init_impl(logger: Logger) -> R<()> {
     roccl_core::comm::settings::check()?;
     let kind: NetKind = roccl_core::envvar::get("ROCCL_NET")?.unwrap_or(NetKind::Auto);
     let ip = roccl_core::bootstrap::ifaces::local_addr(None)?;
-    let net = net::open(kind, ip).map_err(|e| {
+    let settings = net::NetSettings::from_env()?;
+    let net = net::open(kind, ip, &settings).map_err(|e| {
         Error(
             SYSTEM_ERROR,
             format!("no usable network ({e}); NCCL falls back to its own networks"),

@@ -22,25 +22,26 @@ pub(super) struct EagerCfg {
 pub(super) const EAGER_SLOTS: u32 = 64;
 /// Default and largest eager size (`ROCCL_ROCEV2_EAGER`, 0 turns eager messages off).
 pub(super) const EAGER_DEFAULT: u32 = 16384;
-const EAGER_MAX: u32 = 65536;
+pub(super) const EAGER_MAX: u32 = 65536;
+
+/// A `ROCCL_ROCEV2_EAGER` value: the largest eager message in bytes, 0 to [`EAGER_MAX`].
+pub(super) fn parse_eager(v: &str) -> Result<u32> {
+    match v.trim().parse::<u32>() {
+        Ok(n) if n <= EAGER_MAX => Ok(n),
+        _ => Err(Error::arg(format!(
+            "ROCCL_ROCEV2_EAGER={v}: want the largest eager message in bytes, 0 to {EAGER_MAX} (0: off)"
+        ))),
+    }
+}
 
 impl EagerCfg {
-    pub(super) fn from_env() -> Result<EagerCfg> {
-        let size = match std::env::var("ROCCL_ROCEV2_EAGER") {
-            Ok(v) if !v.trim().is_empty() => match v.trim().parse::<u32>() {
-                Ok(n) if n <= EAGER_MAX => n,
-                _ => {
-                    return Err(Error::arg(format!(
-                        "ROCCL_ROCEV2_EAGER={v}: want the largest eager message in bytes, 0 to {EAGER_MAX} (0: off)"
-                    )))
-                }
-            },
-            _ => EAGER_DEFAULT,
-        };
-        Ok(EagerCfg {
-            size,
+    /// Eager messages up to `size` bytes (at most [`EAGER_MAX`]; 0: off), with the usual
+    /// number of slots.
+    pub(super) fn with_size(size: u32) -> EagerCfg {
+        EagerCfg {
+            size: size.min(EAGER_MAX),
             slots: EAGER_SLOTS,
-        })
+        }
     }
 }
 

@@ -36,9 +36,12 @@ mod flush;
 mod recv;
 mod regcache;
 mod send;
+mod settings;
 mod setup;
 #[cfg(test)]
 mod tests;
+
+pub use settings::RoceSettings;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,6 +111,8 @@ pub struct RoceNet {
     /// Queue pairs per connection (`ROCCL_IB_QPS_PER_CONNECTION`): messages take them in
     /// turn, each from its own UDP source port.
     qps: usize,
+    /// Largest eager message ([`RoceSettings::eager`]; 0: off).
+    eager: u32,
     /// GPU memory may be posted: connections send and receive without CPU copies.
     device_buffers: AtomicBool,
     /// The key connection setups are authenticated with ([`Net::set_job_key`]).
@@ -116,14 +121,6 @@ pub struct RoceNet {
 
 /// The setting of queue pairs per connection.
 pub const QPS_VAR: &str = "ROCCL_IB_QPS_PER_CONNECTION";
-
-/// `ROCCL_IB_QPS_PER_CONNECTION`: 1 (unset) to 8.
-pub fn qps_from_env() -> Result<usize> {
-    match std::env::var(QPS_VAR) {
-        Ok(v) if !v.trim().is_empty() => parse_qps(&v),
-        _ => Ok(1),
-    }
-}
 
 /// A queue pair count, 1 to 8.
 pub fn parse_qps(v: &str) -> Result<usize> {
@@ -137,45 +134,46 @@ pub fn parse_qps(v: &str) -> Result<usize> {
 }
 
 impl RoceNet {
-    /// The userspace RoCE v2 engine on `ip` (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`),
-    /// or on each interface or address `ROCCL_IB_HCA` lists (one engine per "NIC");
+    /// The userspace RoCE v2 engine on `ip` (its settings: [`RoceSettings::engine`]), or
+    /// on each interface or address [`RoceSettings::hca`] lists (one engine per "NIC");
     /// connections are set up over TCP on `ip`.
-    pub fn userspace(ip: IpAddr) -> Result<RoceNet> {
-        if let Some(addrs) = engine_addrs()? {
+    pub fn userspace(ip: IpAddr, settings: &RoceSettings) -> Result<RoceNet> {
+        let engine = &settings.engine;
+        if let Some(addrs) = engine_addrs(settings.hca.as_deref())? {
             let devs = addrs
                 .into_iter()
-                .map(|a| Ok(Device::over(Arc::new(UserVerbs::open(a)?), a)))
+                .map(|a| Ok(Device::over(Arc::new(UserVerbs::open(a, engine)?), a)))
                 .collect::<Result<Vec<_>>>()?;
-            return Ok(RoceNet::with_devices(devs, ip)?.with_qps(qps_from_env()?));
+            return Ok(RoceNet::with_devices(devs, ip)?.with_settings(settings));
         }
         let others = crate::bootstrap::ifaces::other_addrs(ip, setup::MAX_OTHER_ADDRS);
         let verbs = if others.is_empty() {
-            UserVerbs::open(ip)?
+            UserVerbs::open(ip, engine)?
         } else {
-            UserVerbs::open(std::net::Ipv4Addr::UNSPECIFIED.into())?
+            UserVerbs::open(std::net::Ipv4Addr::UNSPECIFIED.into(), engine)?
         };
         Ok(RoceNet {
             others,
-            ..RoceNet::over(Arc::new(verbs), ip).with_qps(qps_from_env()?)
+            ..RoceNet::over(Arc::new(verbs), ip).with_settings(settings)
         })
     }
 
     /// RoCE v2 NICs through libibverbs: device, port and GID chosen from sysfs as
-    /// `ROCCL_IB_HCA`, `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY` and `ROCCL_IB_ADDR_RANGE`
-    /// say (every port it lists that qualifies, when it lists several); connections are set
-    /// up over TCP on `ip`.
+    /// [`RoceSettings::criteria`] says (every port `ROCCL_IB_HCA` lists that qualifies, when
+    /// it lists several), opened with [`RoceSettings::ib`]; connections are set up over TCP
+    /// on `ip`.
     #[cfg(feature = "verbs")]
-    pub fn nic(ip: IpAddr) -> Result<RoceNet> {
+    pub fn nic(ip: IpAddr, settings: &RoceSettings) -> Result<RoceNet> {
         use crate::rdma::select;
         let ports = select::scan(std::path::Path::new(select::SYSFS_ROOT))?;
-        let choices = select::choose_each(&ports, &select::Criteria::from_env()?)?;
-        let settings = crate::rdma::ibv::IbSettings::from_env()?;
+        let choices = select::choose_each(&ports, &settings.criteria)?;
+        let ib = settings.ib;
         let mut devs = Vec::new();
         for choice in &choices {
             let port = ports
                 .iter()
                 .find(|p| p.dev == choice.dev && p.port == choice.port);
-            let v = crate::rdma::ibv::IbvVerbs::open(choice, settings)?;
+            let v = crate::rdma::ibv::IbvVerbs::open(choice, ib)?;
             devs.push(Device {
                 dmabuf: v.dmabuf(),
                 verbs: Arc::new(v),
@@ -184,7 +182,7 @@ impl RoceNet {
                 pci_path: port.and_then(|p| p.pci.clone()),
             });
         }
-        Ok(RoceNet::with_devices(devs, ip)?.with_qps(qps_from_env()?))
+        Ok(RoceNet::with_devices(devs, ip)?.with_settings(settings))
     }
 
     /// Over any provider (connections set up over TCP on `ip`).
@@ -194,6 +192,7 @@ impl RoceNet {
             ip,
             others: Vec::new(),
             qps: 1,
+            eager: eager::EAGER_DEFAULT,
             device_buffers: AtomicBool::new(false),
             key: crate::net::NetKey::new(),
         }
@@ -222,8 +221,18 @@ impl RoceNet {
             ip,
             others: Vec::new(),
             qps: 1,
+            eager: eager::EAGER_DEFAULT,
             device_buffers: AtomicBool::new(false),
             key: crate::net::NetKey::new(),
+        }
+    }
+
+    /// With what `settings` say of the network itself: queue pairs per connection and
+    /// eager messages.
+    fn with_settings(self, settings: &RoceSettings) -> RoceNet {
+        RoceNet {
+            eager: settings.eager.min(eager::EAGER_MAX),
+            ..self.with_qps(settings.qps)
         }
     }
 
@@ -243,7 +252,7 @@ impl RoceNet {
     /// This side's eager configuration: none where GPU memory may be posted (the receiver
     /// would copy eager messages out of its bounce buffers with the CPU).
     fn eager_cfg(&self) -> Result<EagerCfg> {
-        let mut e = EagerCfg::from_env()?;
+        let mut e = EagerCfg::with_size(self.eager);
         if self.device_buffers.load(Ordering::Relaxed) {
             e.size = 0;
         }
@@ -257,10 +266,10 @@ impl RoceNet {
     }
 }
 
-/// The addresses `ROCCL_IB_HCA` gives the userspace engine: each item an interface (its
-/// first IPv4 address) or an address of this host; `None` when unset.
-fn engine_addrs() -> Result<Option<Vec<IpAddr>>> {
-    let Ok(spec) = std::env::var(crate::rdma::select::HCA_VAR) else {
+/// The addresses `ROCCL_IB_HCA` (`spec`) gives the userspace engine: each item an interface
+/// (its first IPv4 address) or an address of this host; `None` when unset.
+fn engine_addrs(spec: Option<&str>) -> Result<Option<Vec<IpAddr>>> {
+    let Some(spec) = spec else {
         return Ok(None);
     };
     let spec = spec.trim();

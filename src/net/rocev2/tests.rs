@@ -191,7 +191,8 @@ fn messages_of_every_size() {
 /// order and nothing stalls.
 #[test]
 fn eager_and_rendezvous_mixed_with_a_late_receiver() {
-    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let net =
+        RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST), &RoceSettings::default()).unwrap();
     let (mut s, mut r) = pair(&net);
     let sizes: Vec<usize> = (0..400)
         .map(|i| match i % 7 {
@@ -311,7 +312,8 @@ fn peer_supplied_sizes_are_bounds_checked() {
     let e = written(&two, (2 << 29) | 5, peer).unwrap_err().to_string();
     assert!(e.contains("buffer 2 of a receive of 2"), "{e}");
 
-    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let net =
+        RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST), &RoceSettings::default()).unwrap();
     let (mut s, _r) = pair(&net);
     // Zero pages until touched; nothing touches them (the send is refused).
     let big = vec![0u8; 1 << 29];
@@ -329,7 +331,8 @@ fn peer_supplied_sizes_are_bounds_checked() {
 #[test]
 fn a_peer_claiming_absurd_receive_buffers_is_refused() {
     use std::io::{Read, Write};
-    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let net =
+        RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST), &RoceSettings::default()).unwrap();
     let fake = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = fake.local_addr().unwrap().port();
     let (h, _l) = net.listen(0).unwrap();
@@ -409,7 +412,8 @@ fn a_nic_meets_the_userspace_engine_only_on_port_4791() {
 /// to FIFO requests each: the NCCL proxy's pattern.
 #[test]
 fn grouped_receives_with_mixed_sizes_from_two_threads() {
-    let net = RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+    let net =
+        RoceNet::userspace(IpAddr::V4(Ipv4Addr::LOCALHOST), &RoceSettings::default()).unwrap();
     grouped_mixed_sizes(&net, 150);
 }
 

@@ -50,7 +50,7 @@ fn another_user_cannot_make_a_rank_open_or_map_a_segment() {
         return;
     }
     let ring = 1u64 << 16;
-    let net = ShmNet::new().unwrap();
+    let net = ShmNet::new(&ShmSettings::default()).unwrap();
     net.set_job_key(&crate::bootstrap::auth::JobKey::from_secret(
         &[5; 16], b"test",
     ));

@@ -41,6 +41,9 @@ use crate::error::{Error, Result};
 use crate::os::process::{cma_read, host_id, CMA_PROBE};
 use crate::os::shm::Segment;
 
+mod settings;
+pub use settings::ShmSettings;
+
 const HANDLE_MAGIC: u32 = 0x4d48_5352; // "RSHM"
 const NAME_MSG: usize = 96;
 /// Bytes of the name message's tag.
@@ -71,31 +74,6 @@ struct Header {
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == SEG_HDR);
-
-/// Messages from `ROCCL_SHM_CMA` bytes on (unset or 0: never) are copied once, by the
-/// receiver straight from the sender's memory (`process_vm_readv`), instead of twice through
-/// the ring. Off by default: such a send completes only once the receiver copied it, which
-/// stalls the pipelined steps of ring algorithms (measured: 2-rank all-reduce of 1 MiB 517 µs
-/// with it from 256 KiB, 77 µs without), while a lone large message gains (broadcast of
-/// 64 MiB: 12.4 ms vs 18.1 ms); see docs/PERFORMANCE-LOG.md.
-fn cma_threshold() -> usize {
-    Some(crate::envvar::value_or("ROCCL_SHM_CMA", 0usize))
-        .filter(|&v| v > 0)
-        .unwrap_or(usize::MAX)
-}
-
-/// Ring size from `ROCCL_SHM_RING` (bytes, a power of two from 64 KiB to 1 GiB).
-fn ring_size() -> Result<usize> {
-    match std::env::var("ROCCL_SHM_RING") {
-        Err(_) => Ok(1 << 20),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n.is_power_of_two() && (1 << 16..=1 << 30).contains(&n) => Ok(n),
-            _ => Err(Error::arg(format!(
-                "ROCCL_SHM_RING={v}: expected a power of two from 65536 to 1073741824 bytes"
-            ))),
-        },
-    }
-}
 
 /// The byte ring in a connection's segment: a [`Header`], then `cap` bytes of data.
 trait Ring {
@@ -210,13 +188,13 @@ pub struct ShmNet {
 }
 
 impl ShmNet {
-    /// Open (`ROCCL_SHM_RING` sets the ring size).
-    pub fn new() -> Result<ShmNet> {
+    /// Open, as `settings` say (the ring size, single-copy messages).
+    pub fn new(settings: &ShmSettings) -> Result<ShmNet> {
         Ok(ShmNet {
             stats: Arc::default(),
             host: host_id(),
-            ring: ring_size()?,
-            cma: cma_threshold(),
+            ring: settings::parse_ring(&settings.ring.to_string())?,
+            cma: settings.cma_threshold(),
             key: super::NetKey::new(),
         })
     }
@@ -1118,7 +1096,7 @@ mod tests {
     /// connector create a segment without a ring.
     #[test]
     fn a_handle_with_a_bad_ring_size_is_refused() {
-        let net = ShmNet::new().unwrap();
+        let net = ShmNet::new(&ShmSettings::default()).unwrap();
         let (h, _l) = net.listen(0).unwrap();
         assert!(decode_handle(&h, &net.host).is_ok());
         for ring in [
@@ -1142,7 +1120,7 @@ mod tests {
     #[test]
     fn bad_setup_messages_are_dropped_and_the_listener_goes_on() {
         use std::time::{Duration, Instant};
-        let net = ShmNet::new().unwrap();
+        let net = ShmNet::new(&ShmSettings::default()).unwrap();
         net.set_job_key(&crate::bootstrap::auth::JobKey::from_secret(
             &[3; 16], b"test",
         ));

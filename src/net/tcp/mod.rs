@@ -30,9 +30,12 @@ mod io;
 mod records;
 mod recv;
 mod send;
+mod settings;
 mod setup;
 #[cfg(test)]
 mod tests;
+
+pub use settings::TcpSettings;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,19 +69,6 @@ const MAX_FDS: usize = MAX_SOCKS + 1;
 const HELLO_DUPLEX: u16 = 0x8000;
 /// Bit of the hello's socket count: the connection is encrypted (see [`records`]).
 const HELLO_SEALED: u16 = 0x4000;
-/// On a duplex connection, payloads up to this size travel with their header on the shared
-/// socket, where the peer's data carries their acknowledgement; larger ones with their header
-/// on the direction's own sockets (`ROCCL_TCP_DUPLEX_INLINE`). 2 ranks over loopback: 8 B–8
-/// KiB all-reduces 10–17 % faster than over one-way connections, 32 KiB–1 MiB the same or
-/// better; bulk both ways on the shared socket is slower (the directions contend for it), and
-/// so is 32 KiB there (13.6–14.4 µs against 11.8); docs/PERFORMANCE.md.
-fn duplex_inline() -> usize {
-    env_usize("ROCCL_TCP_DUPLEX_INLINE", 16 * 1024)
-}
-
-fn env_usize(name: &str, default: usize) -> usize {
-    crate::envvar::value_or(name, default)
-}
 
 /// The TCP network. One device: the interface chosen by `ROCCL_SOCKET_IFNAME`.
 pub struct TcpNet {
@@ -94,6 +84,9 @@ pub struct TcpNet {
     /// Connections carry messages both ways (`ROCCL_TCP_DUPLEX`, default on; see
     /// [`Net::duplex`]).
     duplex: bool,
+    /// Payloads a duplex connection sends inline on its shared socket, up to this size
+    /// ([`TcpSettings::duplex_inline`]).
+    duplex_inline: usize,
     /// The key connections are authenticated with ([`Net::set_job_key`]).
     key: super::NetKey,
     /// Its counters ([`Net::counters`]), shared with its connections.
@@ -130,14 +123,15 @@ impl TcpStats {
 }
 
 impl TcpNet {
-    /// Open on the interface chosen from the environment.
-    pub fn new() -> Result<Self> {
-        Self::with_addr(crate::bootstrap::ifaces::local_addr(None)?)
+    /// Open on the interface the bootstrap chooses (`ROCCL_SOCKET_IFNAME`), as `settings`
+    /// say.
+    pub fn new(settings: &TcpSettings) -> Result<Self> {
+        Self::with_addr(crate::bootstrap::ifaces::local_addr(None)?, settings)
     }
 
-    /// Open on a given local address.
-    pub fn with_addr(addr: IpAddr) -> Result<Self> {
-        let nsocks = env_usize("ROCCL_NSOCKS", 2);
+    /// Open on a given local address, as `settings` say.
+    pub fn with_addr(addr: IpAddr, settings: &TcpSettings) -> Result<Self> {
+        let nsocks = settings.nsocks;
         if nsocks == 0 || nsocks > MAX_SOCKS {
             return Err(Error::arg(format!(
                 "ROCCL_NSOCKS={nsocks} is out of range: use 1 to {MAX_SOCKS}"
@@ -152,12 +146,13 @@ impl TcpNet {
             others: crate::bootstrap::ifaces::other_addrs(addr, MAX_OTHER_ADDRS),
             ifname,
             nsocks,
-            split: env_usize("ROCCL_TCP_SPLIT", 256 * 1024).max(4096),
-            local_sndbuf: match env_usize("ROCCL_TCP_SNDBUF", LOCAL_SNDBUF) {
+            split: settings.split.max(4096),
+            local_sndbuf: match settings.sndbuf {
                 0 => None,
                 b => Some(b),
             },
-            duplex: crate::envvar::switch_or("ROCCL_TCP_DUPLEX", true),
+            duplex: settings.duplex,
+            duplex_inline: settings.duplex_inline,
             key: super::NetKey::new(),
             stats: Arc::default(),
         })

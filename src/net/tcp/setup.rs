@@ -16,8 +16,8 @@ use super::recv::TcpRecvComm;
 use super::send::TcpSendComm;
 use super::TcpStats;
 use super::{
-    decode_handle, duplex_inline, encode_handle, tune, Handle, TcpNet, HANDLE_TOKEN, HDR, HELLO,
-    HELLO_DUPLEX, HELLO_MAGIC, HELLO_SEALED, MAX_SOCKS,
+    decode_handle, encode_handle, tune, Handle, TcpNet, HANDLE_TOKEN, HDR, HELLO, HELLO_DUPLEX,
+    HELLO_MAGIC, HELLO_SEALED, MAX_SOCKS,
 };
 use crate::bootstrap::auth::{self, JobKey};
 use crate::error::{Error, Result};
@@ -72,7 +72,7 @@ impl TcpNet {
             stats: Arc::clone(&self.stats),
             layout: Layout {
                 split,
-                inline: duplex.then(duplex_inline),
+                inline: duplex.then_some(self.duplex_inline),
             },
         }))
     }
@@ -122,6 +122,7 @@ impl TcpNet {
                 done: crate::net::SeenTags::new(),
                 sock: s,
                 split: self.split,
+                duplex_inline: self.duplex_inline,
                 local_sndbuf: self.local_sndbuf,
                 stats: Arc::clone(&self.stats),
                 pending: Vec::new(),
@@ -311,6 +312,8 @@ pub(super) struct TcpListen {
     /// Split threshold published in our handle; senders cut messages with it (both ways on
     /// a duplex connection).
     split: usize,
+    /// Payloads a duplex connection sends inline ([`super::TcpSettings::duplex_inline`]).
+    duplex_inline: usize,
     /// `SO_SNDBUF` for sending back to a peer on this host ([`RecvComm::reverse`]).
     local_sndbuf: Option<usize>,
     stats: Arc<TcpStats>,
@@ -461,7 +464,7 @@ impl TcpListen {
         let (own, back) = ways(socks, h.duplex);
         let layout = Layout {
             split: self.split,
-            inline: h.duplex.then(duplex_inline),
+            inline: h.duplex.then_some(self.duplex_inline),
         };
         let crypt = self
             .sealed

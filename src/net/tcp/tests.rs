@@ -17,6 +17,7 @@ fn net(nsocks: usize) -> TcpNet {
         split: 64 * 1024,
         local_sndbuf: Some(LOCAL_SNDBUF),
         duplex: true,
+        duplex_inline: TcpSettings::default().duplex_inline,
         key: crate::net::NetKey::new(),
         stats: Default::default(),
     }
@@ -95,7 +96,7 @@ fn a_duplex_connection_carries_messages_both_ways() {
     // Both ways at once; small payloads share socket 0, larger ones come with their
     // header on the direction's first own socket (split over both from 64 KiB), in
     // any interleaving.
-    let inline = duplex_inline();
+    let inline = TcpSettings::default().duplex_inline;
     let sizes = [
         1usize,
         4096,

@@ -382,7 +382,7 @@ impl IbvVerbs {
             mtu: mtu_bytes(pattr.active_mtu),
             max_qp: dattr.max_qp.max(0) as u32,
             max_mr_size: dattr.max_mr_size,
-            relaxed: crate::envvar::switch_or("ROCCL_IB_RELAXED_ORDERING", true),
+            relaxed: settings.relaxed,
             dmabuf,
             why: choice.why.clone(),
             settings,
@@ -571,7 +571,7 @@ impl Verbs for IbvVerbs {
 
     fn drain_limit(&self) -> std::time::Duration {
         match self.drain_ms.load(Ordering::Relaxed) {
-            0 => crate::os::wait::timeout_from_env(),
+            0 => self.dev.settings.deadline,
             ms => std::time::Duration::from_millis(ms),
         }
     }

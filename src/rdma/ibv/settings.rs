@@ -1,9 +1,11 @@
-//! The QP settings the environment gives (`ROCCL_IB_TC`, `ROCCL_IB_SL`, …).
+//! The verbs provider's settings (`ROCCL_IB_TC`, `ROCCL_IB_SL`, …), parsed once.
 
+use crate::envvar::Lookup;
 use crate::error::{Error, Result};
 
-/// QP settings from the environment.
+/// Settings of the verbs provider: its QPs' and registrations'.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct IbSettings {
     /// Traffic class (DSCP << 2 | ECN) of the GRH, `ROCCL_IB_TC`.
     pub tc: u8,
@@ -17,18 +19,29 @@ pub struct IbSettings {
     pub inline: u32,
     /// Keep registrations past their requests, `ROCCL_IB_REG_CACHE=1`.
     pub reg_cache: bool,
+    /// Register memory with relaxed ordering where the device allows it,
+    /// `ROCCL_IB_RELAXED_ORDERING` (on by default).
+    pub relaxed: bool,
+    /// How long a closing QP waits for its sends to be acknowledged until the network is
+    /// told its communicator's deadline (`ROCCL_TIMEOUT`, default 300 s).
+    pub deadline: std::time::Duration,
+}
+
+impl Default for IbSettings {
+    /// Traffic class 0, service level 0, timeout 20, 7 retries, 220 bytes inline, no
+    /// registration cache, relaxed ordering, 300 s of deadline.
+    fn default() -> Self {
+        IbSettings::from_lookup(&crate::envvar::unset).expect("the defaults parse")
+    }
 }
 
 impl IbSettings {
-    /// From the environment.
-    pub fn from_env() -> Result<IbSettings> {
-        Self::from_lookup(&|k| std::env::var(k).ok())
-    }
-
-    /// From `get` (tests pass a map).
-    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<IbSettings> {
+    /// The settings `get` gives (unset: the default; the process environment is
+    /// [`crate::envvar::from_process`]); a value out of range is an error naming it.
+    pub fn from_lookup(get: Lookup<'_>) -> Result<IbSettings> {
         let num = |k: &str, d: u32, max: u32| -> Result<u32> {
-            match get(k) {
+            // Blank counts as unset, as for every setting.
+            match get(k).filter(|v| !v.trim().is_empty()) {
                 None => Ok(d),
                 Some(v) => match v.trim().parse::<u32>() {
                     Ok(n) if n <= max => Ok(n),
@@ -51,6 +64,8 @@ impl IbSettings {
             retry_cnt: num("ROCCL_IB_RETRY_CNT", 7, 7)? as u8,
             inline: num("ROCCL_IB_INLINE", 220, 4096)?,
             reg_cache: num("ROCCL_IB_REG_CACHE", 0, 1)? == 1,
+            relaxed: crate::envvar::switch_in(get, "ROCCL_IB_RELAXED_ORDERING", true)?,
+            deadline: crate::os::wait::timeout_in(get)?,
         })
     }
 }
@@ -80,12 +95,16 @@ mod tests {
             (s.tc, s.sl, s.timeout, s.retry_cnt, s.inline),
             (106, 3, 14, 5, 0)
         );
+        assert!(s.relaxed && IbSettings::default().relaxed);
+        let off = |k: &str| (k == "ROCCL_IB_RELAXED_ORDERING").then(|| "off".to_string());
+        assert!(!IbSettings::from_lookup(&off).unwrap().relaxed);
         for (k, v) in [
             ("ROCCL_IB_SL", "16"),
             ("ROCCL_IB_TC", "256"),
             ("ROCCL_IB_TIMEOUT", "0"),
             ("ROCCL_IB_TIMEOUT", "x"),
             ("ROCCL_IB_RETRY_CNT", "8"),
+            ("ROCCL_IB_RELAXED_ORDERING", "maybe"),
         ] {
             let e = IbSettings::from_lookup(&|q| (q == k).then(|| v.to_string())).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

@@ -325,20 +325,15 @@ pub struct Criteria {
 }
 
 impl Criteria {
-    /// Read the criteria from `ROCCL_IB_HCA`, `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY` and
-    /// `ROCCL_IB_ADDR_RANGE` (see [`Criteria::from_lookup`]).
-    pub fn from_env() -> Result<Criteria> {
-        Criteria::from_lookup(&|name| std::env::var(name).ok())
-    }
-
-    /// Same as [`Criteria::from_env`], reading variables through `get` (`None`: unset), so
-    /// that any environment can be tested.
+    /// The criteria `ROCCL_IB_HCA`, `ROCCL_IB_GID_INDEX`, `ROCCL_IB_ADDR_FAMILY` and
+    /// `ROCCL_IB_ADDR_RANGE` give, read through `get` (`None`: unset; the process
+    /// environment is [`crate::envvar::from_process`]).
     ///
     /// Blank values count as unset; `ROCCL_IB_GID_INDEX=-1` means automatic. Without
     /// `ROCCL_IB_ADDR_FAMILY`, the family is that of `ROCCL_IB_ADDR_RANGE` if set, else IPv4.
     /// Errors ([`Error::InvalidArgument`]) name the variable at fault, including a range
     /// whose family contradicts `ROCCL_IB_ADDR_FAMILY`.
-    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Criteria> {
+    pub fn from_lookup(get: crate::envvar::Lookup<'_>) -> Result<Criteria> {
         let var = |name: &str| {
             get(name)
                 .map(|v| v.trim().to_string())

@@ -20,7 +20,7 @@
 //! Inside containers, reading some GID entries fails (`EINVAL`): [`scan`] records any entry
 //! whose address or type cannot be read in [`PortInfo::unreadable`] and goes on.
 //!
-//! Environment variables (read by [`Criteria::from_env`]):
+//! Environment variables (parsed by [`Criteria::from_lookup`]):
 //!
 //! - `ROCCL_IB_HCA`: which devices/ports may be used, in `NCCL_IB_HCA` syntax ([`parse_hca`]);
 //! - `ROCCL_IB_GID_INDEX`: force a GID index (`-1` or unset: automatic);

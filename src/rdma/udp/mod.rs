@@ -34,8 +34,10 @@ use crate::error::{Error, Result};
 use crate::os::wait::PollFd;
 
 mod faults;
+mod settings;
 use faults::{count, Rng};
 pub use faults::{fault_stats, FaultStats, Faults};
+pub use settings::EngineSettings;
 
 /// Datagrams per `recvmmsg`.
 const RX_BATCH: usize = 16;
@@ -143,8 +145,11 @@ pub struct UserVerbs {
     fd: i32,
     local: SocketAddr,
     stop: Arc<AtomicBool>,
-    /// Pose as a NIC that reaches GPU memory (`ROCCL_ROCEV2_SIM_GPU=1`; see `rdma::sim_gpu`).
+    /// Pose as a NIC that reaches GPU memory (`ROCCL_ROCEV2_SIM_GPU=1`; see
+    /// [`EngineSettings::sim_gpu`]).
     sim_gpu: AtomicBool,
+    /// Local ACK timeout code of its QPs ([`EngineSettings::ib_timeout`]).
+    ib_timeout: u8,
     /// Completions in error the network saw, by status.
     wc_errors: crate::rdma::verbs::WcErrors,
 }
@@ -331,37 +336,15 @@ fn route_mtu(local: IpAddr, remote: SocketAddr) -> Option<u32> {
 }
 
 impl UserVerbs {
-    /// Open on `ip`, port from `ROCCL_ROCEV2_PORT` (default 4791, ephemeral if taken),
-    /// faults from `ROCCL_ROCEV2_FAULTS`.
-    pub fn open(ip: IpAddr) -> Result<UserVerbs> {
-        let port = match std::env::var("ROCCL_ROCEV2_PORT") {
-            Ok(v) => v
-                .trim()
-                .parse::<u16>()
-                .map_err(|_| Error::arg(format!("ROCCL_ROCEV2_PORT={v} is not a port number")))?,
-            Err(_) => wire::ROCEV2_PORT,
-        };
-        let faults = match std::env::var("ROCCL_ROCEV2_FAULTS") {
-            Ok(v) if !v.trim().is_empty() => Some(Faults::parse(&v)?),
-            _ => None,
-        };
-        Self::with(ip, port, faults)
-    }
-
-    /// Open with explicit settings (`port` 0: any); UDP GSO/GRO as `ROCCL_ROCEV2_GSO` says.
-    pub fn with(ip: IpAddr, port: u16, faults: Option<Faults>) -> Result<UserVerbs> {
-        let offload = crate::envvar::switch_or("ROCCL_ROCEV2_GSO", true);
-        Self::with_offload(ip, port, faults, offload)
-    }
-
-    /// Open with explicit settings; `offload == false` sends and receives one packet per
-    /// datagram (no UDP GSO/GRO).
-    pub fn with_offload(
-        ip: IpAddr,
-        port: u16,
-        faults: Option<Faults>,
-        offload: bool,
-    ) -> Result<UserVerbs> {
+    /// Open on `ip` as `settings` say: its port (4791 by default, ephemeral if taken), its
+    /// faults, GSO/GRO, QP timeout and whether it poses as a NIC reaching GPU memory.
+    pub fn open(ip: IpAddr, settings: &EngineSettings) -> Result<UserVerbs> {
+        let EngineSettings {
+            port,
+            faults,
+            offload,
+            ..
+        } = *settings;
         let rx = match udp_socket(SocketAddr::new(ip, port)) {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && port != 0 => {
@@ -417,7 +400,7 @@ impl UserVerbs {
             next_psn: seed & 0x00ff_ffff,
             last_app_poll: Instant::now(),
             // Until the network is told the communicator's deadline: ROCCL_TIMEOUT's.
-            retry_for: crate::os::wait::timeout_from_env(),
+            retry_for: settings.deadline,
             reported: Default::default(),
             reap_buf: Vec::new(),
         }));
@@ -432,9 +415,32 @@ impl UserVerbs {
             fd,
             local,
             stop,
-            sim_gpu: AtomicBool::new(super::sim_gpu()),
+            sim_gpu: AtomicBool::new(settings.sim_gpu),
+            ib_timeout: settings.ib_timeout,
             wc_errors: Default::default(),
         })
+    }
+
+    /// Open with the default settings but `port` (0: any) and `faults`.
+    pub fn with(ip: IpAddr, port: u16, faults: Option<Faults>) -> Result<UserVerbs> {
+        Self::with_offload(ip, port, faults, true)
+    }
+
+    /// Open with the default settings but `port` (0: any) and `faults`; `offload == false`
+    /// sends and receives one packet per datagram (no UDP GSO/GRO).
+    pub fn with_offload(
+        ip: IpAddr,
+        port: u16,
+        faults: Option<Faults>,
+        offload: bool,
+    ) -> Result<UserVerbs> {
+        let settings = EngineSettings {
+            port,
+            faults,
+            offload,
+            ..EngineSettings::default()
+        };
+        Self::open(ip, &settings)
     }
 
     /// Take dmabufs and advertise them (what `ROCCL_ROCEV2_SIM_GPU=1` turns on), for tests.
@@ -1209,7 +1215,7 @@ impl Verbs for UserVerbs {
             .get(&qpn(qp))
             .ok_or_else(|| Error::arg("connect_qp: unknown QP"))?;
         let (psn, told) = (side.psn, side.addr);
-        let timeout = crate::envvar::value_or("ROCCL_IB_TIMEOUT", 12u8);
+        let timeout = self.ib_timeout;
         // Listening on every address: this QP uses the one on the route to its peer.
         let local = if self.local.ip().is_unspecified() {
             // The address the peer was told, else the one on the route to it.
