@@ -2,15 +2,17 @@
 //! does not parse is an error naming the variable, its value and what it accepts, never a
 //! silent fallback to the default.
 //!
-//! [`check`] validates every setting of [`SETTINGS`] at once; [`Config::from_env`] calls it
-//! first, so that communicator init refuses a bad value even of a setting that is read later
-//! deep inside a network (where the reader, [`value_or`], cannot return an error). The
-//! launcher variables (`ROCCL_RANK`, `ROCCL_NRANKS`, `ROCCL_ROOT`, `ROCCL_ROOT_PORT`,
-//! `ROCCL_UNIQUE_ID`, `ROCCL_JOB_SECRET`, `ROCCL_JOB_SECRET_FILE`) are parsed as strictly by
-//! [`crate::bootstrap::env`]; `ROCCL_TRACE` is a path (any value is one).
+//! This module is where the library reads the process environment ([`from_process`]);
+//! elsewhere only logging (`ROCCL_DEBUG`) and the bootstrap (the launcher's variables,
+//! [`crate::bootstrap::env`]; the interface to listen on; `ROCCL_ENCRYPT`) do. Settings are
+//! parsed once into typed settings that travel down: [`Config::from_lookup`] (the
+//! communicator's, with the networks' `NetSettings` in it) parses them from a [`Lookup`],
+//! the environment or any other source, after checking every setting of [`SETTINGS`] at
+//! once ([`check_with`]). What runs without a communicator takes [`process`] (read once) and
+//! [`timeout`].
 //!
-//! [`Config::from_env`]: crate::Config::from_env
-//! [`check`]: crate::comm::settings::check
+//! [`Config::from_lookup`]: crate::Config::from_lookup
+//! [`check_with`]: crate::comm::settings::check_with
 
 use std::str::FromStr;
 
@@ -388,7 +390,7 @@ pub fn get<T: FromStr>(name: &str) -> Result<Option<T>> {
 }
 
 /// `name` parsed as `T`, or `default` when unset. For readers that cannot fail: a value that
-/// does not parse was refused by [`check`](crate::comm::settings::check) at init; reached without init, it is reported
+/// does not parse was refused by [`check_with`](crate::comm::settings::check_with) at init; reached without init, it is reported
 /// (WARN) and the default used.
 pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
     match get(name) {
@@ -405,7 +407,7 @@ pub fn value_or<T: FromStr>(name: &str, default: T) -> T {
 
 /// The switch `name` (see [`parse_switch`]), or `default` when unset; a value that is not a
 /// switch is logged and gives the default (init refuses it before, see
-/// [`check`](crate::comm::settings::check)).
+/// [`check_with`](crate::comm::settings::check_with)).
 pub fn switch_or(name: &str, default: bool) -> bool {
     switch_value(name, std::env::var(name).ok(), default)
 }
@@ -475,6 +477,60 @@ pub fn bytes_in(get: Lookup<'_>, name: &str) -> Result<Option<usize>> {
         None => Ok(None),
         Some(v) => parse_bytes(&v).map(Some).ok_or_else(|| invalid(name, &v)),
     }
+}
+
+/// The deadline without progress unless `ROCCL_TIMEOUT` says otherwise.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `ROCCL_TIMEOUT` (seconds, above 0) from `get`, or [`DEFAULT_TIMEOUT`].
+pub fn timeout_in(get: Lookup<'_>) -> Result<std::time::Duration> {
+    match get_in::<f64>(get, "ROCCL_TIMEOUT")? {
+        None => Ok(DEFAULT_TIMEOUT),
+        Some(s) => Ok(std::time::Duration::from_secs_f64(s.max(1e-3))),
+    }
+}
+
+/// `ROCCL_TIMEOUT` of the process, as it is now: the deadline of what runs without a
+/// communicator (tools, tests, the plugin's flush); a communicator's parts take its own
+/// (`Config::waiter`). A value that does not parse gives the default (init refuses it).
+pub fn timeout() -> std::time::Duration {
+    timeout_in(&from_process).unwrap_or(DEFAULT_TIMEOUT)
+}
+
+/// Settings of the process rather than of one communicator, for code that runs without
+/// one (the stream-ordered operations on raw memory, the device runtimes): read from the
+/// environment once, at first use. Every rank must give them alike.
+#[derive(Clone, Debug)]
+pub struct Process {
+    /// Chunk size of pipelined stream-ordered calls (`ROCCL_STREAM_CHUNK` bytes, `K`/`M`
+    /// suffixes; default 4 MiB; 0: never split), or why the value was refused.
+    pub stream_chunk: std::result::Result<usize, String>,
+    /// `ROCCL_APU_DEVICE_MEMORY=in-place`: an integrated GPU's device memory that the CPU
+    /// can read is used in place (experimental; docs/GPU.md).
+    pub apu_in_place: bool,
+}
+
+impl Process {
+    /// The process settings `get` gives.
+    pub fn from_lookup(get: Lookup<'_>) -> Process {
+        Process {
+            stream_chunk: match get("ROCCL_STREAM_CHUNK") {
+                None => Ok(4 << 20),
+                Some(v) => parse_bytes(&v).ok_or_else(|| {
+                    format!(
+                        "ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)"
+                    )
+                }),
+            },
+            apu_in_place: get("ROCCL_APU_DEVICE_MEMORY").is_some_and(|v| v.trim() == "in-place"),
+        }
+    }
+}
+
+/// This process's [`Process`] settings (read at the first call).
+pub fn process() -> &'static Process {
+    static PROCESS: std::sync::OnceLock<Process> = std::sync::OnceLock::new();
+    PROCESS.get_or_init(|| Process::from_lookup(&from_process))
 }
 
 #[cfg(test)]

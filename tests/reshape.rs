@@ -38,39 +38,50 @@ fn survivors_shrink_after_a_rank_stops_answering() {
                     done.wait();
                     return;
                 }
-                let waiting = {
-                    let c = Arc::clone(&c);
-                    std::thread::spawn(move || {
-                        let mut x = [1i64];
-                        c.all_reduce_in_place(&mut x, RedOp::Sum)
-                    })
-                };
-                std::thread::sleep(Duration::from_millis(300));
-                let t0 = std::time::Instant::now();
-                let small = c.shrink(&[3], true, None).unwrap();
-                assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-                let e = waiting.join().unwrap().unwrap_err().to_string();
-                assert!(e.contains("revoked"), "{e}");
-                assert!(c.revoked());
-                let e = c.all_reduce_in_place(&mut [1i64], RedOp::Sum).unwrap_err();
-                assert!(e.to_string().contains("revoked"), "{e}");
-                assert_eq!((small.rank(), small.nranks()), (r, 3));
-                for round in 0..20i64 {
-                    let mut x = [r as i64 + round; 5];
-                    small.all_reduce_in_place(&mut x, RedOp::Sum).unwrap();
-                    assert_eq!(x, [3 + 3 * round; 5]);
-                }
-                let mut b = if r == 2 {
-                    vec![7u32; 1000]
-                } else {
-                    vec![0u32; 1000]
-                };
-                small.broadcast(&mut b, 2).unwrap();
-                assert_eq!(b, vec![7u32; 1000]);
+                // A survivor that fails still meets the others at the end (or rank 3 would
+                // wait there forever), then fails the test.
+                let survivor =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| survive(&c, r)));
                 done.wait();
+                if let Err(p) = survivor {
+                    std::panic::resume_unwind(p);
+                }
             });
         }
     });
+}
+
+/// What a survivor of `survivors_shrink_after_a_rank_stops_answering` does.
+fn survive(c: &Arc<Communicator>, r: usize) {
+    let waiting = {
+        let c = Arc::clone(c);
+        std::thread::spawn(move || {
+            let mut x = [1i64];
+            c.all_reduce_in_place(&mut x, RedOp::Sum)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = std::time::Instant::now();
+    let small = c.shrink(&[3], true, None).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let e = waiting.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("revoked"), "{e}");
+    assert!(c.revoked());
+    let e = c.all_reduce_in_place(&mut [1i64], RedOp::Sum).unwrap_err();
+    assert!(e.to_string().contains("revoked"), "{e}");
+    assert_eq!((small.rank(), small.nranks()), (r, 3));
+    for round in 0..20i64 {
+        let mut x = [r as i64 + round; 5];
+        small.all_reduce_in_place(&mut x, RedOp::Sum).unwrap();
+        assert_eq!(x, [3 + 3 * round; 5]);
+    }
+    let mut b = if r == 2 {
+        vec![7u32; 1000]
+    } else {
+        vec![0u32; 1000]
+    };
+    small.broadcast(&mut b, 2).unwrap();
+    assert_eq!(b, vec![7u32; 1000]);
 }
 
 /// Ranks that disagree on the excluded ranks meet nobody: they fail at the timeout with a

@@ -61,11 +61,12 @@ pub fn for_model(m: HostSpeeds) -> HostSpeeds {
 /// Bytes per measured buffer.
 const BYTES: usize = 4 << 20;
 
-/// This host's speeds (measured at the first call, then remembered).
-pub fn host_speeds() -> HostSpeeds {
+/// This host's speeds: measured at the first call (or [`REFERENCE`] when that call says
+/// not to measure, `Config::calibrate`), then remembered for the process.
+pub fn host_speeds(measure_them: bool) -> HostSpeeds {
     static SPEEDS: OnceLock<HostSpeeds> = OnceLock::new();
     *SPEEDS.get_or_init(|| {
-        if !crate::envvar::switch_or("ROCCL_CALIBRATE", true) {
+        if !measure_them {
             return REFERENCE;
         }
         let s = measure();

@@ -198,7 +198,7 @@ fn link_test(listen: bool, addr: &str) -> Result<(), String> {
 /// connection at `addr`, and say plainly when nothing does.
 fn probe(addr: std::net::SocketAddr) -> Result<(), String> {
     use std::time::{Duration, Instant};
-    let limit = roccl::os::wait::timeout_from_env().min(Duration::from_secs(10));
+    let limit = roccl::envvar::timeout().min(Duration::from_secs(10));
     let start = Instant::now();
     loop {
         match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
@@ -465,7 +465,7 @@ fn report_host_speeds(out: &mut String) {
         out,
         "\n== host speeds (what the cost model is fed; docs/ARCHITECTURE.md)"
     );
-    let m = roccl::algo::calibrate::host_speeds();
+    let m = roccl::algo::calibrate::host_speeds(true);
     let f = roccl::algo::calibrate::for_model(m);
     outln!(
         out,

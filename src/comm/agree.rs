@@ -243,6 +243,7 @@ mod tests {
     use super::super::call_tag::*;
     use super::super::{Collective, Config};
     use super::*;
+    use crate::algo::calibrate;
     use crate::algo::model::{self, CollKind, Tuning};
     use crate::algo::Algo;
     use crate::net::NetHandle;
@@ -275,7 +276,16 @@ mod tests {
                 devices,
                 ..inputs(4, 2.0, 100_000)
             };
-            let b = blob(&handle(1), "rocev2", None, false, &s, i, None, host);
+            let b = blob(
+                &handle(1),
+                "rocev2",
+                None,
+                false,
+                &s,
+                (i, calibrate::REFERENCE),
+                None,
+                host,
+            );
             parse_blob(0, &b, 0, "rocev2", &s).unwrap()
         };
         // Two hosts, two ranks each, every rank with both of its host's NICs.
@@ -304,7 +314,7 @@ mod tests {
             Some(&handle(9)),
             true,
             &s,
-            host,
+            (host, calibrate::REFERENCE),
             Some(spare),
             0x5eed,
         );
@@ -316,7 +326,16 @@ mod tests {
         assert_eq!(p.inputs, host);
         assert_eq!(p.spare, Some(spare));
         assert_eq!(p.host, 0x5eed);
-        let plain = blob(&handle(7), "tcp", None, false, &s, host, None, 1);
+        let plain = blob(
+            &handle(7),
+            "tcp",
+            None,
+            false,
+            &s,
+            (host, calibrate::REFERENCE),
+            None,
+            1,
+        );
         let p = parse_blob(3, &plain, 0, "tcp", &s).unwrap();
         assert!(p.shm.is_none() && p.spare.is_none());
         let e = parse_blob(3, &b, 0, "rocev2", &s).unwrap_err().to_string();
@@ -353,7 +372,16 @@ mod tests {
         cases.push((c, 4 << 20, "ROCCL_GPU_DIRECT_MIN=1"));
         for (c, chunk, want) in cases {
             let theirs = settings(&c, chunk);
-            let b = blob(&handle(1), "tcp", None, false, &theirs, host, None, 1);
+            let b = blob(
+                &handle(1),
+                "tcp",
+                None,
+                false,
+                &theirs,
+                (host, calibrate::REFERENCE),
+                None,
+                1,
+            );
             let e = parse_blob(2, &b, 1, "tcp", &mine)
                 .expect_err("refused")
                 .to_string();
@@ -371,7 +399,7 @@ mod tests {
             None,
             false,
             &settings(&c, 4 << 20),
-            host,
+            (host, calibrate::REFERENCE),
             None,
             1,
         );
@@ -394,7 +422,16 @@ mod tests {
             ("rocev2", "tcp", false),
             ("shm", "rocev2", false),
         ] {
-            let b = blob(&handle(1), theirs, None, false, &mine, host, None, 1);
+            let b = blob(
+                &handle(1),
+                theirs,
+                None,
+                false,
+                &mine,
+                (host, calibrate::REFERENCE),
+                None,
+                1,
+            );
             match parse_blob(2, &b, 1, ours, &mine) {
                 Ok(_) => assert!(ok, "{theirs} and {ours} must be refused"),
                 Err(e) => {

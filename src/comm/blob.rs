@@ -136,7 +136,7 @@ pub(super) fn blob(
     shm: Option<&NetHandle>,
     node: bool,
     settings: &[u64; SETTINGS.len()],
-    inputs: HostInputs,
+    (inputs, speeds): (HostInputs, HostSpeeds),
     spare: Option<std::net::SocketAddr>,
     host: u64,
 ) -> Vec<u8> {
@@ -149,7 +149,7 @@ pub(super) fn blob(
     b.extend_from_slice(handle.as_bytes());
     b.extend_from_slice(&[u8::from(shm.is_some()), u8::from(node), 0, 0, 0, 0, 0, 0]);
     b.extend_from_slice(shm.map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
-    b.extend_from_slice(&calibrate::encode(calibrate::host_speeds()));
+    b.extend_from_slice(&calibrate::encode(speeds));
     for v in settings {
         b.extend_from_slice(&v.to_le_bytes());
     }
@@ -258,7 +258,7 @@ pub(crate) fn fuzz_seed_blob(
         shm,
         false,
         &mine,
-        inputs,
+        (inputs, calibrate::REFERENCE),
         None,
         bootstrap::host_id(),
     ))

@@ -2,15 +2,20 @@
 
 use crate::algo::model::Tuning;
 use crate::algo::Algo;
+use crate::envvar::{self, Lookup};
 use crate::error::{Error, Result};
 use crate::net::sim::SimSpec;
 use crate::net::NetKind;
 use crate::os::wait::Waiter;
 
+use std::time::Duration;
+
 use super::settings;
 
-/// Communicator settings, normally read from `ROCCL_*` environment variables.
+/// Communicator settings, normally read from `ROCCL_*` environment variables
+/// ([`Config::from_env`]); in code, start from [`Config::default`] and set fields.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Config {
     /// Network (`ROCCL_NET`: auto, tcp).
     pub net: NetKind,
@@ -57,6 +62,22 @@ pub struct Config {
     /// Settings of the networks and RDMA providers (`ROCCL_TCP_*`, `ROCCL_SHM_RING`,
     /// `ROCCL_SHM_CMA`, `ROCCL_ROCEV2_*`, `ROCCL_IB_*`).
     pub network: crate::net::NetSettings,
+    /// Shared memory between the ranks of a host (`ROCCL_SHM`, default on; 0: every
+    /// connection over the network).
+    pub shm: bool,
+    /// A call waiting this long without progress says so once, naming the peers it waits for
+    /// (`ROCCL_STUCK_WARN` seconds; `None`: a third of the timeout).
+    pub stuck_warn: Option<Duration>,
+    /// Measure this host's reduce and copy speeds for the cost model at first init
+    /// (`ROCCL_CALIBRATE`, default on; off: reference speeds). Once per process.
+    pub calibrate: bool,
+    /// Write a trace of every call (`ROCCL_TRACE`: a path, `%r` for the rank; without it the
+    /// rank is appended).
+    pub trace: Option<String>,
+    /// Serve `/metrics` and `/status` over HTTP at this address (`ROCCL_METRICS_ADDR`:
+    /// `host:port`, a bare port for this host only); one endpoint per process, started by the
+    /// first communicator that asks.
+    pub metrics_addr: Option<String>,
 }
 
 /// When calls run hierarchically ([`Config::hier`]).
@@ -70,104 +91,127 @@ pub enum Hier {
     On,
 }
 
-fn env_parse<T: std::str::FromStr>(k: &str) -> Result<Option<T>> {
-    crate::envvar::get(k)
+/// `name` as one of `words`' spellings (`(spellings, value)`), `default` when unset; an
+/// error naming what it accepts (`expected`) otherwise.
+fn choice<T: Copy>(
+    get: Lookup<'_>,
+    name: &str,
+    default: T,
+    words: &[(&[&str], T)],
+    expected: &str,
+) -> Result<T> {
+    let Some(v) = get(name) else {
+        return Ok(default);
+    };
+    let t = v.trim().to_ascii_lowercase();
+    if t.is_empty() {
+        return Ok(default);
+    }
+    words
+        .iter()
+        .find(|(spellings, _)| spellings.contains(&t.as_str()))
+        .map(|&(_, value)| value)
+        .ok_or_else(|| Error::arg(format!("{name}={t}: expected {expected}")))
+}
+
+/// Bytes (`K`/`M`/`G` suffixes) or `default` when unset; `expected` says what it takes.
+fn bytes_or(get: Lookup<'_>, name: &str, default: usize, expected: &str) -> Result<usize> {
+    match get(name) {
+        None => Ok(default),
+        Some(v) => crate::envvar::parse_bytes(&v)
+            .ok_or_else(|| Error::arg(format!("{name}={v}: expected {expected}"))),
+    }
+}
+
+const ON: &[&str] = &["1", "on", "true", "yes"];
+const OFF: &[&str] = &["0", "off", "false", "no"];
+
+impl Default for Config {
+    /// Every setting at its default (no `ROCCL_*` variable read).
+    fn default() -> Config {
+        Config::from_lookup(&envvar::unset).expect("the defaults parse")
+    }
 }
 
 impl Config {
-    /// Settings from the environment. Every `ROCCL_*` setting set is checked first, also
-    /// those read later inside a network ([`crate::envvar`]): a bad value is an error naming
-    /// the variable, its value and what it accepts.
+    /// Settings from the environment: [`Config::from_lookup`] over the process's variables.
     pub fn from_env() -> Result<Config> {
-        settings::check()?;
-        let algo = match std::env::var("ROCCL_ALGO") {
-            Ok(v) if !v.trim().is_empty() && !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
+        Config::from_lookup(&envvar::from_process)
+    }
+
+    /// Settings from `get` (a variable's name to its value). Every `ROCCL_*` setting set is
+    /// checked first, also those only a network or the launcher reads ([`crate::envvar`]): a
+    /// bad value is an error naming the variable, its value and what it accepts.
+    pub fn from_lookup(get: Lookup<'_>) -> Result<Config> {
+        settings::check_with(get)?;
+        let algo = match envvar::raw_in(get, "ROCCL_ALGO") {
+            Some(v) if !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
             _ => None,
         };
         Ok(Config {
-            net: env_parse("ROCCL_NET")?.unwrap_or(NetKind::Auto),
+            net: envvar::get_in(get, "ROCCL_NET")?.unwrap_or(NetKind::Auto),
             algo,
             tuning: Tuning {
-                slice: match std::env::var("ROCCL_SLICE") {
-                    Ok(v) if !v.trim().is_empty() => {
-                        Some(crate::envvar::parse_bytes(&v).ok_or_else(|| {
-                            Error::arg(format!(
-                                "ROCCL_SLICE={v}: expected bytes such as 256K or 1M"
-                            ))
-                        })?)
-                    }
-                    _ => None,
+                slice: match envvar::raw_in(get, "ROCCL_SLICE") {
+                    Some(v) => Some(envvar::parse_bytes(&v).ok_or_else(|| {
+                        Error::arg(format!("ROCCL_SLICE={v}: expected bytes such as 256K or 1M"))
+                    })?),
+                    None => None,
                 },
-                depth: env_parse("ROCCL_DEPTH")?,
-                channels: env_parse("ROCCL_NCHANNELS")?,
+                depth: envvar::get_in(get, "ROCCL_DEPTH")?,
+                channels: envvar::get_in(get, "ROCCL_NCHANNELS")?,
                 // Known after the rendezvous (init).
                 nics: 1,
             },
-            waiter: Waiter::from_lookup(&crate::envvar::from_process)?,
-            shm_slot: match std::env::var_os("ROCCL_SHM_SLOT") {
-                Some(_) => Some(crate::algo::shm::node::slot_size()?),
+            waiter: Waiter::from_lookup(get)?,
+            shm_slot: match get("ROCCL_SHM_SLOT") {
+                Some(v) => Some(crate::algo::shm::node::parse_slot(&v)?),
                 None => None,
             },
-            connect_all: match std::env::var("ROCCL_CONNECT") {
-                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                    "all" | "init" => true,
-                    "" | "lazy" | "first-use" => false,
-                    other => {
-                        return Err(Error::arg(format!(
-                            "ROCCL_CONNECT={other}: expected all (connect every peer during init) or lazy (when first used)"
-                        )))
-                    }
-                },
-                Err(_) => false,
+            shm: envvar::switch_in(get, "ROCCL_SHM", true)?,
+            connect_all: choice(
+                get,
+                "ROCCL_CONNECT",
+                false,
+                &[(&["all", "init"], true), (&["lazy", "first-use"], false)],
+                "all (connect every peer during init) or lazy (when first used)",
+            )?,
+            gpu_direct: choice(
+                get,
+                "ROCCL_GPU_DIRECT",
+                GpuDirect::Auto,
+                &[(ON, GpuDirect::On), (&["auto"], GpuDirect::Auto), (OFF, GpuDirect::Off)],
+                "auto (discrete GPUs, where the network takes GPU memory), 1 (integrated GPUs too) or 0 (always stage)",
+            )?,
+            gpu_direct_min: bytes_or(
+                get,
+                "ROCCL_GPU_DIRECT_MIN",
+                GPU_DIRECT_MIN,
+                "bytes such as 64K, 1M or 0",
+            )?,
+            ring_window: bytes_or(
+                get,
+                "ROCCL_RING_WINDOW",
+                RING_WINDOW,
+                "bytes such as 4M, 2M or 0 (one ring)",
+            )?,
+            host: envvar::raw_in(get, "ROCCL_HOSTID"),
+            hier: choice(
+                get,
+                "ROCCL_HIER",
+                Hier::Auto,
+                &[(&["auto"], Hier::Auto), (ON, Hier::On), (OFF, Hier::Off)],
+                "auto (the cost model decides), 1 (always) or 0 (never)",
+            )?,
+            sim: envvar::get_in(get, "ROCCL_SIM")?.unwrap_or_default(),
+            network: crate::net::NetSettings::from_lookup(get)?,
+            stuck_warn: match envvar::value_in::<f64>(get, "ROCCL_STUCK_WARN", 0.0)? {
+                s if s > 0.0 && s < 1e9 => Some(Duration::from_secs_f64(s)),
+                _ => None,
             },
-            gpu_direct: match std::env::var("ROCCL_GPU_DIRECT") {
-                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                    "1" | "on" | "true" | "yes" => GpuDirect::On,
-                    "" | "auto" => GpuDirect::Auto,
-                    "0" | "off" | "false" | "no" => GpuDirect::Off,
-                    other => {
-                        return Err(Error::arg(format!(
-                            "ROCCL_GPU_DIRECT={other}: expected auto (discrete GPUs, where the network takes GPU memory), 1 (integrated GPUs too) or 0 (always stage)"
-                        )))
-                    }
-                },
-                Err(_) => GpuDirect::Auto,
-            },
-            gpu_direct_min: match std::env::var("ROCCL_GPU_DIRECT_MIN") {
-                Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
-                    Error::arg(format!(
-                        "ROCCL_GPU_DIRECT_MIN={v}: expected bytes such as 64K, 1M or 0"
-                    ))
-                })?,
-                Err(_) => GPU_DIRECT_MIN,
-            },
-            ring_window: match std::env::var("ROCCL_RING_WINDOW") {
-                Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
-                    Error::arg(format!(
-                        "ROCCL_RING_WINDOW={v}: expected bytes such as 4M, 2M or 0 (one ring)"
-                    ))
-                })?,
-                Err(_) => RING_WINDOW,
-            },
-            host: std::env::var("ROCCL_HOSTID")
-                .ok()
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty()),
-            hier: match std::env::var("ROCCL_HIER") {
-                Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                    "" | "auto" => Hier::Auto,
-                    "1" | "on" | "true" | "yes" => Hier::On,
-                    "0" | "off" | "false" | "no" => Hier::Off,
-                    other => {
-                        return Err(Error::arg(format!(
-                            "ROCCL_HIER={other}: expected auto (the cost model decides), 1 (always) or 0 (never)"
-                        )))
-                    }
-                },
-                Err(_) => Hier::Auto,
-            },
-            sim: env_parse("ROCCL_SIM")?.unwrap_or_default(),
-            network: crate::net::NetSettings::from_env()?,
+            calibrate: envvar::switch_in(get, "ROCCL_CALIBRATE", true)?,
+            trace: envvar::raw_in(get, "ROCCL_TRACE"),
+            metrics_addr: envvar::raw_in(get, "ROCCL_METRICS_ADDR"),
         })
     }
 }
@@ -195,3 +239,171 @@ pub const RING_WINDOW: usize = 4 << 20;
 /// Default of [`Config::gpu_direct_min`]: on the simulated device over the userspace RoCE
 /// engine, GPU-direct broadcasts overtake staged ones between 32 KiB and 512 KiB.
 pub const GPU_DIRECT_MIN: usize = 64 << 10;
+
+/// Builds a [`Config`] in code, from the defaults ([`Config::builder`]):
+///
+/// ```
+/// use roccl::{net::NetKind, Config};
+/// use std::time::Duration;
+/// let cfg = Config::builder()
+///     .net(NetKind::Tcp)
+///     .timeout(Duration::from_secs(30))
+///     .host("node-a")
+///     .build();
+/// assert_eq!(cfg.net, NetKind::Tcp);
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct ConfigBuilder(Config);
+
+impl Config {
+    /// A builder starting from the defaults (no environment read).
+    pub fn builder() -> ConfigBuilder {
+        ConfigBuilder(Config::default())
+    }
+}
+
+impl ConfigBuilder {
+    /// A builder starting from `cfg` (e.g. [`Config::from_env`]'s).
+    pub fn from_config(cfg: Config) -> ConfigBuilder {
+        ConfigBuilder(cfg)
+    }
+    /// [`Config::net`].
+    pub fn net(mut self, net: NetKind) -> Self {
+        self.0.net = net;
+        self
+    }
+    /// [`Config::algo`].
+    pub fn algo(mut self, algo: Algo) -> Self {
+        self.0.algo = Some(algo);
+        self
+    }
+    /// [`Config::tuning`].
+    pub fn tuning(mut self, tuning: Tuning) -> Self {
+        self.0.tuning = tuning;
+        self
+    }
+    /// [`Config::waiter`].
+    pub fn waiter(mut self, waiter: Waiter) -> Self {
+        self.0.waiter = waiter;
+        self
+    }
+    /// How long a wait may go without progress before it fails ([`Waiter::timeout`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.0.waiter.timeout = timeout;
+        self
+    }
+    /// [`Config::host`].
+    pub fn host(mut self, host: impl Into<String>) -> Self {
+        self.0.host = Some(host.into());
+        self
+    }
+    /// [`Config::connect_all`].
+    pub fn connect_all(mut self, all: bool) -> Self {
+        self.0.connect_all = all;
+        self
+    }
+    /// [`Config::gpu_direct`].
+    pub fn gpu_direct(mut self, mode: GpuDirect) -> Self {
+        self.0.gpu_direct = mode;
+        self
+    }
+    /// [`Config::hier`].
+    pub fn hier(mut self, hier: Hier) -> Self {
+        self.0.hier = hier;
+        self
+    }
+    /// [`Config::shm`].
+    pub fn shm(mut self, on: bool) -> Self {
+        self.0.shm = on;
+        self
+    }
+    /// [`Config::network`].
+    pub fn network(mut self, network: crate::net::NetSettings) -> Self {
+        self.0.network = network;
+        self
+    }
+    /// [`Config::trace`].
+    pub fn trace(mut self, pattern: impl Into<String>) -> Self {
+        self.0.trace = Some(pattern.into());
+        self
+    }
+    /// [`Config::metrics_addr`].
+    pub fn metrics_addr(mut self, addr: impl Into<String>) -> Self {
+        self.0.metrics_addr = Some(addr.into());
+        self
+    }
+    /// The settings.
+    pub fn build(self) -> Config {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_come_from_the_lookup_given_and_defaults_from_none() {
+        let d = Config::default();
+        assert_eq!(
+            (d.net, d.shm, d.calibrate, d.hier),
+            (NetKind::Auto, true, true, Hier::Auto)
+        );
+        assert_eq!(
+            (d.gpu_direct_min, d.ring_window),
+            (GPU_DIRECT_MIN, RING_WINDOW)
+        );
+        let vars = [
+            ("ROCCL_NET", "tcp"),
+            ("ROCCL_SHM", "0"),
+            ("ROCCL_HIER", "1"),
+            ("ROCCL_CONNECT", "all"),
+            ("ROCCL_STUCK_WARN", "0.5"),
+            ("ROCCL_TRACE", "/tmp/t.%r"),
+            ("ROCCL_TCP_DUPLEX", "0"),
+            ("ROCCL_TIMEOUT", "7"),
+        ];
+        let get = |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        let c = Config::from_lookup(&get).unwrap();
+        assert_eq!(
+            (c.net, c.shm, c.hier, c.connect_all),
+            (NetKind::Tcp, false, Hier::On, true)
+        );
+        assert_eq!(c.stuck_warn, Some(Duration::from_millis(500)));
+        assert_eq!(c.trace.as_deref(), Some("/tmp/t.%r"));
+        assert_eq!(c.waiter.timeout, Duration::from_secs(7));
+        assert!(!c.network.tcp.duplex);
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_the_variable() {
+        for (k, v) in [
+            ("ROCCL_HIER", "sometimes"),
+            ("ROCCL_SHM", "maybe"),
+            ("ROCCL_SHM_RING", "3"),
+        ] {
+            let get = move |n: &str| (n == k).then(|| v.to_string());
+            let e = Config::from_lookup(&get).unwrap_err().to_string();
+            assert!(e.contains(k), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_builder_sets_what_it_is_told() {
+        let c = Config::builder()
+            .net(NetKind::Shm)
+            .timeout(Duration::from_secs(3))
+            .host("a")
+            .shm(false)
+            .build();
+        assert_eq!(
+            (c.net, c.waiter.timeout, c.host.as_deref(), c.shm),
+            (NetKind::Shm, Duration::from_secs(3), Some("a"), false)
+        );
+    }
+}

@@ -139,7 +139,12 @@ impl Communicator {
         );
         let endpoints = endpoints(net, listen, shm, place.local_index);
         let id_hash = id_hash(id);
-        let metrics = comm_metrics((rank, nranks, id_hash), name, &endpoints, node.as_ref());
+        let metrics = comm_metrics(
+            (rank, nranks, id_hash),
+            (name, cfg.trace.as_deref()),
+            &endpoints,
+            node.as_ref(),
+        );
         let links = make_links(
             rank,
             &cfg,
@@ -148,7 +153,7 @@ impl Communicator {
             &blobs,
             (net_gpu, metrics),
         );
-        if let Some(Err(e)) = crate::metrics::http::start_from_env() {
+        if let Some(Err(e)) = crate::metrics::http::start_at(cfg.metrics_addr.as_deref()) {
             crate::warn!("{e}: no metrics endpoint");
         }
         let connect_all = cfg.connect_all;
@@ -525,8 +530,7 @@ fn shm_endpoint(
     id: &UniqueId,
     net: &dyn net::Net,
 ) -> Option<ShmEndpoint> {
-    if !(cfg.net == NetKind::Auto || between_hosts) || !crate::envvar::switch_or("ROCCL_SHM", true)
-    {
+    if !(cfg.net == NetKind::Auto || between_hosts) || !cfg.shm {
         return None;
     }
     let made = net::shm::ShmNet::new(&cfg.network.shm).and_then(|n| {
@@ -577,13 +581,16 @@ fn own_blob(
         shm,
         node,
         mine,
-        blob::HostInputs {
-            cores: crate::os::host_cores() as u32,
-            latency_us: props.latency_us,
-            speed_mbps: props.speed_mbps,
-            nic: blob::nic_fingerprint(props),
-            devices: net.devices() as u32,
-        },
+        (
+            blob::HostInputs {
+                cores: crate::os::host_cores() as u32,
+                latency_us: props.latency_us,
+                speed_mbps: props.speed_mbps,
+                nic: blob::nic_fingerprint(props),
+                devices: net.devices() as u32,
+            },
+            crate::algo::calibrate::host_speeds(cfg.calibrate),
+        ),
         spare.as_ref().map(|s| s.addr()),
         host_of(cfg, rank)?,
     ))
@@ -788,10 +795,7 @@ fn make_links(
             (here && b.pid != 0).then_some(b.pid)
         })
         .collect();
-    let stuck_warn = match crate::envvar::value_or::<f64>("ROCCL_STUCK_WARN", 0.0) {
-        s if s > 0.0 && s < 1e9 => Duration::from_secs_f64(s),
-        _ => cfg.waiter.timeout / 3,
-    };
+    let stuck_warn = cfg.stuck_warn.unwrap_or(cfg.waiter.timeout / 3);
     let settings = LinkSettings {
         local_pids,
         timeout_grace: Some((cfg.waiter.timeout / 2).clamp(TIMEOUT_GRACE_MIN, TIMEOUT_GRACE_MAX)),
@@ -825,7 +829,7 @@ fn id_hash(id: &UniqueId) -> u64 {
 /// shared segments' counters too.
 fn comm_metrics(
     (rank, nranks, id_hash): (usize, usize, u64),
-    name: &'static str,
+    (name, trace): (&'static str, Option<&str>),
     endpoints: &[Endpoint],
     node: Option<&crate::algo::shm::node::Node>,
 ) -> Arc<crate::metrics::CommMetrics> {
@@ -833,7 +837,7 @@ fn comm_metrics(
         &super::dispatch::CALL_KINDS[..],
         &crate::algo::Algo::NAMES[..],
     );
-    let metrics = crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, names);
+    let metrics = crate::metrics::CommMetrics::new(rank, nranks, id_hash, name, names, trace);
     for e in endpoints {
         let w = Arc::downgrade(&e.net);
         metrics.add_net_source(

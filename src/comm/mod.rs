@@ -39,7 +39,7 @@ pub(crate) use api::P2pMem;
 pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
 #[cfg(feature = "fuzzing")]
 pub(crate) use blob::fuzz_seed_blob;
-pub use config::{Config, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
+pub use config::{Config, ConfigBuilder, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
 pub use queue::{Handle, Turn};
 
 /// The end of every error about ranks in different calls.
@@ -379,9 +379,7 @@ impl Drop for Communicator {
 }
 
 /// Time limit helper for tests and tools: `ROCCL_TIMEOUT` as a duration.
-pub fn timeout() -> Duration {
-    crate::os::wait::timeout_from_env()
-}
+pub use crate::envvar::timeout;
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,6 @@
-//! The check of every `ROCCL_*` setting at init ([`crate::envvar::SETTINGS`]), so that a
-//! bad value is refused before anything reads it, even a setting read later deep inside a
-//! network.
+//! The check of every `ROCCL_*` setting at once ([`crate::envvar::SETTINGS`]), before
+//! `Config::from_lookup` parses them: a bad value is refused at init even of a setting
+//! that only the launcher or a tool reads.
 //!
 //! Most settings are checked by their entry in the table; a few take values that only the
 //! layer reading them can parse (a network, an algorithm, an address family, a fault plan):
@@ -49,7 +49,7 @@ fn accepted(s: &Setting, v: &str) -> bool {
     }
 }
 
-/// Check every setting `get` returns (the environment: [`check`]).
+/// Check every setting `get` returns (the environment: `envvar::from_process`).
 pub fn check_with(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
     for s in SETTINGS {
         if let Some(v) = get(s.name) {
@@ -60,11 +60,6 @@ pub fn check_with(get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Check every setting of [`SETTINGS`] in the environment.
-pub fn check() -> Result<()> {
-    check_with(&|k| std::env::var(k).ok())
 }
 
 #[cfg(test)]

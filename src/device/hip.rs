@@ -149,10 +149,7 @@ const MEMCPY_DEFAULT: c_int = 4;
 /// the CPU at the points roccl reads and writes it on gfx1151; check with
 /// `scripts/gpu-check.sh` (0 wrong results) before relying on it (docs/GPU.md).
 fn apu_in_place() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("ROCCL_APU_DEVICE_MEMORY").is_ok_and(|v| v.trim() == "in-place")
-    })
+    crate::envvar::process().apu_in_place
 }
 const HIP_ERROR_NO_DEVICE: c_int = 100;
 const HIP_ERROR_INVALID_VALUE: c_int = 1;

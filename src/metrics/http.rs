@@ -17,20 +17,12 @@ use std::time::{Duration, Instant};
 /// The endpoint's address once it serves, or why it could not start.
 static SERVING: OnceLock<Result<SocketAddr, String>> = OnceLock::new();
 
-/// The address `ROCCL_METRICS_ADDR` asks for (`host:port`; a bare port means this host
-/// only), or `None` when it is unset.
-pub fn requested() -> Option<String> {
-    std::env::var("ROCCL_METRICS_ADDR")
-        .ok()
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
-}
-
-/// Start the endpoint once per process at `ROCCL_METRICS_ADDR` (when set); later calls
-/// return what the first did.
-pub fn start_from_env() -> Option<Result<SocketAddr, String>> {
-    let want = requested()?;
-    Some(SERVING.get_or_init(|| start(&want)).clone())
+/// Start the endpoint once per process at `want` (`Config::metrics_addr`, from
+/// `ROCCL_METRICS_ADDR`: `host:port`, a bare port for this host only), when there is one;
+/// later calls return what the first did.
+pub fn start_at(want: Option<&str>) -> Option<Result<SocketAddr, String>> {
+    let want = want?;
+    Some(SERVING.get_or_init(|| start(want)).clone())
 }
 
 /// The endpoint's address, when it serves.

@@ -130,13 +130,15 @@ pub fn now_ns() -> u64 {
 impl CommMetrics {
     /// The counters of rank `rank` of `nranks` of communicator `comm` over `net`, with the
     /// names of the kinds of call it counts (the index [`CommMetrics::call_start`] takes;
-    /// the last is where unknown kinds go) and of its algorithms.
+    /// the last is where unknown kinds go) and of its algorithms; traced to the file
+    /// `trace` names, if any ([`trace::Trace::for_rank`]).
     pub fn new(
         rank: usize,
         nranks: usize,
         comm: u64,
         net: &'static str,
         (kinds, algos): (&'static [&'static str], &'static [&'static str]),
+        trace: Option<&str>,
     ) -> Arc<CommMetrics> {
         let kinds = if kinds.is_empty() {
             &["call"][..]
@@ -161,7 +163,7 @@ impl CommMetrics {
                 ..InFlight::default()
             },
             nets: Mutex::new(Vec::new()),
-            trace: trace::Trace::from_env(rank, comm),
+            trace: trace::Trace::for_rank(trace, rank, comm),
             trace_start: AtomicU64::new(0),
         });
         if let Some(t) = &m.trace {
@@ -668,7 +670,7 @@ mod tests {
     #[test]
     fn counters_reach_the_text_format_and_the_status() {
         let kinds = &["all_reduce", "broadcast", "p2p", "other"];
-        let m = CommMetrics::new(1, 3, 0xabcd, "tcp", (kinds, &["ring", "tree"]));
+        let m = CommMetrics::new(1, 3, 0xabcd, "tcp", (kinds, &["ring", "tree"]), None);
         m.call_start(0, 4096);
         m.call_algo(1);
         m.sent(0, 100);

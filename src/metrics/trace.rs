@@ -40,10 +40,10 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// The trace of rank `rank` of communicator `comm`, when `ROCCL_TRACE` asks for one.
-    pub fn from_env(rank: usize, comm: u64) -> Option<Trace> {
-        let p = std::env::var("ROCCL_TRACE").ok()?;
-        let p = p.trim();
+    /// The trace of rank `rank` of communicator `comm`, written where `pattern` says
+    /// (`Config::trace`, from `ROCCL_TRACE`), when there is one.
+    pub fn for_rank(pattern: Option<&str>, rank: usize, comm: u64) -> Option<Trace> {
+        let p = pattern?.trim();
         if p.is_empty() {
             return None;
         }

@@ -5,7 +5,7 @@
 use super::rocev2::RoceSettings;
 use super::shm::ShmSettings;
 use super::tcp::TcpSettings;
-use crate::envvar::{self, Lookup};
+use crate::envvar::Lookup;
 use crate::error::Result;
 
 /// Settings of the networks and the RDMA providers they open (`ROCCL_NSOCKS`,
@@ -31,11 +31,6 @@ impl NetSettings {
             rocev2: RoceSettings::from_lookup(get)?,
         })
     }
-
-    /// The settings of the process environment.
-    pub fn from_env() -> Result<NetSettings> {
-        NetSettings::from_lookup(&envvar::from_process)
-    }
 }
 
 #[cfg(test)]
@@ -59,7 +54,7 @@ mod tests {
         assert_eq!(s.shm.ring, 65536);
         assert_eq!(s.rocev2.eager, 4096);
         assert!(!s.rocev2.engine.offload);
-        let d = NetSettings::from_lookup(&envvar::unset).unwrap();
+        let d = NetSettings::from_lookup(&crate::envvar::unset).unwrap();
         assert!(d.tcp.duplex && d.rocev2.engine.offload);
         assert_eq!((d.shm.ring, d.rocev2.eager), (1 << 20, 16384));
     }

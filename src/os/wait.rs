@@ -17,24 +17,7 @@ pub struct PollFd {
     pub events: i16,
 }
 
-/// `ROCCL_TIMEOUT` in seconds (default 300): the deadline of a communicator that sets none
-/// of its own, and of what runs without one (the bootstrap, raw-memory stream operations).
-/// Parts that serve a communicator take its deadline ([`Waiter::timeout`]) instead.
-pub fn timeout_from_env() -> Duration {
-    // A bad value is refused at init (the settings check).
-    timeout_in(&crate::envvar::from_process).unwrap_or(DEFAULT_TIMEOUT)
-}
-
-/// The deadline without progress unless `ROCCL_TIMEOUT` says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// `ROCCL_TIMEOUT` (seconds, above 0) from `get`, or [`DEFAULT_TIMEOUT`].
-pub fn timeout_in(get: crate::envvar::Lookup<'_>) -> crate::error::Result<Duration> {
-    match crate::envvar::get_in::<f64>(get, "ROCCL_TIMEOUT")? {
-        None => Ok(DEFAULT_TIMEOUT),
-        Some(s) => Ok(Duration::from_secs_f64(s.max(1e-3))),
-    }
-}
+pub use crate::envvar::{timeout_in, DEFAULT_TIMEOUT};
 
 /// Waiting policy of a communicator.
 #[derive(Clone, Debug)]

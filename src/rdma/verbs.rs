@@ -192,7 +192,7 @@ pub trait Verbs: Send + Sync {
     /// Longest a closing connection waits for the peer to acknowledge what it sent
     /// (the peer or the QP failing ends the wait sooner).
     fn drain_limit(&self) -> std::time::Duration {
-        crate::os::wait::timeout_from_env()
+        crate::envvar::DEFAULT_TIMEOUT
     }
     /// Create an RC QP in INIT (receives may be posted) and return it with its endpoint.
     fn create_qp(&self) -> Result<(QpId, QpEndpoint)>;

@@ -14,27 +14,28 @@ use roccl::{Algo, CallOpts, Collective, Communicator, Config, DataType, RedOp, U
 /// Test settings: short spin so 8 threads on 2 cores share them well, a timeout that fails
 /// a hung test quickly, and the given pipeline tuning.
 pub fn config(tuning: Tuning) -> Config {
-    Config {
-        net: NetKind::Tcp,
-        algo: None,
-        tuning,
-        waiter: Waiter {
-            spin: Duration::from_micros(5),
-            yield_for: Duration::from_micros(50),
-            timeout: Duration::from_secs(60),
-            nap: Duration::from_millis(10),
-            fixed: true,
-        },
-        shm_slot: None,
-        connect_all: false,
-        gpu_direct: roccl::comm::GpuDirect::Auto,
-        gpu_direct_min: 0,
-        ring_window: roccl::comm::RING_WINDOW,
-        host: None,
-        hier: roccl::comm::Hier::Auto,
-        sim: Default::default(),
-        network: roccl::net::NetSettings::from_env().unwrap(),
-    }
+    // What a test sets in the environment before it builds its config still counts for
+    // the settings not fixed here (the networks', metrics, tracing).
+    let mut c = Config::from_env().expect("valid ROCCL_* settings");
+    c.net = NetKind::Tcp;
+    c.algo = None;
+    c.tuning = tuning;
+    c.waiter = Waiter {
+        spin: Duration::from_micros(5),
+        yield_for: Duration::from_micros(50),
+        timeout: Duration::from_secs(60),
+        nap: Duration::from_millis(10),
+        fixed: true,
+    };
+    c.shm_slot = None;
+    c.connect_all = false;
+    c.gpu_direct = roccl::comm::GpuDirect::Auto;
+    c.gpu_direct_min = 0;
+    c.ring_window = roccl::comm::RING_WINDOW;
+    c.host = None;
+    c.hier = roccl::comm::Hier::Auto;
+    c.sim = Default::default();
+    c
 }
 
 /// Run `f(comm)` on `n` ranks, each a thread with its own communicator.

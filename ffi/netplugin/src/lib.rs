@@ -178,10 +178,10 @@ fn init_impl(logger: Logger) -> R<()> {
         return Ok(());
     }
     // Every ROCCL_* setting strictly, as communicator init does.
-    roccl_core::comm::settings::check()?;
+    roccl_core::comm::settings::check_with(&roccl_core::envvar::from_process)?;
     let kind: NetKind = roccl_core::envvar::get("ROCCL_NET")?.unwrap_or(NetKind::Auto);
     let ip = roccl_core::bootstrap::ifaces::local_addr(None)?;
-    let settings = net::NetSettings::from_env()?;
+    let settings = net::NetSettings::from_lookup(&roccl_core::envvar::from_process)?;
     let net = net::open(kind, ip, &settings).map_err(|e| {
         Error(
             SYSTEM_ERROR,
@@ -793,7 +793,7 @@ fn iflush_impl(
             None => set_out(req, std::ptr::null_mut()),
         },
         None => {
-            r.c.flush(&bufs[..n], roccl_core::os::wait::timeout_from_env())?;
+            r.c.flush(&bufs[..n], roccl_core::envvar::timeout())?;
             set_out(req, std::ptr::null_mut());
         }
     }

@@ -188,16 +188,14 @@ fn reached(v: u32, k: u32) -> bool {
 /// Slot size in bytes when `ROCCL_SHM_SLOT` is unset.
 pub(crate) const DEFAULT_SLOT: usize = 256 << 10;
 
-/// Slot size in bytes (`ROCCL_SHM_SLOT`): larger calls run in pieces of this size.
-pub(crate) fn slot_size() -> Result<usize> {
-    match std::env::var("ROCCL_SHM_SLOT") {
-        Err(_) => Ok(DEFAULT_SLOT),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n % 4096 == 0 && (4096..=64 << 20).contains(&n) => Ok(n),
-            _ => Err(Error::arg(format!(
-                "ROCCL_SHM_SLOT={v}: expected a multiple of 4096 from 4096 to 67108864 bytes"
-            ))),
-        },
+/// A slot size in bytes (`ROCCL_SHM_SLOT`, a multiple of 4096 up to 64 MiB): larger calls
+/// run in pieces of this size.
+pub(crate) fn parse_slot(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n % 4096 == 0 && (4096..=64 << 20).contains(&n) => Ok(n),
+        _ => Err(Error::arg(format!(
+            "ROCCL_SHM_SLOT={v}: expected a multiple of 4096 from 4096 to 67108864 bytes"
+        ))),
     }
 }
 

@@ -415,7 +415,7 @@ fn main() -> ExitCode {
 /// here; rank 0 prints. The job ends as soon as one rank fails (`roccl::tool::launch`).
 fn launch(a: &Args) -> Result<bool, String> {
     check_args(a, a.ranks, a.ranks)?;
-    roccl::comm::settings::check().map_err(|e| e.to_string())?;
+    roccl::comm::settings::check_with(&roccl::envvar::from_process).map_err(|e| e.to_string())?;
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| format!("finding roccl-perf's own path: {e}"))?;
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -10,7 +10,7 @@
 //! kind of memory or the path: blocking calls and groups run the same parts one after the
 //! other, so every rank makes the same calls.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{enqueue_steps, staging, Part, Step, StreamCopy, MAX_STEPS};
@@ -342,16 +342,8 @@ pub unsafe fn run_now(comm: &Communicator, ops: &[Op]) -> Result<()> {
 /// suffixes; default 4 MiB; 0: never split). Every rank must use the same value, like every
 /// `ROCCL_*` setting.
 pub fn stream_chunk() -> Result<usize> {
-    static CHUNK: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    CHUNK
-        .get_or_init(|| match std::env::var("ROCCL_STREAM_CHUNK") {
-            Err(_) => Ok(4 << 20),
-            Ok(v) => crate::envvar::parse_bytes(&v).ok_or_else(|| {
-                format!(
-                    "ROCCL_STREAM_CHUNK={v}: expected bytes such as 4M, 512K or 0 (no pipelining)"
-                )
-            }),
-        })
+    crate::envvar::process()
+        .stream_chunk
         .clone()
         .map_err(Error::arg)
 }

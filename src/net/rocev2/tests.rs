@@ -669,7 +669,7 @@ impl Verbs for Wrapped {
     }
     // `sends_acknowledged`: the trait's `false`, as a NIC (a close always drains).
     fn drain_limit(&self) -> Duration {
-        self.5.unwrap_or_else(crate::os::wait::timeout_from_env)
+        self.5.unwrap_or_else(crate::envvar::timeout)
     }
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
         self.0.poll_fds(out)
@@ -834,7 +834,7 @@ fn gpu_memory_moves_without_cpu_copies_and_is_flushed() {
         }
         .unwrap();
         assert_eq!((size, &buf[..64]), (64, &data[..]));
-        r.flush(&rb, crate::os::wait::timeout_from_env()).unwrap();
+        r.flush(&rb, crate::envvar::timeout()).unwrap();
         let log = rec.1.lock().clone();
         let data_wr = log.iter().find(|w| w.2 == sa as u64);
         if device {
@@ -1039,11 +1039,8 @@ fn dmabuf_registrations_move_memory_the_cpu_cannot_touch() {
             got[len..].iter().all(|x| *x == 0),
             "nothing past the message"
         );
-        r.flush(
-            std::slice::from_ref(&rb),
-            crate::os::wait::timeout_from_env(),
-        )
-        .unwrap();
+        r.flush(std::slice::from_ref(&rb), crate::envvar::timeout())
+            .unwrap();
         s.dereg_mr(sm).unwrap();
         r.dereg_mr(rm).unwrap();
     }
