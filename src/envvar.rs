@@ -367,10 +367,13 @@ pub fn setting(name: &str) -> Option<&'static Setting> {
 
 /// The error for `name=value`.
 pub fn invalid(name: &str, value: &str) -> Error {
-    let accepts = setting(name).map_or("another value", |s| s.accepts);
-    Error::arg(format!(
-        "{name}={value:?} is not valid: {name} takes {accepts} (or unset it for the default)"
-    ))
+    Error::Setting {
+        name: name.to_string(),
+        value: value.to_string(),
+        accepts: setting(name)
+            .map_or("another value", |s| s.accepts)
+            .to_string(),
+    }
 }
 
 /// The value of `name`, trimmed; `None` when unset or blank.

@@ -12,11 +12,24 @@ pub enum Error {
     /// The communicator was used in a way it does not support (e.g. after an error).
     #[error("invalid usage: {0}")]
     InvalidUsage(String),
-    /// An operating-system call failed.
+    /// A setting (`ROCCL_*` variable, or the same field of a `Config`) has a value it
+    /// does not take.
+    #[error("invalid argument: {name}={value:?} is not valid: {name} takes {accepts} (or unset it for the default)")]
+    Setting {
+        /// The setting, `ROCCL_...`.
+        name: String,
+        /// The value given.
+        value: String,
+        /// What it takes, in words.
+        accepts: String,
+    },
+    /// An operating-system call, or a call into a system library (an RDMA verb), failed.
     #[error("system error: {what}: {source}")]
     System {
         /// What roccl was doing.
         what: String,
+        /// The C function that failed, where one did (`ibv_post_send`, ...).
+        call: Option<&'static str>,
         /// The OS error.
         #[source]
         source: std::io::Error,
@@ -32,8 +45,13 @@ pub enum Error {
         msg: String,
     },
     /// Waiting for peers took longer than the configured timeout.
-    #[error("timeout: {0}")]
-    Timeout(String),
+    #[error("timeout: {msg}")]
+    Timeout {
+        /// The ranks waited for, where known (empty: not one peer's doing, or unknown).
+        waiting_on: Vec<usize>,
+        /// What was waited for, and the likely fix.
+        msg: String,
+    },
     /// A bug or broken invariant inside roccl.
     #[error("internal error: {0}")]
     Internal(String),
@@ -87,11 +105,11 @@ impl Error {
     /// The class of this error.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::InvalidArgument(_) | Error::Setting { .. } => ErrorKind::InvalidArgument,
             Error::InvalidUsage(_) => ErrorKind::InvalidUsage,
             Error::System { .. } => ErrorKind::System,
             Error::Remote { .. } => ErrorKind::Remote,
-            Error::Timeout(_) => ErrorKind::Timeout,
+            Error::Timeout { .. } => ErrorKind::Timeout,
             Error::Internal(_) => ErrorKind::Internal,
             Error::TagMismatch { .. } => ErrorKind::InvalidUsage,
         }
@@ -101,7 +119,16 @@ impl Error {
     pub fn sys(what: impl Into<String>, source: std::io::Error) -> Self {
         Error::System {
             what: what.into(),
+            call: None,
             source,
+        }
+    }
+
+    /// An [`Error::Timeout`] waiting on `waiting_on` (empty where no peer is known).
+    pub fn timeout(waiting_on: Vec<usize>, msg: impl Into<String>) -> Self {
+        Error::Timeout {
+            waiting_on,
+            msg: msg.into(),
         }
     }
 

@@ -474,7 +474,7 @@ pub fn rendezvous_abortable(
             Err(Attempt::Retry(why)) => why,
         };
         if join.start.elapsed() > timeout {
-            return Err(Error::Timeout(format!(
+            return Err(Error::timeout(Vec::new(), format!(
                 "rank {rank} could not register with the bootstrap root at {addr} within {timeout:.0?}: {why} (is rank 0 / the process that created the id running, and is {addr} reachable from here?)"
             )));
         }
@@ -582,7 +582,7 @@ impl Join<'_> {
             let text = String::from_utf8_lossy(&payload).into_owned();
             return Err(Attempt::Fail(match (authentic, status) {
                 (false, _) => self.unauthentic(&format!("a refusal saying \"{text}\"")),
-                (true, wire::STATUS_TIMEOUT) => Error::Timeout(text),
+                (true, wire::STATUS_TIMEOUT) => Error::timeout(Vec::new(), text),
                 (true, _) => Error::InvalidUsage(text),
             }));
         }
@@ -635,12 +635,15 @@ impl Join<'_> {
                         return Err(Attempt::Fail(self.aborted()));
                     }
                     if Instant::now() > until {
-                        return Err(Attempt::Fail(Error::Timeout(format!(
-                            "rank {} waited {:.0?} for the bootstrap root at {} to send {what}",
-                            self.rank,
-                            self.timeout + Duration::from_secs(5),
-                            self.addr
-                        ))));
+                        return Err(Attempt::Fail(Error::timeout(
+                            Vec::new(),
+                            format!(
+                                "rank {} waited {:.0?} for the bootstrap root at {} to send {what}",
+                                self.rank,
+                                self.timeout + Duration::from_secs(5),
+                                self.addr
+                            ),
+                        )));
                     }
                 }
                 Err(e) => return Err(Attempt::Retry(format!("reading {what} failed ({e})"))),

@@ -388,8 +388,12 @@ mod tests {
             ("ROCCL_SHM_RING", "3"),
         ] {
             let get = move |n: &str| (n == k).then(|| v.to_string());
-            let e = Config::from_lookup(&get).unwrap_err().to_string();
-            assert!(e.contains(k), "{e}");
+            let e = Config::from_lookup(&get).unwrap_err();
+            assert!(
+                matches!(&e, Error::Setting { name, value, .. } if name == k && value == v),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains(k), "{e}");
         }
     }
 

@@ -464,7 +464,7 @@ impl State {
     /// later leaves the peers mid-protocol, so the communicator cannot continue. Tell the
     /// other ranks whom to blame (unless the application aborted) and close everything.
     pub(super) fn failed(&mut self, e: &Error) {
-        if matches!(e, Error::InvalidArgument(_)) {
+        if e.kind() == crate::error::ErrorKind::InvalidArgument {
             return;
         }
         self.broken.set(crate::error::AsyncError::of(e));

@@ -200,7 +200,7 @@ fn grow_label(seq: u64) -> Vec<u8> {
 /// `e` with what the ranks must agree on, where disagreeing is a likely cause.
 fn hint(e: Error, what: &str) -> Error {
     match e {
-        Error::Timeout(m) => Error::Timeout(format!("{what}: {m}")),
+        Error::Timeout { waiting_on, msg } => Error::timeout(waiting_on, format!("{what}: {msg}")),
         Error::Remote { rank, cause, msg } => Error::remote(rank, cause, format!("{what}: {msg}")),
         Error::InvalidUsage(m) => Error::InvalidUsage(format!("{what}: {m}")),
         e => e,

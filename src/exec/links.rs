@@ -1001,7 +1001,7 @@ impl Links {
                 )
             }
             Some(c) if !timed_out => Error::remote(c, PeerCause::Failed, detail),
-            _ => Error::Timeout(detail),
+            _ => Error::timeout(own.into_iter().collect(), detail),
         }
     }
 

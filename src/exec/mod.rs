@@ -312,7 +312,7 @@ impl<'a> Exec<'a> {
 
     fn remote(&mut self, peer: usize, e: Error) -> Error {
         match e {
-            Error::Remote { .. } | Error::Timeout(_) => e,
+            Error::Remote { .. } | Error::Timeout { .. } => e,
             Error::System { ref source, .. } => {
                 let net = self.links.net_name(peer);
                 let state = self.links.peer_state(peer);
@@ -869,6 +869,14 @@ impl<'a> Exec<'a> {
             })
             .collect();
         peers.dedup();
+        let mut waiting_on: Vec<usize> = self
+            .ops
+            .iter()
+            .filter(|o| o.active && !o.done)
+            .map(|o| o.peer as usize)
+            .collect();
+        waiting_on.sort_unstable();
+        waiting_on.dedup();
         // What this host can see of the peer waited on (exited, stopped) says why.
         let why = seen.map_or_else(
             || "the peer may have died, hung, or called a different collective".into(),
@@ -884,7 +892,10 @@ impl<'a> Exec<'a> {
                 peers.join(", ")
             }
         );
-        self.links.failure(suspect, true, detail)
+        match self.links.failure(suspect, true, detail) {
+            Error::Timeout { msg, .. } => Error::timeout(waiting_on, msg),
+            e => e,
+        }
     }
 
     fn check_abort(&self) -> Result<()> {

@@ -471,7 +471,7 @@ pub trait RecvComm: Send {
             let t0 = std::time::Instant::now();
             while !self.test_flush(id)? {
                 if t0.elapsed() > limit {
-                    return Err(Error::Timeout(format!(
+                    return Err(Error::timeout(Vec::new(), format!(
                         "flushing received GPU memory took over {limit:.0?} (ROCCL_TIMEOUT): the NIC did not complete the flush"
                     )));
                 }

@@ -130,7 +130,11 @@ impl From<VerbError> for Error {
         if !v.hint.is_empty() {
             what = format!("{what} ({})", v.hint);
         }
-        Error::System { what, source }
+        Error::System {
+            what,
+            call: Some(v.verb.c_name()),
+            source,
+        }
     }
 }
 

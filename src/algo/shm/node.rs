@@ -523,7 +523,7 @@ impl Node {
                     }
                     0 => {
                         remove_dead_segments(tag, me, nranks);
-                        return Err(Error::Timeout(format!(
+                        return Err(Error::timeout(vec![r], format!(
                             "rank {r} never attached to the host's shared-memory segments within {:.0?} (ROCCL_TIMEOUT): it may have died during initialization",
                             w.timeout
                         )));
@@ -1073,7 +1073,7 @@ impl Node {
             ),
             None => "the peer may have hung or called a different collective".into(),
         };
-        Error::Timeout(format!(
+        Error::timeout(vec![r], format!(
             "rank {} made no progress for {:.0?} (ROCCL_TIMEOUT) waiting on rank {r} in a shared-memory collective (ranks behind: {}); {why}",
             self.me,
             w.timeout,

@@ -161,7 +161,7 @@ impl Slots {
                 return Ok((i, g + 1));
             }
             if t0.elapsed() >= timeout {
-                return Err(Error::Timeout(format!(
+                return Err(Error::timeout(Vec::new(), format!(
                     "{SLOTS} stream-ordered operations are in flight and none completed within {timeout:.0?} (ROCCL_TIMEOUT): are the streams they wait on stuck?"
                 )));
             }
@@ -666,7 +666,7 @@ fn wait_flag(flag: &AtomicU64, g: u64, turn: &Turn) -> Result<()> {
         if waited < spin + YIELD_FOR {
             std::thread::yield_now();
         } else if waited > turn.timeout() {
-            return Err(Error::Timeout(format!(
+            return Err(Error::timeout(Vec::new(), format!(
                 "a stream-ordered call waited {waited:?} (ROCCL_TIMEOUT) for its stream to reach it: the work queued on the stream before it has not finished (a kernel that does not end, or a stream that waits on this call)"
             )));
         } else {

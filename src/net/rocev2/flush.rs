@@ -141,7 +141,7 @@ impl Flushes {
         {
             self.reap(verbs, cache)?;
             if t0.elapsed() > limit {
-                return Err(Error::Timeout(format!(
+                return Err(Error::timeout(Vec::new(), format!(
                     "flushing received GPU memory took over {limit:.0?}: the NIC did not complete reads on its loopback QP"
                 )));
             }

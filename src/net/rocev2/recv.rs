@@ -214,10 +214,11 @@ impl RoceRecv {
         self.live.check(waiting, "receive").map_err(|e| {
             let idx = (self.filling - self.base) as usize;
             match (self.reqs.get(idx), e) {
-                (Some(r), Error::System { what, source }) if r.announced => {
+                (Some(r), Error::System { what, call, source }) if r.announced => {
                     let n: usize = r.group.bufs[..r.group.len()].iter().map(|b| b.1).sum();
                     Error::System {
                         what: format!("{what}; the receive it was to fill holds only {n} bytes, for eager messages: a larger message fails at the sender (mismatched counts between sender and receiver?)"),
+                        call,
                         source,
                     }
                 }
