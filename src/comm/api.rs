@@ -313,7 +313,8 @@ impl Communicator {
     /// releasing what the networks keep per connection (the RoCE engines' eager and bounce
     /// buffers, sockets). Not collective: a peer that is not suspending within `wait`, or
     /// that is a call ahead or behind (a message sent and not yet received), keeps its
-    /// connections with this rank, and both ends always agree on which close. Closed
+    /// connections with this rank, and both ends agree on which close (when no step between
+    /// them stalls past `ROCCL_TIMEOUT`: docs/architecture/executor.md). Closed
     /// connections open again on first use. Runs in turn, after the calls issued before.
     pub fn close_idle_connections(&self, wait: std::time::Duration) -> Result<ClosedConnections> {
         self.with_turn(|state| {

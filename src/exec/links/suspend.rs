@@ -19,6 +19,9 @@
 //!    rank never guesses, and the two ends never disagree on a connection.
 //!
 //! Closed connections open again on first use, as at init.
+//!
+//! The decisions are [`round::Round`]'s (no I/O; checked there through every order of two
+//! ranks' events); this file drives it over the connections.
 
 use std::time::{Duration, Instant};
 
@@ -27,16 +30,17 @@ use crate::error::{Error, Result};
 use crate::exec::hello::{self, Hello};
 use crate::net::Connecting;
 
+mod round;
+
+pub(super) use round::Step;
+use round::{Ends, Round, View, DECISION, REQUEST};
+
 /// Bytes of a suspend step: the 16-byte hello, the round, the masks and the counts.
 pub(super) const MESSAGE_LEN: usize = 32 + 16 * MAX_CHANNELS;
 const _: () = assert!(
     MESSAGE_LEN == hello::MAX_LEN,
     "a suspend step fills the longest hello"
 );
-
-const REQUEST: u32 = 1;
-const ANSWER: u32 = 2;
-const DECISION: u32 = 3;
 
 /// Events of a step on its way ([`Links::progress`]).
 const POSTED: u8 = 1;
@@ -49,51 +53,6 @@ type Event = (usize, u32, u8, Option<(u8, u8)>);
 /// Most steps kept from ranks that are not being answered (a peer suspending while this
 /// rank runs calls sends some that nobody reads).
 const INBOX_MAX: usize = 64;
-
-/// One end's view of its connections with a peer.
-#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
-pub(super) struct View {
-    /// Channels with a send connection to the peer (bit per channel).
-    sends: u8,
-    /// Channels with a receive connection from the peer.
-    recvs: u8,
-    /// Channels with a connection from the peer accepted but not filed yet.
-    unsettled: u8,
-    posted_sends: [u64; MAX_CHANNELS],
-    posted_recvs: [u64; MAX_CHANNELS],
-}
-
-impl View {
-    /// The channels idle at both ends, `mine` and `theirs` being the two ends' views.
-    fn idle_with(&self, theirs: &View) -> u8 {
-        let mut mask = 0u8;
-        for ch in 0..MAX_CHANNELS {
-            let bit = 1u8 << ch;
-            let any = (self.sends | self.recvs | theirs.sends | theirs.recvs) & bit != 0;
-            let settled = (self.unsettled | theirs.unsettled) & bit == 0;
-            let mirrored = (self.sends & bit == 0) == (theirs.recvs & bit == 0)
-                && (self.recvs & bit == 0) == (theirs.sends & bit == 0);
-            let drained = self.posted_sends[ch] == theirs.posted_recvs[ch]
-                && self.posted_recvs[ch] == theirs.posted_sends[ch];
-            if any && settled && mirrored && drained {
-                mask |= bit;
-            }
-        }
-        mask
-    }
-}
-
-/// A suspend step received from a peer.
-#[derive(Debug)]
-pub(super) struct Step {
-    peer: usize,
-    kind: u32,
-    round: u64,
-    /// The channels to close (answer, decision).
-    mask: u8,
-    /// The sender's view (request).
-    view: View,
-}
 
 /// What [`Links::close_idle`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -248,14 +207,11 @@ impl Links {
 
     /// Queue step `kind` to `peer`, to be delivered by `deadline` or dropped; `then_close`:
     /// the connections to close once it is delivered.
-    #[allow(clippy::too_many_arguments)]
     fn queue(
         &self,
         out: &mut Vec<Outgoing>,
         peer: usize,
-        kind: u32,
-        round: u64,
-        mask: u8,
+        (kind, round, mask): (u32, u64, u8),
         deadline: Instant,
         then_close: Option<(u8, u8)>,
     ) {
@@ -337,31 +293,64 @@ impl Links {
         self.accept_pending()?;
         let peers = self.connected_peers();
         let at_start: Vec<(usize, View)> = peers.iter().map(|&p| (p, self.view(p))).collect();
-        let mut r = Round {
-            number: self.suspend_round,
-            wait,
-            timeout,
-            wait_end: after(start, wait),
-            asking: Vec::new(),
-            expecting: peers.iter().copied().filter(|&p| p < self.rank).collect(),
-            deciding: Vec::new(),
-            out: Vec::new(),
-            events: Vec::new(),
-            closed: 0,
-            shut: vec![(0u8, 0u8); self.nranks],
-        };
-        for &p in peers.iter().filter(|&&p| p > self.rank) {
-            self.queue(&mut r.out, p, REQUEST, r.number, 0, r.wait_end, None);
-            r.asking.push((p, false));
-        }
+        let mut out = Vec::new();
+        let mut events = Vec::new();
+        let (me, nranks, number) = (self.rank, self.nranks, self.suspend_round);
+        let mut r = Round::start(
+            &mut LinkEnds {
+                links: self,
+                out: &mut out,
+            },
+            (me, nranks),
+            number,
+            &peers,
+            (start, wait, timeout),
+        );
         loop {
             let mut moved = self.accept_pending()?;
-            moved |= self.take_steps(&mut r);
-            moved |= self.deliver(&mut r);
-            self.expire(&mut r, Instant::now());
+            let inbox = std::mem::take(&mut self.suspend_inbox);
+            moved |= !inbox.is_empty();
+            let now = Instant::now();
+            r.take_steps(
+                &mut LinkEnds {
+                    links: self,
+                    out: &mut out,
+                },
+                &inbox,
+                now,
+            );
+            events.clear();
+            Self::progress(&mut out, &mut events);
+            moved |= !events.is_empty();
+            for &(p, kind, what, close) in &events {
+                match what {
+                    POSTED => r.posted(p, kind),
+                    _ => r.delivered(
+                        &mut LinkEnds {
+                            links: self,
+                            out: &mut out,
+                        },
+                        p,
+                        close,
+                    ),
+                }
+            }
+            let now = Instant::now();
+            for p in r.expire(
+                &mut LinkEnds {
+                    links: self,
+                    out: &mut out,
+                },
+                now,
+            ) {
+                crate::warn!(
+                    "rank {}: rank {p} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",
+                    self.rank
+                );
+            }
+            self.drop_late(&mut out, now);
             // Every step is delivered or dropped at its deadline before this returns.
-            let settled = r.asking.is_empty() && r.expecting.is_empty() && r.deciding.is_empty();
-            if settled && r.out.is_empty() {
+            if r.settled() && out.is_empty() {
                 break;
             }
             if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
@@ -389,140 +378,9 @@ impl Links {
         Ok(Suspended { closed, kept_with })
     }
 
-    /// Take the steps the peers sent (requests, answers, decisions). Whether there were any.
-    fn take_steps(&mut self, r: &mut Round) -> bool {
-        let now = Instant::now();
-        let inbox = std::mem::take(&mut self.suspend_inbox);
-        for (i, step) in inbox.iter().enumerate() {
-            match step.kind {
-                REQUEST if step.peer < self.rank => {
-                    let newer = inbox[i + 1..]
-                        .iter()
-                        .any(|s| s.kind == REQUEST && s.peer == step.peer);
-                    if newer || step.round <= self.decided(step.peer) {
-                        continue; // a round its asker settled or gave up on
-                    }
-                    self.answer(r, step, now);
-                }
-                ANSWER if step.round == r.number => self.decide(r, step, now),
-                DECISION => {
-                    self.note_decided(step.peer, step.round);
-                    let at = r
-                        .deciding
-                        .iter()
-                        .position(|d| d.peer == step.peer && d.round == step.round);
-                    if let Some(at) = at {
-                        let d = r.deciding.swap_remove(at);
-                        let (s, rv) = (d.sends & step.mask, d.recvs & step.mask);
-                        r.closed += self.close_channels(d.peer, s, rv);
-                        r.shut[d.peer].0 |= s;
-                        r.shut[d.peer].1 |= rv;
-                    }
-                }
-                // A step of a round already settled.
-                _ => {}
-            }
-        }
-        !inbox.is_empty()
-    }
-
-    /// Answer a lower rank's request with the channels idle on both sides, and wait for
-    /// its decision about them.
-    fn answer(&mut self, r: &mut Round, step: &Step, now: Instant) {
-        let view = self.view(step.peer);
-        // An answer of an earlier round still open: close nothing in this one (its
-        // decision could close connections reopened since).
-        let open = r.deciding.iter().any(|d| d.peer == step.peer);
-        let mask = if open { 0 } else { view.idle_with(&step.view) };
-        // The asker waits for it, and accepts it within moments; one that gave up already
-        // may never accept it (RoCE needs the accept).
-        let until = after(now, r.wait.max(Duration::from_secs(1)));
-        self.queue(&mut r.out, step.peer, ANSWER, step.round, mask, until, None);
-        if mask != 0 {
-            r.deciding.push(Deciding {
-                peer: step.peer,
-                round: step.round,
-                sends: view.sends & mask,
-                recvs: view.recvs & mask,
-                until: after(now, r.timeout),
-            });
-        }
-        r.expecting.retain(|&p| p != step.peer);
-    }
-
-    /// A higher rank answered this round's request: decide which of the channels it found
-    /// idle are still idle here, and tell it.
-    fn decide(&mut self, r: &mut Round, step: &Step, now: Instant) {
-        let Some(at) = r.asking.iter().position(|a| a.0 == step.peer) else {
-            return;
-        };
-        r.asking.swap_remove(at);
-        let view = self.view(step.peer);
-        let mask = step.mask & view.idle_mask_alone();
-        // Closed once the decision is delivered: the peer closes when it reads it, so
-        // neither end closes what the other keeps. An answer of "nothing" waits for no
-        // decision.
-        if step.mask != 0 {
-            let close = (mask != 0).then_some((view.sends & mask, view.recvs & mask));
-            let until = after(now, r.timeout);
-            self.queue(
-                &mut r.out, step.peer, DECISION, r.number, mask, until, close,
-            );
-        }
-    }
-
-    /// Move the outgoing steps on; a delivered decision closes its channels. Whether any
-    /// moved.
-    fn deliver(&mut self, r: &mut Round) -> bool {
-        r.events.clear();
-        Self::progress(&mut r.out, &mut r.events);
-        for &(p, kind, what, close) in &r.events {
-            if kind == REQUEST && what == POSTED {
-                if let Some(a) = r.asking.iter_mut().find(|a| a.0 == p) {
-                    a.1 = true;
-                }
-            }
-            if let (DELIVERED, Some((s, rv))) = (what, close) {
-                r.closed += self.close_channels(p, s, rv);
-                r.shut[p].0 |= s;
-                r.shut[p].1 |= rv;
-            }
-        }
-        !r.events.is_empty()
-    }
-
-    /// What is past its time: the wait for answers, decisions that never came, steps that
-    /// were not delivered.
-    fn expire(&mut self, r: &mut Round, now: Instant) {
-        if now >= r.wait_end {
-            // Peers asked that did not answer: tell those that may have read the request
-            // that nothing closes. One whose answer is on its way waits for this in its own
-            // loop, which accepts it within moments; one that is not suspending may never
-            // accept it (RoCE needs the accept), so it is tried for a while, not waited for.
-            // Requests still connecting are dropped.
-            let grace = after(now, r.wait.max(Duration::from_secs(1)));
-            for (p, posted) in std::mem::take(&mut r.asking) {
-                if posted {
-                    self.queue(&mut r.out, p, DECISION, r.number, 0, grace, None);
-                }
-            }
-            r.out.retain(|o| o.kind != REQUEST || o.sent.is_some());
-            r.expecting.clear();
-        }
-        let timeout = r.timeout;
-        r.deciding.retain(|d| {
-            let gone = matches!(self.peer_state(d.peer), Some(PeerProcess::Exited { .. }));
-            if now >= d.until || gone {
-                crate::warn!(
-                    "rank {}: rank {} sent no decision about suspending within {timeout:.0?} (ROCCL_TIMEOUT): the connections with it stay open",
-                    self.rank,
-                    d.peer
-                );
-                return false;
-            }
-            true
-        });
-        r.out.retain(|o| {
+    /// Drop the steps not delivered by their deadline.
+    fn drop_late(&self, out: &mut Vec<Outgoing>, now: Instant) {
+        out.retain(|o| {
             if now < o.deadline {
                 return true;
             }
@@ -538,49 +396,44 @@ impl Links {
     }
 }
 
-/// `t + d`, or a year on where that overflows (no deadline).
-fn after(t: Instant, d: Duration) -> Instant {
-    t.checked_add(d)
-        .unwrap_or_else(|| t + Duration::from_secs(86_400 * 365))
+/// A round's [`Ends`] over the links: views and closes on the connections, steps sent as
+/// notices on connections of their own.
+struct LinkEnds<'a> {
+    links: &'a mut Links,
+    out: &'a mut Vec<Outgoing>,
 }
 
-/// One suspend round of this rank ([`Links::close_idle`]): what it asked, answered and
-/// decides, and what it closed.
-struct Round {
-    number: u64,
-    /// How long peers are waited for.
-    wait: Duration,
-    timeout: Duration,
-    wait_end: Instant,
-    /// Peers asked, and whether the request's bytes left.
-    asking: Vec<(usize, bool)>,
-    /// Lower ranks whose request is awaited.
-    expecting: Vec<usize>,
-    /// Answers given, awaiting the asker's decision.
-    deciding: Vec<Deciding>,
-    out: Vec<Outgoing>,
-    events: Vec<Event>,
-    closed: usize,
-    /// Per peer, the channels closed (sends, receives).
-    shut: Vec<(u8, u8)>,
-}
-
-/// An answer given that waits for its decision.
-struct Deciding {
-    peer: usize,
-    round: u64,
-    /// The connections that existed on the channels answered idle, when answered: only
-    /// those close (a peer that resumed first may have opened new ones since).
-    sends: u8,
-    recvs: u8,
-    until: Instant,
-}
-
-impl View {
-    /// The channels this end could close on its own evidence (it has connections there and
-    /// none waits unfiled): a check on the peer's answer.
-    fn idle_mask_alone(&self) -> u8 {
-        (self.sends | self.recvs) & !self.unsettled
+impl Ends for LinkEnds<'_> {
+    fn view(&self, peer: usize) -> View {
+        self.links.view(peer)
+    }
+    fn decided(&self, peer: usize) -> u64 {
+        self.links.decided(peer)
+    }
+    fn note_decided(&mut self, peer: usize, round: u64) {
+        self.links.note_decided(peer, round)
+    }
+    fn exited(&self, peer: usize) -> bool {
+        matches!(
+            self.links.peer_state(peer),
+            Some(PeerProcess::Exited { .. })
+        )
+    }
+    fn send(
+        &mut self,
+        peer: usize,
+        (kind, round, mask): (u32, u64, u8),
+        deadline: Instant,
+        then_close: Option<(u8, u8)>,
+    ) {
+        self.links
+            .queue(self.out, peer, (kind, round, mask), deadline, then_close);
+    }
+    fn close(&mut self, peer: usize, sends: u8, recvs: u8) -> usize {
+        self.links.close_channels(peer, sends, recvs)
+    }
+    fn drop_unsent_requests(&mut self) {
+        self.out.retain(|o| o.kind != REQUEST || o.sent.is_some());
     }
 }
 
