@@ -143,6 +143,15 @@ pub fn strangers_of_kinds_at(at: SocketAddr, seed: u64) -> Vec<(Stranger, TcpStr
 /// The remote addresses of this process's TCP sockets that are connected (or whose peer
 /// has closed and which are still open).
 pub fn peers_of_own_sockets() -> Vec<SocketAddr> {
+    own_connections()
+        .into_iter()
+        .map(|(_, peer)| peer)
+        .collect()
+}
+
+/// (local, remote) addresses of this process's TCP sockets that are connected (or whose
+/// peer has closed and which are still open).
+pub fn own_connections() -> Vec<(SocketAddr, SocketAddr)> {
     let mine = own_socket_inodes();
     let mut out = Vec::new();
     for f in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
@@ -156,7 +165,7 @@ pub fn peers_of_own_sockets() -> Vec<SocketAddr> {
                 continue;
             }
             if mine.contains(&w[9].parse().unwrap_or(0)) {
-                out.push(proc_addr(w[2]));
+                out.push((proc_addr(w[1]), proc_addr(w[2])));
             }
         }
     }
