@@ -536,6 +536,25 @@ pub fn process() -> &'static Process {
     PROCESS.get_or_init(|| Process::from_lookup(&from_process))
 }
 
+/// A lookup where only `name` is set, to `value` (tests of the settings' parsers).
+#[cfg(test)]
+pub(crate) fn one(name: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
+    move |q| (q == name).then(|| value.to_string())
+}
+
+/// A lookup where the `pairs` (name, value) are set (tests of the settings' parsers).
+#[cfg(test)]
+pub(crate) fn pairs(
+    pairs: &'static [(&'static str, &'static str)],
+) -> impl Fn(&str) -> Option<String> {
+    move |q| {
+        pairs
+            .iter()
+            .find(|(n, _)| *n == q)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

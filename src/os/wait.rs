@@ -201,14 +201,7 @@ impl WaitState<'_> {
 mod tests {
     use super::*;
 
-    fn with(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |k| {
-            pairs
-                .iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::envvar::pairs as with;
 
     #[test]
     fn the_policy_comes_from_the_settings_given() {

@@ -61,9 +61,7 @@ impl TcpSettings {
 mod tests {
     use super::*;
 
-    fn one(k: &'static str, v: &'static str) -> impl Fn(&str) -> Option<String> {
-        move |q| (q == k).then(|| v.to_string())
-    }
+    use crate::envvar::one;
 
     #[test]
     fn defaults_and_good_values_are_taken() {
