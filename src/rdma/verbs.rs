@@ -267,7 +267,9 @@ pub trait Verbs: Send + Sync {
     fn qp_state(&self, qp: QpId) -> Result<QpState>;
     /// Copy `out.len()` bytes at `addr` — memory inside a region registered here that
     /// peers write by RDMA — consistently with the provider's own writes (the userspace
-    /// engine writes under its lock; hardware providers order DMA with a fence).
+    /// engine writes under its lock; hardware providers order DMA with a fence). Each
+    /// 4-byte word aligned to 4 is copied whole (one load), so a word the peer writes whole
+    /// (a sequence marker) is never read half old, half new.
     ///
     /// # Safety
     /// `addr..addr + out.len()` must lie inside one region registered with this provider

@@ -998,12 +998,23 @@ impl Verbs for IbvVerbs {
     }
 
     unsafe fn read_registered(&self, addr: u64, out: &mut [u8]) {
-        // The NIC writes this memory by DMA at any time: read it volatile, then order later
-        // reads after it.
-        for (i, b) in out.iter_mut().enumerate() {
-            // SAFETY: the caller passes memory inside one of its registered regions, not
-            // yet deregistered (this function's contract).
-            *b = unsafe { ptr::read_volatile((addr as *const u8).add(i)) };
+        // The NIC writes this memory by DMA at any time: read it volatile, each aligned
+        // 4-byte word with one load (a sequence marker the peer writes as one aligned word
+        // is never seen half old, half new), then order later reads after it.
+        let mut i = 0;
+        while i < out.len() {
+            let at = addr + i as u64;
+            if at % 4 == 0 && out.len() - i >= 4 {
+                // SAFETY: the caller passes memory inside one of its registered regions, not
+                // yet deregistered (this function's contract); `at` is aligned for a u32.
+                let word = unsafe { ptr::read_volatile(at as *const u32) };
+                out[i..i + 4].copy_from_slice(&word.to_ne_bytes());
+                i += 4;
+            } else {
+                // SAFETY: as above, one byte.
+                out[i] = unsafe { ptr::read_volatile(at as *const u8) };
+                i += 1;
+            }
         }
         std::sync::atomic::fence(Ordering::Acquire);
     }
