@@ -77,8 +77,11 @@ pub enum PeerCause {
     Exited,
     /// Its process (on this host) is stopped.
     Stopped,
-    /// It was in another call: its message carried the tag `theirs`.
+    /// It was in another call: its message carried the tag `theirs`, this rank's call has
+    /// the tag `ours` (the communicator's error message describes both calls).
     OtherCall {
+        /// This rank's tag.
+        ours: u32,
         /// The peer's tag.
         theirs: u32,
     },

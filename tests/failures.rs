@@ -334,14 +334,15 @@ fn mismatched_calls_of_equal_sizes_are_detected_over_networks() {
                 };
                 let err = r.expect_err("mismatched calls must fail");
                 if case < 3 {
-                    // The cause is typed: the peer was in another call (its tag).
+                    // The cause is typed: the peer was in another call, with both calls'
+                    // tags (which differ).
                     assert!(
                         matches!(
                             err,
                             roccl::Error::Remote {
-                                cause: roccl::PeerCause::OtherCall { .. },
+                                cause: roccl::PeerCause::OtherCall { ours, theirs },
                                 ..
-                            }
+                            } if ours != theirs && ours != 0 && theirs != 0
                         ),
                         "{net:?} case {case} rank {}: {err:?}",
                         c.rank()

@@ -175,7 +175,7 @@ impl State {
         dev: Option<&Arc<dyn Device>>,
     ) -> Result<()> {
         let bytes: usize = ops.iter().map(|o| o.len()).sum();
-        if let Some(m) = &self.links.metrics {
+        if let Some(m) = &self.links.watch.metrics {
             m.call_start(POINT_TO_POINT, bytes);
         }
         if let Some(c) = &self.links.clock {
@@ -185,7 +185,7 @@ impl State {
         if let Some(c) = &self.links.clock {
             c.call_done();
         }
-        if let Some(m) = &self.links.metrics {
+        if let Some(m) = &self.links.watch.metrics {
             m.call_done();
         }
         r
@@ -335,7 +335,7 @@ impl State {
 
     /// Tell the counters which algorithm the call in flight runs.
     fn note_algo(&self, algo: Algo) {
-        if let Some(m) = &self.links.metrics {
+        if let Some(m) = &self.links.watch.metrics {
             // `Algo::ALL` lists the variants in declaration order (`Algo::NAMES` too).
             m.call_algo(algo as usize + 1);
         }
@@ -393,7 +393,7 @@ impl State {
             _ => recv.len(),
         };
         self.call_tag = call_tag::call_tag(&coll, dt, bytes);
-        if let Some(m) = &self.links.metrics {
+        if let Some(m) = &self.links.watch.metrics {
             m.call_start(metrics_kind(&coll), bytes);
         }
         if let Some(c) = &self.links.clock {
@@ -428,7 +428,7 @@ impl State {
         if let Some(c) = &self.links.clock {
             c.call_done();
         }
-        if let Some(m) = &self.links.metrics {
+        if let Some(m) = &self.links.watch.metrics {
             m.call_done();
         }
         self.call_tag = 0;
@@ -440,7 +440,7 @@ impl State {
     fn explain_mismatch(&self, e: Error) -> Error {
         let Error::Remote {
             rank,
-            cause: cause @ PeerCause::OtherCall { theirs },
+            cause: cause @ PeerCause::OtherCall { ours, theirs },
             ..
         } = e
         else {
@@ -449,8 +449,8 @@ impl State {
         let msg = format!(
             "rank {} called {} but rank {rank} called {}{MISMATCH_TEXT}",
             self.links.rank,
-            call_tag::describe(self.call_tag),
-            call_tag::differ(self.call_tag, theirs)
+            call_tag::describe(ours),
+            call_tag::differ(ours, theirs)
         );
         Error::remote(rank, cause, msg)
     }
@@ -470,14 +470,14 @@ impl State {
         self.broken.set(crate::error::AsyncError::of(e));
         let cause = match e {
             Error::Remote { rank, .. } => Some(*rank),
-            _ => self.links.suspect,
+            _ => self.links.blame.suspect,
         };
         if let Some(node) = &self.node {
             node.mark_broken_by(cause);
         }
-        let by_app = self.links.abort.load(Ordering::Relaxed);
+        let by_app = self.links.blame.abort.load(Ordering::Relaxed);
         if let (Error::Remote { rank, cause, .. }, false) = (e, by_app) {
-            if matches!(cause, PeerCause::OtherCall { .. }) && self.links.mismatch.is_none() {
+            if matches!(cause, PeerCause::OtherCall { .. }) && self.links.blame.mismatch.is_none() {
                 // The peer would only see its connection close: tell it which call we are in.
                 self.links
                     .notify_mismatch(*rank, self.call_tag, SHORT_NOTICE_BUDGET);
@@ -521,7 +521,7 @@ impl State {
         let mut call = shm::SegmentCall {
             node,
             waiter: &self.cfg.waiter,
-            abort: &self.links.abort,
+            abort: &self.links.blame.abort,
             nranks: self.links.nranks,
             rank: self.links.rank,
             meta: [bytes as u64, code],

@@ -186,9 +186,9 @@ impl Communicator {
         links: Links,
         p: Parts,
     ) -> Communicator {
-        let abort_flag = Arc::clone(&links.abort);
+        let abort_flag = Arc::clone(&links.blame.abort);
         let clock = links.clock.clone();
-        let device_mem = links.device_mem.clone();
+        let device_mem = links.gpu.device_mem.clone();
         let broken = Arc::new(Broken::default());
         Communicator {
             shared: Arc::new(Shared {

@@ -258,7 +258,7 @@ impl Communicator {
         let mut out = self.with_turn(|state| {
             let mut out = Released::default();
             let mut i = 0;
-            while i < state.links.dev_cache.len() {
+            while i < state.links.gpu.cache.len() {
                 if state.links.drop_cached(i) {
                     out.registrations += 1;
                 } else {

@@ -19,7 +19,12 @@ use crate::os::wait::Waiter;
 
 use super::hello::{self, Hello};
 
+mod blame;
+mod gpu;
 mod suspend;
+
+pub(crate) use blame::Blame;
+pub(crate) use gpu::{DevCached, GpuRegs, DEV_CACHE};
 
 /// Bytes of the longest hello-protocol message.
 const HELLO_MAX: usize = hello::MAX_LEN;
@@ -145,7 +150,8 @@ struct HelloIn {
     buf: Box<[u8; HELLO_MAX]>,
 }
 
-/// All of one rank's connections.
+/// All of one rank's connections, and what it keeps beside them between calls, each concern
+/// in its own part.
 pub(crate) struct Links {
     pub rank: usize,
     pub nranks: usize,
@@ -170,51 +176,29 @@ pub(crate) struct Links {
     /// counts at both ends of an idle connection say that nothing is in flight on it.
     posted_sends: PerPeer<u64>,
     posted_recvs: PerPeer<u64>,
-    /// Suspend steps received from peers, for [`Links::close_idle`].
-    suspend_inbox: Vec<suspend::Step>,
-    /// Number of this rank's last [`Links::close_idle`] (names its requests).
-    suspend_round: u64,
-    /// Per peer, the last of its rounds seen decided (older requests are stale).
-    suspend_decided: Vec<u64>,
-    /// The peer last waited on in vain (blamed when a wait times out).
-    pub suspect: Option<usize>,
-    /// Abort notices received: (reporting rank, blamed rank).
-    pub notices: Vec<(usize, usize)>,
-    /// This rank has sent its abort notices.
-    pub notified: bool,
-    /// A peer that found this rank in another call: (its rank, its call's tag).
-    pub mismatch: Option<(usize, u32)>,
-    /// How long a rank that timed out listens for other ranks' notices before blaming.
-    pub timeout_grace: Duration,
-    /// Set by `Communicator::abort` from any thread; every wait checks it.
-    pub abort: Arc<std::sync::atomic::AtomicBool>,
+    /// This rank's virtual clock, on a simulated network (`net::sim`).
+    pub clock: Option<Arc<crate::net::sim::Clock>>,
+    /// Whom to blame when something fails: notices, suspects, the abort flag.
+    pub blame: Blame,
+    /// Rounds of [`Links::close_idle`]: steps received, decisions seen.
+    suspend: suspend::Rounds,
+    /// GPU memory toward the peers, and its registrations kept across calls.
+    pub gpu: GpuRegs,
+    /// What the executor watches: counters and when to say a call is stuck.
+    pub watch: Watch,
+    /// Vectors the executor reuses from call to call.
+    pub scratch: super::requests::Scratch,
+}
+
+/// What the executor reports on (see [`Links::watch`]).
+pub(crate) struct Watch {
     /// This rank's counters (`crate::metrics`), when the communicator keeps them.
     pub metrics: Option<Arc<crate::metrics::CommMetrics>>,
     /// How long a call may go without progress before it logs what it waits on
     /// (`ROCCL_STUCK_WARN`; default a third of the timeout).
     pub stuck_warn: Duration,
-    /// Vectors the executor reuses from call to call.
-    pub scratch_ops: Vec<super::requests::Op>,
-    pub scratch_fds: Vec<PollFd>,
-    pub scratch_users: Vec<super::requests::UserBuf>,
-    pub scratch_members: Vec<usize>,
-    /// Per peer, whether GPU memory may be posted toward it and how it is registered:
-    /// `Some(true)` through dmabufs, `Some(false)` by address (peer memory), `None` not at
-    /// all (the default; set at init with `ROCCL_GPU_DIRECT`).
-    pub device_mem: Vec<Option<bool>>,
-    /// GPU buffers registered through their dmabufs, kept across calls (see [`DevCached`]).
-    pub dev_cache: Vec<DevCached>,
     /// Sends completed (the peer's round-trip time is read every `RTT_EVERY`, in the executor).
     pub sends_done: u64,
-    /// Clock of `dev_cache` uses (least recently used goes first).
-    pub dev_clock: u64,
-    /// Number of the executor's current call (entries it uses are never released).
-    pub dev_epoch: u64,
-    /// Per rank, its process id where this rank can see that process (same host and pid
-    /// namespace; set at init), to say in an error whether it exited or is stopped.
-    pub local_pids: Vec<Option<u32>>,
-    /// This rank's virtual clock, on a simulated network (`net::sim`).
-    pub clock: Option<Arc<crate::net::sim::Clock>>,
 }
 
 /// Connections per peer and channel. A peer's row is allocated when a connection to it is
@@ -262,26 +246,6 @@ impl<T> std::ops::IndexMut<usize> for PerPeer<T> {
     }
 }
 
-/// Most GPU registrations kept across calls, over all connections.
-pub(crate) const DEV_CACHE: usize = 64;
-
-/// A GPU buffer registered on one connection, kept after the call: the next call on the same
-/// memory reuses it. `ident` tells memory freed and allocated again at the same address
-/// apart: the runtime's allocation id (`(u64::MAX, id)`), else the dmabuf's device and inode
-/// (the registration keeps the old dmabuf, and so its inode, alive).
-pub(crate) struct DevCached {
-    pub peer: usize,
-    pub ch: usize,
-    pub send: bool,
-    pub addr: usize,
-    pub len: usize,
-    pub ident: (u64, u64),
-    pub mr: crate::net::MemHandle,
-    pub used: u64,
-    /// The last call that used it.
-    pub call: u64,
-}
-
 impl Links {
     pub fn new(
         rank: usize,
@@ -320,32 +284,16 @@ impl Links {
             spare: Vec::new(),
             posted_sends: PerPeer::new(nranks),
             posted_recvs: PerPeer::new(nranks),
-            suspend_inbox: Vec::new(),
-            suspend_round: 0,
-            suspend_decided: Vec::new(),
-            suspect: None,
-            notices: Vec::new(),
-            mismatch: None,
-            notified: false,
-            timeout_grace: settings.timeout_grace.unwrap_or(TIMEOUT_GRACE_MIN),
-            abort: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            metrics: settings.metrics,
-            stuck_warn: settings.stuck_warn.unwrap_or(Duration::MAX),
-            scratch_ops: Vec::with_capacity(128),
-            scratch_fds: Vec::with_capacity(64),
-            scratch_users: Vec::with_capacity(64),
-            scratch_members: Vec::new(),
-            device_mem: if settings.device_mem.is_empty() {
-                vec![None; nranks]
-            } else {
-                settings.device_mem
-            },
-            dev_cache: Vec::new(),
-            sends_done: 0,
-            dev_clock: 0,
-            dev_epoch: 0,
-            local_pids: settings.local_pids,
             clock: endpoints_clock,
+            blame: Blame::new(rank, nranks, settings.timeout_grace, settings.local_pids),
+            suspend: suspend::Rounds::default(),
+            gpu: GpuRegs::new(nranks, settings.device_mem),
+            watch: Watch {
+                metrics: settings.metrics,
+                stuck_warn: settings.stuck_warn.unwrap_or(Duration::MAX),
+                sends_done: 0,
+            },
+            scratch: super::requests::Scratch::default(),
         }
     }
 
@@ -356,19 +304,6 @@ impl Links {
             self.send.get(peer)?.get(ch)?.as_ref()?.local_fault()
         } else {
             self.recv.get(peer)?.get(ch)?.as_ref()?.local_fault()
-        }
-    }
-
-    /// What this host can see of `peer`'s process, if it is not simply running: exited or
-    /// stopped. `None` for a peer on another host or one that runs.
-    pub fn peer_state(&self, peer: usize) -> Option<PeerProcess> {
-        let pid = self.local_pids.get(peer).copied().flatten()?;
-        if crate::os::process::process_gone(pid) {
-            Some(PeerProcess::Exited { pid })
-        } else if crate::os::process::process_stopped(pid) {
-            Some(PeerProcess::Stopped { pid })
-        } else {
-            None
         }
     }
 
@@ -383,7 +318,7 @@ impl Links {
 
     /// How GPU memory is registered toward `peer` (see `device_mem`).
     pub fn device_memory(&self, peer: usize) -> Option<bool> {
-        self.device_mem.get(peer).copied().flatten()
+        self.gpu.device_mem.get(peer).copied().flatten()
     }
 
     /// Name of the network used toward `peer`.
@@ -448,17 +383,17 @@ impl Links {
         self.recv.clear();
         self.posted_sends.clear();
         self.posted_recvs.clear();
-        self.suspend_inbox.clear();
+        self.suspend.inbox.clear();
         self.incoming.clear();
         self.spare.clear();
         // Their registrations went with the connections.
-        self.dev_cache.clear();
+        self.gpu.cache.clear();
     }
 
     /// Release cached GPU registration `i`; false (and kept) when the network refuses,
     /// e.g. while a request still uses it. An entry whose connection is gone just goes.
     pub fn drop_cached(&mut self, i: usize) -> bool {
-        let e = &self.dev_cache[i];
+        let e = &self.gpu.cache[i];
         let (peer, ch, send) = (e.peer, e.ch, e.send);
         let mr = crate::net::MemHandle {
             addr: e.mr.addr,
@@ -478,7 +413,7 @@ impl Links {
             }
             // Released, gone with its connection, or unknown to the network: forgotten.
             Ok(_) | Err(_) => {
-                self.dev_cache.swap_remove(i);
+                self.gpu.cache.swap_remove(i);
                 true
             }
         }
@@ -557,12 +492,12 @@ impl Links {
                 .chain(hellos.iter().map(|x| x.0))
                 .chain(awaited.iter().map(|x| x.0))
                 .collect();
-            if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
+            if self.blame.abort.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Error::InvalidUsage(
                     "the communicator was aborted by the application while connecting".into(),
                 ));
             }
-            if self.aborted() {
+            if self.blame.aborted() {
                 return Err(self.aborted_while_connecting(waiting_on.iter().copied().min()));
             }
             if w.idle(&fds).is_err() {
@@ -741,7 +676,7 @@ impl Links {
         who.dedup();
         let seen: Vec<String> = who
             .iter()
-            .filter_map(|&p| Some(format!("rank {p}: {}", self.peer_state(p)?)))
+            .filter_map(|&p| Some(format!("rank {p}: {}", self.blame.peer_state(p)?)))
             .collect();
         let why = if seen.is_empty() {
             "are they alive and running the same collectives?".to_string()
@@ -754,8 +689,8 @@ impl Links {
             crate::error::ranks_list(&who),
             waiter.timeout
         );
-        self.suspect = who.first().copied();
-        self.failure(self.suspect, true, detail)
+        self.blame.suspect = who.first().copied();
+        self.failure(self.blame.suspect, true, detail)
     }
 }
 
@@ -766,7 +701,7 @@ impl Links {
     /// blamed in a collective's wait does.
     fn aborted_while_connecting(&mut self, waiting_on: Option<usize>) -> Error {
         let me = self.rank;
-        let blamed_me = self.notices.iter().any(|n| n.1 == me);
+        let blamed_me = self.blame.notices.iter().any(|n| n.1 == me);
         let detail = "another rank aborted while connections were being opened";
         match waiting_on.filter(|_| blamed_me) {
             Some(p) => self.failure(
@@ -822,11 +757,11 @@ impl Links {
             };
             match message {
                 Hello::Mismatch { tag } => {
-                    self.mismatch = Some((p, tag));
-                    self.notices.push((p, self.rank));
+                    self.blame.mismatch = Some((p, tag));
+                    self.blame.notices.push((p, self.rank));
                 }
                 Hello::SuspendStep { kind, message } => self.file_step(p, kind, message),
-                Hello::Abort { failed } => self.notices.push((p, failed)),
+                Hello::Abort { failed } => self.blame.notices.push((p, failed)),
                 Hello::Channel { channel, duplex } if channel < MAX_CHANNELS => {
                     self.spare.push((p, channel, duplex, h.comm));
                 }
@@ -865,11 +800,6 @@ impl Links {
         }
     }
 
-    /// True once another rank has announced that the communicator is aborted.
-    pub fn aborted(&self) -> bool {
-        !self.notices.is_empty()
-    }
-
     /// Decide which rank failed. `own` is the peer this rank saw fail (a broken connection
     /// or a wait that timed out), if any. Abort notices from other ranks are collected for up
     /// to `grace`; once one has arrived, 50 ms more suffice if `own` has reported (it is
@@ -888,49 +818,23 @@ impl Links {
         let mut first: Option<Instant> = None;
         loop {
             let _ = self.accept_pending();
-            if first.is_none() && self.aborted() {
+            if first.is_none() && self.blame.aborted() {
                 first = Some(Instant::now());
             }
-            let settled = own.map_or(true, |o| self.notices.iter().any(|n| n.0 == o));
+            let settled = own.map_or(true, |o| self.blame.notices.iter().any(|n| n.0 == o));
             let now = Instant::now();
             // Settled with a culprit in view; or every rank blamed so far has reported (is
             // alive), so wait on for the notices that leave one rank silent.
             if now >= start + grace
                 || (settled
                     && first.is_some_and(|f| now >= f + BLAME_SETTLE)
-                    && self.culprit(None).is_some())
+                    && self.blame.culprit(None).is_some())
             {
                 break;
             }
             std::thread::sleep(Duration::from_micros(500));
         }
-        self.culprit(own).or(own)
-    }
-
-    /// The most blamed rank that has not reported (`own` counts as a vote); when every
-    /// blamed rank has reported, the one rank besides this one that sent no notice (in a
-    /// tree, a hung rank's neighbours may each first suspect another live neighbour, but
-    /// every live rank reports and the hung one never does).
-    fn culprit(&self, own: Option<usize>) -> Option<usize> {
-        let me = self.rank;
-        let reported = |r: usize| self.notices.iter().any(|n| n.0 == r);
-        let mut votes: Vec<(usize, usize)> = Vec::new();
-        let blamed = self.notices.iter().map(|n| n.1).chain(own);
-        for c in blamed.filter(|c| *c != me && !reported(*c)) {
-            match votes.iter_mut().find(|v| v.0 == c) {
-                Some(v) => v.1 += 1,
-                None => votes.push((c, 1)),
-            }
-        }
-        votes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        if let Some(v) = votes.first() {
-            return Some(v.0);
-        }
-        let mut silent = (0..self.nranks).filter(|&r| r != me && !reported(r));
-        match (silent.next(), silent.next()) {
-            (Some(r), None) if !self.notices.is_empty() => Some(r),
-            _ => None,
-        }
+        self.blame.culprit(own).or(own)
     }
 
     /// The error to report when this rank gives up: names the culprit found by
@@ -946,21 +850,29 @@ impl Links {
         // After a timeout the real culprit's neighbours time out at about the same moment,
         // give or take scheduling: wait long enough to hear from them.
         let grace = if timed_out {
-            self.timeout_grace
+            self.blame.timeout_grace
         } else {
             BLAME_GRACE
         };
         let culprit = self.blame(own, grace);
-        if let Some((p, tag)) = self.mismatch.filter(|m| own.map_or(true, |o| o == m.0)) {
+        if let Some((p, tag)) = self
+            .blame
+            .mismatch
+            .filter(|m| own.map_or(true, |o| o == m.0))
+        {
             // The peer closed because it found us in another call: say so (the
             // communicator names both calls).
             return Error::remote(
                 p,
-                PeerCause::OtherCall { theirs: tag },
+                PeerCause::OtherCall {
+                    ours: self.blame.call,
+                    theirs: tag,
+                },
                 crate::net::unexpected_tag(tag).to_string(),
             );
         }
         let reporters: Vec<usize> = self
+            .blame
             .notices
             .iter()
             .filter(|n| Some(n.1) == culprit)
@@ -968,7 +880,7 @@ impl Links {
             .collect();
         match culprit {
             Some(c) if !reporters.is_empty() && Some(c) != own => {
-                let state = self.peer_state(c);
+                let state = self.blame.peer_state(c);
                 Error::remote(
                     c,
                     state.map_or(PeerCause::Failed, PeerProcess::cause),
@@ -983,13 +895,13 @@ impl Links {
             }
             // The rank this one waited on while others reported (they are alive), or, nobody
             // having blamed it, the one rank that did not report: name it.
-            Some(c) if timed_out && (Some(c) != own || self.aborted()) => {
+            Some(c) if timed_out && (Some(c) != own || self.blame.aborted()) => {
                 let why = if Some(c) == own {
                     "this rank waited on it; the ranks that reported are alive".to_string()
                 } else {
                     format!("every other rank reported that its call stopped; rank {c} reported nothing")
                 };
-                let process = self.peer_state(c);
+                let process = self.blame.peer_state(c);
                 let state = process.map_or(
                     "did not answer: it is hung, stopped or unreachable".into(),
                     |s| format!("failed: {s}"),
@@ -1015,10 +927,10 @@ impl Links {
     /// the rank it waits for. Without (a peer that broke its connection or sent what this
     /// rank refused), the cause already knows what went wrong from its own side.
     pub fn notify_abort(&mut self, cause: usize, tell_cause: bool, budget: Duration) {
-        if self.notified {
+        if self.blame.notified {
             return;
         }
-        self.notified = true;
+        self.blame.notified = true;
         let others: Vec<usize> = (0..self.nranks)
             .filter(|&p| p != self.rank && (tell_cause || p != cause))
             .collect();
@@ -1073,272 +985,4 @@ impl Drop for Links {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn links(rank: usize, nranks: usize) -> Links {
-        Links::new(
-            rank,
-            nranks,
-            0,
-            Vec::new(),
-            vec![0; nranks],
-            vec![Vec::new(); nranks],
-            LinkSettings::default(),
-        )
-    }
-
-    /// Rank 2 waited on rank 0, which waits on the hung rank 1; rank 3 blames rank 1. Until
-    /// rank 0 reports, rank 2 keeps listening (here: the whole grace), then blames by votes;
-    /// once rank 0 has reported, rank 1 is the culprit.
-    #[test]
-    fn blame_waits_for_the_rank_it_suspects() {
-        let mut l = links(2, 4);
-        l.notices.push((3, 1));
-        let t = Instant::now();
-        let (grace, long) = (Duration::from_millis(300), Duration::from_secs(10));
-        // Rank 0 (own suspect) and rank 1 have a vote each: a tie, settled by rank order,
-        // but only after the grace period, waiting for rank 0 to speak.
-        assert_eq!(l.blame(Some(0), grace), Some(0));
-        assert!(t.elapsed() >= grace, "{:?}", t.elapsed());
-        l.notices.push((0, 1));
-        let t = Instant::now();
-        assert_eq!(l.blame(Some(0), long), Some(1));
-        assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
-        // Fan-in: rank 4 blames rank 0 too; that does not settle it, rank 0's own notice
-        // does.
-        let mut l = links(2, 5);
-        l.notices.push((3, 1));
-        l.notices.push((4, 0));
-        assert_eq!(l.blame(Some(0), grace), Some(0));
-        l.notices.push((0, 1));
-        let t = Instant::now();
-        assert_eq!(l.blame(Some(0), long), Some(1));
-        assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
-    }
-
-    /// A TCP listener that never answers: backlog 0 and its one queue place taken, so the
-    /// kernel drops further SYNs (a connect retries them for minutes). Keep both alive.
-    fn silent_listener() -> (socket2::Socket, std::net::TcpStream, u16) {
-        use socket2::{Domain, Socket, Type};
-        let l = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        l.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
-            .unwrap();
-        l.listen(0).unwrap();
-        let port = l.local_addr().unwrap().as_socket().unwrap().port();
-        let first = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        (l, first, port)
-    }
-
-    /// Rank 0 of 2 connects over `net` to a rank 1 whose setup port never answers, under a
-    /// `timeout`, with the application's abort raised after `abort_after` if given; the
-    /// error. Fails (instead of waiting out the kernel's SYN retries) if it takes 30 s.
-    fn connect_to_silent_peer(
-        net: Arc<dyn Net>,
-        redirect: fn(&NetHandle, u16) -> NetHandle,
-        timeout: Duration,
-        abort_after: Option<Duration>,
-    ) -> String {
-        let (_l, _first, port) = silent_listener();
-        let (h, listen) = net.listen(0).unwrap();
-        let handles = vec![vec![h.clone()], vec![redirect(&h, port)]];
-        let ep = Endpoint {
-            net,
-            dev: 0,
-            listen,
-        };
-        let mut l = Links::new(
-            0,
-            2,
-            7,
-            vec![ep],
-            vec![0; 2],
-            handles,
-            LinkSettings::default(),
-        );
-        let abort = Arc::clone(&l.abort);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let w = Waiter {
-                timeout,
-                ..Waiter::default()
-            };
-            let r = l.ensure(&[(1, 0)], &[], &w);
-            let _ = tx.send(r.err().map(|e| e.to_string()));
-        });
-        if let Some(d) = abort_after {
-            std::thread::sleep(d);
-            abort.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-        rx.recv_timeout(Duration::from_secs(30))
-            .expect("connecting to a peer that does not answer hung past 30 s")
-            .expect("connected to a peer that does not answer")
-    }
-
-    /// The RoCE v2 and shared-memory networks set up over TCP; a peer whose port does not
-    /// answer fails the connect at the communicator's deadline, naming it, and an abort
-    /// ends the wait at once (a blocking connect sat in SYN retries for minutes).
-    #[test]
-    fn a_peer_that_does_not_answer_fails_at_the_deadline_or_on_abort() {
-        type Mk = fn() -> Arc<dyn Net>;
-        type Redirect = fn(&NetHandle, u16) -> NetHandle;
-        let nets: [(Mk, Redirect); 2] = [
-            (
-                || {
-                    Arc::new(
-                        crate::net::rocev2::RoceNet::userspace(
-                            std::net::Ipv4Addr::LOCALHOST.into(),
-                            &Default::default(),
-                        )
-                        .unwrap(),
-                    )
-                },
-                crate::net::rocev2::handle_with_port,
-            ),
-            (
-                || Arc::new(crate::net::shm::ShmNet::new(&Default::default()).unwrap()),
-                crate::net::shm::handle_with_port,
-            ),
-        ];
-        for (mk, redirect) in nets {
-            let e = connect_to_silent_peer(mk(), redirect, Duration::from_secs(1), None);
-            assert!(e.contains("could not connect with rank 1 within 1s"), "{e}");
-            let e = connect_to_silent_peer(
-                mk(),
-                redirect,
-                Duration::from_secs(60),
-                Some(Duration::from_millis(200)),
-            );
-            assert!(
-                e.contains("aborted by the application while connecting"),
-                "{e}"
-            );
-        }
-    }
-
-    /// Ranks over TCP: `duplex` per rank decides what its handle offers.
-    fn tcp_links(duplex: [bool; 3]) -> Vec<Links> {
-        let nets: Vec<Arc<dyn Net>> = duplex
-            .iter()
-            .map(|&d| {
-                let n = crate::net::tcp::TcpNet::with_addr(
-                    std::net::Ipv4Addr::LOCALHOST.into(),
-                    &Default::default(),
-                );
-                Arc::new(n.unwrap().with_duplex(d)) as Arc<dyn Net>
-            })
-            .collect();
-        let eps: Vec<(NetHandle, Box<dyn ListenComm>)> =
-            nets.iter().map(|n| n.listen(0).unwrap()).collect();
-        let handles: Vec<Vec<NetHandle>> = eps.iter().map(|(h, _)| vec![h.clone()]).collect();
-        nets.into_iter()
-            .zip(eps)
-            .enumerate()
-            .map(|(r, (net, (_, listen)))| {
-                let ep = Endpoint {
-                    net,
-                    dev: 0,
-                    listen,
-                };
-                Links::new(
-                    r,
-                    3,
-                    7,
-                    vec![ep],
-                    vec![0; 3],
-                    handles.clone(),
-                    LinkSettings::default(),
-                )
-            })
-            .collect()
-    }
-
-    /// Each rank opens send and receive connections to every other on channels 0 and 2,
-    /// then sends each a message on channel 2 and receives theirs.
-    fn all_pairs(l: &mut Links) -> Vec<u64> {
-        let w = Waiter {
-            timeout: Duration::from_secs(20),
-            ..Waiter::default()
-        };
-        let me = l.rank;
-        let peers: Vec<(usize, usize)> = (0..3)
-            .filter(|&p| p != me)
-            .flat_map(|p| [(p, 0), (p, 2)])
-            .collect();
-        l.ensure(&peers, &peers, &w).unwrap();
-        let mine = [me as u64 + 100];
-        let mut got = vec![0u64; 3];
-        let mut reqs = Vec::new();
-        for p in (0..3).filter(|&p| p != me) {
-            let b = RecvBuf {
-                ptr: got[p..].as_mut_ptr().cast(),
-                len: 8,
-                tag: 1,
-            };
-            // SAFETY: `mine` and `got` outlive the loop below, which completes every request.
-            unsafe {
-                let s = l
-                    .send_comm(p, 2)
-                    .unwrap()
-                    .isend(mine.as_ptr().cast(), 8, 1, None);
-                let r = l.recv_comm(p, 2).unwrap().irecv(&[b]);
-                reqs.push((p, s.unwrap().unwrap(), r.unwrap().unwrap(), false, false));
-            }
-        }
-        let t0 = Instant::now();
-        while !reqs.is_empty() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "messages stuck");
-            for (p, s, r, sent, recvd) in &mut reqs {
-                if !*sent {
-                    *sent = l.send_comm(*p, 2).unwrap().test(*s).unwrap().is_some();
-                }
-                if !*recvd {
-                    *recvd = l.recv_comm(*p, 2).unwrap().test(*r, &mut [0]).unwrap();
-                }
-            }
-            reqs.retain(|q| !(q.3 && q.4));
-        }
-        got
-    }
-
-    /// A rank's number, connections dialed, connections open and messages received.
-    type Outcome = (usize, usize, (usize, usize), Vec<u64>);
-
-    /// Over TCP each pair shares one connection per channel, opened by its lower rank; a rank
-    /// whose handle does not offer duplex connections gets one connection each way.
-    #[test]
-    fn duplex_pairs_dial_one_connection_per_channel() {
-        for duplex in [[true; 3], [true, true, false]] {
-            let links = tcp_links(duplex);
-            let results: Vec<Outcome> = std::thread::scope(|s| {
-                let hs: Vec<_> = links
-                    .into_iter()
-                    .map(|mut l| {
-                        s.spawn(move || {
-                            let got = all_pairs(&mut l);
-                            (l.rank, l.dialed, l.open(), got)
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            for (rank, dialed, open, got) in results {
-                for p in (0..3).filter(|&p| p != rank) {
-                    assert_eq!(got[p], p as u64 + 100, "{duplex:?}: rank {rank} from {p}");
-                }
-                // Two channels per peer: a duplex pair dials once per channel, at its lower
-                // rank; otherwise each rank dials its own sends.
-                let both = |a: usize, b: usize| duplex[a] && duplex[b];
-                let expect: usize = (0..3)
-                    .filter(|&p| p != rank)
-                    .map(|p| match (both(rank, p), rank < p) {
-                        (true, true) | (false, _) => 2,
-                        (true, false) => 0,
-                    })
-                    .sum();
-                assert_eq!(dialed, expect, "{duplex:?}: connections rank {rank} opened");
-                assert_eq!(open, (4, 4), "{duplex:?}: rank {rank} has every way open");
-            }
-        }
-    }
-}
+mod tests;

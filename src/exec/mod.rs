@@ -138,12 +138,12 @@ impl<'a> Exec<'a> {
             device: s.device,
         });
         // Reuse the vectors of the previous call: no allocation per call.
-        let ops = std::mem::take(&mut links.scratch_ops);
-        let fds = std::mem::take(&mut links.scratch_fds);
-        let users = std::mem::take(&mut links.scratch_users);
-        let members = std::mem::take(&mut links.scratch_members);
+        let ops = std::mem::take(&mut links.scratch.ops);
+        let fds = std::mem::take(&mut links.scratch.fds);
+        let users = std::mem::take(&mut links.scratch.users);
+        let members = std::mem::take(&mut links.scratch.members);
         // Calls are told apart for the GPU registration cache.
-        links.dev_epoch += 1;
+        links.gpu.epoch += 1;
         Exec {
             src: s,
             dst: d,
@@ -315,7 +315,7 @@ impl<'a> Exec<'a> {
             Error::Remote { .. } | Error::Timeout { .. } => e,
             Error::System { ref source, .. } => {
                 let net = self.links.net_name(peer);
-                let state = self.links.peer_state(peer);
+                let state = self.links.blame.peer_state(peer);
                 let kind = (!crate::net::is_local_fault(source)).then(|| source.kind());
                 let (silent, cause) =
                     match conn_failure::conn_failure(kind, self.links.rank, peer, net, state) {
@@ -337,7 +337,10 @@ impl<'a> Exec<'a> {
             }
             other => {
                 let cause = match other {
-                    Error::TagMismatch { theirs } => PeerCause::OtherCall { theirs },
+                    Error::TagMismatch { theirs } => PeerCause::OtherCall {
+                        ours: self.tag,
+                        theirs,
+                    },
                     _ => PeerCause::Failed,
                 };
                 let msg = format!("over {}: {other}", self.links.net_name(peer));
@@ -362,6 +365,7 @@ impl<'a> Exec<'a> {
     /// call fails the first exchange with a tag mismatch instead of pairing bytes.
     pub fn set_tag(&mut self, tag: u32) {
         self.tag = tag;
+        self.links.blame.call = tag;
     }
 
     fn post(&mut self, peer: usize, ch: usize, r: Reg, send: bool) -> Result<Tok> {
@@ -378,7 +382,7 @@ impl<'a> Exec<'a> {
         let i = self.slot()?;
         if r.len > 0 && self.on_device(r.buf)? {
             self.register_device(peer, ch, send, r.buf)?;
-        } else if !self.links.dev_cache.is_empty() {
+        } else if !self.links.gpu.cache.is_empty() {
             // Host memory where a cached GPU registration was (freed GPU memory whose
             // address came back as host memory): the network must not find that one.
             self.forget_device(peer, ch, send, m);
@@ -433,7 +437,7 @@ impl<'a> Exec<'a> {
             size: 0,
             arrival: 0,
             // Timed where traced, and big sends for the throughput estimate.
-            posted: match &self.links.metrics {
+            posted: match &self.links.watch.metrics {
                 Some(mt) if mt.trace().is_some() || (send && m.1 >= THROUGHPUT_MIN) => {
                     crate::metrics::now_ns()
                 }
@@ -586,9 +590,9 @@ impl<'a> Exec<'a> {
         ident: Option<(u64, u64)>,
         mr: MemHandle,
     ) -> Option<MemHandle> {
-        let epoch = self.links.dev_epoch;
+        let epoch = self.links.gpu.epoch;
         let keep = ident.filter(|_| {
-            let cache = &self.links.dev_cache;
+            let cache = &self.links.gpu.cache;
             if cache.len() < links::DEV_CACHE {
                 return true;
             }
@@ -600,8 +604,8 @@ impl<'a> Exec<'a> {
         let Some(ident) = keep else {
             return Some(mr);
         };
-        let used = self.links.dev_clock;
-        self.links.dev_cache.push(links::DevCached {
+        let used = self.links.gpu.clock;
+        self.links.gpu.cache.push(links::DevCached {
             peer,
             ch,
             send,
@@ -627,12 +631,12 @@ impl<'a> Exec<'a> {
         u: UserBuf,
         ident: (u64, u64),
     ) -> bool {
-        let epoch = self.links.dev_epoch;
-        self.links.dev_clock += 1;
-        let clock = self.links.dev_clock;
+        let epoch = self.links.gpu.epoch;
+        self.links.gpu.clock += 1;
+        let clock = self.links.gpu.clock;
         let (mut i, mut hit) = (0, false);
-        while i < self.links.dev_cache.len() {
-            let e = &mut self.links.dev_cache[i];
+        while i < self.links.gpu.cache.len() {
+            let e = &mut self.links.gpu.cache[i];
             let same_conn = (e.peer, e.ch, e.send) == (peer, ch, send);
             let overlaps = e.addr < u.addr + u.len && u.addr < e.addr + e.len;
             if !same_conn || !overlaps {
@@ -652,10 +656,10 @@ impl<'a> Exec<'a> {
     /// Release cached GPU registrations of the connection that overlap `m` (not those this
     /// call uses).
     fn forget_device(&mut self, peer: usize, ch: usize, send: bool, m: (usize, usize)) {
-        let epoch = self.links.dev_epoch;
+        let epoch = self.links.gpu.epoch;
         let mut i = 0;
-        while i < self.links.dev_cache.len() {
-            let e = &self.links.dev_cache[i];
+        while i < self.links.gpu.cache.len() {
+            let e = &self.links.gpu.cache[i];
             let stale = (e.peer, e.ch, e.send) == (peer, ch, send)
                 && e.call != epoch
                 && Self::overlaps((e.addr, e.len), m);
@@ -774,13 +778,13 @@ impl<'a> Exec<'a> {
                 any = true;
                 // The transport's round-trip time, read once in a while (a system call on TCP).
                 let mut rtt = None;
-                if o.send && self.links.metrics.is_some() {
-                    self.links.sends_done = self.links.sends_done.wrapping_add(1);
-                    if self.links.sends_done % RTT_EVERY == 1 {
+                if o.send && self.links.watch.metrics.is_some() {
+                    self.links.watch.sends_done = self.links.watch.sends_done.wrapping_add(1);
+                    if self.links.watch.sends_done % RTT_EVERY == 1 {
                         rtt = self.links.send_comm(peer, ch)?.rtt();
                     }
                 }
-                if let Some(m) = &self.links.metrics {
+                if let Some(m) = &self.links.watch.metrics {
                     let size = self.ops[i].size;
                     let dur = || crate::metrics::now_ns().saturating_sub(o.posted);
                     if o.send {
@@ -847,7 +851,7 @@ impl<'a> Exec<'a> {
             .filter(|o| o.active && !o.done)
             .find_map(|o| {
                 let p = o.peer as usize;
-                Some((p, self.links.peer_state(p)?))
+                Some((p, self.links.blame.peer_state(p)?))
             });
         let suspect = seen.as_ref().map(|s| s.0).or_else(|| {
             self.ops
@@ -855,7 +859,7 @@ impl<'a> Exec<'a> {
                 .find(|o| o.active && !o.done)
                 .map(|o| o.peer as usize)
         });
-        self.links.suspect = suspect;
+        self.links.blame.suspect = suspect;
         let mut peers: Vec<String> = self
             .ops
             .iter()
@@ -899,7 +903,12 @@ impl<'a> Exec<'a> {
     }
 
     fn check_abort(&self) -> Result<()> {
-        if self.links.abort.load(std::sync::atomic::Ordering::Relaxed) {
+        if self
+            .links
+            .blame
+            .abort
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return Err(Error::InvalidUsage(
                 "the communicator was aborted by the application (Communicator::abort / rocclCommAbort), or revoked (ncclCommRevoke, ncclCommShrink with NCCL_SHRINK_ABORT)".into(),
             ));
@@ -940,12 +949,12 @@ impl<'a> Exec<'a> {
                 // Woken from sleep: a peer may have sent an abort notice.
                 Ok(true) => {
                     self.links.accept_pending()?;
-                    if self.links.aborted() {
+                    if self.links.blame.aborted() {
                         // Blamed while still waiting on someone: this rank is alive, so pass
                         // the blame on to the peer it waits for (and tell everyone), instead
                         // of letting the others settle on us.
                         let me = self.links.rank;
-                        let blamed_me = self.links.notices.iter().any(|n| n.1 == me);
+                        let blamed_me = self.links.blame.notices.iter().any(|n| n.1 == me);
                         let waiting_on = self
                             .ops
                             .iter()
@@ -970,14 +979,14 @@ impl<'a> Exec<'a> {
     /// About to sleep without progress: tell the counters which peers the call waits on
     /// (for `/status`), and log once per call when it has waited past `ROCCL_STUCK_WARN`.
     fn note_waiting(&self) {
-        let Some(m) = &self.links.metrics else {
+        let Some(m) = &self.links.watch.metrics else {
             return;
         };
         let mut peers = arrayvec::ArrayVec::<usize, 64>::new();
         for o in self.ops.iter().filter(|o| o.active && !o.done) {
             let _ = peers.try_push(o.peer as usize);
         }
-        if let Some(what) = m.waiting_on(&peers, self.links.stuck_warn) {
+        if let Some(what) = m.waiting_on(&peers, self.links.watch.stuck_warn) {
             crate::warn!("{what} (ROCCL_STUCK_WARN; the call fails after ROCCL_TIMEOUT)");
         }
     }
@@ -1117,15 +1126,15 @@ impl Drop for Exec<'_> {
         self.release_device();
         let mut ops = std::mem::take(&mut self.ops);
         ops.clear();
-        self.links.scratch_ops = ops;
+        self.links.scratch.ops = ops;
         let mut fds = std::mem::take(&mut self.fds);
         fds.clear();
-        self.links.scratch_fds = fds;
+        self.links.scratch.fds = fds;
         let mut users = std::mem::take(&mut self.users);
         users.clear();
-        self.links.scratch_users = users;
+        self.links.scratch.users = users;
         let mut members = std::mem::take(&mut self.members);
         members.clear();
-        self.links.scratch_members = members;
+        self.links.scratch.members = members;
     }
 }

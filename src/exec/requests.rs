@@ -30,3 +30,22 @@ pub(crate) struct Op {
     /// clock when the algorithm takes it (0: none).
     pub(super) arrival: u64,
 }
+
+/// The executor's vectors, kept between calls (by the links) so that a call allocates none.
+pub(crate) struct Scratch {
+    pub(super) ops: Vec<Op>,
+    pub(super) fds: Vec<crate::net::PollFd>,
+    pub(super) users: Vec<UserBuf>,
+    pub(super) members: Vec<usize>,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch {
+            ops: Vec::with_capacity(128),
+            fds: Vec::with_capacity(64),
+            users: Vec::with_capacity(64),
+            members: Vec::new(),
+        }
+    }
+}

@@ -64,6 +64,17 @@ pub(crate) struct Suspended {
     pub kept_with: Vec<usize>,
 }
 
+/// What the links keep of the rounds of [`Links::close_idle`] between them.
+#[derive(Default)]
+pub(super) struct Rounds {
+    /// Suspend steps received from peers, for [`Links::close_idle`].
+    pub(super) inbox: Vec<Step>,
+    /// Number of this rank's last [`Links::close_idle`] (names its requests).
+    pub(super) round: u64,
+    /// Per peer, the last of its rounds seen decided (older requests are stale).
+    pub(super) decided: Vec<u64>,
+}
+
 /// A step on its way to a peer.
 struct Outgoing {
     peer: usize,
@@ -144,16 +155,17 @@ impl Links {
     /// [`Links::close_idle`].
     pub(super) fn file_step(&mut self, peer: usize, kind: u32, b: &[u8]) {
         if let Some(step) = decode(peer, kind, b) {
-            if self.suspend_inbox.len() >= INBOX_MAX + 4 * self.nranks {
+            if self.suspend.inbox.len() >= INBOX_MAX + 4 * self.nranks {
                 // The oldest request or answer goes first: a decision may be awaited.
                 let at = self
-                    .suspend_inbox
+                    .suspend
+                    .inbox
                     .iter()
                     .position(|s| s.kind != DECISION)
                     .unwrap_or(0);
-                self.suspend_inbox.remove(at);
+                self.suspend.inbox.remove(at);
             }
-            self.suspend_inbox.push(step);
+            self.suspend.inbox.push(step);
         }
     }
 
@@ -172,7 +184,7 @@ impl Links {
                 self.posted_recvs[peer][ch] = None;
             }
             // Their registrations went with them.
-            self.dev_cache.retain(|d| {
+            self.gpu.cache.retain(|d| {
                 d.peer != peer || d.ch != ch || (if d.send { sends } else { recvs }) & bit == 0
             });
         }
@@ -194,14 +206,14 @@ impl Links {
     /// The last round of `peer`'s that this rank saw decided (a request of that round or
     /// before is stale).
     fn decided(&self, peer: usize) -> u64 {
-        self.suspend_decided.get(peer).copied().unwrap_or(0)
+        self.suspend.decided.get(peer).copied().unwrap_or(0)
     }
 
     fn note_decided(&mut self, peer: usize, round: u64) {
-        if self.suspend_decided.len() < self.nranks {
-            self.suspend_decided.resize(self.nranks, 0);
+        if self.suspend.decided.len() < self.nranks {
+            self.suspend.decided.resize(self.nranks, 0);
         }
-        let d = &mut self.suspend_decided[peer];
+        let d = &mut self.suspend.decided[peer];
         *d = (*d).max(round);
     }
 
@@ -288,14 +300,14 @@ impl Links {
     /// between calls only.
     pub fn close_idle(&mut self, wait: Duration, timeout: Duration) -> Result<Suspended> {
         let wait = wait.min(timeout / 2);
-        self.suspend_round += 1;
+        self.suspend.round += 1;
         let start = Instant::now();
         self.accept_pending()?;
         let peers = self.connected_peers();
         let at_start: Vec<(usize, View)> = peers.iter().map(|&p| (p, self.view(p))).collect();
         let mut out = Vec::new();
         let mut events = Vec::new();
-        let (me, nranks, number) = (self.rank, self.nranks, self.suspend_round);
+        let (me, nranks, number) = (self.rank, self.nranks, self.suspend.round);
         let mut r = Round::start(
             &mut LinkEnds {
                 links: self,
@@ -308,7 +320,7 @@ impl Links {
         );
         loop {
             let mut moved = self.accept_pending()?;
-            let inbox = std::mem::take(&mut self.suspend_inbox);
+            let inbox = std::mem::take(&mut self.suspend.inbox);
             moved |= !inbox.is_empty();
             let now = Instant::now();
             r.take_steps(
@@ -353,7 +365,7 @@ impl Links {
             if r.settled() && out.is_empty() {
                 break;
             }
-            if self.abort.load(std::sync::atomic::Ordering::Relaxed) {
+            if self.blame.abort.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Error::InvalidUsage(
                     "the communicator was aborted by the application while suspending".into(),
                 ));
@@ -415,7 +427,7 @@ impl Ends for LinkEnds<'_> {
     }
     fn exited(&self, peer: usize) -> bool {
         matches!(
-            self.links.peer_state(peer),
+            self.links.blame.peer_state(peer),
             Some(PeerProcess::Exited { .. })
         )
     }
