@@ -173,6 +173,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_DETERMINISTIC",
+        accepts: SWITCH,
+        valid: Some(switch),
+    },
+    Setting {
         name: "ROCCL_SHM",
         accepts: SWITCH,
         valid: Some(switch),

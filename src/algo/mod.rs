@@ -10,6 +10,7 @@ mod bruck;
 mod by_host;
 pub mod calibrate;
 pub mod model;
+mod ordered;
 mod p2p;
 mod ring;
 pub(crate) mod shm;
@@ -24,6 +25,9 @@ pub(crate) use by_host::{
     all_gather_within_hosts, exchange_between_leaders, exchange_between_leaders_stage,
     gather_to_leader, leaders_fit, reduce_within_hosts, reduce_within_hosts_stage,
     scatter_from_leader,
+};
+pub(crate) use ordered::{
+    reduce_direct, reduce_direct_stage, reduce_scatter_direct, reduce_scatter_direct_stage,
 };
 pub(crate) use p2p::P2P_CHANNEL;
 pub(crate) use p2p::{

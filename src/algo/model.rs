@@ -637,6 +637,61 @@ fn warn_not_applicable<'a>(kind: CollKind, f: Algo, cands: impl Iterator<Item = 
     }
 }
 
+/// Whether `a` reduces every element of `kind` in rank order, with the same kernels as
+/// the others that do (`algo/ordered.rs`): a call of the deterministic mode returns the
+/// same bits whichever of them runs it.
+pub fn rank_ordered(kind: CollKind, a: Algo) -> bool {
+    match kind {
+        CollKind::AllReduce => matches!(
+            a,
+            Algo::Direct | Algo::TwoShot | Algo::ShmOneShot | Algo::ShmTwoShot
+        ),
+        CollKind::Reduce | CollKind::ReduceScatter => matches!(a, Algo::Direct | Algo::ShmOneShot),
+        CollKind::Broadcast | CollKind::AllGather | CollKind::AllToAll => true,
+    }
+}
+
+/// [`choose_for`] in the deterministic mode: for a reducing collective, only algorithms
+/// that reduce in rank order ([`rank_ordered`]) — the one-shot or two-shot all-reduce
+/// (through shared memory when every rank is on this host), the direct reduce-scatter and
+/// reduce; a `forced` algorithm applies only if it is one of them. Other collectives move
+/// bytes without arithmetic and choose as usual.
+pub fn choose_ordered(
+    kind: CollKind,
+    dt: DataType,
+    n: usize,
+    bytes: usize,
+    c: &LinkCost,
+    forced: Option<Algo>,
+    t: &Tuning,
+) -> (Algo, Pipeline) {
+    let flat = c.flat_sync_us.is_some() && n > 1;
+    let cands: &[Algo] = match (kind, flat) {
+        (CollKind::AllReduce, true) => &[Algo::ShmOneShot, Algo::ShmTwoShot],
+        (CollKind::AllReduce, false) if bytes <= DIRECT_MAX => &[Algo::Direct, Algo::TwoShot],
+        (CollKind::AllReduce, false) => &[Algo::TwoShot],
+        (CollKind::Reduce | CollKind::ReduceScatter, true) => &[Algo::ShmOneShot],
+        (CollKind::Reduce | CollKind::ReduceScatter, false) => &[Algo::Direct],
+        _ => return choose_for(kind, dt, n, bytes, c, forced, t),
+    };
+    let scaled = LinkCost {
+        gamma_gbs: c.gamma_gbs * reduce_factor(dt),
+        wire_gamma_gbs: c.wire_gamma_gbs * reduce_factor(dt),
+        ..*c
+    };
+    let pl = pipeline(bytes, bytes, t);
+    let pick = forced.filter(|f| cands.contains(f)).or_else(|| {
+        cands.iter().copied().min_by(|&a, &b| {
+            let (ea, eb) = (
+                estimate(kind, a, n, bytes, &scaled, &pl),
+                estimate(kind, b, n, bytes, &scaled, &pl),
+            );
+            ea.total_cmp(&eb)
+        })
+    });
+    (pick.unwrap_or(cands[0]), pl)
+}
+
 /// Choose algorithm and pipeline (reductions at `c.gamma_gbs`). `forced` wins when the
 /// collective has it; otherwise the model chooses and a WARN says so.
 pub fn choose(

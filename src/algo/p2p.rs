@@ -1,6 +1,7 @@
 //! Algorithms made of direct exchanges: one-shot all-reduce for small messages, pairwise
 //! all-to-all, the dissemination barrier, and point-to-point send/receive.
 
+use super::ordered::{exchange_blocks, reduce_in_rank_order};
 use super::part;
 use crate::error::{Error, Result};
 use crate::exec::{Buf, Exec, Reg};
@@ -17,7 +18,7 @@ pub(crate) const P2P_CHANNEL: usize = crate::exec::links::MAX_CHANNELS - 1;
 const STEPS_PER_BATCH: usize = 48;
 
 /// After posting step `s` of `1..n`: finish the batch when it is full.
-fn end_of_batch(exec: &mut Exec, s: usize) -> Result<()> {
+pub(super) fn end_of_batch(exec: &mut Exec, s: usize) -> Result<()> {
     if s % STEPS_PER_BATCH == 0 {
         exec.finish()?;
     }
@@ -65,15 +66,7 @@ pub(crate) fn all_reduce_direct(
     } else {
         input
     };
-    let data = |p: usize| if p == r { own } else { slot(p) };
-    exec.reduce(dst, data(0), data(1), dt, op)?;
-    for p in 2..n {
-        exec.reduce(dst, dst, data(p), dt, op)?;
-    }
-    if op == RedOp::Avg {
-        exec.finish_avg(dst, dt, n)?;
-    }
-    Ok(())
+    reduce_in_rank_order(exec, dst, n, |p| if p == r { own } else { slot(p) }, dt, op)
 }
 
 /// Staging of the two-shot all-reduce: a block-sized slot per rank.
@@ -103,23 +96,9 @@ pub(crate) fn all_reduce_twoshot(
         Reg::new(b, start * esz, len * esz)
     };
     let slot = |p: usize| Reg::new(Buf::Stage, p * stride, block(Buf::Dst, r).len);
-    exec.ensure(
-        (1..n).map(|s| ((r + s) % n, 0)),
-        (1..n).map(|s| ((r + n - s) % n, 0)),
-    )?;
     // Empty blocks (count < n) are skipped by both sides alike.
     let mine = block(Buf::Dst, r).len;
-    for s in 1..n {
-        let (to, from) = ((r + s) % n, (r + n - s) % n);
-        if mine > 0 {
-            exec.recv(from, 0, slot(from))?;
-        }
-        if block(Buf::Src, to).len > 0 {
-            exec.send(to, 0, block(Buf::Src, to))?;
-        }
-        end_of_batch(exec, s)?;
-    }
-    exec.finish()?;
+    exchange_blocks(exec, |p| block(Buf::Src, p), slot)?;
     if mine > 0 {
         // In place, the output block is also our input: keep the input in our own slot.
         let own = if exec.in_place() {
@@ -129,14 +108,7 @@ pub(crate) fn all_reduce_twoshot(
             block(Buf::Src, r)
         };
         let data = |p: usize| if p == r { own } else { slot(p) };
-        let out = block(Buf::Dst, r);
-        exec.reduce(out, data(0), data(1), dt, op)?;
-        for p in 2..n {
-            exec.reduce(out, out, data(p), dt, op)?;
-        }
-        if op == RedOp::Avg {
-            exec.finish_avg(out, dt, n)?;
-        }
+        reduce_in_rank_order(exec, block(Buf::Dst, r), n, data, dt, op)?;
     }
     for s in 1..n {
         let (to, from) = ((r + s) % n, (r + n - s) % n);

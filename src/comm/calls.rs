@@ -217,12 +217,16 @@ impl State {
             })?;
             return Ok(info(a, pl));
         }
-        let need = hier::rooted_stage(a, true, &pl);
+        let need = match a {
+            Algo::Direct => algo::reduce_direct_stage(n, count, dt),
+            _ => hier::rooted_stage(a, true, &pl),
+        };
         let order = self.ring_order().filter(|_| a == Algo::Ring);
         let group = order.as_ref().map_or(&[][..], |t| t.ring());
         self.run_group(group, send, recv, dev, need, |exec| {
             let root = exec.group_rank(root).unwrap_or(root);
             match a {
+                Algo::Direct => algo::reduce_direct(exec, root, dt, op, count),
                 Algo::Tree => algo::reduce_tree(exec, root, dt, op, count, &pl),
                 _ => algo::reduce_ring(exec, root, dt, op, count, &pl),
             }
@@ -340,12 +344,14 @@ impl State {
         }
         let need = match a {
             Algo::Bruck => algo::bruck_stage(n, n * count, dt),
+            Algo::Direct => algo::reduce_scatter_direct_stage(n, count, dt),
             _ => algo::reduce_scatter_ring_stage(count, dt, &pl),
         };
         let order = self.ring_order().filter(|_| a == Algo::Ring);
         let group = order.as_ref().map_or(&[][..], |t| t.ring());
         self.run_group(group, send, recv, dev, need, |exec| match a {
             Algo::Bruck => algo::reduce_scatter_bruck(exec, dt, op, count),
+            Algo::Direct => algo::reduce_scatter_direct(exec, dt, op, count),
             _ => algo::reduce_scatter_ring(exec, dt, op, count, &pl),
         })?;
         Ok(info(a, pl))

@@ -78,6 +78,13 @@ pub struct Config {
     /// `host:port`, a bare port for this host only); one endpoint per process, started by the
     /// first communicator that asks.
     pub metrics_addr: Option<String>,
+    /// Reductions that return the same bits every time (`ROCCL_DETERMINISTIC=1`): every
+    /// reducing collective sums each element in rank order, whatever algorithm, network,
+    /// pipeline or channel count would otherwise run it (it runs only the algorithms that
+    /// reduce so: one-shot, two-shot, the direct reduce-scatter and reduce, and their
+    /// shared-memory forms), so a given rank count and data type give bitwise one result.
+    /// Every rank must use the same value. See docs/DETERMINISM.md for what it costs.
+    pub deterministic: bool,
 }
 
 /// When calls run hierarchically ([`Config::hier`]).
@@ -212,6 +219,7 @@ impl Config {
             calibrate: envvar::switch_in(get, "ROCCL_CALIBRATE", true)?,
             trace: envvar::raw_in(get, "ROCCL_TRACE"),
             metrics_addr: envvar::raw_in(get, "ROCCL_METRICS_ADDR"),
+            deterministic: envvar::switch_in(get, "ROCCL_DETERMINISTIC", false)?,
         })
     }
 }
@@ -331,6 +339,11 @@ impl ConfigBuilder {
     /// [`Config::metrics_addr`].
     pub fn metrics_addr(mut self, addr: impl Into<String>) -> Self {
         self.0.metrics_addr = Some(addr.into());
+        self
+    }
+    /// [`Config::deterministic`].
+    pub fn deterministic(mut self, on: bool) -> Self {
+        self.0.deterministic = on;
         self
     }
     /// The settings.

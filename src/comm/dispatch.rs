@@ -308,7 +308,12 @@ impl State {
                 return last.choice;
             }
         }
-        let mut choice = model::choose_for(
+        let choose = if self.cfg.deterministic {
+            model::choose_ordered
+        } else {
+            model::choose_for
+        };
+        let mut choice = choose(
             kind,
             dt,
             self.links.nranks,
@@ -317,7 +322,9 @@ impl State {
             forced.filter(|&a| a != Algo::Hier),
             &self.cfg.tuning,
         );
-        if by_host && self.wants_hier(kind, dt, bytes, forced, &choice) {
+        // Hierarchical reductions sum by host first: not in the deterministic mode.
+        let hier_allowed = !self.cfg.deterministic || model::rank_ordered(kind, Algo::Hier);
+        if by_host && hier_allowed && self.wants_hier(kind, dt, bytes, forced, &choice) {
             choice.0 = Algo::Hier;
         }
         self.last_choice = Some(LastChoice {

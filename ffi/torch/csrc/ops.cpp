@@ -453,14 +453,36 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (outputLists.size() != inputs.size()) {
-    raise("roccl: allgather_coalesced: one output list per input is needed");
+  // As torch's `all_gather_coalesced` (and Gloo) lay them out: one output list per rank,
+  // each with one tensor per input (outputLists[rank][input]).
+  const size_t ranks = static_cast<size_t>(getSize());
+  if (inputs.empty()) {
+    raise("roccl: allgather_coalesced: no input tensors");
+  }
+  if (outputLists.size() != ranks) {
+    raise(
+        "roccl: allgather_coalesced: " + std::to_string(outputLists.size()) +
+        " output lists; one per rank is needed (" + std::to_string(ranks) + ")");
+  }
+  for (size_t p = 0; p < ranks; ++p) {
+    if (outputLists[p].size() != inputs.size()) {
+      raise(
+          "roccl: allgather_coalesced: output list " + std::to_string(p) + " has " +
+          std::to_string(outputLists[p].size()) + " tensors; one per input is needed (" +
+          std::to_string(inputs.size()) + ")");
+    }
   }
   auto w = work(c10d::OpType::ALLGATHER_COALESCED, "roccl:all_gather_coalesced");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    addAllgatherList(
-        *w, outputLists[i], inputs[i], getRank(), getSize(), "allgather_coalesced");
-    for (auto& o : outputLists[i]) {
+    std::vector<at::Tensor> outs;
+    outs.reserve(ranks);
+    for (size_t p = 0; p < ranks; ++p) {
+      outs.push_back(outputLists[p][i]);
+    }
+    addAllgatherList(*w, outs, inputs[i], getRank(), getSize(), "allgather_coalesced");
+  }
+  for (auto& list : outputLists) {
+    for (auto& o : list) {
       w->outputs.push_back(o);
     }
   }
