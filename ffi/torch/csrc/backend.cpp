@@ -483,7 +483,8 @@ ProcessGroupRoccl::ProcessGroupRoccl(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    bool deterministic)
     : Backend(rank, size),
       options_(c10::make_intrusive<Backend::Options>("roccl", timeout)) {
   const std::string key = "roccl/unique_id";
@@ -512,7 +513,8 @@ ProcessGroupRoccl::ProcessGroupRoccl(
         rust::Slice<const uint8_t>(id.data(), id.size()),
         size,
         rank,
-        static_cast<uint64_t>(std::max<int64_t>(timeout.count(), 0)));
+        static_cast<uint64_t>(std::max<int64_t>(timeout.count(), 0)),
+        deterministic);
     queue_ = std::make_shared<Queue>(std::move(comm));
   } catch (const rust::Error& e) {
     raise(e.what());

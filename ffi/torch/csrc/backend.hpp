@@ -160,7 +160,8 @@ class ProcessGroupRoccl : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Store>& store,
       int rank,
       int size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      bool deterministic = false);
   ~ProcessGroupRoccl() override;
 
   const std::string getBackendName() const override {

@@ -211,7 +211,8 @@ class PyCommunicator {
               reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
           nranks,
           rank,
-          ms);
+          ms,
+          false);
     } catch (const rust::Error& e) {
       throw std::runtime_error(e.what());
     }

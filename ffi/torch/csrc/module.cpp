@@ -22,14 +22,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::init([](const c10::intrusive_ptr<c10d::Store>& store,
                       int rank,
                       int size,
-                      std::chrono::milliseconds timeout) {
+                      std::chrono::milliseconds timeout,
+                      bool deterministic) {
             return c10::make_intrusive<roccl_torch::ProcessGroupRoccl>(
-                store, rank, size, timeout);
+                store, rank, size, timeout, deterministic);
           }),
           py::arg("store"),
           py::arg("rank"),
           py::arg("size"),
           py::arg("timeout"),
+          py::arg("deterministic") = false,
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly(
           "net_name",

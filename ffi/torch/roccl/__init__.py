@@ -18,6 +18,7 @@ from . import _C
 
 __all__ = [
     "register",
+    "Options",
     "ProcessGroupRoccl",
     "Communicator",
     "unique_id",
@@ -31,11 +32,34 @@ Communicator = _C.Communicator
 unique_id = _C.unique_id
 
 
+class Options:
+    """Options of a roccl process group, given as ``pg_options`` to
+    ``dist.init_process_group("roccl", ...)`` or ``dist.new_group(...)``.
+
+    ``deterministic``: every reducing collective of the group returns bitwise one result
+    for its rank count and data type, whatever algorithm, network and settings run it (as
+    ``ROCCL_DETERMINISTIC=1``, which applies to every group); see docs/DETERMINISM.md."""
+
+    def __init__(self, deterministic=False):
+        self.deterministic = bool(deterministic)
+
+    def __repr__(self):
+        return f"roccl.Options(deterministic={self.deterministic})"
+
+
 def _create_backend(opts, backend_options=None):
     """The creator torch calls for each process group of backend "roccl": rank 0 of the
     group publishes roccl's unique id through the group's Store, the others read it; the
-    group's timeout is roccl's timeout."""
-    return _C.ProcessGroupRoccl(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    group's timeout is roccl's timeout; ``backend_options`` (``pg_options``) is an
+    :class:`Options` or None."""
+    if backend_options is not None and not isinstance(backend_options, Options):
+        raise TypeError(
+            f"roccl: pg_options must be a roccl.Options, not {type(backend_options).__name__}"
+        )
+    deterministic = backend_options is not None and backend_options.deterministic
+    return _C.ProcessGroupRoccl(
+        opts.store, opts.group_rank, opts.group_size, opts.timeout, deterministic
+    )
 
 
 # Each launcher's variable for a process's rank on its node.

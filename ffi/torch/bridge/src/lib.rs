@@ -87,10 +87,18 @@ mod bridge {
             nranks: usize,
             rank: usize,
             timeout_ms: u64,
+            deterministic: bool,
         ) -> Result<Box<Comm>>;
         /// Join the communicator of `id` as `rank` of `nranks`; `timeout_ms` replaces
-        /// `ROCCL_TIMEOUT` (the other `ROCCL_*` settings apply).
-        fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>>;
+        /// `ROCCL_TIMEOUT`, `deterministic` turns the deterministic mode on (as
+        /// `ROCCL_DETERMINISTIC=1`; the other `ROCCL_*` settings apply).
+        fn init(
+            id: &[u8],
+            nranks: usize,
+            rank: usize,
+            timeout_ms: u64,
+            deterministic: bool,
+        ) -> Result<Box<Comm>>;
         fn rank(self: &Comm) -> usize;
         fn nranks(self: &Comm) -> usize;
         /// The network the communicator uses (`shm`, `tcp`, `tcp+shm`, ...).
@@ -213,6 +221,7 @@ fn init_published(
     nranks: usize,
     rank: usize,
     timeout_ms: u64,
+    deterministic: bool,
 ) -> Result<Box<Comm>, String> {
     let who = format!(" rank {rank}");
     let id = guarded(
@@ -226,7 +235,7 @@ fn init_published(
                 })
         },
     )?;
-    init(&id, nranks, rank, timeout_ms)
+    init(&id, nranks, rank, timeout_ms, deterministic)
 }
 
 fn launcher_env() -> Result<Launch, String> {
@@ -249,7 +258,13 @@ fn launcher_env() -> Result<Launch, String> {
     )
 }
 
-fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Comm>, String> {
+fn init(
+    id: &[u8],
+    nranks: usize,
+    rank: usize,
+    timeout_ms: u64,
+    deterministic: bool,
+) -> Result<Box<Comm>, String> {
     let who = format!(" rank {rank}");
     guarded(
         || (who, "joining the communicator".into()),
@@ -261,6 +276,7 @@ fn init(id: &[u8], nranks: usize, rank: usize, timeout_ms: u64) -> Result<Box<Co
             if timeout_ms > 0 {
                 cfg.waiter.timeout = Duration::from_millis(timeout_ms);
             }
+            cfg.deterministic |= deterministic;
             let c = Communicator::init_with(&id, nranks, rank, cfg).map_err(|e| e.to_string())?;
             Ok(Box::new(Comm { inner: Arc::new(c) }))
         },
