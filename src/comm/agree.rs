@@ -370,6 +370,9 @@ mod tests {
         let mut c = base.clone();
         c.gpu_direct_min = 1;
         cases.push((c, 4 << 20, "ROCCL_GPU_DIRECT_MIN=1"));
+        let mut c = base.clone();
+        c.deterministic = true;
+        cases.push((c, 4 << 20, "ROCCL_DETERMINISTIC=1"));
         for (c, chunk, want) in cases {
             let theirs = settings(&c, chunk);
             let b = blob(

@@ -545,6 +545,10 @@ c10::intrusive_ptr<WorkRoccl> ProcessGroupRoccl::work(
   if (coalesced_) {
     return coalesced_;
   }
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
+      type != c10d::OpType::RECVANYSOURCE) {
+    sequence_.fetch_add(1);
+  }
   return c10::make_intrusive<WorkRoccl>(getRank(), type, title, queue_);
 }
 

@@ -176,6 +176,14 @@ class ProcessGroupRoccl : public c10d::Backend {
   bool supportsSplitting() const override {
     return true;
   }
+  // The number of collectives this group has issued (every rank issues them alike; sends
+  // and receives do not count), as torch's debug wrapper compares across ranks.
+  void setSequenceNumberForGroup() override {
+    sequence_.store(0);
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    return sequence_.load();
+  }
   std::string netName() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(
@@ -276,6 +284,7 @@ class ProcessGroupRoccl : public c10d::Backend {
 
   c10::intrusive_ptr<Backend::Options> options_;
   std::shared_ptr<Queue> queue_;
+  std::atomic<uint64_t> sequence_{0};
   c10::intrusive_ptr<WorkRoccl> coalesced_;
 };
 

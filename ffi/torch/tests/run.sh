@@ -13,7 +13,7 @@ wheels=${ROCCL_TORCH_WHEELS:-$HOME/.cache/roccl/torch-wheels}
 py="$venv/bin/python"
 
 have_torch() {
-  [ -x "$py" ] && "$py" -c "import torch, torch.distributed as d, pytest, numpy
+  [ -x "$py" ] && "$py" -c "import torch, torch.distributed as d, pytest, numpy, expecttest
 assert torch.__version__.split('+')[0] == '$torch_version' and d.is_available()" 2>/dev/null
 }
 
@@ -23,10 +23,11 @@ if ! have_torch; then
   # PyPI's Linux wheel of torch is its CUDA build: it loads the CUDA libraries it links
   # (nvidia-* wheels, about 2.5 GB) even on a machine without a GPU, so they are installed
   # too; triton (only for torch.compile on GPUs) is not.
-  if [ ! -e "$wheels/.complete-$torch_version" ]; then
+  # (expecttest: torch's own test suite imports it, see torch_suite/.)
+  if [ ! -e "$wheels/.complete-$torch_version-2" ]; then
     python3 -m pip download --quiet --only-binary=:all: -d "$wheels" \
-      "torch==$torch_version" pytest numpy ninja "setuptools>=77" wheel
-    touch "$wheels/.complete-$torch_version"
+      "torch==$torch_version" pytest numpy ninja "setuptools>=77" wheel expecttest
+    touch "$wheels/.complete-$torch_version-2"
   fi
   rm -rf "$venv"
   python3 -m venv "$venv"
@@ -42,4 +43,7 @@ PATH="$venv/bin:$PATH" "$py" -m pip install --quiet --no-build-isolation --no-de
 echo "built and installed in $(($(date +%s) - start)) s"
 
 echo "-- pytest ffi/torch/tests"
-(cd ffi/torch/tests && PATH="$venv/bin:$PATH" "$py" -m pytest -q -p no:cacheprovider .)
+(cd ffi/torch/tests && PATH="$venv/bin:$PATH" "$py" -m pytest -q -p no:cacheprovider --ignore=torch_suite .)
+
+echo "-- torch's own distributed test suite (the part chosen for CI; all of it: torch_suite/run.sh all)"
+PATH="$venv/bin:$PATH" ffi/torch/tests/torch_suite/run.sh ci

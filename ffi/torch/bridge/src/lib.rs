@@ -283,6 +283,22 @@ fn init(
     )
 }
 
+/// A call's error as torch users read it: a timeout says "Timed out" (as Gloo's do, and as
+/// torch's own tests of timeouts look for) and whom it waited on; others as roccl says them.
+fn call_error(e: roccl_core::Error) -> String {
+    match e {
+        roccl_core::Error::Timeout { waiting_on, msg } if waiting_on.is_empty() => {
+            format!("Timed out without progress: {msg}")
+        }
+        roccl_core::Error::Timeout { waiting_on, msg } => {
+            let ranks: Vec<String> = waiting_on.iter().map(|r| r.to_string()).collect();
+            let s = if ranks.len() == 1 { "" } else { "s" };
+            format!("Timed out waiting on rank{s} {}: {msg}", ranks.join(", "))
+        }
+        e => e.to_string(),
+    }
+}
+
 fn dtype_of(d: Dtype) -> Result<DataType, String> {
     DataType::from_nccl(i32::from(d.repr)).ok_or_else(|| format!("unknown data type {}", d.repr))
 }
@@ -401,7 +417,7 @@ impl Comm {
                 self.inner
                     .run_raw(coll, dt, send, recv, &call_opts(timeout_ms))
                     .map(|_| ())
-                    .map_err(|e| e.to_string())
+                    .map_err(call_error)
             },
         )
     }
@@ -462,7 +478,7 @@ impl Comm {
                     .collect();
                 self.inner
                     .p2p_with(&mut ops, &call_opts(timeout_ms))
-                    .map_err(|e| e.to_string())
+                    .map_err(call_error)
             },
         )
     }
