@@ -486,7 +486,8 @@ ProcessGroupRoccl::ProcessGroupRoccl(
     std::chrono::milliseconds timeout,
     bool deterministic)
     : Backend(rank, size),
-      options_(c10::make_intrusive<Backend::Options>("roccl", timeout)) {
+      options_(c10::make_intrusive<Backend::Options>("roccl", timeout)),
+      store_(store) {
   const std::string key = "roccl/unique_id";
   std::vector<uint8_t> id;
   try {

@@ -261,6 +261,10 @@ class ProcessGroupRoccl : public c10d::Backend {
       int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  // torch's monitored_barrier (monitored.cpp): through the group's Store, so that rank 0
+  // names the ranks that did not arrive within the timeout without breaking the group.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false)
+      override;
 
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -283,6 +287,10 @@ class ProcessGroupRoccl : public c10d::Backend {
       std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
 
   c10::intrusive_ptr<Backend::Options> options_;
+  // The group's Store (torch's): the unique id at init, monitored barriers later.
+  c10::intrusive_ptr<c10d::Store> store_;
+  // Monitored barriers this rank has entered (names each one's keys in the Store).
+  uint64_t monitored_ = 0;
   std::shared_ptr<Queue> queue_;
   std::atomic<uint64_t> sequence_{0};
   c10::intrusive_ptr<WorkRoccl> coalesced_;
