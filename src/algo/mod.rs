@@ -175,6 +175,20 @@ pub(crate) fn drive(exec: &mut Exec, ms: &mut [&mut dyn Machine]) -> Result<()> 
     }
 }
 
+/// Steps (a receive and a send each) the one-step algorithms post before finishing them:
+/// the executor tracks 128 requests at most, so at more than 64 ranks they go in batches.
+/// Every rank cuts its steps `1..n` at the same places, so each batch's receives match the
+/// other ranks' sends of the same batch.
+const STEPS_PER_BATCH: usize = 48;
+
+/// After posting step `s` of `1..n`: finish the batch when it is full.
+pub(crate) fn end_of_batch(exec: &mut Exec, s: usize) -> Result<()> {
+    if s % STEPS_PER_BATCH == 0 {
+        exec.finish()?;
+    }
+    Ok(())
+}
+
 /// Element range `[start, start+len)` of part `i` when `count` elements are cut in `parts`
 /// nearly equal parts (the first `count % parts` get one more).
 pub(crate) fn part(count: usize, parts: usize, i: usize) -> (usize, usize) {

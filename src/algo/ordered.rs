@@ -32,7 +32,7 @@ pub(crate) fn reduce_in_rank_order(
 
 /// Every rank sends block `p` of its input (`input(p)`) to rank `p` and receives its own
 /// block from every peer into `slot(peer)`, all at once (in batches past 48 peers, see
-/// [`super::p2p`]). Blocks of no bytes are skipped by both sides alike.
+/// [`super::end_of_batch`]). Blocks of no bytes are skipped by both sides alike.
 pub(crate) fn exchange_blocks(
     exec: &mut Exec,
     input: impl Fn(usize) -> Reg,
@@ -51,7 +51,7 @@ pub(crate) fn exchange_blocks(
         if input(to).len > 0 {
             exec.send(to, 0, input(to))?;
         }
-        super::p2p::end_of_batch(exec, s)?;
+        super::end_of_batch(exec, s)?;
     }
     exec.finish()
 }
@@ -150,7 +150,7 @@ pub(crate) fn reduce_direct(
         let from = (0..n).filter(|&p| p != root && block(Buf::Dst, p).len > 0);
         for (k, p) in from.enumerate() {
             exec.recv(p, 0, block(Buf::Dst, p))?;
-            super::p2p::end_of_batch(exec, k + 1)?;
+            super::end_of_batch(exec, k + 1)?;
         }
     } else if mine > 0 {
         exec.send(root, 0, out)?;

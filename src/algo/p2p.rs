@@ -2,7 +2,7 @@
 //! all-to-all, the dissemination barrier, and point-to-point send/receive.
 
 use super::ordered::{exchange_blocks, reduce_in_rank_order};
-use super::part;
+use super::{end_of_batch, part};
 use crate::error::{Error, Result};
 use crate::exec::{Buf, Exec, Reg};
 use crate::types::{DataType, RedOp};
@@ -10,20 +10,6 @@ use crate::types::{DataType, RedOp};
 /// Channel reserved for point-to-point traffic, so user sends never interleave with the
 /// messages of a collective on the same connection.
 pub(crate) const P2P_CHANNEL: usize = crate::exec::links::MAX_CHANNELS - 1;
-
-/// Steps (a receive and a send each) the one-step algorithms post before finishing them:
-/// the executor tracks 128 requests at most, so at more than 64 ranks they go in batches.
-/// Every rank cuts its steps `1..n` at the same places, so each batch's receives match the
-/// other ranks' sends of the same batch.
-const STEPS_PER_BATCH: usize = 48;
-
-/// After posting step `s` of `1..n`: finish the batch when it is full.
-pub(super) fn end_of_batch(exec: &mut Exec, s: usize) -> Result<()> {
-    if s % STEPS_PER_BATCH == 0 {
-        exec.finish()?;
-    }
-    Ok(())
-}
 
 /// Staging bytes of the one-shot all-reduce: one slot per rank.
 pub(crate) fn all_reduce_direct_stage(n: usize, bytes: usize) -> usize {
