@@ -86,6 +86,16 @@ fn run_all(c: &Communicator) -> Vec<(Key, Vec<u8>)> {
                 }
                 c.run_raw(coll, dt, Some(&mine), &mut got, &opts)
                     .unwrap_or_else(|e| panic!("{name} {dt} {count}: {e}"));
+                // In place: the same bits (at the root, for a reduce).
+                let mut inplace = mine.clone();
+                c.run_raw(coll, dt, None, &mut inplace, &opts)
+                    .unwrap_or_else(|e| panic!("{name} in place {dt} {count}: {e}"));
+                if !got.is_empty() {
+                    assert!(
+                        inplace == got,
+                        "{name} {dt} {count} rank {me}: in place differs"
+                    );
+                }
                 out.push(((name, dt, count, me), got));
             }
             // Reduce-scatter: `n` blocks of `count` in, this rank's block out.
@@ -99,6 +109,21 @@ fn run_all(c: &Communicator) -> Vec<(Key, Vec<u8>)> {
                 &opts,
             )
             .unwrap_or_else(|e| panic!("reduce_scatter {dt} {count}: {e}"));
+            // In place: the output is this rank's block of the buffer.
+            let mut inplace = whole.clone();
+            c.run_raw(
+                Collective::ReduceScatter(RedOp::Sum),
+                dt,
+                None,
+                &mut inplace,
+                &opts,
+            )
+            .unwrap_or_else(|e| panic!("reduce_scatter in place {dt} {count}: {e}"));
+            let block = &inplace[me * count * es..(me + 1) * count * es];
+            assert!(
+                block == got,
+                "reduce_scatter {dt} {count} rank {me}: in place differs"
+            );
             out.push((("reduce_scatter sum", dt, count, me), got));
         }
     }
