@@ -2,7 +2,7 @@
 # torch's own distributed test suite with roccl (run_suite.py), in the torch environment of
 # ../run.sh (python on PATH with torch, expecttest and roccl installed).
 #
-#   run.sh ci          the part chosen for CI: 2 ranks, one or two tests per area (about 3 min)
+#   run.sh ci          the part chosen for CI: 2 ranks, one or two tests per area (about 2.5 min)
 #   run.sh all [N...]  every test, at each rank count given (default 2 and 3; 15-25 min each)
 #
 # Each test spawns its ranks as torch's test_distributed_spawn.py does; a failing test fails
@@ -15,8 +15,8 @@ shift || true
 
 # Chosen for what they cover: every collective, async work and futures, object collectives,
 # coalesced calls, point-to-point (tags, batches), subgroups (and torch's debug wrapper, which
-# compares sequence numbers), a barrier's timeout (an error path), DDP with and without
-# no_sync and communication hooks, and group teardown.
+# compares sequence numbers), a barrier's timeout (an error path), a monitored barrier with a
+# rank missing, DDP with and without no_sync and communication hooks, and group teardown.
 CI_TESTS=(
   test_all_reduce_sum test_all_reduce_sum_async test_all_reduce_max test_all_reduce_sum_complex
   test_all_reduce_coalesced_sum test_all_reduce_full_group_sum
@@ -24,6 +24,7 @@ CI_TESTS=(
   test_all_gather_object_default_pg test_all_gather_object_subgroup test_gather test_scatter
   test_scatter_object_list test_barrier test_barrier_timeout_full_group test_get_future
   test_send_recv test_isend test_send_recv_with_tag test_batch_isend_irecv_gloo
+  test_monitored_barrier_gloo
   test_DistributedDataParallelCPU test_accumulate_gradients_no_sync_allreduce_hook
   test_ddp_create_graph test_static_graph_api_cpu test_get_backend test_destroy_group
 )

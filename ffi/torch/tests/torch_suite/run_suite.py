@@ -63,6 +63,10 @@ FOR_GLOO_ONLY = [
     "test_batch_isend_irecv_gloo_tags",
     "test_get_future",
     "test_grads_same_across_ranks_with_no_sync",
+    "test_monitored_barrier_gloo",
+    "test_monitored_barrier_gloo_rank_0_timeout",
+    "test_monitored_barrier_gloo_subgroup",
+    "test_monitored_barrier_failure_order",
     "test_scatter_object_list",
 ]
 
