@@ -499,12 +499,16 @@ pub fn choose_for(
     forced: Option<Algo>,
     t: &Tuning,
 ) -> (Algo, Pipeline) {
-    let scaled = LinkCost {
+    choose(kind, n, bytes, &scaled_for(c, dt), forced, t)
+}
+
+/// `c` with its reduction speeds scaled for data of type `dt`.
+fn scaled_for(c: &LinkCost, dt: DataType) -> LinkCost {
+    LinkCost {
         gamma_gbs: c.gamma_gbs * reduce_factor(dt),
         wire_gamma_gbs: c.wire_gamma_gbs * reduce_factor(dt),
         ..*c
-    };
-    choose(kind, n, bytes, &scaled, forced, t)
+    }
 }
 
 /// How a job spreads over hosts, for [`estimate_hier`].
@@ -674,11 +678,7 @@ pub fn choose_ordered(
         (CollKind::Reduce | CollKind::ReduceScatter, false) => &[Algo::Direct],
         _ => return choose_for(kind, dt, n, bytes, c, forced, t),
     };
-    let scaled = LinkCost {
-        gamma_gbs: c.gamma_gbs * reduce_factor(dt),
-        wire_gamma_gbs: c.wire_gamma_gbs * reduce_factor(dt),
-        ..*c
-    };
+    let scaled = scaled_for(c, dt);
     let pl = pipeline(bytes, bytes, t);
     let pick = forced.filter(|f| cands.contains(f)).or_else(|| {
         cands.iter().copied().min_by(|&a, &b| {

@@ -33,18 +33,8 @@ pub(crate) fn all_reduce_direct(
     if n == 1 {
         return exec.copy(dst, input);
     }
-    exec.ensure(
-        (1..n).map(|s| ((r + s) % n, 0)),
-        (1..n).map(|s| ((r + n - s) % n, 0)),
-    )?;
     let slot = |p: usize| Reg::new(Buf::Stage, p * stride, bytes);
-    for s in 1..n {
-        let from = (r + n - s) % n;
-        exec.recv(from, 0, slot(from))?;
-        exec.send((r + s) % n, 0, input)?;
-        end_of_batch(exec, s)?;
-    }
-    exec.finish()?;
+    exchange_blocks(exec, |_| input, slot)?;
     // In place, our input is about to be overwritten: keep it in our own slot.
     let own = if exec.in_place() {
         exec.copy(slot(r), input)?;
