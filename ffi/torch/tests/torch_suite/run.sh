@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# torch's own distributed test suite with roccl (run_suite.py), in the torch environment of
-# ../run.sh (python on PATH with torch, expecttest and roccl installed).
+# torch's own distributed test suite with roccl (run_suite.py), in the torch environment
+# ../run.sh makes (ROCCL_TORCH_VENV, default ~/.cache/roccl/torch-venv; else the python on
+# PATH, which needs torch, expecttest and roccl installed).
 #
 #   run.sh ci          the part chosen for CI: 2 ranks, one or two tests per area (about 2.5 min)
 #   run.sh all [N...]  every test, at each rank count given (default 2 and 3; 15-25 min each)
@@ -10,6 +11,9 @@
 # the differences docs/TORCH.md names).
 set -euo pipefail
 cd "$(dirname "$0")"
+venv=${ROCCL_TORCH_VENV:-$HOME/.cache/roccl/torch-venv}
+py=python
+[ -x "$venv/bin/python" ] && py="$venv/bin/python"
 mode=${1:-ci}
 shift || true
 
@@ -37,7 +41,7 @@ run() {
   log=$tmp/log
   echo "-- torch suite, BACKEND=roccl, WORLD_SIZE=$world: ${*:-every test}"
   local start=$SECONDS
-  BACKEND=roccl WORLD_SIZE=$world TEMP_DIR=$tmp python run_suite.py -v "$@" >"$log" 2>&1 || rc=$?
+  BACKEND=roccl WORLD_SIZE=$world TEMP_DIR=$tmp "$py" run_suite.py -v "$@" >"$log" 2>&1 || rc=$?
   grep -E '^(Ran |OK|FAILED|FAIL: |ERROR: )' "$log" || true
   if [ "$rc" -ne 0 ]; then
     echo "-- the last 150 lines of the run:"
