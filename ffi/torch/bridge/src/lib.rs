@@ -510,7 +510,7 @@ mod tests {
             .map(|r| {
                 let id = id.clone();
                 std::thread::spawn(move || {
-                    let c = init(&id, 2, r, 20_000).unwrap();
+                    let c = init(&id, 2, r, 20_000, false).unwrap();
                     let mut x = [r as f32 + 1.0; 3];
                     // SAFETY: x lives across the call.
                     unsafe {
@@ -575,7 +575,7 @@ mod tests {
 
     #[test]
     fn a_bad_unique_id_is_refused_with_a_reason() {
-        let e = init(&[1, 2, 3], 2, 0, 1000).err().unwrap();
+        let e = init(&[1, 2, 3], 2, 0, 1000, false).err().unwrap();
         assert!(e.contains("rank 0") && e.contains("unique id"), "{e}");
     }
 }
