@@ -130,14 +130,20 @@ def worker(a):
     from transformers import AutoModelForCausalLM
 
     # Time spent in all-reduce (transformers' row-wise layers call dist.all_reduce).
+    # Each call's entry and exit on the host's monotonic clock (perf_counter), the same
+    # clock in every process: the driver tells the wait for the last rank to arrive from
+    # the call's own cost (the last rank's time in it).
     in_comm = [0.0, 0]
+    calls = []
     all_reduce = dist.all_reduce
 
     def timed_all_reduce(*args, **kwargs):
         start = time.perf_counter()
         out = all_reduce(*args, **kwargs)
-        in_comm[0] += time.perf_counter() - start
+        end = time.perf_counter()
+        in_comm[0] += end - start
         in_comm[1] += 1
+        calls.append((start, end))
         return out
 
     dist.all_reduce = timed_all_reduce
@@ -159,6 +165,7 @@ def worker(a):
             if a.backend != "fake":
                 dist.barrier()
             in_comm[:] = [0.0, 0]
+            calls.clear()
             perf = profile_start(rank, batch)
             start = time.perf_counter()
             out = model.generate(ids, **kw)
@@ -169,6 +176,7 @@ def worker(a):
         rows.append({
             "batch": batch, "tokens_per_s": batch * a.tokens / took, "tokens": digest,
             "comm_share": in_comm[0] / took, "calls_per_token": in_comm[1] / a.tokens,
+            "calls": list(calls),
         })
     (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(rows))
     if a.backend != "fake":
@@ -204,8 +212,32 @@ def launch(name, procs, a, model):
     out = []
     for i, row in enumerate(ranks[0]):
         slowest = min(ranks[r][i]["tokens_per_s"] for r in ranks)
-        out.append(dict(row, rank0_tokens_per_s=row["tokens_per_s"], tokens_per_s=slowest))
+        row = dict(row, rank0_tokens_per_s=row["tokens_per_s"], tokens_per_s=slowest)
+        row.update(call_split([ranks[r][i].pop("calls") for r in sorted(ranks)], backend))
+        row.pop("calls", None)
+        out.append(row)
     return out
+
+
+def call_split(per_rank, backend):
+    """Per call, in µs: the median time the last rank to arrive spent in it (the call's own
+    cost, waiting for nobody) and the median spread of the ranks' arrivals (what the others
+    waited for it). Without communication, each rank's own time in its call."""
+    n = min(len(c) for c in per_rank)
+    if n == 0:
+        return {}
+    own, spread = [], []
+    for k in range(n):
+        enters = [c[k][0] for c in per_rank]
+        last = max(range(len(per_rank)), key=lambda r: enters[r])
+        if backend == "fake":
+            own.append(statistics.median(c[k][1] - c[k][0] for c in per_rank))
+            spread.append(0.0)
+        else:
+            own.append(per_rank[last][k][1] - enters[last])
+            spread.append(enters[last] - min(enters))
+    return {"last_arrival_us": 1e6 * statistics.median(own), "arrival_spread_us": 1e6 * statistics.median(spread),
+            "last_arrival_mean_us": 1e6 * statistics.fmean(own), "arrival_spread_mean_us": 1e6 * statistics.fmean(spread)}
 
 
 def main():
@@ -268,12 +300,17 @@ def main():
                    if "gloo" in a.configs else ""),
                 flush=True,
             )
+            split = {n: (statistics.median(r[i].get("last_arrival_us", 0) for r in runs[n]),
+                         statistics.median(r[i].get("arrival_spread_us", 0) for r in runs[n]))
+                     for n in a.configs}
+            print("  per call (medians, µs): the last rank's time in it / spread of arrivals: "
+                  + ", ".join(f"{n} {own:.1f} / {sp:.0f}" for n, (own, sp) in split.items()), flush=True)
             if bound:
                 print(f"  rank 0 alone (not the job): noop {rank0['noop']:.1f}, "
                       + ", ".join(f"{n} {rank0[n]:.1f} ({rank0[n] / rank0['noop']:.2f})"
                                   for n in a.configs if n != "noop"), flush=True)
             table.append({"procs": procs, "batch": batch, "tokens_per_s": med, "comm_share": share,
-                          "rank0_tokens_per_s": rank0,
+                          "rank0_tokens_per_s": rank0, "per_call_us": split,
                           "calls_per_token": runs[a.configs[0]][0][i]["calls_per_token"],
                           "runs": {n: [r[i]["tokens_per_s"] for r in runs[n]] for n in a.configs},
                           "same_tokens_as_gloo": same})
