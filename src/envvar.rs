@@ -178,6 +178,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_MEASURE",
+        accepts: SWITCH,
+        valid: Some(switch),
+    },
+    Setting {
         name: "ROCCL_SHM",
         accepts: SWITCH,
         valid: Some(switch),

@@ -353,3 +353,63 @@ fn the_host_override_separates_shared_memory_from_the_network() {
         assert_eq!(v, [3f32; 4]);
     });
 }
+
+/// Links between hosts are measured at init: every rank holds the same table (each pair of
+/// hosts, measured by their first ranks), the cost model takes the slowest pair, and a
+/// communicator of one host, or one with the measurement off, has none.
+#[test]
+fn the_links_between_hosts_are_measured_at_init_and_agreed() {
+    let tables = std::sync::Mutex::new(Vec::new());
+    on_hosts(&[0, 1, 1, 2], cfg(), |c| {
+        let m = c
+            .measured_links()
+            .expect("a job of 3 hosts measures its links");
+        // `/status` shows the same table for this communicator.
+        let status = roccl::metrics::status();
+        let shown = status["communicators"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["rank"] == c.rank() && e["nranks"] == 4)
+            .map(|e| e["measured_links"].clone())
+            .find(|l| {
+                l.as_array().is_some_and(|l| {
+                    l.len() == 3 && l[0]["latency_us"].as_f64() == Some(m.links[0].alpha_us)
+                })
+            });
+        let shown = shown.unwrap_or_else(|| panic!("not in /status: {status}"));
+        assert_eq!(shown[2]["hosts"], serde_json::json!([1, 2]), "{shown}");
+        assert_eq!(
+            shown[2]["bandwidth_GBps"].as_f64(),
+            Some(m.links[2].beta_gbs)
+        );
+        tables.lock().unwrap().push(m);
+        // The communicator still works after the measurement.
+        let mut v = [1f32; 8];
+        c.all_reduce_in_place(&mut v, RedOp::Sum).unwrap();
+        assert_eq!(v, [4f32; 8]);
+    });
+    let tables = tables.into_inner().unwrap();
+    assert!(
+        tables.iter().all(|t| *t == tables[0]),
+        "ranks differ: {tables:?}"
+    );
+    let t = &tables[0];
+    let pairs: Vec<_> = t.links.iter().map(|l| (l.hosts, l.ranks)).collect();
+    assert_eq!(
+        pairs,
+        [((0, 1), (0, 1)), ((0, 2), (0, 3)), ((1, 2), (1, 3))]
+    );
+    for l in &t.links {
+        assert!(l.alpha_us > 0.0 && l.alpha_us < 1e5, "{l:?}");
+        assert!(l.beta_gbs > 0.0 && l.beta_gbs < 1e3, "{l:?}");
+    }
+    let slowest = t.links.iter().map(|l| l.alpha_us).fold(0.0, f64::max);
+    assert_eq!(t.model.0, slowest, "{}", t.describe());
+    assert!(t.model.1 > 0.0, "{}", t.describe());
+
+    let mut off = cfg();
+    off.measure_links = false;
+    on_hosts(&[0, 1], off, |c| assert!(c.measured_links().is_none()));
+    common::run_ranks(2, cfg(), |c| assert!(c.measured_links().is_none()));
+}

@@ -373,6 +373,9 @@ mod tests {
         let mut c = base.clone();
         c.deterministic = true;
         cases.push((c, 4 << 20, "ROCCL_DETERMINISTIC=1"));
+        let mut c = base.clone();
+        c.measure_links = false;
+        cases.push((c, 4 << 20, "ROCCL_MEASURE=0"));
         for (c, chunk, want) in cases {
             let theirs = settings(&c, chunk);
             let b = blob(

@@ -12,10 +12,10 @@ use crate::bootstrap;
 use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 
-pub(super) const VERSION: u32 = 11;
+pub(super) const VERSION: u32 = 12;
 
 /// The settings every rank must share, in blob order.
-pub(super) const SETTINGS: [&str; 11] = [
+pub(super) const SETTINGS: [&str; 12] = [
     "ROCCL_ALGO",
     "ROCCL_RING_WINDOW",
     "ROCCL_SLICE",
@@ -27,6 +27,7 @@ pub(super) const SETTINGS: [&str; 11] = [
     "ROCCL_GPU_DIRECT_MIN",
     "ROCCL_HIER",
     "ROCCL_DETERMINISTIC",
+    "ROCCL_MEASURE",
 ];
 /// An unset setting (the cost model decides).
 pub(super) const UNSET: u64 = u64::MAX;
@@ -77,6 +78,7 @@ pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len(
         cfg.gpu_direct_min as u64,
         cfg.hier as u64,
         u64::from(cfg.deterministic),
+        u64::from(cfg.measure_links),
     ]
 }
 
@@ -93,7 +95,7 @@ pub(super) fn show(setting: usize, v: u64) -> String {
         (9, 0) => "0".into(),
         (9, 1) => "auto".into(),
         (9, _) => "1".into(),
-        (10, v) => v.to_string(),
+        (10 | 11, v) => v.to_string(),
         (_, UNSET) => "unset".into(),
         (_, v) => v.to_string(),
     }

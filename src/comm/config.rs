@@ -85,6 +85,14 @@ pub struct Config {
     /// shared-memory forms), so a given rank count and data type give bitwise one result.
     /// Every rank must use the same value. See docs/DETERMINISM.md for what it costs.
     pub deterministic: bool,
+    /// On a job of several hosts, measure the links between them at init (`ROCCL_MEASURE`,
+    /// default on): a few round trips and one burst between one rank of each pair of hosts,
+    /// shared with every rank, and the cost model takes the measured latency and bandwidth
+    /// instead of what the NICs advertise ([`Communicator::measured_links`]). Every rank
+    /// must use the same value.
+    ///
+    /// [`Communicator::measured_links`]: super::Communicator::measured_links
+    pub measure_links: bool,
 }
 
 /// When calls run hierarchically ([`Config::hier`]).
@@ -220,6 +228,7 @@ impl Config {
             trace: envvar::raw_in(get, "ROCCL_TRACE"),
             metrics_addr: envvar::raw_in(get, "ROCCL_METRICS_ADDR"),
             deterministic: envvar::switch_in(get, "ROCCL_DETERMINISTIC", false)?,
+            measure_links: envvar::switch_in(get, "ROCCL_MEASURE", true)?,
         })
     }
 }
@@ -341,6 +350,12 @@ impl ConfigBuilder {
         self.0.metrics_addr = Some(addr.into());
         self
     }
+    /// [`Config::measure_links`].
+    pub fn measure_links(mut self, on: bool) -> Self {
+        self.0.measure_links = on;
+        self
+    }
+
     /// [`Config::deterministic`].
     pub fn deterministic(mut self, on: bool) -> Self {
         self.0.deterministic = on;

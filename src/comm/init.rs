@@ -157,6 +157,7 @@ impl Communicator {
             crate::warn!("{e}: no metrics endpoint");
         }
         let connect_all = cfg.connect_all;
+        let measure = cfg.measure_links && cfg.net != NetKind::Sim;
         let parts = Parts {
             id_hash,
             name,
@@ -173,6 +174,9 @@ impl Communicator {
         let comm = Communicator::assemble(id, rank, nranks, cfg, links, parts);
         if connect_all {
             comm.connect_all_abortable(abort)?;
+        }
+        if measure {
+            comm.measure_links()?;
         }
         Ok(comm)
     }
@@ -217,6 +221,7 @@ impl Communicator {
                         hier_cost: p.hier_cost,
                         hier_scratch: Vec::new(),
                         worker_spin: p.worker_wait.spin,
+                        measured: None,
                         cfg,
                     },
                     State::panicked,

@@ -14,6 +14,7 @@ mod config;
 mod dispatch;
 mod hier;
 mod init;
+mod measure;
 mod queue;
 mod reshape;
 mod scratch;
@@ -40,6 +41,7 @@ pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
 #[cfg(feature = "fuzzing")]
 pub(crate) use blob::fuzz_seed_blob;
 pub use config::{Config, ConfigBuilder, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
+pub use measure::{MeasuredLink, MeasuredLinks};
 pub use queue::{Handle, Turn};
 
 /// The end of every error about ranks in different calls.
@@ -96,6 +98,8 @@ struct State {
     hier_scratch: Vec<u8>,
     /// The worker thread's spin time (see `worker_wait`).
     worker_spin: Duration,
+    /// The links between hosts as measured at init (`measure.rs`).
+    measured: Option<MeasuredLinks>,
 }
 
 struct Shared {

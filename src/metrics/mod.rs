@@ -69,6 +69,10 @@ pub struct CallCounters {
 /// A source of a network's counters: appends `(name, value)` pairs when scraped.
 pub type NetSource = Box<dyn Fn(&mut Vec<(&'static str, u64)>) + Send + Sync>;
 
+/// A link between two hosts measured at init: the hosts, the ranks that measured it, its
+/// latency in µs and its bandwidth in GB/s.
+pub type MeasuredRow = ((usize, usize), (usize, usize), f64, f64);
+
 /// The call in flight and what it waits on.
 #[derive(Default)]
 struct InFlight {
@@ -107,6 +111,8 @@ pub struct CommMetrics {
     calls: Vec<CallCounters>,
     inflight: InFlight,
     nets: Mutex<Vec<(&'static str, NetSource)>>,
+    /// The links between hosts measured at init: (hosts, ranks, latency µs, GB/s).
+    measured: Mutex<Vec<MeasuredRow>>,
     /// The trace `ROCCL_TRACE` asks for ([`trace`]), and when the traced call started.
     trace: Option<trace::Trace>,
     trace_start: AtomicU64,
@@ -163,6 +169,7 @@ impl CommMetrics {
                 ..InFlight::default()
             },
             nets: Mutex::new(Vec::new()),
+            measured: Mutex::new(Vec::new()),
             trace: trace::Trace::for_rank(trace, rank, comm),
             trace_start: AtomicU64::new(0),
         });
@@ -335,6 +342,11 @@ impl CommMetrics {
 
     fn algo_name(&self, algo: usize) -> Option<&'static str> {
         algo.checked_sub(1).and_then(|i| self.algos.get(i)).copied()
+    }
+
+    /// Keep the links measured at init (hosts, ranks, latency in µs, GB/s) for `/status`.
+    pub fn set_measured_links(&self, rows: impl Iterator<Item = MeasuredRow>) {
+        *self.measured.lock() = rows.collect();
     }
 
     /// Add a source of the network's counters (`net`: its name, a label).
@@ -647,9 +659,23 @@ pub fn status() -> serde_json::Value {
                     .collect();
                 nets.insert(net.to_string(), counters.into());
             }
+            let measured: Vec<serde_json::Value> = m
+                .measured
+                .lock()
+                .iter()
+                .map(|&(hosts, ranks, alpha_us, beta_gbs)| {
+                    serde_json::json!({
+                        "hosts": [hosts.0, hosts.1],
+                        "ranks": [ranks.0, ranks.1],
+                        "latency_us": alpha_us,
+                        "bandwidth_GBps": beta_gbs,
+                    })
+                })
+                .collect();
             serde_json::json!({
                 "rank": m.rank,
                 "nranks": m.nranks,
+                "measured_links": measured,
                 "comm": format!("{:016x}", m.comm),
                 "network": m.net,
                 "pid": std::process::id(),
