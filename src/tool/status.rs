@@ -79,6 +79,12 @@ pub fn report(addrs: &[String]) -> String {
             "communicator {comm} ({n} ranks, {} answered):",
             ranks.len()
         );
+        if let Some(links) = ranks
+            .values()
+            .find_map(|(_, c)| super::watch::measured_links(c))
+        {
+            let _ = writeln!(out, "  links measured at init: {links}");
+        }
         let mut waited: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
         for (rank, (from, c)) in ranks {
             let f = &c["in_flight"];
