@@ -172,12 +172,7 @@ impl Communicator {
             worker_wait: worker_wait(&cfg, &place),
         };
         let comm = Communicator::assemble(id, rank, nranks, cfg, links, parts);
-        if connect_all {
-            comm.connect_all_abortable(abort)?;
-        }
-        if measure {
-            comm.measure_links()?;
-        }
+        comm.after_init(abort, connect_all, measure)?;
         Ok(comm)
     }
 
@@ -241,11 +236,38 @@ impl Communicator {
         }
     }
 
-    /// [`Communicator::connect_all`] during an abortable init: its waits watch the
-    /// communicator's own abort flag, which a watcher raises within about 10 ms of `abort`
-    /// (the init's flag, another thread's `rocclCommAbort`), so that the connect phase of
-    /// `ROCCL_CONNECT=all` ends on abort like the rendezvous before it does.
-    fn connect_all_abortable(&self, abort: &std::sync::atomic::AtomicBool) -> Result<()> {
+    /// What an init does on the communicator once it is made, as `cfg` asked: open every
+    /// connection (`ROCCL_CONNECT=all`), measure the links between hosts (`ROCCL_MEASURE`).
+    fn after_init(
+        &self,
+        abort: &std::sync::atomic::AtomicBool,
+        connect_all: bool,
+        measure: bool,
+    ) -> Result<()> {
+        if !(connect_all || measure) {
+            return Ok(());
+        }
+        self.abortable(abort, |c| {
+            if connect_all {
+                c.connect_all()?;
+            }
+            if measure {
+                c.measure_links()?;
+            }
+            Ok(())
+        })
+    }
+
+    /// `f` (what an abortable init does on the communicator once it is made: the connect
+    /// phase of `ROCCL_CONNECT=all`, the measurement of the links between hosts) with its
+    /// waits watching the communicator's own abort flag, which a watcher raises within about
+    /// 10 ms of `abort` (the init's flag, another thread's `rocclCommAbort`): it ends on abort
+    /// like the rendezvous before it does.
+    fn abortable(
+        &self,
+        abort: &std::sync::atomic::AtomicBool,
+        f: impl FnOnce(&Self) -> Result<()>,
+    ) -> Result<()> {
         use std::sync::atomic::{AtomicBool, Ordering};
         let done = AtomicBool::new(false);
         std::thread::scope(|s| {
@@ -262,11 +284,11 @@ impl Communicator {
                 });
             if let Err(e) = watch {
                 crate::info!(
-                    "rank {}: no thread to watch for an abort while connecting ({e}): an abort ends this init only at ROCCL_TIMEOUT",
+                    "rank {}: no thread to watch for an abort while connecting or measuring the links ({e}): an abort ends this init only at ROCCL_TIMEOUT",
                     self.rank()
                 );
             }
-            let r = self.connect_all();
+            let r = f(self);
             done.store(true, Ordering::Relaxed);
             r
         })

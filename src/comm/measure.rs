@@ -133,31 +133,44 @@ impl Communicator {
         };
         let (rank, hosts) = (self.rank(), topo.nhosts());
         let first = |h: usize| topo.at(h, 0).expect("every host has a rank");
-        let mut table = vec![0f64; 2 * hosts * hosts];
+        let all = pairs(hosts);
+        // Two cells per measured pair, in `all`'s order.
+        let mut table = vec![0f64; 2 * all.len()];
         let my_host = topo.host_of(rank);
+        let said = |e: &crate::error::Error| {
+            crate::warn!(
+                "rank {rank}: measuring the links between hosts at init failed ({e}); ROCCL_MEASURE=0 skips the measurement"
+            )
+        };
         if first(my_host) == rank {
-            for round in rounds(&pairs(hosts)) {
+            for round in rounds(&all) {
                 let Some(&(a, b)) = round.iter().find(|&&(a, b)| a == my_host || b == my_host)
                 else {
                     continue;
                 };
                 if a == my_host {
-                    let (alpha, beta) = self.probe(first(b))?;
-                    table[2 * (a * hosts + b)] = alpha;
-                    table[2 * (a * hosts + b) + 1] = beta;
+                    let (alpha, beta) = self.probe(first(b)).inspect_err(said)?;
+                    let at = all
+                        .iter()
+                        .position(|&p| p == (a, b))
+                        .expect("a listed pair");
+                    table[2 * at] = alpha;
+                    table[2 * at + 1] = beta;
                 } else {
-                    self.answer(first(a))?;
+                    self.answer(first(a)).inspect_err(said)?;
                 }
             }
         }
-        self.all_reduce_in_place(&mut table, RedOp::Max)?;
-        let links: Vec<MeasuredLink> = pairs(hosts)
-            .into_iter()
-            .map(|(a, b)| MeasuredLink {
+        self.all_reduce_in_place(&mut table, RedOp::Max)
+            .inspect_err(said)?;
+        let links: Vec<MeasuredLink> = all
+            .iter()
+            .zip(table.chunks_exact(2))
+            .map(|(&(a, b), cell)| MeasuredLink {
                 hosts: (a, b),
                 ranks: (first(a), first(b)),
-                alpha_us: table[2 * (a * hosts + b)],
-                beta_gbs: table[2 * (a * hosts + b) + 1],
+                alpha_us: cell[0],
+                beta_gbs: cell[1],
             })
             .collect();
         let measured = self.with_turn(|state| state.take_measured(links));
@@ -221,18 +234,28 @@ impl State {
             .filter(|&b| b > 0.0)
             .fold(f64::INFINITY, f64::min);
         let advertised = (self.cost.alpha_us, self.cost.beta_gbs);
+        let usable = alpha > 0.0 && beta.is_finite();
         let measured = MeasuredLinks {
             links,
-            model: (alpha, beta * self.cost.cpu_share),
+            // Nothing usable measured (no pair answered with figures): the model keeps the
+            // advertised figures, and says so.
+            model: if usable {
+                (alpha, beta * self.cost.cpu_share)
+            } else {
+                advertised
+            },
             advertised,
         };
-        if alpha > 0.0 && beta.is_finite() {
+        if usable {
             self.cost.alpha_us = measured.model.0;
             self.cost.beta_gbs = measured.model.1;
             if let Some((_, outer)) = &mut self.hier_cost {
                 outer.alpha_us = measured.model.0;
                 outer.beta_gbs = beta * outer.cpu_share;
             }
+            // The table's all-reduce chose under the advertised figures: not a choice to
+            // reuse for the next call of its size.
+            self.last_choice = None;
         }
         if let Some(m) = &self.links.watch.metrics {
             m.set_measured_links(

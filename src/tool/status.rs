@@ -79,10 +79,7 @@ pub fn report(addrs: &[String]) -> String {
             "communicator {comm} ({n} ranks, {} answered):",
             ranks.len()
         );
-        if let Some(links) = ranks
-            .values()
-            .find_map(|(_, c)| super::watch::measured_links(c))
-        {
+        if let Some(links) = ranks.values().find_map(|(_, c)| measured_links(c)) {
             let _ = writeln!(out, "  links measured at init: {links}");
         }
         let mut waited: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
@@ -146,4 +143,54 @@ pub fn report(addrs: &[String]) -> String {
         let _ = writeln!(out, "no communicator answered");
     }
     out
+}
+
+/// The links between hosts a communicator measured at init (`/status`'s `measured_links`),
+/// on one line; `None` when it measured none.
+pub(crate) fn measured_links(status: &Value) -> Option<String> {
+    let links = status["measured_links"].as_array()?;
+    (!links.is_empty()).then(|| {
+        links
+            .iter()
+            .map(|l| {
+                let gbs = l["bandwidth_GBps"].as_f64().unwrap_or(0.0);
+                let bandwidth = if gbs >= 1.0 {
+                    format!("{gbs:.2} GB/s")
+                } else {
+                    format!("{:.1} MB/s", gbs * 1e3)
+                };
+                format!(
+                    "hosts {}↔{} {:.1} us {bandwidth}",
+                    l["hosts"][0],
+                    l["hosts"][1],
+                    l["latency_us"].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_measured_links_show_on_one_line() {
+        let status = serde_json::json!({
+            "measured_links": [
+                {"hosts": [0, 1], "ranks": [0, 2], "latency_us": 12.34, "bandwidth_GBps": 1.5},
+                {"hosts": [0, 2], "ranks": [0, 4], "latency_us": 40.0, "bandwidth_GBps": 0.125},
+            ]
+        });
+        assert_eq!(
+            measured_links(&status).unwrap(),
+            "hosts 0↔1 12.3 us 1.50 GB/s; hosts 0↔2 40.0 us 125.0 MB/s"
+        );
+        assert_eq!(
+            measured_links(&serde_json::json!({"measured_links": []})),
+            None
+        );
+        assert_eq!(measured_links(&serde_json::json!({})), None);
+    }
 }

@@ -104,27 +104,6 @@ fn net_rates(prev: &Snapshot, cur: &Snapshot, dt: f64, comm: &str, rank: u64) ->
         .join("; ")
 }
 
-/// The links between hosts a communicator measured at init (`/status`'s `measured_links`),
-/// on one line; `None` when it measured none.
-pub(crate) fn measured_links(status: &Value) -> Option<String> {
-    let links = status["measured_links"].as_array()?;
-    (!links.is_empty()).then(|| {
-        links
-            .iter()
-            .map(|l| {
-                format!(
-                    "hosts {}↔{} {:.1} us {}B/s",
-                    l["hosts"][0],
-                    l["hosts"][1],
-                    l["latency_us"].as_f64().unwrap_or(f64::NAN),
-                    rate(l["bandwidth_GBps"].as_f64().unwrap_or(0.0) * 1e9)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    })
-}
-
 fn rate(v: f64) -> String {
     match v {
         v if v >= 1e9 => format!("{:.2} G", v / 1e9),
@@ -158,7 +137,7 @@ pub fn render(prev: Option<&Snapshot>, cur: &Snapshot) -> String {
             first["network"].as_str().unwrap_or("?"),
             ranks.len()
         );
-        if let Some(links) = measured_links(first) {
+        if let Some(links) = super::status::measured_links(first) {
             let _ = writeln!(out, "  links measured at init: {links}");
         }
         let _ = writeln!(
@@ -270,29 +249,5 @@ pub fn run(addrs: &[String], interval: Duration, count: Option<u64>) {
             return;
         }
         std::thread::sleep(interval);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_measured_links_show_on_one_line() {
-        let status = serde_json::json!({
-            "measured_links": [
-                {"hosts": [0, 1], "ranks": [0, 2], "latency_us": 12.34, "bandwidth_GBps": 1.5},
-                {"hosts": [0, 2], "ranks": [0, 4], "latency_us": 40.0, "bandwidth_GBps": 0.125},
-            ]
-        });
-        assert_eq!(
-            measured_links(&status).unwrap(),
-            "hosts 0↔1 12.3 us 1.50 GB/s; hosts 0↔2 40.0 us 125.00 MB/s"
-        );
-        assert_eq!(
-            measured_links(&serde_json::json!({"measured_links": []})),
-            None
-        );
-        assert_eq!(measured_links(&serde_json::json!({})), None);
     }
 }
