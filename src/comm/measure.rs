@@ -4,9 +4,10 @@
 //! loaded host, so on a job of several hosts one rank of each host (its first) measures the
 //! link to the first rank of every other host through the communicator itself, as calls
 //! will use it: one exchange that meets the peer (and opens the connection), then
-//! [`PINGS`] round trips of 8 bytes (latency: half the median round trip) and [`BURSTS`]
-//! bursts of [`BURST`] bytes answered by 8 (bandwidth: the bytes over the fastest burst's
-//! time less one round trip). Pairs run in rounds where no host is in two pairs, so a
+//! [`PINGS`] round trips of 8 bytes (latency: half the median round trip), bursts from
+//! [`BURST_FIRST`] bytes doubling until one lasts [`BURST_TIME`] (at most [`BURST_MAX`]), then
+//! [`BURSTS`] bursts of that size, each answered by 8 bytes (bandwidth: the bytes over the
+//! fastest burst's time less one round trip). Pairs run in rounds where no host is in two pairs, so a
 //! measurement never shares its rank with another. Every rank then takes the same table,
 //! merged by an all-reduce (each cell is written by one rank, the others hold zero), and
 //! the cost model takes the slowest pair's latency and bandwidth for the links between
@@ -22,10 +23,17 @@ use crate::types::RedOp;
 
 /// Timed round trips of 8 bytes per pair.
 pub const PINGS: usize = 8;
-/// Bytes of each burst.
-pub const BURST: usize = 512 << 10;
-/// Bursts per pair (the fastest counts).
-pub const BURSTS: usize = 2;
+/// Bytes of the first burst; each next one doubles until a burst takes [`BURST_TIME`] or
+/// reaches [`BURST_MAX`] (a burst much shorter than the host's scheduling noise measures the
+/// noise: a fast link gets large bursts, a slow one small).
+pub const BURST_FIRST: usize = 256 << 10;
+/// The largest burst.
+pub const BURST_MAX: usize = 8 << 20;
+/// A burst this long measures the link rather than the scheduler.
+pub const BURST_TIME: Duration = Duration::from_millis(2);
+/// Timed bursts per pair at the size found, the two that found it included (the fastest
+/// counts).
+pub const BURSTS: usize = 3;
 /// Up to this many hosts every pair is measured; beyond, each host and the next in order.
 const ALL_PAIRS_UP_TO: usize = 16;
 
@@ -183,7 +191,8 @@ impl Communicator {
         Ok(())
     }
 
-    /// The measuring side of a pair: meet, round trips, bursts.
+    /// The measuring side of a pair: meet, round trips, bursts (each announced by its size
+    /// in 8 bytes; a size of 0 ends the pair).
     fn probe(&self, peer: usize) -> Result<(f64, f64)> {
         let mut word = [0u8; 8];
         self.send(&word, peer)?;
@@ -195,15 +204,28 @@ impl Communicator {
             self.recv(&mut word, peer)?;
             rtts.push(t.elapsed());
         }
-        let burst = vec![0u8; BURST];
-        let mut fastest = Duration::MAX;
-        for _ in 0..BURSTS {
+        let burst = vec![0u8; BURST_MAX];
+        let timed = |size: usize| -> Result<Duration> {
+            let mut ack = [0u8; 8];
+            self.send(&(size as u64).to_le_bytes(), peer)?;
             let t = Instant::now();
-            self.send(&burst, peer)?;
-            self.recv(&mut word, peer)?;
-            fastest = fastest.min(t.elapsed());
+            self.send(&burst[..size], peer)?;
+            self.recv(&mut ack, peer)?;
+            Ok(t.elapsed())
+        };
+        // Each size is timed twice (the faster counts): one burst the scheduler delayed
+        // does not stop the doubling at a size that measures the delay.
+        let mut size = BURST_FIRST;
+        let mut fastest = timed(size)?.min(timed(size)?);
+        while size < BURST_MAX && fastest < BURST_TIME {
+            size = (2 * size).min(BURST_MAX);
+            fastest = timed(size)?.min(timed(size)?);
         }
-        Ok(figures(rtts, fastest, BURST))
+        for _ in 2..BURSTS {
+            fastest = fastest.min(timed(size)?);
+        }
+        self.send(&0u64.to_le_bytes(), peer)?;
+        Ok(figures(rtts, fastest, size))
     }
 
     /// The answering side of a pair, in step with [`Communicator::probe`].
@@ -213,12 +235,24 @@ impl Communicator {
             self.recv(&mut word, peer)?;
             self.send(&word, peer)?;
         }
-        let mut burst = vec![0u8; BURST];
-        for _ in 0..BURSTS {
-            self.recv(&mut burst, peer)?;
+        let mut burst = vec![0u8; BURST_MAX];
+        loop {
+            self.recv(&mut word, peer)?;
+            let size = u64::from_le_bytes(word);
+            if size == 0 {
+                return Ok(());
+            }
+            // A size the prober cannot have sent: the peer is not measuring as this rank is.
+            let Some(buf) = usize::try_from(size).ok().and_then(|n| burst.get_mut(..n)) else {
+                return Err(crate::error::Error::remote(
+                    peer,
+                    crate::error::PeerCause::Failed,
+                    format!("measuring the link at init: a burst of {size} bytes announced, more than the {BURST_MAX} a rank sends (ranks of different roccl versions?)"),
+                ));
+            };
+            self.recv(buf, peer)?;
             self.send(&word, peer)?;
         }
-        Ok(())
     }
 }
 

@@ -201,17 +201,25 @@ echo "   4 MiB all-reduce over the 1 Gbit/s link, 2+2+2 ranks: ring $(t_of slow-
 # The links measured at init (ROCCL_MEASURE, one rank per host): both pairs through the
 # slowed link measure slower than the pair that avoids it, and the cost model takes the
 # slowest (rank 0's INFO lines).
+# A measurement is a few milliseconds per pair: on a loaded machine a rank descheduled for
+# that long can make the fast pair look slow, so up to 3 jobs may try (each says its figures).
 PLACE=(0 1 2)
-run measured ROCCL_DEBUG=INFO -- --op all_reduce -b 8 -e 8 --iters 2 --warmup 1 --net tcp
 beta() { grep -m1 "hosts $1↔$2 " "$tmp/measured.0.log" | sed 's/.*β=\([0-9.]*\)GB\/s.*/\1/'; }
-b01=$(beta 0 1) b02=$(beta 0 2) b12=$(beta 1 2)
-model=$(grep -m1 "links measured at init" "$tmp/measured.0.log" | sed 's/.*takes α=[0-9.]*µs β=\([0-9.]*\)GB\/s.*/\1/')
-echo "   measured: hosts 0↔1 ${b01:-?} GB/s, 0↔2 ${b02:-?}, 1↔2 ${b12:-?} (host 2 behind tbf); the model takes ${model:-?}"
-if ! awk -v a="$b01" -v b="$b02" -v c="$b12" -v m="$model" \
-  'BEGIN { exit !(a > 0 && b > 0 && c > 0 && b < a && c < a && m > 0 && m <= b && m <= c) }'; then
-  sed 's/^/   | /' "$tmp/measured.0.log"
-  echo "FAILED: measured (the slowed link must measure slower, and the model take the slowest)"
-  exit 1
-fi
+for attempt in 1 2 3; do
+  run measured ROCCL_DEBUG=INFO -- --op all_reduce -b 8 -e 8 --iters 2 --warmup 1 --net tcp
+  b01=$(beta 0 1) b02=$(beta 0 2) b12=$(beta 1 2)
+  model=$(grep -m1 "links measured at init" "$tmp/measured.0.log" | sed 's/.*takes α=[0-9.]*µs β=\([0-9.]*\)GB\/s.*/\1/')
+  echo "   measured: hosts 0↔1 ${b01:-?} GB/s, 0↔2 ${b02:-?}, 1↔2 ${b12:-?} (host 2 behind tbf); the model takes ${model:-?}"
+  if awk -v a="$b01" -v b="$b02" -v c="$b12" -v m="$model" \
+    'BEGIN { exit !(a > 0 && b > 0 && c > 0 && b < a && c < a && m > 0 && m <= b && m <= c) }'; then
+    break
+  fi
+  if [ "$attempt" -eq 3 ]; then
+    sed 's/^/   | /' "$tmp/measured.0.log"
+    echo "FAILED: measured (the slowed link must measure slower, and the model take the slowest)"
+    exit 1
+  fi
+  echo "   (attempt $attempt: the fast pair did not measure faster; again)"
+done
 
 echo "-- all runs across network namespaces passed"
