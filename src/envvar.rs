@@ -178,6 +178,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_NETS",
+        accepts: "networks between hosts to choose among per peer and call size, comma-separated, the main one first (tcp, rocev2, verbs), e.g. tcp,rocev2",
+        valid: None,
+    },
+    Setting {
         name: "ROCCL_MEASURE",
         accepts: SWITCH,
         valid: Some(switch),

@@ -213,3 +213,20 @@ macro_rules! element {
 element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
     f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => Bf16, F8E4M3 => F8E4M3,
     F8E5M2 => F8E5M2);
+
+/// Bytes in words, rounded down to the unit: `512 B`, `48 KiB`, `4 MiB`, `2 GiB`; a size
+/// between units keeps one decimal (`1.5 MiB`).
+pub fn human_bytes(b: usize) -> String {
+    let units = [(30, "GiB"), (20, "MiB"), (10, "KiB")];
+    for (shift, unit) in units {
+        if b >= 1 << shift {
+            let whole = b >> shift;
+            return if b % (1 << shift) == 0 || whole >= 100 {
+                format!("{whole} {unit}")
+            } else {
+                format!("{:.1} {unit}", b as f64 / (1u64 << shift) as f64)
+            };
+        }
+    }
+    format!("{b} B")
+}

@@ -283,7 +283,7 @@ mod tests {
                 false,
                 &s,
                 (i, calibrate::REFERENCE),
-                None,
+                (None, &Default::default()),
                 host,
             );
             parse_blob(0, &b, 0, "rocev2", &s).unwrap()
@@ -315,11 +315,13 @@ mod tests {
             true,
             &s,
             (host, calibrate::REFERENCE),
-            Some(spare),
+            (Some(spare), &[None, Some(handle(5)), None]),
             0x5eed,
         );
         assert_eq!(b.len(), BLOB_LEN);
         let p = parse_blob(3, &b, 0, "tcp", &s).unwrap();
+        assert!(p.extras[0].is_none() && p.extras[2].is_none());
+        assert_eq!(p.extras[1].as_ref().unwrap().as_bytes()[..40], [5u8; 40]);
         assert!(p.node);
         assert_eq!(p.handle.as_bytes()[..40], [7u8; 40]);
         assert_eq!(p.shm.unwrap().as_bytes()[..40], [9u8; 40]);
@@ -333,7 +335,7 @@ mod tests {
             false,
             &s,
             (host, calibrate::REFERENCE),
-            None,
+            (None, &Default::default()),
             1,
         );
         let p = parse_blob(3, &plain, 0, "tcp", &s).unwrap();
@@ -385,7 +387,7 @@ mod tests {
                 false,
                 &theirs,
                 (host, calibrate::REFERENCE),
-                None,
+                (None, &Default::default()),
                 1,
             );
             let e = parse_blob(2, &b, 1, "tcp", &mine)
@@ -406,7 +408,7 @@ mod tests {
             false,
             &settings(&c, 4 << 20),
             (host, calibrate::REFERENCE),
-            None,
+            (None, &Default::default()),
             1,
         );
         let e = parse_blob(0, &b, 1, "tcp", &mine).unwrap_err().to_string();
@@ -435,7 +437,7 @@ mod tests {
                 false,
                 &mine,
                 (host, calibrate::REFERENCE),
-                None,
+                (None, &Default::default()),
                 1,
             );
             match parse_blob(2, &b, 1, ours, &mine) {
@@ -465,6 +467,7 @@ mod tests {
                 pid: 0,
                 pid_ns: 0,
                 spare: None,
+                extras: Default::default(),
             })
             .collect()
     }

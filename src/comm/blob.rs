@@ -5,6 +5,7 @@
 //! bytes, silently), the inputs of the cost model that differ by host, its process and its
 //! spare rendezvous listener. `agree.rs` combines the blobs.
 
+use super::config::EXTRA_NETS;
 use super::Config;
 use crate::algo::calibrate::{self, HostSpeeds};
 use crate::algo::Algo;
@@ -12,7 +13,7 @@ use crate::bootstrap;
 use crate::error::{Error, Result};
 use crate::net::{NetHandle, HANDLE_MAX};
 
-pub(super) const VERSION: u32 = 12;
+pub(super) const VERSION: u32 = 13;
 
 /// The settings every rank must share, in blob order.
 pub(super) const SETTINGS: [&str; 12] = [
@@ -38,7 +39,8 @@ pub(super) const ALGOS: [Algo; Algo::ALL.len()] = Algo::ALL;
 /// Bytes: version, host id, network name, its handle, flags (shared-memory handle, node
 /// segment), padding, the shared-memory handle, measured speeds, settings, host inputs, the
 /// process (pid and pid namespace: a peer of the same host can tell its state), the spare
-/// rendezvous listener (`bootstrap::spare`).
+/// rendezvous listener (`bootstrap::spare`), the networks offered beside the main one
+/// (`ROCCL_NETS`: a flag and a handle per network of [`EXTRA_NETS`]).
 pub(super) const BLOB_LEN: usize = 4
     + 8
     + 16
@@ -49,7 +51,8 @@ pub(super) const BLOB_LEN: usize = 4
     + 8 * SETTINGS.len()
     + HOST_LEN
     + PROC_LEN
-    + SPARE_LEN;
+    + SPARE_LEN
+    + EXTRA_LEN;
 pub(super) const AT_FLAGS: usize = 28 + HANDLE_MAX;
 pub(super) const AT_SHM: usize = AT_FLAGS + 8;
 pub(super) const AT_SPEEDS: usize = AT_SHM + HANDLE_MAX;
@@ -60,6 +63,8 @@ pub(super) const AT_PROC: usize = AT_HOST + HOST_LEN;
 pub(super) const PROC_LEN: usize = 12;
 pub(super) const AT_SPARE: usize = AT_PROC + PROC_LEN;
 pub(super) const SPARE_LEN: usize = 24;
+pub(super) const AT_EXTRA: usize = AT_SPARE + SPARE_LEN;
+pub(super) const EXTRA_LEN: usize = 8 + EXTRA_NETS.len() * HANDLE_MAX;
 
 /// The values of [`SETTINGS`] for `cfg`.
 pub(super) fn settings(cfg: &Config, stream_chunk: usize) -> [u64; SETTINGS.len()] {
@@ -131,6 +136,8 @@ pub(super) struct Blob {
     pub pid_ns: u64,
     /// Its spare rendezvous listener (shrink and grow), if it could bind one.
     pub spare: Option<std::net::SocketAddr>,
+    /// Its handles on the networks it offers beside the main one, by [`EXTRA_NETS`].
+    pub extras: [Option<NetHandle>; EXTRA_NETS.len()],
 }
 
 /// This rank's blob.
@@ -142,7 +149,10 @@ pub(super) fn blob(
     node: bool,
     settings: &[u64; SETTINGS.len()],
     (inputs, speeds): (HostInputs, HostSpeeds),
-    spare: Option<std::net::SocketAddr>,
+    (spare, extras): (
+        Option<std::net::SocketAddr>,
+        &[Option<NetHandle>; EXTRA_NETS.len()],
+    ),
     host: u64,
 ) -> Vec<u8> {
     let mut b = Vec::with_capacity(BLOB_LEN);
@@ -166,6 +176,14 @@ pub(super) fn blob(
     b.extend_from_slice(&std::process::id().to_le_bytes());
     b.extend_from_slice(&crate::os::process::pid_namespace().to_le_bytes());
     b.extend_from_slice(&bootstrap::spare::encode_addr(spare));
+    let mut flags = [0u8; 8];
+    for (f, h) in flags.iter_mut().zip(extras) {
+        *f = u8::from(h.is_some());
+    }
+    b.extend_from_slice(&flags);
+    for h in extras {
+        b.extend_from_slice(h.as_ref().map_or(&[0u8; HANDLE_MAX], |h| h.as_bytes()));
+    }
     debug_assert_eq!(b.len(), BLOB_LEN);
     b
 }
@@ -237,7 +255,20 @@ pub(super) fn parse_blob(
         pid: word(b, AT_PROC),
         pid_ns: u64::from_le_bytes(b[AT_PROC + 4..AT_PROC + 12].try_into().expect("8 bytes")),
         spare: bootstrap::spare::decode_addr(&b[AT_SPARE..AT_SPARE + SPARE_LEN]),
+        extras: extra_handles(b)?,
     })
+}
+
+/// The handles of a blob's extra networks ([`Blob::extras`]).
+fn extra_handles(b: &[u8]) -> Result<[Option<NetHandle>; EXTRA_NETS.len()]> {
+    let mut out: [Option<NetHandle>; EXTRA_NETS.len()] = Default::default();
+    for (i, h) in out.iter_mut().enumerate() {
+        if b[AT_EXTRA + i] != 0 {
+            let at = AT_EXTRA + 8 + i * HANDLE_MAX;
+            *h = Some(NetHandle::from_bytes(&b[at..at + HANDLE_MAX])?);
+        }
+    }
+    Ok(out)
 }
 
 /// A blob of this rank with network `net` and its `handle`, under the settings of the
@@ -264,7 +295,7 @@ pub(crate) fn fuzz_seed_blob(
         false,
         &mine,
         (inputs, calibrate::REFERENCE),
-        None,
+        (None, &Default::default()),
         bootstrap::host_id(),
     ))
 }

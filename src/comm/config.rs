@@ -93,6 +93,12 @@ pub struct Config {
     ///
     /// [`Communicator::measured_links`]: super::Communicator::measured_links
     pub measure_links: bool,
+    /// Networks offered between hosts besides [`Config::net`] (`ROCCL_NETS=tcp,rocev2`: the
+    /// first is [`Config::net`], the others land here): each pair of ranks that both offer
+    /// one may use it, per call size, as the links measured at init
+    /// ([`Config::measure_links`]) say is fastest. Ranks may offer different ones (a pair
+    /// uses what both offer); point-to-point calls stay on [`Config::net`].
+    pub extra_nets: Vec<NetKind>,
 }
 
 /// When calls run hierarchically ([`Config::hier`]).
@@ -163,8 +169,9 @@ impl Config {
             Some(v) if !v.eq_ignore_ascii_case("auto") => Some(v.parse()?),
             _ => None,
         };
+        let (net, extra_nets) = networks(get)?;
         Ok(Config {
-            net: envvar::get_in(get, "ROCCL_NET")?.unwrap_or(NetKind::Auto),
+            net,
             algo,
             tuning: Tuning {
                 slice: match envvar::raw_in(get, "ROCCL_SLICE") {
@@ -229,7 +236,43 @@ impl Config {
             metrics_addr: envvar::raw_in(get, "ROCCL_METRICS_ADDR"),
             deterministic: envvar::switch_in(get, "ROCCL_DETERMINISTIC", false)?,
             measure_links: envvar::switch_in(get, "ROCCL_MEASURE", true)?,
+            extra_nets,
         })
+    }
+}
+
+/// The networks the extra lanes may use ([`Config::extra_nets`]).
+pub(crate) const EXTRA_NETS: [NetKind; 3] = [NetKind::Tcp, NetKind::RoceV2, NetKind::Verbs];
+
+/// `ROCCL_NET` and `ROCCL_NETS`: the main network, and those offered beside it.
+fn networks(get: Lookup<'_>) -> Result<(NetKind, Vec<NetKind>)> {
+    let net: Option<NetKind> = envvar::get_in(get, "ROCCL_NET")?;
+    let Some(list) = envvar::raw_in(get, "ROCCL_NETS").filter(|v| !v.trim().is_empty()) else {
+        return Ok((net.unwrap_or(NetKind::Auto), Vec::new()));
+    };
+    let kinds = list
+        .split(',')
+        .map(|k| k.trim().parse::<NetKind>())
+        .collect::<Result<Vec<_>>>()?;
+    let bad = |why: String| Error::arg(format!("ROCCL_NETS={list}: {why}"));
+    for (i, k) in kinds.iter().enumerate() {
+        if !EXTRA_NETS.contains(k) {
+            return Err(bad(format!(
+                "{} cannot be chosen between hosts: list tcp, rocev2 or verbs (ranks of one host use shared memory whatever the list)",
+                k.name()
+            )));
+        }
+        if kinds[..i].contains(k) {
+            return Err(bad(format!("{} is listed twice", k.name())));
+        }
+    }
+    match net {
+        Some(n) if n != NetKind::Auto && n != kinds[0] => Err(bad(format!(
+            "ROCCL_NET={} forces one network, but ROCCL_NETS starts with {}: unset ROCCL_NET to let roccl choose among ROCCL_NETS (the first is the main network), or unset ROCCL_NETS",
+            n.name(),
+            kinds[0].name()
+        ))),
+        _ => Ok((kinds[0], kinds[1..].to_vec())),
     }
 }
 
@@ -353,6 +396,12 @@ impl ConfigBuilder {
     /// [`Config::measure_links`].
     pub fn measure_links(mut self, on: bool) -> Self {
         self.0.measure_links = on;
+        self
+    }
+
+    /// [`Config::extra_nets`].
+    pub fn extra_nets(mut self, nets: Vec<NetKind>) -> Self {
+        self.0.extra_nets = nets;
         self
     }
 

@@ -178,6 +178,9 @@ impl State {
         if let Some(m) = &self.links.watch.metrics {
             m.call_start(POINT_TO_POINT, bytes);
         }
+        // Point-to-point messages take the main network: the two ends of a pair need not
+        // pass equal sizes to agree on it.
+        self.links.lanes.for_p2p();
         if let Some(c) = &self.links.clock {
             c.call_started();
         }
@@ -400,6 +403,8 @@ impl State {
             _ => recv.len(),
         };
         self.call_tag = call_tag::call_tag(&coll, dt, bytes);
+        // Each peer's network for a call of this size (ROCCL_NETS; nothing to do without).
+        self.links.lanes.for_call(bytes);
         if let Some(m) = &self.links.watch.metrics {
             m.call_start(metrics_kind(&coll), bytes);
         }

@@ -9,10 +9,13 @@ use std::time::Duration;
 use crate::algo::model::LinkCost;
 use crate::bootstrap::{self, env::Root, UniqueId};
 use crate::error::{Error, Result};
-use crate::exec::links::{Endpoint, LinkSettings, Links, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN};
+use crate::exec::links::{
+    Endpoint, LinkSettings, Links, MAX_LANES, TIMEOUT_GRACE_MAX, TIMEOUT_GRACE_MIN,
+};
 use crate::net::{self, NetHandle, NetKind};
 use crate::os::wait::Waiter;
 
+use super::config::EXTRA_NETS;
 use super::tickets::Tickets;
 use super::{agree, blob, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
 
@@ -71,7 +74,8 @@ impl Communicator {
         check_rank(rank, nranks)?;
         let (root, nonce) = id.root()?;
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
-        let net = open_network(id, rank, &cfg, local)?;
+        let net = open_network(id, rank, &cfg, cfg.net, local)?;
+        let extras = open_extras(id, rank, &cfg, local);
         let net_gpu = gpu_direct_over(&*net, &cfg)?;
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
@@ -94,6 +98,10 @@ impl Communicator {
             })
             .ok();
         let handles = (&handle, shm.as_ref().map(|s| &s.1));
+        let mut extra_handles: [Option<NetHandle>; EXTRA_NETS.len()] = Default::default();
+        for x in &extras {
+            extra_handles[x.lane - 1] = Some(x.handle.clone());
+        }
         let own = own_blob(
             &cfg,
             rank,
@@ -101,7 +109,7 @@ impl Communicator {
             handles,
             node_seg.is_some(),
             &mine,
-            &spare,
+            (&spare, &extra_handles),
         )?;
         let table =
             bootstrap::rendezvous_abortable(id, rank, nranks, &own, cfg.waiter.timeout, abort)
@@ -137,7 +145,7 @@ impl Communicator {
             (&cost, node.as_ref()),
             &blobs,
         );
-        let endpoints = endpoints(net, listen, shm, place.local_index);
+        let (endpoints, my_lanes) = endpoints(net, listen, shm, extras, place.local_index);
         let id_hash = id_hash(id);
         let metrics = comm_metrics(
             (rank, nranks, id_hash),
@@ -148,7 +156,7 @@ impl Communicator {
         let links = make_links(
             rank,
             &cfg,
-            (nonce, endpoints),
+            (nonce, endpoints, my_lanes),
             &place,
             &blobs,
             (net_gpu, metrics),
@@ -494,14 +502,15 @@ fn open_network(
     id: &UniqueId,
     rank: usize,
     cfg: &Config,
+    kind: NetKind,
     local: std::net::IpAddr,
 ) -> Result<Arc<dyn net::Net>> {
     // The simulated network places its rank on a host of its cluster: it is made here,
     // where the rank is known.
-    let net: Arc<dyn net::Net> = if cfg.net == NetKind::Sim {
+    let net: Arc<dyn net::Net> = if kind == NetKind::Sim {
         Arc::new(net::sim::SimNet::new(rank, cfg.sim.clone())?)
     } else {
-        net::open(cfg.net, local, &cfg.network)?
+        net::open(kind, local, &cfg.network)?
     };
     // The network's own waits (retransmission, draining at close) end at this
     // communicator's deadline, not at one read from the environment.
@@ -527,6 +536,45 @@ fn open_network(
         });
     }
     Ok(net)
+}
+
+/// A network offered beside the main one (`ROCCL_NETS`), listening.
+struct Extra {
+    /// Its lane: 1 + its place in [`EXTRA_NETS`].
+    lane: usize,
+    net: Arc<dyn net::Net>,
+    handle: NetHandle,
+    listen: Box<dyn net::ListenComm>,
+}
+
+/// The networks of [`Config::extra_nets`] this rank can open; one it cannot is left out (its
+/// peers then reach it over the others) and said at INFO.
+fn open_extras(id: &UniqueId, rank: usize, cfg: &Config, local: std::net::IpAddr) -> Vec<Extra> {
+    let mut out = Vec::new();
+    for &kind in &cfg.extra_nets {
+        let Some(i) = EXTRA_NETS.iter().position(|&k| k == kind) else {
+            continue;
+        };
+        let opened = open_network(id, rank, cfg, kind, local).and_then(|net| {
+            let (handle, listen) = net.listen(0)?;
+            Ok(Extra {
+                lane: i + 1,
+                net,
+                handle,
+                listen,
+            })
+        });
+        match opened {
+            Ok(x) => out.push(x),
+            Err(e) => crate::info!(
+                "rank {rank}: ROCCL_NETS lists {}, which this rank cannot open ({e}): its peers reach it over the other networks",
+                kind.name()
+            ),
+        }
+    }
+    // In lane order: the endpoints and the peers' handles follow it (`make_links`).
+    out.sort_by_key(|x| x.lane);
+    out
 }
 
 /// Whether GPU memory can go to peers over `net` (`Some(dmabuf)`), as `cfg` asks.
@@ -600,7 +648,10 @@ fn own_blob(
     (handle, shm): (&NetHandle, Option<&NetHandle>),
     node: bool,
     mine: &[u64; blob::SETTINGS.len()],
-    spare: &Option<bootstrap::spare::SpareRoot>,
+    (spare, extras): (
+        &Option<bootstrap::spare::SpareRoot>,
+        &[Option<NetHandle>; EXTRA_NETS.len()],
+    ),
 ) -> Result<Vec<u8>> {
     Ok(blob::blob(
         handle,
@@ -618,7 +669,7 @@ fn own_blob(
             },
             crate::algo::calibrate::host_speeds(cfg.calibrate),
         ),
-        spare.as_ref().map(|s| s.addr()),
+        (spare.as_ref().map(|s| s.addr()), extras),
         host_of(cfg, rank)?,
     ))
 }
@@ -774,13 +825,15 @@ fn worker_wait(cfg: &Config, place: &Placement) -> Waiter {
 /// The endpoints connections are made on: the network (ranks of one host start their
 /// channels on different NICs: rank i of the host on NIC i, then in turn, so that ranks
 /// talking across hosts at once — the calls by host, one rank per local index — each have
-/// one), and shared memory when there is an endpoint for it.
+/// one), shared memory when there is an endpoint for it, then the extra networks; and the
+/// endpoint of each lane (lane 0: the network).
 fn endpoints(
     net: Arc<dyn net::Net>,
     listen: Box<dyn net::ListenComm>,
     shm: Option<ShmEndpoint>,
+    extras: Vec<Extra>,
     local_index: usize,
-) -> Vec<Endpoint> {
+) -> (Vec<Endpoint>, [Option<usize>; MAX_LANES]) {
     let mut endpoints = vec![Endpoint {
         dev: local_index % net.devices().max(1),
         net,
@@ -793,7 +846,44 @@ fn endpoints(
             listen: l,
         });
     }
-    endpoints
+    let mut lanes = [None; MAX_LANES];
+    lanes[0] = Some(0);
+    for x in extras {
+        lanes[x.lane] = Some(endpoints.len());
+        endpoints.push(Endpoint {
+            dev: local_index % x.net.devices().max(1),
+            net: x.net,
+            listen: x.listen,
+        });
+    }
+    (endpoints, lanes)
+}
+
+/// Per peer, the endpoint of each lane both ends have ([`LinkSettings::lanes`]): lane 0 is
+/// how the peer is reached (`peer_net`); a peer over the network also gets each extra
+/// network it offers too. Empty when this rank offers none.
+fn peer_lanes(
+    my_lanes: &[Option<usize>; MAX_LANES],
+    place: &Placement,
+    blobs: &[blob::Blob],
+) -> Vec<[Option<usize>; MAX_LANES]> {
+    if my_lanes[1..].iter().all(Option::is_none) {
+        return Vec::new();
+    }
+    blobs
+        .iter()
+        .enumerate()
+        .map(|(p, b)| {
+            let mut l = [None; MAX_LANES];
+            l[0] = Some(place.peer_net[p]);
+            if place.peer_net[p] == 0 {
+                for (k, lane) in l.iter_mut().enumerate().skip(1) {
+                    *lane = my_lanes[k].filter(|_| b.extras[k - 1].is_some());
+                }
+            }
+            l
+        })
+        .collect()
 }
 
 /// The connection table of this rank over `endpoints`, with the peers' handles, the
@@ -803,16 +893,26 @@ fn endpoints(
 fn make_links(
     rank: usize,
     cfg: &Config,
-    (nonce, endpoints): (u64, Vec<Endpoint>),
+    (nonce, endpoints, my_lanes): (u64, Vec<Endpoint>, [Option<usize>; MAX_LANES]),
     place: &Placement,
     blobs: &[blob::Blob],
     (net_gpu, metrics): (Option<bool>, Arc<crate::metrics::CommMetrics>),
 ) -> Links {
+    // By endpoint: the network's handle, shared memory's (or the network's), then the
+    // extras' (the network's where the peer lacks one: no lane leads there).
+    let base = endpoints.len() - my_lanes[1..].iter().flatten().count();
     let handles: Vec<Vec<NetHandle>> = blobs
         .iter()
         .map(|b| {
             let s = b.shm.clone().unwrap_or_else(|| b.handle.clone());
-            vec![b.handle.clone(), s]
+            let mut h = vec![b.handle.clone(), s];
+            h.truncate(base);
+            for (mine, theirs) in my_lanes[1..].iter().zip(&b.extras) {
+                if mine.is_some() {
+                    h.push(theirs.clone().unwrap_or_else(|| b.handle.clone()));
+                }
+            }
+            h
         })
         .collect();
     let local_pids = blobs
@@ -833,6 +933,7 @@ fn make_links(
             .map(|&n| net_gpu.filter(|_| n == 0))
             .collect(),
         metrics: Some(metrics),
+        lanes: peer_lanes(&my_lanes, place, blobs),
     };
     Links::new(
         rank,

@@ -13,12 +13,22 @@
 //! the cost model takes the slowest pair's latency and bandwidth for the links between
 //! hosts: every rank decides from the same numbers.
 //!
+//! Where ranks offer several networks (`ROCCL_NETS`, [`Config::extra_nets`]), each pair of
+//! hosts measures each network both ends offer (a lane), and every pair of ranks on them
+//! takes, for a collective of `s` bytes, the lane of least `α + s/β` among those both ranks
+//! have ([`choose_by_size`]): the choice is the same at both ends, since the table and the
+//! call's size are. The cost model then takes, per pair, the best latency and the best
+//! bandwidth of its lanes.
+//!
+//! [`Config::extra_nets`]: super::Config::extra_nets
 //! [`Config::measure_links`]: super::Config::measure_links
 
 use std::time::{Duration, Instant};
 
+use super::config::EXTRA_NETS;
 use super::{Communicator, State};
 use crate::error::Result;
+use crate::exec::links::MAX_LANES;
 use crate::types::RedOp;
 
 /// Timed round trips of 8 bytes per pair.
@@ -37,13 +47,24 @@ pub const BURSTS: usize = 3;
 /// Up to this many hosts every pair is measured; beyond, each host and the next in order.
 const ALL_PAIRS_UP_TO: usize = 16;
 
-/// One measured link between two hosts.
+/// A pair of hosts' network by call size: (the hosts, steps of (from this many bytes, the
+/// network), ascending).
+pub type NetChoice = ((usize, usize), Vec<(usize, &'static str)>);
+
+/// A pair of hosts and its measured lanes: (lane, α µs, β GB/s).
+type PairLanes = ((usize, usize), Vec<(u8, f64, f64)>);
+
+/// One measured link between two hosts: one network between them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MeasuredLink {
     /// The hosts (in the order the job's topology numbers them), the lower first.
     pub hosts: (usize, usize),
     /// The ranks that measured it (each its host's first rank).
     pub ranks: (usize, usize),
+    /// The network measured (the main one, or one of `ROCCL_NETS`).
+    pub net: &'static str,
+    /// Its lane: 0 for the main network, else 1 + its place in tcp, rocev2, verbs.
+    pub lane: usize,
     /// Half the median round trip of an 8-byte message, in µs.
     pub alpha_us: f64,
     /// Bytes per second over the fastest burst, in GB/s.
@@ -60,6 +81,9 @@ pub struct MeasuredLinks {
     pub model: (f64, f64),
     /// What the cost model had before (from the NICs' advertised figures).
     pub advertised: (f64, f64),
+    /// Per pair of hosts with more than one network measured, the network that carries a
+    /// collective from each size on: (from this many bytes, network), ascending.
+    pub choices: Vec<NetChoice>,
 }
 
 impl MeasuredLinks {
@@ -71,12 +95,77 @@ impl MeasuredLinks {
         );
         for l in &self.links {
             s.push_str(&format!(
-                "\n  hosts {}↔{} (ranks {}↔{}): α={:.1}µs β={:.3}GB/s",
-                l.hosts.0, l.hosts.1, l.ranks.0, l.ranks.1, l.alpha_us, l.beta_gbs
+                "\n  hosts {}↔{} (ranks {}↔{}) over {}: α={:.1}µs β={:.3}GB/s",
+                l.hosts.0, l.hosts.1, l.ranks.0, l.ranks.1, l.net, l.alpha_us, l.beta_gbs
+            ));
+        }
+        for (hosts, steps) in &self.choices {
+            s.push_str(&format!(
+                "\n  hosts {}↔{}: {}",
+                hosts.0,
+                hosts.1,
+                describe_steps(steps)
             ));
         }
         s
     }
+}
+
+/// A choice by size in words: `tcp below 64 KiB, rocev2 from 64 KiB`.
+pub(crate) fn describe_steps(steps: &[(usize, &str)]) -> String {
+    let mut out = Vec::new();
+    for (i, &(from, net)) in steps.iter().enumerate() {
+        let upto = steps.get(i + 1).map(|s| s.0);
+        out.push(match (from, upto) {
+            (0, None) => format!("{net} at every size"),
+            (0, Some(u)) => format!("{net} below {}", crate::types::human_bytes(u)),
+            (f, _) => format!("{net} from {}", crate::types::human_bytes(f)),
+        });
+    }
+    out.join(", ")
+}
+
+/// The lane of least `α + s/β` for each size `s`, over `lanes` (lane, α µs, β GB/s), as
+/// steps: (from this many bytes, lane), ascending, the first from 0. Ties go to the lower
+/// lane (the main network first).
+pub(crate) fn choose_by_size(lanes: &[(u8, f64, f64)]) -> Vec<(usize, u8)> {
+    let usable: Vec<(u8, f64, f64)> = lanes
+        .iter()
+        .copied()
+        .filter(|l| l.1 > 0.0 && l.2 > 0.0 && l.1.is_finite() && l.2.is_finite())
+        .collect();
+    // µs for `s` bytes: β GB/s moves 1000·β bytes per µs.
+    let cost = |l: &(u8, f64, f64), s: f64| l.1 + s / (l.2 * 1e3);
+    let best = |s: f64| {
+        usable
+            .iter()
+            .min_by(|a, b| cost(a, s).total_cmp(&cost(b, s)).then(a.0.cmp(&b.0)))
+            .map(|l| l.0)
+    };
+    // The best lane changes only where two lanes cost the same.
+    let mut points = vec![0.0f64];
+    for a in &usable {
+        for b in &usable {
+            let slope = 1.0 / (a.2 * 1e3) - 1.0 / (b.2 * 1e3);
+            let s = (b.1 - a.1) / slope;
+            if slope > 0.0 && s > 0.0 && s < 1e15 {
+                points.push(s);
+            }
+        }
+    }
+    points.sort_by(f64::total_cmp);
+    let mut steps: Vec<(usize, u8)> = Vec::new();
+    for s in points {
+        // Just past the point: the lane that wins from there.
+        let from = s.ceil() as usize;
+        let Some(lane) = best(from as f64 + 0.5) else {
+            break;
+        };
+        if steps.last().map(|l| l.1) != Some(lane) {
+            steps.push((if steps.is_empty() { 0 } else { from }, lane));
+        }
+    }
+    steps
 }
 
 /// The pairs of hosts to measure: all of them up to [`ALL_PAIRS_UP_TO`] hosts, else each
@@ -132,8 +221,17 @@ impl Communicator {
         self.with_turn(|state| state.measured.clone())
     }
 
+    /// Decide from `links` as from a table measured at init: the cost model's figures and
+    /// each peer's network by call size. Every rank must pass the same table (a
+    /// measurement made elsewhere, or a test's); a call issued after it on every rank runs
+    /// as it chooses.
+    pub fn set_measured_links(&self, links: Vec<MeasuredLink>) -> MeasuredLinks {
+        self.with_turn(|state| state.take_measured(links))
+    }
+
     /// Measure the links between hosts (see the module), share the table and hand it to the
-    /// cost model. Every rank of a job of several hosts calls it once, at init.
+    /// cost model and the choice of network. Every rank of a job of several hosts calls it
+    /// once, at init.
     pub(super) fn measure_links(&self) -> Result<()> {
         let topo = match self.with_turn(|state| state.topo.clone()) {
             Some(t) if t.nhosts() > 1 => t,
@@ -142,8 +240,9 @@ impl Communicator {
         let (rank, hosts) = (self.rank(), topo.nhosts());
         let first = |h: usize| topo.at(h, 0).expect("every host has a rank");
         let all = pairs(hosts);
-        // Two cells per measured pair, in `all`'s order.
-        let mut table = vec![0f64; 2 * all.len()];
+        // Two cells per measured pair and lane, in `all`'s order, then by lane.
+        let cell = |pair: usize, lane: usize| 2 * (pair * MAX_LANES + lane);
+        let mut table = vec![0f64; cell(all.len(), 0)];
         let my_host = topo.host_of(rank);
         let said = |e: &crate::error::Error| {
             crate::warn!(
@@ -156,31 +255,49 @@ impl Communicator {
                 else {
                     continue;
                 };
-                if a == my_host {
-                    let (alpha, beta) = self.probe(first(b)).inspect_err(said)?;
-                    let at = all
-                        .iter()
-                        .position(|&p| p == (a, b))
-                        .expect("a listed pair");
-                    table[2 * at] = alpha;
-                    table[2 * at + 1] = beta;
-                } else {
-                    self.answer(first(a)).inspect_err(said)?;
+                let at = all
+                    .iter()
+                    .position(|&p| p == (a, b))
+                    .expect("a listed pair");
+                let peer = first(if a == my_host { b } else { a });
+                for lane in self.with_turn(|state| state.links.lanes.toward(peer)) {
+                    if a == my_host {
+                        let (alpha, beta) =
+                            self.on_lane(lane, || self.probe(peer)).inspect_err(said)?;
+                        table[cell(at, lane)] = alpha;
+                        table[cell(at, lane) + 1] = beta;
+                    } else {
+                        self.on_lane(lane, || self.answer(peer)).inspect_err(said)?;
+                    }
                 }
             }
         }
         self.all_reduce_in_place(&mut table, RedOp::Max)
             .inspect_err(said)?;
-        let links: Vec<MeasuredLink> = all
-            .iter()
-            .zip(table.chunks_exact(2))
-            .map(|(&(a, b), cell)| MeasuredLink {
-                hosts: (a, b),
-                ranks: (first(a), first(b)),
-                alpha_us: cell[0],
-                beta_gbs: cell[1],
-            })
-            .collect();
+        let main = self.with_turn(|state| state.links.endpoints[0].net.name());
+        let mut links = Vec::new();
+        for (i, &(a, b)) in all.iter().enumerate() {
+            for lane in 0..MAX_LANES {
+                let (alpha, beta) = (table[cell(i, lane)], table[cell(i, lane) + 1]);
+                // A lane not measured (not offered by both) holds zeros; the main one is
+                // listed whatever it holds, as it was before other lanes existed.
+                if lane > 0 && alpha <= 0.0 {
+                    continue;
+                }
+                links.push(MeasuredLink {
+                    hosts: (a, b),
+                    ranks: (first(a), first(b)),
+                    net: if lane == 0 {
+                        main
+                    } else {
+                        EXTRA_NETS[lane - 1].name()
+                    },
+                    lane,
+                    alpha_us: alpha,
+                    beta_gbs: beta,
+                });
+            }
+        }
         let measured = self.with_turn(|state| state.take_measured(links));
         if rank == 0 {
             crate::info!(
@@ -189,6 +306,15 @@ impl Communicator {
             );
         }
         Ok(())
+    }
+
+    /// `f` with point-to-point messages on lane `lane` (the network measured).
+    fn on_lane<R>(&self, lane: usize, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let set = |to: Option<u8>| self.with_turn(|state| state.links.lanes.forced = to);
+        set(Some(lane as u8));
+        let r = f();
+        set(None);
+        r
     }
 
     /// The measuring side of a pair: meet, round trips, bursts (each announced by its size
@@ -257,18 +383,56 @@ impl Communicator {
 }
 
 impl State {
-    /// Keep the measured `links` and give the cost model of the links between hosts (the
-    /// flat calls' and the hierarchical calls' outer one) the slowest pair's figures, each
-    /// rank's share of the bandwidth scaled as the advertised figure was.
+    /// Keep the measured `links`; give the cost model of the links between hosts (the
+    /// flat calls' and the hierarchical calls' outer one) the slowest pair's figures — each
+    /// pair's best latency and best bandwidth over its networks — each rank's share of the
+    /// bandwidth scaled as the advertised figure was; and choose each peer's network by
+    /// call size.
     fn take_measured(&mut self, links: Vec<MeasuredLink>) -> MeasuredLinks {
-        let alpha = links.iter().map(|l| l.alpha_us).fold(0.0, f64::max);
-        let beta = links
+        let mut by_pair: Vec<PairLanes> = Vec::new();
+        for l in &links {
+            let lane = (l.lane as u8, l.alpha_us, l.beta_gbs);
+            match by_pair.iter_mut().find(|p| p.0 == l.hosts) {
+                Some(p) => p.1.push(lane),
+                None => by_pair.push((l.hosts, vec![lane])),
+            }
+        }
+        let usable = |v: &(u8, f64, f64)| v.1 > 0.0 && v.2 > 0.0;
+        let alpha = by_pair
             .iter()
-            .map(|l| l.beta_gbs)
-            .filter(|&b| b > 0.0)
+            .filter_map(|p| {
+                p.1.iter()
+                    .filter(|v| usable(v))
+                    .map(|v| v.1)
+                    .min_by(f64::total_cmp)
+            })
+            .fold(0.0, f64::max);
+        let beta = by_pair
+            .iter()
+            .filter_map(|p| {
+                p.1.iter()
+                    .filter(|v| usable(v))
+                    .map(|v| v.2)
+                    .max_by(f64::total_cmp)
+            })
             .fold(f64::INFINITY, f64::min);
         let advertised = (self.cost.alpha_us, self.cost.beta_gbs);
         let usable = alpha > 0.0 && beta.is_finite();
+        let name = |lane: u8| {
+            links
+                .iter()
+                .find(|l| l.lane == usize::from(lane))
+                .map_or("?", |l| l.net)
+        };
+        let choices = by_pair
+            .iter()
+            .filter(|p| p.1.len() > 1)
+            .map(|(hosts, lanes)| {
+                let steps = choose_by_size(lanes);
+                (*hosts, steps.iter().map(|&(f, l)| (f, name(l))).collect())
+            })
+            .collect();
+        self.choose_lanes(&by_pair);
         let measured = MeasuredLinks {
             links,
             // Nothing usable measured (no pair answered with figures): the model keeps the
@@ -279,6 +443,7 @@ impl State {
                 advertised
             },
             advertised,
+            choices,
         };
         if usable {
             self.cost.alpha_us = measured.model.0;
@@ -296,11 +461,45 @@ impl State {
                 measured
                     .links
                     .iter()
-                    .map(|l| (l.hosts, l.ranks, l.alpha_us, l.beta_gbs)),
+                    .map(|l| (l.hosts, l.ranks, l.net, l.alpha_us, l.beta_gbs)),
+                measured.choices.clone(),
             );
         }
         self.measured = Some(measured.clone());
         measured
+    }
+
+    /// Each peer's lane by call size ([`Lanes::by_size`]), from its pair of hosts' measured
+    /// lanes that both ranks have: the same steps at both ends.
+    ///
+    /// [`Lanes::by_size`]: crate::exec::links::Lanes::by_size
+    fn choose_lanes(&mut self, by_pair: &[PairLanes]) {
+        let Some(topo) = self.topo.clone() else {
+            return;
+        };
+        let me = topo.host_of(self.links.rank);
+        let lanes = &mut self.links.lanes;
+        for p in 0..lanes.endpoints.len() {
+            let h = topo.host_of(p);
+            let hosts = (me.min(h), me.max(h));
+            let have = lanes.endpoints[p];
+            let measured: Vec<(u8, f64, f64)> = by_pair
+                .iter()
+                .find(|x| x.0 == hosts && h != me)
+                .map(|x| {
+                    x.1.iter()
+                        .copied()
+                        .filter(|l| have[usize::from(l.0)].is_some())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let steps = choose_by_size(&measured);
+            lanes.by_size[p] = if steps.iter().all(|s| s.1 == 0) {
+                Vec::new()
+            } else {
+                steps
+            };
+        }
     }
 }
 
@@ -334,6 +533,46 @@ mod tests {
                 assert_eq!(all.len(), hosts);
             }
         }
+    }
+
+    /// The lane of least α + s/β wins at each size; where one lane is better at every size
+    /// it is the only step; ties go to the main network; lanes without figures are left out.
+    #[test]
+    fn each_size_takes_the_network_of_least_time() {
+        // tcp: 5 µs, 0.1 GB/s (100 B/µs); rocev2: 50 µs, 10 GB/s: equal at 45/(1/100 -
+        // 1/10000) = 4545.45 bytes.
+        let steps = choose_by_size(&[(0, 5.0, 0.1), (2, 50.0, 10.0)]);
+        assert_eq!(steps, vec![(0, 0), (4546, 2)]);
+        for s in [0usize, 100, 4545, 4546, 1 << 20] {
+            let chosen = steps.iter().take_while(|x| x.0 <= s).last().unwrap().1;
+            let t = |a: f64, b: f64| a + s as f64 / (b * 1e3);
+            let want = if t(5.0, 0.1) <= t(50.0, 10.0) { 0 } else { 2 };
+            assert_eq!(chosen, want, "{s} bytes");
+        }
+        // Better at every size: one step.
+        assert_eq!(
+            choose_by_size(&[(0, 50.0, 1.0), (1, 5.0, 2.0)]),
+            vec![(0, 1)]
+        );
+        // Equal lanes: the main one.
+        assert_eq!(
+            choose_by_size(&[(0, 5.0, 1.0), (1, 5.0, 1.0)]),
+            vec![(0, 0)]
+        );
+        // Three lanes: the lowest latency, then the middle, then the widest.
+        let steps = choose_by_size(&[(0, 1.0, 0.1), (1, 10.0, 1.0), (2, 100.0, 10.0)]);
+        assert_eq!(steps.iter().map(|s| s.1).collect::<Vec<_>>(), [0, 1, 2]);
+        // A lane without figures (not measured) is never chosen; none at all: no steps.
+        assert_eq!(
+            choose_by_size(&[(0, 5.0, 1.0), (1, 0.0, 0.0)]),
+            vec![(0, 0)]
+        );
+        assert!(choose_by_size(&[]).is_empty());
+        assert_eq!(
+            describe_steps(&[(0, "tcp"), (49152, "rocev2")]),
+            "tcp below 48 KiB, rocev2 from 48 KiB"
+        );
+        assert_eq!(describe_steps(&[(0, "tcp")]), "tcp at every size");
     }
 
     #[test]

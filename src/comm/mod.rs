@@ -41,7 +41,8 @@ pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
 #[cfg(feature = "fuzzing")]
 pub(crate) use blob::fuzz_seed_blob;
 pub use config::{Config, ConfigBuilder, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
-pub use measure::{MeasuredLink, MeasuredLinks};
+pub(crate) use measure::describe_steps;
+pub use measure::{MeasuredLink, MeasuredLinks, NetChoice};
 pub use queue::{Handle, Turn};
 
 /// The end of every error about ranks in different calls.

@@ -30,6 +30,12 @@ pub(crate) use gpu::{DevCached, GpuRegs, DEV_CACHE};
 const HELLO_MAX: usize = hello::MAX_LEN;
 /// Most channels (independent connection sets) per peer.
 pub(crate) const MAX_CHANNELS: usize = 8;
+/// Most lanes per peer: the network that reaches it (lane 0), then one per network of
+/// `ROCCL_NETS` (`comm::config::EXTRA_NETS`: lane 1 + its place there).
+pub(crate) const MAX_LANES: usize = 4;
+/// Connections per peer and direction: channel `c` of lane `l` is slot `c + l *
+/// MAX_CHANNELS` (what the hello carries, so both ends file it alike).
+pub(crate) const SLOTS: usize = MAX_CHANNELS * MAX_LANES;
 
 /// How long a rank that failed spends telling the others whom to blame (abort notices) or
 /// which call it is in (a mismatch notice), before it closes its connections.
@@ -111,6 +117,9 @@ pub(crate) struct LinkSettings {
     pub device_mem: Vec<Option<bool>>,
     /// The communicator's counters.
     pub metrics: Option<Arc<crate::metrics::CommMetrics>>,
+    /// Per peer, the endpoint of each lane both ends have (lane 0: `peer_net`'s); empty:
+    /// one lane per peer.
+    pub lanes: Vec<[Option<usize>; MAX_LANES]>,
 }
 
 /// A network and this rank's endpoint on it.
@@ -163,9 +172,12 @@ pub(crate) struct Links {
     pub handles: Vec<Vec<NetHandle>>,
     send: PerPeer<Box<dyn SendComm>>,
     recv: PerPeer<Box<dyn RecvComm>>,
-    /// Per peer: one connection carries both directions of each channel ([`Net::duplex`]);
-    /// the lower rank of the pair opens it, whichever direction it needs first.
-    duplex: Vec<bool>,
+    /// Per peer and lane: one connection carries both directions of each channel
+    /// ([`Net::duplex`]); the lower rank of the pair opens it, whichever direction it needs
+    /// first.
+    duplex: Vec<[bool; MAX_LANES]>,
+    /// Which network carries what to each peer (several lanes: `ROCCL_NETS`).
+    pub lanes: Lanes,
     /// Connections this rank opened (not accepted).
     pub dialed: usize,
     /// Accepted connections whose hello has not arrived yet.
@@ -190,6 +202,52 @@ pub(crate) struct Links {
     pub scratch: super::requests::Scratch,
 }
 
+/// The lanes to each peer, and which one the current call uses ([`Links::slot`]).
+#[derive(Default)]
+pub(crate) struct Lanes {
+    /// Per peer, the endpoint of each lane ([`LinkSettings::lanes`]); empty: lane 0 only.
+    pub endpoints: Vec<[Option<usize>; MAX_LANES]>,
+    /// Per peer, the lane of the current call.
+    pub current: Vec<u8>,
+    /// Per peer, the lane by call size: (from this many bytes, lane), ascending; empty:
+    /// lane 0 at every size.
+    pub by_size: Vec<Vec<(usize, u8)>>,
+    /// The lane every peer's point-to-point messages take instead of lane 0 (the
+    /// measurement of each network at init).
+    pub forced: Option<u8>,
+}
+
+impl Lanes {
+    /// Set each peer's lane for a collective of `bytes` (the buffer every rank passes
+    /// alike, so both ends of each pair choose the same lane).
+    pub fn for_call(&mut self, bytes: usize) {
+        for (cur, steps) in self.current.iter_mut().zip(&self.by_size) {
+            *cur = steps
+                .iter()
+                .take_while(|s| s.0 <= bytes)
+                .last()
+                .map_or(0, |s| s.1);
+        }
+    }
+
+    /// The lanes to `peer`: 0, then each network both ends offer.
+    pub fn toward(&self, peer: usize) -> Vec<usize> {
+        match self.endpoints.get(peer) {
+            Some(l) => (0..MAX_LANES).filter(|&k| l[k].is_some()).collect(),
+            None => vec![0],
+        }
+    }
+
+    /// Set every peer's lane for point-to-point calls: lane 0, or the forced one where the
+    /// peer has it.
+    pub fn for_p2p(&mut self) {
+        let f = self.forced.unwrap_or(0);
+        for (cur, eps) in self.current.iter_mut().zip(&self.endpoints) {
+            *cur = if eps[usize::from(f)].is_some() { f } else { 0 };
+        }
+    }
+}
+
 /// What the executor reports on (see [`Links::watch`]).
 pub(crate) struct Watch {
     /// This rank's counters (`crate::metrics`), when the communicator keeps them.
@@ -205,26 +263,26 @@ pub(crate) struct Watch {
 /// first filed: a dense table took 8 × 16 bytes per peer and direction on every rank (1024
 /// ranks in one process: 256 MiB), where each rank talks to a few peers.
 pub(crate) struct PerPeer<T> {
-    rows: Vec<Option<Box<[Option<T>; MAX_CHANNELS]>>>,
+    rows: Vec<Option<Box<[Option<T>; SLOTS]>>>,
     /// The row of a peer without connections.
-    empty: [Option<T>; MAX_CHANNELS],
+    empty: [Option<T>; SLOTS],
 }
 
 impl<T> PerPeer<T> {
     fn new(nranks: usize) -> Self {
         PerPeer {
             rows: (0..nranks).map(|_| None).collect(),
-            empty: Default::default(),
+            empty: std::array::from_fn(|_| None),
         }
     }
 
     /// The connections to `peer`, if it is a rank.
-    fn get(&self, peer: usize) -> Option<&[Option<T>; MAX_CHANNELS]> {
+    fn get(&self, peer: usize) -> Option<&[Option<T>; SLOTS]> {
         (peer < self.rows.len()).then(|| &self[peer])
     }
 
     /// Every peer's row (peers without connections have none).
-    fn iter(&self) -> impl Iterator<Item = &[Option<T>; MAX_CHANNELS]> {
+    fn iter(&self) -> impl Iterator<Item = &[Option<T>; SLOTS]> {
         self.rows.iter().flatten().map(|r| &**r)
     }
 
@@ -234,7 +292,7 @@ impl<T> PerPeer<T> {
 }
 
 impl<T> std::ops::Index<usize> for PerPeer<T> {
-    type Output = [Option<T>; MAX_CHANNELS];
+    type Output = [Option<T>; SLOTS];
     fn index(&self, peer: usize) -> &Self::Output {
         self.rows[peer].as_deref().unwrap_or(&self.empty)
     }
@@ -242,7 +300,7 @@ impl<T> std::ops::Index<usize> for PerPeer<T> {
 
 impl<T> std::ops::IndexMut<usize> for PerPeer<T> {
     fn index_mut(&mut self, peer: usize) -> &mut Self::Output {
-        self.rows[peer].get_or_insert_with(Default::default)
+        self.rows[peer].get_or_insert_with(|| Box::new(std::array::from_fn(|_| None)))
     }
 }
 
@@ -256,24 +314,39 @@ impl Links {
         handles: Vec<Vec<NetHandle>>,
         settings: LinkSettings,
     ) -> Self {
+        let lane_endpoint = |p: usize, lane: usize| match settings.lanes.get(p) {
+            Some(l) => l[lane],
+            None => (lane == 0).then_some(peer_net[p]),
+        };
         let duplex = (0..nranks)
             .map(|p| {
-                let e = peer_net[p];
-                let h = |r: usize| handles.get(r).and_then(|h| h.get(e));
-                match (endpoints.get(e), h(rank), h(p)) {
-                    (Some(ep), Some(mine), Some(theirs)) if p != rank => {
-                        ep.net.duplex(mine, theirs)
+                std::array::from_fn(|lane| {
+                    let Some(e) = lane_endpoint(p, lane) else {
+                        return false;
+                    };
+                    let h = |r: usize| handles.get(r).and_then(|h| h.get(e));
+                    match (endpoints.get(e), h(rank), h(p)) {
+                        (Some(ep), Some(mine), Some(theirs)) if p != rank => {
+                            ep.net.duplex(mine, theirs)
+                        }
+                        _ => false,
                     }
-                    _ => false,
-                }
+                })
             })
             .collect();
+        let lanes = Lanes {
+            current: vec![0; settings.lanes.len()],
+            by_size: vec![Vec::new(); settings.lanes.len()],
+            endpoints: settings.lanes,
+            forced: None,
+        };
         let endpoints_clock = endpoints.first().and_then(|e| e.net.virtual_clock());
         Links {
             rank,
             nranks,
             comm_id,
             duplex,
+            lanes,
             dialed: 0,
             endpoints,
             peer_net,
@@ -321,9 +394,34 @@ impl Links {
         self.gpu.device_mem.get(peer).copied().flatten()
     }
 
-    /// Name of the network used toward `peer`.
+    /// Name of the network used toward `peer` (on the current call's lane).
     pub fn net_name(&self, peer: usize) -> &'static str {
-        self.endpoints[self.peer_net[peer]].net.name()
+        let lane = self.lanes.current.get(peer).copied().unwrap_or(0);
+        let e = self.endpoint_of(peer, usize::from(lane) * MAX_CHANNELS);
+        self.endpoints[e.unwrap_or(self.peer_net[peer])].net.name()
+    }
+
+    /// The connection slot of channel `ch` to `peer` on the current call's lane: what the
+    /// executor files its connections under.
+    pub fn slot(&self, peer: usize, ch: usize) -> usize {
+        match self.lanes.current.get(peer) {
+            Some(&l) => ch + usize::from(l) * MAX_CHANNELS,
+            None => ch,
+        }
+    }
+
+    /// The endpoint of slot `slot` toward `peer`: its lane's, if the pair has that lane.
+    fn endpoint_of(&self, peer: usize, slot: usize) -> Option<usize> {
+        let lane = slot / MAX_CHANNELS;
+        match self.lanes.endpoints.get(peer) {
+            Some(l) => *l.get(lane)?,
+            None => (lane == 0).then(|| self.peer_net[peer]),
+        }
+    }
+
+    /// Whether the connection of slot `slot` to `peer` carries both directions.
+    fn duplex_at(&self, peer: usize, slot: usize) -> bool {
+        self.duplex[peer][slot / MAX_CHANNELS]
     }
 
     pub fn send_comm(&mut self, peer: usize, ch: usize) -> Result<&mut Box<dyn SendComm>> {
@@ -425,7 +523,7 @@ impl Links {
         sends: impl IntoIterator<Item = (usize, usize)>,
         recvs: impl IntoIterator<Item = (usize, usize)>,
     ) -> bool {
-        let ok = |p: usize, c: usize| p == self.rank || (p < self.nranks && c < MAX_CHANNELS);
+        let ok = |p: usize, c: usize| p == self.rank || (p < self.nranks && c < SLOTS);
         sends
             .into_iter()
             .all(|(p, c)| ok(p, c) && (p == self.rank || self.send[p][c].is_some()))
@@ -531,7 +629,7 @@ impl Links {
         need_recv.sort_unstable();
         need_recv.dedup();
         for &(p, c) in need_send.iter().chain(&need_recv) {
-            if p >= self.nranks || c >= MAX_CHANNELS {
+            if p >= self.nranks || c >= SLOTS || self.endpoint_of(p, c).is_none() {
                 return Err(Error::Internal(format!(
                     "connection to rank {p} channel {c} out of range"
                 )));
@@ -552,7 +650,7 @@ impl Links {
             .chain(need_recv)
             .copied()
             .filter(|&(p, c)| {
-                if self.duplex[p] {
+                if self.duplex_at(p, c) {
                     self.rank < p && self.send[p][c].is_none() && self.recv[p][c].is_none()
                 } else {
                     need_send.contains(&(p, c))
@@ -574,14 +672,16 @@ impl Links {
     ) -> Result<Vec<(usize, usize, Box<dyn Connecting>)>> {
         let mut connecting = Vec::with_capacity(dial.len());
         for &(p, c) in dial {
-            let e = self.peer_net[p];
+            let e = self
+                .endpoint_of(p, c)
+                .ok_or_else(|| Error::Internal(format!("no network for rank {p} slot {c}")))?;
             let ep = &self.endpoints[e];
-            let open = if self.duplex[p] {
+            let open = if self.duplex_at(p, c) {
                 Net::connect_duplex
             } else {
                 Net::connect
             };
-            let dev = (ep.dev + c) % ep.net.devices().max(1);
+            let dev = (ep.dev + c % MAX_CHANNELS) % ep.net.devices().max(1);
             let conn = open(&*ep.net, dev, &self.handles[p][e]).map_err(|err| {
                 Error::remote(
                     p,
@@ -614,7 +714,7 @@ impl Links {
             };
             let h = Hello::Channel {
                 channel: c,
-                duplex: self.duplex[p],
+                duplex: self.duplex_at(p, c),
             };
             let (buf, len) = hello_message(&h, self.rank, self.comm_id);
             // SAFETY: `buf` is boxed and kept in `HelloOut` next to the comm until the
@@ -654,7 +754,7 @@ impl Links {
                 continue;
             }
             let (_, _, mut h) = hellos.swap_remove(i);
-            if self.duplex[p] {
+            if self.duplex_at(p, c) {
                 let back = h.comm.reverse().ok_or_else(|| {
                     Error::Internal(format!(
                         "{} offered duplex connections but gave no receiving side",
@@ -762,7 +862,7 @@ impl Links {
                 }
                 Hello::SuspendStep { kind, message } => self.file_step(p, kind, message),
                 Hello::Abort { failed } => self.blame.notices.push((p, failed)),
-                Hello::Channel { channel, duplex } if channel < MAX_CHANNELS => {
+                Hello::Channel { channel, duplex } if channel < SLOTS => {
                     self.spare.push((p, channel, duplex, h.comm));
                 }
                 Hello::Channel { .. } => continue,

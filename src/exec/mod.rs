@@ -190,16 +190,22 @@ impl<'a> Exec<'a> {
         I: IntoIterator<Item = (usize, usize)> + Clone,
         J: IntoIterator<Item = (usize, usize)> + Clone,
     {
+        // Channels become the slots of the current call's lanes (`Links::slot`).
+        let links = &*self.links;
+        let slot = |(p, c): (usize, usize)| (p, links.slot(p, c));
         if self.members.is_empty() {
-            if self.links.has_all(sends.clone(), recvs.clone()) {
+            let (s2, r2) = (sends.clone(), recvs.clone());
+            if links.has_all(s2.into_iter().map(slot), r2.into_iter().map(slot)) {
                 return Ok(());
             }
-            let s: Vec<_> = sends.into_iter().collect();
-            let r: Vec<_> = recvs.into_iter().collect();
+            let s: Vec<_> = sends.into_iter().map(slot).collect();
+            let r: Vec<_> = recvs.into_iter().map(slot).collect();
             return self.links.ensure(&s, &r, self.waiter);
         }
         let s = group::to_global(sends, &self.members)?;
         let r = group::to_global(recvs, &self.members)?;
+        let s: Vec<_> = s.into_iter().map(slot).collect();
+        let r: Vec<_> = r.into_iter().map(slot).collect();
         if self.links.has_all(s.iter().copied(), r.iter().copied()) {
             return Ok(());
         }
@@ -352,12 +358,14 @@ impl<'a> Exec<'a> {
     /// Post a send of region `r` to `peer` on channel `ch`.
     pub fn send(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
         let peer = self.global(peer)?;
+        let ch = self.links.slot(peer, ch);
         self.post(peer, ch, r, true)
     }
 
     /// Post a receive into region `r` from `peer` on channel `ch`.
     pub fn recv(&mut self, peer: usize, ch: usize, r: Reg) -> Result<Tok> {
         let peer = self.global(peer)?;
+        let ch = self.links.slot(peer, ch);
         self.post(peer, ch, r, false)
     }
 

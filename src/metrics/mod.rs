@@ -71,7 +71,10 @@ pub type NetSource = Box<dyn Fn(&mut Vec<(&'static str, u64)>) + Send + Sync>;
 
 /// A link between two hosts measured at init: the hosts, the ranks that measured it, its
 /// latency in µs and its bandwidth in GB/s.
-pub type MeasuredRow = ((usize, usize), (usize, usize), f64, f64);
+pub type MeasuredRow = ((usize, usize), (usize, usize), &'static str, f64, f64);
+
+/// A pair of hosts' choice of network by call size: (hosts, (from bytes, network) steps).
+pub type NetChoiceRow = ((usize, usize), Vec<(usize, &'static str)>);
 
 /// The call in flight and what it waits on.
 #[derive(Default)]
@@ -112,7 +115,7 @@ pub struct CommMetrics {
     inflight: InFlight,
     nets: Mutex<Vec<(&'static str, NetSource)>>,
     /// The links between hosts measured at init: (hosts, ranks, latency µs, GB/s).
-    measured: Mutex<Vec<MeasuredRow>>,
+    measured: Mutex<(Vec<MeasuredRow>, Vec<NetChoiceRow>)>,
     /// The trace `ROCCL_TRACE` asks for ([`trace`]), and when the traced call started.
     trace: Option<trace::Trace>,
     trace_start: AtomicU64,
@@ -169,7 +172,7 @@ impl CommMetrics {
                 ..InFlight::default()
             },
             nets: Mutex::new(Vec::new()),
-            measured: Mutex::new(Vec::new()),
+            measured: Mutex::new((Vec::new(), Vec::new())),
             trace: trace::Trace::for_rank(trace, rank, comm),
             trace_start: AtomicU64::new(0),
         });
@@ -344,9 +347,14 @@ impl CommMetrics {
         algo.checked_sub(1).and_then(|i| self.algos.get(i)).copied()
     }
 
-    /// Keep the links measured at init (hosts, ranks, latency in µs, GB/s) for `/status`.
-    pub fn set_measured_links(&self, rows: impl Iterator<Item = MeasuredRow>) {
-        *self.measured.lock() = rows.collect();
+    /// Keep the links measured at init (hosts, ranks, network, latency in µs, GB/s) and
+    /// the networks chosen by size for `/status`.
+    pub fn set_measured_links(
+        &self,
+        rows: impl Iterator<Item = MeasuredRow>,
+        choices: Vec<NetChoiceRow>,
+    ) {
+        *self.measured.lock() = (rows.collect(), choices);
     }
 
     /// Add a source of the network's counters (`net`: its name, a label).
@@ -659,23 +667,38 @@ pub fn status() -> serde_json::Value {
                     .collect();
                 nets.insert(net.to_string(), counters.into());
             }
-            let measured: Vec<serde_json::Value> = m
-                .measured
-                .lock()
-                .iter()
-                .map(|&(hosts, ranks, alpha_us, beta_gbs)| {
-                    serde_json::json!({
-                        "hosts": [hosts.0, hosts.1],
-                        "ranks": [ranks.0, ranks.1],
-                        "latency_us": alpha_us,
-                        "bandwidth_GBps": beta_gbs,
+            let (measured, choices) = {
+                let kept = m.measured.lock();
+                let rows: Vec<serde_json::Value> = kept
+                    .0
+                    .iter()
+                    .map(|&(hosts, ranks, net, alpha_us, beta_gbs)| {
+                        serde_json::json!({
+                            "hosts": [hosts.0, hosts.1],
+                            "ranks": [ranks.0, ranks.1],
+                            "network": net,
+                            "latency_us": alpha_us,
+                            "bandwidth_GBps": beta_gbs,
+                        })
                     })
-                })
-                .collect();
+                    .collect();
+                let choices: Vec<serde_json::Value> = kept
+                    .1
+                    .iter()
+                    .map(|(hosts, steps)| {
+                        serde_json::json!({
+                            "hosts": [hosts.0, hosts.1],
+                            "from_bytes": steps.iter().map(|&(f, n)| serde_json::json!([f, n])).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                (rows, choices)
+            };
             serde_json::json!({
                 "rank": m.rank,
                 "nranks": m.nranks,
                 "measured_links": measured,
+                "network_by_size": choices,
                 "comm": format!("{:016x}", m.comm),
                 "network": m.net,
                 "pid": std::process::id(),

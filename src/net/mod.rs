@@ -884,6 +884,20 @@ pub enum NetKind {
     Sim,
 }
 
+impl NetKind {
+    /// The name `ROCCL_NET` takes for it (and its network's [`Net::name`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            NetKind::Auto => "auto",
+            NetKind::Tcp => "tcp",
+            NetKind::RoceV2 => "rocev2",
+            NetKind::Verbs => "verbs",
+            NetKind::Shm => "shm",
+            NetKind::Sim => "sim",
+        }
+    }
+}
+
 impl std::str::FromStr for NetKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

@@ -145,30 +145,49 @@ pub fn report(addrs: &[String]) -> String {
     out
 }
 
-/// The links between hosts a communicator measured at init (`/status`'s `measured_links`),
-/// on one line; `None` when it measured none.
+/// The links between hosts a communicator measured at init (`/status`'s `measured_links`)
+/// and the networks it chose by size (`network_by_size`), on one line; `None` when it
+/// measured none.
 pub(crate) fn measured_links(status: &Value) -> Option<String> {
     let links = status["measured_links"].as_array()?;
-    (!links.is_empty()).then(|| {
-        links
-            .iter()
-            .map(|l| {
-                let gbs = l["bandwidth_GBps"].as_f64().unwrap_or(0.0);
-                let bandwidth = if gbs >= 1.0 {
-                    format!("{gbs:.2} GB/s")
-                } else {
-                    format!("{:.1} MB/s", gbs * 1e3)
-                };
-                format!(
-                    "hosts {}↔{} {:.1} us {bandwidth}",
-                    l["hosts"][0],
-                    l["hosts"][1],
-                    l["latency_us"].as_f64().unwrap_or(f64::NAN),
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    })
+    if links.is_empty() {
+        return None;
+    }
+    let mut parts: Vec<String> = links
+        .iter()
+        .map(|l| {
+            let gbs = l["bandwidth_GBps"].as_f64().unwrap_or(0.0);
+            let bandwidth = if gbs >= 1.0 {
+                format!("{gbs:.2} GB/s")
+            } else {
+                format!("{:.1} MB/s", gbs * 1e3)
+            };
+            let net = l["network"]
+                .as_str()
+                .map_or(String::new(), |n| format!(" {n}"));
+            format!(
+                "hosts {}↔{}{net} {:.1} us {bandwidth}",
+                l["hosts"][0],
+                l["hosts"][1],
+                l["latency_us"].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect();
+    for c in status["network_by_size"].as_array().into_iter().flatten() {
+        let steps: Vec<(usize, &str)> = c["from_bytes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| Some((s[0].as_u64()? as usize, s[1].as_str()?)))
+            .collect();
+        parts.push(format!(
+            "hosts {}↔{} carry {}",
+            c["hosts"][0],
+            c["hosts"][1],
+            crate::comm::describe_steps(&steps)
+        ));
+    }
+    Some(parts.join("; "))
 }
 
 #[cfg(test)]
@@ -186,6 +205,17 @@ mod tests {
         assert_eq!(
             measured_links(&status).unwrap(),
             "hosts 0↔1 12.3 us 1.50 GB/s; hosts 0↔2 40.0 us 125.0 MB/s"
+        );
+        let status = serde_json::json!({
+            "measured_links": [
+                {"hosts": [0, 1], "ranks": [0, 2], "network": "tcp", "latency_us": 12.34, "bandwidth_GBps": 0.1},
+                {"hosts": [0, 1], "ranks": [0, 2], "network": "rocev2", "latency_us": 30.0, "bandwidth_GBps": 2.5},
+            ],
+            "network_by_size": [{"hosts": [0, 1], "from_bytes": [[0, "tcp"], [49152, "rocev2"]]}],
+        });
+        assert_eq!(
+            measured_links(&status).unwrap(),
+            "hosts 0↔1 tcp 12.3 us 100.0 MB/s; hosts 0↔1 rocev2 30.0 us 2.50 GB/s; hosts 0↔1 carry tcp below 48 KiB, rocev2 from 48 KiB"
         );
         assert_eq!(
             measured_links(&serde_json::json!({"measured_links": []})),
