@@ -420,6 +420,38 @@ impl ConfigBuilder {
 mod tests {
     use super::*;
 
+    /// `ROCCL_NETS` names the main network first and the others beside it; `ROCCL_NET` may
+    /// only agree with it; a network that cannot run between hosts, or one listed twice, is
+    /// refused naming it.
+    #[test]
+    fn the_networks_offered_come_from_roccl_nets() {
+        let with = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Config::from_lookup(&move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+        };
+        let c = with(&[("ROCCL_NETS", "tcp, rocev2")]).unwrap();
+        assert_eq!((c.net, c.extra_nets), (NetKind::Tcp, vec![NetKind::RoceV2]));
+        let c = with(&[("ROCCL_NETS", "rocev2"), ("ROCCL_NET", "rocev2")]).unwrap();
+        assert_eq!((c.net, c.extra_nets), (NetKind::RoceV2, vec![]));
+        let c = with(&[("ROCCL_NET", "tcp")]).unwrap();
+        assert!(c.extra_nets.is_empty());
+        for (vars, want) in [
+            (
+                &[("ROCCL_NETS", "tcp,rocev2"), ("ROCCL_NET", "rocev2")][..],
+                "forces one network",
+            ),
+            (&[("ROCCL_NETS", "tcp,tcp")][..], "listed twice"),
+            (&[("ROCCL_NETS", "tcp,shm")][..], "ROCCL_NETS"),
+            (&[("ROCCL_NETS", "tcp,carrier-pigeon")][..], "ROCCL_NETS"),
+        ] {
+            let e = with(vars).expect_err(want).to_string();
+            assert!(e.contains(want), "{vars:?}: {e}");
+        }
+    }
+
     #[test]
     fn settings_come_from_the_lookup_given_and_defaults_from_none() {
         let d = Config::default();

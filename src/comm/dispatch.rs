@@ -404,7 +404,13 @@ impl State {
         };
         self.call_tag = call_tag::call_tag(&coll, dt, bytes);
         // Each peer's network for a call of this size (ROCCL_NETS; nothing to do without).
-        self.links.lanes.for_call(bytes);
+        // A send or receive takes the main network (or the one the measurement forces): its
+        // two ends pass different buffers, so a size would not give both the same lane.
+        if matches!(coll, Collective::SendRecv { .. }) {
+            self.links.lanes.for_p2p();
+        } else {
+            self.links.lanes.for_call(bytes);
+        }
         if let Some(m) = &self.links.watch.metrics {
             m.call_start(metrics_kind(&coll), bytes);
         }

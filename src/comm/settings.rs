@@ -15,6 +15,13 @@ type Parser = fn(&str) -> bool;
 /// The parsers of the settings whose table entry has no check of its own (`valid: None`).
 const PARSED_ABOVE: &[(&str, Parser)] = &[
     ("ROCCL_NET", |v| v.parse::<crate::net::NetKind>().is_ok()),
+    ("ROCCL_NETS", |v| {
+        v.split(',').all(|k| {
+            k.trim()
+                .parse::<crate::net::NetKind>()
+                .is_ok_and(|k| super::config::EXTRA_NETS.contains(&k))
+        })
+    }),
     ("ROCCL_SIM", |v| {
         v.parse::<crate::net::sim::SimSpec>().is_ok()
     }),
