@@ -108,10 +108,11 @@ gcc -std=c11 -D_POSIX_C_SOURCE=200809L examples/allreduce.c -o "$tmp/example" $(
 ROCCL_SOCKET_IFNAME=lo "$tmp/example" 2 | grep -q "on 2 ranks: ok"
 "$tmp/bin/roccl-perf" --ranks 2 -b 8 -e 1K --iters 2 --warmup 1 | grep -q "# wrong results: 0"
 rm -rf "$work"
-step "RoCE v2 and TCP across network namespaces (hosts of several ranks, a switchless mesh, two rails), and a decoded capture"
+step "RoCE v2 and TCP across network namespaces (hosts of several ranks, a switchless mesh, two rails, networks chosen per peer and size), and a decoded capture"
 tests/netns/run.sh
 tests/netns/mesh.sh
 tests/netns/rails.sh
+tests/netns/choice.sh
 tests/capture/run.sh
 step "docs"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet -p roccl --features verbs,hip,cuda

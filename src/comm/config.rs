@@ -242,7 +242,7 @@ impl Config {
 }
 
 /// The networks the extra lanes may use ([`Config::extra_nets`]).
-pub(crate) const EXTRA_NETS: [NetKind; 3] = [NetKind::Tcp, NetKind::RoceV2, NetKind::Verbs];
+pub(crate) const EXTRA_NETS: [NetKind; 3] = NetKind::BETWEEN_HOSTS;
 
 /// `ROCCL_NET` and `ROCCL_NETS`: the main network, and those offered beside it.
 fn networks(get: Lookup<'_>) -> Result<(NetKind, Vec<NetKind>)> {

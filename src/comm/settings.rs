@@ -19,7 +19,7 @@ const PARSED_ABOVE: &[(&str, Parser)] = &[
         v.split(',').all(|k| {
             k.trim()
                 .parse::<crate::net::NetKind>()
-                .is_ok_and(|k| super::config::EXTRA_NETS.contains(&k))
+                .is_ok_and(|k| crate::net::NetKind::BETWEEN_HOSTS.contains(&k))
         })
     }),
     ("ROCCL_SIM", |v| {

@@ -885,6 +885,10 @@ pub enum NetKind {
 }
 
 impl NetKind {
+    /// The networks that can run between hosts, in the order of their lanes beside the main
+    /// network (`ROCCL_NETS`: lane 1 + the place here).
+    pub const BETWEEN_HOSTS: [NetKind; 3] = [NetKind::Tcp, NetKind::RoceV2, NetKind::Verbs];
+
     /// The name `ROCCL_NET` takes for it (and its network's [`Net::name`]).
     pub fn name(self) -> &'static str {
         match self {

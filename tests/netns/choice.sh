@@ -10,8 +10,9 @@
 #     crossover of the measured figures; pairs with host 2 only TCP;
 #   - every collective is correct ("# wrong results: 0" on rank 0, every rank exits 0), and
 #     the engine's path carried the large calls' bytes;
-#   - then, a benchmark (printed, not asserted): the 2-rank all-reduce between hosts 0 and 1
-#     at 8 B, 64 KiB and 4 MiB with the choice, TCP alone and the engine alone, alternated.
+#   - with ROCCL_CHOICE_BENCH=1, a benchmark (printed, not asserted): the 2-rank all-reduce
+#     between hosts 0 and 1 at 8 B, 4 KiB, 256 KiB and 2 MiB with the choice, TCP alone and the
+#     engine alone, alternated.
 # A measurement takes milliseconds per network: a rank descheduled that long on a loaded
 # machine can swap two figures, so the choice check allows 3 tries. Skips (exit 0) only
 # when namespaces or tc are unavailable.
@@ -136,7 +137,7 @@ figures() {
 # large ones between hosts 0 and 1, at the crossover the measured figures give.
 for attempt in 1 2 3; do
   before=$(chain_sent)
-  run choice 3 tcp,rocev2 tcp,rocev2 tcp --op all -b 8 -e 4M -f 16 --iters 2 --warmup 1
+  run choice 3 tcp,rocev2 tcp,rocev2 tcp --op all -b 8 -e 1M -f 16 --iters 2 --warmup 1
   carried=$(($(chain_sent) - before))
   line=$(grep -m1 "  hosts 0↔1: " "$tmp/choice.0.log" || true)
   read -r ta tb <<<"$(figures 0 1 tcp choice)"
@@ -173,15 +174,19 @@ if grep -q "hosts [0-9]↔2 (ranks [0-9]*↔[0-9]*) over rocev2" "$tmp/choice.0.
 fi
 grep -q "hosts 0↔2 (ranks 0↔2) over tcp" "$tmp/choice.0.log" ||
   { echo "FAILED: choice: the TCP link to host 2 was not measured"; exit 1; }
-# Calls of 1 MiB and more between hosts 0 and 1 (every collective, twice each) moved through
-# the chain: tens of MiB.
-if [ "$carried" -lt $((8 << 20)) ]; then
+# Calls of 1 MiB between hosts 0 and 1 (every collective, 3 times each) went through the chain.
+if [ "$carried" -lt $((4 << 20)) ]; then
   echo "FAILED: choice: the engine's path carried only $carried bytes: large calls did not take it"
   exit 1
 fi
 echo "   ok: small calls over tcp, large over rocev2 between hosts 0 and 1, tcp alone toward host 2"
 
-# A benchmark: 2 ranks (hosts 0 and 1), the choice against each network alone, alternated.
+# A benchmark (ROCCL_CHOICE_BENCH=1; not part of the test command's run): 2 ranks (hosts 0 and
+# 1), the choice against each network alone, alternated.
+if [ -z "${ROCCL_CHOICE_BENCH:-}" ]; then
+  echo "-- networks chosen per peer and size across namespaces: passed (ROCCL_CHOICE_BENCH=1 adds the benchmark)"
+  exit 0
+fi
 bench=(--op all_reduce -b 8 -e 2M -f 8 --iters 20 --warmup 3)
 for round in 1 2; do
   run "bench-choice-$round" 2 tcp,rocev2 tcp,rocev2 - "${bench[@]}"
