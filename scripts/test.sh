@@ -61,8 +61,8 @@ else
   step "GPU tests SKIPPED: no GPU here (HIP and CUDA were checked to report 'no device');" \
     "stream-ordered collectives ran on the simulated device only"
 fi
-step "fuzz targets, 15 s each on the kept corpus (scripts/fuzz.sh)"
-scripts/fuzz.sh 15
+step "fuzz targets, 10 s each on the kept corpus (scripts/fuzz.sh; longer: scripts/fuzz.sh SECONDS)"
+scripts/fuzz.sh 10
 step "benches (each run once, as a smoke test)"
 cargo test --release --benches
 step "C ABI: header vs symbols, C and C++ programs, example (with the target directory given as an absolute path, as a user's CARGO_TARGET_DIR may be)"

@@ -407,6 +407,11 @@ fn report_devices(out: &mut String, ports: &[select::PortInfo]) {
 /// the network it would use to other hosts (`remote`): with ROCCL_NET=auto that is shared
 /// memory between ranks of one host unless ROCCL_SHM=0, and `remote` to other hosts.
 fn will_use(net_hint: &str, remote: &str) -> String {
+    if let Some(nets) = roccl::envvar::raw("ROCCL_NETS").filter(|v| !v.trim().is_empty()) {
+        return format!(
+            "roccl will use shared memory between ranks of this host and, to other hosts, the networks of ROCCL_NETS={nets} (the first for point-to-point calls): per peer and call size the one measured fastest at init among those both ranks offer (roccl-info --status shows the choice of a running job)"
+        );
+    }
     match net_hint.trim().to_ascii_lowercase().as_str() {
         "" | "auto" => {
             let shm = roccl::envvar::raw("ROCCL_SHM").and_then(|v| roccl::envvar::parse_switch(&v))
