@@ -268,3 +268,41 @@ fn calls_above_the_crossover_take_the_other_network() {
         }
     });
 }
+
+/// A network a rank lists but cannot open (here: `verbs`, with no RDMA NIC on this machine)
+/// is left out: the job runs over the others, measures only them and chooses nothing.
+#[test]
+fn a_network_a_rank_cannot_open_is_left_out() {
+    if std::path::Path::new("/sys/class/infiniband")
+        .read_dir()
+        .is_ok_and(|mut d| d.next().is_some())
+    {
+        eprintln!("SKIPPED: this machine has an RDMA device, so verbs would open");
+        return;
+    }
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let mut cfg: Config = common::config(Default::default());
+                cfg.net = NetKind::Tcp;
+                cfg.extra_nets = vec![NetKind::Verbs];
+                cfg.host = Some(format!("host-{r}"));
+                let id = &id;
+                s.spawn(move || {
+                    let c = Communicator::init_with(id, 2, r, cfg).expect("init");
+                    let m = c.measured_links().expect("2 hosts measure their links");
+                    assert_eq!(m.links.len(), 1, "{}", m.describe());
+                    assert_eq!(m.links[0].net, "tcp");
+                    assert!(m.choices.is_empty(), "{}", m.describe());
+                    check_collectives(&c, 1000);
+                })
+            })
+            .collect();
+        for h in hs {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e)
+            }
+        }
+    });
+}
