@@ -119,7 +119,10 @@ impl Communicator {
                         crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
                     }
                 })?;
-        let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, shm_between_hosts)?;
+        // With networks to choose among (ROCCL_NETS), ranks of one host keep shared memory
+        // even on a job of one host.
+        let named_only = shm_between_hosts && cfg.extra_nets.is_empty();
+        let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, named_only)?;
         let given = cfg.clone();
         let place = Placement::of(&blobs, rank, shm.is_some());
         let mut cfg = cfg;
