@@ -266,6 +266,19 @@ fn calls_above_the_crossover_take_the_other_network() {
             (None, None, None) if !on_engine => {}
             other => panic!("rank {}: engine counters {other:?}", c.rank()),
         }
+        // Suspending closes the main network's idle connections; those of the engine stay
+        // open (between hosts 0 and 1), and their peers are said to be kept.
+        let closed = c
+            .close_idle_connections(std::time::Duration::from_secs(5))
+            .unwrap();
+        let want: Vec<usize> = match HOSTS[c.rank()] {
+            0 => vec![2],
+            1 => vec![0, 1],
+            _ => vec![],
+        };
+        assert_eq!(closed.kept_with, want, "rank {}: {closed:?}", c.rank());
+        assert!(closed.closed > 0, "rank {}: {closed:?}", c.rank());
+        check_collectives(&c, 100_000);
     });
 }
 

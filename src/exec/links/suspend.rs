@@ -374,10 +374,17 @@ impl Links {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
+        // Connections of the other lanes (ROCCL_NETS) are not in the views: they stay open,
+        // and their peers are said to be kept.
+        let other_lanes = |p: usize| {
+            self.send[p][MAX_CHANNELS..].iter().any(Option::is_some)
+                || self.recv[p][MAX_CHANNELS..].iter().any(Option::is_some)
+        };
         let kept_with = at_start
             .iter()
             .filter(|(p, v)| {
                 (v.sends & !r.shut[*p].0) | (v.recvs & !r.shut[*p].1) | v.unsettled != 0
+                    || other_lanes(*p)
             })
             .map(|(p, _)| *p)
             .collect();
