@@ -410,6 +410,26 @@ void Queue::submit(const c10::intrusive_ptr<WorkRoccl>& w, bool async) {
   }
 }
 
+bool Queue::runAlone(WorkRoccl& w) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (running_ || !works_.empty() || !closed_.empty()) {
+      return false;
+    }
+    running_ = true;
+  }
+  w.execute(*comm_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+    if (!works_.empty() || stopping_) {
+      wake_.notify_one();
+    }
+  }
+  w.publish();
+  return true;
+}
+
 bool Queue::runIfNext(WorkRoccl* w) {
   std::vector<c10::intrusive_ptr<WorkRoccl>> taken;
   {
@@ -562,6 +582,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::submit(
     w->timeout = timeout; // a coalesced work takes the shortest of its operations'
   }
   if (w.get() != coalesced_.get()) {
+    // A blocking call with nothing ahead of it runs here and now: no queue entry.
+    if (!async && queue_->runAlone(*w)) {
+      return w;
+    }
     queue_->submit(w, async);
   }
   return w;

@@ -116,6 +116,9 @@ class Queue {
   // Run `w` on this thread if it is the next work (or in the group of held sends and
   // receives at the front) and none is running; true if it ran.
   bool runIfNext(WorkRoccl* w);
+  // A blocking call's fast path: with nothing queued or running, run `w` (never queued)
+  // on this thread now and complete it; false (nothing done) when other works are ahead.
+  bool runAlone(WorkRoccl& w);
   // Someone waits for or polls a work: held sends and receives start now. `waiting`: a
   // wait begins (+1) or ends (-1); held groups start at once while any wait is on.
   void hurry(int waiting = 0);
