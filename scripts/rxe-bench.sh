@@ -2,7 +2,8 @@
 # Floors measured side by side on Linux soft-RoCE (a benchmark, not a test): two qemu VMs
 # (tests/rxe/vm.sh) with rxe0 each, and the host's userspace RoCE v2 engine, on a bridge.
 # Alternated in one window, ROUNDS times (default 3):
-#   perftest between the VMs: ib_write_lat and ib_send_lat (8 B), ib_write_bw (4 MiB);
+#   perftest between the VMs: ib_write_lat and ib_send_lat (8 B), ib_write_bw (4 MiB), one way
+#   and both ways at once (-b: each side sends while it receives, as an all-reduce does);
 #   roccl between the VMs (verbs on rxe): 8-byte all-reduce latency, 64 MiB all-reduce bus
 #   bandwidth (2 ranks);
 #   roccl between the host's engine and VM a's rxe: the same two figures.
@@ -49,6 +50,7 @@ for ((r = 1; r <= rounds; r++)); do
   add "$(rank 0 10.99.0.2:$port verbs eth0 -b 8 -e 8 -n 2000 -w 100)" "$(rank 1 10.99.0.2:$port verbs eth0 -b 8 -e 8 -n 2000 -w 100)" ""
   add "$(rank 1 10.99.0.1:$((port + 1)) verbs eth0 -b 8 -e 8 -n 2000 -w 100)" "" "$(rank 0 10.99.0.1:$((port + 1)) rocev2 rxebr0 -b 8 -e 8 -n 2000 -w 100)"
   add "sleep 2; ib_write_bw -d rxe0 -x 1 -F -s 4194304 -n 40 10.99.0.3" "ib_write_bw -d rxe0 -x 1 -F -s 4194304 -n 40" ""
+  add "sleep 2; ib_write_bw -b -d rxe0 -x 1 -F -s 4194304 -n 40 10.99.0.3" "ib_write_bw -b -d rxe0 -x 1 -F -s 4194304 -n 40" ""
   add "$(rank 0 10.99.0.2:$((port + 2)) verbs eth0 -b 64M -e 64M -n 3 -w 1 --out-of-place)" "$(rank 1 10.99.0.2:$((port + 2)) verbs eth0 -b 64M -e 64M -n 3 -w 1 --out-of-place)" ""
   add "$(rank 1 10.99.0.1:$((port + 3)) verbs eth0 -b 64M -e 64M -n 3 -w 1 --out-of-place)" "" "$(rank 0 10.99.0.1:$((port + 3)) rocev2 rxebr0 -b 64M -e 64M -n 3 -w 1 --out-of-place)"
 done
@@ -80,7 +82,7 @@ bw_pt() { awk '$1 == 4194304 {print $4; exit}'; }          # #bytes #iter peak a
 time_rp() { awk '$1 == "all_reduce" {print $8; exit}'; }
 busbw_rp() { awk '$1 == "all_reduce" {print $10; exit}'; }
 declare -A fig
-per=7
+per=8
 for ((r = 0; r < rounds; r++)); do
   b=$((per * r))
   fig[wlat]+=" $(step_of $b "$RXE_OUT/a.log" | lat_pt)"
@@ -88,8 +90,9 @@ for ((r = 0; r < rounds; r++)); do
   fig[rlat]+=" $(step_of $((b + 2)) "$RXE_OUT/a.log" | time_rp)"
   fig[elat]+=" $(step_of $((b + 3)) "$RXE_OUT/h.log" | time_rp)"
   fig[wbw]+=" $(step_of $((b + 4)) "$RXE_OUT/a.log" | bw_pt)"
-  fig[rbw]+=" $(step_of $((b + 5)) "$RXE_OUT/a.log" | busbw_rp)"
-  fig[ebw]+=" $(step_of $((b + 6)) "$RXE_OUT/h.log" | busbw_rp)"
+  fig[bbw]+=" $(step_of $((b + 5)) "$RXE_OUT/a.log" | bw_pt)"
+  fig[rbw]+=" $(step_of $((b + 6)) "$RXE_OUT/a.log" | busbw_rp)"
+  fig[ebw]+=" $(step_of $((b + 7)) "$RXE_OUT/h.log" | busbw_rp)"
 done
 median() { tr ' ' '\n' | grep -E '^[0-9.]+$' | sort -g | awk '{v[NR] = $1} END {if (NR) print v[int((NR + 1) / 2)]; else print "nan"}'; }
 echo "# soft-RoCE floors, $rounds rounds alternated ($(date -u +%F), host: $(nproc) cores; VMs under qemu TCG)"
@@ -100,11 +103,15 @@ show "ib_send_lat 8 B, rxe-rxe (us, typical)" slat
 show "roccl all-reduce 8 B, 2 ranks, rxe-rxe (us)" rlat
 show "roccl all-reduce 8 B, 2 ranks, engine-rxe (us)" elat
 show "ib_write_bw 4 MiB, rxe-rxe (MB/s)" wbw
+show "ib_write_bw -b 4 MiB, rxe-rxe, both ways (MB/s)" bbw
 show "roccl all-reduce 64 MiB busbw, rxe-rxe (GB/s)" rbw
 show "roccl all-reduce 64 MiB busbw, engine-rxe (GB/s)" ebw
 m() { echo "${fig[$1]}" | median; }
-awk -v wl="$(m wlat)" -v rl="$(m rlat)" -v el="$(m elat)" -v wb="$(m wbw)" -v rb="$(m rbw)" -v eb="$(m ebw)" 'BEGIN {
+awk -v wl="$(m wlat)" -v rl="$(m rlat)" -v el="$(m elat)" -v wb="$(m wbw)" -v bb="$(m bbw)" -v rb="$(m rbw)" -v eb="$(m ebw)" 'BEGIN {
   printf "ratio: roccl 8 B all-reduce / ib_write_lat:  rxe-rxe %.2f, engine-rxe %.2f (target <= 2.5)\n", rl / wl, el / wl
   # perftest reports MB/sec of 2^20 bytes; roccl-perf GB/s of 10^9.
   printf "ratio: roccl 64 MiB busbw / ib_write_bw:     rxe-rxe %.2f, engine-rxe %.2f (target >= 0.80)\n", rb * 1e9 / (wb * 1048576), eb * 1e9 / (wb * 1048576)
+  # A 2-rank all-reduce moves its bus bandwidth each way at once: beside half of what
+  # ib_write_bw -b reports for both ways together.
+  printf "ratio: roccl 64 MiB busbw / (ib_write_bw -b / 2): rxe-rxe %.2f, engine-rxe %.2f\n", rb * 1e9 / (bb / 2 * 1048576), eb * 1e9 / (bb / 2 * 1048576)
 }'
