@@ -98,10 +98,7 @@ impl Communicator {
             })
             .ok();
         let handles = (&handle, shm.as_ref().map(|s| &s.1));
-        let mut extra_handles: [Option<NetHandle>; EXTRA_NETS.len()] = Default::default();
-        for x in &extras {
-            extra_handles[x.lane - 1] = Some(x.handle.clone());
-        }
+        let extra_handles = extra_handles(&extras);
         let own = own_blob(
             &cfg,
             rank,
@@ -577,6 +574,15 @@ fn open_extras(id: &UniqueId, rank: usize, cfg: &Config, local: std::net::IpAddr
     }
     // In lane order: the endpoints and the peers' handles follow it (`make_links`).
     out.sort_by_key(|x| x.lane);
+    out
+}
+
+/// This rank's handles on the networks it offers beside the main one, by lane.
+fn extra_handles(extras: &[Extra]) -> [Option<NetHandle>; EXTRA_NETS.len()] {
+    let mut out: [Option<NetHandle>; EXTRA_NETS.len()] = Default::default();
+    for x in extras {
+        out[x.lane - 1] = Some(x.handle.clone());
+    }
     out
 }
 
