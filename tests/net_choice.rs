@@ -319,3 +319,35 @@ fn a_network_a_rank_cannot_open_is_left_out() {
         }
     });
 }
+
+/// On a job of one host, one rank offering networks to choose among and one not: both keep
+/// shared memory (the choice is made from every rank's blob, alike), and calls work.
+#[test]
+fn ranks_of_one_host_agree_on_shared_memory_whatever_each_offers() {
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let mut cfg: Config = common::config(Default::default());
+                cfg.net = NetKind::Tcp;
+                cfg.extra_nets = if r == 0 {
+                    vec![NetKind::RoceV2]
+                } else {
+                    Vec::new()
+                };
+                cfg.waiter.timeout = std::time::Duration::from_secs(20);
+                let id = &id;
+                s.spawn(move || {
+                    let c = Communicator::init_with(id, 2, r, cfg).expect("init");
+                    assert_eq!(c.net_name(), "shm", "rank {r}");
+                    check_collectives(&c, 1000);
+                })
+            })
+            .collect();
+        for h in hs {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e)
+            }
+        }
+    });
+}

@@ -339,6 +339,8 @@ pub struct ClosedConnections {
     /// Connections closed (each direction of each channel counts once).
     pub closed: usize,
     /// Peers whose connections with this rank stay open: they were not suspending within
-    /// the wait, or a message between them and this rank was still in flight.
+    /// the wait, a message between them and this rank was still in flight, or they are
+    /// reached over a network of `ROCCL_NETS` besides the first (whose connections this does
+    /// not close).
     pub kept_with: Vec<usize>,
 }

@@ -220,7 +220,7 @@ pub(super) fn parse_blob(
         .trim_end_matches('\0');
     if !networks_meet(name, my_net) {
         return Err(Error::InvalidUsage(format!(
-            "rank {rank} uses network '{name}' but rank {me} uses '{my_net}': set the same ROCCL_NET everywhere"
+            "rank {rank} uses network '{name}' but rank {me} uses '{my_net}': set the same ROCCL_NET (or the same first network of ROCCL_NETS) everywhere"
         )));
     }
     for (i, setting) in SETTINGS.iter().enumerate() {

@@ -76,7 +76,7 @@ impl Communicator {
         let local = bootstrap::ifaces::local_addr(Some(root.ip()))?;
         let net = open_network(id, rank, &cfg, cfg.net, local)?;
         let extras = open_extras(id, rank, &cfg, local);
-        let net_gpu = gpu_direct_over(&*net, &cfg)?;
+        let net_gpu = gpu_direct_over(&*net, &cfg, &extras)?;
         let (handle, listen) = net.listen(0)?;
         // With `auto`, ranks of one host also get a shared-memory endpoint (ROCCL_SHM=0: no).
         // A network named explicitly (tcp, rocev2, verbs) carries every peer when the job is
@@ -116,10 +116,7 @@ impl Communicator {
                         crate::algo::shm::node::remove_dead_segments(tag, rank, nranks);
                     }
                 })?;
-        // With networks to choose among (ROCCL_NETS), ranks of one host keep shared memory
-        // even on a job of one host.
-        let named_only = shm_between_hosts && cfg.extra_nets.is_empty();
-        let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, named_only)?;
+        let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, shm_between_hosts)?;
         let given = cfg.clone();
         let place = Placement::of(&blobs, rank, shm.is_some());
         let mut cfg = cfg;
@@ -550,11 +547,22 @@ struct Extra {
 /// The networks of [`Config::extra_nets`] this rank can open; one it cannot is left out (its
 /// peers then reach it over the others) and said at INFO.
 fn open_extras(id: &UniqueId, rank: usize, cfg: &Config, local: std::net::IpAddr) -> Vec<Extra> {
-    let mut out = Vec::new();
+    let mut out: Vec<Extra> = Vec::new();
+    if !cfg.measure_links && !cfg.extra_nets.is_empty() {
+        crate::warn!(
+            "rank {rank}: ROCCL_NETS lists networks beside the first, but ROCCL_MEASURE=0: without measurements nothing can choose them, so every call takes the first (unset ROCCL_MEASURE to choose)"
+        );
+        return out;
+    }
     for &kind in &cfg.extra_nets {
+        // Listed twice, the main network again, or one that cannot run between hosts (a
+        // list set in code, which `ROCCL_NETS`' parser would have refused): left out.
         let Some(i) = EXTRA_NETS.iter().position(|&k| k == kind) else {
             continue;
         };
+        if kind == cfg.net || out.iter().any(|x| x.lane == i + 1) {
+            continue;
+        }
         let opened = open_network(id, rank, cfg, kind, local).and_then(|net| {
             let (handle, listen) = net.listen(0)?;
             Ok(Extra {
@@ -586,14 +594,26 @@ fn extra_handles(extras: &[Extra]) -> [Option<NetHandle>; EXTRA_NETS.len()] {
     out
 }
 
-/// Whether GPU memory can go to peers over `net` (`Some(dmabuf)`), as `cfg` asks.
+/// Whether GPU memory can go to peers over `net` (`Some(dmabuf)`), as `cfg` asks: also over
+/// each of the `extras` (`ROCCL_NETS`) alike, since a call may take any of them.
 /// Connections keep eager messages: the executor hands the network a GPU copy for those.
-fn gpu_direct_over(net: &dyn net::Net, cfg: &Config) -> Result<Option<bool>> {
+fn gpu_direct_over(net: &dyn net::Net, cfg: &Config, extras: &[Extra]) -> Result<Option<bool>> {
     if cfg.gpu_direct == GpuDirect::Off {
         return Ok(None);
     }
     let p = net.properties(0)?.ptr_support;
     if p.dmabuf || p.device {
+        for x in extras {
+            let q = x.net.properties(0)?.ptr_support;
+            if !(q.dmabuf || q.device) || q.dmabuf != p.dmabuf {
+                crate::info!(
+                    "GPU-direct (ROCCL_GPU_DIRECT) is off: ROCCL_NETS lists {}, which cannot take GPU memory as {} does, and a call may take either: GPU buffers are staged through host memory",
+                    x.net.name(),
+                    net.name()
+                );
+                return Ok(None);
+            }
+        }
         return Ok(Some(p.dmabuf));
     }
     crate::info!(
@@ -684,8 +704,9 @@ fn own_blob(
 }
 
 /// The rendezvous table's blobs, checked against this rank's settings; on a job of one
-/// host whose network was named (`shm_between_hosts`), without the shared-memory endpoints
-/// (every rank sees the same table, so all drop them alike).
+/// host whose network was named (`shm_between_hosts`) and where no rank offers networks to
+/// choose among (`ROCCL_NETS`), without the shared-memory endpoints (every rank sees the
+/// same table, so all drop them alike).
 fn table_blobs(
     table: &[Vec<u8>],
     rank: usize,
@@ -698,7 +719,9 @@ fn table_blobs(
         .enumerate()
         .map(|(r, b)| blob::parse_blob(r, b, rank, net, mine))
         .collect::<Result<Vec<_>>>()?;
-    if !(shm_between_hosts && blobs.iter().all(|b| b.host == blobs[0].host)) {
+    let one_host = blobs.iter().all(|b| b.host == blobs[0].host);
+    let choosing = blobs.iter().any(|b| b.extras.iter().any(Option::is_some));
+    if !(shm_between_hosts && one_host && !choosing) {
         return Ok((blobs, shm));
     }
     for b in &mut blobs {

@@ -13,10 +13,10 @@
 //! the cost model takes the slowest pair's latency and bandwidth for the links between
 //! hosts: every rank decides from the same numbers.
 //!
-//! Where ranks offer several networks (`ROCCL_NETS`, [`Config::extra_nets`]), each pair of
-//! hosts measures each network both ends offer (a lane), and every pair of ranks on them
-//! takes, for a collective of `s` bytes, the lane of least `α + s/β` among those both ranks
-//! have ([`choose_by_size`]): the choice is the same at both ends, since the table and the
+//! Where ranks offer several networks (`ROCCL_NETS`, [`Config::extra_nets`]), the first
+//! ranks of each pair of hosts measure each network both offer (a lane), and every pair of
+//! ranks on those hosts takes, for a collective of `s` bytes, the lane of least `α + s/β`
+//! among those both ranks have ([`choose_by_size`]): the choice is the same at both ends, since the table and the
 //! call's size are. The cost model then takes, per pair, the best latency and the best
 //! bandwidth of its lanes.
 //!
@@ -390,7 +390,8 @@ impl State {
     /// call size.
     fn take_measured(&mut self, links: Vec<MeasuredLink>) -> MeasuredLinks {
         let mut by_pair: Vec<PairLanes> = Vec::new();
-        for l in &links {
+        // A lane no network has (a table given to `set_measured_links`) is left out.
+        for l in links.iter().filter(|l| l.lane < MAX_LANES) {
             let lane = (l.lane as u8, l.alpha_us, l.beta_gbs);
             match by_pair.iter_mut().find(|p| p.0 == l.hosts) {
                 Some(p) => p.1.push(lane),

@@ -631,7 +631,7 @@ impl Links {
         for &(p, c) in need_send.iter().chain(&need_recv) {
             if p >= self.nranks || c >= SLOTS || self.endpoint_of(p, c).is_none() {
                 return Err(Error::Internal(format!(
-                    "connection to rank {p} channel {c} out of range"
+                    "connection to rank {p} slot {c}: out of range, or a network that rank does not share"
                 )));
             }
         }
