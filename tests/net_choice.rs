@@ -15,23 +15,38 @@ use roccl::{Collective, Communicator, Config, DataType, RedOp, UniqueId};
 /// one on host 2, which offers only TCP.
 const HOSTS: [usize; 4] = [0, 0, 1, 2];
 
-/// Run `f` on one thread per rank of [`HOSTS`].
+/// Run `f` on one thread per rank of [`HOSTS`]: TCP between hosts, the engine offered
+/// beside it except on host 2.
 fn on_hosts(f: impl Fn(Communicator) + Send + Sync) {
+    on_ranks(
+        HOSTS.len(),
+        |r| {
+            let mut cfg: Config = common::config(Default::default());
+            cfg.net = NetKind::Tcp;
+            cfg.extra_nets = if HOSTS[r] == 2 {
+                Vec::new()
+            } else {
+                vec![NetKind::RoceV2]
+            };
+            cfg.host = Some(format!("host-{}", HOSTS[r]));
+            cfg
+        },
+        f,
+    );
+}
+
+/// Run `f` on one thread per rank of `n`, rank `r` with the settings `cfg(r)`.
+fn on_ranks(
+    n: usize,
+    cfg: impl Fn(usize) -> Config + Sync,
+    f: impl Fn(Communicator) + Send + Sync,
+) {
     let id = UniqueId::new().unwrap();
-    let n = HOSTS.len();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
-                let mut cfg: Config = common::config(Default::default());
-                cfg.net = NetKind::Tcp;
-                cfg.extra_nets = if HOSTS[r] == 2 {
-                    Vec::new()
-                } else {
-                    vec![NetKind::RoceV2]
-                };
-                cfg.host = Some(format!("host-{}", HOSTS[r]));
-                let (f, id) = (&f, &id);
-                s.spawn(move || f(Communicator::init_with(id, n, r, cfg).expect("init")))
+                let (f, id, cfg) = (&f, &id, &cfg);
+                s.spawn(move || f(Communicator::init_with(id, n, r, cfg(r)).expect("init")))
             })
             .collect();
         for h in hs {
@@ -293,30 +308,19 @@ fn a_network_a_rank_cannot_open_is_left_out() {
         eprintln!("SKIPPED: this machine has an RDMA device, so verbs would open");
         return;
     }
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let mut cfg: Config = common::config(Default::default());
-                cfg.net = NetKind::Tcp;
-                cfg.extra_nets = vec![NetKind::Verbs];
-                cfg.host = Some(format!("host-{r}"));
-                let id = &id;
-                s.spawn(move || {
-                    let c = Communicator::init_with(id, 2, r, cfg).expect("init");
-                    let m = c.measured_links().expect("2 hosts measure their links");
-                    assert_eq!(m.links.len(), 1, "{}", m.describe());
-                    assert_eq!(m.links[0].net, "tcp");
-                    assert!(m.choices.is_empty(), "{}", m.describe());
-                    check_collectives(&c, 1000);
-                })
-            })
-            .collect();
-        for h in hs {
-            if let Err(e) = h.join() {
-                std::panic::resume_unwind(e)
-            }
-        }
+    let cfg = |r| {
+        let mut cfg: Config = common::config(Default::default());
+        cfg.net = NetKind::Tcp;
+        cfg.extra_nets = vec![NetKind::Verbs];
+        cfg.host = Some(format!("host-{r}"));
+        cfg
+    };
+    on_ranks(2, cfg, |c| {
+        let m = c.measured_links().expect("2 hosts measure their links");
+        assert_eq!(m.links.len(), 1, "{}", m.describe());
+        assert_eq!(m.links[0].net, "tcp");
+        assert!(m.choices.is_empty(), "{}", m.describe());
+        check_collectives(&c, 1000);
     });
 }
 
@@ -324,30 +328,19 @@ fn a_network_a_rank_cannot_open_is_left_out() {
 /// shared memory (the choice is made from every rank's blob, alike), and calls work.
 #[test]
 fn ranks_of_one_host_agree_on_shared_memory_whatever_each_offers() {
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let mut cfg: Config = common::config(Default::default());
-                cfg.net = NetKind::Tcp;
-                cfg.extra_nets = if r == 0 {
-                    vec![NetKind::RoceV2]
-                } else {
-                    Vec::new()
-                };
-                cfg.waiter.timeout = std::time::Duration::from_secs(20);
-                let id = &id;
-                s.spawn(move || {
-                    let c = Communicator::init_with(id, 2, r, cfg).expect("init");
-                    assert_eq!(c.net_name(), "shm", "rank {r}");
-                    check_collectives(&c, 1000);
-                })
-            })
-            .collect();
-        for h in hs {
-            if let Err(e) = h.join() {
-                std::panic::resume_unwind(e)
-            }
-        }
+    let cfg = |r| {
+        let mut cfg: Config = common::config(Default::default());
+        cfg.net = NetKind::Tcp;
+        cfg.extra_nets = if r == 0 {
+            vec![NetKind::RoceV2]
+        } else {
+            Vec::new()
+        };
+        cfg.waiter.timeout = std::time::Duration::from_secs(20);
+        cfg
+    };
+    on_ranks(2, cfg, |c| {
+        assert_eq!(c.net_name(), "shm", "rank {}", c.rank());
+        check_collectives(&c, 1000);
     });
 }

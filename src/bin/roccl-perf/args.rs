@@ -181,7 +181,7 @@ fn parse_check(s: &str) -> Result<u32, String> {
     }
 }
 
-/// Every network `--net` offers (a new kind of network fails to compile in [`net_name`]).
+/// Every network `--net` offers (a new kind of network fails to compile in [`NetKind::name`]).
 pub const NETS: [NetKind; 6] = [
     NetKind::Auto,
     NetKind::Tcp,
@@ -193,14 +193,7 @@ pub const NETS: [NetKind; 6] = [
 
 /// The name `--net` and ROCCL_NET give a network.
 pub fn net_name(k: NetKind) -> &'static str {
-    match k {
-        NetKind::Auto => "auto",
-        NetKind::Tcp => "tcp",
-        NetKind::RoceV2 => "rocev2",
-        NetKind::Verbs => "verbs",
-        NetKind::Shm => "shm",
-        NetKind::Sim => "sim",
-    }
+    k.name()
 }
 
 /// `--algo`'s values: auto and every algorithm.
