@@ -41,3 +41,25 @@ netns_start() {
   trap cleanup EXIT
   down
 }
+
+# ranks_done NAME N: wait for the N ranks of run NAME (pids; logs $tmp/NAME.K.log); unless
+# every rank exited 0 and rank 0 reported "# wrong results: 0", print every rank's log and
+# exit 1.
+ranks_done() {
+  local name=$1 n=$2 k rc fail=0
+  for ((k = 0; k < n; k++)); do
+    rc=0
+    wait "${pids[$k]}" || rc=$?
+    [ "$rc" -eq 0 ] || { echo "   rank $k exited with $rc$([ "$rc" -eq 124 ] && echo " (killed by its time limit)")"; fail=1; }
+  done
+  pids=()
+  grep -qx "# wrong results: 0" "$tmp/$name.0.log" || { echo "   rank 0 did not report '# wrong results: 0'"; fail=1; }
+  if [ "$fail" -ne 0 ]; then
+    for ((k = 0; k < n; k++)); do
+      echo "   ---- rank $k output ($name)"
+      sed 's/^/   | /' "$tmp/$name.$k.log"
+    done
+    echo "FAILED: $name"
+    exit 1
+  fi
+}

@@ -79,7 +79,7 @@ sent() {
 
 # run NAME PERF_ARGS...: rank K on host K.
 run() {
-  local name=$1 k rc fail=0
+  local name=$1 k
   shift
   echo "-- $name: for K in 0..$((N - 1)): ip netns exec roccl-mK env ROCCL_RANK=K ROCCL_NRANKS=$N" \
     "ROCCL_ROOT=$ROOT ROCCL_HOSTID=roccl-mK ROCCL_TIMEOUT=60${IFNAME:+ ROCCL_SOCKET_IFNAME=$IFNAME} $PERF $*"
@@ -90,21 +90,7 @@ run() {
       timeout -k 5 "$LIMIT" "$PERF" "$@" >"$tmp/$name.$k.log" 2>&1 &
     pids+=($!)
   done
-  for ((k = 0; k < N; k++)); do
-    rc=0
-    wait "${pids[$k]}" || rc=$?
-    [ "$rc" -eq 0 ] || { echo "   rank $k exited with $rc"; fail=1; }
-  done
-  pids=()
-  grep -qx "# wrong results: 0" "$tmp/$name.0.log" || { echo "   rank 0 did not report '# wrong results: 0'"; fail=1; }
-  if [ "$fail" -ne 0 ]; then
-    for ((k = 0; k < N; k++)); do
-      echo "   ---- rank $k output ($name)"
-      sed 's/^/   | /' "$tmp/$name.$k.log"
-    done
-    echo "FAILED: $name"
-    exit 1
-  fi
+  ranks_done "$name" "$N"
   echo "   rank 0: $(grep -m1 '^# roccl-perf:' "$tmp/$name.0.log" | sed 's/^# roccl-perf: //')"
   echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $N ranks exited 0"
 }

@@ -60,7 +60,7 @@ sent() {
 
 # run NAME HCA QPS PERF_ARGS...: P (default 1) ranks per host, rank K on host K / P.
 run() {
-  local name=$1 hca=$2 qps=$3 p=${P:-1} k rc fail=0
+  local name=$1 hca=$2 qps=$3 p=${P:-1} k
   local r=$((N * p))
   shift 3
   echo "-- $name: for K in 0..$((r - 1)): ip netns exec roccl-r\$((K / $p)) env ROCCL_RANK=K ROCCL_NRANKS=$r" \
@@ -73,21 +73,7 @@ run() {
       timeout -k 5 "$LIMIT" "$PERF" "$@" >"$tmp/$name.$k.log" 2>&1 &
     pids+=($!)
   done
-  for ((k = 0; k < r; k++)); do
-    rc=0
-    wait "${pids[$k]}" || rc=$?
-    [ "$rc" -eq 0 ] || { echo "   rank $k exited with $rc"; fail=1; }
-  done
-  pids=()
-  grep -qx "# wrong results: 0" "$tmp/$name.0.log" || { echo "   rank 0 did not report '# wrong results: 0'"; fail=1; }
-  if [ "$fail" -ne 0 ]; then
-    for ((k = 0; k < r; k++)); do
-      echo "   ---- rank $k output ($name)"
-      sed 's/^/   | /' "$tmp/$name.$k.log"
-    done
-    echo "FAILED: $name"
-    exit 1
-  fi
+  ranks_done "$name" "$r"
   echo "   ok: $(grep -c '^ ' "$tmp/$name.0.log") result rows, '# wrong results: 0', all $r ranks exited 0"
 }
 
