@@ -12,7 +12,9 @@ is not counted), the median over `--calls` calls. Configurations alternate in on
   gloo     torch's Gloo
 
   python3 scripts/cold-call-bench.py [--procs 2] [--rounds 3] [--calls 300] [--sweep 64]
-      [--bytes 4096] [--configs noop roccl roccl-nofr gloo]
+      [--bytes 4096] [--configs noop roccl roccl-nofr roccl-direct gloo]
+  (roccl-direct: ROCCL_TORCH_DIRECT=1, torch.distributed.all_reduce through roccl.all_reduce;
+  *-warm: without the sweep between calls)
 
 Needs torch and the roccl package (pip install --no-build-isolation ./ffi/torch).
 """
@@ -30,7 +32,9 @@ CONFIGS = {
     "noop": ("fake", {}),
     "roccl": ("roccl", {}),
     "roccl-nofr": ("roccl", {"TORCH_FR_BUFFER_SIZE": "0"}),
+    "roccl-direct": ("roccl", {"ROCCL_TORCH_DIRECT": "1"}),
     "roccl-warm": ("roccl", {"COLD_CALL_SWEEP": "0"}),
+    "roccl-direct-warm": ("roccl", {"ROCCL_TORCH_DIRECT": "1", "COLD_CALL_SWEEP": "0"}),
     "noop-warm": ("fake", {"COLD_CALL_SWEEP": "0"}),
     "gloo": ("gloo", {}),
 }

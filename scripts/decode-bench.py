@@ -17,6 +17,8 @@ Configurations:
   roccl-shm     roccl over shared memory (its default for ranks on one host)
   roccl-tcp     roccl with ROCCL_NET=tcp
   roccl-rocev2  roccl with ROCCL_NET=rocev2 (the userspace RoCE v2 engine over UDP)
+  roccl-*-direct  the same with ROCCL_TORCH_DIRECT=1: transformers' blocking
+                dist.all_reduce calls take roccl.all_reduce (torch.ops.roccl.all_reduce_)
   gloo          torch's Gloo (TCP)
 
 Runs alternate between the configurations (noop, roccl-shm, ..., gloo, noop, ...), as this
@@ -49,6 +51,9 @@ CONFIGS = {
     "roccl-shm": ("roccl", {"ROCCL_NET": "auto"}),
     "roccl-tcp": ("roccl", {"ROCCL_NET": "tcp"}),
     "roccl-rocev2": ("roccl", {"ROCCL_NET": "rocev2"}),
+    "roccl-shm-direct": ("roccl", {"ROCCL_NET": "auto", "ROCCL_TORCH_DIRECT": "1"}),
+    "roccl-tcp-direct": ("roccl", {"ROCCL_NET": "tcp", "ROCCL_TORCH_DIRECT": "1"}),
+    "roccl-rocev2-direct": ("roccl", {"ROCCL_NET": "rocev2", "ROCCL_TORCH_DIRECT": "1"}),
     "gloo": ("gloo", {}),
 }
 PROMPT = 16

@@ -75,7 +75,7 @@ setup(
     ext_modules=[
         CppExtension(
             "roccl._C",
-            sources=[str(Path("csrc") / f) for f in ("backend.cpp", "ops.cpp", "monitored.cpp", "communicator.cpp", "module.cpp")],
+            sources=[str(Path("csrc") / f) for f in ("backend.cpp", "ops.cpp", "fastpath.cpp", "monitored.cpp", "communicator.cpp", "module.cpp")],
             depends=[str(Path("csrc") / "backend.hpp")],
             extra_compile_args=["-O2"],
             # The Rust library's symbols stay inside the extension; its debug information

@@ -430,6 +430,33 @@ bool Queue::runAlone(WorkRoccl& w) {
   return true;
 }
 
+bool Queue::runNow(c10::function_ref<void(const Comm&)> f) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (running_ || !works_.empty() || !closed_.empty()) {
+      return false;
+    }
+    running_ = true;
+  }
+  // Whatever `f` throws, the queue is free again afterwards.
+  struct Release {
+    Queue& q;
+    ~Release() {
+      std::lock_guard<std::mutex> lock(q.mutex_);
+      q.running_ = false;
+      if (!q.works_.empty() || q.stopping_) {
+        q.wake_.notify_one();
+      }
+    }
+  } release{*this};
+  try {
+    f(*comm_);
+  } catch (const rust::Error& e) {
+    raise(e.what());
+  }
+  return true;
+}
+
 bool Queue::runIfNext(WorkRoccl* w) {
   std::vector<c10::intrusive_ptr<WorkRoccl>> taken;
   {

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include <c10/util/FunctionRef.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -119,6 +120,10 @@ class Queue {
   // A blocking call's fast path: with nothing queued or running, run `w` (never queued)
   // on this thread now and complete it; false (nothing done) when other works are ahead.
   bool runAlone(WorkRoccl& w);
+  // The call without a work (torch.ops.roccl.all_reduce_): with nothing queued or running,
+  // run `f` on this thread now (what it throws is thrown here); false (nothing done) when
+  // other works are ahead or the queue is closed.
+  bool runNow(c10::function_ref<void(const Comm&)> f);
   // Someone waits for or polls a work: held sends and receives start now. `waiting`: a
   // wait begins (+1) or ends (-1); held groups start at once while any wait is on.
   void hurry(int waiting = 0);
@@ -268,6 +273,12 @@ class ProcessGroupRoccl : public c10d::Backend {
   // names the ranks that did not arrive within the timeout without breaking the group.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false)
       override;
+
+  // torch.ops.roccl.all_reduce_ (fastpath.cpp): a blocking all-reduce of `t` in place,
+  // without a work object when nothing is queued; otherwise (or for what the direct call
+  // does not take: PREMUL_SUM, a tensor that is not contiguous, an open coalescing block) as
+  // allreduce() and wait.
+  void allReduceNow(at::Tensor& t, const c10d::AllreduceOptions& opts);
 
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;

@@ -263,6 +263,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allreduce(
   return submit(w, opts.asyncOp, opts.timeout);
 }
 
+void ProcessGroupRoccl::allReduceNow(
+    at::Tensor& t,
+    const c10d::AllreduceOptions& opts) {
+  checkTensor(t, "all_reduce_");
+  const Red red = reductionOf(opts.reduceOp, t, "all_reduce_");
+  if (!red.premul && !coalesced_ && t.is_contiguous()) {
+    const Dtype dt = dtypeOf(t, "all_reduce_");
+    const bool ran = queue_->runNow([&](const Comm& c) {
+      sequence_.fetch_add(1);
+      c.collective(
+          Kind::AllReduce, dt, red.op, 0, 0, 0, true, addrOf(t), bytesOf(t), 0);
+    });
+    if (ran) {
+      return;
+    }
+  }
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions blocking = opts;
+  blocking.asyncOp = false;
+  allreduce(tensors, blocking)->wait();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupRoccl::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {

@@ -7,9 +7,16 @@
     comm = roccl.Communicator(uid, nranks, rank)
     comm.all_reduce(numpy_array)       # numpy arrays, other buffers, CPU tensors
 
+    roccl.all_reduce(tensor, group=g)  # a blocking all-reduce without torch.distributed's
+                                       # work objects and hooks (torch.ops.roccl.all_reduce_)
+    roccl.direct_all_reduce()          # torch.distributed.all_reduce's blocking calls on
+                                       # roccl groups take that path (ROCCL_TORCH_DIRECT=1)
+
 With this package installed, ``init_process_group("roccl")`` also works without the import:
 torch finds the backend through the entry point ``torch.distributed.backends``.
 """
+
+import os
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.distributed as dist
@@ -18,6 +25,8 @@ from . import _C
 
 __all__ = [
     "register",
+    "all_reduce",
+    "direct_all_reduce",
     "Options",
     "ProcessGroupRoccl",
     "Communicator",
@@ -120,6 +129,81 @@ def net_plugin_path(rccl=False):
     return _lib("librccl-net-roccl.so" if rccl else "libnccl-net-roccl.so")
 
 
+@torch.library.register_fake("roccl::all_reduce_")
+def _all_reduce_fake(tensor, group_name, op=0):
+    """What torch.compile's tracing sees of torch.ops.roccl.all_reduce_: the tensor is
+    written in place, nothing is returned."""
+    return None
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
+    """All-reduce ``tensor`` in place over ``group`` (default: the world) and return when it is
+    done, as ``torch.distributed.all_reduce(tensor, op, group)`` does, through the operator
+    ``torch.ops.roccl.all_reduce_``: on a roccl group with nothing queued the call runs on
+    this thread at once, without torch.distributed's Python checks, its dispatch to the
+    backend, a work object or the hooks torch attaches (its flight recorder does not see the
+    call: roccl's own trace does). Works under ``torch.compile`` (``fullgraph=True`` too; pass
+    ``group`` as the group's name, ``group.group_name``, where the compiler cannot take the
+    group object). ``op``: a ``torch.distributed.ReduceOp`` other than PREMUL_SUM. A group
+    whose backend is not roccl is served by its own all-reduce."""
+    if isinstance(group, str):
+        name = group
+    else:
+        name = (group if group is not None else dist.group.WORLD).group_name
+    torch.ops.roccl.all_reduce_(tensor, name, int(op))
+
+
+_plain_all_reduce = dist.all_reduce
+# Per group name: whether the group's CPU backend is roccl.
+_roccl_groups = {}
+
+
+def _served_by_roccl(pg):
+    name = pg.group_name
+    known = _roccl_groups.get(name)
+    if known is None:
+        try:
+            known = isinstance(pg._get_backend(torch.device("cpu")), ProcessGroupRoccl)
+        except RuntimeError:
+            known = False
+        _roccl_groups[name] = known
+    return known
+
+
+def _direct(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """torch.distributed.all_reduce once ``direct_all_reduce()`` is on: a blocking call on a
+    CPU tensor of a roccl group goes through :func:`all_reduce`; anything else (an async
+    call, a group of another backend, a tensor that needs grad or is complex, a ReduceOp
+    instance such as PREMUL_SUM's, tracing by torch.compile) through torch's own."""
+    if torch.compiler.is_compiling():
+        return _plain_all_reduce(tensor, op, group, async_op)
+    pg = group if group is not None else dist.group.WORLD
+    if (
+        async_op
+        or pg is None
+        or pg is dist.GroupMember.NON_GROUP_MEMBER
+        or not isinstance(op, dist.ReduceOp.RedOpType)
+        or tensor.device.type != "cpu"
+        or tensor.requires_grad
+        or tensor.is_complex()
+        or not _served_by_roccl(pg)
+    ):
+        return _plain_all_reduce(tensor, op, group, async_op)
+    torch.ops.roccl.all_reduce_(tensor, pg.group_name, int(op))
+    return None
+
+
+def direct_all_reduce(enable=True):
+    """Make ``torch.distributed.all_reduce`` take :func:`all_reduce`'s path for its blocking
+    calls on roccl groups (``enable=False`` restores torch's own), so that model code that
+    calls ``torch.distributed.all_reduce`` (Hugging Face transformers' tensor parallelism,
+    for one) gets it unchanged. ``ROCCL_TORCH_DIRECT=1`` turns it on when roccl is imported
+    (which ``init_process_group("roccl")`` does). What it changes: torch's flight recorder
+    and hooks do not see those calls, and ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s checks of
+    them are skipped (the group is then wrapped, and torch's path is taken)."""
+    dist.all_reduce = _direct if enable else _plain_all_reduce
+
+
 def register():
     """Register the backend "roccl" for CPU tensors (done on import; safe to call again)."""
     if "ROCCL" in dist.Backend._plugins:
@@ -128,3 +212,5 @@ def register():
 
 
 register()
+if os.environ.get("ROCCL_TORCH_DIRECT", "0") not in ("", "0"):
+    direct_all_reduce()
