@@ -32,6 +32,10 @@
 #include "roccl-torch/src/lib.rs.h"
 #include "rust/cxx.h"
 
+namespace c10d {
+class ProcessGroup;
+}
+
 namespace roccl_torch {
 
 class Queue;
@@ -309,6 +313,10 @@ class ProcessGroupRoccl : public c10d::Backend {
   std::atomic<uint64_t> sequence_{0};
   c10::intrusive_ptr<WorkRoccl> coalesced_;
 };
+
+// roccl._C._all_reduce_direct (fastpath.cpp): a blocking all-reduce of `tensor` in place
+// when `pg`'s backend for its device is roccl (then true); false, and nothing done, when not.
+bool allReduceDirect(at::Tensor& tensor, c10d::ProcessGroup& pg, int64_t op);
 
 // Raise c10::DistBackendError with `msg` (what Python sees as DistBackendError).
 [[noreturn]] void raise(const std::string& msg);

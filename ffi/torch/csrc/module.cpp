@@ -3,6 +3,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "backend.hpp"
 
 namespace py = pybind11;
@@ -38,6 +40,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           &roccl_torch::ProcessGroupRoccl::netName,
           "The network roccl uses between the ranks (shm, tcp, tcp+shm, ...).");
   roccl_torch::bindCommunicator(m);
+  m.def(
+      "_all_reduce_direct",
+      [](at::Tensor tensor, const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t op) {
+        return roccl_torch::allReduceDirect(tensor, *group, op);
+      },
+      py::arg("tensor"),
+      py::arg("group"),
+      py::arg("op"),
+      py::call_guard<py::gil_scoped_release>(),
+      "All-reduce `tensor` in place over `group` now, without a work object, when the "
+      "group's backend for the tensor's device is roccl (True); False, and nothing done, "
+      "when it is not (roccl.all_reduce's eager path).");
   m.def(
       "_launcher_env",
       [] {

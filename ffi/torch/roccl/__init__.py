@@ -136,60 +136,51 @@ def _all_reduce_fake(tensor, group_name, op=0):
     return None
 
 
+_RED_OP_TYPE = dist.ReduceOp.RedOpType
+_plain_all_reduce = dist.all_reduce
+
+
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
     """All-reduce ``tensor`` in place over ``group`` (default: the world) and return when it is
-    done, as ``torch.distributed.all_reduce(tensor, op, group)`` does, through the operator
-    ``torch.ops.roccl.all_reduce_``: on a roccl group with nothing queued the call runs on
-    this thread at once, without torch.distributed's Python checks, its dispatch to the
-    backend, a work object or the hooks torch attaches (its flight recorder does not see the
-    call: roccl's own trace does). Works under ``torch.compile`` (``fullgraph=True`` too; pass
-    ``group`` as the group's name, ``group.group_name``, where the compiler cannot take the
-    group object). ``op``: a ``torch.distributed.ReduceOp`` other than PREMUL_SUM. A group
-    whose backend is not roccl is served by its own all-reduce."""
-    if isinstance(group, str):
-        name = group
-    else:
-        name = (group if group is not None else dist.group.WORLD).group_name
-    torch.ops.roccl.all_reduce_(tensor, name, int(op))
-
-
-_plain_all_reduce = dist.all_reduce
-# Per group name: whether the group's CPU backend is roccl.
-_roccl_groups = {}
-
-
-def _served_by_roccl(pg):
-    name = pg.group_name
-    known = _roccl_groups.get(name)
-    if known is None:
-        try:
-            known = isinstance(pg._get_backend(torch.device("cpu")), ProcessGroupRoccl)
-        except RuntimeError:
-            known = False
-        _roccl_groups[name] = known
-    return known
+    done, as ``torch.distributed.all_reduce(tensor, op, group)`` does, but on a roccl group
+    with nothing queued the call runs on this thread at once, without torch.distributed's
+    Python checks, its dispatch to the backend, a work object or the hooks torch attaches
+    (its flight recorder does not see the call). Under ``torch.compile`` (``fullgraph=True``
+    too) it is the operator ``torch.ops.roccl.all_reduce_``; there pass ``group`` as the
+    group's name (``group.group_name``) if the compiler cannot take the group object.
+    ``op``: a ``torch.distributed.ReduceOp`` other than PREMUL_SUM. A group whose backend is
+    not roccl is served by its own all-reduce."""
+    if torch.compiler.is_compiling() or isinstance(group, str):
+        if isinstance(group, str):
+            name = group
+        else:
+            name = (group if group is not None else dist.group.WORLD).group_name
+        torch.ops.roccl.all_reduce_(tensor, name, int(op))
+        return
+    pg = group if group is not None else dist.group.WORLD
+    if not _C._all_reduce_direct(tensor, pg, int(op)):
+        _plain_all_reduce(tensor, op, group)
 
 
 def _direct(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """torch.distributed.all_reduce once ``direct_all_reduce()`` is on: a blocking call on a
-    CPU tensor of a roccl group goes through :func:`all_reduce`; anything else (an async
+    CPU tensor of a roccl group runs as :func:`all_reduce` does; anything else (an async
     call, a group of another backend, a tensor that needs grad or is complex, a ReduceOp
     instance such as PREMUL_SUM's, tracing by torch.compile) through torch's own."""
-    if torch.compiler.is_compiling():
-        return _plain_all_reduce(tensor, op, group, async_op)
-    pg = group if group is not None else dist.group.WORLD
     if (
         async_op
-        or pg is None
-        or pg is dist.GroupMember.NON_GROUP_MEMBER
-        or not isinstance(op, dist.ReduceOp.RedOpType)
-        or tensor.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or not tensor.is_cpu
         or tensor.requires_grad
         or tensor.is_complex()
-        or not _served_by_roccl(pg)
+        or type(op) is not _RED_OP_TYPE
     ):
         return _plain_all_reduce(tensor, op, group, async_op)
-    torch.ops.roccl.all_reduce_(tensor, pg.group_name, int(op))
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER or not _C._all_reduce_direct(
+        tensor, pg, int(op)
+    ):
+        return _plain_all_reduce(tensor, op, group, async_op)
     return None
 
 
