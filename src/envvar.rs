@@ -294,6 +294,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(switch),
     },
     Setting {
+        name: "ROCCL_ROCEV2_TAKEOVER_US",
+        accepts: "microseconds, at most a quarter of the local ACK timeout",
+        valid: Some(|v| v.parse::<u64>().is_ok()),
+    },
+    Setting {
         name: "ROCCL_IB_TIMEOUT",
         accepts: "an IB timeout code, 1 to 31 (4.096 us x 2^t)",
         valid: Some(|v| v.parse::<u8>().is_ok_and(|t| (1..=31).contains(&t))),

@@ -184,7 +184,7 @@ impl Engine {
         let req = if w.wr.opcode == WrOpcode::Read {
             read_request(&w, qp.attr.mtu)
         } else {
-            send_or_write(&w, j, qp.attr.mtu, qp.attr.selective, resend.is_some())
+            send_or_write(&w, j, qp.attr.mtu, resend.is_some())
         };
         if resend.is_none() && psn_diff(pkt_psn, una) < 0 {
             return None;
@@ -407,7 +407,7 @@ fn read_request(w: &SendWqe, mtu: u32) -> RequestShape {
 }
 
 /// Packet `j` of SEND or RDMA WRITE WQE `w` (`resent`: as a selective retransmission).
-fn send_or_write(w: &SendWqe, j: u32, mtu: u32, selective: bool, resent: bool) -> RequestShape {
+fn send_or_write(w: &SendWqe, j: u32, mtu: u32, resent: bool) -> RequestShape {
     let n = w.npkts;
     let off = j * mtu;
     let len = (w.len - off.min(w.len)).min(mtu);
@@ -418,15 +418,15 @@ fn send_or_write(w: &SendWqe, j: u32, mtu: u32, selective: bool, resent: bool) -
         dma_len: w.len,
     });
     let imm = opcode.has_imm().then_some(w.wr.imm);
-    // Ask for an acknowledgement at the end of a message whose completion someone
-    // waits for, and every ACK_EVERY packets of a stream (to move the window);
-    // this engine's responder acknowledges the rest within ACK_DELAY, coalesced.
-    // A NIC's responder (Linux rxe, for one) acknowledges only what asks: the end
-    // of every message asks it. A selective retransmission fills a gap:
-    // acknowledge it at once.
-    let ack_req = (j + 1 == n && (w.wr.signaled || !selective))
-        || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1
-        || resent;
+    // Ask for an acknowledgement at the end of every message, and every ACK_EVERY packets
+    // of a stream (to move the window); this engine's responder acknowledges the rest
+    // within ACK_DELAY, coalesced. A NIC's responder (Linux rxe, for one) acknowledges only
+    // what asks. Not only where the sender waits for the completion: the receiving
+    // application may leave the engine alone right after the message (a model computing
+    // between two all-reduces), and an acknowledgement delayed until it comes back drew the
+    // sender's tail-loss probe, a resent packet, in 7 % of 4 KiB all-reduces 1.5 ms apart.
+    // A selective retransmission fills a gap: acknowledge it at once.
+    let ack_req = j + 1 == n || (psn_add(w.psn, j) % ACK_EVERY) == ACK_EVERY - 1 || resent;
     RequestShape {
         opcode,
         payload_off: off,

@@ -49,8 +49,6 @@ const RX_RECHECK: Duration = Duration::from_nanos(1500);
 const GROUPS: usize = 16;
 /// Bytes of one UDP GSO send (a UDP payload must stay below 65507).
 const GSO_BYTES: usize = 65000;
-/// The progress thread leaves the engine to the application while it polled this recently.
-const APP_ACTIVE: Duration = Duration::from_micros(500);
 /// The progress thread sleeps at most this long without a timer due...
 const PROGRESS_IDLE: Duration = Duration::from_millis(10);
 /// ...and at least this long (a timer already due is served on waking).
@@ -158,7 +156,9 @@ pub struct UserVerbs {
 /// acknowledges and retransmits while the application is busy elsewhere (otherwise a peer's
 /// retry count would run out whenever a rank computes between collectives), sleeping in
 /// `poll(2)` until a datagram or the next retransmission deadline.
-fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
+/// `takeover`: it leaves the engine to the application while that polled this recently
+/// ([`EngineSettings::takeover`]).
+fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>, takeover: Duration) {
     let debug = crate::log::level() >= crate::log::Level::Info;
     let mut last_dump = Instant::now();
     while !stop.load(Ordering::Relaxed) {
@@ -175,12 +175,13 @@ fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>) {
         // While the application polls, it drives the engine itself: stay out of its way
         // (no lock contention, no stolen core) and only take over when it goes quiet.
         let idle = d.lock().last_app_poll.elapsed();
-        if idle < APP_ACTIVE {
-            std::thread::sleep(APP_ACTIVE - idle);
+        if idle < takeover {
+            std::thread::sleep(takeover - idle);
             continue;
         }
         let wait = {
             let mut g = d.lock();
+            g.udp.background += 1;
             let _ = g.progress();
             g.wake(None);
             let next = g
@@ -405,10 +406,10 @@ impl UserVerbs {
             reap_buf: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
-        let (d2, s2) = (Arc::clone(&d), Arc::clone(&stop));
+        let (d2, s2, takeover) = (Arc::clone(&d), Arc::clone(&stop), settings.takeover);
         std::thread::Builder::new()
             .name("roccl-rocev2".into())
-            .spawn(move || progress_thread(d2, fd, s2))
+            .spawn(move || progress_thread(d2, fd, s2, takeover))
             .map_err(|e| Error::sys("spawning the RoCE v2 progress thread", e))?;
         Ok(UserVerbs {
             d,
@@ -497,6 +498,9 @@ pub struct UdpStats {
     pub received: u64,
     /// Of those, datagrams that held several packets (GRO).
     pub merged: u64,
+    /// Rounds of progress the progress thread made because the application had left the
+    /// engine alone for longer than [`EngineSettings::takeover`].
+    pub background: u64,
 }
 
 impl Driver {
@@ -1300,7 +1304,7 @@ impl Verbs for UserVerbs {
 
     fn post_send_unhurried(&self, qp: QpId, wr: &SendWr) -> Result<()> {
         // The next progress (the caller's next poll, or the progress thread within
-        // APP_ACTIVE) transmits it.
+        // its takeover time) transmits it.
         self.d.lock().engine.post_send(qpn(qp), wr)
     }
 
@@ -1568,6 +1572,61 @@ mod tests {
         };
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut p, 1, 0) }, 0, "still readable");
+    }
+
+    /// The progress thread leaves the engine to an application that polls more often than
+    /// the takeover time, and takes over when it polls less often.
+    #[test]
+    fn the_progress_thread_takes_over_only_from_a_quiet_application() {
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        let open = |takeover| {
+            let settings = EngineSettings {
+                port: 0,
+                takeover,
+                ..EngineSettings::default()
+            };
+            UserVerbs::open(lo, &settings).unwrap()
+        };
+        // Polls every `gap` for 40 ms: the progress thread's rounds meanwhile, and the
+        // longest time the application really stayed away.
+        let rounds = |a: &UserVerbs, qa: QpId, gap: Duration| {
+            let mut w = [Wc::EMPTY; 4];
+            let before = a.udp_stats().background;
+            let (start, mut last, mut longest) = (Instant::now(), Instant::now(), Duration::ZERO);
+            while start.elapsed() < Duration::from_millis(40) {
+                a.poll_cq(qa, &mut w).unwrap();
+                longest = longest.max(last.elapsed());
+                last = Instant::now();
+                std::thread::sleep(gap);
+            }
+            (a.udp_stats().background - before, longest)
+        };
+        let (a, b) = (
+            open(Duration::from_millis(4)),
+            open(Duration::from_millis(4)),
+        );
+        let (qa, _) = connected(&a, &b);
+        std::thread::sleep(Duration::from_millis(10)); // a's thread may take over at first
+                                                       // A loaded machine may keep this thread away longer than asked: a few tries.
+        let mut seen = Vec::new();
+        let quiet = (0..5).any(|_| {
+            let (n, longest) = rounds(&a, qa, Duration::from_millis(1));
+            seen.push((n, longest));
+            n == 0 && longest < Duration::from_millis(3)
+        });
+        assert!(
+            quiet,
+            "polled every 1 ms, takeover 4 ms: (rounds, longest gap) {seen:?}"
+        );
+        // Polled every 1 ms with a 300 µs takeover: the thread takes over in the gaps it
+        // wakes in (it sleeps up to 10 ms when no timer is due).
+        let (c, d) = (
+            open(Duration::from_micros(300)),
+            open(Duration::from_micros(300)),
+        );
+        let (qc, _) = connected(&c, &d);
+        let (n, _) = rounds(&c, qc, Duration::from_millis(1));
+        assert!(n >= 2, "takeover 300 µs, polled every 1 ms: {n} rounds");
     }
 
     fn open_fds() -> usize {

@@ -1,6 +1,6 @@
 //! The userspace engine's settings (`ROCCL_ROCEV2_PORT`, `ROCCL_ROCEV2_FAULTS`,
-//! `ROCCL_ROCEV2_GSO`, `ROCCL_ROCEV2_SIM_GPU`, `ROCCL_IB_TIMEOUT`, `ROCCL_TIMEOUT`), parsed
-//! once.
+//! `ROCCL_ROCEV2_GSO`, `ROCCL_ROCEV2_SIM_GPU`, `ROCCL_ROCEV2_TAKEOVER_US`, `ROCCL_IB_TIMEOUT`,
+//! `ROCCL_TIMEOUT`), parsed once.
 
 use std::time::Duration;
 
@@ -23,6 +23,13 @@ pub struct EngineSettings {
     /// Local ACK timeout code of the engine's QPs (`ROCCL_IB_TIMEOUT`, default 12:
     /// 4.096 µs × 2^t).
     pub ib_timeout: u8,
+    /// How long the application may leave the engine alone (between two calls) before the
+    /// progress thread takes over receiving, acknowledging and retransmitting
+    /// (`ROCCL_ROCEV2_TAKEOVER_US`; default [`TAKEOVER_DEFAULT`] or a quarter of the local
+    /// ACK timeout if that is shorter; a value above that quarter is refused, so a peer
+    /// waiting for an acknowledgement does not resend). Longer than a model's compute between
+    /// two all-reduces, so that the thread does not wake beside it (docs/PERFORMANCE.md).
+    pub takeover: Duration,
     /// `ROCCL_ROCEV2_SIM_GPU=1`: the engine poses as a NIC that reaches GPU memory: it
     /// advertises GPU pointers and dmabufs (NCCL_PTR_CUDA | NCCL_PTR_DMABUF), takes host
     /// memory registered as GPU memory, and maps registered dmabufs (memfds in tests) itself,
@@ -43,11 +50,17 @@ impl Default for EngineSettings {
             faults: None,
             offload: true,
             ib_timeout: 12,
+            takeover: TAKEOVER_DEFAULT,
             sim_gpu: false,
             deadline: crate::os::wait::DEFAULT_TIMEOUT,
         }
     }
 }
+
+/// Default of [`EngineSettings::takeover`]: 4 ms (with the default ROCCL_IB_TIMEOUT=12, a
+/// quarter of the 16.8 ms local ACK timeout). 0.5 ms before 2026-12-07: a 2-process decode
+/// over the engine reached 0.77 of the no-op bound with it, 0.85 with 2 or 4 ms.
+pub const TAKEOVER_DEFAULT: Duration = Duration::from_micros(4000);
 
 impl EngineSettings {
     /// The settings `get` gives (unset: the default); a value that does not parse is an
@@ -65,11 +78,30 @@ impl EngineSettings {
             Some(v) if !v.trim().is_empty() => Some(Faults::parse(&v)?),
             _ => None,
         };
+        let ib_timeout = envvar::value_in(get, "ROCCL_IB_TIMEOUT", d.ib_timeout)?;
+        // 4.096 µs × 2^t, the time a peer waits for an acknowledgement before it resends.
+        let ack_timeout = Duration::from_nanos(4096 << ib_timeout.min(31));
+        let takeover = Duration::from_micros(envvar::value_in(
+            get,
+            "ROCCL_ROCEV2_TAKEOVER_US",
+            d.takeover.min(ack_timeout / 4).as_micros() as u64,
+        )?);
+        if takeover > ack_timeout / 4 {
+            return Err(Error::arg(format!(
+                "ROCCL_ROCEV2_TAKEOVER_US={}: the progress thread must take over within a quarter \
+                 of the local ACK timeout ({:.1?} with ROCCL_IB_TIMEOUT={ib_timeout}), or peers \
+                 would resend to a rank that computes: give at most {} µs, or raise ROCCL_IB_TIMEOUT",
+                takeover.as_micros(),
+                ack_timeout,
+                (ack_timeout / 4).as_micros()
+            )));
+        }
         Ok(EngineSettings {
             port,
             faults,
             offload: envvar::switch_in(get, "ROCCL_ROCEV2_GSO", d.offload)?,
-            ib_timeout: envvar::value_in(get, "ROCCL_IB_TIMEOUT", d.ib_timeout)?,
+            ib_timeout,
+            takeover,
             sim_gpu: envvar::switch_in(get, "ROCCL_ROCEV2_SIM_GPU", d.sim_gpu)?,
             deadline: crate::os::wait::timeout_in(get)?,
         })
@@ -119,6 +151,29 @@ mod tests {
     }
 
     #[test]
+    fn takeover_fits_the_ack_timeout() {
+        let d = EngineSettings::from_lookup(&envvar::unset).unwrap();
+        assert_eq!(d.takeover, Duration::from_millis(4));
+        // ROCCL_IB_TIMEOUT=10: 4.19 ms ACK timeout, so a quarter of it by default.
+        let short = |k: &str| (k == "ROCCL_IB_TIMEOUT").then(|| "10".to_string());
+        let s = EngineSettings::from_lookup(&short).unwrap();
+        assert_eq!(s.takeover, Duration::from_micros(1048));
+        let given = |k: &str| match k {
+            "ROCCL_IB_TIMEOUT" => Some("10".to_string()),
+            "ROCCL_ROCEV2_TAKEOVER_US" => Some("800".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            EngineSettings::from_lookup(&given).unwrap().takeover,
+            Duration::from_micros(800)
+        );
+        let e = EngineSettings::from_lookup(&one("ROCCL_ROCEV2_TAKEOVER_US", "5000"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most 4194 µs"), "{e}");
+    }
+
+    #[test]
     fn bad_values_are_errors_naming_the_variable() {
         for (k, v) in [
             ("ROCCL_ROCEV2_PORT", "abc"),
@@ -127,6 +182,8 @@ mod tests {
             ("ROCCL_ROCEV2_GSO", "maybe"),
             ("ROCCL_IB_TIMEOUT", "abc"),
             ("ROCCL_ROCEV2_SIM_GPU", "2"),
+            ("ROCCL_ROCEV2_TAKEOVER_US", "soon"),
+            ("ROCCL_ROCEV2_TAKEOVER_US", "5000"),
             ("ROCCL_TIMEOUT", "abc"),
         ] {
             let e = EngineSettings::from_lookup(&one(k, v))
