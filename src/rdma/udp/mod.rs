@@ -37,7 +37,7 @@ mod faults;
 mod settings;
 use faults::{count, Rng};
 pub use faults::{fault_stats, FaultStats, Faults};
-pub use settings::EngineSettings;
+pub use settings::{EngineSettings, TAKEOVER_DEFAULT};
 
 /// Datagrams per `recvmmsg`.
 const RX_BATCH: usize = 16;
