@@ -625,49 +625,65 @@ fn a_rank_killed_during_init_leaves_no_segment() {
 /// and says its own endpoint does not answer.
 #[test]
 fn a_stopped_rank_is_named_by_the_status_of_the_others() {
-    let id = roccl::UniqueId::new().unwrap();
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let mut kids: Vec<_> = (0..3)
-        .map(|r| {
-            Command::new(PERF)
-                .args([
-                    "-b",
-                    "8",
-                    "-e",
-                    "8",
-                    "-n",
-                    "100000000",
-                    "-w",
-                    "0",
-                    "-c",
-                    "0",
-                ])
-                .args(["--net", "tcp"])
-                .env("ROCCL_UNIQUE_ID", id.to_hex())
-                .env("ROCCL_RANK", r.to_string())
-                .env("ROCCL_NRANKS", "3")
-                .env("ROCCL_TIMEOUT", "60")
-                .env("ROCCL_METRICS_ADDR", format!("127.0.0.1:{}", ports[r]))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    // Running: every endpoint answers, and no rank waits for long.
-    let t = Instant::now();
-    loop {
-        let r = roccl::tool::status::report(&addrs);
-        if r.matches("communicator ").count() == 1 && !r.contains("no answer") {
-            break;
+    let start = |ports: &[u16]| -> Vec<std::process::Child> {
+        let id = roccl::UniqueId::new().unwrap();
+        (0..3)
+            .map(|r| {
+                Command::new(PERF)
+                    .args([
+                        "-b",
+                        "8",
+                        "-e",
+                        "8",
+                        "-n",
+                        "100000000",
+                        "-w",
+                        "0",
+                        "-c",
+                        "0",
+                    ])
+                    .args(["--net", "tcp"])
+                    .env("ROCCL_UNIQUE_ID", id.to_hex())
+                    .env("ROCCL_RANK", r.to_string())
+                    .env("ROCCL_NRANKS", "3")
+                    .env("ROCCL_TIMEOUT", "60")
+                    .env("ROCCL_METRICS_ADDR", format!("127.0.0.1:{}", ports[r]))
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect()
+    };
+    // Running: every rank answers on its endpoint. A port chosen free may be taken by another
+    // test's process before the rank binds it (the rank then runs without an endpoint, and
+    // that process answers instead): then start again on other ports.
+    let mut tries = Vec::new();
+    let (mut kids, addrs) = loop {
+        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let mut kids = start(&ports);
+        let t = Instant::now();
+        let r = loop {
+            let r = roccl::tool::status::report(&addrs);
+            if r.contains("(3 ranks, 3 answered)") || t.elapsed() > Duration::from_secs(30) {
+                break r;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        if r.contains("(3 ranks, 3 answered)") {
+            break (kids, addrs);
         }
+        for k in &mut kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+        tries.push(r);
         assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the job did not start:\n{r}"
+            tries.len() < 3,
+            "the job did not start, or not every rank answered:\n{tries:#?}"
         );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    };
     // SAFETY: kill has no memory effects; the pid is our child's.
     assert_eq!(unsafe { libc::kill(kids[2].id() as i32, libc::SIGSTOP) }, 0);
     std::thread::sleep(Duration::from_millis(1500));
