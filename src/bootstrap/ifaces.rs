@@ -448,7 +448,48 @@ pub fn local_addr(toward: Option<IpAddr>) -> Result<IpAddr> {
         (None, Some(remote)) => route_source(remote),
         _ => None,
     };
-    choose(&all, spec.as_deref(), family, routed)
+    choose(&all, spec.as_deref(), family, routed).map_err(|e| match (e, spec.as_deref()) {
+        (Error::InvalidArgument(m), Some(s)) => match down_named(s, &all) {
+            Some(names) => Error::arg(format!(
+                "{m}; {names} exists but is down or has no address (its link, a cable, a \
+                 switch port): bring it up, or name another interface"
+            )),
+            None => Error::InvalidArgument(m),
+        },
+        (e, _) => e,
+    })
+}
+
+/// The interfaces of this host (`/sys/class/net`) that `spec` names (its exact `=name`s and
+/// prefixes, not its `^` exclusions) and that have no address up (not in `up`), joined by
+/// commas; `None` when there is none.
+fn down_named(spec: &str, up: &[Iface]) -> Option<String> {
+    let spec = spec.trim();
+    if spec.starts_with('^') {
+        return None;
+    }
+    let (exact, items) = match spec.strip_prefix('=') {
+        Some(rest) => (true, rest),
+        None => (false, spec),
+    };
+    let wanted: Vec<&str> = items
+        .split(',')
+        .map(str::trim)
+        .filter(|i| !i.is_empty())
+        .collect();
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            wanted
+                .iter()
+                .any(|w| if exact { n == w } else { n.starts_with(w) })
+        })
+        .filter(|n| !up.iter().any(|i| &i.name == n))
+        .collect();
+    names.sort();
+    (!names.is_empty()).then(|| names.join(", "))
 }
 
 /// The decision behind [`local_addr`], given the interfaces, the settings and the kernel's
@@ -744,6 +785,19 @@ mod tests {
             "no loopback address in {all:?}"
         );
         assert!(all.iter().all(|i| !i.name.is_empty()));
+    }
+
+    /// An interface the setting names that exists but has no address up is named as such
+    /// (a link down as a rank starts), not only "matches no interface".
+    #[test]
+    fn a_named_interface_without_an_address_up_is_called_down() {
+        let up = list().unwrap();
+        // `lo` exists on every Linux host: "down" when the addresses up do not include it.
+        assert_eq!(down_named("=lo", &[]).as_deref(), Some("lo"));
+        assert_eq!(down_named("lo", &[]).as_deref(), Some("lo"));
+        assert_eq!(down_named("=lo", &up), None, "lo is up: {up:?}");
+        assert_eq!(down_named("^lo", &[]), None, "an exclusion names nothing");
+        assert_eq!(down_named("=roccl-no-such-if", &[]), None);
     }
 
     #[test]

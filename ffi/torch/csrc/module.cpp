@@ -43,6 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "_all_reduce_direct",
       [](at::Tensor tensor, const c10::intrusive_ptr<c10d::ProcessGroup>& group, int64_t op) {
+        if (!group) {
+          roccl_torch::raise(
+              "roccl.all_reduce: no process group (None): call "
+              "torch.distributed.init_process_group first, or pass a group");
+        }
         return roccl_torch::allReduceDirect(tensor, *group, op);
       },
       py::arg("tensor"),

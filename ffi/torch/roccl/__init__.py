@@ -158,6 +158,8 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
         torch.ops.roccl.all_reduce_(tensor, name, int(op))
         return
     pg = group if group is not None else dist.group.WORLD
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # not a member: as torch.distributed.all_reduce, nothing to do
     if not _C._all_reduce_direct(tensor, pg, int(op)):
         _plain_all_reduce(tensor, op, group)
 

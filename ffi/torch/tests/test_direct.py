@@ -155,6 +155,8 @@ def _errors(rank, world):
         torch.ops.roccl.all_reduce_(t, "no-such-group", 0)
     with pytest.raises(RuntimeError, match="(?i)complex"):
         roccl.all_reduce(torch.ones(4, dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="no process group"):
+        roccl._C._all_reduce_direct(t, None, 0)
     # Still in step after the refusals (nothing was sent).
     roccl.all_reduce(t)
     assert torch.equal(t, torch.full((4,), float(world)))
