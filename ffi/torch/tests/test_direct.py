@@ -210,4 +210,6 @@ def _from_environment(rank, world):
 
 
 def test_turned_on_by_environment():
-    run(2, _from_environment, env={"ROCCL_TORCH_DIRECT": "1"})
+    # Spawned, not forked: the variable is read when roccl is imported, and a forked rank
+    # inherits the module pytest already imported (as torchrun's fresh processes do not).
+    run(2, _from_environment, start="spawn", env={"ROCCL_TORCH_DIRECT": "1"})
