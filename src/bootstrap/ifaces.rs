@@ -331,6 +331,49 @@ fn is_loopback(iface: &Iface) -> bool {
     iface.name.starts_with("lo") || iface.addr.is_loopback()
 }
 
+/// A `ROCCL_SOCKET_IFNAME` value as NCCL reads `NCCL_SOCKET_IFNAME`: `^` excludes the names
+/// listed, `=` takes them exactly rather than as prefixes, names are separated by commas.
+struct NameSpec<'a> {
+    exclude: bool,
+    exact: bool,
+    list: Vec<&'a str>,
+}
+
+impl<'a> NameSpec<'a> {
+    fn parse(spec: &'a str) -> NameSpec<'a> {
+        let spec = spec.trim();
+        let (exclude, rest) = match spec.strip_prefix('^') {
+            Some(rest) => (true, rest),
+            None => (false, spec),
+        };
+        let (exact, rest) = match rest.strip_prefix('=') {
+            Some(rest) => (true, rest),
+            None => (false, rest),
+        };
+        let list = rest
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect();
+        NameSpec {
+            exclude,
+            exact,
+            list,
+        }
+    }
+
+    /// Whether the list names `name` (an exclusion's list too).
+    fn names(&self, name: &str) -> bool {
+        self.list.iter().any(|n| {
+            if self.exact {
+                name == *n
+            } else {
+                name.starts_with(n)
+            }
+        })
+    }
+}
+
 /// Filter `all` by a `NCCL_SOCKET_IFNAME`-style spec and an address family.
 ///
 /// The spec is a comma-separated list of interface names (blanks around items ignored):
@@ -351,28 +394,8 @@ pub fn select(all: &[Iface], spec: Option<&str>, family: Family) -> Vec<Iface> {
     let of_family: Vec<&Iface> = all.iter().filter(|i| family.admits(&i.addr)).collect();
     let chosen: Vec<&Iface> = match spec.map(str::trim).filter(|s| !s.is_empty()) {
         Some(spec) => {
-            let (exclude, rest) = match spec.strip_prefix('^') {
-                Some(rest) => (true, rest),
-                None => (false, spec),
-            };
-            let (exact, rest) = match rest.strip_prefix('=') {
-                Some(rest) => (true, rest),
-                None => (false, rest),
-            };
-            let names: Vec<&str> = rest
-                .split(',')
-                .map(str::trim)
-                .filter(|n| !n.is_empty())
-                .collect();
-            let listed = |i: &Iface| {
-                names.iter().any(|n| {
-                    if exact {
-                        i.name == *n
-                    } else {
-                        i.name.starts_with(n)
-                    }
-                })
-            };
+            let spec = NameSpec::parse(spec);
+            let (exclude, listed) = (spec.exclude, |i: &Iface| spec.names(&i.name));
             of_family
                 .into_iter()
                 .filter(|i| listed(i) != exclude)
@@ -464,28 +487,15 @@ pub fn local_addr(toward: Option<IpAddr>) -> Result<IpAddr> {
 /// prefixes, not its `^` exclusions) and that have no address up (not in `up`), joined by
 /// commas; `None` when there is none.
 fn down_named(spec: &str, up: &[Iface]) -> Option<String> {
-    let spec = spec.trim();
-    if spec.starts_with('^') {
+    let spec = NameSpec::parse(spec);
+    if spec.exclude {
         return None;
     }
-    let (exact, items) = match spec.strip_prefix('=') {
-        Some(rest) => (true, rest),
-        None => (false, spec),
-    };
-    let wanted: Vec<&str> = items
-        .split(',')
-        .map(str::trim)
-        .filter(|i| !i.is_empty())
-        .collect();
     let mut names: Vec<String> = std::fs::read_dir("/sys/class/net")
         .ok()?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| {
-            wanted
-                .iter()
-                .any(|w| if exact { n == w } else { n.starts_with(w) })
-        })
+        .filter(|n| spec.names(n))
         .filter(|n| !up.iter().any(|i| &i.name == n))
         .collect();
     names.sort();
