@@ -71,10 +71,15 @@ rxe_side_env() {
 rxe_side_script() {
   local side=$1 j k n i root sides places
   echo "set -u"
-  echo "barrier() { local t=\$SECONDS; touch \"$RXE_OUT/sync.\$1.$side\";" \
+  # barrier J N "SIDES": waits for job J's N sides; returns 2 when one of SIDES is a VM that
+  # has ended (crashed: rxe_watch marks it; the job is skipped, later jobs without it run),
+  # 1 after JOB_BARRIER seconds (the side stops).
+  echo "barrier() { local t=\$SECONDS v; touch \"$RXE_OUT/sync.\$1.$side\";" \
     "while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
+    "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && { echo \"barrier \$1: \$(cat \"$RXE_OUT/ended.\$v\")\"; return 2; }; done;" \
     "[ \$((SECONDS - t)) -gt $JOB_BARRIER ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
-  echo "await() { local t=\$SECONDS; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
+  echo "await() { local t=\$SECONDS v; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
+    "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && return 1; done;" \
     "[ \$((SECONDS - t)) -gt 600 ] && return 1; sleep 0.2; done; }"
   for j in "${!JOB_NAMES[@]}"; do
     read -ra places <<<"${JOB_PLACES[$j]}"
@@ -83,12 +88,14 @@ rxe_side_script() {
     if [[ " ${places[*]} " != *" $side "* ]]; then
       # Not in the job, but its fault's side: act once the job's sides have met.
       if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
-        echo "await $j $sides && ( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1"
+        echo "await $j $sides \"$(printf '%s\n' "${places[@]}" | sort -u | tr '\n' ' ')\" && ( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1"
       fi
       continue
     fi
     root="$(rxe_side_ip "${places[0]}"):$((29600 + j))"
-    echo "barrier $j $sides || exit 1"
+    echo "barrier $j $sides \"$(printf '%s\n' "${places[@]}" | sort -u | tr '\n' ' ')\"; r=\$?"
+    echo "[ \$r = 1 ] && exit 1"
+    echo "if [ \$r = 0 ]; then"
     echo "echo \"$side start \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
     if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
       echo "( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1 &"
@@ -106,6 +113,7 @@ rxe_side_script() {
     done
     echo "for p in \"\${pids[@]}\"; do wait \$p || echo \"$side exit \$?\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.failed\"; done"
     echo "echo \"$side end \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
+    echo "fi"
   done
   if [ "$side" != h ]; then
     echo "grep . /sys/class/infiniband/rxe0/ports/1/hw_counters/* 2>/dev/null | sed 's|.*/||' | tr '\n' ' ' >\"$RXE_OUT/$side.hw_counters\""

@@ -15,6 +15,8 @@
 #   rxe_wait NAME SECONDS
 #                        waits for NAME's script, prints its output; returns the script's exit
 #                        code, or 124 if it did not end in time (the VM is then killed)
+#   rxe_watch NAME...    in the background: marks a VM that ended before its script
+#                        ($RXE_OUT/ended.NAME, what its console says)
 #   rxe_cleanup          kills every VM still running (also on exit)
 #
 # The guest sees the host's files at their host paths; /tmp is its own, except $RXE_OUT (a
@@ -171,11 +173,32 @@ rxe_wait() {
   unset "rxe_pids[$name]"
   cat "$RXE_OUT/$name.log" 2>/dev/null
   if [ ! -f "$RXE_OUT/$name.rc" ]; then
-    rxe_log "VM $name ended without running its script; console and qemu output:"
-    tail -30 "$RXE_OUT/$name.console" 2>/dev/null; cat "$RXE_OUT/$name.qemu" 2>/dev/null
+    # On stderr, with the note: callers may throw the script's output away, not this.
+    { rxe_log "VM $name ended without running its script; console and qemu output:"
+      rxe_oops "$name"; tail -30 "$RXE_OUT/$name.console" 2>/dev/null; cat "$RXE_OUT/$name.qemu" 2>/dev/null; } >&2
     return 125
   fi
   return "$(cat "$RXE_OUT/$name.rc")"
+}
+
+# The gist of a kernel oops or panic on NAME's console, if it has one: what failed, where,
+# and the call trace's frames in modules (rdma_rxe's among them).
+rxe_oops() {
+  grep -aoE "(BUG:|Oops:|Kernel panic).*|RIP: .*|[a-z_0-9.]+\+0x[0-9a-f]+/0x[0-9a-f]+ \[[a-z_0-9]+\]" \
+    "$RXE_OUT/$1.console" 2>/dev/null | awk '!seen[$0]++' | head -12 | sed "s/^/rxe: VM $1: /"
+}
+
+# Run in the background: when a VM ends before its script did (its kernel crashed), leaves
+# $RXE_OUT/ended.NAME saying so, for the other machines' barriers (tests/rxe/jobs.sh).
+rxe_watch() {
+  local n pid
+  while sleep 1; do
+    for n in "$@"; do
+      pid=$(cat "$RXE_OUT/$n.pid" 2>/dev/null) || continue
+      [ -f "$RXE_OUT/ended.$n" ] || [ -f "$RXE_OUT/$n.rc" ] || kill -0 "$pid" 2>/dev/null ||
+        echo "VM $n ended before its script: $(rxe_oops "$n" | head -1 | cut -c1-160)" >"$RXE_OUT/ended.$n"
+    done
+  done
 }
 
 rxe_cleanup() {

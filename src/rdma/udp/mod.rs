@@ -786,8 +786,7 @@ impl Driver {
             }
             if rng.chance(f.corrupt) {
                 count(3, 1);
-                let k = (rng.next() as usize) % t.len;
-                self.txarena[at + k] ^= 1 << (rng.next() % 8);
+                rng.corrupt(&mut self.txarena[at..at + t.len]);
             }
             if rng.chance(f.reorder) {
                 count(2, 1);
