@@ -7,8 +7,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use roccl::comm::MeasuredLink;
 use roccl::net::NetKind;
+use roccl::os::wait::Waiter;
 use roccl::{Collective, Communicator, Config, DataType, RedOp, UniqueId};
 
 /// Ranks and their hosts: two ranks on host 0 (shared memory between them), one on host 1,
@@ -18,21 +21,20 @@ const HOSTS: [usize; 4] = [0, 0, 1, 2];
 /// Run `f` on one thread per rank of [`HOSTS`]: TCP between hosts, the engine offered
 /// beside it except on host 2.
 fn on_hosts(f: impl Fn(Communicator) + Send + Sync) {
-    on_ranks(
-        HOSTS.len(),
-        |r| {
-            let mut cfg: Config = common::config(Default::default());
-            cfg.net = NetKind::Tcp;
-            cfg.extra_nets = if HOSTS[r] == 2 {
-                Vec::new()
-            } else {
-                vec![NetKind::RoceV2]
-            };
-            cfg.host = Some(format!("host-{}", HOSTS[r]));
-            cfg
-        },
-        f,
-    );
+    on_ranks(HOSTS.len(), hosts_config, f);
+}
+
+/// Rank `r`'s settings in [`on_hosts`].
+fn hosts_config(r: usize) -> Config {
+    let mut cfg: Config = common::config(Default::default());
+    cfg.net = NetKind::Tcp;
+    cfg.extra_nets = if HOSTS[r] == 2 {
+        Vec::new()
+    } else {
+        vec![NetKind::RoceV2]
+    };
+    cfg.host = Some(format!("host-{}", HOSTS[r]));
+    cfg
 }
 
 /// Run `f` on one thread per rank of `n`, rank `r` with the settings `cfg(r)`.
@@ -223,6 +225,60 @@ fn each_pair_uses_the_networks_both_offer_as_measured() {
         .map(|&h| best(h, |l| l.alpha_us, false))
         .fold(0.0, f64::max);
     assert_eq!(t.model.0, alpha, "{}", t.describe());
+}
+
+/// Links measured slow stretch the waits' spin to 16 one-way latencies (at most 20 ms), so
+/// that a call over them does not sleep while its packets are on the way; fast ones leave
+/// it. Ranks that share cores never spin, whatever the links.
+#[test]
+fn slow_links_stretch_the_spin_of_waits() {
+    // The waiting policy as a user gets it (the tests' own is fixed, and so left alone).
+    let cfg = |r| {
+        let mut c = hosts_config(r);
+        c.waiter = Waiter {
+            timeout: Duration::from_secs(60),
+            ..Waiter::default()
+        };
+        c
+    };
+    on_ranks(HOSTS.len(), cfg, |c| {
+        let link = |hosts, ranks, alpha_us| MeasuredLink {
+            hosts,
+            ranks,
+            net: "tcp",
+            lane: 0,
+            alpha_us,
+            beta_gbs: 1.0,
+        };
+        let table = |alpha_us| {
+            vec![
+                link((0, 1), (0, 2), 5.0),
+                link((0, 2), (0, 3), alpha_us),
+                link((1, 2), (2, 3), 5.0),
+            ]
+        };
+        let before = c.wait_spin();
+        c.set_measured_links(table(5.0));
+        assert_eq!(c.wait_spin(), before, "rank {}: fast links", c.rank());
+        c.set_measured_links(table(300.0));
+        let slow = c.wait_spin();
+        if before.is_zero() {
+            assert!(
+                slow.is_zero(),
+                "rank {}: spins {slow:?} sharing cores",
+                c.rank()
+            );
+        } else {
+            assert_eq!(slow, Duration::from_micros(4800), "rank {}", c.rank());
+        }
+        c.set_measured_links(table(5000.0));
+        let slowest = c.wait_spin();
+        assert!(
+            slowest.is_zero() || slowest == Duration::from_millis(20),
+            "{slowest:?}"
+        );
+        check_collectives(&c, 64);
+    });
 }
 
 /// With a table that makes TCP the network of small calls and the engine that of large

@@ -221,6 +221,15 @@ impl Communicator {
         self.with_turn(|state| state.measured.clone())
     }
 
+    /// How long a call's waits spin before they yield and sleep: `ROCCL_SPIN_US` if set,
+    /// else fitted to the host (zero when ranks outnumber cores) and stretched to the links
+    /// measured at init ([`Waiter::fit_latency`]).
+    ///
+    /// [`Waiter::fit_latency`]: crate::os::wait::Waiter::fit_latency
+    pub fn wait_spin(&self) -> Duration {
+        self.with_turn(|state| state.cfg.waiter.spin)
+    }
+
     /// Decide from `links` as from a table measured at init: the cost model's figures and
     /// each peer's network by call size. Every rank must pass the same table (a
     /// measurement made elsewhere, or a test's); a call issued after it on every rank runs
@@ -456,6 +465,17 @@ impl State {
             // The table's all-reduce chose under the advertised figures: not a choice to
             // reuse for the next call of its size.
             self.last_choice = None;
+            let spin = self.cfg.waiter.spin;
+            self.cfg
+                .waiter
+                .fit_latency(Duration::from_secs_f64(alpha.max(0.0) * 1e-6));
+            if self.cfg.waiter.spin != spin {
+                crate::info!(
+                    "waits spin {:?} (was {spin:?}): {} one-way latencies of the slowest link between hosts ({alpha:.1} µs)",
+                    self.cfg.waiter.spin,
+                    crate::os::wait::SPIN_LATENCIES
+                );
+            }
         }
         if let Some(m) = &self.links.watch.metrics {
             m.set_measured_links(

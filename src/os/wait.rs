@@ -75,6 +75,19 @@ impl Waiter {
         }
     }
 
+    /// Spin at least [`SPIN_LATENCIES`] one-way latencies of the slowest link between hosts
+    /// (`alpha`, measured at init), at most [`SPIN_MAX`]: a call waits about two of them, so
+    /// over a slow link (a VM's software RoCE: 150-300 µs one way, 2026-12-07) the fixed
+    /// 1 ms spin ran out inside ordinary calls and they slept, and a wake-up there costs
+    /// milliseconds. Left alone when the user set the times, or when ranks share cores (no
+    /// spin phase: a spinning rank would take a peer's core).
+    pub fn fit_latency(&mut self, alpha: Duration) {
+        if self.fixed || self.spin.is_zero() {
+            return;
+        }
+        self.spin = self.spin.max((alpha * SPIN_LATENCIES).min(SPIN_MAX));
+    }
+
     /// Begin waiting for something.
     pub fn start(&self) -> WaitState<'_> {
         WaitState {
@@ -85,6 +98,11 @@ impl Waiter {
         }
     }
 }
+
+/// One-way latencies of the slowest link a wait spins at least ([`Waiter::fit_latency`]).
+pub const SPIN_LATENCIES: u32 = 16;
+/// The longest spin [`Waiter::fit_latency`] sets: past it, a wait sleeps whatever the link.
+pub const SPIN_MAX: Duration = Duration::from_millis(20);
 
 /// One wait in progress.
 pub struct WaitState<'a> {
@@ -225,5 +243,32 @@ mod tests {
             let e = Waiter::from_lookup(&get).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{e}");
         }
+    }
+
+    /// The spin stretches to 16 one-way latencies of a slow link, capped at 20 ms; a fast
+    /// link, times the user set, and ranks sharing cores (no spin) leave it alone.
+    #[test]
+    fn slow_links_stretch_the_spin() {
+        let ms = Duration::from_millis;
+        let mut w = Waiter::default();
+        w.fit(1, 2);
+        assert_eq!(w.spin, ms(1));
+        w.fit_latency(Duration::from_micros(5));
+        assert_eq!(w.spin, ms(1), "a fast link");
+        w.fit_latency(Duration::from_micros(300));
+        assert_eq!(w.spin, Duration::from_micros(4800));
+        w.fit_latency(ms(50));
+        assert_eq!(w.spin, SPIN_MAX);
+        let mut shared = Waiter::default();
+        shared.fit(4, 2);
+        shared.fit_latency(ms(1));
+        assert!(
+            shared.spin.is_zero(),
+            "ranks sharing cores spin {:?}",
+            shared.spin
+        );
+        let mut set = Waiter::from_lookup(&with(&[("ROCCL_SPIN_US", "7")])).unwrap();
+        set.fit_latency(ms(1));
+        assert_eq!(set.spin, Duration::from_micros(7), "ROCCL_SPIN_US=7 kept");
     }
 }
