@@ -129,6 +129,14 @@ fn alive(pid: u32) -> bool {
     })
 }
 
+/// Whether process `pid` is stopped (state T in /proc: a stop signal took effect).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+    })
+}
+
 /// A running `roccl-perf --ranks 3` job, its ranks joined (rank 0 printed its header).
 struct Job {
     launcher: Child,
@@ -232,10 +240,18 @@ fn launcher_ends_the_job_when_a_rank_is_stopped() {
 #[test]
 fn survivors_say_that_a_stopped_rank_is_stopped() {
     for net in ["rocev2", "tcp", "shm"] {
-        let mut job = Job::start_over("2", net);
+        // 4 s: on a loaded machine (the test command runs beside `yes` and other tests) a
+        // rank starved for ROCCL_TIMEOUT before the stop would be reported, rightly, as
+        // possibly hung.
+        let mut job = Job::start_over("4", net);
         let stopped = job.pid(1);
         // SAFETY: kill has no memory effects; the pid is a rank of the job just started.
         unsafe { libc::kill(stopped as i32, libc::SIGSTOP) };
+        let t = std::time::Instant::now();
+        while !is_stopped(stopped) && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(is_stopped(stopped), "{net}: SIGSTOP did not stop rank 1");
         let status = wait_for(&mut job.launcher, Duration::from_secs(60));
         let left = job.survivors();
         let err = stderr_of(&mut job.launcher);
