@@ -27,6 +27,8 @@ tokens generated with roccl are checked to be the ones Gloo generates. In bracke
 the time spent in `dist.all_reduce` (waiting for the other ranks included).
 
 With DECODE_BENCH_PERF=DIR, each rank records `perf record -g` of its timed generations there.
+With DECODE_BENCH_THREADS=1, rank 0's threads are shown from the scheduler's accounting: time
+run, time runnable but waiting for a core (what other threads took from it) and slices.
 
   python3 scripts/decode-bench.py [--reps 3] [--procs 2 4] [--batch 1 8] [--tokens 32]
       [--configs noop roccl-shm roccl-tcp roccl-rocev2 gloo] [--json out.json]
@@ -117,6 +119,36 @@ def profile_stop(p):
         p.wait(timeout=60)
 
 
+def thread_times():
+    """This process's threads from the scheduler's accounting (/proc/self/task/*/schedstat):
+    by thread name, nanoseconds run, nanoseconds runnable but waiting for a core, and times
+    scheduled in."""
+    out = {}
+    for t in Path("/proc/self/task").iterdir():
+        try:
+            name = (t / "comm").read_text().strip()
+            run, wait, slices = map(int, (t / "schedstat").read_text().split())
+        except (OSError, ValueError):
+            continue
+        # Threads of one name (torch's pool, a network's helpers) are summed.
+        name = "main" if t.name == str(os.getpid()) else name
+        acc = out.setdefault(name, [0, 0, 0])
+        for k, v in enumerate((run, wait, slices)):
+            acc[k] += v
+    return out
+
+
+def threads_during(before, after):
+    """What each thread did between two thread_times(), in ms run / ms waiting for a core /
+    times scheduled in; threads that did nothing are left out."""
+    out = {}
+    for name, (run, wait, slices) in after.items():
+        r0, w0, s0 = before.get(name, (0, 0, 0))
+        if slices - s0:
+            out[name] = [(run - r0) / 1e6, (wait - w0) / 1e6, slices - s0]
+    return out
+
+
 def worker(a):
     import torch
     import torch.distributed as dist
@@ -172,16 +204,18 @@ def worker(a):
             in_comm[:] = [0.0, 0]
             calls.clear()
             perf = profile_start(rank, batch)
+            threads = thread_times()
             start = time.perf_counter()
             out = model.generate(ids, **kw)
             took = time.perf_counter() - start
+            threads = threads_during(threads, thread_times())
             profile_stop(perf)
         new = out[:, PROMPT:]
         digest = hashlib.sha256(new.numpy().tobytes()).hexdigest()[:16]
         rows.append({
             "batch": batch, "tokens_per_s": batch * a.tokens / took, "tokens": digest,
             "comm_share": in_comm[0] / took, "calls_per_token": in_comm[1] / a.tokens,
-            "calls": list(calls),
+            "calls": list(calls), "threads": threads,
         })
     (Path(a.out) / f"rank{rank}.json").write_text(json.dumps(rows))
     if a.backend != "fake":
@@ -217,7 +251,8 @@ def launch(name, procs, a, model):
     out = []
     for i, row in enumerate(ranks[0]):
         slowest = min(ranks[r][i]["tokens_per_s"] for r in ranks)
-        row = dict(row, rank0_tokens_per_s=row["tokens_per_s"], tokens_per_s=slowest)
+        row = dict(row, rank0_tokens_per_s=row["tokens_per_s"], tokens_per_s=slowest,
+                   threads={r: ranks[r][i].get("threads", {}) for r in sorted(ranks)})
         row.update(call_split([ranks[r][i].pop("calls") for r in sorted(ranks)], backend))
         row.pop("calls", None)
         out.append(row)
@@ -310,6 +345,14 @@ def main():
                      for n in a.configs}
             print("  per call (medians, µs): the last rank's time in it / spread of arrivals: "
                   + ", ".join(f"{n} {own:.1f} / {sp:.0f}" for n, (own, sp) in split.items()), flush=True)
+            if os.environ.get("DECODE_BENCH_THREADS"):
+                for n in a.configs:
+                    # The last run's rank 0: per thread, ms run / ms runnable but waiting
+                    # for a core / times scheduled in, over the timed generation.
+                    t = runs[n][-1][i]["threads"].get(0, {})
+                    print(f"  threads of rank 0, {n} (ms run / ms waiting for a core / slices): "
+                          + ", ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}/{v[2]}" for k, v in sorted(t.items())),
+                          flush=True)
             if bound:
                 print(f"  rank 0 alone (not the job): noop {rank0['noop']:.1f}, "
                       + ", ".join(f"{n} {rank0[n]:.1f} ({rank0[n] / rank0['noop']:.2f})"

@@ -257,12 +257,18 @@ fn slow_links_stretch_the_spin_of_waits() {
                 link((1, 2), (2, 3), 5.0),
             ]
         };
-        let before = c.wait_spin();
+        // The measurement at init may have stretched the spin already (a loaded machine
+        // measures slow links): each table replaces the stretch of the one before.
         c.set_measured_links(table(5.0));
-        assert_eq!(c.wait_spin(), before, "rank {}: fast links", c.rank());
+        let host = c.wait_spin();
+        assert!(
+            host <= Duration::from_millis(1),
+            "rank {}: fast links: {host:?}",
+            c.rank()
+        );
         c.set_measured_links(table(300.0));
         let slow = c.wait_spin();
-        if before.is_zero() {
+        if host.is_zero() {
             assert!(
                 slow.is_zero(),
                 "rank {}: spins {slow:?} sharing cores",
@@ -277,6 +283,8 @@ fn slow_links_stretch_the_spin_of_waits() {
             slowest.is_zero() || slowest == Duration::from_millis(20),
             "{slowest:?}"
         );
+        c.set_measured_links(table(5.0));
+        assert_eq!(c.wait_spin(), host, "rank {}: fast links again", c.rank());
         check_collectives(&c, 64);
     });
 }

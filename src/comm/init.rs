@@ -221,6 +221,7 @@ impl Communicator {
                         hier_cost: p.hier_cost,
                         hier_scratch: Vec::new(),
                         worker_spin: p.worker_wait.spin,
+                        host_spin: cfg.waiter.spin,
                         measured: None,
                         cfg,
                     },

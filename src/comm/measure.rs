@@ -465,7 +465,10 @@ impl State {
             // The table's all-reduce chose under the advertised figures: not a choice to
             // reuse for the next call of its size.
             self.last_choice = None;
+            // From the host's spin each time: a later table (a new measurement, or one a
+            // test or tool sets) replaces the stretch of an earlier one.
             let spin = self.cfg.waiter.spin;
+            self.cfg.waiter.spin = self.host_spin;
             self.cfg
                 .waiter
                 .fit_latency(Duration::from_secs_f64(alpha.max(0.0) * 1e-6));

@@ -99,6 +99,9 @@ struct State {
     hier_scratch: Vec<u8>,
     /// The worker thread's spin time (see `worker_wait`).
     worker_spin: Duration,
+    /// The waits' spin as fitted to the host at init, before the links measured stretched
+    /// it (`Waiter::fit_latency` starts from it at each measurement).
+    host_spin: Duration,
     /// The links between hosts as measured at init (`measure.rs`).
     measured: Option<MeasuredLinks>,
 }
