@@ -37,7 +37,9 @@ rxe_job pair-rxe-engine "a h" "" @rdma_pair
 rxe_job pair-rxe-rxe "a b" "" @rdma_pair
 rxe_job engine-rxe "h a" "" $all -b 8 -e 1M -n 2 -w 1
 rxe_job rxe-engine "a h" "" --op all_reduce,all_to_all --check -b 8 -e 1M -n 2 -w 1
-rxe_job engine-rxe-64M "h a" "" $all -b 64M -e 64M -n 1 -w 0 --out-of-place
+# At INFO, so that the engine's queue pairs are dumped every 5 s: this job has hung twice under
+# a busy core (2026-12-07: the engine waiting mid-write for a packet rxe never sent again).
+rxe_job engine-rxe-64M "h a" "ROCCL_DEBUG=INFO" $all -b 64M -e 64M -n 1 -w 0 --out-of-place
 rxe_job engine-rxe-faults "h a" "$faults" $all -b 8 -e 256K -n 2 -w 1
 rxe_job engine-rxe-2x2 "h h a a" "" $all -b 8 -e 256K -n 2 -w 1
 # An engine a NIC cannot reach (not on UDP port 4791) is refused at setup, naming the port.

@@ -27,6 +27,10 @@ JOB_ACT_SIDE=()
 JOB_ACT=()
 JOB_EXPECT=()
 JOB_LIMIT=${JOB_LIMIT:-300}
+# Seconds into a job when a VM side records its kernel's view of the job (`rdma res show qp`:
+# each queue pair's state and PSNs; the NIC's non-zero counters) in $RXE_OUT/NAME.peek-SIDE:
+# a job that hangs (ROCCL_TIMEOUT is 60 s) then shows where rxe stood.
+JOB_PEEK=${JOB_PEEK:-45}
 # How long a side waits at a job's barrier for the others, which may be busy with jobs of
 # their own before it (the VMs' own time limit bounds the whole).
 JOB_BARRIER=${JOB_BARRIER:-1200}
@@ -111,7 +115,11 @@ rxe_side_script() {
         ">\"$RXE_OUT/${JOB_NAMES[$j]}.$k.log\" 2>&1 & pids+=(\$!)"
       i=$((i + 1))
     done
+    if [ "$side" != h ]; then
+      echo "( sleep $JOB_PEEK; { date +%s; rdma res show qp; ethtool -S eth0 | grep -v ': 0\$'; } >\"$RXE_OUT/${JOB_NAMES[$j]}.peek-$side\" 2>&1 ) & peek=\$!"
+    fi
     echo "for p in \"\${pids[@]}\"; do wait \$p || echo \"$side exit \$?\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.failed\"; done"
+    [ "$side" != h ] && echo "kill \$peek 2>/dev/null"
     echo "echo \"$side end \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
     echo "fi"
   done
@@ -168,6 +176,11 @@ rxe_jobs_check() {
       for k in "${!places[@]}"; do
         echo "     ---- rank $k (${places[$k]})"
         tail -15 "$RXE_OUT/$name.$k.log" 2>/dev/null | sed 's/^/     | /'
+      done
+      for f in "$RXE_OUT/$name".peek-*; do
+        [ -f "$f" ] || continue
+        echo "     ---- ${f##*.peek-}'s kernel ${JOB_PEEK} s into the job (rdma res show qp; ethtool -S eth0)"
+        head -40 "$f" | sed 's/^/     | /'
       done
       failed=$((failed + 1))
     fi
