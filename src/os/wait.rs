@@ -75,8 +75,9 @@ impl Waiter {
         }
     }
 
-    /// Spin (from the spin fitted to the host) at least [`SPIN_LATENCIES`] one-way latencies of the slowest link between hosts
-    /// (`alpha`, measured at init), at most [`SPIN_MAX`]: a call waits about two of them, so
+    /// Spin at least [`SPIN_LATENCIES`] one-way latencies of the slowest link between hosts
+    /// (`alpha`, measured at init), at most [`SPIN_MAX`], counting from the spin fitted to
+    /// the host (the caller resets it first): a call waits about two of them, so
     /// over a slow link (a VM's software RoCE: 150-300 µs one way, 2026-12-07) the fixed
     /// 1 ms spin ran out inside ordinary calls and they slept, and a wake-up there costs
     /// milliseconds. Left alone when the user set the times, or when ranks share cores (no

@@ -15,8 +15,8 @@ pub struct Faults {
     pub dup: f64,
     /// Probability of delaying it (by up to 500 µs) behind later ones.
     pub reorder: f64,
-    /// Probability of flipping one bit, anywhere but in the BTH's opcode byte (see
-    /// [`Rng::corrupt`]).
+    /// Probability of flipping one bit, anywhere but in the BTH's opcode byte (Linux's rxe
+    /// crashes on some opcodes before it checks the ICRC: docs/ROCE.md).
     pub corrupt: f64,
     /// PRNG seed.
     pub seed: u64,
