@@ -73,7 +73,7 @@ rxe_side_env() {
 }
 
 rxe_side_script() {
-  local side=$1 j k n i root sides places
+  local side=$1 j k n i root sides places machines
   echo "set -u"
   # barrier J N "SIDES": waits for job J's N sides; returns 2 when one of SIDES is a VM that
   # has ended (crashed: rxe_watch marks it; the job is skipped, later jobs without it run),
@@ -88,16 +88,18 @@ rxe_side_script() {
   for j in "${!JOB_NAMES[@]}"; do
     read -ra places <<<"${JOB_PLACES[$j]}"
     n=${#places[@]}
-    sides=$(printf '%s\n' "${places[@]}" | sort -u | wc -l)
+    # The job's machines, each once ("a h"), and how many.
+    machines=$(printf '%s\n' "${places[@]}" | sort -u | tr '\n' ' ')
+    sides=$(wc -w <<<"$machines")
     if [[ " ${places[*]} " != *" $side "* ]]; then
       # Not in the job, but its fault's side: act once the job's sides have met.
       if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
-        echo "await $j $sides \"$(printf '%s\n' "${places[@]}" | sort -u | tr '\n' ' ')\" && ( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1"
+        echo "await $j $sides \"$machines\" && ( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1"
       fi
       continue
     fi
     root="$(rxe_side_ip "${places[0]}"):$((29600 + j))"
-    echo "barrier $j $sides \"$(printf '%s\n' "${places[@]}" | sort -u | tr '\n' ' ')\"; r=\$?"
+    echo "barrier $j $sides \"$machines\"; r=\$?"
     echo "[ \$r = 1 ] && exit 1"
     echo "if [ \$r = 0 ]; then"
     echo "echo \"$side start \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
