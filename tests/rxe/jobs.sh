@@ -13,6 +13,9 @@
 #        ACTION in the background once the job starts; EXPECT is "ok" (the job must survive),
 #        a regular expression that some rank's error must match (the job must fail, and in
 #        time: no rank killed by the job's time limit), or "ok-or:REGEX" (either)
+#   rxe_expect_log REGEX
+#        the last job must also leave a line matching REGEX in some rank's log (something
+#        the job must have done on the way, not only its results)
 #   rxe_side_script SIDE    the script that runs SIDE's ranks of every job
 #   rxe_jobs_check          prints each job's outcome; returns how many failed
 #
@@ -26,6 +29,7 @@ JOB_ARGS=()
 JOB_ACT_SIDE=()
 JOB_ACT=()
 JOB_EXPECT=()
+JOB_LOG=()
 JOB_LIMIT=${JOB_LIMIT:-300}
 # Seconds into a job when a VM side records its kernel's view of the job (`rdma res show qp`:
 # each queue pair's state and PSNs; the NIC's non-zero counters) in $RXE_OUT/NAME.peek-SIDE:
@@ -48,6 +52,7 @@ rxe_job() {
   JOB_ACT_SIDE+=("")
   JOB_ACT+=("")
   JOB_EXPECT+=(ok)
+  JOB_LOG+=("")
 }
 
 rxe_fault() {
@@ -56,6 +61,11 @@ rxe_fault() {
   JOB_ACT_SIDE[last]=$1
   JOB_ACT[last]=$2
   JOB_EXPECT[last]=$3
+}
+
+rxe_expect_log() {
+  [ "${JOB_KEPT:-0}" = 1 ] || return 0
+  JOB_LOG[${#JOB_NAMES[@]} - 1]=$1
 }
 
 rxe_side_ip() {
@@ -165,7 +175,12 @@ rxe_jobs_check() {
       rxe_failed_as_expected "$name" "$expect" || failed=$((failed + 1))
       continue
     fi
-    if [ ! -f "$RXE_OUT/$name.failed" ] && grep -qx "# wrong results: 0" "$RXE_OUT/$name.0.log" 2>/dev/null; then
+    local logged=1
+    if [ -n "${JOB_LOG[$j]}" ] && ! cat "$RXE_OUT/$name".*.log 2>/dev/null | grep -Eq "${JOB_LOG[$j]}"; then
+      logged=0
+      echo "   FAILED: $name: no rank's log has a line matching /${JOB_LOG[$j]}/"
+    fi
+    if [ "$logged" = 1 ] && [ ! -f "$RXE_OUT/$name.failed" ] && grep -qx "# wrong results: 0" "$RXE_OUT/$name.0.log" 2>/dev/null; then
       echo "   ok: $name (ranks on ${places[*]}; roccl-perf ${JOB_ARGS[$j]}; $(rxe_job_seconds "$name") s)"
       [ -n "${JOB_ACT[$j]}" ] && echo "       survived, on ${JOB_ACT_SIDE[$j]}: ${JOB_ACT[$j]}"
       for k in "${!places[@]}"; do

@@ -21,11 +21,14 @@
 //! Its modules: `settings` (from the environment), `convert` (values to and from
 //! libibverbs'), `dmabuf` (dmabuf registration), `events` (the async-event thread),
 //! `teardown` (freeing a QP: its owner, the network, drained it first if it wanted its sends
-//! acknowledged).
+//! acknowledged), `kick` (restarting a soft-RoCE requester that stalled: Linux rxe's sends
+//! can stop mid-message; before a caller sleeps, a QP whose sends made no progress for
+//! `ROCCL_IB_KICK_MS` gets a zero-length write, which runs rxe's requester again).
 
 mod convert;
 mod dmabuf;
 mod events;
+mod kick;
 mod settings;
 mod teardown;
 
@@ -34,6 +37,7 @@ pub use settings::IbSettings;
 
 use dmabuf::{probe_dmabuf, reg_dmabuf_fn};
 use events::async_events;
+use kick::{SendWatch, KICK_SLOTS};
 use teardown::free_qp;
 
 use std::ffi::CStr;
@@ -125,6 +129,8 @@ struct Dev {
     port_down: Mutex<Option<events::PortDown>>,
     /// The port has no link now: sends wait for it (see [`Dev::await_link`]).
     link_down: AtomicBool,
+    /// How long a QP's sends may make no progress before a kick (`kick`); `None`: never.
+    kick_after: Option<std::time::Duration>,
 }
 
 // SAFETY: libibverbs contexts and protection domains may be used from any thread; the raw
@@ -184,6 +190,8 @@ struct Qp {
     /// Inline data this QP was granted (`max_inline_data` after `ibv_create_qp`): each QP
     /// keeps its own, since the device may grant less (or more) than asked.
     max_inline: u32,
+    /// Its signaled sends, counted only where kicks are on (`Dev::kick_after`).
+    watch: SendWatch,
 }
 
 /// Whether `wr` goes inline on a QP granted `granted` bytes of inline data. A request that
@@ -390,6 +398,7 @@ impl IbvVerbs {
             fatal_flag: AtomicBool::new(false),
             port_down: Mutex::new(None),
             link_down: AtomicBool::new(false),
+            kick_after: kick::after(&settings, dattr.vendor_id),
         });
         cx.max_qp = Some((dev.max_qp, 0));
         // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor we own.
@@ -695,7 +704,7 @@ impl Verbs for IbvVerbs {
             let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
             init.send_cq = cq;
             init.recv_cq = cq;
-            init.cap.max_send_wr = QUEUE;
+            init.cap.max_send_wr = QUEUE + KICK_SLOTS;
             init.cap.max_recv_wr = QUEUE;
             init.cap.max_send_sge = 1;
             init.cap.max_recv_sge = 1;
@@ -740,6 +749,7 @@ impl Verbs for IbvVerbs {
             stashed: AtomicBool::new(false),
             flags: Arc::clone(&flags),
             max_inline,
+            watch: SendWatch::default(),
         });
         // RESET → INIT.
         // SAFETY: zeroed attributes are valid; the mask names the fields set.
@@ -883,6 +893,9 @@ impl Verbs for IbvVerbs {
         if r != 0 {
             return Err(verb_errors::verb_error(Verb::PostSend, r, &self.dev.cx()).into());
         }
+        if self.dev.kick_after.is_some() && flags & ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 != 0 {
+            q.watch.posted();
+        }
         Ok(())
     }
 
@@ -947,6 +960,9 @@ impl Verbs for IbvVerbs {
     /// descriptor keeps the caller from sleeping.
     fn qp_fds(&self, id: QpId, out: &mut Vec<PollFd>) {
         let Ok(q) = self.qp(id) else { return };
+        if let Some(after) = self.dev.kick_after {
+            self.kick_if_stalled(q, after);
+        }
         let mut events = 0u32;
         loop {
             let mut cq = ptr::null_mut();
@@ -1051,6 +1067,30 @@ impl Verbs for IbvVerbs {
 }
 
 impl IbvVerbs {
+    /// Before the caller sleeps: a QP whose signaled sends made no progress for `after`
+    /// gets a signaled zero-length RDMA WRITE (hidden completion), which runs a stalled
+    /// soft-RoCE requester again (`kick`). A failed post is left to the next send, which
+    /// fails the same way and reports it.
+    fn kick_if_stalled(&self, q: &Qp, after: std::time::Duration) {
+        let Some(k) = q.watch.due(std::time::Instant::now(), after) else {
+            return;
+        };
+        let r = kick::post(q.qp, HIDDEN);
+        if r == 0 {
+            q.watch.posted();
+        }
+        crate::info!(
+            "{}: QP {:#x}: {} send(s) outstanding, nothing posted or completed for {} ms: kick {} of {} (a zero-length write, which restarts a stalled soft-RoCE requester){}",
+            self.dev.name,
+            q.qpn,
+            k.outstanding,
+            k.idle.as_millis(),
+            k.nth,
+            kick::MAX_KICKS,
+            if r == 0 { String::new() } else { format!("; posting it failed: errno {r}") }
+        );
+    }
+
     fn poll_into(&self, q: &Qp, out: &mut [Wc]) -> Result<usize> {
         const N: usize = 16;
         // SAFETY: ibv_wc is plain data; zeroed entries are valid and overwritten by the poll.
@@ -1062,6 +1102,15 @@ impl IbvVerbs {
             return Err(verb_errors::verb_error(Verb::PollCq, -n, &self.dev.cx()).into());
         }
         let mut k = 0;
+        if self.dev.kick_after.is_some() {
+            // Send-side completions have opcodes below IBV_WC_RECV (errors too: their
+            // opcode is undefined, and their QP is failing anyway).
+            let sends = wcs[..n as usize]
+                .iter()
+                .filter(|w| w.opcode < ffi::ibv_wc_opcode::IBV_WC_RECV)
+                .count();
+            q.watch.completed(sends as u64);
+        }
         for w in &wcs[..n as usize] {
             let status = WcStatus::from_ibv(w.status);
             if w.wr_id & HIDDEN != 0 && status == WcStatus::Success {

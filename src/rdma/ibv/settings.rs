@@ -25,11 +25,16 @@ pub struct IbSettings {
     /// How long a closing QP waits for its sends to be acknowledged until the network is
     /// told its communicator's deadline (`ROCCL_TIMEOUT`, default 300 s).
     pub deadline: std::time::Duration,
+    /// Milliseconds a QP's sends may sit outstanding with nothing posted or completed before
+    /// the provider kicks the device's requester with a zero-length write,
+    /// `ROCCL_IB_KICK_MS` (0: never). Unset: 1000 on Linux soft-RoCE, whose requester can
+    /// stall (`ibv::kick`), never on other devices.
+    pub kick_ms: Option<u32>,
 }
 
 impl Default for IbSettings {
     /// Traffic class 0, service level 0, timeout 20, 7 retries, 220 bytes inline, no
-    /// registration cache, relaxed ordering, 300 s of deadline.
+    /// registration cache, relaxed ordering, 300 s of deadline, kicks as the device needs.
     fn default() -> Self {
         IbSettings::from_lookup(&crate::envvar::unset).expect("the defaults parse")
     }
@@ -66,6 +71,10 @@ impl IbSettings {
             reg_cache: num("ROCCL_IB_REG_CACHE", 0, 1)? == 1,
             relaxed: crate::envvar::switch_in(get, "ROCCL_IB_RELAXED_ORDERING", true)?,
             deadline: crate::os::wait::timeout_in(get)?,
+            kick_ms: match get("ROCCL_IB_KICK_MS").filter(|v| !v.trim().is_empty()) {
+                None => None,
+                Some(_) => Some(num("ROCCL_IB_KICK_MS", 0, 3_600_000)?),
+            },
         })
     }
 }
@@ -88,13 +97,15 @@ mod tests {
             ("ROCCL_IB_TIMEOUT", "14"),
             ("ROCCL_IB_RETRY_CNT", "5"),
             ("ROCCL_IB_INLINE", "0"),
+            ("ROCCL_IB_KICK_MS", "250"),
         ]
         .into();
         let s = IbSettings::from_lookup(&|k| m.get(k).map(|v| v.to_string())).unwrap();
         assert_eq!(
-            (s.tc, s.sl, s.timeout, s.retry_cnt, s.inline),
-            (106, 3, 14, 5, 0)
+            (s.tc, s.sl, s.timeout, s.retry_cnt, s.inline, s.kick_ms),
+            (106, 3, 14, 5, 0, Some(250))
         );
+        assert_eq!(IbSettings::default().kick_ms, None);
         assert!(s.relaxed && IbSettings::default().relaxed);
         let off = |k: &str| (k == "ROCCL_IB_RELAXED_ORDERING").then(|| "off".to_string());
         assert!(!IbSettings::from_lookup(&off).unwrap().relaxed);
@@ -105,6 +116,7 @@ mod tests {
             ("ROCCL_IB_TIMEOUT", "x"),
             ("ROCCL_IB_RETRY_CNT", "8"),
             ("ROCCL_IB_RELAXED_ORDERING", "maybe"),
+            ("ROCCL_IB_KICK_MS", "-1"),
         ] {
             let e = IbSettings::from_lookup(&|q| (q == k).then(|| v.to_string())).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");
