@@ -34,9 +34,11 @@ use crate::error::{Error, Result};
 use crate::os::wait::PollFd;
 
 mod faults;
+mod progress;
 mod settings;
 use faults::{count, Rng};
 pub use faults::{fault_stats, FaultStats, Faults};
+use progress::{progress_thread, Nudge};
 pub use settings::{EngineSettings, TAKEOVER_DEFAULT};
 
 /// Datagrams per `recvmmsg`.
@@ -49,10 +51,6 @@ const RX_RECHECK: Duration = Duration::from_nanos(1500);
 const GROUPS: usize = 16;
 /// Bytes of one UDP GSO send (a UDP payload must stay below 65507).
 const GSO_BYTES: usize = 65000;
-/// The progress thread sleeps at most this long without a timer due...
-const PROGRESS_IDLE: Duration = Duration::from_millis(10);
-/// ...and at least this long (a timer already due is served on waking).
-const PROGRESS_MIN_SLEEP: Duration = Duration::from_micros(20);
 const DGRAM: usize = 4096 + 64;
 
 struct Pending {
@@ -143,6 +141,8 @@ pub struct UserVerbs {
     fd: i32,
     local: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// Wakes the progress thread from a sleep without a time limit (`progress`).
+    nudge: Arc<Nudge>,
     /// Pose as a NIC that reaches GPU memory (`ROCCL_ROCEV2_SIM_GPU=1`; see
     /// [`EngineSettings::sim_gpu`]).
     sim_gpu: AtomicBool,
@@ -150,64 +150,6 @@ pub struct UserVerbs {
     ib_timeout: u8,
     /// Completions in error the network saw, by status.
     wc_errors: crate::rdma::verbs::WcErrors,
-}
-
-/// The background progress thread: what a NIC does without the host. It receives,
-/// acknowledges and retransmits while the application is busy elsewhere (otherwise a peer's
-/// retry count would run out whenever a rank computes between collectives), sleeping in
-/// `poll(2)` until a datagram or the next retransmission deadline.
-/// `takeover`: it leaves the engine to the application while that polled this recently
-/// ([`EngineSettings::takeover`]).
-fn progress_thread(d: Arc<Mutex<Driver>>, fd: i32, stop: Arc<AtomicBool>, takeover: Duration) {
-    let debug = crate::log::level() >= crate::log::Level::Info;
-    let mut last_dump = Instant::now();
-    while !stop.load(Ordering::Relaxed) {
-        if debug && last_dump.elapsed() > Duration::from_secs(5) {
-            last_dump = Instant::now();
-            let g = d.lock();
-            crate::info!(
-                "RoCE v2 engine {}: {:?}\n{}",
-                g.engine.local(),
-                g.engine.stats(),
-                g.engine.describe(Instant::now())
-            );
-        }
-        // While the application polls, it drives the engine itself: stay out of its way
-        // (no lock contention, no stolen core) and only take over when it goes quiet.
-        let idle = d.lock().last_app_poll.elapsed();
-        if idle < takeover {
-            std::thread::sleep(takeover - idle);
-            continue;
-        }
-        let wait = {
-            let mut g = d.lock();
-            g.udp.background += 1;
-            let _ = g.progress();
-            g.wake(None);
-            let next = g
-                .engine
-                .poll_timeout()
-                .or_else(|| g.delayed.iter().map(|p| p.at).min());
-            // To the microsecond: an acknowledgement due in 100 µs (ACK_DELAY) waits no
-            // whole millisecond, which the peer's retransmission timer may not outlast.
-            next.map_or(PROGRESS_IDLE, |t| {
-                t.saturating_duration_since(Instant::now())
-                    .clamp(PROGRESS_MIN_SLEEP, PROGRESS_IDLE)
-            })
-        };
-        let mut p = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: wait.as_nanos() as libc::c_long,
-        };
-        // SAFETY: `p` is a valid pollfd and `ts` a valid timespec for the duration of the
-        // call; a null signal mask leaves the thread's as it is.
-        unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
-    }
 }
 
 fn udp_socket(addr: SocketAddr) -> std::io::Result<Socket> {
@@ -406,16 +348,22 @@ impl UserVerbs {
             reap_buf: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
-        let (d2, s2, takeover) = (Arc::clone(&d), Arc::clone(&stop), settings.takeover);
+        let nudge = Arc::new(
+            Nudge::new()
+                .map_err(|e| Error::sys("creating the RoCE v2 progress thread's eventfd", e))?,
+        );
+        let (d2, n2, s2) = (Arc::clone(&d), Arc::clone(&nudge), Arc::clone(&stop));
+        let takeover = settings.takeover;
         std::thread::Builder::new()
             .name("roccl-rocev2".into())
-            .spawn(move || progress_thread(d2, fd, s2, takeover))
+            .spawn(move || progress_thread(d2, n2, fd, s2, takeover))
             .map_err(|e| Error::sys("spawning the RoCE v2 progress thread", e))?;
         Ok(UserVerbs {
             d,
             fd,
             local,
             stop,
+            nudge,
             sim_gpu: AtomicBool::new(settings.sim_gpu),
             ib_timeout: settings.ib_timeout,
             wc_errors: Default::default(),
@@ -992,8 +940,33 @@ impl Drop for UserVerbs {
 }
 
 impl UserVerbs {
+    /// [`Verbs::poll_cqs`] under the driver's lock: progress, then each QP's completions.
+    fn poll_cqs_locked(&self, qps: &[QpId], out: &mut [Wc], counts: &mut [usize]) -> Result<()> {
+        let mut d = self.d.lock();
+        d.last_app_poll = d.progress()?;
+        let share = (out.len() / qps.len().max(1)).max(1);
+        let mut at = 0;
+        for (i, &qp) in qps.iter().enumerate() {
+            let q = qpn(qp);
+            let cq = d
+                .qps
+                .get(&q)
+                .filter(|s| !s.destroyed)
+                .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?
+                .cq;
+            let end = (at + share).min(out.len());
+            counts[i] = d.engine.poll_cq(cq, &mut out[at..end]);
+            at += counts[i];
+            d.unwake(q);
+        }
+        // Completions this progress made for other QPs: wake whoever sleeps on them.
+        d.wake(None);
+        Ok(())
+    }
+
     fn linger(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.nudge.wake();
         // Linger: a peer that lost our last ACK retransmits within its timeout; answer until
         // the line has been quiet for a few of its timeouts, so it completes instead of
         // failing with RETRY_EXC_ERR after we are gone.
@@ -1288,7 +1261,10 @@ impl Verbs for UserVerbs {
         let mut d = self.d.lock();
         d.engine.post_send(qpn(qp), wr)?;
         // Push the first packets out now: lower latency than waiting for the next poll.
-        d.transmit(Instant::now())
+        let r = d.transmit(Instant::now());
+        drop(d);
+        self.nudge.app_active();
+        r
     }
 
     fn local_fault(&self) -> Option<String> {
@@ -1304,7 +1280,9 @@ impl Verbs for UserVerbs {
     fn post_send_unhurried(&self, qp: QpId, wr: &SendWr) -> Result<()> {
         // The next progress (the caller's next poll, or the progress thread within
         // its takeover time) transmits it.
-        self.d.lock().engine.post_send(qpn(qp), wr)
+        let r = self.d.lock().engine.post_send(qpn(qp), wr);
+        self.nudge.app_active();
+        r
     }
 
     fn post_recv(&self, qp: QpId, wr: &RecvWr) -> Result<()> {
@@ -1318,26 +1296,10 @@ impl Verbs for UserVerbs {
     }
 
     fn poll_cqs(&self, qps: &[QpId], out: &mut [Wc], counts: &mut [usize]) -> Result<()> {
-        let mut d = self.d.lock();
-        d.last_app_poll = d.progress()?;
-        let share = (out.len() / qps.len().max(1)).max(1);
-        let mut at = 0;
-        for (i, &qp) in qps.iter().enumerate() {
-            let q = qpn(qp);
-            let cq = d
-                .qps
-                .get(&q)
-                .filter(|s| !s.destroyed)
-                .ok_or_else(|| Error::arg("poll_cq: unknown QP"))?
-                .cq;
-            let end = (at + share).min(out.len());
-            counts[i] = d.engine.poll_cq(cq, &mut out[at..end]);
-            at += counts[i];
-            d.unwake(q);
-        }
-        // Completions this progress made for other QPs: wake whoever sleeps on them.
-        d.wake(None);
-        Ok(())
+        let r = self.poll_cqs_locked(qps, out, counts);
+        // After the lock: a progress thread nudged awake finds this poll's time.
+        self.nudge.app_active();
+        r
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
@@ -1492,7 +1454,7 @@ mod tests {
         stats
     }
 
-    fn connected(a: &UserVerbs, b: &UserVerbs) -> (QpId, QpId) {
+    pub(super) fn connected(a: &UserVerbs, b: &UserVerbs) -> (QpId, QpId) {
         let (qa, ea) = a.create_qp().unwrap();
         let (qb, eb) = b.create_qp().unwrap();
         a.connect_qp(qa, &eb).unwrap();
@@ -1501,7 +1463,7 @@ mod tests {
     }
 
     /// A zero-length write with immediate from `qa` to `qb` (`b` has a receive posted).
-    fn ping(a: &UserVerbs, qa: QpId, b: &UserVerbs, qb: QpId, id: u64) {
+    pub(super) fn ping(a: &UserVerbs, qa: QpId, b: &UserVerbs, qb: QpId, id: u64) {
         b.post_recv(
             qb,
             &RecvWr {
