@@ -314,6 +314,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: Some(|v| v == "0" || v == "1"),
     },
     Setting {
+        name: "ROCCL_IB_KICK_MS",
+        accepts: "milliseconds, 0 to 3600000 (0: never kick)",
+        valid: Some(|v| v.parse::<u32>().is_ok_and(|n| n <= 3_600_000)),
+    },
+    Setting {
         name: "ROCCL_IB_RETRY_CNT",
         accepts: "0 to 7",
         valid: Some(|v| v.parse::<u8>().is_ok_and(|t| t <= 7)),
