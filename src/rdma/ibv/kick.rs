@@ -71,14 +71,17 @@ pub(super) struct SendWatch {
     seen: Mutex<Seen>,
 }
 
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 struct Seen {
     posted: u64,
     completed: u64,
     /// When the counts last changed (or the look that first saw them).
     since: Option<Instant>,
-    /// Kicks since the last completion.
+    /// Kicks in a row: reset only once everything posted up to the last kick completed, so
+    /// no more than [`MAX_KICKS`] are ever in the send queue.
     kicks: u32,
+    /// Signaled sends posted up to the last kick (itself included, counted by the caller).
+    kicked_at: u64,
 }
 
 /// A kick the watch asks for.
@@ -113,7 +116,7 @@ impl SendWatch {
         let posted = self.posted.load(Ordering::Relaxed);
         let completed = self.completed.load(Ordering::Relaxed);
         let mut s = self.seen.lock();
-        if completed != s.completed {
+        if completed >= s.kicked_at {
             s.kicks = 0;
         }
         let moved = (posted, completed) != (s.posted, s.completed);
@@ -122,7 +125,7 @@ impl SendWatch {
                 posted,
                 completed,
                 since: Some(now),
-                kicks: s.kicks,
+                ..*s
             };
             return None;
         }
@@ -131,6 +134,7 @@ impl SendWatch {
             return None;
         }
         s.kicks += 1;
+        s.kicked_at = posted + 1;
         s.since = Some(now);
         Some(Kick {
             outstanding: posted - completed,
@@ -179,9 +183,19 @@ mod tests {
             None,
             "no more than MAX_KICKS in a row"
         );
-        // A completion resets the count of kicks; everything completed: nothing to kick.
-        w.completed(4);
+        // The stalled send completes, its kicks not yet: no new kicks while they are queued,
+        // whatever stalls next (at most MAX_KICKS in the send queue).
+        w.completed(1);
+        w.posted();
         assert_eq!(w.due(at(9010), AFTER), None);
+        assert_eq!(
+            w.due(at(11000), AFTER),
+            None,
+            "kicks still queued: none more"
+        );
+        // Everything completed, kicks too: the count restarts; nothing outstanding.
+        w.completed(4);
+        assert_eq!(w.due(at(11010), AFTER), None);
         assert_eq!(w.due(at(20000), AFTER), None, "nothing outstanding");
         w.posted();
         assert_eq!(w.due(at(20010), AFTER), None);

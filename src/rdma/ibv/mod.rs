@@ -140,6 +140,15 @@ unsafe impl Send for Dev {}
 unsafe impl Sync for Dev {}
 
 impl Dev {
+    /// Send-queue entries each QP keeps for kicks (`kick`): none where kicks are off.
+    fn kick_slots(&self) -> u32 {
+        if self.kick_after.is_some() {
+            KICK_SLOTS
+        } else {
+            0
+        }
+    }
+
     fn cx(&self) -> Context {
         Context {
             dev: self.name.clone(),
@@ -689,9 +698,9 @@ impl Verbs for IbvVerbs {
             let fl = libc::fcntl(fd, libc::F_GETFL);
             libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
         }
+        let cq_size = (2 * QUEUE + dev.kick_slots()) as c_int;
         // SAFETY: `dev.ctx` and `chan` are live.
-        let cq =
-            unsafe { ffi::ibv_create_cq(dev.ctx, (2 * QUEUE) as c_int, ptr::null_mut(), chan, 0) };
+        let cq = unsafe { ffi::ibv_create_cq(dev.ctx, cq_size, ptr::null_mut(), chan, 0) };
         if cq.is_null() {
             let e = errno();
             // SAFETY: created above, unused.
@@ -704,7 +713,7 @@ impl Verbs for IbvVerbs {
             let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
             init.send_cq = cq;
             init.recv_cq = cq;
-            init.cap.max_send_wr = QUEUE + KICK_SLOTS;
+            init.cap.max_send_wr = QUEUE + dev.kick_slots();
             init.cap.max_recv_wr = QUEUE;
             init.cap.max_send_sge = 1;
             init.cap.max_recv_sge = 1;

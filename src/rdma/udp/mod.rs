@@ -965,7 +965,7 @@ impl UserVerbs {
     }
 
     fn linger(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::Release);
         self.nudge.wake();
         // Linger: a peer that lost our last ACK retransmits within its timeout; answer until
         // the line has been quiet for a few of its timeouts, so it completes instead of
@@ -1255,6 +1255,9 @@ impl Verbs for UserVerbs {
             d.closing = true;
             let _ = d.engine.close_qp(qpn(qp), Instant::now());
         }
+        drop(d);
+        // A thread asleep with nothing pending comes back to free it.
+        self.nudge.app_active();
     }
 
     fn post_send(&self, qp: QpId, wr: &SendWr) -> Result<()> {

@@ -85,7 +85,7 @@ pub(super) fn progress_thread(
 ) {
     let debug = crate::log::level() >= crate::log::Level::Info;
     let mut last_dump = Instant::now();
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Acquire) {
         if debug && last_dump.elapsed() > DUMP_EVERY {
             last_dump = Instant::now();
             let g = d.lock();
@@ -179,6 +179,7 @@ mod tests {
 
     use super::super::tests::{connected, ping};
     use super::super::{EngineSettings, Faults, UserVerbs};
+    use crate::rdma::verbs::Verbs;
 
     fn open() -> UserVerbs {
         let settings = EngineSettings {
@@ -246,6 +247,20 @@ mod tests {
             b.stats().rx_packets > 0
         });
         assert!(a.stats().retransmits > 0);
+    }
+
+    /// A QP destroyed while the thread sleeps with nothing pending is freed with nobody
+    /// polling: the destroy nudged the thread, which frees closed QPs once they are quiet.
+    #[test]
+    fn a_queue_pair_destroyed_beside_a_sleeping_engine_is_freed() {
+        let (a, b) = (open(), open());
+        let (qa, qb) = connected(&a, &b);
+        std::thread::sleep(Duration::from_millis(30)); // both threads sleep, no time limit
+        a.destroy_qp(qa);
+        b.destroy_qp(qb);
+        within_5s("a destroyed QP was never freed", || {
+            a.open_qps() == (0, 0) && b.open_qps() == (0, 0)
+        });
     }
 
     /// Dropping the provider ends its thread, asleep with no time limit: the receive socket
