@@ -37,11 +37,12 @@ rxe_job pair-rxe-engine "a h" "" @rdma_pair
 rxe_job pair-rxe-rxe "a b" "" @rdma_pair
 rxe_job engine-rxe "h a" "" $all -b 8 -e 1M -n 2 -w 1
 rxe_job rxe-engine "a h" "" --op all_reduce,all_to_all --check -b 8 -e 1M -n 2 -w 1
-# At INFO, so that the engine's queue pairs are dumped every 5 s. This job hung twice under a
-# busy core (2026-12-07: rxe's requester stopped mid-write, a lost wake-up in Debian 6.1's rxe):
-# the verbs provider now kicks a QP whose sends make no progress (src/rdma/ibv/kick.rs). Kicks
-# every 200 ms here, so that they go out behind every 64 MiB write (3 s under TCG), and the
-# job checks they did, and did no harm, against the engine as responder.
+# At INFO, so that the engine's queue pairs are dumped every 5 s. This job hung three times
+# on a loaded machine (rxe's requester stopped mid-write, every packet it had sent received
+# by the engine): the verbs provider kicks a QP whose sends make no progress
+# (src/rdma/ibv/kick.rs). Kicks every 200 ms here, so that they go out behind every 64 MiB
+# write (3 s under TCG), and the job checks they did, and did no harm, against the engine as
+# responder.
 rxe_job engine-rxe-64M "h a" "ROCCL_DEBUG=INFO ROCCL_IB_KICK_MS=200" $all -b 64M -e 64M -n 1 -w 0 --out-of-place
 rxe_expect_log "rxe0: QP 0x[0-9a-f]+: [0-9]+ send\(s\) outstanding.*kick 1 of"
 rxe_job engine-rxe-faults "h a" "$faults" $all -b 8 -e 256K -n 2 -w 1

@@ -35,6 +35,11 @@ JOB_LIMIT=${JOB_LIMIT:-300}
 # each queue pair's state and PSNs; the NIC's non-zero counters) in $RXE_OUT/NAME.peek-SIDE:
 # a job that hangs (ROCCL_TIMEOUT is 60 s) then shows where rxe stood.
 JOB_PEEK=${JOB_PEEK:-45}
+# A VM side also watches its NIC through each job: once eth0 has sent nothing for
+# JOB_STALL seconds, it records the kernel's view then (queue pairs, the NIC's counters, the
+# queueing discipline's, the NIC's interrupts) in $RXE_OUT/NAME.stall-SIDE: where a job
+# that stopped moving stood, whatever the fixed-time look above saw.
+JOB_STALL=${JOB_STALL:-5}
 # How long a side waits at a job's barrier for the others, which may be busy with jobs of
 # their own before it (the VMs' own time limit bounds the whole).
 JOB_BARRIER=${JOB_BARRIER:-1200}
@@ -92,6 +97,14 @@ rxe_side_script() {
     "while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
     "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && { echo \"barrier \$1: \$(cat \"$RXE_OUT/ended.\$v\")\"; return 2; }; done;" \
     "[ \$((SECONDS - t)) -gt $JOB_BARRIER ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
+  if [ "$side" != h ]; then
+    echo "stallwatch() { local prev= same=0 tx; while sleep 1; do" \
+      "tx=\$(cat /sys/class/net/eth0/statistics/tx_packets);" \
+      "if [ \"\$tx\" = \"\$prev\" ]; then same=\$((same + 1)); else same=0; fi; prev=\$tx;" \
+      "if [ \$same = $JOB_STALL ]; then { date +%s; echo \"eth0 sent nothing for $JOB_STALL s (tx_packets \$tx)\";" \
+      "rdma res show qp | grep -v GSI; ethtool -S eth0 | grep -v ': 0\$'; tc -s qdisc show dev eth0;" \
+      "grep -i virtio /proc/interrupts; } >\"\$1\" 2>&1; return; fi; done; }"
+  fi
   echo "await() { local t=\$SECONDS v; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
     "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && return 1; done;" \
     "[ \$((SECONDS - t)) -gt 600 ] && return 1; sleep 0.2; done; }"
@@ -129,9 +142,10 @@ rxe_side_script() {
     done
     if [ "$side" != h ]; then
       echo "( sleep $JOB_PEEK; { date +%s; rdma res show qp; ethtool -S eth0 | grep -v ': 0\$'; } >\"$RXE_OUT/${JOB_NAMES[$j]}.peek-$side\" 2>&1 ) & peek=\$!"
+      echo "stallwatch \"$RXE_OUT/${JOB_NAMES[$j]}.stall-$side\" & stall=\$!"
     fi
     echo "for p in \"\${pids[@]}\"; do wait \$p || echo \"$side exit \$?\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.failed\"; done"
-    [ "$side" != h ] && echo "kill \$peek 2>/dev/null"
+    [ "$side" != h ] && echo "kill \$peek \$stall 2>/dev/null"
     echo "echo \"$side end \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
     echo "fi"
   done
@@ -198,6 +212,11 @@ rxe_jobs_check() {
         [ -f "$f" ] || continue
         echo "     ---- ${f##*.peek-}'s kernel ${JOB_PEEK} s into the job (rdma res show qp; ethtool -S eth0)"
         head -40 "$f" | sed 's/^/     | /'
+      done
+      for f in "$RXE_OUT/$name".stall-*; do
+        [ -f "$f" ] || continue
+        echo "     ---- ${f##*.stall-}'s kernel once its NIC had sent nothing for ${JOB_STALL} s"
+        head -60 "$f" | sed 's/^/     | /'
       done
       failed=$((failed + 1))
     fi
