@@ -16,6 +16,11 @@
 #   rxe_expect_log REGEX
 #        the last job must also leave a line matching REGEX in some rank's log (something
 #        the job must have done on the way, not only its results)
+#   rxe_again_if_stalled
+#        the last job runs once more (as NAME.again) when it failed while a VM's NIC sent
+#        nothing for JOB_STALL seconds (its NAME.stall-SIDE exists): Linux rxe under TCG on a
+#        loaded host can stop sending for good mid-message (docs/ROCE.md, "The rxe stall");
+#        the report says so and shows the kernel's view; the second run must pass
 #   rxe_side_script SIDE    the script that runs SIDE's ranks of every job
 #   rxe_jobs_check          prints each job's outcome; returns how many failed
 #
@@ -30,6 +35,8 @@ JOB_ACT_SIDE=()
 JOB_ACT=()
 JOB_EXPECT=()
 JOB_LOG=()
+# For a job's second run (rxe_again_if_stalled): the index of its first run; "" otherwise.
+JOB_AGAIN_OF=()
 JOB_LIMIT=${JOB_LIMIT:-300}
 # Seconds into a job when a VM side records its kernel's view of the job (`rdma res show qp`:
 # each queue pair's state and PSNs; the NIC's non-zero counters) in $RXE_OUT/NAME.peek-SIDE:
@@ -58,6 +65,27 @@ rxe_job() {
   JOB_ACT+=("")
   JOB_EXPECT+=(ok)
   JOB_LOG+=("")
+  JOB_AGAIN_OF+=("")
+}
+
+rxe_again_if_stalled() {
+  [ "${JOB_KEPT:-0}" = 1 ] || return 0
+  local last=$((${#JOB_NAMES[@]} - 1))
+  JOB_NAMES+=("${JOB_NAMES[last]}.again")
+  JOB_PLACES+=("${JOB_PLACES[last]}")
+  JOB_ENVS+=("${JOB_ENVS[last]}")
+  JOB_ARGS+=("${JOB_ARGS[last]}")
+  JOB_ACT_SIDE+=("")
+  JOB_ACT+=("")
+  JOB_EXPECT+=(ok)
+  JOB_LOG+=("${JOB_LOG[last]}")
+  JOB_AGAIN_OF+=("$last")
+}
+
+# Whether job J failed while a VM's NIC had stopped sending (the condition of its second run).
+rxe_job_stalled() {
+  local name=${JOB_NAMES[$1]}
+  [ -f "$RXE_OUT/$name.failed" ] && ls "$RXE_OUT/$name".stall-* >/dev/null 2>&1
 }
 
 rxe_fault() {
@@ -98,12 +126,46 @@ rxe_side_script() {
     "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && { echo \"barrier \$1: \$(cat \"$RXE_OUT/ended.\$v\")\"; return 2; }; done;" \
     "[ \$((SECONDS - t)) -gt $JOB_BARRIER ] && { echo \"barrier \$1: the other side never came\"; return 1; }; sleep 0.2; done; }"
   if [ "$side" != h ]; then
-    echo "stallwatch() { local prev= same=0 tx; while sleep 1; do" \
-      "tx=\$(cat /sys/class/net/eth0/statistics/tx_packets);" \
-      "if [ \"\$tx\" = \"\$prev\" ]; then same=\$((same + 1)); else same=0; fi; prev=\$tx;" \
-      "if [ \$same = $JOB_STALL ]; then { date +%s; echo \"eth0 sent nothing for $JOB_STALL s (tx_packets \$tx)\";" \
-      "rdma res show qp | grep -v GSI; ethtool -S eth0 | grep -v ': 0\$'; tc -s qdisc show dev eth0;" \
-      "grep -i virtio /proc/interrupts; } >\"\$1\" 2>&1; return; fi; done; }"
+    echo "JOB_STALL=$JOB_STALL"
+    cat <<'EOF'
+stalltrace_off() {
+  echo nop >/sys/kernel/tracing/current_tracer
+  echo 0 >/sys/kernel/tracing/events/kprobes/enable
+  echo 'module rdma_rxe -p' >/sys/kernel/debug/dynamic_debug/control
+} 2>/dev/null
+# stallwatch FILE: once eth0 has sent nothing for JOB_STALL s, writes the kernel's view to
+# FILE, then traces rxe for 6 s (its debug messages, its tasks and timers, what the requester
+# and completer return) and appends that: which of rxe's parts still run in a stall.
+stallwatch() {
+  local prev= same=0 tx t=/sys/kernel/tracing f
+  while sleep 1; do
+    tx=$(cat /sys/class/net/eth0/statistics/tx_packets)
+    if [ "$tx" = "$prev" ]; then same=$((same + 1)); else same=0; fi
+    prev=$tx
+    [ "$same" = "$JOB_STALL" ] && break
+  done
+  { date +%s; echo "eth0 sent nothing for $JOB_STALL s (tx_packets $tx)"; rdma res show qp | grep -v GSI
+    ethtool -S eth0 | grep -v ': 0$'; tc -s qdisc show dev eth0; grep -i virtio /proc/interrupts; } >"$1" 2>&1
+  mount -t debugfs none /sys/kernel/debug 2>/dev/null
+  mount -t tracefs none "$t" 2>/dev/null
+  [ -w "$t/current_tracer" ] || return 0
+  echo 'r:rxe_req_ret rdma_rxe:rxe_requester ret=$retval' >>"$t/kprobe_events" 2>/dev/null
+  echo 'r:rxe_comp_ret rdma_rxe:rxe_completer ret=$retval' >>"$t/kprobe_events" 2>/dev/null
+  for f in rxe_post_send rxe_requester rxe_completer retransmit_timer rnr_nak_timer rxe_xmit_packet rxe_skb_tx_dtor; do
+    echo "$f" >>"$t/set_ftrace_filter" 2>/dev/null
+  done
+  echo >"$t/trace"
+  # Tracing stops when the job ends first (the side kills the watcher then).
+  trap 'stalltrace_off; exit 0' TERM
+  echo 'module rdma_rxe +p' >/sys/kernel/debug/dynamic_debug/control 2>/dev/null
+  echo 1 >"$t/events/kprobes/enable" 2>/dev/null
+  echo function >"$t/current_tracer"
+  sleep 6
+  stalltrace_off
+  { echo "---- 6 s of rxe's functions (ftrace), then its debug messages"; rdma res show qp | grep -v GSI
+    grep -v '^#' "$t/trace" | tail -400; dmesg | grep -v 'speed is unknown' | tail -200; } >>"$1" 2>&1
+}
+EOF
   fi
   echo "await() { local t=\$SECONDS v; while [ \"\$(ls \"$RXE_OUT\"/sync.\$1.* 2>/dev/null | wc -l)\" -lt \"\$2\" ]; do" \
     "for v in \$3; do [ -f \"$RXE_OUT/ended.\$v\" ] && return 1; done;" \
@@ -124,7 +186,12 @@ rxe_side_script() {
     root="$(rxe_side_ip "${places[0]}"):$((29600 + j))"
     echo "barrier $j $sides \"$machines\"; r=\$?"
     echo "[ \$r = 1 ] && exit 1"
-    echo "if [ \$r = 0 ]; then"
+    local again=""
+    if [ -n "${JOB_AGAIN_OF[$j]:-}" ]; then
+      local first=$RXE_OUT/${JOB_NAMES[${JOB_AGAIN_OF[$j]}]}
+      again=" && [ -f \"$first.failed\" ] && ls \"$first\".stall-* >/dev/null 2>&1"
+    fi
+    echo "if [ \$r = 0 ]$again; then"
     echo "echo \"$side start \$(date +%s)\" >>\"$RXE_OUT/${JOB_NAMES[$j]}.times\""
     if [ "${JOB_ACT_SIDE[$j]}" = "$side" ]; then
       echo "( ${JOB_ACT[$j]} ) >>\"$RXE_OUT/${JOB_NAMES[$j]}.action\" 2>&1 &"
@@ -181,6 +248,20 @@ rxe_jobs_check() {
   for j in "${!JOB_NAMES[@]}"; do
     name=${JOB_NAMES[$j]}
     read -ra places <<<"${JOB_PLACES[$j]}"
+    # A second run counts only where the first stalled; a first run that stalled is reported
+    # with what its VM's kernel saw, and its second run decides.
+    if [ -n "${JOB_AGAIN_OF[$j]:-}" ] && ! rxe_job_stalled "${JOB_AGAIN_OF[$j]}"; then
+      continue
+    fi
+    if [ -n "${JOB_AGAIN_OF[$j + 1]:-}" ] && rxe_job_stalled "$j"; then
+      echo "   STALLED: $name (a VM's NIC sent nothing for ${JOB_STALL} s, and the job timed out: rxe stopped sending; docs/ROCE.md, \"The rxe stall\"); it runs once more"
+      grep -h "roccl-perf: error" "$RXE_OUT/$name".*.log 2>/dev/null | cut -c1-300 | sed 's/^/       /'
+      for f in "$RXE_OUT/$name".stall-*; do
+        echo "     ---- ${f##*.stall-}'s kernel once its NIC had sent nothing for ${JOB_STALL} s"
+        head -60 "$f" | sed 's/^/     | /'
+      done
+      continue
+    fi
     local expect=${JOB_EXPECT[$j]}
     if [[ "$expect" == ok-or:* && -f "$RXE_OUT/$name.failed" ]]; then
       expect=${expect#ok-or:}
