@@ -129,7 +129,9 @@ rxe_side_script() {
     echo "JOB_STALL=$JOB_STALL"
     cat <<'EOF'
 stalltrace_off() {
+  echo 0 >/sys/kernel/tracing/tracing_on
   echo nop >/sys/kernel/tracing/current_tracer
+  echo 1 >/sys/kernel/tracing/tracing_on
   echo 0 >/sys/kernel/tracing/events/kprobes/enable
   echo 'module rdma_rxe -p' >/sys/kernel/debug/dynamic_debug/control
 } 2>/dev/null
@@ -161,9 +163,12 @@ stallwatch() {
   echo 1 >"$t/events/kprobes/enable" 2>/dev/null
   echo function >"$t/current_tracer"
   sleep 6
+  # Read before the tracer changes: changing it empties the buffer.
+  echo 0 >"$t/tracing_on"
+  { echo "---- 6 s of rxe's functions (ftrace: $(grep -c . "$t/set_ftrace_filter") functions," \
+      "$(grep -c . "$t/kprobe_events") return probes), then its debug messages"
+    rdma res show qp | grep -v GSI; grep -v '^#' "$t/trace" | tail -400; dmesg | grep rxe | tail -200; } >>"$1" 2>&1
   stalltrace_off
-  { echo "---- 6 s of rxe's functions (ftrace), then its debug messages"; rdma res show qp | grep -v GSI
-    grep -v '^#' "$t/trace" | tail -400; dmesg | grep -v 'speed is unknown' | tail -200; } >>"$1" 2>&1
 }
 EOF
   fi
