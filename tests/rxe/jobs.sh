@@ -71,15 +71,10 @@ rxe_job() {
 rxe_again_if_stalled() {
   [ "${JOB_KEPT:-0}" = 1 ] || return 0
   local last=$((${#JOB_NAMES[@]} - 1))
-  JOB_NAMES+=("${JOB_NAMES[last]}.again")
-  JOB_PLACES+=("${JOB_PLACES[last]}")
-  JOB_ENVS+=("${JOB_ENVS[last]}")
-  JOB_ARGS+=("${JOB_ARGS[last]}")
-  JOB_ACT_SIDE+=("")
-  JOB_ACT+=("")
-  JOB_EXPECT+=(ok)
-  JOB_LOG+=("${JOB_LOG[last]}")
-  JOB_AGAIN_OF+=("$last")
+  # shellcheck disable=SC2086 # the arguments were kept as one string
+  RXE_JOBS="" rxe_job "${JOB_NAMES[last]}.again" "${JOB_PLACES[last]}" "${JOB_ENVS[last]}" ${JOB_ARGS[last]}
+  JOB_LOG[last + 1]=${JOB_LOG[last]}
+  JOB_AGAIN_OF[last + 1]=$last
 }
 
 # Whether job J failed while a VM's NIC had stopped sending (the condition of its second run).
