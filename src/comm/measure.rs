@@ -67,7 +67,7 @@ pub struct MeasuredLink {
     pub net: &'static str,
     /// Its lane: 0 for the main network, else 1 + its place in tcp, rocev2, verbs.
     pub lane: usize,
-    /// Half the fastest of [`PINGS`] round trips of an 8-byte message, in µs.
+    /// Half the fastest of 16 round trips of an 8-byte message, in µs.
     pub alpha_us: f64,
     /// Bytes per second over the fastest burst, in GB/s.
     pub beta_gbs: f64,
