@@ -183,6 +183,11 @@ pub const SETTINGS: &[Setting] = &[
         valid: None,
     },
     Setting {
+        name: "ROCCL_CPU_BIND",
+        accepts: "auto, 1 or 0",
+        valid: Some(|v| v.eq_ignore_ascii_case("auto") || switch(v)),
+    },
+    Setting {
         name: "ROCCL_MEASURE",
         accepts: SWITCH,
         valid: Some(switch),

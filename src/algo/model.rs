@@ -75,6 +75,26 @@ impl Default for LinkCost {
     }
 }
 
+/// The cost in µs of one synchronisation of the shared-memory algorithms among
+/// `local_ranks` ranks of a host with `cores` cores ([`LinkCost::flat_sync_us`]).
+///
+/// With a core per rank it is a cache-line transfer. With ranks sharing cores each one
+/// costs a context switch, and more where the ranks compute between calls: a rank that
+/// arrived sleeps or yields while its core's other rank computes, and every
+/// synchronisation after the last arrival waits for them all to run again. Lockstep
+/// 4-rank all-reduces on 2 cores (`roccl-perf --ranks 4`) ran the one-shot faster up to 4
+/// KiB (5.1 against 6.2 µs) and the two-shot from 16 KiB (11.2 against 13.4 µs); in
+/// Hugging Face tensor-parallel decode (4 KiB per call) the two-shot's second
+/// synchronisation held the last rank to arrive for about 1 ms, the one-shot 20 µs
+/// (docs/PERFORMANCE.md). 3 µs per rank a core holds puts the choice between those sizes.
+pub fn flat_sync_us(local_ranks: usize, cores: usize) -> f64 {
+    if local_ranks > cores {
+        3.0 * local_ranks as f64 / cores.max(1) as f64
+    } else {
+        0.3
+    }
+}
+
 /// Which collective a call is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CollKind {

@@ -80,15 +80,7 @@ pub(super) fn agreed_cost(blobs: &[Blob], shm_net: bool, node: Option<(usize, bo
             } else {
                 10.0 * v.local_ranks as f64 / v.cores as f64
             },
-            // With a core per rank a synchronisation is a cache-line transfer; with ranks
-            // sharing cores it costs a context switch.
-            flat_sync_us: node.map(|_| {
-                if v.local_ranks > v.cores {
-                    v.local_ranks as f64 / v.cores as f64
-                } else {
-                    0.3
-                }
-            }),
+            flat_sync_us: node.map(|_| crate::algo::model::flat_sync_us(v.local_ranks, v.cores)),
             copy_gbs: speeds.copy_gbs,
             cpu_share: share,
             flat_slot: node.map_or(256 << 10, |n| n.0),

@@ -17,7 +17,7 @@ use crate::os::wait::Waiter;
 
 use super::config::EXTRA_NETS;
 use super::tickets::Tickets;
-use super::{agree, blob, stream, Broken, Communicator, Config, GpuDirect, Shared, State};
+use super::{agree, blob, stream, Broken, Communicator, Config, CpuBind, GpuDirect, Shared, State};
 
 /// The name a communicator reports: its network, or shared memory when every peer is on this
 /// host, or both.
@@ -119,6 +119,9 @@ impl Communicator {
         let (blobs, shm) = table_blobs(&table, rank, (net.name(), &mine), shm, shm_between_hosts)?;
         let given = cfg.clone();
         let place = Placement::of(&blobs, rank, shm.is_some());
+        if cfg.net != NetKind::Sim {
+            bind_thread(cfg.cpu_bind, &place, rank);
+        }
         let mut cfg = cfg;
         cfg.waiter.fit(place.local_ranks, place.cores);
         // Large messages take a channel per NIC of the fewest any rank has (the same on
@@ -463,6 +466,8 @@ struct Placement {
     peer_net: Vec<usize>,
     shm_peers: usize,
     nranks: usize,
+    /// Every rank of this host runs in a process of its own (not several as threads of one).
+    own_processes: bool,
 }
 
 impl Placement {
@@ -485,12 +490,58 @@ impl Placement {
             peer_net,
             shm_peers,
             nranks: blobs.len(),
+            own_processes: {
+                let mut procs: Vec<_> = blobs
+                    .iter()
+                    .filter(|b| b.host == my_host)
+                    .map(|b| (b.pid_ns, b.pid))
+                    .collect();
+                let all = procs.len();
+                procs.sort_unstable();
+                procs.dedup();
+                procs.len() == all
+            },
         }
     }
 
     /// Peers reached over the network.
     fn other_peers(&self) -> usize {
         self.nranks - 1 - self.shm_peers
+    }
+}
+
+thread_local! {
+    /// An earlier communicator's init on this thread decided its CPU binding.
+    static BIND_DECIDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Bind the calling thread to one CPU as [`Config::cpu_bind`] says: the first
+/// communicator a thread creates decides (torch creates the world's first, then subgroups
+/// whose ranks would number the host's differently). `auto` binds only ranks that are
+/// processes of their own: ranks run as threads of one process (tests, roccl-perf, which
+/// binds its own) are left to their program. A thread that may already run on one CPU only
+/// (bound by its launcher) is left alone; a failure only costs speed, so it is said and the
+/// init goes on.
+fn bind_thread(bind: CpuBind, place: &Placement, rank: usize) {
+    if bind == CpuBind::Off || BIND_DECIDED.with(|d| d.replace(true)) {
+        return;
+    }
+    if bind == CpuBind::Auto && (place.local_ranks <= place.cores || !place.own_processes) {
+        return;
+    }
+    let cpus = match crate::os::allowed_cpus() {
+        Ok(cpus) if cpus.len() > 1 => cpus,
+        _ => return,
+    };
+    let cpu = cpus[place.local_index * cpus.len() / place.local_ranks.max(1)];
+    match crate::os::bind_to_cpu(cpu) {
+        Ok(()) => crate::info!(
+            "rank {rank}: {} ranks on this host's {} cores: this thread now runs on CPU {cpu} \
+             only (ROCCL_CPU_BIND=0 leaves it free)",
+            place.local_ranks,
+            place.cores
+        ),
+        Err(e) => crate::info!("rank {rank}: not bound to CPU {cpu} ({e}); it runs unbound"),
     }
 }
 
@@ -1022,4 +1073,64 @@ fn comm_metrics(
         );
     }
     metrics
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn placed(local_ranks: usize, local_index: usize, own_processes: bool) -> Placement {
+        Placement {
+            my_host: 1,
+            local_ranks,
+            local_index,
+            cores: 2,
+            peer_net: vec![1; local_ranks],
+            shm_peers: local_ranks - 1,
+            nranks: local_ranks,
+            own_processes,
+        }
+    }
+
+    /// The CPUs a fresh thread may use after `bind_thread` ran on it once or twice.
+    fn after(steps: Vec<(CpuBind, Placement)>) -> Vec<usize> {
+        std::thread::spawn(move || {
+            for (bind, place) in &steps {
+                bind_thread(*bind, place, 0);
+            }
+            crate::os::allowed_cpus().unwrap()
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn a_rank_sharing_cores_is_bound_to_the_cpu_at_its_place_once() {
+        let all = crate::os::allowed_cpus().unwrap();
+        if all.len() < 2 {
+            eprintln!("SKIPPED: this process may run on {} CPU only", all.len());
+            return;
+        }
+        // Rank 2 of 4 on this host: the CPU half-way along the ones allowed.
+        let at = |i: usize| vec![all[i * all.len() / 4]];
+        assert_eq!(after(vec![(CpuBind::Auto, placed(4, 2, true))]), at(2));
+        assert_eq!(after(vec![(CpuBind::Auto, placed(4, 0, true))]), at(0));
+        // The first communicator decides: a subgroup where the rank is first stays put.
+        assert_eq!(
+            after(vec![
+                (CpuBind::Auto, placed(4, 3, true)),
+                (CpuBind::Auto, placed(2, 0, true))
+            ]),
+            at(3)
+        );
+        // Left free: off; a core per rank; ranks that are threads of one process.
+        assert_eq!(after(vec![(CpuBind::Off, placed(4, 2, true))]), all);
+        assert_eq!(after(vec![(CpuBind::Auto, placed(2, 1, true))]), all);
+        assert_eq!(after(vec![(CpuBind::Auto, placed(4, 2, false))]), all);
+        // On: bound even with a core per rank.
+        assert_eq!(
+            after(vec![(CpuBind::On, placed(2, 1, true))]),
+            vec![all[all.len() / 2]]
+        );
+    }
 }

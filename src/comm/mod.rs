@@ -40,7 +40,7 @@ pub(crate) use api::P2pMem;
 pub use api::{CallInfo, CallOpts, ClosedConnections, Collective, P2p};
 #[cfg(feature = "fuzzing")]
 pub(crate) use blob::fuzz_seed_blob;
-pub use config::{Config, ConfigBuilder, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
+pub use config::{Config, ConfigBuilder, CpuBind, GpuDirect, Hier, GPU_DIRECT_MIN, RING_WINDOW};
 pub(crate) use measure::describe_steps;
 pub use measure::{MeasuredLink, MeasuredLinks, NetChoice};
 pub use queue::{Handle, Turn};

@@ -112,6 +112,30 @@ fn shared_memory_algorithms_only_where_mapped() {
     );
 }
 
+/// Four ranks on two cores, with the costs this machine's init takes (β 1.3 GB/s, γ 3.1
+/// GB/s, copy 2.5 GB/s): the one-shot all-reduce up to a few KiB (a decode step's 4 KiB: its one
+/// synchronisation against the two-shot's two), the two-shot from 16 KiB, as measured.
+#[test]
+fn ranks_sharing_cores_take_the_one_shot_for_small_all_reduces() {
+    let t = Tuning::default();
+    let shared = LinkCost {
+        alpha_us: 1.0,
+        beta_gbs: 1.3,
+        gamma_gbs: 3.1,
+        wire_gamma_gbs: 52.0,
+        copy_gbs: 2.5,
+        cpu_share: 0.5,
+        msg_cpu_us: 2.0,
+        flat_sync_us: Some(flat_sync_us(4, 2)),
+        ..LinkCost::default()
+    };
+    let pick = |bytes: usize| choose(CollKind::AllReduce, 4, bytes, &shared, None, &t).0;
+    assert_eq!(pick(4 << 10), Algo::ShmOneShot);
+    assert_eq!(pick(16 << 10), Algo::ShmTwoShot);
+    assert_eq!(pick(64 << 10), Algo::ShmTwoShot);
+    assert_eq!(flat_sync_us(2, 2), 0.3, "a core per rank");
+}
+
 /// A 2-rank ring all-gather over a network link sends each block as one message (up to
 /// 16 MiB); with more ranks (slices are forwarded), over shared memory or with a slice
 /// set by the user, the usual slices stay.
