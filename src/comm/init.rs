@@ -518,10 +518,10 @@ thread_local! {
 /// Bind the calling thread to one CPU as [`Config::cpu_bind`] says: the first
 /// communicator a thread creates decides (torch creates the world's first, then subgroups
 /// whose ranks would number the host's differently). `auto` binds only ranks that are
-/// processes of their own: ranks run as threads of one process (tests, roccl-perf, which
-/// binds its own) are left to their program. A thread that may already run on one CPU only
-/// (bound by its launcher) is left alone; a failure only costs speed, so it is said and the
-/// init goes on.
+/// processes of their own: ranks run as threads of one process (tests) are left to their
+/// program. A thread that may already run on one CPU only (bound by its launcher, or by
+/// `roccl-perf --bind auto`) is left alone; a failure only costs speed, so it is said and
+/// the init goes on.
 fn bind_thread(bind: CpuBind, place: &Placement, rank: usize) {
     if bind == CpuBind::Off || BIND_DECIDED.with(|d| d.replace(true)) {
         return;
