@@ -167,11 +167,16 @@ fn strangers_everywhere(net: NetKind) {
     let attacked = parking_lot::Mutex::new(Vec::new());
     let after = || {
         let ports = attacked.lock().clone();
-        let garbage: Vec<SocketAddr> = held
+        // Each garbage stranger's connection as (its address, the listener's): a port the
+        // kernel gave one stranger may also be the local port of the job's own connection to
+        // another listener, so a stranger is told by both ends.
+        let garbage: Vec<(SocketAddr, SocketAddr)> = held
             .lock()
             .iter()
             .filter(|(kind, _)| *kind == Stranger::Garbage)
-            .filter_map(|(_, s): &(Stranger, TcpStream)| s.local_addr().ok())
+            .filter_map(|(_, s): &(Stranger, TcpStream)| {
+                Some((s.local_addr().ok()?, s.peer_addr().ok()?))
+            })
             .collect();
         assert!(!garbage.is_empty());
         let give_up = Instant::now() + Duration::from_secs(5);
@@ -179,7 +184,7 @@ fn strangers_everywhere(net: NetKind) {
             // (the listener's address, the stranger's)
             let kept: Vec<(SocketAddr, SocketAddr)> = own_connections()
                 .into_iter()
-                .filter(|(_, peer)| garbage.contains(peer))
+                .filter(|(listener, peer)| garbage.contains(&(*peer, *listener)))
                 .collect();
             if kept.is_empty() {
                 break;
@@ -241,6 +246,98 @@ fn strangers_do_not_stop_a_tcp_job() {
 fn strangers_do_not_stop_a_shm_job() {
     let _alone = ALONE.lock();
     strangers_everywhere(NetKind::Shm);
+}
+
+/// Whether the listener has closed its side of `s` (a stranger's connection): its read
+/// ends (EOF, or a reset where the listener left bytes unread) within `within`.
+fn closed_by_listener(s: &mut TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue, // a listener never answers a stranger, but read on
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return false
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+/// One setup listener, one of the job's connections, and strangers that send garbage (more
+/// than any setup message) before the connection's first message and between its steps:
+/// every call to the listener refuses every stranger whose bytes had arrived, including the
+/// call that hands out the connection. Before the fix that call returned at the connection
+/// and left the strangers queued after it, held until some later call that, once the job's
+/// connections were made, never came (`strangers_do_not_stop_a_*_job` failed so now and
+/// then on a loaded machine).
+fn strangers_beside_a_connection(kind: NetKind) {
+    let _alone = ALONE.lock();
+    let ip = roccl::bootstrap::ifaces::local_addr(None).unwrap();
+    let net = roccl::net::open(kind, ip, &roccl::net::NetSettings::default()).unwrap();
+    let before = listening_ports();
+    let (handle, mut listener) = net.listen(0).unwrap();
+    let new: Vec<SocketAddr> = listening_ports()
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    assert_eq!(new.len(), 1, "{kind:?}: the listener's port: {new:?}");
+    let at = new[0];
+    let garbage = |seed: u64| {
+        let mut s = TcpStream::connect_timeout(&at, Duration::from_secs(1)).unwrap();
+        s.write_all(&noise(seed, 400)).unwrap();
+        s
+    };
+    let mut strangers: Vec<TcpStream> = (0..3).map(|k| garbage(500 + k)).collect();
+    let mut connecting = net.connect(0, &handle).unwrap();
+    let mut sent = None;
+    for call in 0..400 {
+        // The dialer's next step, then (before the first four calls) more strangers behind it.
+        for _ in 0..3 {
+            if sent.is_none() {
+                sent = connecting.poll().unwrap();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if (1..=3).contains(&call) {
+            strangers.extend((0..3).map(|k| garbage(600 + 10 * call + k)));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        let accepted = listener.accept().unwrap();
+        let n = strangers.len();
+        for (k, s) in strangers.iter_mut().enumerate() {
+            assert!(
+                closed_by_listener(s, Duration::from_millis(500)),
+                "{kind:?}: the listener's call {call} (connection accepted: {}) left garbage stranger {k} of {n} open",
+                accepted.is_some(),
+            );
+        }
+        if accepted.is_some() {
+            return;
+        }
+    }
+    panic!("{kind:?}: the connection was never accepted");
+}
+
+#[test]
+fn strangers_beside_a_tcp_connection_are_refused_at_once() {
+    strangers_beside_a_connection(NetKind::Tcp);
+}
+
+#[test]
+fn strangers_beside_a_shm_connection_are_refused_at_once() {
+    strangers_beside_a_connection(NetKind::Shm);
+}
+
+#[test]
+fn strangers_beside_a_rocev2_connection_are_refused_at_once() {
+    strangers_beside_a_connection(NetKind::RoceV2);
 }
 
 /// RoCE v2 datagrams a local stranger can send to the userspace engine's UDP ports from the

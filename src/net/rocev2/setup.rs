@@ -238,6 +238,7 @@ pub(super) fn listen(net: &RoceNet) -> Result<(NetHandle, Box<dyn ListenComm>)> 
                 .map(|d| (Arc::clone(&d.verbs), d.ip))
                 .collect(),
             pending: Vec::new(),
+            ready: std::collections::VecDeque::new(),
             eager: net.eager_cfg()?,
             any_addr: !net.others.is_empty(),
         }),
@@ -616,6 +617,9 @@ pub(super) struct RoceListen {
     /// The devices (provider and address) connections may be accepted on.
     devs: Vec<(Arc<dyn Verbs>, std::net::IpAddr)>,
     pending: Vec<Accepting>,
+    /// Setups done and not handed out yet: a call drives every pending setup (refusing
+    /// every stranger whose bytes are in) and hands out one of these.
+    ready: std::collections::VecDeque<AcceptedConn>,
     eager: EagerCfg,
     /// The engine takes packets on every address ([`RoceNet`]'s other addresses).
     any_addr: bool,
@@ -811,38 +815,44 @@ impl RoceListen {
                 continue;
             }
             let ready = self.pending.swap_remove(i);
-            let Accepted {
-                mut qps,
-                verbs,
-                peer,
-                fifo_addr,
-                fifo_rkey,
-                mut bounce,
-                eager,
-            } = ready.accepted.expect("set above");
-            let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
-            // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
-            let smr = unsafe {
-                verbs.reg_mr(
-                    staging.as_mut_ptr() as u64,
-                    CTS_SLOTS * CTS_BYTES,
-                    Access::LOCAL_WRITE,
-                )?
-            };
-            return Ok(Some(AcceptedConn {
-                verbs,
-                qps: qps.take(),
-                peer,
-                side: ready.side.s,
-                fifo_addr,
-                fifo_rkey,
-                staging,
-                staging_mr: smr,
-                bounce: bounce.take(),
-                eager,
-            }));
+            let conn = Self::finish(ready)?;
+            self.ready.push_back(conn);
         }
-        Ok(None)
+        Ok(self.ready.pop_front())
+    }
+
+    /// The parts of the receive comm of setup `ready`, whose peer said it is ready.
+    fn finish(ready: Accepting) -> Result<AcceptedConn> {
+        let Accepted {
+            mut qps,
+            verbs,
+            peer,
+            fifo_addr,
+            fifo_rkey,
+            mut bounce,
+            eager,
+        } = ready.accepted.expect("set above");
+        let mut staging: Box<[Cts; CTS_SLOTS]> = Box::new([Cts::default(); CTS_SLOTS]);
+        // SAFETY: boxed (stable address), owned by the receive comm, deregistered first.
+        let smr = unsafe {
+            verbs.reg_mr(
+                staging.as_mut_ptr() as u64,
+                CTS_SLOTS * CTS_BYTES,
+                Access::LOCAL_WRITE,
+            )?
+        };
+        Ok(AcceptedConn {
+            verbs,
+            qps: qps.take(),
+            peer,
+            side: ready.side.s,
+            fifo_addr,
+            fifo_rkey,
+            staging,
+            staging_mr: smr,
+            bounce: bounce.take(),
+            eager,
+        })
     }
 
     /// The listener and its setups' sockets, for [`ListenComm::poll_fds`].

@@ -356,6 +356,7 @@ impl Net for ShmNet {
                 seen: super::SeenTags::new(),
                 l,
                 pending: Vec::new(),
+                ready: VecDeque::new(),
                 cma: self.cma,
                 strict: self.key.encrypting(),
             }),
@@ -497,6 +498,9 @@ struct ShmListen {
     seen: super::SeenTags,
     l: TcpListener,
     pending: Vec<Side>,
+    /// Connections complete and not handed out yet: a call drives every pending socket
+    /// (refusing every stranger whose bytes are in) and hands out one of these.
+    ready: VecDeque<Box<dyn RecvComm>>,
     cma: usize,
     /// The job encrypts: a peer whose user cannot be told is refused, not let through on
     /// its tag alone.
@@ -627,7 +631,7 @@ impl ListenComm for ShmListen {
             if !matches!(side.pump(), Ok(true)) {
                 continue;
             }
-            return Ok(Some(Box::new(ShmRecv {
+            self.ready.push_back(Box::new(ShmRecv {
                 stats: Arc::clone(&self.stats),
                 seg,
                 pid: pid as i32,
@@ -640,9 +644,9 @@ impl ListenComm for ShmListen {
                 cur: None,
                 polls: 0,
                 failed: None,
-            })));
+            }));
         }
-        Ok(None)
+        Ok(self.ready.pop_front())
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {

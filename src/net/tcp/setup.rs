@@ -127,6 +127,7 @@ impl TcpNet {
                 stats: Arc::clone(&self.stats),
                 pending: Vec::new(),
                 groups: HashMap::new(),
+                ready: std::collections::VecDeque::new(),
             }),
         ))
     }
@@ -320,6 +321,9 @@ pub(super) struct TcpListen {
     pending: Vec<Incoming>,
     /// Sockets of connections still arriving, by connection id, and whether it is duplex.
     groups: HashMap<u64, (bool, Vec<Option<Socket>>)>,
+    /// Connections complete and not handed out yet: a call drives every pending socket
+    /// (refusing every stranger whose bytes are in) and hands out one of these.
+    ready: std::collections::VecDeque<Box<dyn RecvComm>>,
 }
 
 /// Where a pending connection's hello stands.
@@ -494,12 +498,12 @@ impl ListenComm for TcpListen {
                         continue;
                     };
                     if let Some(comm) = self.group(inc, h) {
-                        return Ok(Some(comm));
+                        self.ready.push_back(comm);
                     }
                 }
             }
         }
-        Ok(None)
+        Ok(self.ready.pop_front())
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {
