@@ -7,18 +7,20 @@
 //! those checks a flag the requester sets only after it looked at the counter, so a wake-up
 //! that falls between the two is lost. With every packet sent so far acknowledged, rxe's
 //! retransmission timer does not restart it either: the peer waits for the rest of the
-//! message until the job's timeout. Posting any work request runs the requester again
-//! (`rxe_post_send` calls it for a user QP).
+//! message until the job's timeout. A post runs the requester again (`rxe_post_send` calls
+//! it for a user QP), and so does the post's doorbell alone: the uverbs `POST_SEND` command
+//! with no work requests, which librxe writes to the device's command descriptor after
+//! every post.
 //!
 //! So on a soft-RoCE device, a QP whose signaled sends have been outstanding for a while
-//! with none posted or completed gets a signaled zero-length RDMA WRITE (it touches no
-//! memory and needs no key, IBTA C9-88; its completion is hidden). Behind a write that is
-//! merely long it costs one small packet; behind a stalled one it restarts the requester.
-//! [`SendWatch`] decides when; it reads no clock itself (the caller passes `now`), so its
-//! rule is tested without a device.
-//!
-//! The 64 MiB stall seen in the cross suite is another one: there the kicks went out and
-//! the queue pair stayed stopped (docs/ROCE.md, "The rxe stall").
+//! with none posted or completed gets its doorbell rung, and again after each such while
+//! until its sends move: behind a write that is merely long it costs one system call, and
+//! behind a stalled one it restarts the requester, however late in the message the stall
+//! comes. (Kicks were zero-length RDMA WRITEs until 2026-12-07: each took a send-queue entry
+//! until the long write before it completed, so at most 3 went out, all in the first
+//! second of a 64 MiB write, and a stall later in it was never kicked.) [`SendWatch`]
+//! decides when; it reads no clock itself (the caller passes `now`), so its rule is tested
+//! without a device.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -27,14 +29,6 @@ use parking_lot::Mutex;
 use rdma_sys as ffi;
 
 use super::IbSettings;
-
-/// Kicks in a row without a completion after which the watch stops kicking (the requester
-/// is not what is stuck: the peer or the link is, and the retry timer or the job's timeout
-/// reports it). Each takes a send queue entry until it completes.
-pub(super) const MAX_KICKS: u32 = 3;
-
-/// Send-queue entries kept for kicks beyond the network's own.
-pub(super) const KICK_SLOTS: u32 = MAX_KICKS + 1;
 
 /// Vendor id of Linux's soft-RoCE devices (`RXE_VENDOR_ID`).
 pub(super) const SOFT_ROCE_VENDOR: u32 = 0x00ff_ffff;
@@ -52,17 +46,61 @@ pub(super) fn after(settings: &IbSettings, vendor_id: u32) -> Option<Duration> {
     }
 }
 
-/// Posts the kick on `qp`: a signaled zero-length RDMA WRITE with work request id `wr_id`
-/// (the provider's hidden bit). Returns `ibv_post_send`'s result (0: posted).
-pub(super) fn post(qp: *mut ffi::ibv_qp, wr_id: u64) -> i32 {
-    // SAFETY: a zeroed work request is valid: no scatter list, RDMA WRITE of 0 bytes.
-    let mut w: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-    w.wr_id = wr_id;
-    w.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-    w.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-    let mut bad = std::ptr::null_mut();
-    // SAFETY: the caller passes a live QP; `w` outlives the call (the device copies it).
-    unsafe { ffi::ibv_post_send(qp, &mut w, &mut bad) }
+/// `IB_USER_VERBS_CMD_POST_SEND` in the kernel's uverbs ABI (`enum ib_uverbs_write_cmds`,
+/// `<rdma/ib_user_verbs.h>`).
+const CMD_POST_SEND: u32 = 28;
+
+/// The uverbs write command `POST_SEND`: `struct ib_uverbs_cmd_hdr`, then `struct
+/// ib_uverbs_post_send` without work requests (`<rdma/ib_user_verbs.h>`).
+#[repr(C)]
+struct PostSendCommand {
+    command: u32,
+    in_words: u16,
+    out_words: u16,
+    /// Where the kernel writes `struct ib_uverbs_post_send_resp` (a `u32`).
+    response: u64,
+    qp_handle: u32,
+    wr_count: u32,
+    sge_count: u32,
+    wqe_size: u32,
+}
+
+/// The command [`ring`] writes for the QP with kernel handle `qp_handle`, the kernel's
+/// answer going to `response`.
+fn doorbell_command(qp_handle: u32, response: u64) -> PostSendCommand {
+    let bytes = std::mem::size_of::<PostSendCommand>();
+    PostSendCommand {
+        command: CMD_POST_SEND,
+        in_words: (bytes / 4) as u16,
+        out_words: (std::mem::size_of::<u32>() / 4) as u16,
+        response,
+        qp_handle,
+        wr_count: 0,
+        sge_count: 0,
+        // What librxe passes; the kernel only checks it is at least its own entry's size.
+        wqe_size: std::mem::size_of::<ffi::ibv_send_wr>() as u32,
+    }
+}
+
+/// Rings `qp`'s doorbell: the uverbs `POST_SEND` command with no work requests, written to
+/// its device's command descriptor as librxe does after each post, which runs a soft-RoCE
+/// requester (a hardware provider's QP takes nothing from it). Returns 0, or the errno.
+pub(super) fn ring(qp: *mut ffi::ibv_qp) -> i32 {
+    // SAFETY: the caller passes a live QP; its context lives at least as long.
+    let (fd, handle) = unsafe { ((*(*qp).context).cmd_fd, (*qp).handle) };
+    let mut answer = 0u32;
+    let cmd = doorbell_command(handle, std::ptr::addr_of_mut!(answer) as u64);
+    let bytes = std::mem::size_of::<PostSendCommand>();
+    // SAFETY: writes `cmd` (live through the call) to the device's command descriptor; the
+    // kernel writes its 4-byte answer to `answer`, also live through the call.
+    let n = unsafe { libc::write(fd, std::ptr::addr_of!(cmd).cast(), bytes) };
+    if n == bytes as isize {
+        0
+    } else {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    }
 }
 
 /// One QP's signaled sends: how many were posted and completed (counted on the data path
@@ -79,12 +117,11 @@ struct Seen {
     posted: u64,
     completed: u64,
     /// When the counts last changed (or the look that first saw them).
-    since: Option<Instant>,
-    /// Kicks in a row: reset only once everything posted up to the last kick completed, so
-    /// no more than [`MAX_KICKS`] are ever in the send queue.
+    moved: Option<Instant>,
+    /// The last kick since then.
+    kicked: Option<Instant>,
+    /// Kicks since then.
     kicks: u32,
-    /// Signaled sends posted up to the last kick (itself included, counted by the caller).
-    kicked_at: u64,
 }
 
 /// A kick the watch asks for.
@@ -94,12 +131,12 @@ pub(super) struct Kick {
     pub outstanding: u64,
     /// How long nothing was posted or completed.
     pub idle: Duration,
-    /// Which kick in a row this is (1-based).
+    /// Which kick since the sends last moved (1-based).
     pub nth: u32,
 }
 
 impl SendWatch {
-    /// A signaled send (or kick) was posted.
+    /// A signaled send was posted.
     pub(super) fn posted(&self) {
         self.posted.fetch_add(1, Ordering::Relaxed);
     }
@@ -112,36 +149,32 @@ impl SendWatch {
     }
 
     /// Whether to kick at `now`: sends are outstanding and nothing was posted or completed
-    /// for `after` (and fewer than [`MAX_KICKS`] kicks went out since the last completion).
-    /// A kick asked for counts as one: the caller posts it (and counts it with
-    /// [`SendWatch::posted`]) or gives up.
+    /// for `after` since the counts last moved or the last kick, whichever came later. The
+    /// caller rings the doorbell (which moves no count).
     pub(super) fn due(&self, now: Instant, after: Duration) -> Option<Kick> {
         let posted = self.posted.load(Ordering::Relaxed);
         let completed = self.completed.load(Ordering::Relaxed);
         let mut s = self.seen.lock();
-        if completed >= s.kicked_at {
-            s.kicks = 0;
-        }
         let moved = (posted, completed) != (s.posted, s.completed);
-        if moved || s.since.is_none() || posted <= completed {
+        if moved || s.moved.is_none() || posted <= completed {
             *s = Seen {
                 posted,
                 completed,
-                since: Some(now),
-                ..*s
+                moved: Some(now),
+                kicked: None,
+                kicks: 0,
             };
             return None;
         }
-        let idle = now.saturating_duration_since(s.since?);
-        if idle < after || s.kicks >= MAX_KICKS {
+        let quiet_since = s.moved?;
+        if now.saturating_duration_since(s.kicked.unwrap_or(quiet_since)) < after {
             return None;
         }
         s.kicks += 1;
-        s.kicked_at = posted + 1;
-        s.since = Some(now);
+        s.kicked = Some(now);
         Some(Kick {
             outstanding: posted - completed,
-            idle,
+            idle: now.saturating_duration_since(quiet_since),
             nth: s.kicks,
         })
     }
@@ -154,7 +187,7 @@ mod tests {
     const AFTER: Duration = Duration::from_millis(1000);
 
     #[test]
-    fn kicks_a_send_that_stays_outstanding_and_stops_after_a_few() {
+    fn kicks_a_send_that_stays_outstanding_for_as_long_as_it_does() {
         let w = SendWatch::default();
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
@@ -173,36 +206,42 @@ mod tests {
             (k.outstanding, k.idle, k.nth),
             (1, Duration::from_millis(1000), 1)
         );
-        w.posted(); // the kick
-        assert_eq!(w.due(at(1020), AFTER), None, "the kick moved the count");
-        assert_eq!(w.due(at(2030), AFTER).map(|k| k.nth), Some(2));
-        w.posted();
-        assert_eq!(w.due(at(2040), AFTER), None);
-        assert_eq!(w.due(at(3050), AFTER).map(|k| k.nth), Some(3));
-        w.posted();
-        assert_eq!(w.due(at(3060), AFTER), None);
-        assert_eq!(
-            w.due(at(9000), AFTER),
-            None,
-            "no more than MAX_KICKS in a row"
-        );
-        // The stalled send completes, its kicks not yet: no new kicks while they are queued,
-        // whatever stalls next (at most MAX_KICKS in the send queue).
+        assert_eq!(w.due(at(1500), AFTER), None, "not again within `after`");
+        // A long write that stalls late: kicked every `after`, without end (a doorbell takes
+        // no send-queue entry), the 20th kick 20 s in.
+        for n in 2..=20u64 {
+            let t = 10 + 1000 * n;
+            assert_eq!(w.due(at(t - 10), AFTER), None, "kick {n} early");
+            let k = w.due(at(t), AFTER).expect("kicked again");
+            assert_eq!((k.outstanding, k.nth), (1, n as u32));
+            assert_eq!(
+                k.idle,
+                Duration::from_millis(1000 * n),
+                "since the last move"
+            );
+        }
+        // The send completes: nothing outstanding, no kick; the count restarts.
         w.completed(1);
+        assert_eq!(w.due(at(30000), AFTER), None);
+        assert_eq!(w.due(at(40000), AFTER), None, "nothing outstanding");
         w.posted();
-        assert_eq!(w.due(at(9010), AFTER), None);
-        assert_eq!(
-            w.due(at(11000), AFTER),
-            None,
-            "kicks still queued: none more"
+        assert_eq!(w.due(at(40010), AFTER), None);
+        assert_eq!(w.due(at(41010), AFTER).map(|k| k.nth), Some(1));
+    }
+
+    #[test]
+    fn the_doorbell_is_the_uverbs_post_send_without_work_requests() {
+        let c = doorbell_command(0x1234, 0xdead_beef);
+        // struct ib_uverbs_cmd_hdr (8 bytes) + struct ib_uverbs_post_send (24): 8 words in,
+        // 1 word out (struct ib_uverbs_post_send_resp), as librxe's doorbell.
+        assert_eq!(std::mem::size_of::<PostSendCommand>(), 32);
+        assert_eq!((c.command, c.in_words, c.out_words), (28, 8, 1));
+        assert_eq!((c.qp_handle, c.wr_count, c.sge_count), (0x1234, 0, 0));
+        assert_eq!(c.response, 0xdead_beef);
+        assert!(
+            c.wqe_size as usize >= 56,
+            "at least struct ib_uverbs_send_wr"
         );
-        // Everything completed, kicks too: the count restarts; nothing outstanding.
-        w.completed(4);
-        assert_eq!(w.due(at(11010), AFTER), None);
-        assert_eq!(w.due(at(20000), AFTER), None, "nothing outstanding");
-        w.posted();
-        assert_eq!(w.due(at(20010), AFTER), None);
-        assert_eq!(w.due(at(21010), AFTER).map(|k| k.nth), Some(1));
     }
 
     #[test]

@@ -23,7 +23,7 @@
 //! `teardown` (freeing a QP: its owner, the network, drained it first if it wanted its sends
 //! acknowledged), `kick` (restarting a soft-RoCE requester that stalled: Linux rxe's sends
 //! can stop mid-message; before a caller sleeps, a QP whose sends made no progress for
-//! `ROCCL_IB_KICK_MS` gets a zero-length write, which runs rxe's requester again).
+//! `ROCCL_IB_KICK_MS` gets its doorbell rung, which runs rxe's requester again).
 
 mod convert;
 mod dmabuf;
@@ -37,7 +37,7 @@ pub use settings::IbSettings;
 
 use dmabuf::{probe_dmabuf, reg_dmabuf_fn};
 use events::async_events;
-use kick::{SendWatch, KICK_SLOTS};
+use kick::SendWatch;
 use teardown::free_qp;
 
 use std::ffi::CStr;
@@ -140,15 +140,6 @@ unsafe impl Send for Dev {}
 unsafe impl Sync for Dev {}
 
 impl Dev {
-    /// Send-queue entries each QP keeps for kicks (`kick`): none where kicks are off.
-    fn kick_slots(&self) -> u32 {
-        if self.kick_after.is_some() {
-            KICK_SLOTS
-        } else {
-            0
-        }
-    }
-
     fn cx(&self) -> Context {
         Context {
             dev: self.name.clone(),
@@ -698,7 +689,7 @@ impl Verbs for IbvVerbs {
             let fl = libc::fcntl(fd, libc::F_GETFL);
             libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
         }
-        let cq_size = (2 * QUEUE + dev.kick_slots()) as c_int;
+        let cq_size = (2 * QUEUE) as c_int;
         // SAFETY: `dev.ctx` and `chan` are live.
         let cq = unsafe { ffi::ibv_create_cq(dev.ctx, cq_size, ptr::null_mut(), chan, 0) };
         if cq.is_null() {
@@ -713,7 +704,7 @@ impl Verbs for IbvVerbs {
             let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
             init.send_cq = cq;
             init.recv_cq = cq;
-            init.cap.max_send_wr = QUEUE + dev.kick_slots();
+            init.cap.max_send_wr = QUEUE;
             init.cap.max_recv_wr = QUEUE;
             init.cap.max_send_sge = 1;
             init.cap.max_recv_sge = 1;
@@ -1077,27 +1068,25 @@ impl Verbs for IbvVerbs {
 
 impl IbvVerbs {
     /// Before the caller sleeps: a QP whose signaled sends made no progress for `after`
-    /// gets a signaled zero-length RDMA WRITE (hidden completion), which runs a stalled
-    /// soft-RoCE requester again (`kick`). A failed post is left to the next send, which
-    /// fails the same way and reports it.
+    /// gets its doorbell rung (and again after each `after` until they move), which runs a
+    /// stalled soft-RoCE requester again (`kick`). Said at the first kick of a stall and at
+    /// every tenth; a failed ring is said and left to the job's timeout.
     fn kick_if_stalled(&self, q: &Qp, after: std::time::Duration) {
         let Some(k) = q.watch.due(std::time::Instant::now(), after) else {
             return;
         };
-        let r = kick::post(q.qp, HIDDEN);
-        if r == 0 {
-            q.watch.posted();
+        let r = kick::ring(q.qp);
+        if k.nth == 1 || k.nth % 10 == 0 || r != 0 {
+            crate::info!(
+                "{}: QP {:#x}: {} send(s) outstanding, nothing posted or completed for {} ms: kick {} (its doorbell rung, which runs a stalled soft-RoCE requester again){}",
+                self.dev.name,
+                q.qpn,
+                k.outstanding,
+                k.idle.as_millis(),
+                k.nth,
+                if r == 0 { String::new() } else { format!("; the ring failed: errno {r}") }
+            );
         }
-        crate::info!(
-            "{}: QP {:#x}: {} send(s) outstanding, nothing posted or completed for {} ms: kick {} of {} (a zero-length write, which restarts a stalled soft-RoCE requester){}",
-            self.dev.name,
-            q.qpn,
-            k.outstanding,
-            k.idle.as_millis(),
-            k.nth,
-            kick::MAX_KICKS,
-            if r == 0 { String::new() } else { format!("; posting it failed: errno {r}") }
-        );
     }
 
     fn poll_into(&self, q: &Qp, out: &mut [Wc]) -> Result<usize> {

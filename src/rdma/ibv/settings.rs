@@ -26,8 +26,8 @@ pub struct IbSettings {
     /// told its communicator's deadline (`ROCCL_TIMEOUT`, default 300 s).
     pub deadline: std::time::Duration,
     /// Milliseconds a QP's sends may sit outstanding with nothing posted or completed before
-    /// the provider kicks the device's requester with a zero-length write,
-    /// `ROCCL_IB_KICK_MS` (0: never). Unset: 1000 on Linux soft-RoCE, whose requester can
+    /// the provider kicks the device's requester by ringing the QP's doorbell (and again
+    /// each such while until they move), `ROCCL_IB_KICK_MS` (0: never). Unset: 1000 on Linux soft-RoCE, whose requester can
     /// stall (`ibv::kick`), never on other devices.
     pub kick_ms: Option<u32>,
 }
