@@ -84,7 +84,8 @@ fn doorbell_command(qp_handle: u32, response: u64) -> PostSendCommand {
 
 /// Rings `qp`'s doorbell: the uverbs `POST_SEND` command with no work requests, written to
 /// its device's command descriptor as librxe does after each post, which runs a soft-RoCE
-/// requester (a hardware provider's QP takes nothing from it). Returns 0, or the errno.
+/// requester (another device's kernel driver gets a post of no work requests). Returns 0,
+/// or the errno.
 pub(super) fn ring(qp: *mut ffi::ibv_qp) -> i32 {
     // SAFETY: the caller passes a live QP; its context lives at least as long.
     let (fd, handle) = unsafe { ((*(*qp).context).cmd_fd, (*qp).handle) };
