@@ -332,7 +332,10 @@ fn no_device_memory() -> Error {
 
 /// A listening endpoint (`listenComm`).
 pub trait ListenComm: Send {
-    /// Accept the next fully established connection, if any. Never blocks.
+    /// Accept the next fully established connection, if any. Never blocks. Each call
+    /// reads every connection waiting at the listener (refusing strangers) and may find
+    /// several complete; it hands out one and keeps the rest for the next calls, which no
+    /// descriptor of [`ListenComm::poll_fds`] signals: call until `None` before polling.
     fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>>;
     /// Descriptors to poll while waiting for a connection.
     fn poll_fds(&self, out: &mut Vec<PollFd>);

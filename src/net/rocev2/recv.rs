@@ -351,8 +351,8 @@ impl RoceRecv {
 
 impl ListenComm for RoceListen {
     fn accept(&mut self) -> Result<Option<Box<dyn RecvComm>>> {
-        let done = self.accept_next()?;
-        Ok(done.map(|a| Box::new(RoceRecv::accepted(a)) as Box<dyn RecvComm>))
+        self.drive(|a| Box::new(RoceRecv::accepted(a)))?;
+        Ok(self.ready.pop_front())
     }
 
     fn poll_fds(&self, out: &mut Vec<PollFd>) {

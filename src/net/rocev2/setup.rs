@@ -617,9 +617,10 @@ pub(super) struct RoceListen {
     /// The devices (provider and address) connections may be accepted on.
     devs: Vec<(Arc<dyn Verbs>, std::net::IpAddr)>,
     pending: Vec<Accepting>,
-    /// Setups done and not handed out yet: a call drives every pending setup (refusing
-    /// every stranger whose bytes are in) and hands out one of these.
-    ready: std::collections::VecDeque<AcceptedConn>,
+    /// Receive comms whose setup is done, not handed out yet: a call drives every pending
+    /// setup (refusing every stranger whose bytes are in) and hands out one of these. Whole
+    /// comms, so that one left here when the listener goes tears its queue pair down first.
+    pub(super) ready: std::collections::VecDeque<Box<dyn crate::net::RecvComm>>,
     eager: EagerCfg,
     /// The engine takes packets on every address ([`RoceNet`]'s other addresses).
     any_addr: bool,
@@ -720,9 +721,12 @@ impl RoceListen {
 }
 
 impl RoceListen {
-    /// Take new connections and drive their setups: the parts of the next receive comm
-    /// whose setup is done ([`ListenComm::accept`], in `recv.rs`, makes the comm).
-    pub(super) fn accept_next(&mut self) -> Result<Option<AcceptedConn>> {
+    /// Take new connections and drive every setup; each one done becomes a receive comm
+    /// (`made`, from `recv.rs`) in `ready`, which [`ListenComm::accept`] hands out.
+    pub(super) fn drive(
+        &mut self,
+        made: fn(AcceptedConn) -> Box<dyn crate::net::RecvComm>,
+    ) -> Result<()> {
         loop {
             match self.listener.accept() {
                 Ok((s, _)) => {
@@ -816,9 +820,9 @@ impl RoceListen {
             }
             let ready = self.pending.swap_remove(i);
             let conn = Self::finish(ready)?;
-            self.ready.push_back(conn);
+            self.ready.push_back(made(conn));
         }
-        Ok(self.ready.pop_front())
+        Ok(())
     }
 
     /// The parts of the receive comm of setup `ready`, whose peer said it is ready.

@@ -86,8 +86,11 @@ fn doorbell_command(qp_handle: u32, response: u64) -> PostSendCommand {
 /// its device's command descriptor as librxe does after each post, which runs a soft-RoCE
 /// requester (another device's kernel driver gets a post of no work requests). Returns 0,
 /// or the errno.
-pub(super) fn ring(qp: *mut ffi::ibv_qp) -> i32 {
-    // SAFETY: the caller passes a live QP; its context lives at least as long.
+///
+/// # Safety
+/// `qp` must be a live QP of this process (its context lives at least as long).
+pub(super) unsafe fn ring(qp: *mut ffi::ibv_qp) -> i32 {
+    // SAFETY: the caller guarantees a live QP, whose context outlives it.
     let (fd, handle) = unsafe { ((*(*qp).context).cmd_fd, (*qp).handle) };
     let mut answer = 0u32;
     let cmd = doorbell_command(handle, std::ptr::addr_of_mut!(answer) as u64);
@@ -95,12 +98,14 @@ pub(super) fn ring(qp: *mut ffi::ibv_qp) -> i32 {
     // SAFETY: writes `cmd` (live through the call) to the device's command descriptor; the
     // kernel writes its 4-byte answer to `answer`, also live through the call.
     let n = unsafe { libc::write(fd, std::ptr::addr_of!(cmd).cast(), bytes) };
-    if n == bytes as isize {
-        0
-    } else {
+    if n < 0 {
         std::io::Error::last_os_error()
             .raw_os_error()
             .unwrap_or(libc::EIO)
+    } else if n as usize != bytes {
+        libc::EIO
+    } else {
+        0
     }
 }
 
@@ -236,6 +241,14 @@ mod tests {
         // struct ib_uverbs_cmd_hdr (8 bytes) + struct ib_uverbs_post_send (24): 8 words in,
         // 1 word out (struct ib_uverbs_post_send_resp), as librxe's doorbell.
         assert_eq!(std::mem::size_of::<PostSendCommand>(), 32);
+        let at = |o: usize, want: usize| assert_eq!(o, want);
+        at(std::mem::offset_of!(PostSendCommand, in_words), 4);
+        at(std::mem::offset_of!(PostSendCommand, out_words), 6);
+        at(std::mem::offset_of!(PostSendCommand, response), 8);
+        at(std::mem::offset_of!(PostSendCommand, qp_handle), 16);
+        at(std::mem::offset_of!(PostSendCommand, wr_count), 20);
+        at(std::mem::offset_of!(PostSendCommand, sge_count), 24);
+        at(std::mem::offset_of!(PostSendCommand, wqe_size), 28);
         assert_eq!((c.command, c.in_words, c.out_words), (28, 8, 1));
         assert_eq!((c.qp_handle, c.wr_count, c.sge_count), (0x1234, 0, 0));
         assert_eq!(c.response, 0xdead_beef);
