@@ -115,7 +115,8 @@ fn job_under_attack(
 }
 
 /// Shared-memory segments of roccl this process has mapped (named in `/proc/self/maps`,
-/// unlinked ones included) or that exist in `/dev/shm`.
+/// unlinked ones included) or made (in `/dev/shm`, named `roccl-PID-...`: not those of
+/// other processes, such as another test run on the machine).
 fn shm_segments() -> usize {
     let mut names: std::collections::HashSet<String> = std::fs::read_to_string("/proc/self/maps")
         .unwrap_or_default()
@@ -126,8 +127,8 @@ fn shm_segments() -> usize {
     if let Ok(d) = std::fs::read_dir("/dev/shm") {
         for e in d.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if let Some(rest) = n.strip_prefix("roccl-") {
-                names.insert(rest.to_string());
+            if n.starts_with(&format!("roccl-{}-", std::process::id())) {
+                names.insert(n["roccl-".len()..].to_string());
             }
         }
     }
