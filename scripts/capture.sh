@@ -61,7 +61,7 @@ if ! command -v tshark >/dev/null || ! command -v dumpcap >/dev/null; then
     die "apt-get install tshark failed"
 fi
 ts() { tshark "$@" 2>&1 | grep -v '^Running as user "root"' || true; }
-tshark -G protocols 2>/dev/null | awk -F'\t' '$3 == "infiniband"' | grep -q . ||
+tshark -G protocols 2>/dev/null | awk -F'\t' '$3 == "infiniband"' | grep . >/dev/null ||
   die "this tshark has no InfiniBand dissector"
 
 echo "-- build roccl-perf"
@@ -231,7 +231,7 @@ fi
 echo "   (each identification must be below 64, and reserved fields zero: checked below)"
 
 echo "-- ICRC"
-if tshark -G fields 2>/dev/null | awk -F'\t' '{print $3}' | grep -qx "infiniband.invariant.crc.status"; then
+if tshark -G fields 2>/dev/null | awk -F'\t' '{print $3}' | grep -x "infiniband.invariant.crc.status" >/dev/null; then
   badcrc=$(count "infiniband.invariant.crc.status == \"Bad\"")
   echo "   tshark verifies the ICRC: $badcrc bad"
   [ "$badcrc" -eq 0 ] || status=1

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=${1:-15}
 CARGO_FUZZ_VERSION=0.12.0
-if ! cargo fuzz --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
+if ! cargo fuzz --version 2>/dev/null | grep "$CARGO_FUZZ_VERSION" >/dev/null; then
   echo "== installing cargo-fuzz $CARGO_FUZZ_VERSION"
   cargo install --locked "cargo-fuzz@$CARGO_FUZZ_VERSION"
 fi

@@ -118,7 +118,7 @@ case "$cmd" in
     check_tools
     k=$1
     shift 2
-    ip netns list | awk '{print $1}' | grep -qx "$PREFIX$k" || die "no host $PREFIX$k: run '$0 up N' first"
+    ip netns list | awk '{print $1}' | grep -x "$PREFIX$k" >/dev/null || die "no host $PREFIX$k: run '$0 up N' first"
     exec ip netns exec "$PREFIX$k" "$@"
     ;;
   -h | --help | help) usage 0 ;;

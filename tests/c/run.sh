@@ -19,7 +19,7 @@ fi
 echo "$(echo "$exported" | wc -l) functions match"
 others=$(nm -D --defined-only "$lib/libroccl.so" | awk '{print $3}' | grep -v '^roccl' || true)
 [ -z "$others" ] || { echo "non-roccl symbols exported: $others"; exit 1; }
-readelf -d "$lib/libroccl.so" | grep -q 'SONAME.*libroccl.so.0' || { echo "no soname"; exit 1; }
+readelf -d "$lib/libroccl.so" | grep 'SONAME.*libroccl.so.0' >/dev/null || { echo "no soname"; exit 1; }
 
 # Lay the library out as installed: the real file under its soname, libroccl.so a link.
 mkdir -p "$out/lib"

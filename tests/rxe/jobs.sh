@@ -229,7 +229,7 @@ rxe_failed_as_expected() {
   if grep -q "exit 124" "$RXE_OUT/$name.failed"; then
     echo "   FAILED: $name: a rank hung until the job's time limit"; ok=0
   fi
-  if ! cat "$RXE_OUT/$name".*.log 2>/dev/null | grep "error" | grep -Eq "$expect"; then
+  if ! grep -h "error" "$RXE_OUT/$name".*.log 2>/dev/null | grep -E "$expect" >/dev/null; then
     echo "   FAILED: $name: no rank's error matches /$expect/"; ok=0
   fi
   [ "$ok" = 1 ] && echo "   ok: $name failed as it must, in $(rxe_job_seconds "$name") s:"
@@ -271,7 +271,7 @@ rxe_jobs_check() {
       continue
     fi
     local logged=1
-    if [ -n "${JOB_LOG[$j]}" ] && ! cat "$RXE_OUT/$name".*.log 2>/dev/null | grep -Eq "${JOB_LOG[$j]}"; then
+    if [ -n "${JOB_LOG[$j]}" ] && ! grep -hEq "${JOB_LOG[$j]}" "$RXE_OUT/$name".*.log 2>/dev/null; then
       logged=0
       echo "   FAILED: $name: no rank's log has a line matching /${JOB_LOG[$j]}/"
     fi
