@@ -24,6 +24,8 @@ fi
 
 step "format"
 cargo fmt --all -- --check
+step "shell scripts: no pipe into 'grep -q' (under pipefail it fails at random; scripts/lint-shell.sh)"
+scripts/lint-shell.sh
 step "the default build needs no libibverbs (rdma-sys only with --features verbs)"
 if cargo tree -p roccl -e normal --prefix none 2>/dev/null | grep '^rdma-sys' >/dev/null; then
   echo "the default build depends on rdma-sys"
