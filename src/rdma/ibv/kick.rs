@@ -21,6 +21,13 @@
 //! second of a 64 MiB write, and a stall later in it was never kicked.) [`SendWatch`]
 //! decides when; it reads no clock itself (the caller passes `now`), so its rule is tested
 //! without a device.
+//!
+//! Each kick also reads the QP's send PSN (rxe reports its requester's next PSN): one that
+//! has not moved since the kick before, a whole wait earlier, finds the requester idle with
+//! sends outstanding: stalled, or waiting on the peer's acknowledgement of all it sent. The
+//! looks after such a kick read the PSN again until it moves (the kick restarted a stalled
+//! requester, which is logged and counted: [`KickCounts`]) or the sends complete without it
+//! (it was waiting on the peer).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -109,6 +116,121 @@ pub(super) unsafe fn ring(qp: *mut ffi::ibv_qp) -> i32 {
     }
 }
 
+/// `qp`'s send PSN as its device reports it (`ibv_query_qp` with `IBV_QP_SQ_PSN`: rxe's
+/// requester's next PSN), or the errno.
+///
+/// # Safety
+/// `qp` must be a live QP of this process.
+pub(super) unsafe fn send_psn(qp: *mut ffi::ibv_qp) -> Result<u32, i32> {
+    // SAFETY: zeroed out-parameters are valid.
+    let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut i: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    let mask = ffi::ibv_qp_attr_mask::IBV_QP_SQ_PSN.0 as std::os::raw::c_int;
+    // SAFETY: the caller guarantees a live QP; both out-parameters live through the call.
+    match unsafe { ffi::ibv_query_qp(qp, &mut a, mask, &mut i) } {
+        0 => Ok(a.sq_psn),
+        e => Err(e),
+    }
+}
+
+/// The kicks of one provider, for its counters.
+#[derive(Default)]
+pub(super) struct KickCounts {
+    kicks: AtomicU64,
+    idle: AtomicU64,
+    restarted: AtomicU64,
+}
+
+impl KickCounts {
+    /// Counts a kick.
+    pub(super) fn kicked(&self) {
+        self.kicks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts what a look at the send PSN found.
+    pub(super) fn found(&self, what: &Requester) {
+        let c = match what {
+            Requester::Idle { .. } => &self.idle,
+            Requester::Restarted { .. } => &self.restarted,
+            Requester::Acknowledged { .. } => return,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends the counts that are not zero: `kicks`, `kicks_on_an_idle_requester`,
+    /// `requesters_restarted_by_a_kick`.
+    pub(super) fn report(&self, out: &mut Vec<(&'static str, u64)>) {
+        for (name, c) in [
+            ("kicks", &self.kicks),
+            ("kicks_on_an_idle_requester", &self.idle),
+            ("requesters_restarted_by_a_kick", &self.restarted),
+        ] {
+            let n = c.load(Ordering::Relaxed);
+            if n > 0 {
+                out.push((name, n));
+            }
+        }
+    }
+}
+
+/// Carries out `look` (from `watch.due` at `now`) on `qp`, the QP `qpn` of device `dev`:
+/// rings its doorbell and reads its send PSN, or only reads the PSN, and says what that
+/// found. The first kick of a stall and every tenth are logged, with the errno where the
+/// ring failed (which is left to the job's timeout).
+///
+/// # Safety
+/// `qp` must be a live QP of this process, `watch` and `counts` its own and its provider's.
+pub(super) unsafe fn act(
+    look: Look,
+    watch: &SendWatch,
+    counts: &KickCounts,
+    qp: *mut ffi::ibv_qp,
+    now: Instant,
+    (dev, qpn): (&str, u32),
+) {
+    let rung = look.kick.map(|k| {
+        // SAFETY: the caller guarantees a live QP.
+        let r = unsafe { ring(qp) };
+        counts.kicked();
+        (k, r)
+    });
+    // SAFETY: as above.
+    let psn = unsafe { send_psn(qp) };
+    let found = psn.ok().and_then(|p| watch.at_psn(p, now, rung.is_some()));
+    if let Some((k, r)) = rung.filter(|(k, _)| k.nth == 1 || k.nth % 10 == 0) {
+        crate::info!(
+            "{dev}: QP {qpn:#x}: {} send(s) outstanding, nothing posted or completed for {} ms: kick {} (its doorbell rung, which runs a stalled soft-RoCE requester again){}{}",
+            k.outstanding,
+            k.idle.as_millis(),
+            k.nth,
+            if r == 0 { String::new() } else { format!("; the ring failed: errno {r}") },
+            match psn {
+                Ok(p) => format!("; send PSN {p:#x}"),
+                Err(e) => format!("; reading its send PSN failed: errno {e}"),
+            }
+        );
+    }
+    let Some(found) = found else { return };
+    counts.found(&found);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    match found {
+        Requester::Idle { psn, idle_for } => crate::info!(
+            "{dev}: QP {qpn:#x}: its requester sent nothing for {:.0} ms with sends outstanding (send PSN {psn:#x} at this kick and the one before): stalled, or waiting on the peer's acknowledgement",
+            ms(idle_for)
+        ),
+        Requester::Restarted { idle_for, within, from, to } => crate::info!(
+            "{dev}: QP {qpn:#x}: its requester, idle for {:.0} ms with sends outstanding, sent again within {:.1} ms of a kick (send PSN {from:#x} -> {to:#x}, nothing posted since): a stalled requester restarted by its doorbell",
+            ms(idle_for),
+            ms(within)
+        ),
+        Requester::Acknowledged { within } => crate::info!(
+            "{dev}: QP {qpn:#x}: its idle requester's sends completed {:.1} ms after the kick without a packet sent: it had waited on the peer's acknowledgement, not stalled",
+            ms(within)
+        ),
+    }
+}
+
 /// One QP's signaled sends: how many were posted and completed (counted on the data path
 /// with relaxed adds), and what the last look saw.
 #[derive(Default)]
@@ -128,7 +250,67 @@ struct Seen {
     kicked: Option<Instant>,
     /// Kicks since then.
     kicks: u32,
+    /// When the last kick since then read the send PSN, and what it was.
+    kick_psn: Option<(Instant, u32)>,
+    /// After a kick that found the requester idle (kept when the counts move).
+    idle: Option<IdleKick>,
+    /// When the PSN was last read after such a kick.
+    read_at: Option<Instant>,
 }
+
+/// A kick that found the requester idle: when, its PSN, how long it had not moved, and the
+/// counts then.
+#[derive(Clone, Copy)]
+struct IdleKick {
+    at: Instant,
+    psn: u32,
+    idle_for: Duration,
+    posted: u64,
+    completed: u64,
+}
+
+/// What a look at the send PSN found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Requester {
+    /// At a kick: the PSN has not moved since the kick before, `idle_for` ago.
+    Idle {
+        /// The send PSN.
+        psn: u32,
+        /// How long it has not moved (at least).
+        idle_for: Duration,
+    },
+    /// After a kick that found it idle for `idle_for`, the PSN moved: seen `within` of the
+    /// kick.
+    Restarted {
+        /// How long it had been idle before the kick.
+        idle_for: Duration,
+        /// When the look that saw it move came, after the kick.
+        within: Duration,
+        /// The PSN before and after.
+        from: u32,
+        /// See `from`.
+        to: u32,
+    },
+    /// After a kick that found it idle, the sends completed with the PSN unmoved: it had
+    /// sent everything and waited on the peer.
+    Acknowledged {
+        /// How long after the kick.
+        within: Duration,
+    },
+}
+
+/// What the caller does after a look ([`SendWatch::due`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Look {
+    /// Ring the doorbell, then read the PSN and pass it to [`SendWatch::at_psn`].
+    pub kick: Option<Kick>,
+    /// Read the PSN and pass it to [`SendWatch::at_psn`] (a kick found the requester idle).
+    pub read_psn: bool,
+}
+
+/// How often the looks after a kick that found the requester idle read its PSN (a system
+/// call each).
+const READ_EVERY: Duration = Duration::from_millis(1);
 
 /// A kick the watch asks for.
 #[derive(Debug, PartialEq, Eq)]
@@ -154,10 +336,11 @@ impl SendWatch {
         }
     }
 
-    /// Whether to kick at `now`: sends are outstanding and nothing was posted or completed
-    /// for `after` since the counts last moved or the last kick, whichever came later. The
-    /// caller rings the doorbell (which moves no count).
-    pub(super) fn due(&self, now: Instant, after: Duration) -> Option<Kick> {
+    /// What to do at `now`: kick when sends are outstanding and nothing was posted or
+    /// completed for `after` since the counts last moved or the last kick, whichever came
+    /// later (the caller rings the doorbell, which moves no count); else read the send PSN
+    /// when a kick found the requester idle and it was not read in the last millisecond.
+    pub(super) fn due(&self, now: Instant, after: Duration) -> Look {
         let posted = self.posted.load(Ordering::Relaxed);
         let completed = self.completed.load(Ordering::Relaxed);
         let mut s = self.seen.lock();
@@ -167,23 +350,99 @@ impl SendWatch {
                 posted,
                 completed,
                 moved: Some(now),
-                kicked: None,
-                kicks: 0,
+                idle: s.idle,
+                read_at: s.read_at,
+                ..Seen::default()
             };
-            return None;
+            return Look {
+                kick: None,
+                read_psn: read_due(&mut s, now),
+            };
         }
-        let quiet_since = s.moved?;
+        let Some(quiet_since) = s.moved else {
+            return Look::default();
+        };
         if now.saturating_duration_since(s.kicked.unwrap_or(quiet_since)) < after {
-            return None;
+            return Look {
+                kick: None,
+                read_psn: read_due(&mut s, now),
+            };
         }
         s.kicks += 1;
         s.kicked = Some(now);
-        Some(Kick {
-            outstanding: posted - completed,
-            idle: now.saturating_duration_since(quiet_since),
-            nth: s.kicks,
-        })
+        Look {
+            kick: Some(Kick {
+                outstanding: posted - completed,
+                idle: now.saturating_duration_since(quiet_since),
+                nth: s.kicks,
+            }),
+            read_psn: false,
+        }
     }
+
+    /// The send PSN read at `now`, at a kick (`at_kick`) or at a look [`SendWatch::due`]
+    /// asked to read it: what it says of the requester, if anything new. A kick finds it
+    /// idle when the PSN is the one read at the kick before; after that, the PSN moving
+    /// (with nothing posted since) is a restart, and the sends completing without it an
+    /// acknowledgement it waited for.
+    pub(super) fn at_psn(&self, psn: u32, now: Instant, at_kick: bool) -> Option<Requester> {
+        let mut s = self.seen.lock();
+        if let Some(i) = s.idle {
+            let within = now.saturating_duration_since(i.at);
+            let found = if s.posted != i.posted {
+                // A post of its own ran the requester: nothing to tell.
+                Some(None)
+            } else if psn != i.psn {
+                Some(Some(Requester::Restarted {
+                    idle_for: i.idle_for,
+                    within,
+                    from: i.psn,
+                    to: psn,
+                }))
+            } else if s.completed != i.completed {
+                Some(Some(Requester::Acknowledged { within }))
+            } else {
+                None
+            };
+            if let Some(found) = found {
+                s.idle = None;
+                s.kick_psn = at_kick.then_some((now, psn));
+                return found;
+            }
+            if at_kick {
+                s.kick_psn = Some((now, psn));
+            }
+            return None;
+        }
+        if !at_kick {
+            return None;
+        }
+        let before = s.kick_psn.replace((now, psn));
+        let (at, _) = before.filter(|&(_, p)| p == psn)?;
+        let idle_for = now.saturating_duration_since(at);
+        s.idle = Some(IdleKick {
+            at: now,
+            psn,
+            idle_for,
+            posted: s.posted,
+            completed: s.completed,
+        });
+        s.read_at = Some(now);
+        Some(Requester::Idle { psn, idle_for })
+    }
+}
+
+/// Whether a look reads the send PSN: only after a kick found the requester idle, and at
+/// most every [`READ_EVERY`].
+fn read_due(s: &mut Seen, now: Instant) -> bool {
+    if s.idle.is_none()
+        || s.read_at
+            .is_some_and(|t| now.saturating_duration_since(t) < READ_EVERY)
+    {
+        return false;
+    }
+    s.read_at = Some(now);
+    true
 }
 
 #[cfg(test)]
@@ -197,28 +456,33 @@ mod tests {
         let w = SendWatch::default();
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        assert_eq!(w.due(at(0), AFTER), None, "nothing posted");
+        assert_eq!(w.due(at(0), AFTER).kick, None, "nothing posted");
         w.posted();
         assert_eq!(
-            w.due(at(10), AFTER),
+            w.due(at(10), AFTER).kick,
             None,
             "just posted: the look starts the clock"
         );
-        assert_eq!(w.due(at(900), AFTER), None, "not idle long enough");
+        assert_eq!(w.due(at(900), AFTER).kick, None, "not idle long enough");
         let k = w
             .due(at(1010), AFTER)
+            .kick
             .expect("idle for 1 s with a send out");
         assert_eq!(
             (k.outstanding, k.idle, k.nth),
             (1, Duration::from_millis(1000), 1)
         );
-        assert_eq!(w.due(at(1500), AFTER), None, "not again within `after`");
+        assert_eq!(
+            w.due(at(1500), AFTER).kick,
+            None,
+            "not again within `after`"
+        );
         // A long write that stalls late: kicked every `after`, without end (a doorbell takes
         // no send-queue entry), the 20th kick 20 s in.
         for n in 2..=20u64 {
             let t = 10 + 1000 * n;
-            assert_eq!(w.due(at(t - 10), AFTER), None, "kick {n} early");
-            let k = w.due(at(t), AFTER).expect("kicked again");
+            assert_eq!(w.due(at(t - 10), AFTER).kick, None, "kick {n} early");
+            let k = w.due(at(t), AFTER).kick.expect("kicked again");
             assert_eq!((k.outstanding, k.nth), (1, n as u32));
             assert_eq!(
                 k.idle,
@@ -228,11 +492,146 @@ mod tests {
         }
         // The send completes: nothing outstanding, no kick; the count restarts.
         w.completed(1);
-        assert_eq!(w.due(at(30000), AFTER), None);
-        assert_eq!(w.due(at(40000), AFTER), None, "nothing outstanding");
+        assert_eq!(w.due(at(30000), AFTER).kick, None);
+        assert_eq!(w.due(at(40000), AFTER).kick, None, "nothing outstanding");
         w.posted();
-        assert_eq!(w.due(at(40010), AFTER), None);
-        assert_eq!(w.due(at(41010), AFTER).map(|k| k.nth), Some(1));
+        assert_eq!(w.due(at(40010), AFTER).kick, None);
+        assert_eq!(w.due(at(41010), AFTER).kick.map(|k| k.nth), Some(1));
+    }
+
+    /// A watch with one send posted at 0 ms and kicks at 1000 and 2000 ms, the PSN read at
+    /// each: `first` at the first kick, `second` at the second, and what the second found.
+    fn kicked_twice(first: u32, second: u32) -> (SendWatch, Instant, Option<Requester>) {
+        let w = SendWatch::default();
+        let t0 = Instant::now();
+        w.posted();
+        assert_eq!(w.due(t0, AFTER), Look::default());
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert!(w.due(at(1000), AFTER).kick.is_some());
+        assert_eq!(
+            w.at_psn(first, at(1000), true),
+            None,
+            "nothing to compare with"
+        );
+        assert!(
+            w.due(at(1500), AFTER) == Look::default(),
+            "no read before a kick found it idle"
+        );
+        assert!(w.due(at(2000), AFTER).kick.is_some());
+        let found = w.at_psn(second, at(2000), true);
+        (w, t0, found)
+    }
+
+    #[test]
+    fn a_requester_whose_psn_moves_between_kicks_is_not_idle() {
+        let (w, t0, found) = kicked_twice(100, 5000);
+        assert_eq!(
+            found, None,
+            "a long write: it sent 4900 packets between the kicks"
+        );
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert_eq!(
+            w.due(at(2005), AFTER),
+            Look::default(),
+            "and no reads follow"
+        );
+        assert!(w.due(at(3000), AFTER).kick.is_some());
+        assert_eq!(w.at_psn(9000, at(3000), true), None);
+    }
+
+    #[test]
+    fn an_idle_requester_that_sends_again_after_the_kick_was_restarted_by_it() {
+        let (w, t0, found) = kicked_twice(100, 100);
+        let ms = Duration::from_millis;
+        assert_eq!(
+            found,
+            Some(Requester::Idle {
+                psn: 100,
+                idle_for: ms(1000)
+            })
+        );
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        assert!(
+            !w.due(at(2_000_500), AFTER).read_psn,
+            "read at most every ms"
+        );
+        assert!(w.due(at(2_001_000), AFTER).read_psn);
+        assert_eq!(w.at_psn(100, at(2_001_000), false), None, "not yet");
+        assert!(w.due(at(2_003_000), AFTER).read_psn);
+        assert_eq!(
+            w.at_psn(140, at(2_003_000), false),
+            Some(Requester::Restarted {
+                idle_for: ms(1000),
+                within: ms(3),
+                from: 100,
+                to: 140
+            })
+        );
+        assert!(
+            !w.due(at(2_010_000), AFTER).read_psn,
+            "told once; no more reads"
+        );
+        assert_eq!(w.at_psn(300, at(2_010_000), false), None);
+    }
+
+    #[test]
+    fn an_idle_requester_whose_sends_complete_unmoved_waited_on_the_peer() {
+        let (w, t0, found) = kicked_twice(7, 7);
+        assert!(matches!(found, Some(Requester::Idle { psn: 7, .. })));
+        let at = |ms| t0 + Duration::from_millis(ms);
+        w.completed(1);
+        assert!(
+            w.due(at(2010), AFTER).read_psn,
+            "a read still follows the counts moving"
+        );
+        assert_eq!(
+            w.at_psn(7, at(2010), false),
+            Some(Requester::Acknowledged {
+                within: Duration::from_millis(10)
+            })
+        );
+        assert!(!w.due(at(2020), AFTER).read_psn);
+    }
+
+    #[test]
+    fn a_post_after_an_idle_kick_leaves_nothing_to_tell() {
+        let (w, t0, _) = kicked_twice(7, 7);
+        let at = |ms| t0 + Duration::from_millis(ms);
+        w.posted();
+        assert!(w.due(at(2010), AFTER).read_psn);
+        assert_eq!(
+            w.at_psn(9, at(2010), false),
+            None,
+            "the post ran the requester"
+        );
+        assert!(!w.due(at(2020), AFTER).read_psn);
+    }
+
+    #[test]
+    fn an_idle_requester_still_idle_at_the_next_kick_is_told_once() {
+        let (w, t0, found) = kicked_twice(7, 7);
+        assert!(found.is_some());
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert!(w.due(at(3000), AFTER).kick.is_some());
+        assert_eq!(
+            w.at_psn(7, at(3000), true),
+            None,
+            "still idle: said at the first"
+        );
+        assert!(w.due(at(4000), AFTER).kick.is_some());
+        assert!(matches!(
+            w.at_psn(8, at(4000), true),
+            Some(Requester::Restarted { within, .. }) if within == Duration::from_millis(2000)
+        ));
+        let c = KickCounts::default();
+        c.kicked();
+        c.found(&Requester::Idle {
+            psn: 7,
+            idle_for: Duration::ZERO,
+        });
+        let mut out = Vec::new();
+        c.report(&mut out);
+        assert_eq!(out, [("kicks", 1), ("kicks_on_an_idle_requester", 1)]);
     }
 
     #[test]
@@ -290,7 +689,7 @@ mod tests {
             w.posted();
             w.completed(1);
             let now = t0 + Duration::from_millis(600 * i);
-            assert_eq!(w.due(now, AFTER), None, "at look {i}");
+            assert_eq!(w.due(now, AFTER).kick, None, "at look {i}");
         }
     }
 }

@@ -223,6 +223,8 @@ pub struct IbvVerbs {
     drain_ms: std::sync::atomic::AtomicU64,
     /// Completions in error the network saw, by status.
     wc_errors: crate::rdma::verbs::WcErrors,
+    /// Its kicks (`kick`).
+    kicks: kick::KickCounts,
     /// A descriptor that is always readable (an eventfd holding 1, never read): handed to a
     /// caller about to sleep while completions wait in a stash (see `qp_fds`).
     ready: OwnedFd,
@@ -436,6 +438,7 @@ impl IbvVerbs {
             dev,
             drain_ms: std::sync::atomic::AtomicU64::new(0),
             wc_errors: Default::default(),
+            kicks: Default::default(),
             ready,
         })
     }
@@ -560,6 +563,7 @@ impl Drop for IbvVerbs {
 impl Verbs for IbvVerbs {
     fn counters(&self, out: &mut Vec<(&'static str, u64)>) {
         self.wc_errors.report(out, true);
+        self.kicks.report(out);
     }
 
     fn local_fault(&self) -> Option<String> {
@@ -1069,25 +1073,14 @@ impl Verbs for IbvVerbs {
 impl IbvVerbs {
     /// Before the caller sleeps: a QP whose signaled sends made no progress for `after`
     /// gets its doorbell rung (and again after each `after` until they move), which runs a
-    /// stalled soft-RoCE requester again (`kick`). Said at the first kick of a stall and at
-    /// every tenth (with the errno where the ring failed, which is left to the job's
-    /// timeout).
+    /// stalled soft-RoCE requester again; its send PSN tells whether it was (`kick`).
     fn kick_if_stalled(&self, q: &Qp, after: std::time::Duration) {
-        let Some(k) = q.watch.due(std::time::Instant::now(), after) else {
-            return;
-        };
-        // SAFETY: `q.qp` is live while `q` is borrowed from the table.
-        let r = unsafe { kick::ring(q.qp) };
-        if k.nth == 1 || k.nth % 10 == 0 {
-            crate::info!(
-                "{}: QP {:#x}: {} send(s) outstanding, nothing posted or completed for {} ms: kick {} (its doorbell rung, which runs a stalled soft-RoCE requester again){}",
-                self.dev.name,
-                q.qpn,
-                k.outstanding,
-                k.idle.as_millis(),
-                k.nth,
-                if r == 0 { String::new() } else { format!("; the ring failed: errno {r}") }
-            );
+        let now = std::time::Instant::now();
+        let look = q.watch.due(now, after);
+        if look.kick.is_some() || look.read_psn {
+            let who = (self.dev.name.as_str(), q.qpn);
+            // SAFETY: `q.qp` is live while `q` is borrowed from the table; the watch is its.
+            unsafe { kick::act(look, &q.watch, &self.kicks, q.qp, now, who) };
         }
     }
 
