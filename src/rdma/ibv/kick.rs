@@ -22,9 +22,10 @@
 //! decides when; it reads no clock itself (the caller passes `now`), so its rule is tested
 //! without a device.
 //!
-//! Each kick also reads the QP's send PSN (rxe reports its requester's next PSN): one that
-//! has not moved since the kick before, a whole wait earlier, finds the requester idle with
-//! sends outstanding: stalled, or waiting on the peer's acknowledgement of all it sent. The
+//! Each kick also reads the QP's send PSN (rxe reports its requester's next PSN), as does a
+//! look half a wait into the quiet: one that has not moved since that read, or since the
+//! kick before, finds the requester idle with sends outstanding: stalled, or waiting on the
+//! peer's acknowledgement of all it sent. The
 //! looks after such a kick read the PSN again until it moves (the kick restarted a stalled
 //! requester, which is logged and counted: [`KickCounts`]) or the sends complete without it
 //! (it was waiting on the peer).
@@ -250,8 +251,12 @@ struct Seen {
     kicked: Option<Instant>,
     /// Kicks since then.
     kicks: u32,
-    /// When the last kick since then read the send PSN, and what it was.
-    kick_psn: Option<(Instant, u32)>,
+    /// The send PSN read since then, and when: half a wait into the quiet, then at each
+    /// kick (what the next kick compares with).
+    base: Option<(Instant, u32)>,
+    /// Whether the look half a wait into the quiet asked for it (once, even if the read
+    /// fails).
+    base_asked: bool,
     /// After a kick that found the requester idle (kept when the counts move).
     idle: Option<IdleKick>,
     /// When the PSN was last read after such a kick.
@@ -339,7 +344,8 @@ impl SendWatch {
     /// What to do at `now`: kick when sends are outstanding and nothing was posted or
     /// completed for `after` since the counts last moved or the last kick, whichever came
     /// later (the caller rings the doorbell, which moves no count); else read the send PSN
-    /// when a kick found the requester idle and it was not read in the last millisecond.
+    /// half a wait into the quiet (what the first kick compares with), and after a kick
+    /// that found the requester idle, at most every millisecond.
     pub(super) fn due(&self, now: Instant, after: Duration) -> Look {
         let posted = self.posted.load(Ordering::Relaxed);
         let completed = self.completed.load(Ordering::Relaxed);
@@ -362,10 +368,14 @@ impl SendWatch {
         let Some(quiet_since) = s.moved else {
             return Look::default();
         };
-        if now.saturating_duration_since(s.kicked.unwrap_or(quiet_since)) < after {
+        let since = now.saturating_duration_since(s.kicked.unwrap_or(quiet_since));
+        if since < after {
+            let base_due =
+                s.idle.is_none() && s.base.is_none() && !s.base_asked && since >= after / 2;
+            s.base_asked |= base_due;
             return Look {
                 kick: None,
-                read_psn: read_due(&mut s, now),
+                read_psn: base_due || read_due(&mut s, now),
             };
         }
         s.kicks += 1;
@@ -382,7 +392,8 @@ impl SendWatch {
 
     /// The send PSN read at `now`, at a kick (`at_kick`) or at a look [`SendWatch::due`]
     /// asked to read it: what it says of the requester, if anything new. A kick finds it
-    /// idle when the PSN is the one read at the kick before; after that, the PSN moving
+    /// idle when the PSN is the one read before it (half a wait into the quiet, or at the
+    /// kick before); after that, the PSN moving
     /// (with nothing posted since) is a restart, and the sends completing without it an
     /// acknowledgement it waited for.
     pub(super) fn at_psn(&self, psn: u32, now: Instant, at_kick: bool) -> Option<Requester> {
@@ -406,18 +417,19 @@ impl SendWatch {
             };
             if let Some(found) = found {
                 s.idle = None;
-                s.kick_psn = at_kick.then_some((now, psn));
+                s.base = at_kick.then_some((now, psn));
                 return found;
             }
             if at_kick {
-                s.kick_psn = Some((now, psn));
+                s.base = Some((now, psn));
             }
             return None;
         }
         if !at_kick {
+            s.base.get_or_insert((now, psn));
             return None;
         }
-        let before = s.kick_psn.replace((now, psn));
+        let before = s.base.replace((now, psn));
         let (at, _) = before.filter(|&(_, p)| p == psn)?;
         let idle_for = now.saturating_duration_since(at);
         s.idle = Some(IdleKick {
@@ -520,6 +532,51 @@ mod tests {
         assert!(w.due(at(2000), AFTER).kick.is_some());
         let found = w.at_psn(second, at(2000), true);
         (w, t0, found)
+    }
+
+    #[test]
+    fn the_first_kick_compares_with_the_psn_read_half_a_wait_into_the_quiet() {
+        let w = SendWatch::default();
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        w.posted();
+        assert_eq!(w.due(t0, AFTER), Look::default());
+        assert_eq!(
+            w.due(at(499), AFTER),
+            Look::default(),
+            "not half a wait yet"
+        );
+        let half = w.due(at(500), AFTER);
+        assert!(half.read_psn && half.kick.is_none(), "{half:?}");
+        assert_eq!(w.at_psn(100, at(500), false), None, "the base");
+        assert_eq!(w.due(at(600), AFTER), Look::default(), "read once");
+        assert!(w.due(at(1000), AFTER).kick.is_some());
+        let ms = Duration::from_millis;
+        assert_eq!(
+            w.at_psn(100, at(1000), true),
+            Some(Requester::Idle {
+                psn: 100,
+                idle_for: ms(500)
+            }),
+            "unmoved since the base"
+        );
+        assert!(w.due(at(1002), AFTER).read_psn);
+        assert!(matches!(
+            w.at_psn(101, at(1002), false),
+            Some(Requester::Restarted { within, idle_for, .. }) if within == ms(2) && idle_for == ms(500)
+        ));
+        // The counts move and go quiet again: a new base half a wait in.
+        w.completed(1);
+        w.posted();
+        assert_eq!(w.due(at(2000), AFTER), Look::default());
+        assert!(w.due(at(2500), AFTER).read_psn);
+        assert_eq!(w.at_psn(900, at(2500), false), None);
+        assert!(w.due(at(3000), AFTER).kick.is_some());
+        assert_eq!(
+            w.at_psn(1900, at(3000), true),
+            None,
+            "it moved: a long write"
+        );
     }
 
     #[test]
