@@ -68,7 +68,9 @@ rxe_fault h "sleep 3; ip link set rxetapb down; sleep 1; ip link set rxetapb up"
 # a NIC retries: its own port's flap is survived when no such send falls in it (sends wait
 # for the link), else reported naming the cause — also when the port is down as a rank starts
 # (under TCG a rank's init can outlast the 3 s before the flap; or the rank starts while eth0
-# is down: ROCCL_SOCKET_IFNAME==eth0 then says it is down).
+# is down: ROCCL_SOCKET_IFNAME==eth0 then says it is down, or the port goes down between the
+# rank's choice of rxe0 and its opening it: "rxe0 port 1 is DOWN (not ACTIVE)", seen on a
+# loaded machine).
 rxe_job flap-port "a b" "" $long
 rxe_fault b "sleep 3; ip link set eth0 down; sleep 1; ip link set eth0 up" "ok-or:lost its link|could not send a packet|port [0-9]+ is DOWN|eth0 exists but is down"
 rxe_job flap-engine-link "h a" "" $long

@@ -7,6 +7,19 @@ use rdma_sys as ffi;
 
 use crate::rdma::verbs::{WcOpcode, WrOpcode};
 
+/// The name of a port state (`enum ibv_port_state`), as sysfs and `ibv_devinfo` write it.
+pub fn port_state_name(state: u32) -> &'static str {
+    match state {
+        ffi::ibv_port_state::IBV_PORT_NOP => "NOP",
+        ffi::ibv_port_state::IBV_PORT_DOWN => "DOWN",
+        ffi::ibv_port_state::IBV_PORT_INIT => "INIT",
+        ffi::ibv_port_state::IBV_PORT_ARMED => "ARMED",
+        ffi::ibv_port_state::IBV_PORT_ACTIVE => "ACTIVE",
+        ffi::ibv_port_state::IBV_PORT_ACTIVE_DEFER => "ACTIVE_DEFER",
+        _ => "of an unknown state",
+    }
+}
+
 /// IB MTU code of a size in bytes (the largest that fits).
 pub fn mtu_code(bytes: u32) -> u32 {
     match bytes {
@@ -69,6 +82,23 @@ pub fn wc_opcode(op: u32) -> Option<WcOpcode> {
 mod tests {
     use super::*;
     use crate::rdma::verbs::{Access, WcStatus};
+
+    #[test]
+    fn port_states_are_named_as_sysfs_names_them() {
+        let names: Vec<_> = (0..7).map(port_state_name).collect();
+        assert_eq!(
+            names,
+            [
+                "NOP",
+                "DOWN",
+                "INIT",
+                "ARMED",
+                "ACTIVE",
+                "ACTIVE_DEFER",
+                "of an unknown state"
+            ]
+        );
+    }
 
     #[test]
     fn conversions_match_libibverbs() {

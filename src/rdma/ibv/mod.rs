@@ -304,9 +304,11 @@ fn query_device_and_port(
         return Err(verb_errors::verb_error(Verb::QueryPort, r, cx).into());
     }
     if pattr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+        // Its link went down after the choice (which saw it ACTIVE), or it never came up.
         return Err(Error::arg(format!(
-            "{}:{port} is not ACTIVE (state {}): check the cable and `ip link` of its interface",
-            choice.dev, pattr.state
+            "{} port {port} is {} (not ACTIVE) as this rank opens it: check the cable and `ip link` of its interface",
+            choice.dev,
+            convert::port_state_name(pattr.state)
         )));
     }
     if pattr.link_layer != 2 {
