@@ -893,6 +893,9 @@ impl Verbs for IbvVerbs {
             remote_addr: wr.remote_addr,
             rkey: wr.rkey,
         };
+        if self.dev.kick_after.is_some() {
+            q.watch.posting();
+        }
         let mut bad = ptr::null_mut();
         // SAFETY: `q.qp` is live; `w` and `sge` outlive the call (the NIC copies the request).
         let r = unsafe { ffi::ibv_post_send(q.qp, &mut w, &mut bad) };
