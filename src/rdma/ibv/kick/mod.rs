@@ -214,13 +214,12 @@ pub(super) unsafe fn act(
     };
     // SAFETY: as above.
     let before = unsafe { send_psn(qp) };
-    let posts = watch.posts();
     // SAFETY: as above.
     let r = unsafe { ring(qp) };
     // SAFETY: as above.
     let after = unsafe { send_psn(qp) };
     counts.kicked();
-    let found = watch.at_kick(before.ok(), after.ok(), posts, now);
+    let found = watch.at_kick(before.ok(), after.ok(), r == 0, now);
     if let Some(f) = &found {
         counts.found(f);
     }
@@ -277,6 +276,40 @@ fn tell(dev: &str, qpn: u32, found: &Requester) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restart_by_the_ring_is_also_an_idle_kick_and_a_later_one_is_not() {
+        let c = KickCounts::default();
+        let d = Duration::ZERO;
+        c.kicked();
+        c.found(&Requester::Idle {
+            psn: 1,
+            idle_for: d,
+        });
+        let restart = |by_the_ring| Requester::Restarted {
+            idle_for: d,
+            within: d,
+            from: 1,
+            to: 2,
+            by_the_ring,
+        };
+        c.found(&restart(false));
+        c.kicked();
+        c.found(&restart(true));
+        let mut out = Vec::new();
+        c.report(&mut out);
+        assert_eq!(
+            out,
+            [
+                ("kicks", 2),
+                ("kicks_on_an_idle_requester", 2),
+                ("requesters_restarted_by_a_kick", 2)
+            ]
+        );
+        let mut none = Vec::new();
+        KickCounts::default().report(&mut none);
+        assert!(none.is_empty(), "zeros are left out");
+    }
 
     #[test]
     fn the_doorbell_is_the_uverbs_post_send_without_work_requests() {

@@ -31,9 +31,9 @@ struct Seen {
     kicked: Option<Instant>,
     /// Kicks since then.
     kicks: u32,
-    /// The send PSN last read since then, and when: half a wait into the quiet, then after
-    /// each kick's ring (what the next kick compares with).
-    base: Option<(Instant, u32)>,
+    /// The send PSN last read since then: half a wait into the quiet, then after each
+    /// kick's ring (what the next kick compares with).
+    base: Option<Base>,
     /// Whether the look half a wait into the quiet asked for it (once, even if it failed).
     base_asked: bool,
     /// Since when the kicks in a row that found the requester idle say it was.
@@ -42,8 +42,16 @@ struct Seen {
     follow_up: Option<FollowUp>,
 }
 
+/// A read of the send PSN: when, what, and the posts begun by then.
+#[derive(Clone, Copy)]
+struct Base {
+    at: Instant,
+    psn: u32,
+    posts: u64,
+}
+
 /// A kick that found the requester idle: when, its PSN after the ring, how long it had been
-/// idle, and the counts then.
+/// idle, and the counts a restart is judged by (posts: those begun by the base read).
 #[derive(Clone, Copy)]
 struct FollowUp {
     at: Instant,
@@ -127,8 +135,8 @@ impl SendWatch {
         }
     }
 
-    /// Posts begun so far (what [`SendWatch::at_kick`] compares with).
-    pub(in crate::rdma::ibv) fn posts(&self) -> u64 {
+    /// Posts begun so far.
+    fn posts(&self) -> u64 {
         self.posts.load(Ordering::Relaxed)
     }
 
@@ -179,28 +187,33 @@ impl SendWatch {
     }
 
     /// A kick at `now`: the send PSN read `before` and `after` the ring (`None`: the read
-    /// failed), with `posts_before` = [`SendWatch::posts`] read between the first read and
-    /// the ring. The requester was idle when `before` is the PSN read last (half a wait into
-    /// the quiet, or after the kick before); then the ring restarted it when `after` lies
-    /// ahead with no post begun meanwhile.
+    /// failed), and whether the ring went through (`rung`). The requester was idle when
+    /// `before` is the PSN read last (half a wait into the quiet, or after the kick
+    /// before); then the ring restarted it when `after` lies ahead and no post began since
+    /// that read.
     pub(in crate::rdma::ibv) fn at_kick(
         &self,
         before: Option<u32>,
         after: Option<u32>,
-        posts_before: u64,
+        rung: bool,
         now: Instant,
     ) -> Option<Requester> {
         let mut s = self.seen.lock();
         let base = s.base.take();
-        s.base = after.map(|p| (now, p));
+        let posts = self.posts();
+        s.base = after.map(|psn| Base {
+            at: now,
+            psn,
+            posts,
+        });
         s.base_asked = false;
         s.follow_up = None;
         let idle_since = s.idle_since.take();
         let (b, a) = (before?, after?);
-        let (base_at, _) = base.filter(|&(_, p)| p == b)?;
-        let idle_for = now.saturating_duration_since(idle_since.unwrap_or(base_at));
+        let base = base.filter(|base| base.psn == b)?;
+        let idle_for = now.saturating_duration_since(idle_since.unwrap_or(base.at));
+        let alone = rung && posts == base.posts;
         if a != b {
-            let alone = self.posts() == posts_before;
             return (alone && ahead(a, b)).then_some(Requester::Restarted {
                 idle_for,
                 within: Duration::ZERO,
@@ -209,12 +222,12 @@ impl SendWatch {
                 by_the_ring: true,
             });
         }
-        s.idle_since = Some(idle_since.unwrap_or(base_at));
-        s.follow_up = Some(FollowUp {
+        s.idle_since = Some(idle_since.unwrap_or(base.at));
+        s.follow_up = alone.then(|| FollowUp {
             at: now,
             psn: a,
             idle_for,
-            posts: self.posts(),
+            posts: base.posts,
             completed: self.completed.load(Ordering::Relaxed),
         });
         Some(Requester::Idle { psn: b, idle_for })
@@ -230,23 +243,34 @@ impl SendWatch {
         now: Instant,
     ) -> Option<Requester> {
         let mut s = self.seen.lock();
+        let posts = self.posts();
         if let Some(f) = s.follow_up.take() {
             let psn = psn?;
-            let alone =
-                self.posts() == f.posts && self.completed.load(Ordering::Relaxed) == f.completed;
-            return (alone && ahead(psn, f.psn)).then(|| {
-                s.idle_since = None;
-                Requester::Restarted {
-                    idle_for: f.idle_for,
-                    within: now.saturating_duration_since(f.at),
-                    from: f.psn,
-                    to: psn,
-                    by_the_ring: false,
-                }
+            if psn == f.psn {
+                return None;
+            }
+            // It moved: the next kick compares with this read.
+            s.base = Some(Base {
+                at: now,
+                psn,
+                posts,
+            });
+            s.idle_since = None;
+            let alone = posts == f.posts && self.completed.load(Ordering::Relaxed) == f.completed;
+            return (alone && ahead(psn, f.psn)).then(|| Requester::Restarted {
+                idle_for: f.idle_for,
+                within: now.saturating_duration_since(f.at),
+                from: f.psn,
+                to: psn,
+                by_the_ring: false,
             });
         }
         if s.base.is_none() {
-            s.base = psn.map(|p| (now, p));
+            s.base = psn.map(|psn| Base {
+                at: now,
+                psn,
+                posts,
+            });
         }
         None
     }

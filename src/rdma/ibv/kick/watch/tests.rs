@@ -93,8 +93,7 @@ fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
     assert!(w.due(at(1000), AFTER).kick.is_some());
-    let posts = w.posts();
-    let found = w.at_kick(Some(100), Some(100), posts, at(1000));
+    let found = w.at_kick(Some(100), Some(100), true, at(1000));
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -104,7 +103,7 @@ fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle
     );
     // Still idle at the next kick: idle since the first read that saw it so.
     assert!(w.due(at(2000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(100), w.posts(), at(2000));
+    let found = w.at_kick(Some(100), Some(100), true, at(2000));
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -118,7 +117,7 @@ fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle
 fn a_ring_that_moves_an_idle_psn_restarted_the_requester() {
     let (w, t0) = read_at_half(100);
     assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(140), w.posts(), t0 + ms(1000));
+    let found = w.at_kick(Some(100), Some(140), true, t0 + ms(1000));
     assert_eq!(
         found,
         Some(Requester::Restarted {
@@ -132,7 +131,7 @@ fn a_ring_that_moves_an_idle_psn_restarted_the_requester() {
     // Across the PSN's wrap too.
     let (w, t0) = read_at_half(0xff_fffe);
     assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(0xff_fffe), Some(3), w.posts(), t0 + ms(1000));
+    let found = w.at_kick(Some(0xff_fffe), Some(3), true, t0 + ms(1000));
     assert!(
         matches!(found, Some(Requester::Restarted { to: 3, .. })),
         "{found:?}"
@@ -144,33 +143,105 @@ fn a_long_write_moves_its_psn_between_reads_and_is_never_idle() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
     assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(5000), Some(5010), w.posts(), at(1000)), None);
+    assert_eq!(w.at_kick(Some(5000), Some(5010), true, at(1000)), None);
     assert_eq!(
         w.due(at(1500), AFTER),
         Look::default(),
         "the kick's read is the base"
     );
     assert!(w.due(at(2000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(9000), Some(9000), w.posts(), at(2000)), None);
+    assert_eq!(w.at_kick(Some(9000), Some(9000), true, at(2000)), None);
 }
 
 #[test]
-fn a_post_that_overlaps_the_ring_takes_the_credit() {
+fn a_post_begun_since_the_base_read_takes_the_credit() {
+    let (w, t0) = read_at_half(100);
+    // Begun (its doorbell not yet rung) before the kick's first read: its own doorbell or
+    // the kick's may move the PSN.
+    w.posting();
+    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
+    assert_eq!(w.at_kick(Some(100), Some(140), true, t0 + ms(1000)), None);
+}
+
+#[test]
+fn a_ring_that_failed_restarted_nothing() {
     let (w, t0) = read_at_half(100);
     assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let posts = w.posts();
-    w.posting();
-    assert_eq!(w.at_kick(Some(100), Some(140), posts, t0 + ms(1000)), None);
+    assert_eq!(w.at_kick(Some(100), Some(140), false, t0 + ms(1000)), None);
+    let (w, t0) = read_at_half(100);
+    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
+    let found = w.at_kick(Some(100), Some(100), false, t0 + ms(1000));
+    assert!(matches!(found, Some(Requester::Idle { .. })), "{found:?}");
+    assert_eq!(w.due(t0 + ms(1001), AFTER), Look::default(), "no follow-up");
+}
+
+#[test]
+fn after_a_restart_the_next_stall_is_measured_from_the_restart() {
+    // By the ring: the kick's second read is the next base.
+    let (w, t0) = read_at_half(100);
+    let at = |n| t0 + ms(n);
+    assert!(w.due(at(1000), AFTER).kick.is_some());
+    let found = w.at_kick(Some(100), Some(140), true, at(1000));
+    assert!(matches!(found, Some(Requester::Restarted { .. })));
+    assert!(w.due(at(2000), AFTER).kick.is_some());
+    let found = w.at_kick(Some(140), Some(140), true, at(2000));
+    assert_eq!(
+        found,
+        Some(Requester::Idle {
+            psn: 140,
+            idle_for: ms(1000)
+        })
+    );
+    // By the look after: its read is the next base.
+    let (w, t0) = read_at_half(100);
+    let at = |n| t0 + ms(n);
+    assert!(w.due(at(1000), AFTER).kick.is_some());
+    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
+    assert!(w.due(at(1001), AFTER).read_psn);
+    let found = w.at_read(Some(120), at(1001));
+    assert!(matches!(
+        found,
+        Some(Requester::Restarted {
+            by_the_ring: false,
+            ..
+        })
+    ));
+    assert!(w.due(at(2000), AFTER).kick.is_some());
+    let found = w.at_kick(Some(120), Some(120), true, at(2000));
+    assert_eq!(
+        found,
+        Some(Requester::Idle {
+            psn: 120,
+            idle_for: ms(999)
+        })
+    );
+}
+
+#[test]
+fn a_failed_read_after_the_ring_is_asked_again_half_a_wait_later() {
+    let (w, t0) = read_at_half(100);
+    let at = |n| t0 + ms(n);
+    assert!(w.due(at(1000), AFTER).kick.is_some());
+    assert_eq!(w.at_kick(Some(100), None, true, at(1000)), None);
+    assert_eq!(w.due(at(1499), AFTER), Look::default());
+    assert!(w.due(at(1500), AFTER).read_psn);
+    assert_eq!(w.at_read(Some(100), at(1500)), None);
+    assert!(w.due(at(2000), AFTER).kick.is_some());
+    let found = w.at_kick(Some(100), Some(100), true, at(2000));
+    assert_eq!(
+        found,
+        Some(Requester::Idle {
+            psn: 100,
+            idle_for: ms(500)
+        })
+    );
 }
 
 #[test]
 fn a_psn_that_went_back_is_a_retry_not_a_restart() {
     let (w, t0) = read_at_half(100);
     assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    assert_eq!(
-        w.at_kick(Some(100), Some(90), w.posts(), t0 + ms(1000)),
-        None
-    );
+    assert_eq!(w.at_kick(Some(100), Some(90), true, t0 + ms(1000)), None);
 }
 
 #[test]
@@ -179,7 +250,7 @@ fn one_look_soon_after_an_idle_kick_sees_a_later_restart() {
     let at = |us: u64| t0 + Duration::from_micros(us);
     assert!(w.due(at(1_000_000), AFTER).kick.is_some());
     assert!(w
-        .at_kick(Some(100), Some(100), w.posts(), at(1_000_000))
+        .at_kick(Some(100), Some(100), true, at(1_000_000))
         .is_some());
     assert!(!w.due(at(1_000_500), AFTER).read_psn, "not yet");
     assert!(w.due(at(1_001_000), AFTER).read_psn);
@@ -201,9 +272,7 @@ fn the_look_after_an_idle_kick_reads_once_whatever_it_finds() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
     assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w
-        .at_kick(Some(100), Some(100), w.posts(), at(1000))
-        .is_some());
+    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
     assert!(w.due(at(1001), AFTER).read_psn);
     assert_eq!(w.at_read(Some(100), at(1001)), None, "still idle");
     for n in [1002, 1100, 1999] {
@@ -211,9 +280,7 @@ fn the_look_after_an_idle_kick_reads_once_whatever_it_finds() {
     }
     // A failed read also ends it.
     assert!(w.due(at(2000), AFTER).kick.is_some());
-    assert!(w
-        .at_kick(Some(100), Some(100), w.posts(), at(2000))
-        .is_some());
+    assert!(w.at_kick(Some(100), Some(100), true, at(2000)).is_some());
     assert!(w.due(at(2001), AFTER).read_psn);
     assert_eq!(w.at_read(None, at(2001)), None);
     assert_eq!(w.due(at(2002), AFTER), Look::default());
@@ -224,9 +291,7 @@ fn a_post_or_completion_before_the_look_after_leaves_nothing_to_tell() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
     assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w
-        .at_kick(Some(100), Some(100), w.posts(), at(1000))
-        .is_some());
+    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
     w.posting();
     assert!(w.due(at(1001), AFTER).read_psn);
     assert_eq!(
@@ -238,9 +303,7 @@ fn a_post_or_completion_before_the_look_after_leaves_nothing_to_tell() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
     assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w
-        .at_kick(Some(100), Some(100), w.posts(), at(1000))
-        .is_some());
+    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
     w.completed(1);
     assert_eq!(
         w.due(at(1001), AFTER),
@@ -267,7 +330,7 @@ fn a_failed_half_wait_read_is_not_retried_before_the_kick() {
     }
     assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
     assert_eq!(
-        w.at_kick(Some(5), Some(5), w.posts(), t0 + ms(1000)),
+        w.at_kick(Some(5), Some(5), true, t0 + ms(1000)),
         None,
         "no base"
     );
