@@ -26,8 +26,8 @@
 //! (rxe answers with its requester's next PSN) before and after ringing, and compares with
 //! a read half a wait into the quiet (or at the kick before). Unmoved since then, the
 //! requester was idle with sends outstanding: stalled, or waiting on the peer's
-//! acknowledgement of all it sent. Moved by the ring, with nothing posted meanwhile, the
-//! doorbell restarted it (on Debian's 6.1 the requester runs inside the ring's system call);
+//! acknowledgement of all it sent. Moved by the ring, with nothing posted since that read,
+//! the doorbell restarted it (on Debian's 6.1 the requester runs inside the ring's system call);
 //! where a kernel runs it later, one look soon after reads the PSN once more. Both are
 //! logged and counted ([`KickCounts`]); the rule is [`watch`]'s.
 
