@@ -84,6 +84,18 @@ fn read_at_half(base: u32) -> (SendWatch, Instant) {
     (w, t0)
 }
 
+/// Asserts a kick is due at `now`, and passes it the reads before and after the ring.
+fn kick(
+    w: &SendWatch,
+    now: Instant,
+    before: Option<u32>,
+    after: Option<u32>,
+    rung: bool,
+) -> Option<Requester> {
+    assert!(w.due(now, AFTER).kick.is_some(), "a kick is due");
+    w.at_kick(before, after, rung, now)
+}
+
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
@@ -92,8 +104,7 @@ fn ms(n: u64) -> Duration {
 fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(100), true, at(1000));
+    let found = kick(&w, at(1000), Some(100), Some(100), true);
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -102,8 +113,7 @@ fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle
         })
     );
     // Still idle at the next kick: idle since the first read that saw it so.
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(100), true, at(2000));
+    let found = kick(&w, at(2000), Some(100), Some(100), true);
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -116,8 +126,7 @@ fn a_kick_on_an_unmoved_psn_that_the_ring_does_not_move_finds_the_requester_idle
 #[test]
 fn a_ring_that_moves_an_idle_psn_restarted_the_requester() {
     let (w, t0) = read_at_half(100);
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(140), true, t0 + ms(1000));
+    let found = kick(&w, t0 + ms(1000), Some(100), Some(140), true);
     assert_eq!(
         found,
         Some(Requester::Restarted {
@@ -130,8 +139,7 @@ fn a_ring_that_moves_an_idle_psn_restarted_the_requester() {
     );
     // Across the PSN's wrap too.
     let (w, t0) = read_at_half(0xff_fffe);
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(0xff_fffe), Some(3), true, t0 + ms(1000));
+    let found = kick(&w, t0 + ms(1000), Some(0xff_fffe), Some(3), true);
     assert!(
         matches!(found, Some(Requester::Restarted { to: 3, .. })),
         "{found:?}"
@@ -142,15 +150,13 @@ fn a_ring_that_moves_an_idle_psn_restarted_the_requester() {
 fn a_long_write_moves_its_psn_between_reads_and_is_never_idle() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(5000), Some(5010), true, at(1000)), None);
+    assert_eq!(kick(&w, at(1000), Some(5000), Some(5010), true), None);
     assert_eq!(
         w.due(at(1500), AFTER),
         Look::default(),
         "the kick's read is the base"
     );
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(9000), Some(9000), true, at(2000)), None);
+    assert_eq!(kick(&w, at(2000), Some(9000), Some(9000), true), None);
 }
 
 #[test]
@@ -159,18 +165,15 @@ fn a_post_begun_since_the_base_read_takes_the_credit() {
     // Begun (its doorbell not yet rung) before the kick's first read: its own doorbell or
     // the kick's may move the PSN.
     w.posting();
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(100), Some(140), true, t0 + ms(1000)), None);
+    assert_eq!(kick(&w, t0 + ms(1000), Some(100), Some(140), true), None);
 }
 
 #[test]
 fn a_ring_that_failed_restarted_nothing() {
     let (w, t0) = read_at_half(100);
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(100), Some(140), false, t0 + ms(1000)), None);
+    assert_eq!(kick(&w, t0 + ms(1000), Some(100), Some(140), false), None);
     let (w, t0) = read_at_half(100);
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(100), false, t0 + ms(1000));
+    let found = kick(&w, t0 + ms(1000), Some(100), Some(100), false);
     assert!(matches!(found, Some(Requester::Idle { .. })), "{found:?}");
     assert_eq!(w.due(t0 + ms(1001), AFTER), Look::default(), "no follow-up");
 }
@@ -180,11 +183,9 @@ fn after_a_restart_the_next_stall_is_measured_from_the_restart() {
     // By the ring: the kick's second read is the next base.
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(140), true, at(1000));
+    let found = kick(&w, at(1000), Some(100), Some(140), true);
     assert!(matches!(found, Some(Requester::Restarted { .. })));
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(140), Some(140), true, at(2000));
+    let found = kick(&w, at(2000), Some(140), Some(140), true);
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -195,8 +196,7 @@ fn after_a_restart_the_next_stall_is_measured_from_the_restart() {
     // By the look after: its read is the next base.
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
+    assert!(kick(&w, at(1000), Some(100), Some(100), true).is_some());
     assert!(w.due(at(1001), AFTER).read_psn);
     let found = w.at_read(Some(120), at(1001));
     assert!(matches!(
@@ -206,8 +206,7 @@ fn after_a_restart_the_next_stall_is_measured_from_the_restart() {
             ..
         })
     ));
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(120), Some(120), true, at(2000));
+    let found = kick(&w, at(2000), Some(120), Some(120), true);
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -221,13 +220,11 @@ fn after_a_restart_the_next_stall_is_measured_from_the_restart() {
 fn a_failed_read_after_the_ring_is_asked_again_half_a_wait_later() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(100), None, true, at(1000)), None);
+    assert_eq!(kick(&w, at(1000), Some(100), None, true), None);
     assert_eq!(w.due(at(1499), AFTER), Look::default());
     assert!(w.due(at(1500), AFTER).read_psn);
     assert_eq!(w.at_read(Some(100), at(1500)), None);
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    let found = w.at_kick(Some(100), Some(100), true, at(2000));
+    let found = kick(&w, at(2000), Some(100), Some(100), true);
     assert_eq!(
         found,
         Some(Requester::Idle {
@@ -240,8 +237,7 @@ fn a_failed_read_after_the_ring_is_asked_again_half_a_wait_later() {
 #[test]
 fn a_psn_that_went_back_is_a_retry_not_a_restart() {
     let (w, t0) = read_at_half(100);
-    assert!(w.due(t0 + ms(1000), AFTER).kick.is_some());
-    assert_eq!(w.at_kick(Some(100), Some(90), true, t0 + ms(1000)), None);
+    assert_eq!(kick(&w, t0 + ms(1000), Some(100), Some(90), true), None);
 }
 
 #[test]
@@ -271,16 +267,14 @@ fn one_look_soon_after_an_idle_kick_sees_a_later_restart() {
 fn the_look_after_an_idle_kick_reads_once_whatever_it_finds() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
+    assert!(kick(&w, at(1000), Some(100), Some(100), true).is_some());
     assert!(w.due(at(1001), AFTER).read_psn);
     assert_eq!(w.at_read(Some(100), at(1001)), None, "still idle");
     for n in [1002, 1100, 1999] {
         assert_eq!(w.due(at(n), AFTER), Look::default(), "no read at {n} ms");
     }
     // A failed read also ends it.
-    assert!(w.due(at(2000), AFTER).kick.is_some());
-    assert!(w.at_kick(Some(100), Some(100), true, at(2000)).is_some());
+    assert!(kick(&w, at(2000), Some(100), Some(100), true).is_some());
     assert!(w.due(at(2001), AFTER).read_psn);
     assert_eq!(w.at_read(None, at(2001)), None);
     assert_eq!(w.due(at(2002), AFTER), Look::default());
@@ -290,8 +284,7 @@ fn the_look_after_an_idle_kick_reads_once_whatever_it_finds() {
 fn a_post_or_completion_before_the_look_after_leaves_nothing_to_tell() {
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
+    assert!(kick(&w, at(1000), Some(100), Some(100), true).is_some());
     w.posting();
     assert!(w.due(at(1001), AFTER).read_psn);
     assert_eq!(
@@ -302,8 +295,7 @@ fn a_post_or_completion_before_the_look_after_leaves_nothing_to_tell() {
 
     let (w, t0) = read_at_half(100);
     let at = |n| t0 + ms(n);
-    assert!(w.due(at(1000), AFTER).kick.is_some());
-    assert!(w.at_kick(Some(100), Some(100), true, at(1000)).is_some());
+    assert!(kick(&w, at(1000), Some(100), Some(100), true).is_some());
     w.completed(1);
     assert_eq!(
         w.due(at(1001), AFTER),
