@@ -273,6 +273,7 @@ fn tell(dev: &str, qpn: u32, found: &Requester) {
         idle_for.as_millis()
     );
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
